@@ -15,8 +15,9 @@
 //!
 //! * redeliveries of earlier events: byte-identical copies, and copies whose
 //!   payload fields are reordered, whose whitespace is reformatted, whose
-//!   top-level keys are swapped or whose strings use `\u` escapes — the same
-//!   values, so each one must count as a duplicate;
+//!   top-level keys are swapped, whose strings use `\u` escapes or whose
+//!   event id is in upper case — the same values, so each one must count as a
+//!   duplicate;
 //! * conflicts: an earlier event id with a different amount, which must not be
 //!   applied;
 //! * malformed lines of several kinds (invalid JSON, truncated line, missing,
@@ -195,6 +196,8 @@ struct Layout {
     payload_first: bool,
     /// Escape one character of `account_id` as `\uXXXX`.
     escape_account: Option<usize>,
+    /// Write the event id's hex digits in upper case (the same UUID).
+    upper_id: bool,
     lead: &'static str,
     open: &'static str,
     colon: &'static str,
@@ -251,8 +254,13 @@ fn envelope(message: &str, payload: String, l: &Layout) -> String {
 }
 
 fn render(ev: &Event, l: &Layout) -> String {
+    let id = if l.upper_id {
+        ev.id.hyphenated().encode_upper(&mut Uuid::encode_buffer()).to_owned()
+    } else {
+        ev.id.to_string()
+    };
     let all = [
-        ("event_id", json_str(&ev.id.to_string(), None)),
+        ("event_id", json_str(&id, None)),
         ("account_id", json_str(&ev.account, l.escape_account)),
         ("amount_cents", ev.amount.to_string()),
     ];
@@ -272,6 +280,7 @@ fn reformatted(g: &mut Gen, ev: &Event) -> Layout {
         if g.chance(1, 4) {
             l.escape_account = Some(g.index(ev.account.chars().count()));
         }
+        l.upper_id = g.chance(1, 8);
         if g.chance(1, 2) {
             l.lead = *g.pick(&SPACES);
             l.open = *g.pick(&SPACES);
