@@ -1,0 +1,394 @@
+//! `#[idempotent(...)]`: argument parsing and validation of the handler's signature.
+//!
+//! Everything is checked before anything is generated, and every problem found is reported at
+//! once, each at the token it is about.
+
+use crate::args::{self, MetaList};
+use crate::ctxt::{Errors, Setting};
+use proc_macro2::{Ident, Span, TokenStream};
+use syn::parse::Parser;
+use syn::spanned::Spanned;
+use syn::{
+    Attribute, FnArg, Item, ItemFn, LitStr, Pat, PatType, ReturnType, Signature, Type,
+    TypeReference,
+};
+
+/// The arguments every handler needs, as an example for error messages.
+const USAGE: &str = "#[idempotent(consumer = \"ledger\")]";
+
+/// Arguments accepted by `#[idempotent]`, for the "unknown argument" error.
+const ARGUMENTS: &str = "`consumer`, `key`";
+
+/// A fully checked `#[idempotent]` handler, ready for [`crate::expand::handler`].
+pub(crate) struct Handler {
+    /// `consumer = "..."`.
+    pub(crate) consumer: LitStr,
+    /// `key = "field"`, if the message's own key is overridden.
+    pub(crate) key: Option<KeyField>,
+    /// The user's function, untouched.
+    pub(crate) func: ItemFn,
+    /// `T` of the first parameter's `&mut T`.
+    pub(crate) connection: Type,
+    /// The type of the second parameter.
+    pub(crate) message: Type,
+    /// The return type as written.
+    pub(crate) output: Type,
+    /// Names for the two parameters of the generated outer function.
+    pub(crate) conn_arg: Ident,
+    /// See `conn_arg`.
+    pub(crate) msg_arg: Ident,
+}
+
+/// The field named by `key = "..."`.
+pub(crate) struct KeyField {
+    /// The field, spanned at the string literal (so "no field" errors point there).
+    pub(crate) member: Ident,
+    /// The field's name without `r#`, for run-time errors.
+    pub(crate) name: String,
+}
+
+/// Parses and checks `#[idempotent(args)] item`.
+pub(crate) fn parse(args: TokenStream, item: TokenStream) -> syn::Result<Handler> {
+    let mut errors = Errors::default();
+    let args = parse_args(args, &mut errors);
+    let func = match syn::parse2::<Item>(item) {
+        Ok(Item::Fn(func)) => Some(func),
+        Ok(other) => {
+            errors.spanned(
+                item_keyword(&other),
+                "`#[idempotent]` can only be applied to an `async fn`",
+            );
+            None
+        }
+        Err(e) => {
+            errors.push(e);
+            None
+        }
+    };
+    let sig = func.as_ref().map(|f| check_signature(&f.sig, &mut errors));
+    errors.finish()?;
+    // No error means every part was found.
+    let (Some((consumer, key)), Some(func), Some(Some(sig))) = (args, func, sig) else {
+        unreachable!("a missing part is always reported as an error")
+    };
+    Ok(Handler {
+        consumer,
+        key,
+        func,
+        connection: sig.connection,
+        message: sig.message,
+        output: sig.output,
+        conn_arg: sig.conn_arg,
+        msg_arg: sig.msg_arg,
+    })
+}
+
+/// Parses `consumer = "...", key = "..."`.
+fn parse_args(args: TokenStream, errors: &mut Errors) -> Option<(LitStr, Option<KeyField>)> {
+    let metas = match args::parse_meta_list.parse2(args) {
+        Ok(metas) => metas,
+        Err(e) => {
+            errors.push(e);
+            return None;
+        }
+    };
+    let (consumer, key) = parse_metas(&metas, errors);
+    let consumer = consumer?;
+    Some((consumer, key))
+}
+
+fn parse_metas(metas: &MetaList, errors: &mut Errors) -> (Option<LitStr>, Option<KeyField>) {
+    let mut consumer = Setting::new("consumer");
+    let mut key = Setting::new("key");
+    for meta in metas {
+        let path = meta.path();
+        if path.is_ident("consumer") {
+            let lit = args::string_value(meta, errors, "\"ledger\"")
+                .filter(|lit| args::check_stored_name(lit, "`consumer`", errors));
+            consumer.set(errors, path, lit);
+        } else if path.is_ident("key") {
+            let field = args::string_value(meta, errors, "\"event_id\"")
+                .and_then(|lit| key_field(&lit, errors));
+            key.set(errors, path, field);
+        } else {
+            errors.spanned(
+                path,
+                format_args!(
+                    "unknown argument `{}`, expected one of: {ARGUMENTS}",
+                    args::path_name(path)
+                ),
+            );
+        }
+    }
+    if !consumer.is_given() {
+        errors.at(
+            Span::call_site(),
+            format_args!(
+                "missing argument `consumer`: every handler needs a consumer name, as in `{USAGE}`"
+            ),
+        );
+    }
+    (consumer.get(), key.get())
+}
+
+/// The field named by the `key` argument's string.
+fn key_field(lit: &LitStr, errors: &mut Errors) -> Option<KeyField> {
+    let value = lit.value();
+    let Some(member) = args::field_ident(&value, lit.span()) else {
+        errors.spanned(
+            lit,
+            format_args!(
+                "`key` must be the name of a field of the message, and {value:?} is not a valid \
+                 field name"
+            ),
+        );
+        return None;
+    };
+    let name = args::unraw(&member);
+    Some(KeyField { member, name })
+}
+
+/// The parts of a valid handler signature.
+struct Sig {
+    connection: Type,
+    message: Type,
+    output: Type,
+    conn_arg: Ident,
+    msg_arg: Ident,
+}
+
+/// Checks the handler's signature, reporting every problem; `Some` only if there was none.
+fn check_signature(sig: &Signature, errors: &mut Errors) -> Option<Sig> {
+    let before = errors.len();
+
+    if let Some(token) = &sig.constness {
+        errors.spanned(token, "`#[idempotent]` handlers cannot be `const fn`");
+    }
+    if sig.asyncness.is_none() {
+        errors.spanned(sig.fn_token, "`#[idempotent]` handlers must be `async fn`");
+    }
+    if let Some(token) = &sig.unsafety {
+        errors.spanned(token, "`#[idempotent]` handlers cannot be `unsafe fn`");
+    }
+    if let Some(abi) = &sig.abi {
+        errors.spanned(abi, "`#[idempotent]` handlers cannot have an `extern` ABI");
+    }
+    if !sig.generics.params.is_empty() {
+        errors.spanned(
+            &sig.generics,
+            "`#[idempotent]` handlers cannot be generic: the connection and message types must \
+             be concrete",
+        );
+    }
+    if let Some(where_clause) = &sig.generics.where_clause {
+        errors.spanned(
+            where_clause,
+            "`#[idempotent]` handlers cannot have a `where` clause",
+        );
+    }
+    if let Some(variadic) = &sig.variadic {
+        errors.spanned(variadic, "`#[idempotent]` handlers cannot be variadic");
+    }
+
+    let mut typed = Vec::new();
+    for input in &sig.inputs {
+        match input {
+            FnArg::Receiver(receiver) => errors.spanned(
+                receiver.self_token,
+                "`#[idempotent]` handlers must be free functions, not methods: remove `self` \
+                 and move the handler out of the `impl` block",
+            ),
+            FnArg::Typed(pat_type) => typed.push(pat_type),
+        }
+    }
+    let params = match typed.as_slice() {
+        [conn, msg] => Some((*conn, *msg)),
+        _ if typed.len() < sig.inputs.len() => None, // `self`: already reported.
+        _ => {
+            errors.at(
+                sig.paren_token.span.join(),
+                format_args!(
+                    "`#[idempotent]` handlers take exactly two parameters, the connection and \
+                     the message, as in `(conn: &mut sqlx::PgConnection, msg: OrderPlaced)`; \
+                     found {}",
+                    count(typed.len())
+                ),
+            );
+            None
+        }
+    };
+    let params = params.and_then(|(conn, msg)| {
+        let connection = connection_type(&conn.ty, errors);
+        let message = message_type(&msg.ty, errors);
+        Some((connection?, message?, conn, msg))
+    });
+
+    let output = match &sig.output {
+        ReturnType::Default => {
+            errors.spanned(
+                sig,
+                "`#[idempotent]` handlers must return a `Result`, as in \
+                 `-> Result<(), sqlx::Error>`",
+            );
+            None
+        }
+        ReturnType::Type(_, ty) => match peel(ty) {
+            Type::ImplTrait(_) => {
+                errors.spanned(
+                    ty,
+                    "`impl Trait` return types are not supported: return a `Result<T, E>`",
+                );
+                None
+            }
+            Type::Never(_) | Type::Tuple(_) => {
+                errors.spanned(
+                    ty,
+                    "`#[idempotent]` handlers must return a `Result`, as in \
+                     `-> Result<(), sqlx::Error>`",
+                );
+                None
+            }
+            _ => Some((**ty).clone()),
+        },
+    };
+
+    if errors.len() > before {
+        return None;
+    }
+    let (connection, message, conn, msg) = params?;
+    Some(Sig {
+        connection,
+        message,
+        output: output?,
+        conn_arg: param_name(conn, "__inbox_conn"),
+        msg_arg: param_name(msg, "__inbox_msg"),
+    })
+}
+
+/// `T` of `&mut T`; anything else is reported.
+fn connection_type(ty: &Type, errors: &mut Errors) -> Option<Type> {
+    match peel(ty) {
+        Type::Reference(TypeReference {
+            mutability: Some(_),
+            elem,
+            ..
+        }) => {
+            if let Type::ImplTrait(_) = peel(elem) {
+                errors.spanned(
+                    elem,
+                    "`impl Trait` is not supported here: name the connection type, as in \
+                     `&mut sqlx::PgConnection`",
+                );
+                return None;
+            }
+            Some((**elem).clone())
+        }
+        _ => {
+            errors.spanned(
+                ty,
+                "the first parameter must be the database connection, borrowed mutably: \
+                 `&mut sqlx::PgConnection` or `&mut sqlx::SqliteConnection`",
+            );
+            None
+        }
+    }
+}
+
+/// The message type, which must be taken by value.
+fn message_type(ty: &Type, errors: &mut Errors) -> Option<Type> {
+    match peel(ty) {
+        Type::Reference(reference) => {
+            errors.spanned(
+                ty,
+                format_args!(
+                    "the second parameter must take the message by value, as in `msg: {}`",
+                    quote::ToTokens::to_token_stream(&reference.elem)
+                ),
+            );
+            None
+        }
+        Type::ImplTrait(_) => {
+            errors.spanned(
+                ty,
+                "`impl Trait` is not supported here: name the message type",
+            );
+            None
+        }
+        _ => Some(ty.clone()),
+    }
+}
+
+/// Looks through invisible groups (types passed through `macro_rules!`) and parentheses.
+fn peel(mut ty: &Type) -> &Type {
+    loop {
+        match ty {
+            Type::Group(group) => ty = &group.elem,
+            Type::Paren(paren) => ty = &paren.elem,
+            _ => return ty,
+        }
+    }
+}
+
+/// The parameter's own name when it is a plain binding (`conn`, `mut conn`), else `fallback`.
+fn param_name(param: &PatType, fallback: &str) -> Ident {
+    match &*param.pat {
+        Pat::Ident(pat) if pat.by_ref.is_none() && pat.subpat.is_none() => pat.ident.clone(),
+        _ => Ident::new(fallback, Span::call_site()),
+    }
+}
+
+fn count(n: usize) -> String {
+    match n {
+        0 => "none".to_owned(),
+        1 => "one".to_owned(),
+        n => n.to_string(),
+    }
+}
+
+/// The token to blame when `#[idempotent]` is put on something that is not a function.
+fn item_keyword(item: &Item) -> TokenStream {
+    use quote::ToTokens;
+    match item {
+        Item::Struct(i) => i.struct_token.to_token_stream(),
+        Item::Enum(i) => i.enum_token.to_token_stream(),
+        Item::Union(i) => i.union_token.to_token_stream(),
+        Item::Impl(i) => i.impl_token.to_token_stream(),
+        Item::Trait(i) => i.trait_token.to_token_stream(),
+        Item::Mod(i) => i.mod_token.to_token_stream(),
+        Item::Static(i) => i.static_token.to_token_stream(),
+        Item::Const(i) => i.const_token.to_token_stream(),
+        Item::Type(i) => i.type_token.to_token_stream(),
+        Item::Use(i) => i.use_token.to_token_stream(),
+        other => {
+            let span = other.span();
+            quote::quote_spanned!(span=> item)
+        }
+    }
+}
+
+/// Lint and configuration attributes of the handler, which [`crate::expand`] copies onto the
+/// items it generates.
+pub(crate) fn is_cfg(attr: &Attribute) -> bool {
+    attr.path().is_ident("cfg")
+}
+
+/// `#[allow]`, `#[warn]`, `#[deny]`, `#[forbid]`: lint levels that also matter for the body.
+pub(crate) fn is_lint_level(attr: &Attribute) -> bool {
+    ["allow", "warn", "deny", "forbid"]
+        .iter()
+        .any(|name| attr.path().is_ident(name))
+}
+
+/// `#[expect]`: the lint it expects can only come from the body, so it moves there.
+pub(crate) fn is_expect(attr: &Attribute) -> bool {
+    attr.path().is_ident("expect")
+}
+
+/// The whole attribute: parse, check, generate; on error, the item is emitted unchanged next to
+/// the errors, so that its uses do not fail too.
+pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
+    match parse(args, item.clone()) {
+        Ok(handler) => crate::expand::handler(&handler),
+        Err(e) => crate::ctxt::error_output(&e, item),
+    }
+}

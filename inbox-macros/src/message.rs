@@ -1,0 +1,387 @@
+//! `#[derive(Message)]`: parsing of the struct and of its `#[message(...)]` attributes.
+
+use crate::args;
+use crate::ctxt::{Errors, Setting};
+use crate::template::{self, Piece};
+use proc_macro2::{Ident, Span};
+use syn::spanned::Spanned;
+use syn::{Attribute, Data, DeriveInput, Field, Fields, LitStr, Meta};
+
+/// Arguments accepted on the struct, for the "unknown argument" error.
+const STRUCT_ARGUMENTS: &str = "`name`, `key`";
+
+/// A fully checked message type, ready for [`crate::expand::message`].
+pub(crate) struct MessageDef {
+    /// The type.
+    pub(crate) ident: Ident,
+    /// The routing name: `#[message(name = "...")]` or the type's name.
+    pub(crate) name: LitStr,
+    /// Where the idempotency key comes from.
+    pub(crate) key: Key,
+}
+
+/// Where a message's idempotency key comes from.
+pub(crate) enum Key {
+    /// `#[message(key)]` on this field.
+    Field(KeyPart),
+    /// `#[message(key = "...")]` on the struct.
+    Template {
+        /// The template as written.
+        template: LitStr,
+        /// Literal text and fields, in order.
+        segments: Vec<Segment>,
+    },
+}
+
+/// A field used in a key.
+pub(crate) struct KeyPart {
+    /// The field.
+    pub(crate) member: Ident,
+    /// Its name without `r#`, for run-time errors.
+    pub(crate) name: String,
+    /// Its type's span: errors about the type (not a `KeyPart`) point there.
+    pub(crate) ty_span: Span,
+}
+
+/// A piece of a checked key template.
+pub(crate) enum Segment {
+    /// Literal text.
+    Lit(String),
+    /// A field's value.
+    Field(KeyPart),
+}
+
+/// Parses and checks the input of `#[derive(Message)]`.
+pub(crate) fn parse(input: &DeriveInput) -> syn::Result<MessageDef> {
+    let mut errors = Errors::default();
+
+    if !input.generics.params.is_empty() {
+        errors.spanned(
+            &input.generics,
+            "`#[derive(Message)]` does not support generic types: a message is a concrete, \
+             named type",
+        );
+    }
+    if let Some(where_clause) = &input.generics.where_clause {
+        errors.spanned(
+            where_clause,
+            "`#[derive(Message)]` does not support `where` clauses",
+        );
+    }
+
+    let attrs = parse_struct_attrs(&input.attrs, &mut errors);
+
+    let fields = match &input.data {
+        Data::Struct(data) => match &data.fields {
+            Fields::Named(fields) => Some(fields.named.iter().collect::<Vec<_>>()),
+            Fields::Unnamed(fields) => {
+                errors.spanned(
+                    fields,
+                    "`#[derive(Message)]` does not support tuple structs: name the fields, so \
+                     that one of them can be the idempotency key",
+                );
+                None
+            }
+            Fields::Unit => {
+                errors.spanned(
+                    &input.ident,
+                    "`#[derive(Message)]` does not support unit structs: a message needs a field \
+                     to take its idempotency key from",
+                );
+                None
+            }
+        },
+        Data::Enum(data) => {
+            errors.spanned(
+                data.enum_token,
+                "`#[derive(Message)]` supports only structs with named fields, not enums",
+            );
+            None
+        }
+        Data::Union(data) => {
+            errors.spanned(
+                data.union_token,
+                "`#[derive(Message)]` supports only structs with named fields, not unions",
+            );
+            None
+        }
+    };
+
+    let mut key = None;
+    if let Some(fields) = &fields {
+        let key_field = parse_field_attrs(fields, attrs.template.as_ref(), &mut errors);
+        if let Some(template) = &attrs.template {
+            key = check_template(&input.ident, template, fields, &mut errors);
+        } else if let Some(field) = key_field {
+            key = Some(Key::Field(field));
+        } else if !attrs.key_given {
+            errors.spanned(
+                &input.ident,
+                format_args!(
+                    "`{}` has no idempotency key: mark the field that identifies the message \
+                     with `#[message(key)]`, or build the key from several fields with \
+                     `#[message(key = \"prefix:{{field}}\")]` on the struct",
+                    input.ident
+                ),
+            );
+        }
+    }
+
+    errors.finish()?;
+    let name = attrs
+        .name
+        .unwrap_or_else(|| LitStr::new(&args::unraw(&input.ident), input.ident.span()));
+    Ok(MessageDef {
+        ident: input.ident.clone(),
+        name,
+        key: key.expect("no key without an error"),
+    })
+}
+
+/// The struct-level `#[message(...)]` arguments.
+struct StructAttrs {
+    name: Option<LitStr>,
+    template: Option<LitStr>,
+    /// `key` was given on the struct, maybe with an invalid value.
+    key_given: bool,
+}
+
+fn parse_struct_attrs(attrs: &[Attribute], errors: &mut Errors) -> StructAttrs {
+    let mut name = Setting::new("name");
+    let mut key = Setting::new("key");
+    for meta in &message_attrs(attrs, errors) {
+        let path = meta.path();
+        if path.is_ident("name") {
+            let lit = args::string_value(meta, errors, "\"orders.placed\"")
+                .filter(|lit| args::check_stored_name(lit, "the message `name`", errors));
+            name.set(errors, path, lit);
+        } else if path.is_ident("key") {
+            let lit = match meta {
+                Meta::Path(_) => {
+                    errors.spanned(
+                        meta,
+                        "on the struct, `key` takes a template, as in \
+                         `#[message(key = \"order:{order_id}\")]`; to use one field as the key, \
+                         put `#[message(key)]` on that field",
+                    );
+                    None
+                }
+                _ => args::string_value(meta, errors, "\"order:{order_id}\""),
+            };
+            key.set(errors, path, lit);
+        } else {
+            errors.spanned(
+                path,
+                format_args!(
+                    "unknown argument `{}`, expected one of: {STRUCT_ARGUMENTS}",
+                    args::path_name(path)
+                ),
+            );
+        }
+    }
+    let key_given = key.is_given();
+    StructAttrs {
+        name: name.get(),
+        template: key.get(),
+        key_given,
+    }
+}
+
+/// Checks the `#[message(...)]` attributes of the fields; returns the field marked
+/// `#[message(key)]`, if there is exactly one.
+fn parse_field_attrs(
+    fields: &[&Field],
+    template: Option<&LitStr>,
+    errors: &mut Errors,
+) -> Option<KeyPart> {
+    // The first field marked as the key; later ones are errors.
+    let mut key: Option<KeyPart> = None;
+    for field in fields {
+        let mut marked = Setting::new("key");
+        for meta in &message_attrs(&field.attrs, errors) {
+            let path = meta.path();
+            if !path.is_ident("key") {
+                errors.spanned(
+                    path,
+                    format_args!(
+                        "unknown field argument `{}`, expected `key`",
+                        args::path_name(path)
+                    ),
+                );
+                continue;
+            }
+            match meta {
+                Meta::Path(_) => marked.set(errors, path, Some(path.clone())),
+                _ => {
+                    errors.spanned(
+                        meta,
+                        "`#[message(key)]` on a field takes no value; to build the key from \
+                         several fields, put `#[message(key = \"...\")]` on the struct",
+                    );
+                    marked.set(errors, path, None);
+                }
+            }
+        }
+        let Some(path) = marked.get() else { continue };
+        let member = field.ident.clone().expect("named fields have names");
+        if template.is_some() {
+            errors.spanned(
+                &path,
+                "the struct already takes its key from a template (`#[message(key = \"...\")]`); \
+                 use either a key field or a key template, not both",
+            );
+        } else if let Some(first) = &key {
+            errors.spanned(
+                &path,
+                format_args!(
+                    "only one field can be `#[message(key)]`, and `{}` already is; to build the \
+                     key from several fields, put a template on the struct, as in \
+                     `#[message(key = \"{{{}}}:{{{}}}\")]`",
+                    first.name,
+                    first.name,
+                    args::unraw(&member),
+                ),
+            );
+        } else {
+            key = Some(KeyPart {
+                name: args::unraw(&member),
+                member,
+                ty_span: field.ty.span(),
+            });
+        }
+    }
+    key
+}
+
+/// Checks a key template against the struct's fields.
+fn check_template(
+    ident: &Ident,
+    template: &LitStr,
+    fields: &[&Field],
+    errors: &mut Errors,
+) -> Option<Key> {
+    let text = template.value();
+    if text.is_empty() {
+        errors.spanned(
+            template,
+            "the key template is empty; name at least one field, as in `\"order:{order_id}\"`",
+        );
+        return None;
+    }
+    let pieces = match template::parse(&text) {
+        Ok(pieces) => pieces,
+        Err(e) => {
+            errors.spanned(template, e);
+            return None;
+        }
+    };
+    let before = errors.len();
+    let mut segments = Vec::with_capacity(pieces.len());
+    for piece in pieces {
+        match piece {
+            Piece::Lit(lit) => segments.push(Segment::Lit(lit)),
+            Piece::Field(name) => match find_field(fields, &name) {
+                Some(field) => {
+                    let member = field.ident.clone().expect("named fields have names");
+                    segments.push(Segment::Field(KeyPart {
+                        name: args::unraw(&member),
+                        member: with_span(&member, template.span()),
+                        ty_span: field.ty.span(),
+                    }));
+                }
+                None if args::field_ident(&name, Span::call_site()).is_none() => errors.spanned(
+                    template,
+                    format_args!(
+                        "invalid placeholder `{{{name}}}` in key template: placeholders are field \
+                         names, with no format specifiers or spaces"
+                    ),
+                ),
+                None => errors.spanned(
+                    template,
+                    format_args!(
+                        "the key template uses `{{{name}}}`, but `{ident}` has no field `{name}`; \
+                         its fields are {}",
+                        field_list(fields)
+                    ),
+                ),
+            },
+        }
+    }
+    if errors.len() > before {
+        return None;
+    }
+    if !segments.iter().any(|s| matches!(s, Segment::Field(_))) {
+        errors.spanned(
+            template,
+            format_args!(
+                "the key template {text:?} has no `{{field}}` placeholder, so every `{ident}` \
+                 would have the same key and all but the first would be dropped as duplicates"
+            ),
+        );
+        return None;
+    }
+    Some(Key::Template {
+        template: template.clone(),
+        segments,
+    })
+}
+
+/// The field called `name` (`type` and `r#type` both find the field `r#type`).
+fn find_field<'a>(fields: &[&'a Field], name: &str) -> Option<&'a Field> {
+    let wanted = args::field_ident(name, Span::call_site())?;
+    let wanted = args::unraw(&wanted);
+    fields.iter().copied().find(|field| {
+        field
+            .ident
+            .as_ref()
+            .is_some_and(|i| args::unraw(i) == wanted)
+    })
+}
+
+fn field_list(fields: &[&Field]) -> String {
+    if fields.is_empty() {
+        return "none".to_owned();
+    }
+    let names: Vec<String> = fields
+        .iter()
+        .filter_map(|f| f.ident.as_ref())
+        .map(|i| format!("`{}`", args::unraw(i)))
+        .collect();
+    names.join(", ")
+}
+
+/// `ident` with another span (keeping `r#`).
+fn with_span(ident: &Ident, span: Span) -> Ident {
+    let mut ident = ident.clone();
+    ident.set_span(span);
+    ident
+}
+
+/// The arguments of every `#[message(...)]` attribute in `attrs`; malformed ones are reported
+/// and skipped.
+fn message_attrs(attrs: &[Attribute], errors: &mut Errors) -> Vec<Meta> {
+    let mut metas = Vec::new();
+    for attr in attrs.iter().filter(|attr| attr.path().is_ident("message")) {
+        let parsed = attr
+            .meta
+            .require_list()
+            .and_then(|list| list.parse_args_with(args::parse_meta_list));
+        match parsed {
+            Ok(list) => metas.extend(list),
+            Err(e) => errors.push(e),
+        }
+    }
+    metas
+}
+
+/// The whole derive: parse, check, generate.
+pub(crate) fn derive(input: proc_macro2::TokenStream) -> proc_macro2::TokenStream {
+    let input = match syn::parse2::<DeriveInput>(input) {
+        Ok(input) => input,
+        Err(e) => return e.to_compile_error(),
+    };
+    match parse(&input) {
+        Ok(def) => crate::expand::message(&def),
+        Err(e) => e.to_compile_error(),
+    }
+}
