@@ -1,0 +1,193 @@
+//! Errors of the claim-then-act wrapper and the dispatcher.
+
+use crate::fingerprint::{Fingerprint, FingerprintError};
+use crate::key::{IdempotencyKey, KeyError};
+use crate::store::Backend;
+
+/// A boxed error, as the dispatcher carries handler errors of any type.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Why one message was not processed (or not known to be) by one consumer.
+///
+/// `E` is the handler's own error type, kept intact in [`Error::Handler`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error<E> {
+    /// The handler returned an error. Its transaction, claim included, was rolled back: nothing
+    /// of this attempt is in the database, and a redelivery will run the handler again.
+    #[error("handler failed: {0}")]
+    Handler(E),
+    /// The key was processed before with a *different* payload. Nothing ran; nothing written.
+    #[error(transparent)]
+    Conflict(#[from] Conflict),
+    /// The message has no usable idempotency key. Nothing ran; nothing written.
+    #[error(transparent)]
+    Key(#[from] KeyError),
+    /// The message could not be fingerprinted. Nothing ran; nothing written.
+    #[error(transparent)]
+    Fingerprint(#[from] FingerprintError),
+    /// The database failed. See [`StoreError::operation`] for whether the outcome is known.
+    #[error(transparent)]
+    Database(#[from] StoreError),
+}
+
+impl<E> Error<E> {
+    /// The handler's error, if that is what this is.
+    pub fn into_handler_error(self) -> Option<E> {
+        match self {
+            Error::Handler(error) => Some(error),
+            _ => None,
+        }
+    }
+
+    /// The conflict, if that is what this is.
+    pub fn as_conflict(&self) -> Option<&Conflict> {
+        match self {
+            Error::Conflict(conflict) => Some(conflict),
+            _ => None,
+        }
+    }
+
+    /// The error's name as used in logs and metrics: `"handler"`, `"conflict"`, `"key"`,
+    /// `"fingerprint"` or `"database"`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::Handler(_) => "handler",
+            Error::Conflict(_) => "conflict",
+            Error::Key(_) => "key",
+            Error::Fingerprint(_) => "fingerprint",
+            Error::Database(_) => "database",
+        }
+    }
+
+    /// Converts the handler error type, keeping every other variant.
+    pub fn map_handler<F>(self, f: impl FnOnce(E) -> F) -> Error<F> {
+        match self {
+            Error::Handler(error) => Error::Handler(f(error)),
+            Error::Conflict(conflict) => Error::Conflict(conflict),
+            Error::Key(error) => Error::Key(error),
+            Error::Fingerprint(error) => Error::Fingerprint(error),
+            Error::Database(error) => Error::Database(error),
+        }
+    }
+}
+
+/// The same idempotency key arrived with a different payload than the one processed.
+///
+/// A producer that reuses an id for a different intent, or a corrupted redelivery: it must not
+/// be applied (it is not the processed message) and must not pass as a duplicate (it is not the
+/// same message either). The two fingerprints are SHA-256 over the RFC 8785 canonical JSON of each
+/// payload (see [`Fingerprint`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "conflict: consumer `{consumer}` already processed message `{message_name}` with key `{key}` \
+     and payload fingerprint {stored}, but this delivery has fingerprint {received}"
+)]
+pub struct Conflict {
+    /// The consumer whose inbox holds the key.
+    pub consumer: &'static str,
+    /// Routing name of the message.
+    pub message_name: &'static str,
+    /// The idempotency key.
+    pub key: IdempotencyKey,
+    /// Fingerprint stored when the key was processed.
+    pub stored: Fingerprint,
+    /// Fingerprint of this delivery.
+    pub received: Fingerprint,
+}
+
+/// The database failed during one of the inbox's operations.
+#[derive(Debug, thiserror::Error)]
+#[error("inbox {operation} failed for consumer `{consumer}`, key `{key}`: {source}")]
+pub struct StoreError {
+    /// The consumer.
+    pub consumer: &'static str,
+    /// The idempotency key.
+    pub key: IdempotencyKey,
+    /// What failed: `"acquire"`, `"begin"`, `"claim"`, `"rollback"` or `"commit"`.
+    ///
+    /// After a failed `"commit"` the outcome is unknown (the server may have committed before
+    /// the connection broke): do not ack; the redelivery's claim will tell (a `Duplicate` if it
+    /// had committed). Every other operation failed before anything was committed.
+    pub operation: &'static str,
+    /// The driver's error.
+    #[source]
+    pub source: sqlx::Error,
+}
+
+/// The registry found no usable set of handlers.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegistryError {
+    /// No `#[idempotent]` handler for this backend is linked into the program.
+    #[error(
+        "no #[idempotent] handlers for {backend} are registered ({other} for other backends); \
+         a crate whose handlers nothing references is not linked: add `use that_crate as _;`"
+    )]
+    NoHandlers {
+        /// The dispatcher's backend.
+        backend: Backend,
+        /// Handlers registered for other backends.
+        other: usize,
+    },
+    /// Two handlers claim the same message under the same consumer name: they would share one
+    /// inbox scope, so one of them would see every message as a duplicate.
+    #[error(
+        "consumer `{consumer}` has two handlers for message `{message_name}`: `{first}` and `{second}`"
+    )]
+    DuplicateConsumer {
+        /// The consumer name.
+        consumer: &'static str,
+        /// The message's routing name.
+        message_name: &'static str,
+        /// One handler (module path and function name).
+        first: &'static str,
+        /// The other one.
+        second: &'static str,
+    },
+}
+
+/// An envelope the dispatcher could not route to any handler. Nothing was written.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DispatchError {
+    /// No handler is registered for this message name.
+    #[error("unknown message `{message_name}`: no handler is registered for it")]
+    UnknownMessage {
+        /// The envelope's message name.
+        message_name: String,
+    },
+    /// The payload is not a valid message of this name.
+    #[error(
+        "malformed payload for message `{message_name}` at line {line}, column {column}: {source}"
+    )]
+    Decode {
+        /// The message name.
+        message_name: String,
+        /// 1-based line of the payload where decoding failed.
+        line: usize,
+        /// 1-based column where decoding failed.
+        column: usize,
+        /// The decoder's error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The message has no usable idempotency key for one of its consumers.
+    #[error("consumer `{consumer}`: {source}")]
+    Key {
+        /// The consumer whose key could not be read.
+        consumer: &'static str,
+        /// What is wrong with the key.
+        #[source]
+        source: KeyError,
+    },
+    /// The message could not be fingerprinted.
+    #[error("message `{message_name}`: {source}")]
+    Fingerprint {
+        /// The message name.
+        message_name: String,
+        /// The error.
+        #[source]
+        source: FingerprintError,
+    },
+}

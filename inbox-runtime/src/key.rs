@@ -1,0 +1,313 @@
+//! Idempotency keys: extraction from message fields, validation, limits.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::Arc;
+
+/// The longest idempotency key accepted, in bytes of UTF-8.
+///
+/// Keys are stored verbatim in the inbox primary key and compared byte for byte. A longer key is
+/// rejected with [`KeyError::TooLong`]; it is never truncated (two long keys sharing a prefix
+/// would then collide) and never hashed silently.
+pub const MAX_KEY_BYTES: usize = 512;
+
+/// A validated idempotency key: non-empty, at most [`MAX_KEY_BYTES`] bytes, no NUL byte.
+///
+/// The key names the *intent* of a message (a producer's event id, a command id, a business key
+/// such as `payment:42`), never a delivery (a broker offset or delivery tag changes on every
+/// redelivery and would defeat deduplication). Keys compare byte-exactly: no case folding, no
+/// Unicode normalisation, no trimming.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    /// Validates `value` as the key of `message`, read from `field` (used in errors only).
+    ///
+    /// # Errors
+    /// [`KeyError::Empty`] for `""`, [`KeyError::TooLong`] above [`MAX_KEY_BYTES`] bytes,
+    /// [`KeyError::Invalid`] if it contains a NUL byte (PostgreSQL `text` cannot store one).
+    pub fn new(
+        value: impl Into<String>,
+        message: &'static str,
+        field: &'static str,
+    ) -> Result<Self, KeyError> {
+        let value = value.into();
+        if value.is_empty() {
+            return Err(KeyError::Empty { message, field });
+        }
+        if value.len() > MAX_KEY_BYTES {
+            return Err(KeyError::TooLong {
+                message,
+                field,
+                len: value.len(),
+                max: MAX_KEY_BYTES,
+            });
+        }
+        if value.contains('\0') {
+            return Err(KeyError::Invalid {
+                message,
+                field,
+                reason: "contains a NUL byte",
+            });
+        }
+        Ok(Self(value))
+    }
+
+    /// The key as stored in the inbox.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Consumes the key, returning its text.
+    pub fn into_string(self) -> String {
+        self.0
+    }
+}
+
+impl fmt::Debug for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
+
+impl fmt::Display for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl AsRef<str> for IdempotencyKey {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+/// Why a message has no usable idempotency key. Nothing is written when this is returned.
+///
+/// `message` is the message's routing name ([`crate::Message::NAME`]); `field` is the field (or
+/// the key template) the key was read from.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The key field (or a field named in the key template) is null (`None`).
+    #[error("message `{message}`: idempotency key field `{field}` is null")]
+    Null {
+        /// Routing name of the message.
+        message: &'static str,
+        /// Field or template the key comes from.
+        field: &'static str,
+    },
+    /// The key (or one field of a key template) is the empty string.
+    #[error("message `{message}`: idempotency key field `{field}` is empty")]
+    Empty {
+        /// Routing name of the message.
+        message: &'static str,
+        /// Field or template the key comes from.
+        field: &'static str,
+    },
+    /// The key is longer than [`MAX_KEY_BYTES`].
+    #[error(
+        "message `{message}`: idempotency key from `{field}` is {len} bytes, more than the {max} an inbox key may hold"
+    )]
+    TooLong {
+        /// Routing name of the message.
+        message: &'static str,
+        /// Field or template the key comes from.
+        field: &'static str,
+        /// Length of the rejected key, in bytes.
+        len: usize,
+        /// The limit, [`MAX_KEY_BYTES`].
+        max: usize,
+    },
+    /// The key has a value no inbox can store.
+    #[error("message `{message}`: idempotency key from `{field}` is invalid: {reason}")]
+    Invalid {
+        /// Routing name of the message.
+        message: &'static str,
+        /// Field or template the key comes from.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+}
+
+/// A value that can be (part of) an idempotency key.
+///
+/// Implemented for strings, integers, `char`, `bool`, [`uuid::Uuid`], and through `&T`, `Box<T>`,
+/// `Arc<T>` and `Option<T>` (where `None` is a null key, an error). Implement it for your own
+/// id newtypes; return `None` for a value that stands for "no key".
+pub trait KeyPart {
+    /// The key text of this value, or `None` if the value is null.
+    fn key_part(&self) -> Option<Cow<'_, str>>;
+}
+
+impl KeyPart for str {
+    fn key_part(&self) -> Option<Cow<'_, str>> {
+        Some(Cow::Borrowed(self))
+    }
+}
+
+impl KeyPart for String {
+    fn key_part(&self) -> Option<Cow<'_, str>> {
+        Some(Cow::Borrowed(self))
+    }
+}
+
+impl KeyPart for Cow<'_, str> {
+    fn key_part(&self) -> Option<Cow<'_, str>> {
+        Some(Cow::Borrowed(self))
+    }
+}
+
+impl<T: KeyPart + ?Sized> KeyPart for &T {
+    fn key_part(&self) -> Option<Cow<'_, str>> {
+        (**self).key_part()
+    }
+}
+
+impl<T: KeyPart + ?Sized> KeyPart for Box<T> {
+    fn key_part(&self) -> Option<Cow<'_, str>> {
+        (**self).key_part()
+    }
+}
+
+impl<T: KeyPart + ?Sized> KeyPart for Arc<T> {
+    fn key_part(&self) -> Option<Cow<'_, str>> {
+        (**self).key_part()
+    }
+}
+
+impl<T: KeyPart> KeyPart for Option<T> {
+    fn key_part(&self) -> Option<Cow<'_, str>> {
+        self.as_ref().and_then(KeyPart::key_part)
+    }
+}
+
+impl KeyPart for uuid::Uuid {
+    fn key_part(&self) -> Option<Cow<'_, str>> {
+        // Hyphenated lower case, the canonical RFC 9562 text form.
+        Some(Cow::Owned(self.hyphenated().to_string()))
+    }
+}
+
+macro_rules! display_key_part {
+    ($($ty:ty),*) => {$(
+        impl KeyPart for $ty {
+            fn key_part(&self) -> Option<Cow<'_, str>> {
+                Some(Cow::Owned(self.to_string()))
+            }
+        }
+    )*};
+}
+display_key_part!(
+    i8, i16, i32, i64, i128, isize, u8, u16, u32, u64, u128, usize, char, bool
+);
+
+/// One piece of a key template such as `"payment:{payment_id}"`.
+#[derive(Clone, Copy)]
+pub enum KeySegment<'a> {
+    /// Literal text copied into the key.
+    Lit(&'static str),
+    /// A field's value: `(field name, value)`.
+    Field(&'static str, &'a dyn KeyPart),
+}
+
+/// The key of `message` read from one field. Used by the derive and by `#[idempotent(key = ..)]`.
+pub fn key_from_field(
+    value: &dyn KeyPart,
+    message: &'static str,
+    field: &'static str,
+) -> Result<IdempotencyKey, KeyError> {
+    match value.key_part() {
+        None => Err(KeyError::Null { message, field }),
+        Some(text) => IdempotencyKey::new(text.into_owned(), message, field),
+    }
+}
+
+/// The key of `message` built from a template: every field must be non-null and non-empty (a
+/// composite key with an empty part would be shared by unrelated messages).
+pub fn key_from_template(
+    message: &'static str,
+    template: &'static str,
+    segments: &[KeySegment<'_>],
+) -> Result<IdempotencyKey, KeyError> {
+    let mut key = String::new();
+    for segment in segments {
+        match *segment {
+            KeySegment::Lit(text) => key.push_str(text),
+            KeySegment::Field(field, value) => match value.key_part() {
+                None => return Err(KeyError::Null { message, field }),
+                Some(text) if text.is_empty() => return Err(KeyError::Empty { message, field }),
+                Some(text) => key.push_str(&text),
+            },
+        }
+        if key.len() > MAX_KEY_BYTES {
+            return Err(KeyError::TooLong {
+                message,
+                field: template,
+                len: key.len(),
+                max: MAX_KEY_BYTES,
+            });
+        }
+    }
+    IdempotencyKey::new(key, message, template)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn field_keys_are_validated() {
+        assert_eq!(
+            key_from_field(&"abc", "m", "f").unwrap().as_str(),
+            "abc"
+        );
+        assert_eq!(
+            key_from_field(&None::<String>, "m", "f"),
+            Err(KeyError::Null { message: "m", field: "f" })
+        );
+        assert_eq!(
+            key_from_field(&"", "m", "f"),
+            Err(KeyError::Empty { message: "m", field: "f" })
+        );
+        let long = "x".repeat(MAX_KEY_BYTES + 1);
+        assert_eq!(
+            key_from_field(&long, "m", "f"),
+            Err(KeyError::TooLong { message: "m", field: "f", len: 513, max: 512 })
+        );
+        assert!(key_from_field(&"x".repeat(MAX_KEY_BYTES), "m", "f").is_ok());
+        assert!(matches!(
+            key_from_field(&"a\0b", "m", "f"),
+            Err(KeyError::Invalid { .. })
+        ));
+        assert_eq!(key_from_field(&42_u64, "m", "f").unwrap().as_str(), "42");
+    }
+
+    #[test]
+    fn template_keys_join_parts_and_reject_empty_parts() {
+        let id = 7_i64;
+        let region = String::from("eu");
+        let key = key_from_template(
+            "m",
+            "pay:{region}:{id}",
+            &[
+                KeySegment::Lit("pay:"),
+                KeySegment::Field("region", &region),
+                KeySegment::Lit(":"),
+                KeySegment::Field("id", &id),
+            ],
+        )
+        .unwrap();
+        assert_eq!(key.as_str(), "pay:eu:7");
+        let empty = String::new();
+        assert_eq!(
+            key_from_template(
+                "m",
+                "pay:{region}",
+                &[KeySegment::Lit("pay:"), KeySegment::Field("region", &empty)]
+            ),
+            Err(KeyError::Empty { message: "m", field: "region" })
+        );
+    }
+}

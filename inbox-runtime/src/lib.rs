@@ -1,0 +1,139 @@
+//! # inbox-runtime
+//!
+//! Effectively-once message processing for Rust services on PostgreSQL and SQLite: the
+//! **transactional inbox**.
+//!
+//! Brokers deliver at least once: after a crash, a lost ack, a rebalance or a producer retry the
+//! same message comes again. A handler annotated with [`#[idempotent]`](macro@idempotent) applies
+//! its effect exactly once anyway. Its message's idempotency key is *claimed* in the
+//! `inbox_messages` table in the **same database transaction** as the handler's own writes:
+//!
+//! ```text
+//! BEGIN
+//!   INSERT INTO inbox_messages (consumer, message_key, payload_hash, …) VALUES (…)
+//!     ON CONFLICT (consumer, message_key) DO NOTHING RETURNING 1      -- the claim, first
+//!   -- no row: the key is taken → compare fingerprints → ROLLBACK → Duplicate or Conflict
+//!   <the handler body, on the same transaction>
+//! COMMIT                          -- only now may the source ack the delivery
+//! ```
+//!
+//! A redelivery finds the key claimed and becomes a no-op ([`Outcome::Duplicate`]). A handler
+//! error rolls back claim and effect together, so the redelivery runs it again. The same key
+//! with a *different* payload is a [`Conflict`], never a duplicate.
+//!
+//! **What this covers**: writes the handler makes through the connection it is given, in the
+//! same database as the inbox. **What it does not**: calls to the outside world from the handler
+//! (HTTP, e-mail, another database) — they can run again when the transaction rolls back or the
+//! commit's answer is lost; give those their own idempotency keys.
+//!
+//! ## Example
+//!
+//! ```no_run
+//! use inbox_runtime::{idempotent, Message, Outcome};
+//!
+//! #[derive(Clone, serde::Serialize, serde::Deserialize, Message)]
+//! #[message(name = "payments.captured")]
+//! struct PaymentCaptured {
+//!     #[message(key)]
+//!     event_id: uuid::Uuid,
+//!     account_id: String,
+//!     amount_cents: i64,
+//! }
+//!
+//! /// Credits the captured amount to the account.
+//! #[idempotent(consumer = "ledger")]
+//! async fn credit(conn: &mut sqlx::PgConnection, msg: PaymentCaptured) -> Result<(), sqlx::Error> {
+//!     sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
+//!         .bind(msg.amount_cents)
+//!         .bind(&msg.account_id)
+//!         .execute(conn)
+//!         .await?;
+//!     Ok(())
+//! }
+//!
+//! # async fn demo(pool: sqlx::PgPool, msg: PaymentCaptured) -> Result<(), Box<dyn std::error::Error>> {
+//! inbox_runtime::migrate(&pool).await?;
+//! let mut conn = pool.acquire().await?;
+//! match credit(&mut conn, msg.clone()).await? {
+//!     Outcome::Processed(()) => println!("credited"),
+//!     Outcome::Duplicate => println!("already credited"),
+//!     _ => {}
+//! }
+//! // The same message again is a duplicate: the account is credited once.
+//! assert!(credit(&mut conn, msg).await?.is_duplicate());
+//! # Ok(()) }
+//! ```
+//!
+//! ## Calling a handler on a connection already inside a transaction
+//!
+//! The claim and the body then run in a **savepoint** of the caller's transaction (sqlx's nested
+//! `begin`), and [`Outcome::Processed`] means "processed inside your transaction": nothing is
+//! durable, and the delivery must not be acked, until *your* transaction commits. If it rolls
+//! back, the claim goes with it and a redelivery is processed again.
+//!
+//! ## Crate features
+//! PostgreSQL and SQLite support are always compiled in. The payload format is JSON (serde).
+
+#![warn(missing_docs, unreachable_pub, rust_2018_idioms)]
+
+mod envelope;
+mod error;
+mod fingerprint;
+mod handler;
+mod key;
+mod outcome;
+mod registry;
+mod store;
+
+use std::future::Future;
+use std::pin::Pin;
+
+pub use envelope::{Envelope, SourceMetadata};
+pub use error::{BoxError, Conflict, DispatchError, Error, RegistryError, StoreError};
+pub use fingerprint::{Fingerprint, FingerprintError};
+pub use handler::Message;
+pub use key::{IdempotencyKey, KeyError, KeyPart, MAX_KEY_BYTES};
+pub use outcome::Outcome;
+pub use registry::{ConsumerOutcome, Dispatcher, HandlerInfo, registered_handlers};
+pub use store::{Backend, InboxConnection, InboxDatabase, MIGRATIONS_TABLE};
+
+/// Rewrites an `async fn(conn: &mut <Backend>Connection, msg: M) -> Result<T, E>` to run inside
+/// the inbox's claim-then-act transaction and registers it with the [`Dispatcher`].
+///
+/// See the [crate documentation](crate) for the guarantee and an example.
+#[doc(inline)]
+pub use inbox_macros::idempotent;
+
+/// Derives [`Message`](trait@Message): routing name and idempotency key of a message struct.
+#[doc(inline)]
+pub use inbox_macros::Message;
+
+/// A boxed, `Send` future, as handlers and stores return them.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The error [`migrate`] returns: sqlx's migration error.
+pub use sqlx::migrate::MigrateError;
+
+/// Creates or upgrades the inbox tables (`inbox_messages`, `inbox_aggregate_state`) in the
+/// database behind `pool` (a `PgPool` or a `SqlitePool`). Idempotent: run it at every start.
+///
+/// Applied versions are recorded in [`MIGRATIONS_TABLE`], apart from the application's own
+/// `_sqlx_migrations`; on PostgreSQL concurrent callers are serialized by an advisory lock.
+///
+/// # Errors
+/// [`MigrateError`] if the database cannot be reached or a statement fails.
+pub async fn migrate<DB: InboxDatabase>(pool: &sqlx::Pool<DB>) -> Result<(), MigrateError> {
+    DB::migrate(pool).await
+}
+
+/// Support for the code `#[idempotent]` and `#[derive(Message)]` generate. Not public API: no
+/// semver guarantees; never name it yourself.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::BoxFuture;
+    pub use crate::handler::{Handler, HandlerResult, run};
+    pub use crate::key::{KeyPart, KeySegment, key_from_field, key_from_template};
+    pub use crate::registry::{DynHandler, Registration};
+    pub use crate::store::{AnyConnection, ClaimRequest, ClaimResult};
+    pub use inventory;
+}

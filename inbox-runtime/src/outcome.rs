@@ -1,0 +1,54 @@
+//! Outcomes of one message for one consumer.
+
+/// What happened to one message for one consumer, when nothing went wrong.
+///
+/// Errors (a handler error, a [`crate::Conflict`], a bad key, a database fault) are the `Err` side
+/// of [`crate::Error`], never an outcome: a duplicate is never reported as an error, and an error
+/// never as "already processed".
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+#[must_use = "an outcome tells whether the effect was applied"]
+pub enum Outcome<T> {
+    /// The key was claimed, the handler ran and its transaction committed; carries the handler's
+    /// return value. The source may now ack the delivery.
+    Processed(T),
+    /// The key had already been processed with the same payload fingerprint: nothing ran,
+    /// nothing was written. The source may ack the delivery.
+    Duplicate,
+}
+
+impl<T> Outcome<T> {
+    /// `true` for [`Outcome::Processed`].
+    pub fn is_processed(&self) -> bool {
+        matches!(self, Outcome::Processed(_))
+    }
+
+    /// `true` for [`Outcome::Duplicate`].
+    pub fn is_duplicate(&self) -> bool {
+        matches!(self, Outcome::Duplicate)
+    }
+
+    /// The handler's value, if the message was processed now.
+    pub fn processed(self) -> Option<T> {
+        match self {
+            Outcome::Processed(value) => Some(value),
+            Outcome::Duplicate => None,
+        }
+    }
+
+    /// Maps the processed value, keeping the other outcomes.
+    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Outcome<U> {
+        match self {
+            Outcome::Processed(value) => Outcome::Processed(f(value)),
+            Outcome::Duplicate => Outcome::Duplicate,
+        }
+    }
+
+    /// The outcome's name as used in logs and metrics: `"processed"` or `"duplicate"`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Outcome::Processed(_) => "processed",
+            Outcome::Duplicate => "duplicate",
+        }
+    }
+}

@@ -1,0 +1,346 @@
+//! The handler registry (filled by `#[idempotent]` through `inventory`) and the dispatcher.
+
+use std::any::{Any, TypeId};
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+
+use sqlx::Pool;
+
+use crate::BoxFuture;
+use crate::envelope::{Envelope, SourceMetadata};
+use crate::error::{BoxError, DispatchError, Error, RegistryError, StoreError};
+use crate::fingerprint::{Fingerprint, FingerprintError};
+use crate::handler::{Handler, Message, run_claimed};
+use crate::key::{IdempotencyKey, KeyError};
+use crate::outcome::Outcome;
+use crate::store::{AnyConnection, Backend, InboxConnection, InboxDatabase};
+
+type AnyMessage = dyn Any + Send + Sync;
+
+/// A handler with its types erased, as the dispatcher drives it.
+#[doc(hidden)]
+pub trait DynHandler: Send + Sync + 'static {
+    fn consumer(&self) -> &'static str;
+    fn message_name(&self) -> &'static str;
+    fn function(&self) -> &'static str;
+    fn backend(&self) -> Backend;
+    fn message_type(&self) -> TypeId;
+    fn decode(&self, payload: &[u8]) -> Result<Box<AnyMessage>, serde_json::Error>;
+    fn key(&self, msg: &AnyMessage) -> Result<IdempotencyKey, KeyError>;
+    fn fingerprint(&self, msg: &AnyMessage) -> Result<Fingerprint, FingerprintError>;
+    fn invoke<'c>(
+        &'c self,
+        conn: AnyConnection<'c>,
+        msg: &'c AnyMessage,
+        key: &'c IdempotencyKey,
+        fingerprint: &'c Fingerprint,
+        source: Option<&'c SourceMetadata>,
+    ) -> BoxFuture<'c, Result<Outcome<()>, Error<BoxError>>>;
+}
+
+fn downcast<M: 'static>(msg: &AnyMessage) -> &M {
+    msg.downcast_ref::<M>()
+        .expect("dispatcher grouped handlers by message type")
+}
+
+impl<H> DynHandler for H
+where
+    H: Handler,
+    H::Error: Into<BoxError>,
+{
+    fn consumer(&self) -> &'static str {
+        H::CONSUMER
+    }
+    fn message_name(&self) -> &'static str {
+        <H::Message as Message>::NAME
+    }
+    fn function(&self) -> &'static str {
+        H::FUNCTION
+    }
+    fn backend(&self) -> Backend {
+        <H::Connection as InboxConnection>::BACKEND
+    }
+    fn message_type(&self) -> TypeId {
+        TypeId::of::<H::Message>()
+    }
+    fn decode(&self, payload: &[u8]) -> Result<Box<AnyMessage>, serde_json::Error> {
+        Ok(Box::new(serde_json::from_slice::<H::Message>(payload)?))
+    }
+    fn key(&self, msg: &AnyMessage) -> Result<IdempotencyKey, KeyError> {
+        H::key(downcast::<H::Message>(msg))
+    }
+    fn fingerprint(&self, msg: &AnyMessage) -> Result<Fingerprint, FingerprintError> {
+        Fingerprint::of(downcast::<H::Message>(msg))
+    }
+    fn invoke<'c>(
+        &'c self,
+        conn: AnyConnection<'c>,
+        msg: &'c AnyMessage,
+        key: &'c IdempotencyKey,
+        fingerprint: &'c Fingerprint,
+        source: Option<&'c SourceMetadata>,
+    ) -> BoxFuture<'c, Result<Outcome<()>, Error<BoxError>>> {
+        Box::pin(async move {
+            let conn = H::Connection::from_any(conn)
+                .expect("dispatcher routes only handlers of its own backend");
+            let msg = downcast::<H::Message>(msg).clone();
+            run_claimed::<H>(conn, msg, key, fingerprint, source)
+                .await
+                .map(|outcome| outcome.map(|_| ()))
+                .map_err(|error| error.map_handler(Into::into))
+        })
+    }
+}
+
+/// One registered handler, submitted by `#[idempotent]` through `inventory`.
+#[doc(hidden)]
+pub struct Registration {
+    handler: &'static dyn DynHandler,
+}
+
+impl Registration {
+    /// Wraps a handler for `inventory::submit!`.
+    pub const fn new(handler: &'static dyn DynHandler) -> Self {
+        Self { handler }
+    }
+}
+
+inventory::collect!(Registration);
+
+/// What the registry knows of one handler.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HandlerInfo {
+    /// The consumer name (the handler's inbox scope).
+    pub consumer: &'static str,
+    /// The routing name of the message it handles.
+    pub message_name: &'static str,
+    /// Module path and name of the function.
+    pub function: &'static str,
+    /// The backend its connection type belongs to.
+    pub backend: Backend,
+}
+
+impl fmt::Display for HandlerInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} <- {} ({}, {})",
+            self.consumer, self.message_name, self.function, self.backend
+        )
+    }
+}
+
+fn info(handler: &dyn DynHandler) -> HandlerInfo {
+    HandlerInfo {
+        consumer: handler.consumer(),
+        message_name: handler.message_name(),
+        function: handler.function(),
+        backend: handler.backend(),
+    }
+}
+
+/// Every `#[idempotent]` handler linked into this program, for every backend, sorted by message
+/// name, consumer and function.
+pub fn registered_handlers() -> Vec<HandlerInfo> {
+    let mut all: Vec<HandlerInfo> = inventory::iter::<Registration>
+        .into_iter()
+        .map(|registration| info(registration.handler))
+        .collect();
+    all.sort_by(|a, b| {
+        (a.message_name, a.consumer, a.function).cmp(&(b.message_name, b.consumer, b.function))
+    });
+    all
+}
+
+/// The result of one message for one consumer.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct ConsumerOutcome {
+    /// The consumer.
+    pub consumer: &'static str,
+    /// The handler function (module path and name).
+    pub function: &'static str,
+    /// The outcome, or why there is none. Handler errors are boxed.
+    pub result: Result<Outcome<()>, Error<BoxError>>,
+}
+
+/// Routes envelopes to every consumer registered for their message name.
+///
+/// Built from the `inventory` registry of `#[idempotent]` handlers whose connection type belongs
+/// to the pool's backend (`PgPool` → handlers taking `&mut PgConnection`).
+///
+/// ```no_run
+/// # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// use inbox_runtime::{Dispatcher, Envelope};
+///
+/// inbox_runtime::migrate(&pool).await?;
+/// let dispatcher = Dispatcher::from_registry(pool)?;
+/// for handler in dispatcher.handlers() {
+///     println!("{handler}");
+/// }
+/// let payload = br#"{"event_id":"0190c7f8-…","account_id":"a-1","amount_cents":500}"#;
+/// for outcome in dispatcher.dispatch(&Envelope::new("payments.captured", payload.to_vec())).await? {
+///     println!("{}: {:?}", outcome.consumer, outcome.result);
+/// }
+/// # Ok(()) }
+/// ```
+pub struct Dispatcher<DB: InboxDatabase> {
+    pool: Pool<DB>,
+    routes: HashMap<&'static str, Vec<&'static dyn DynHandler>>,
+}
+
+impl<DB: InboxDatabase> fmt::Debug for Dispatcher<DB> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Dispatcher")
+            .field("backend", &DB::BACKEND)
+            .field("handlers", &self.handlers())
+            .finish()
+    }
+}
+
+impl<DB: InboxDatabase> Dispatcher<DB> {
+    /// A dispatcher over `pool` with every registered handler of this backend.
+    ///
+    /// # Errors
+    /// [`RegistryError::NoHandlers`] if no handler of this backend is linked in;
+    /// [`RegistryError::DuplicateConsumer`] if two handlers share a consumer name for the same
+    /// message.
+    pub fn from_registry(pool: Pool<DB>) -> Result<Self, RegistryError> {
+        let mut routes: HashMap<&'static str, Vec<&'static dyn DynHandler>> = HashMap::new();
+        let mut other = 0;
+        let mut seen: BTreeMap<(&'static str, &'static str), &'static str> = BTreeMap::new();
+        let mut registrations: Vec<&'static dyn DynHandler> = inventory::iter::<Registration>
+            .into_iter()
+            .map(|registration| registration.handler)
+            .collect();
+        registrations.sort_by_key(|h| (h.message_name(), h.consumer(), h.function()));
+        for handler in registrations {
+            if handler.backend() != DB::BACKEND {
+                other += 1;
+                continue;
+            }
+            if let Some(first) = seen.insert(
+                (handler.consumer(), handler.message_name()),
+                handler.function(),
+            ) {
+                return Err(RegistryError::DuplicateConsumer {
+                    consumer: handler.consumer(),
+                    message_name: handler.message_name(),
+                    first,
+                    second: handler.function(),
+                });
+            }
+            routes.entry(handler.message_name()).or_default().push(handler);
+        }
+        if routes.is_empty() {
+            return Err(RegistryError::NoHandlers {
+                backend: DB::BACKEND,
+                other,
+            });
+        }
+        Ok(Self { pool, routes })
+    }
+
+    /// The handlers this dispatcher routes to, sorted by message name and consumer.
+    pub fn handlers(&self) -> Vec<HandlerInfo> {
+        let mut all: Vec<HandlerInfo> = self
+            .routes
+            .values()
+            .flatten()
+            .map(|handler| info(*handler))
+            .collect();
+        all.sort_by(|a, b| (a.message_name, a.consumer).cmp(&(b.message_name, b.consumer)));
+        all
+    }
+
+    /// The pool the dispatcher runs handlers on.
+    pub fn pool(&self) -> &Pool<DB> {
+        &self.pool
+    }
+
+    /// Runs every consumer registered for `envelope.message_name`, each in its own transaction
+    /// and inbox scope, one after the other in consumer-name order. Returns one
+    /// [`ConsumerOutcome`] per consumer.
+    ///
+    /// The payload is decoded once per message type, and every consumer's key is read, before
+    /// any database work: a bad envelope writes nothing.
+    ///
+    /// # Errors
+    /// [`DispatchError::UnknownMessage`] if no handler takes this name,
+    /// [`DispatchError::Decode`] (with line and column) if the payload is not valid JSON of the
+    /// message type, [`DispatchError::Key`] if a consumer's key is missing, null, empty or too
+    /// long, [`DispatchError::Fingerprint`] if the message cannot be fingerprinted. Per-consumer
+    /// failures (handler error, conflict, database) are in each [`ConsumerOutcome::result`].
+    pub async fn dispatch(&self, envelope: &Envelope) -> Result<Vec<ConsumerOutcome>, DispatchError> {
+        let handlers = self.routes.get(envelope.message_name.as_str()).ok_or_else(|| {
+            DispatchError::UnknownMessage {
+                message_name: envelope.message_name.clone(),
+            }
+        })?;
+
+        // Decode once per message type (consumers of one name almost always share one type).
+        let mut decoded: Vec<(TypeId, Box<AnyMessage>, Fingerprint)> = Vec::with_capacity(1);
+        let mut prepared = Vec::with_capacity(handlers.len());
+        for handler in handlers {
+            let index = match decoded.iter().position(|(ty, ..)| *ty == handler.message_type()) {
+                Some(index) => index,
+                None => {
+                    let msg = handler.decode(&envelope.payload).map_err(|source| {
+                        DispatchError::Decode {
+                            message_name: envelope.message_name.clone(),
+                            line: source.line(),
+                            column: source.column(),
+                            source,
+                        }
+                    })?;
+                    let fingerprint = handler.fingerprint(&*msg).map_err(|source| {
+                        DispatchError::Fingerprint {
+                            message_name: envelope.message_name.clone(),
+                            source,
+                        }
+                    })?;
+                    decoded.push((handler.message_type(), msg, fingerprint));
+                    decoded.len() - 1
+                }
+            };
+            let key = handler
+                .key(&*decoded[index].1)
+                .map_err(|source| DispatchError::Key {
+                    consumer: handler.consumer(),
+                    source,
+                })?;
+            prepared.push((*handler, index, key));
+        }
+
+        let mut outcomes = Vec::with_capacity(prepared.len());
+        for (handler, index, key) in &prepared {
+            let (_, msg, fingerprint) = &decoded[*index];
+            let result = match self.pool.acquire().await {
+                Ok(mut conn) => {
+                    handler
+                        .invoke(
+                            DB::any_connection(&mut conn),
+                            &**msg,
+                            key,
+                            fingerprint,
+                            envelope.source.as_ref(),
+                        )
+                        .await
+                }
+                Err(source) => Err(Error::Database(StoreError {
+                    consumer: handler.consumer(),
+                    key: key.clone(),
+                    operation: "acquire",
+                    source,
+                })),
+            };
+            outcomes.push(ConsumerOutcome {
+                consumer: handler.consumer(),
+                function: handler.function(),
+                result,
+            });
+        }
+        Ok(outcomes)
+    }
+}
