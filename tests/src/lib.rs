@@ -1,2 +1,111 @@
-//! Workspace-level tests of `inbox`: compile-fail (UI) tests of the macros in `ui.rs` and
-//! `ui/`, and tests of the generated code in `macros.rs`. This library is empty on purpose.
+//! Workspace-level tests of `inbox`, and the support they share.
+//!
+//! * `ui.rs` + `ui/`: compile-fail (trybuild) cases for every macro error; `macros.rs`: the
+//!   generated code.
+//! * `inbox.rs`: the claim-then-act core on both backends; `postgres.rs`: PostgreSQL-only
+//!   concurrency and connection loss; `registry.rs`: registry checks at start.
+//!
+//! PostgreSQL tests need `DATABASE_URL` (set by `scripts/test.sh`, which starts a throwaway
+//! server); each test gets a database of its own, created here. A test that needs PostgreSQL and
+//! finds no `DATABASE_URL` fails: it never passes by skipping.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{Connection, PgPool, SqlitePool};
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+fn unique_name(prefix: &str) -> String {
+    format!(
+        "{prefix}_{}_{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// The server URL from `DATABASE_URL`; panics with how to get one if unset.
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| {
+        panic!(
+            "DATABASE_URL is not set: run the tests with scripts/test.sh, which starts PostgreSQL"
+        )
+    })
+}
+
+/// A fresh PostgreSQL database (migrated, with the test `effects` table) and a pool of at most
+/// `max_connections` on it.
+pub async fn pg_pool(max_connections: u32) -> PgPool {
+    let base = PgConnectOptions::from_str(&database_url()).expect("DATABASE_URL is a postgres URL");
+    let name = unique_name("inbox_test");
+    let mut admin = sqlx::PgConnection::connect_with(&base)
+        .await
+        .expect("connect to PostgreSQL");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&mut admin)
+        .await
+        .expect("create test database");
+    admin.close().await.ok();
+    let pool = PgPoolOptions::new()
+        .max_connections(max_connections)
+        .connect_with(base.database(&name))
+        .await
+        .expect("connect to the test database");
+    inbox_runtime::migrate(&pool).await.expect("migrate");
+    sqlx::raw_sql(EFFECTS_TABLE)
+        .execute(&pool)
+        .await
+        .expect("create effects");
+    pool
+}
+
+/// A fresh SQLite database file (WAL, busy timeout 30 s), migrated, with the `effects` table.
+/// The file lives in the system temp directory and is removed when the guard drops.
+pub async fn sqlite_pool(max_connections: u32) -> (SqlitePool, TempFile) {
+    let path = std::env::temp_dir().join(format!("{}.db", unique_name("inbox_test")));
+    let options = SqliteConnectOptions::new()
+        .filename(&path)
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Full)
+        .busy_timeout(std::time::Duration::from_secs(30));
+    let pool = SqlitePoolOptions::new()
+        .max_connections(max_connections)
+        .connect_with(options)
+        .await
+        .expect("open SQLite");
+    inbox_runtime::migrate(&pool).await.expect("migrate");
+    sqlx::raw_sql(EFFECTS_TABLE)
+        .execute(&pool)
+        .await
+        .expect("create effects");
+    (pool, TempFile(path))
+}
+
+/// The business table the test handlers write to: one row per effect key, `applied` counts how
+/// often the effect ran, `total` sums the amounts.
+pub const EFFECTS_TABLE: &str = "CREATE TABLE effects (\
+     effect_key TEXT PRIMARY KEY, applied BIGINT NOT NULL, total BIGINT NOT NULL)";
+
+/// The upsert every test handler runs; the same text works on both backends (each parameter
+/// appears once, in order).
+pub const APPLY_EFFECT: &str = "INSERT INTO effects (effect_key, applied, total) VALUES ($1, 1, $2) \
+     ON CONFLICT (effect_key) DO UPDATE SET applied = effects.applied + 1, \
+     total = effects.total + excluded.total";
+
+/// Deletes a file (and its SQLite `-wal`/`-shm` companions) on drop.
+#[derive(Debug)]
+pub struct TempFile(pub PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        for suffix in ["", "-wal", "-shm"] {
+            let mut path = self.0.clone().into_os_string();
+            path.push(suffix);
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}

@@ -1,0 +1,286 @@
+//! PostgreSQL-only properties: heavy concurrent redelivery and a connection that dies mid-transaction.
+
+#![allow(missing_docs)]
+
+use std::sync::{Arc, Mutex};
+
+use inbox_runtime::{Dispatcher, Envelope, Error, Message, Outcome};
+use inbox_tests::APPLY_EFFECT;
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+use serde::{Deserialize, Serialize};
+use sqlx::PgConnection;
+
+/// A payment: one effect per event id.
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[message(name = "test.payment")]
+pub struct Payment {
+    #[message(key)]
+    pub event_id: uuid::Uuid,
+    pub account: String,
+    pub amount_cents: i64,
+}
+
+/// Credits the payment's account.
+#[inbox_runtime::idempotent(consumer = "ledger")]
+pub async fn credit(conn: &mut PgConnection, msg: Payment) -> Result<(), sqlx::Error> {
+    sqlx::query(APPLY_EFFECT)
+        .bind(&msg.account)
+        .bind(msg.amount_cents)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// A slow message: its handler reports its backend pid, then sleeps in the database.
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[message(name = "test.slow")]
+pub struct Slow {
+    #[message(key)]
+    pub id: String,
+    pub variant: u32,
+}
+
+/// Per message id: where to report the handler's backend pid and how long to sleep after (once).
+static SLOW: Mutex<Vec<(String, tokio::sync::oneshot::Sender<i32>, u64)>> = Mutex::new(Vec::new());
+
+fn expect_slow(id: &str, sleep_ms: u64) -> tokio::sync::oneshot::Receiver<i32> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    SLOW.lock().unwrap().push((id.to_owned(), tx, sleep_ms));
+    rx
+}
+
+/// Applies an effect; if a test is waiting on this id, reports the backend pid and sleeps.
+#[inbox_runtime::idempotent(consumer = "ledger")]
+pub async fn slow(conn: &mut PgConnection, msg: Slow) -> Result<(), sqlx::Error> {
+    sqlx::query(APPLY_EFFECT)
+        .bind(format!("slow:{}", msg.id))
+        .bind(1_i64)
+        .execute(&mut *conn)
+        .await?;
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *conn)
+        .await?;
+    let waiting = {
+        let mut slow = SLOW.lock().unwrap();
+        let found = slow.iter().position(|(id, ..)| *id == msg.id);
+        found.map(|index| slow.remove(index))
+    };
+    if let Some((_, tx, sleep_ms)) = waiting {
+        let _ = tx.send(pid);
+        sqlx::query("SELECT pg_sleep($1)")
+            .bind(sleep_ms as f64 / 1000.0)
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixteen_tasks_deliver_500_messages_three_times_each() {
+    let pool = inbox_tests::pg_pool(16).await;
+    let dispatcher = Arc::new(Dispatcher::from_registry(pool.clone()).unwrap());
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(500);
+    let mut deliveries = Vec::new();
+    for i in 0..500_i64 {
+        let payment = Payment {
+            event_id: uuid::Uuid::from_u128(0x1000 + i as u128),
+            account: format!("acct-{i:03}"),
+            amount_cents: 100 + i,
+        };
+        let payload = serde_json::to_vec(&payment).unwrap();
+        for _ in 0..3 {
+            deliveries.push(Envelope::new(Payment::NAME, payload.clone()));
+        }
+    }
+    deliveries.shuffle(&mut rng);
+    let queue = Arc::new(Mutex::new(deliveries));
+
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let queue = queue.clone();
+        let dispatcher = dispatcher.clone();
+        tasks.push(tokio::spawn(async move {
+            let (mut processed, mut duplicates, mut errors) = (0_u32, 0_u32, 0_u32);
+            loop {
+                let Some(envelope) = queue.lock().unwrap().pop() else {
+                    break;
+                };
+                for outcome in dispatcher.dispatch(&envelope).await.unwrap() {
+                    match outcome.result {
+                        Ok(Outcome::Processed(())) => processed += 1,
+                        Ok(Outcome::Duplicate) => duplicates += 1,
+                        Ok(other) => panic!("unexpected outcome {other:?}"),
+                        Err(error) => {
+                            eprintln!("error: {error}");
+                            errors += 1
+                        }
+                    }
+                }
+            }
+            (processed, duplicates, errors)
+        }));
+    }
+    let mut totals = (0, 0, 0);
+    for task in tasks {
+        let (p, d, e) = task.await.unwrap();
+        totals = (totals.0 + p, totals.1 + d, totals.2 + e);
+    }
+    assert_eq!(totals, (500, 1000, 0));
+    let (rows, applied, total): (i64, i64, i64) =
+        sqlx::query_as("SELECT COUNT(*), SUM(applied)::BIGINT, SUM(total)::BIGINT FROM effects")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (rows, applied, total),
+        (500, 500, (0..500).map(|i| 100 + i).sum::<i64>())
+    );
+    let inbox_rows: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM inbox_messages WHERE consumer = 'ledger'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(inbox_rows, 500);
+}
+
+#[tokio::test]
+async fn concurrent_conflicting_deliveries_one_applies_the_other_conflicts() {
+    // Two transactions claim the same key with different payloads at the same time: the second
+    // waits on the first's uncommitted claim, then must report a conflict, not a duplicate.
+    let pool = inbox_tests::pg_pool(4).await;
+    let rx = expect_slow("race", 500);
+    let mut first_conn = pool.acquire().await.unwrap();
+    let first = tokio::spawn(async move {
+        slow(
+            &mut first_conn,
+            Slow {
+                id: "race".into(),
+                variant: 1,
+            },
+        )
+        .await
+    });
+    let _pid = rx.await.unwrap(); // the first holds its claim now
+    let mut second_conn = pool.acquire().await.unwrap();
+    let second = slow(
+        &mut second_conn,
+        Slow {
+            id: "race".into(),
+            variant: 2,
+        },
+    )
+    .await;
+    assert_eq!(first.await.unwrap().unwrap(), Outcome::Processed(()));
+    let error = second.unwrap_err();
+    assert_eq!(error.kind(), "conflict", "{error:?}");
+    // Same payload, racing: a duplicate.
+    let rx = expect_slow("race2", 300);
+    let mut first_conn = pool.acquire().await.unwrap();
+    let first = tokio::spawn(async move {
+        slow(
+            &mut first_conn,
+            Slow {
+                id: "race2".into(),
+                variant: 1,
+            },
+        )
+        .await
+    });
+    let _pid = rx.await.unwrap();
+    let second = slow(
+        &mut second_conn,
+        Slow {
+            id: "race2".into(),
+            variant: 1,
+        },
+    )
+    .await;
+    assert_eq!(first.await.unwrap().unwrap(), Outcome::Processed(()));
+    assert_eq!(second.unwrap(), Outcome::Duplicate);
+    let applied: Vec<(String, i64)> =
+        sqlx::query_as("SELECT effect_key, applied FROM effects ORDER BY effect_key")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        applied,
+        [("slow:race".to_owned(), 1), ("slow:race2".to_owned(), 1)]
+    );
+}
+
+#[tokio::test]
+async fn connection_killed_mid_transaction_loses_nothing_and_applies_once() {
+    let pool = inbox_tests::pg_pool(4).await;
+    let rx = expect_slow("k", 30_000);
+    let mut victim = pool.acquire().await.unwrap().detach();
+    let running = tokio::spawn(async move {
+        slow(
+            &mut victim,
+            Slow {
+                id: "k".into(),
+                variant: 1,
+            },
+        )
+        .await
+    });
+    let pid = rx.await.unwrap();
+    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(terminated);
+    let error = running.await.unwrap().unwrap_err();
+    assert!(
+        matches!(
+            error,
+            Error::Handler(sqlx::Error::Io(_))
+                | Error::Handler(sqlx::Error::Database(_))
+                | Error::Database(_)
+        ),
+        "{error:?}"
+    );
+    // Nothing of the attempt survived: no claim, no effect.
+    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM inbox_messages")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let effects: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM effects")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!((rows, effects), (0, 0));
+    // The redelivery on a fresh connection applies it, exactly once.
+    let mut conn = pool.acquire().await.unwrap();
+    assert_eq!(
+        slow(
+            &mut conn,
+            Slow {
+                id: "k".into(),
+                variant: 1
+            }
+        )
+        .await
+        .unwrap(),
+        Outcome::Processed(())
+    );
+    assert_eq!(
+        slow(
+            &mut conn,
+            Slow {
+                id: "k".into(),
+                variant: 1
+            }
+        )
+        .await
+        .unwrap(),
+        Outcome::Duplicate
+    );
+    let applied: i64 =
+        sqlx::query_scalar("SELECT applied FROM effects WHERE effect_key = 'slow:k'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(applied, 1);
+}
