@@ -255,7 +255,10 @@ fn envelope(message: &str, payload: String, l: &Layout) -> String {
 
 fn render(ev: &Event, l: &Layout) -> String {
     let id = if l.upper_id {
-        ev.id.hyphenated().encode_upper(&mut Uuid::encode_buffer()).to_owned()
+        ev.id
+            .hyphenated()
+            .encode_upper(&mut Uuid::encode_buffer())
+            .to_owned()
     } else {
         ev.id.to_string()
     };
@@ -312,7 +315,7 @@ fn malformed_line(g: &mut Gen, kind: Malformed, nth: usize, ev: &Event) -> Strin
     match kind {
         Malformed::InvalidJson => {
             let line = render(ev, &c);
-            if nth % 2 == 0 {
+            if nth.is_multiple_of(2) {
                 // A trailing comma inside the payload.
                 line.replacen(&format!("{amount}}}"), &format!("{amount},}}"), 1)
             } else {
@@ -333,7 +336,7 @@ fn malformed_line(g: &mut Gen, kind: Malformed, nth: usize, ev: &Event) -> Strin
             envelope(ev.kind.name(), payload(Some(&bogus), &amount), &c)
         }
         Malformed::WrongAmountType => {
-            let wrong = if nth % 2 == 0 {
+            let wrong = if nth.is_multiple_of(2) {
                 json_str(&amount, None)
             } else {
                 format!("{amount}.5")
@@ -372,7 +375,10 @@ fn generate(seed: u64) -> Output {
     actions.extend(std::iter::repeat_n(Action::Redeliver, REDELIVERIES));
     actions.extend(std::iter::repeat_n(Action::Conflict, CONFLICTS));
     for kind in MALFORMED_KINDS {
-        actions.extend(std::iter::repeat_n(Action::Malformed(kind), MALFORMED_PER_KIND));
+        actions.extend(std::iter::repeat_n(
+            Action::Malformed(kind),
+            MALFORMED_PER_KIND,
+        ));
     }
     g.shuffle(&mut actions);
     // Redeliveries and conflicts need an earlier event: start with a new one.
@@ -419,7 +425,8 @@ fn generate(seed: u64) -> Output {
             Action::New => {
                 let ev = new_event(&mut g);
                 lines.push(render(&ev, &Layout::canonical()));
-                *expected.balances.entry(ev.account.clone()).or_default() += ev.kind.signed(ev.amount);
+                *expected.balances.entry(ev.account.clone()).or_default() +=
+                    ev.kind.signed(ev.amount);
                 expected.processed += 1;
                 emitted.push(ev);
             }
@@ -515,9 +522,15 @@ mod tests {
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/ledger/data");
         let (jsonl, json, _) = files(42);
         let committed = std::fs::read_to_string(format!("{dir}/expected.json")).unwrap();
-        assert!(json == committed, "expected.json differs from `ledger-gen --seed 42`");
+        assert!(
+            json == committed,
+            "expected.json differs from `ledger-gen --seed 42`"
+        );
         let committed = std::fs::read_to_string(format!("{dir}/payments.jsonl")).unwrap();
-        assert!(jsonl == committed, "payments.jsonl differs from `ledger-gen --seed 42`");
+        assert!(
+            jsonl == committed,
+            "payments.jsonl differs from `ledger-gen --seed 42`"
+        );
     }
 
     #[test]
@@ -527,7 +540,10 @@ mod tests {
         assert_eq!(expected.processed, NEW_EVENTS as u64);
         assert_eq!(expected.duplicates, REDELIVERIES as u64);
         assert_eq!(expected.conflicts, CONFLICTS as u64);
-        assert_eq!(expected.rejected, (MALFORMED_KINDS.len() * MALFORMED_PER_KIND) as u64);
+        assert_eq!(
+            expected.rejected,
+            (MALFORMED_KINDS.len() * MALFORMED_PER_KIND) as u64
+        );
         assert_eq!(expected.balances.len(), ACCOUNTS as usize);
         assert!(lines.iter().all(|l| !l.contains('\n')));
     }

@@ -1,0 +1,160 @@
+//! Feeding a JSON-lines stream through the dispatcher, one line after the other.
+
+use inbox_runtime::{
+    BoxError, Dispatcher, Envelope, Error, InboxDatabase, Outcome, SourceMetadata,
+};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use tokio::io::{AsyncBufRead, AsyncBufReadExt as _};
+
+/// What happened to the lines of one stream.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Counts {
+    /// Non-blank lines read.
+    pub(crate) lines: u64,
+    /// Applied now (`Outcome::Processed`).
+    pub(crate) processed: u64,
+    /// Already applied with the same payload (`Outcome::Duplicate`).
+    pub(crate) duplicates: u64,
+    /// Already applied with a different payload (`Error::Conflict`): not applied.
+    pub(crate) conflicts: u64,
+    /// Not a message: malformed line, unknown message name, undecodable payload, bad key.
+    pub(crate) rejected: u64,
+}
+
+/// One line of the stream: `{"message": NAME, "payload": {…}}`. The payload is kept as raw
+/// bytes: decoding it into the message type is the dispatcher's job.
+#[derive(Deserialize)]
+struct Line<'a> {
+    message: String,
+    #[serde(borrow)]
+    payload: &'a RawValue,
+}
+
+/// Why feeding stopped before the end of the stream.
+#[derive(Debug)]
+pub(crate) enum FeedError {
+    /// The input could not be read.
+    Read { line: u64, error: std::io::Error },
+    /// A handler or the database failed: the message was neither applied nor known to be a
+    /// duplicate, so going on would make the balances meaningless.
+    Failed {
+        line: u64,
+        consumer: &'static str,
+        error: Error<BoxError>,
+    },
+}
+
+impl std::fmt::Display for FeedError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FeedError::Read { line, error } => write!(f, "cannot read line {line}: {error}"),
+            FeedError::Failed {
+                line,
+                consumer,
+                error,
+            } => write!(f, "line {line}: consumer `{consumer}` failed: {error}"),
+        }
+    }
+}
+
+fn trim_newline(mut line: &[u8]) -> &[u8] {
+    while let [rest @ .., b'\n' | b'\r'] = line {
+        line = rest;
+    }
+    line
+}
+
+fn reject(counts: &mut Counts, line: u64, reason: &dyn std::fmt::Display) {
+    counts.rejected += 1;
+    eprintln!("line {line}: rejected: {reason}");
+}
+
+/// Dispatches every line of `input` in order, counting the outcomes. Rejections and conflicts
+/// are reported on stderr with their line numbers. Blank lines are skipped. `source` names the
+/// input in the inbox rows (with the line number as offset).
+pub(crate) async fn feed<DB: InboxDatabase>(
+    dispatcher: &Dispatcher<DB>,
+    mut input: impl AsyncBufRead + Unpin,
+    source: &str,
+) -> Result<Counts, FeedError> {
+    let mut counts = Counts::default();
+    let mut buf = Vec::with_capacity(256);
+    let mut number = 0_u64;
+    loop {
+        buf.clear();
+        let read = input.read_until(b'\n', &mut buf).await;
+        number += 1;
+        match read {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(error) => {
+                return Err(FeedError::Read {
+                    line: number,
+                    error,
+                });
+            }
+        }
+        let line = trim_newline(&buf);
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        counts.lines += 1;
+
+        let envelope = match serde_json::from_slice::<Line<'_>>(line) {
+            Ok(Line { message, payload }) => Envelope::new(message, payload.get()).with_source(
+                SourceMetadata::new(source).offset(i64::try_from(number).unwrap_or(i64::MAX)),
+            ),
+            Err(error) => {
+                reject(
+                    &mut counts,
+                    number,
+                    &format_args!("not a message envelope: {error}"),
+                );
+                continue;
+            }
+        };
+        let outcomes = match dispatcher.dispatch(&envelope).await {
+            Ok(outcomes) => outcomes,
+            Err(error) => {
+                reject(&mut counts, number, &error);
+                continue;
+            }
+        };
+        for outcome in outcomes {
+            match outcome.result {
+                Ok(Outcome::Processed(())) => counts.processed += 1,
+                Ok(Outcome::Duplicate) => counts.duplicates += 1,
+                Err(Error::Conflict(conflict)) => {
+                    counts.conflicts += 1;
+                    eprintln!(
+                        "line {number}: conflict: `{}` was applied with another payload \
+                         (fingerprint {:.12}…, now {:.12}…): not applied",
+                        conflict.key,
+                        conflict.stored.to_hex(),
+                        conflict.received.to_hex(),
+                    );
+                }
+                Err(Error::Key(error)) => reject(&mut counts, number, &error),
+                Err(error) => {
+                    return Err(FeedError::Failed {
+                        line: number,
+                        consumer: outcome.consumer,
+                        error,
+                    });
+                }
+                // `Outcome` is non-exhaustive: an outcome this demo does not know is a failure.
+                Ok(other) => {
+                    return Err(FeedError::Failed {
+                        line: number,
+                        consumer: outcome.consumer,
+                        error: Error::Handler(
+                            format!("unexpected outcome `{}`", other.kind()).into(),
+                        ),
+                    });
+                }
+            }
+        }
+    }
+    Ok(counts)
+}
