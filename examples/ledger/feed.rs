@@ -1,7 +1,7 @@
 //! Feeding a JSON-lines stream through the dispatcher, one line after the other.
 
 use inbox_runtime::{
-    BoxError, Dispatcher, Envelope, Error, InboxDatabase, Outcome, SourceMetadata,
+    BoxError, DispatchError, Dispatcher, Envelope, Error, InboxDatabase, Outcome, SourceMetadata,
 };
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -116,6 +116,19 @@ pub(crate) async fn feed<DB: InboxDatabase>(
         };
         let outcomes = match dispatcher.dispatch(&envelope).await {
             Ok(outcomes) => outcomes,
+            // serde_json's message already ends with the position: don't repeat it.
+            Err(DispatchError::Decode {
+                message_name,
+                source,
+                ..
+            }) => {
+                reject(
+                    &mut counts,
+                    number,
+                    &format_args!("payload is not a valid `{message_name}`: {source}"),
+                );
+                continue;
+            }
             Err(error) => {
                 reject(&mut counts, number, &error);
                 continue;
