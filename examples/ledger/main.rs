@@ -318,4 +318,78 @@ mod tests {
         assert_eq!(db.balances().await.unwrap()["acct-1"], 300);
         db.close().await;
     }
+
+    /// Feeds the bundled sample twice into `db` and checks both runs against `expected.json`.
+    async fn sample_twice(db: &Db) {
+        let expected = Expected::load(SAMPLE_EXPECTED.as_ref()).unwrap();
+        let sample = || async {
+            let file = tokio::fs::File::open(SAMPLE).await.unwrap();
+            Box::new(BufReader::new(file)) as Input
+        };
+        db.setup().await.unwrap();
+        assert!(db.balances().await.unwrap().is_empty());
+
+        let first = process(db, sample().await, "sample").await.unwrap();
+        assert_eq!(expected.count_mismatches(&first), Vec::<String>::new());
+        let balances = db.balances().await.unwrap();
+        assert_eq!(expected.balance_mismatches(&balances), Vec::<String>::new());
+
+        let second = process(db, sample().await, "sample").await.unwrap();
+        assert_eq!(
+            second,
+            Counts {
+                processed: 0,
+                duplicates: first.processed + first.duplicates,
+                ..first
+            }
+        );
+        assert_eq!(db.balances().await.unwrap(), balances);
+    }
+
+    /// The whole sample on SQLite, twice: the demo's own acceptance check.
+    #[tokio::test]
+    async fn sample_on_sqlite() {
+        let tmp = TempDb::new("sample");
+        let (db, _) = Db::connect(Some(&tmp.url())).await.unwrap();
+        sample_twice(&db).await;
+        db.close().await;
+    }
+
+    /// The whole sample on PostgreSQL, twice, if `DATABASE_URL` names one (`scripts/test.sh`),
+    /// in a schema of its own that is dropped afterwards.
+    #[tokio::test]
+    async fn sample_on_postgres() {
+        let url = match std::env::var("DATABASE_URL") {
+            Ok(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => url,
+            _ => {
+                eprintln!("sample_on_postgres: skipped, DATABASE_URL names no PostgreSQL");
+                return;
+            }
+        };
+        let schema = format!("ledger_test_{}", std::process::id());
+        let admin = sqlx::PgPool::connect(&url).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP SCHEMA IF EXISTS {schema} CASCADE"
+        )))
+        .execute(&admin)
+        .await
+        .unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+            .execute(&admin)
+            .await
+            .unwrap();
+        // The test needs no durability: spare PostgreSQL a WAL flush per transaction.
+        let separator = if url.contains('?') { '&' } else { '?' };
+        let test_url = format!(
+            "{url}{separator}options[search_path]={schema}&options[synchronous_commit]=off"
+        );
+        let (db, _) = Db::connect(Some(&test_url)).await.unwrap();
+        sample_twice(&db).await;
+        db.close().await;
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+            .execute(&admin)
+            .await
+            .unwrap();
+        admin.close().await;
+    }
 }
