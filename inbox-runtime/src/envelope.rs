@@ -1,5 +1,7 @@
 //! Envelopes: what a source hands the dispatcher.
 
+use std::collections::BTreeMap;
+
 /// One delivery as the dispatcher sees it: the message's routing name, its payload bytes (JSON),
 /// and where it came from.
 ///
@@ -19,6 +21,10 @@ pub struct Envelope {
     pub payload: Vec<u8>,
     /// Where the delivery came from, if known; recorded with the claim.
     pub source: Option<SourceMetadata>,
+    /// The delivery's text headers as the broker carried them (AMQP headers table, NATS
+    /// headers), name → value; empty if the source has none. Informational: routing uses
+    /// [`Envelope::message_name`] only.
+    pub headers: BTreeMap<String, String>,
 }
 
 impl Envelope {
@@ -28,7 +34,14 @@ impl Envelope {
             message_name: message_name.into(),
             payload: payload.into(),
             source: None,
+            headers: BTreeMap::new(),
         }
+    }
+
+    /// Adds a header (replacing one of the same name).
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
     }
 
     /// Attaches source metadata (recorded in the inbox row with the claim).
@@ -51,6 +64,13 @@ pub struct SourceMetadata {
     pub offset: Option<i64>,
     /// Whether the source marks this delivery as a redelivery.
     pub redelivered: bool,
+    /// The producer's message id as the broker carried it (AMQP `message_id` property, NATS
+    /// `Nats-Msg-Id` header), if any. Informational: the idempotency key comes from the
+    /// message itself.
+    pub message_id: Option<String>,
+    /// How many times the broker has delivered this message, this delivery included (JetStream's
+    /// delivery count, RabbitMQ's `x-delivery-count` on quorum queues), if the source knows.
+    pub delivery_count: Option<u64>,
 }
 
 impl SourceMetadata {
@@ -77,6 +97,18 @@ impl SourceMetadata {
     /// Marks the delivery as a redelivery (as the source reports it).
     pub fn redelivered(mut self, redelivered: bool) -> Self {
         self.redelivered = redelivered;
+        self
+    }
+
+    /// Sets the producer's message id.
+    pub fn message_id(mut self, message_id: impl Into<String>) -> Self {
+        self.message_id = Some(message_id.into());
+        self
+    }
+
+    /// Sets the delivery count (1 for a first delivery).
+    pub fn delivery_count(mut self, delivery_count: u64) -> Self {
+        self.delivery_count = Some(delivery_count);
         self
     }
 }

@@ -1,5 +1,8 @@
 //! Errors of the claim-then-act wrapper and the dispatcher.
 
+use std::time::Duration;
+
+use crate::classify::ErrorClass;
 use crate::fingerprint::{Fingerprint, FingerprintError};
 use crate::key::{IdempotencyKey, KeyError};
 use crate::store::Backend;
@@ -13,10 +16,10 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error<E> {
-    /// The handler returned an error. Its transaction, claim included, was rolled back: nothing
-    /// of this attempt is in the database, and a redelivery will run the handler again.
-    #[error("handler failed: {0}")]
-    Handler(E),
+    /// The handler returned an error. Its transaction, claim included, was rolled back; the
+    /// attempt was then recorded (see [`HandlerFailure::disposition`]).
+    #[error("{0}")]
+    Handler(HandlerFailure<E>),
     /// The key was processed before with a *different* payload. Nothing ran; nothing written.
     #[error(transparent)]
     Conflict(#[from] Conflict),
@@ -35,7 +38,7 @@ impl<E> Error<E> {
     /// The handler's error, if that is what this is.
     pub fn into_handler_error(self) -> Option<E> {
         match self {
-            Error::Handler(error) => Some(error),
+            Error::Handler(failure) => Some(failure.error),
             _ => None,
         }
     }
@@ -60,15 +63,83 @@ impl<E> Error<E> {
         }
     }
 
+    /// The handler failure, if that is what this is.
+    pub fn as_handler_failure(&self) -> Option<&HandlerFailure<E>> {
+        match self {
+            Error::Handler(failure) => Some(failure),
+            _ => None,
+        }
+    }
+
     /// Converts the handler error type, keeping every other variant.
     pub fn map_handler<F>(self, f: impl FnOnce(E) -> F) -> Error<F> {
         match self {
-            Error::Handler(error) => Error::Handler(f(error)),
+            Error::Handler(failure) => Error::Handler(HandlerFailure {
+                error: f(failure.error),
+                class: failure.class,
+                attempts: failure.attempts,
+                disposition: failure.disposition,
+            }),
             Error::Conflict(conflict) => Error::Conflict(conflict),
             Error::Key(error) => Error::Key(error),
             Error::Fingerprint(error) => Error::Fingerprint(error),
             Error::Database(error) => Error::Database(error),
         }
+    }
+}
+
+/// A handler error, with what became of the attempt.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct HandlerFailure<E> {
+    /// The handler's own error, intact.
+    pub error: E,
+    /// Its class ([`crate::Classify`], or the error chain, or `Retryable`).
+    pub class: ErrorClass,
+    /// Attempts that ran the handler for this key so far, this one included.
+    pub attempts: u32,
+    /// What was recorded.
+    pub disposition: Disposition,
+}
+
+impl<E: std::fmt::Display> std::fmt::Display for HandlerFailure<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "handler failed ({} error, attempt {}",
+            self.class.as_str(),
+            self.attempts
+        )?;
+        match self.disposition {
+            Disposition::Retry { after } => write!(f, ", retry in {} ms", after.as_millis())?,
+            Disposition::Dead => f.write_str(", dead-lettered")?,
+            Disposition::NotRecorded => f.write_str(", not recorded")?,
+        }
+        write!(f, "): {}", self.error)
+    }
+}
+
+/// What was recorded for a failed attempt, and so what a source should do with the delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Disposition {
+    /// Recorded as `failed` (payload kept): redeliver it, no earlier than `after`.
+    Retry {
+        /// Delay before the next attempt (also stored as `next_attempt_at`, database clock).
+        after: Duration,
+    },
+    /// Recorded as `dead` with its payload (permanent, or `max_attempts` reached): ack the
+    /// delivery; an operator can replay or discard it.
+    Dead,
+    /// Nothing was recorded (the database failed too, or a concurrent delivery processed the
+    /// key meanwhile): redeliver it.
+    NotRecorded,
+}
+
+impl Disposition {
+    /// `true` if the delivery may be acked: the message is safe in the inbox as `dead`.
+    pub fn is_settled(&self) -> bool {
+        matches!(self, Disposition::Dead)
     }
 }
 

@@ -1,15 +1,22 @@
 //! Messages, handlers and the claim-then-act wrapper every `#[idempotent]` function runs in.
 
+use std::time::Instant;
+
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use tracing::Instrument as _;
 
 use crate::BoxFuture;
+use crate::classify::{Classify as _, ErrorClass};
 use crate::envelope::SourceMetadata;
-use crate::error::{Conflict, Error, StoreError};
+use crate::error::{Conflict, Disposition, Error, HandlerFailure, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::outcome::Outcome;
-use crate::store::{ClaimRequest, ClaimResult, InboxConnection};
+use crate::policy::RetryPolicy;
+use crate::store::{
+    ClaimRequest, ClaimResult, FailureRecord, InboxConnection, Rejection, RejectionReason,
+};
 
 /// A message type: its routing name and its idempotency key. Derive it with
 /// [`#[derive(Message)]`](macro@crate::Message).
@@ -49,14 +56,21 @@ pub trait Handler: Send + Sync + 'static {
     /// The handler's `Ok` type.
     type Output: Send + 'static;
     /// The handler's `Err` type.
-    type Error: Send + 'static;
+    type Error: std::fmt::Display + Send + 'static;
     /// The consumer name: the inbox scope of this handler.
     const CONSUMER: &'static str;
     /// Module path and name of the function, for diagnostics.
     const FUNCTION: &'static str;
+    /// `#[idempotent(max_attempts = N)]`, overriding the dispatcher's [`RetryPolicy`].
+    const MAX_ATTEMPTS: Option<u32> = None;
 
     /// The idempotency key of `msg` for this handler.
     fn key(msg: &Self::Message) -> Result<IdempotencyKey, KeyError>;
+
+    /// The class of a handler error (generated: `Classify`, else the error chain).
+    fn classify(_error: &Self::Error) -> ErrorClass {
+        ErrorClass::Retryable
+    }
 
     /// The original function body, run on the inbox transaction.
     fn call<'c>(
@@ -65,8 +79,20 @@ pub trait Handler: Send + Sync + 'static {
     ) -> BoxFuture<'c, Result<Self::Output, Self::Error>>;
 }
 
-/// Runs `H` on `msg` over `conn`: key, fingerprint, then [`run_claimed`]. What the rewritten
-/// function calls.
+/// Everything about one delivery that stays the same across its attempts.
+pub(crate) struct Delivery<'a> {
+    pub(crate) key: &'a IdempotencyKey,
+    pub(crate) fingerprint: &'a Fingerprint,
+    pub(crate) source: Option<&'a SourceMetadata>,
+    /// The payload as delivered, if known (else the message is serialized when needed).
+    pub(crate) payload: Option<&'a [u8]>,
+    pub(crate) policy: &'a RetryPolicy,
+    /// An operator's replay: a `dead` key may be claimed too.
+    pub(crate) replay: bool,
+}
+
+/// Runs `H` on `msg` over `conn` with the default [`RetryPolicy`]: what the rewritten function
+/// calls.
 #[doc(hidden)]
 pub async fn run<H: Handler>(
     conn: &mut H::Connection,
@@ -74,18 +100,114 @@ pub async fn run<H: Handler>(
 ) -> Result<Outcome<H::Output>, Error<H::Error>> {
     let key = H::key(&msg)?;
     let fingerprint = Fingerprint::of(&msg)?;
-    run_claimed::<H>(conn, msg, &key, &fingerprint, None).await
+    let policy = RetryPolicy::default();
+    let delivery = Delivery {
+        key: &key,
+        fingerprint: &fingerprint,
+        source: None,
+        payload: None,
+        policy: &policy,
+        replay: false,
+    };
+    run_delivery::<H>(conn, &msg, &delivery).await
 }
 
-/// The transaction: BEGIN, claim, body, COMMIT — or ROLLBACK on a duplicate, a conflict or a
+/// One delivery on one connection: attempts with in-process retries of transient faults, then
+/// the failure, if any, recorded.
+pub(crate) async fn run_delivery<H: Handler>(
+    conn: &mut H::Connection,
+    msg: &H::Message,
+    delivery: &Delivery<'_>,
+) -> Result<Outcome<H::Output>, Error<H::Error>> {
+    let span = tracing::info_span!(
+        "inbox.message",
+        consumer = H::CONSUMER,
+        message = <H::Message as Message>::NAME,
+        key = %delivery.key,
+        outcome = tracing::field::Empty,
+        attempts = tracing::field::Empty,
+    );
+    async move {
+        let mut delays = delivery.policy.transient_delays();
+        let mut result = attempt::<H>(conn, msg.clone(), delivery).await;
+        while is_transient::<H, _>(&result) {
+            let Some(delay) = delays.next() else { break };
+            tracing::debug!(delay_ms = delay.as_millis() as u64, "transient failure; retrying");
+            tokio::time::sleep(delay).await;
+            result = attempt::<H>(conn, msg.clone(), delivery).await;
+        }
+        let result = match result {
+            Err(Error::Handler(failure)) => Err(Error::Handler(
+                record_failure::<H>(conn, msg, delivery, failure).await,
+            )),
+            Err(Error::Conflict(conflict)) => {
+                record_conflict::<H>(conn, msg, delivery, &conflict).await;
+                Err(Error::Conflict(conflict))
+            }
+            other => other,
+        };
+        observe(H::CONSUMER, &result);
+        result
+    }
+    .instrument(span)
+    .await
+}
+
+fn is_transient<H: Handler, T>(result: &Result<T, Error<H::Error>>) -> bool {
+    match result {
+        Err(Error::Handler(failure)) => failure.class == ErrorClass::Transient,
+        // A commit whose answer was lost is retried too: the claim tells whether it landed.
+        Err(Error::Database(error)) => error.source.class() == ErrorClass::Transient,
+        _ => false,
+    }
+}
+
+/// Counts the outcome and records it on the current span.
+fn observe<T, E>(consumer: &'static str, result: &Result<Outcome<T>, Error<E>>) {
+    let outcome = match result {
+        Ok(outcome) => outcome.kind(),
+        Err(Error::Handler(failure)) => match failure.disposition {
+            Disposition::Dead => "dead",
+            _ => "failed",
+        },
+        Err(error) => error.kind(),
+    };
+    tracing::Span::current().record("outcome", outcome);
+    if let Err(error) = result {
+        tracing::warn!(error = %ErrorDisplay(error), "message not processed");
+    }
+    metrics::counter!("inbox_messages_total", "consumer" => consumer, "outcome" => outcome)
+        .increment(1);
+}
+
+/// Displays an `Error<E>` without requiring `E: Display` on the public type.
+struct ErrorDisplay<'a, E>(&'a Error<E>);
+
+impl<E> std::fmt::Display for ErrorDisplay<'_, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Error::Handler(failure) => write!(
+                f,
+                "handler failed ({}, attempt {})",
+                failure.class.as_str(),
+                failure.attempts
+            ),
+            Error::Conflict(error) => error.fmt(f),
+            Error::Key(error) => error.fmt(f),
+            Error::Fingerprint(error) => error.fmt(f),
+            Error::Database(error) => error.fmt(f),
+        }
+    }
+}
+
+/// One attempt: BEGIN, claim, body, COMMIT — or ROLLBACK on a duplicate, a conflict or a
 /// handler error.
-pub(crate) async fn run_claimed<H: Handler>(
+async fn attempt<H: Handler>(
     conn: &mut H::Connection,
     msg: H::Message,
-    key: &IdempotencyKey,
-    fingerprint: &Fingerprint,
-    source: Option<&SourceMetadata>,
+    delivery: &Delivery<'_>,
 ) -> Result<Outcome<H::Output>, Error<H::Error>> {
+    let key = delivery.key;
     let store_error = |operation: &'static str| {
         move |source: sqlx::Error| StoreError {
             consumer: H::CONSUMER,
@@ -94,32 +216,61 @@ pub(crate) async fn run_claimed<H: Handler>(
             source,
         }
     };
-    let payload_hash = fingerprint.to_hex();
+    let payload_hash = delivery.fingerprint.to_hex();
     let request = ClaimRequest {
         consumer: H::CONSUMER,
         message_key: key.as_str(),
         message_name: <H::Message as Message>::NAME,
         payload_hash: &payload_hash,
-        source,
+        source: delivery.source,
+        replay: delivery.replay,
     };
 
+    let started = Instant::now();
     let mut tx = conn.begin_inbox().await.map_err(store_error("begin"))?;
     let claimed = H::Connection::in_transaction(&mut tx).claim(&request).await;
-    let existing = match claimed {
-        Ok(ClaimResult::Claimed) => None,
-        Ok(ClaimResult::Existing { payload_hash, .. }) => Some(payload_hash),
+    metrics::histogram!("inbox_claim_duration_seconds", "consumer" => H::CONSUMER)
+        .record(started.elapsed().as_secs_f64());
+    let (status, stored_hash, attempts) = match claimed {
+        Ok(ClaimResult::Claimed { attempts }) => {
+            tracing::Span::current().record("attempts", attempts);
+            let started = Instant::now();
+            let result = H::call(H::Connection::in_transaction(&mut tx), msg).await;
+            metrics::histogram!("inbox_handler_duration_seconds", "consumer" => H::CONSUMER)
+                .record(started.elapsed().as_secs_f64());
+            return match result {
+                Ok(value) => {
+                    tx.commit().await.map_err(store_error("commit"))?;
+                    Ok(Outcome::Processed(value))
+                }
+                Err(error) => {
+                    // The handler's error is what the caller needs; a failing rollback means
+                    // the connection is gone, and the server rolls back with it.
+                    let _ = tx.rollback().await;
+                    Err(Error::Handler(HandlerFailure {
+                        class: H::classify(&error),
+                        error,
+                        attempts,
+                        disposition: Disposition::NotRecorded,
+                    }))
+                }
+            };
+        }
+        Ok(ClaimResult::Existing {
+            status,
+            payload_hash,
+            attempts,
+        }) => (status, payload_hash, attempts),
         Err(source) => {
-            // The claim failed: nothing of ours is written. Roll back explicitly (a rollback on
-            // drop is deferred and reports nothing); the claim's error is the one to report.
+            // Nothing of ours is written. Roll back explicitly (a rollback on drop is deferred
+            // and reports nothing); the claim's error is the one to report.
             let _ = tx.rollback().await;
             return Err(store_error("claim")(source).into());
         }
     };
-    if let Some(stored_hash) = existing {
-        tx.rollback().await.map_err(store_error("rollback"))?;
-        if stored_hash == payload_hash {
-            return Ok(Outcome::Duplicate);
-        }
+    tx.rollback().await.map_err(store_error("rollback"))?;
+    tracing::Span::current().record("attempts", attempts);
+    if stored_hash != payload_hash {
         let stored = Fingerprint::from_hex(&stored_hash).ok_or_else(|| {
             store_error("claim")(sqlx::Error::Decode(
                 format!("stored payload_hash {stored_hash:?} is not a SHA-256 hex digest").into(),
@@ -130,21 +281,93 @@ pub(crate) async fn run_claimed<H: Handler>(
             message_name: <H::Message as Message>::NAME,
             key: key.clone(),
             stored,
-            received: *fingerprint,
+            received: *delivery.fingerprint,
         }
         .into());
     }
+    Ok(match status.as_str() {
+        "dead" => Outcome::Dead,
+        "discarded" => Outcome::Discarded,
+        _ => Outcome::Duplicate,
+    })
+}
 
-    match H::call(H::Connection::in_transaction(&mut tx), msg).await {
-        Ok(value) => {
-            tx.commit().await.map_err(store_error("commit"))?;
-            Ok(Outcome::Processed(value))
+fn payload_of<M: Serialize>(msg: &M, delivery: &Delivery<'_>) -> Vec<u8> {
+    match delivery.payload {
+        Some(payload) => payload.to_vec(),
+        // A message that fingerprinted serializes: the fingerprint was computed over it.
+        None => serde_json::to_vec(msg).unwrap_or_default(),
+    }
+}
+
+/// Records a failed attempt in its own statement, after the rollback.
+async fn record_failure<H: Handler>(
+    conn: &mut H::Connection,
+    msg: &H::Message,
+    delivery: &Delivery<'_>,
+    mut failure: HandlerFailure<H::Error>,
+) -> HandlerFailure<H::Error> {
+    let max_attempts = H::MAX_ATTEMPTS.unwrap_or(delivery.policy.max_attempts).max(1);
+    let retry_delay = delivery.policy.retry_delay(failure.attempts.max(1));
+    let last_error = delivery
+        .policy
+        .bounded_error(format!("{} error: {}", failure.class.as_str(), failure.error));
+    let payload_hash = delivery.fingerprint.to_hex();
+    let payload = payload_of(msg, delivery);
+    let record = FailureRecord {
+        consumer: H::CONSUMER,
+        message_key: delivery.key.as_str(),
+        message_name: <H::Message as Message>::NAME,
+        payload_hash: &payload_hash,
+        permanent: failure.class == ErrorClass::Permanent,
+        max_attempts,
+        last_error: &last_error,
+        retry_delay_ms: i64::try_from(retry_delay.as_millis()).unwrap_or(i64::MAX),
+        payload: &payload,
+        source: delivery.source,
+    };
+    match conn.record_failure(&record).await {
+        Ok(Some((status, attempts))) => {
+            failure.attempts = attempts;
+            failure.disposition = if status == "dead" {
+                Disposition::Dead
+            } else {
+                Disposition::Retry { after: retry_delay }
+            };
+        }
+        Ok(None) => {
+            // Processed by a concurrent delivery since: nothing to record.
+            failure.disposition = Disposition::NotRecorded;
         }
         Err(error) => {
-            // The handler's error is what the caller needs; a failing rollback means the
-            // connection is gone, and the server rolls the transaction back with it.
-            let _ = tx.rollback().await;
-            Err(Error::Handler(error))
+            tracing::error!(%error, "could not record the failed attempt");
+            failure.disposition = Disposition::NotRecorded;
         }
+    }
+    failure
+}
+
+/// Keeps a conflicting delivery (payload included) in `inbox_rejections`.
+async fn record_conflict<H: Handler>(
+    conn: &mut H::Connection,
+    msg: &H::Message,
+    delivery: &Delivery<'_>,
+    conflict: &Conflict,
+) {
+    let payload = payload_of(msg, delivery);
+    let detail = conflict.to_string();
+    let received = conflict.received.to_hex();
+    let rejection = Rejection {
+        consumer: Some(H::CONSUMER),
+        message_key: Some(delivery.key.as_str()),
+        message_name: <H::Message as Message>::NAME,
+        reason: RejectionReason::Conflict,
+        detail: &detail,
+        payload_hash: Some(&received),
+        payload: &payload,
+        source: delivery.source,
+    };
+    if let Err(error) = conn.record_rejection(&rejection).await {
+        tracing::error!(%error, "could not record the conflicting delivery");
     }
 }

@@ -76,26 +76,43 @@
 
 #![warn(missing_docs, unreachable_pub, rust_2018_idioms)]
 
+pub mod admin;
+mod classify;
 mod envelope;
 mod error;
 mod fingerprint;
 mod handler;
 mod key;
 mod outcome;
+mod policy;
 mod registry;
 mod store;
+pub mod source;
+mod worker;
 
 use std::future::Future;
 use std::pin::Pin;
 
 pub use envelope::{Envelope, SourceMetadata};
-pub use error::{BoxError, Conflict, DispatchError, Error, RegistryError, StoreError};
+pub use classify::{Classify, ErrorClass, Permanent, classify_error_chain};
+pub use error::{
+    BoxError, Conflict, DispatchError, Disposition, Error, HandlerFailure, RegistryError,
+    StoreError,
+};
 pub use fingerprint::{Fingerprint, FingerprintError};
 pub use handler::Message;
 pub use key::{IdempotencyKey, KeyError, KeyPart, MAX_KEY_BYTES};
 pub use outcome::Outcome;
-pub use registry::{ConsumerOutcome, Dispatcher, HandlerInfo, registered_handlers};
-pub use store::{Backend, InboxConnection, InboxDatabase, MIGRATIONS_TABLE};
+pub use policy::RetryPolicy;
+pub use registry::{ConsumerOutcome, Dispatcher, HandlerInfo, ReplayError, registered_handlers};
+pub use store::{
+    Backend, InboxConnection, InboxDatabase, MIGRATIONS_TABLE, RejectionReason, StatsRow,
+    StoredMessage,
+};
+
+pub use worker::{
+    StopReason, Worker, WorkerError, WorkerReport, cancel_on_signal, settlement_for, shutdown_signal,
+};
 
 /// Rewrites an `async fn(conn: &mut <Backend>Connection, msg: M) -> Result<T, E>` to run inside
 /// the inbox's claim-then-act transaction and registers it with the [`Dispatcher`].
@@ -131,6 +148,7 @@ pub async fn migrate<DB: InboxDatabase>(pool: &sqlx::Pool<DB>) -> Result<(), Mig
 #[doc(hidden)]
 pub mod __private {
     pub use crate::BoxFuture;
+    pub use crate::classify::probe::{Probe, ViaAsRefError, ViaClassify, ViaFallback, ViaStdError};
     pub use crate::handler::{Handler, HandlerResult, run};
     pub use crate::key::{KeyPart, KeySegment, key_from_field, key_from_template};
     pub use crate::registry::{DynHandler, Registration};

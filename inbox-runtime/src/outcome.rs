@@ -15,6 +15,12 @@ pub enum Outcome<T> {
     /// The key had already been processed with the same payload fingerprint: nothing ran,
     /// nothing was written. The source may ack the delivery.
     Duplicate,
+    /// The key is dead-lettered (a permanent error, or `max_attempts` reached, earlier): nothing
+    /// ran. The payload is kept in the inbox; the source may ack the delivery. Replay it with
+    /// [`crate::Dispatcher::replay`] or the admin CLI.
+    Dead,
+    /// An operator discarded the key: nothing ran, nothing will. The source may ack.
+    Discarded,
 }
 
 impl<T> Outcome<T> {
@@ -32,7 +38,7 @@ impl<T> Outcome<T> {
     pub fn processed(self) -> Option<T> {
         match self {
             Outcome::Processed(value) => Some(value),
-            Outcome::Duplicate => None,
+            _ => None,
         }
     }
 
@@ -41,14 +47,19 @@ impl<T> Outcome<T> {
         match self {
             Outcome::Processed(value) => Outcome::Processed(f(value)),
             Outcome::Duplicate => Outcome::Duplicate,
+            Outcome::Dead => Outcome::Dead,
+            Outcome::Discarded => Outcome::Discarded,
         }
     }
 
-    /// The outcome's name as used in logs and metrics: `"processed"` or `"duplicate"`.
+    /// The outcome's name as used in logs and metrics: `"processed"`, `"duplicate"`, `"dead"`
+    /// or `"discarded"`.
     pub fn kind(&self) -> &'static str {
         match self {
             Outcome::Processed(_) => "processed",
             Outcome::Duplicate => "duplicate",
+            Outcome::Dead => "dead",
+            Outcome::Discarded => "discarded",
         }
     }
 }

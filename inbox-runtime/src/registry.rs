@@ -7,10 +7,12 @@ use std::fmt;
 use sqlx::Pool;
 
 use crate::BoxFuture;
-use crate::envelope::{Envelope, SourceMetadata};
+use crate::envelope::Envelope;
 use crate::error::{BoxError, DispatchError, Error, RegistryError, StoreError};
 use crate::fingerprint::{Fingerprint, FingerprintError};
-use crate::handler::{Handler, Message, run_claimed};
+use crate::handler::{Delivery, Handler, Message, run_delivery};
+use crate::policy::RetryPolicy;
+use crate::store::{Rejection, RejectionReason};
 use crate::key::{IdempotencyKey, KeyError};
 use crate::outcome::Outcome;
 use crate::store::{AnyConnection, Backend, InboxConnection, InboxDatabase};
@@ -32,9 +34,7 @@ pub trait DynHandler: Send + Sync + 'static {
         &'c self,
         conn: AnyConnection<'c>,
         msg: &'c AnyMessage,
-        key: &'c IdempotencyKey,
-        fingerprint: &'c Fingerprint,
-        source: Option<&'c SourceMetadata>,
+        delivery: &'c Delivery<'c>,
     ) -> BoxFuture<'c, Result<Outcome<()>, Error<BoxError>>>;
 }
 
@@ -76,15 +76,12 @@ where
         &'c self,
         conn: AnyConnection<'c>,
         msg: &'c AnyMessage,
-        key: &'c IdempotencyKey,
-        fingerprint: &'c Fingerprint,
-        source: Option<&'c SourceMetadata>,
+        delivery: &'c Delivery<'c>,
     ) -> BoxFuture<'c, Result<Outcome<()>, Error<BoxError>>> {
         Box::pin(async move {
             let conn = H::Connection::from_any(conn)
                 .expect("dispatcher routes only handlers of its own backend");
-            let msg = downcast::<H::Message>(msg).clone();
-            run_claimed::<H>(conn, msg, key, fingerprint, source)
+            run_delivery::<H>(conn, downcast::<H::Message>(msg), delivery)
                 .await
                 .map(|outcome| outcome.map(|_| ()))
                 .map_err(|error| error.map_handler(Into::into))
@@ -188,6 +185,7 @@ pub struct ConsumerOutcome {
 pub struct Dispatcher<DB: InboxDatabase> {
     pool: Pool<DB>,
     routes: HashMap<&'static str, Vec<&'static dyn DynHandler>>,
+    policy: RetryPolicy,
 }
 
 impl<DB: InboxDatabase> fmt::Debug for Dispatcher<DB> {
@@ -239,7 +237,22 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
                 other,
             });
         }
-        Ok(Self { pool, routes })
+        Ok(Self {
+            pool,
+            routes,
+            policy: RetryPolicy::default(),
+        })
+    }
+
+    /// Replaces the default [`RetryPolicy`] (handlers' own `max_attempts` still win).
+    pub fn with_retry_policy(mut self, policy: RetryPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// The retry policy in force.
+    pub fn retry_policy(&self) -> &RetryPolicy {
+        &self.policy
     }
 
     /// The handlers this dispatcher routes to, sorted by message name and consumer.
@@ -316,31 +329,245 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         let mut outcomes = Vec::with_capacity(prepared.len());
         for (handler, index, key) in &prepared {
             let (_, msg, fingerprint) = &decoded[*index];
-            let result = match self.pool.acquire().await {
-                Ok(mut conn) => {
-                    handler
-                        .invoke(
-                            DB::any_connection(&mut conn),
-                            &**msg,
-                            key,
-                            fingerprint,
-                            envelope.source.as_ref(),
-                        )
-                        .await
-                }
-                Err(source) => Err(Error::Database(StoreError {
-                    consumer: handler.consumer(),
-                    key: key.clone(),
-                    operation: "acquire",
-                    source,
-                })),
+            let delivery = Delivery {
+                key,
+                fingerprint,
+                source: envelope.source.as_ref(),
+                payload: Some(&envelope.payload),
+                policy: &self.policy,
+                replay: false,
             };
             outcomes.push(ConsumerOutcome {
                 consumer: handler.consumer(),
                 function: handler.function(),
-                result,
+                result: self.invoke(*handler, &**msg, &delivery).await,
             });
         }
         Ok(outcomes)
     }
+
+    /// Runs one handler on a pooled connection; a connection lost on the way (the attempt's
+    /// failure not even recorded) is replaced once and the delivery run again — the claim makes
+    /// that safe.
+    async fn invoke(
+        &self,
+        handler: &'static dyn DynHandler,
+        msg: &AnyMessage,
+        delivery: &Delivery<'_>,
+    ) -> Result<Outcome<()>, Error<BoxError>> {
+        let mut result = self.invoke_once(handler, msg, delivery).await;
+        if lost_connection(&result) {
+            tracing::warn!(consumer = handler.consumer(), "connection lost; retrying on a new one");
+            result = self.invoke_once(handler, msg, delivery).await;
+        }
+        result
+    }
+
+    async fn invoke_once(
+        &self,
+        handler: &'static dyn DynHandler,
+        msg: &AnyMessage,
+        delivery: &Delivery<'_>,
+    ) -> Result<Outcome<()>, Error<BoxError>> {
+        match self.pool.acquire().await {
+            Ok(mut conn) => {
+                handler
+                    .invoke(DB::any_connection(&mut conn), msg, delivery)
+                    .await
+            }
+            Err(source) => Err(Error::Database(StoreError {
+                consumer: handler.consumer(),
+                key: delivery.key.clone(),
+                operation: "acquire",
+                source,
+            })),
+        }
+    }
+
+    /// Keeps an envelope the dispatcher refused ([`DispatchError`]) in `inbox_rejections`,
+    /// payload included, so that a source can ack it without losing it.
+    ///
+    /// # Errors
+    /// The database's error if the row could not be written (then do not ack).
+    pub async fn record_rejection(
+        &self,
+        envelope: &Envelope,
+        error: &DispatchError,
+    ) -> Result<(), sqlx::Error> {
+        let (reason, consumer) = match error {
+            DispatchError::UnknownMessage { .. } => (RejectionReason::UnknownMessage, None),
+            DispatchError::Decode { .. } | DispatchError::Fingerprint { .. } => {
+                (RejectionReason::Malformed, None)
+            }
+            DispatchError::Key { consumer, .. } => (RejectionReason::InvalidKey, Some(*consumer)),
+        };
+        let detail = error.to_string();
+        let rejection = Rejection {
+            consumer,
+            message_key: None,
+            message_name: &envelope.message_name,
+            reason,
+            detail: &detail,
+            payload_hash: None,
+            payload: &envelope.payload,
+            source: envelope.source.as_ref(),
+        };
+        let mut conn = self.pool.acquire().await?;
+        DB::any_connection(&mut conn)
+            .store()
+            .record_rejection(&rejection)
+            .await
+    }
+
+    /// Replays one `failed` or `dead` message: decodes its stored payload and runs its
+    /// registered handler once, through the same claim (a `dead` key may be claimed by a replay).
+    ///
+    /// Replaying a key that is `processed` by now is a [`Outcome::Duplicate`]; two concurrent
+    /// replays of one key apply it once (the second waits on the first's claim).
+    ///
+    /// # Errors
+    /// [`ReplayError`] if the key is unknown, has no payload, no registered handler, or its
+    /// payload no longer decodes or yields the stored key.
+    pub async fn replay(&self, consumer: &str, key: &str) -> Result<ConsumerOutcome, ReplayError> {
+        let stored = {
+            let mut conn = self.pool.acquire().await?;
+            DB::any_connection(&mut conn)
+                .store()
+                .fetch_message(consumer, key)
+                .await?
+        }
+        .ok_or_else(|| ReplayError::NotFound {
+            consumer: consumer.to_owned(),
+            key: key.to_owned(),
+        })?;
+        let handler = self
+            .routes
+            .get(stored.message_name.as_str())
+            .and_then(|handlers| handlers.iter().find(|h| h.consumer() == consumer))
+            .copied()
+            .ok_or_else(|| ReplayError::NoHandler {
+                consumer: consumer.to_owned(),
+                message_name: stored.message_name.clone(),
+            })?;
+        if stored.status == "processed" || stored.status == "discarded" {
+            let outcome = if stored.status == "processed" {
+                Outcome::Duplicate
+            } else {
+                Outcome::Discarded
+            };
+            return Ok(ConsumerOutcome {
+                consumer: handler.consumer(),
+                function: handler.function(),
+                result: Ok(outcome),
+            });
+        }
+        let payload = stored.payload.as_deref().ok_or_else(|| ReplayError::NoPayload {
+            consumer: consumer.to_owned(),
+            key: key.to_owned(),
+            status: stored.status.clone(),
+        })?;
+        let msg = handler.decode(payload).map_err(|source| ReplayError::Decode {
+            message_name: stored.message_name.clone(),
+            source,
+        })?;
+        let message_key = handler.key(&*msg).map_err(ReplayError::Key)?;
+        if message_key.as_str() != key {
+            return Err(ReplayError::KeyMismatch {
+                stored: key.to_owned(),
+                decoded: message_key.into_string(),
+            });
+        }
+        let fingerprint = handler.fingerprint(&*msg).map_err(ReplayError::Fingerprint)?;
+        let delivery = Delivery {
+            key: &message_key,
+            fingerprint: &fingerprint,
+            source: None,
+            payload: Some(payload),
+            policy: &self.policy,
+            replay: true,
+        };
+        Ok(ConsumerOutcome {
+            consumer: handler.consumer(),
+            function: handler.function(),
+            result: self.invoke(handler, &*msg, &delivery).await,
+        })
+    }
+}
+
+fn lost_connection<T>(result: &Result<T, Error<BoxError>>) -> bool {
+    let is_lost = |error: &sqlx::Error| {
+        matches!(
+            error,
+            sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed | sqlx::Error::Protocol(_)
+        )
+    };
+    match result {
+        Err(Error::Database(error)) => is_lost(&error.source),
+        Err(Error::Handler(failure)) => {
+            failure.disposition == crate::Disposition::NotRecorded
+                && failure
+                    .error
+                    .downcast_ref::<sqlx::Error>()
+                    .is_some_and(is_lost)
+        }
+        _ => false,
+    }
+}
+
+/// Why [`Dispatcher::replay`] could not run a message.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReplayError {
+    /// No row for this consumer and key.
+    #[error("consumer `{consumer}` has no message with key `{key}`")]
+    NotFound {
+        /// The consumer.
+        consumer: String,
+        /// The key.
+        key: String,
+    },
+    /// The row keeps no payload.
+    #[error("message `{key}` of consumer `{consumer}` is {status} and keeps no payload")]
+    NoPayload {
+        /// The consumer.
+        consumer: String,
+        /// The key.
+        key: String,
+        /// Its status.
+        status: String,
+    },
+    /// No handler of this dispatcher serves that consumer and message.
+    #[error("no registered handler for consumer `{consumer}` and message `{message_name}`")]
+    NoHandler {
+        /// The consumer.
+        consumer: String,
+        /// The message name.
+        message_name: String,
+    },
+    /// The stored payload does not decode as the handler's message type (any more).
+    #[error("stored payload of `{message_name}` does not decode: {source}")]
+    Decode {
+        /// The message name.
+        message_name: String,
+        /// The decoder's error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The decoded message has no valid key.
+    #[error(transparent)]
+    Key(KeyError),
+    /// The decoded message cannot be fingerprinted.
+    #[error(transparent)]
+    Fingerprint(FingerprintError),
+    /// The decoded message's key is not the stored key (the key's definition changed).
+    #[error("stored key `{stored}` but the payload now yields key `{decoded}`")]
+    KeyMismatch {
+        /// The stored key.
+        stored: String,
+        /// The key the handler reads from the payload now.
+        decoded: String,
+    },
+    /// The database failed.
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
 }

@@ -6,7 +6,7 @@ CREATE TABLE IF NOT EXISTS inbox_messages (
     message_name     TEXT    NOT NULL,
     payload_hash     TEXT    NOT NULL,
     status           TEXT    NOT NULL DEFAULT 'processed'
-                     CHECK (status IN ('processed', 'failed', 'dead', 'parked')),
+                     CHECK (status IN ('processed', 'failed', 'dead', 'parked', 'discarded')),
     attempts         INTEGER NOT NULL DEFAULT 1,
     last_error       TEXT,
     received_at      TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')),
@@ -21,8 +21,8 @@ CREATE TABLE IF NOT EXISTS inbox_messages (
     PRIMARY KEY (consumer, message_key)
 ) WITHOUT ROWID;
 
-CREATE INDEX IF NOT EXISTS inbox_messages_status_processed_at
-    ON inbox_messages (status, processed_at);
+CREATE INDEX IF NOT EXISTS inbox_messages_status_received_at
+    ON inbox_messages (status, received_at);
 
 CREATE TABLE IF NOT EXISTS inbox_aggregate_state (
     consumer      TEXT    NOT NULL,

@@ -1,19 +1,27 @@
-//! Inbox stores: the claim statement and migrations of each backend.
+//! Inbox stores: the SQL of each backend, behind one trait implemented for `PgConnection` and
+//! `SqliteConnection`.
 //!
-//! The backend of a handler follows from its connection type: `&mut sqlx::PgConnection` claims
-//! in PostgreSQL, `&mut sqlx::SqliteConnection` in SQLite. The SQL text of each backend lives in
-//! its own module.
+//! The backend of a handler follows from its connection type. Statements whose text is the same
+//! on both backends live here (both accept `$N` parameters when each first appears in order);
+//! those that differ (clock arithmetic, the claim) live in the backend's module. The Rust side
+//! of every operation is written once, in `impl_inbox_connection!`, and instantiated per backend.
 
 use std::borrow::Cow;
 
 use sqlx::migrate::{MigrateError, Migration, MigrationType, Migrator};
-use sqlx::{Pool, Transaction};
+use sqlx::{Pool, SqlSafeStr as _, Transaction};
 
 use crate::BoxFuture;
 use crate::envelope::SourceMetadata;
 
+#[macro_use]
+mod shared;
 mod postgres;
 mod sqlite;
+
+pub use shared::{
+    ClaimRequest, ClaimResult, FailureRecord, Rejection, RejectionReason, StatsRow, StoredMessage,
+};
 
 /// Name of the table where the inbox's own schema migrations are recorded.
 ///
@@ -57,29 +65,88 @@ pub enum AnyConnection<'c> {
     Sqlite(&'c mut sqlx::SqliteConnection),
 }
 
-/// What one claim asks the inbox for.
-#[doc(hidden)]
-pub struct ClaimRequest<'a> {
-    pub consumer: &'a str,
-    pub message_key: &'a str,
-    pub message_name: &'a str,
-    pub payload_hash: &'a str,
-    pub source: Option<&'a SourceMetadata>,
+impl<'c> AnyConnection<'c> {
+    /// The connection's store operations, whatever its backend.
+    pub(crate) fn store(self) -> &'c mut dyn Store {
+        match self {
+            AnyConnection::Postgres(conn) => conn,
+            AnyConnection::Sqlite(conn) => conn,
+        }
+    }
 }
 
-/// What the claim statement found.
-#[doc(hidden)]
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ClaimResult {
-    /// The key was free and is now held by this transaction.
-    Claimed,
-    /// A row for the key exists (committed by an earlier or a concurrent transaction).
-    Existing {
-        /// The stored fingerprint (hex).
-        payload_hash: String,
-        /// The stored status.
-        status: String,
-    },
+/// The store operations that do not depend on a handler's types, object-safe, for the
+/// dispatcher and the admin API. Blanket-implemented for every [`InboxConnection`].
+pub(crate) trait Store: Send {
+    fn record_rejection<'c>(
+        &'c mut self,
+        rejection: &'c Rejection<'c>,
+    ) -> BoxFuture<'c, Result<(), sqlx::Error>>;
+    fn fetch_message<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        key: &'c str,
+    ) -> BoxFuture<'c, Result<Option<StoredMessage>, sqlx::Error>>;
+    fn list_messages<'c>(
+        &'c mut self,
+        consumer: Option<&'c str>,
+        statuses: &'c [&'c str],
+        limit: i64,
+    ) -> BoxFuture<'c, Result<Vec<StoredMessage>, sqlx::Error>>;
+    fn discard_message<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        key: &'c str,
+    ) -> BoxFuture<'c, Result<bool, sqlx::Error>>;
+    fn stats(&mut self) -> BoxFuture<'_, Result<Vec<StatsRow>, sqlx::Error>>;
+    fn purge_batch<'c>(
+        &'c mut self,
+        statuses: &'c [&'c str],
+        older_than_secs: f64,
+        batch: i64,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
+}
+
+impl<C: InboxConnection> Store for C {
+    fn record_rejection<'c>(
+        &'c mut self,
+        rejection: &'c Rejection<'c>,
+    ) -> BoxFuture<'c, Result<(), sqlx::Error>> {
+        InboxConnection::record_rejection(self, rejection)
+    }
+    fn fetch_message<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        key: &'c str,
+    ) -> BoxFuture<'c, Result<Option<StoredMessage>, sqlx::Error>> {
+        InboxConnection::fetch_message(self, consumer, key)
+    }
+    fn list_messages<'c>(
+        &'c mut self,
+        consumer: Option<&'c str>,
+        statuses: &'c [&'c str],
+        limit: i64,
+    ) -> BoxFuture<'c, Result<Vec<StoredMessage>, sqlx::Error>> {
+        InboxConnection::list_messages(self, consumer, statuses, limit)
+    }
+    fn discard_message<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        key: &'c str,
+    ) -> BoxFuture<'c, Result<bool, sqlx::Error>> {
+        InboxConnection::discard_message(self, consumer, key)
+    }
+    fn stats(&mut self) -> BoxFuture<'_, Result<Vec<StatsRow>, sqlx::Error>> {
+        InboxConnection::stats(self)
+    }
+    fn purge_batch<'c>(
+        &'c mut self,
+        statuses: &'c [&'c str],
+        older_than_secs: f64,
+        batch: i64,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
+        InboxConnection::purge_batch(self, statuses, older_than_secs, batch)
+    }
 }
 
 /// A connection type an `#[idempotent]` handler can take as its first parameter.
@@ -93,21 +160,78 @@ pub trait InboxConnection: sqlx::Connection + sealed::Sealed + Send + 'static {
     /// Opens the transaction the claim and the handler body share (a savepoint if the
     /// connection is already inside a transaction).
     #[doc(hidden)]
-    fn begin_inbox(
-        &mut self,
-    ) -> BoxFuture<'_, Result<Transaction<'_, Self::Database>, sqlx::Error>>;
+    fn begin_inbox(&mut self)
+    -> BoxFuture<'_, Result<Transaction<'_, Self::Database>, sqlx::Error>>;
 
     /// The connection inside a transaction opened by [`InboxConnection::begin_inbox`].
     #[doc(hidden)]
     fn in_transaction<'t>(tx: &'t mut Transaction<'_, Self::Database>) -> &'t mut Self;
 
-    /// Runs the claim: `INSERT … ON CONFLICT DO NOTHING` first, then, only if the key was
-    /// taken, reads the stored fingerprint.
+    /// The claim: the transaction's first statement. Takes a free key, or a `failed` one (and,
+    /// when `replay`, a `dead` one) whose stored fingerprint equals the request's; otherwise
+    /// reports what is stored.
     #[doc(hidden)]
     fn claim<'c>(
         &'c mut self,
         request: &'c ClaimRequest<'c>,
     ) -> BoxFuture<'c, Result<ClaimResult, sqlx::Error>>;
+
+    /// Records a failed attempt in its own statement (autocommit): `failed` or `dead`, attempts
+    /// + 1, last error, next attempt time, payload. Returns the stored status and attempts, or
+    /// `None` if the key is no longer failed (processed by a concurrent delivery meanwhile).
+    #[doc(hidden)]
+    fn record_failure<'c>(
+        &'c mut self,
+        record: &'c FailureRecord<'c>,
+    ) -> BoxFuture<'c, Result<Option<(String, u32)>, sqlx::Error>>;
+
+    /// Records a delivery that can never be applied (conflict, malformed, unknown, bad key).
+    #[doc(hidden)]
+    fn record_rejection<'c>(
+        &'c mut self,
+        rejection: &'c Rejection<'c>,
+    ) -> BoxFuture<'c, Result<(), sqlx::Error>>;
+
+    /// One stored row, payload included.
+    #[doc(hidden)]
+    fn fetch_message<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        key: &'c str,
+    ) -> BoxFuture<'c, Result<Option<StoredMessage>, sqlx::Error>>;
+
+    /// Rows in `statuses`, optionally of one consumer, oldest first, at most `limit`.
+    #[doc(hidden)]
+    fn list_messages<'c>(
+        &'c mut self,
+        consumer: Option<&'c str>,
+        statuses: &'c [&'c str],
+        limit: i64,
+    ) -> BoxFuture<'c, Result<Vec<StoredMessage>, sqlx::Error>>;
+
+    /// Marks a `failed` or `dead` row `discarded` (kept as a final state, payload dropped).
+    /// Returns whether a row changed.
+    #[doc(hidden)]
+    fn discard_message<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        key: &'c str,
+    ) -> BoxFuture<'c, Result<bool, sqlx::Error>>;
+
+    /// Per consumer and status: count and oldest `received_at`; plus rejections per consumer
+    /// and reason.
+    #[doc(hidden)]
+    fn stats(&mut self) -> BoxFuture<'_, Result<Vec<StatsRow>, sqlx::Error>>;
+
+    /// Deletes at most `batch` rows in `statuses` whose `processed_at` (or `received_at` when
+    /// unset) is older than `older_than_secs`. Returns how many went.
+    #[doc(hidden)]
+    fn purge_batch<'c>(
+        &'c mut self,
+        statuses: &'c [&'c str],
+        older_than_secs: f64,
+        batch: i64,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
 
     /// Narrows a type-erased connection to this backend's, if it is one.
     #[doc(hidden)]
@@ -128,16 +252,29 @@ pub trait InboxDatabase: sqlx::Database + sealed::Sealed {
     fn any_connection(conn: &mut Self::Connection) -> AnyConnection<'_>;
 }
 
-fn migrator(sql: &'static str) -> Migrator {
-    let mut migrator = Migrator::with_migrations(vec![Migration::new(
-        1,
-        Cow::Borrowed("inbox"),
-        MigrationType::Simple,
-        sqlx::AssertSqlSafe(sql).into_sql_str(),
-        false,
-    )]);
+fn migrator(migrations: &[(i64, &'static str, &'static str)]) -> Migrator {
+    let mut migrator = Migrator::with_migrations(
+        migrations
+            .iter()
+            .map(|&(version, description, sql)| {
+                Migration::new(
+                    version,
+                    Cow::Borrowed(description),
+                    MigrationType::Simple,
+                    sqlx::AssertSqlSafe(sql).into_sql_str(),
+                    false,
+                )
+            })
+            .collect(),
+    );
     migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
     migrator
 }
 
-use sqlx::SqlSafeStr as _;
+/// Where a record's source metadata comes from.
+fn source_parts(source: Option<&SourceMetadata>) -> (Option<&str>, Option<&str>, Option<i64>) {
+    match source {
+        Some(s) => (Some(s.source.as_str()), s.partition.as_deref(), s.offset),
+        None => (None, None, None),
+    }
+}

@@ -1,91 +1,79 @@
 //! PostgreSQL inbox store.
 
 use sqlx::migrate::MigrateError;
-use sqlx::{Connection, PgConnection, Pool, Postgres, Row, Transaction};
+use sqlx::{Connection, PgConnection, Pool, Postgres};
 
-use super::{AnyConnection, Backend, ClaimRequest, ClaimResult, InboxConnection, InboxDatabase};
+use super::{AnyConnection, Backend, InboxDatabase};
 use crate::BoxFuture;
 
-/// The claim. First statement of the transaction; `ON CONFLICT DO NOTHING` never raises a
-/// unique violation (which would abort the PostgreSQL transaction). When another transaction
-/// holds an uncommitted claim on the same key, this statement waits for it to finish.
-const CLAIM: &str = "INSERT INTO inbox_messages \
-     (consumer, message_key, message_name, payload_hash, status, attempts, received_at, \
-      processed_at, source, source_partition, source_offset) \
-     VALUES ($1, $2, $3, $4, 'processed', 1, now(), now(), $5, $6, $7) \
-     ON CONFLICT (consumer, message_key) DO NOTHING \
-     RETURNING 1";
+mod sql {
+    /// The claim, in one round trip. The INSERT is the transaction's first statement and never
+    /// raises a unique violation (which would abort a PostgreSQL transaction): a free key is
+    /// inserted; a `failed` key with the same fingerprint (or a `dead` one, on replay) is taken
+    /// over, its row locked; any other row is left alone and read back by the second branch.
+    /// When another transaction holds an uncommitted claim on the key, the INSERT waits for it.
+    pub(super) const CLAIM: &str = "WITH claim AS ( \
+         INSERT INTO inbox_messages \
+           (consumer, message_key, message_name, payload_hash, status, attempts, received_at, \
+            processed_at, source, source_partition, source_offset) \
+         VALUES ($1, $2, $3, $4, 'processed', 1, now(), now(), $5, $6, $7) \
+         ON CONFLICT (consumer, message_key) DO UPDATE SET \
+           status = 'processed', attempts = inbox_messages.attempts + 1, processed_at = now(), \
+           next_attempt_at = NULL, payload = NULL \
+         WHERE inbox_messages.payload_hash = excluded.payload_hash \
+           AND (inbox_messages.status = 'failed' OR (inbox_messages.status = 'dead' AND $8)) \
+         RETURNING attempts) \
+       SELECT 'claimed' AS status, NULL::text AS payload_hash, attempts FROM claim \
+       UNION ALL \
+       SELECT status, payload_hash, attempts FROM inbox_messages \
+       WHERE consumer = $1 AND message_key = $2 AND NOT EXISTS (SELECT 1 FROM claim)";
 
-/// Read only when the claim found the key taken. A separate statement, so that under READ
-/// COMMITTED it sees a row committed by a concurrent transaction while the claim waited.
-const EXISTING: &str = "SELECT payload_hash, status FROM inbox_messages \
-     WHERE consumer = $1 AND message_key = $2";
+    /// One statement, autocommit: a first failure inserts the row; a later one (of the same
+    /// payload, still `failed` or `dead`) counts another attempt. Dead when permanent or at
+    /// `max_attempts` ($6).
+    pub(super) const RECORD_FAILURE: &str = "INSERT INTO inbox_messages \
+         (consumer, message_key, message_name, payload_hash, status, attempts, last_error, \
+          next_attempt_at, payload, received_at, source, source_partition, source_offset) \
+       VALUES ($1, $2, $3, $4, CASE WHEN $5 OR $6 <= 1 THEN 'dead' ELSE 'failed' END, 1, $7, \
+          now() + $8 * interval '1 millisecond', $9, now(), $10, $11, $12) \
+       ON CONFLICT (consumer, message_key) DO UPDATE SET \
+         attempts = inbox_messages.attempts + 1, \
+         status = CASE WHEN $5 OR inbox_messages.attempts + 1 >= $6 THEN 'dead' ELSE 'failed' END, \
+         last_error = excluded.last_error, next_attempt_at = excluded.next_attempt_at, \
+         payload = excluded.payload \
+       WHERE inbox_messages.payload_hash = excluded.payload_hash \
+         AND inbox_messages.status IN ('failed', 'dead') \
+       RETURNING status, attempts";
 
-const MIGRATION: &str = include_str!("../../migrations/postgres/0001_inbox.sql");
+    pub(super) const DISCARD: &str = "UPDATE inbox_messages \
+       SET status = 'discarded', payload = NULL, next_attempt_at = NULL, processed_at = now() \
+       WHERE consumer = $1 AND message_key = $2 AND status IN ('failed', 'dead')";
 
-impl InboxConnection for PgConnection {
-    const BACKEND: Backend = Backend::Postgres;
-
-    fn begin_inbox(&mut self) -> BoxFuture<'_, Result<Transaction<'_, Postgres>, sqlx::Error>> {
-        Box::pin(self.begin())
-    }
-
-    fn in_transaction<'t>(tx: &'t mut Transaction<'_, Postgres>) -> &'t mut Self {
-        &mut *tx
-    }
-
-    fn claim<'c>(
-        &'c mut self,
-        request: &'c ClaimRequest<'c>,
-    ) -> BoxFuture<'c, Result<ClaimResult, sqlx::Error>> {
-        Box::pin(async move {
-            // A key deleted by a retention purge between the two statements is claimed again;
-            // three rounds are more than such a race can take.
-            for _ in 0..3 {
-                let claimed = sqlx::query(CLAIM)
-                    .bind(request.consumer)
-                    .bind(request.message_key)
-                    .bind(request.message_name)
-                    .bind(request.payload_hash)
-                    .bind(request.source.map(|s| s.source.as_str()))
-                    .bind(request.source.and_then(|s| s.partition.as_deref()))
-                    .bind(request.source.and_then(|s| s.offset))
-                    .fetch_optional(&mut *self)
-                    .await?;
-                if claimed.is_some() {
-                    return Ok(ClaimResult::Claimed);
-                }
-                let existing = sqlx::query(EXISTING)
-                    .bind(request.consumer)
-                    .bind(request.message_key)
-                    .fetch_optional(&mut *self)
-                    .await?;
-                if let Some(row) = existing {
-                    return Ok(ClaimResult::Existing {
-                        payload_hash: row.try_get(0)?,
-                        status: row.try_get(1)?,
-                    });
-                }
-            }
-            Err(sqlx::Error::Protocol(
-                "inbox claim: key neither claimable nor present after 3 rounds".into(),
-            ))
-        })
-    }
-
-    fn from_any(conn: AnyConnection<'_>) -> Option<&mut Self> {
-        match conn {
-            AnyConnection::Postgres(conn) => Some(conn),
-            AnyConnection::Sqlite(_) => None,
-        }
-    }
+    /// One bounded batch; rows locked by a running transaction are skipped, not waited for.
+    pub(super) const PURGE: &str = "DELETE FROM inbox_messages WHERE (consumer, message_key) IN ( \
+         SELECT consumer, message_key FROM inbox_messages \
+         WHERE status IN ($1, $2, $3) AND received_at < now() - $4 * interval '1 second' \
+         LIMIT $5 FOR UPDATE SKIP LOCKED)";
 }
+
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "inbox", include_str!("../../migrations/postgres/0001_inbox.sql")),
+    (2, "rejections", include_str!("../../migrations/postgres/0002_rejections.sql")),
+];
+
+impl_inbox_connection!(
+    PgConnection,
+    Postgres,
+    Postgres,
+    self::sql,
+    begin = |conn| Box::pin(conn.begin())
+);
 
 impl InboxDatabase for Postgres {
     const BACKEND: Backend = Backend::Postgres;
 
     fn migrate(pool: &Pool<Self>) -> BoxFuture<'_, Result<(), MigrateError>> {
-        Box::pin(async move { super::migrator(MIGRATION).run(pool).await })
+        Box::pin(async move { super::migrator(MIGRATIONS).run(pool).await })
     }
 
     fn any_connection(conn: &mut PgConnection) -> AnyConnection<'_> {

@@ -1,87 +1,80 @@
 //! SQLite inbox store.
 
 use sqlx::migrate::MigrateError;
-use sqlx::{Connection, Pool, Row, Sqlite, SqliteConnection, Transaction};
+use sqlx::{Connection, Pool, Sqlite, SqliteConnection};
 
-use super::{AnyConnection, Backend, ClaimRequest, ClaimResult, InboxConnection, InboxDatabase};
+use super::{AnyConnection, Backend, InboxDatabase};
 use crate::BoxFuture;
 
-/// The claim (see the PostgreSQL store). SQLite serializes writers, and the transaction is
-/// opened with `BEGIN IMMEDIATE`, so the claim never races another writer inside SQLite.
-const CLAIM: &str = "INSERT INTO inbox_messages \
-     (consumer, message_key, message_name, payload_hash, status, attempts, received_at, \
-      processed_at, source, source_partition, source_offset) \
-     VALUES (?1, ?2, ?3, ?4, 'processed', 1, strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), \
-      strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), ?5, ?6, ?7) \
-     ON CONFLICT (consumer, message_key) DO NOTHING \
-     RETURNING 1";
+mod sql {
+    /// The claim (see the PostgreSQL store). SQLite serializes writers and the transaction is
+    /// opened with `BEGIN IMMEDIATE`, so nothing can commit the key between this statement and
+    /// the read that follows it when it returns no row.
+    pub(super) const CLAIM: &str = "INSERT INTO inbox_messages \
+         (consumer, message_key, message_name, payload_hash, status, attempts, received_at, \
+          processed_at, source, source_partition, source_offset) \
+       VALUES ($1, $2, $3, $4, 'processed', 1, strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), \
+          strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), $5, $6, $7) \
+       ON CONFLICT (consumer, message_key) DO UPDATE SET \
+         status = 'processed', attempts = inbox_messages.attempts + 1, \
+         processed_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), next_attempt_at = NULL, \
+         payload = NULL \
+       WHERE inbox_messages.payload_hash = excluded.payload_hash \
+         AND (inbox_messages.status = 'failed' OR (inbox_messages.status = 'dead' AND $8)) \
+       RETURNING 'claimed', NULL, attempts";
 
-const EXISTING: &str = "SELECT payload_hash, status FROM inbox_messages \
-     WHERE consumer = ?1 AND message_key = ?2";
+    pub(super) const RECORD_FAILURE: &str = "INSERT INTO inbox_messages \
+         (consumer, message_key, message_name, payload_hash, status, attempts, last_error, \
+          next_attempt_at, payload, received_at, source, source_partition, source_offset) \
+       VALUES ($1, $2, $3, $4, CASE WHEN $5 OR $6 <= 1 THEN 'dead' ELSE 'failed' END, 1, $7, \
+          strftime('%Y-%m-%dT%H:%M:%fZ', 'now', printf('%+.3f seconds', $8 / 1000.0)), $9, \
+          strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), $10, $11, $12) \
+       ON CONFLICT (consumer, message_key) DO UPDATE SET \
+         attempts = inbox_messages.attempts + 1, \
+         status = CASE WHEN $5 OR inbox_messages.attempts + 1 >= $6 THEN 'dead' ELSE 'failed' END, \
+         last_error = excluded.last_error, next_attempt_at = excluded.next_attempt_at, \
+         payload = excluded.payload \
+       WHERE inbox_messages.payload_hash = excluded.payload_hash \
+         AND inbox_messages.status IN ('failed', 'dead') \
+       RETURNING status, attempts";
 
-const MIGRATION: &str = include_str!("../../migrations/sqlite/0001_inbox.sql");
+    pub(super) const DISCARD: &str = "UPDATE inbox_messages \
+       SET status = 'discarded', payload = NULL, next_attempt_at = NULL, \
+           processed_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') \
+       WHERE consumer = $1 AND message_key = $2 AND status IN ('failed', 'dead')";
 
-impl InboxConnection for SqliteConnection {
-    const BACKEND: Backend = Backend::Sqlite;
-
-    fn begin_inbox(&mut self) -> BoxFuture<'_, Result<Transaction<'_, Sqlite>, sqlx::Error>> {
-        if self.is_in_transaction() {
-            // Nested: a savepoint inside the caller's transaction.
-            Box::pin(self.begin())
-        } else {
-            // Take the write lock up front: a deferred transaction that reads and then writes
-            // can fail with SQLITE_BUSY instead of waiting for the busy timeout.
-            Box::pin(self.begin_with("BEGIN IMMEDIATE"))
-        }
-    }
-
-    fn in_transaction<'t>(tx: &'t mut Transaction<'_, Sqlite>) -> &'t mut Self {
-        &mut *tx
-    }
-
-    fn claim<'c>(
-        &'c mut self,
-        request: &'c ClaimRequest<'c>,
-    ) -> BoxFuture<'c, Result<ClaimResult, sqlx::Error>> {
-        Box::pin(async move {
-            let claimed = sqlx::query(CLAIM)
-                .bind(request.consumer)
-                .bind(request.message_key)
-                .bind(request.message_name)
-                .bind(request.payload_hash)
-                .bind(request.source.map(|s| s.source.as_str()))
-                .bind(request.source.and_then(|s| s.partition.as_deref()))
-                .bind(request.source.and_then(|s| s.offset))
-                .fetch_optional(&mut *self)
-                .await?;
-            if claimed.is_some() {
-                return Ok(ClaimResult::Claimed);
-            }
-            let row = sqlx::query(EXISTING)
-                .bind(request.consumer)
-                .bind(request.message_key)
-                .fetch_one(&mut *self)
-                .await?;
-            Ok(ClaimResult::Existing {
-                payload_hash: row.try_get(0)?,
-                status: row.try_get(1)?,
-            })
-        })
-    }
-
-    fn from_any(conn: AnyConnection<'_>) -> Option<&mut Self> {
-        match conn {
-            AnyConnection::Sqlite(conn) => Some(conn),
-            AnyConnection::Postgres(_) => None,
-        }
-    }
+    pub(super) const PURGE: &str = "DELETE FROM inbox_messages WHERE (consumer, message_key) IN ( \
+         SELECT consumer, message_key FROM inbox_messages \
+         WHERE status IN ($1, $2, $3) \
+           AND received_at < strftime('%Y-%m-%dT%H:%M:%fZ', 'now', printf('-%.3f seconds', $4)) \
+         LIMIT $5)";
 }
+
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "inbox", include_str!("../../migrations/sqlite/0001_inbox.sql")),
+    (2, "rejections", include_str!("../../migrations/sqlite/0002_rejections.sql")),
+];
+
+impl_inbox_connection!(
+    SqliteConnection,
+    Sqlite,
+    Sqlite,
+    self::sql,
+    begin = |conn| if conn.is_in_transaction() {
+        // Nested: a savepoint inside the caller's transaction.
+        Box::pin(conn.begin())
+    } else {
+        // Take the write lock up front: a deferred transaction that reads and then writes can
+        // fail with SQLITE_BUSY instead of waiting out the busy timeout.
+        Box::pin(conn.begin_with("BEGIN IMMEDIATE"))
+    }
+);
 
 impl InboxDatabase for Sqlite {
     const BACKEND: Backend = Backend::Sqlite;
 
     fn migrate(pool: &Pool<Self>) -> BoxFuture<'_, Result<(), MigrateError>> {
-        Box::pin(async move { super::migrator(MIGRATION).run(pool).await })
+        Box::pin(async move { super::migrator(MIGRATIONS).run(pool).await })
     }
 
     fn any_connection(conn: &mut SqliteConnection) -> AnyConnection<'_> {

@@ -1,0 +1,204 @@
+//! Operations on the inbox for operators: statistics, listing, inspecting and discarding failed
+//! and dead messages, and the retention purge. Replaying needs the registered handlers and lives
+//! on [`crate::Dispatcher::replay`]. The `inbox_runtime::cli` entry point wraps all of them.
+
+use std::time::Duration;
+
+use sqlx::Pool;
+
+use crate::store::{InboxDatabase, StatsRow, StoredMessage};
+
+/// Per consumer and status: how many rows and the oldest `received_at`; rejected deliveries
+/// (conflicts, malformed, unknown, bad keys) per consumer as `rejected:<reason>`.
+///
+/// # Errors
+/// The database's error.
+pub async fn stats<DB: InboxDatabase>(pool: &Pool<DB>) -> Result<Vec<StatsRow>, sqlx::Error> {
+    let mut conn = pool.acquire().await?;
+    DB::any_connection(&mut conn).store().stats().await
+}
+
+/// Rows whose status is one of `statuses` (at most five; e.g. `["failed", "dead"]`), of one
+/// consumer or all, oldest first, at most `limit`.
+///
+/// # Errors
+/// The database's error.
+pub async fn list<DB: InboxDatabase>(
+    pool: &Pool<DB>,
+    consumer: Option<&str>,
+    statuses: &[&str],
+    limit: u32,
+) -> Result<Vec<StoredMessage>, sqlx::Error> {
+    let mut conn = pool.acquire().await?;
+    DB::any_connection(&mut conn)
+        .store()
+        .list_messages(consumer, &statuses[..statuses.len().min(5)], i64::from(limit))
+        .await
+}
+
+/// One row, payload included, or `None`.
+///
+/// # Errors
+/// The database's error.
+pub async fn show<DB: InboxDatabase>(
+    pool: &Pool<DB>,
+    consumer: &str,
+    key: &str,
+) -> Result<Option<StoredMessage>, sqlx::Error> {
+    let mut conn = pool.acquire().await?;
+    DB::any_connection(&mut conn).store().fetch_message(consumer, key).await
+}
+
+/// Marks a `failed` or `dead` message `discarded`: it will never run, its payload is dropped,
+/// and the key keeps blocking redeliveries (they come back as [`crate::Outcome::Discarded`])
+/// until the retention purge removes it. Returns `false` if no failed or dead row matched.
+///
+/// # Errors
+/// The database's error.
+pub async fn discard<DB: InboxDatabase>(
+    pool: &Pool<DB>,
+    consumer: &str,
+    key: &str,
+) -> Result<bool, sqlx::Error> {
+    let mut conn = pool.acquire().await?;
+    DB::any_connection(&mut conn)
+        .store()
+        .discard_message(consumer, key)
+        .await
+}
+
+/// How long processed keys are kept, and so how long a redelivery is recognised.
+///
+/// The retention window *is* the deduplication guarantee: a redelivery that arrives after its
+/// key was purged is processed again. It must cover the broker's redelivery horizon (the longest
+/// time after a first delivery that the same message can come again: the queue's message TTL,
+/// Kafka's topic retention if consumers may rewind, the producer's retry window).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Retention {
+    /// Keep `processed` (and `discarded`) rows this long after their first delivery.
+    pub window: Duration,
+    /// The broker's redelivery horizon the window was checked against.
+    pub redelivery_horizon: Duration,
+    /// Rows deleted per statement (one short transaction each). Default 1000.
+    pub batch_size: u32,
+    /// Also purge `failed` and `dead` rows older than the window (off by default: they hold
+    /// payloads nobody has looked at yet).
+    pub include_failed_and_dead: bool,
+}
+
+/// A retention window shorter than the redelivery horizon it must cover.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "retention window of {window:?} is shorter than the redelivery horizon of {horizon:?}: \
+     redeliveries after the window would be processed again"
+)]
+pub struct RetentionError {
+    /// The window asked for.
+    pub window: Duration,
+    /// The horizon it must cover.
+    pub horizon: Duration,
+}
+
+impl Retention {
+    /// A retention of `window`, checked against the broker's `redelivery_horizon`.
+    ///
+    /// # Errors
+    /// [`RetentionError`] if `window < redelivery_horizon`.
+    pub fn new(window: Duration, redelivery_horizon: Duration) -> Result<Self, RetentionError> {
+        if window < redelivery_horizon {
+            return Err(RetentionError {
+                window,
+                horizon: redelivery_horizon,
+            });
+        }
+        Ok(Self {
+            window,
+            redelivery_horizon,
+            batch_size: 1000,
+            include_failed_and_dead: false,
+        })
+    }
+
+    /// Sets the rows deleted per statement (at least 1).
+    pub fn batch_size(mut self, batch_size: u32) -> Self {
+        self.batch_size = batch_size.max(1);
+        self
+    }
+
+    /// Also purges `failed` and `dead` rows older than the window.
+    pub fn include_failed_and_dead(mut self, include: bool) -> Self {
+        self.include_failed_and_dead = include;
+        self
+    }
+}
+
+/// What one [`purge`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct PurgeReport {
+    /// Rows deleted.
+    pub deleted: u64,
+    /// Statements (batches) run.
+    pub batches: u32,
+}
+
+/// Deletes rows older than the retention window, in batches of `retention.batch_size`, each its
+/// own short statement (no long locks; on PostgreSQL rows locked by running transactions are
+/// skipped). Runs until a batch comes back short. Age is measured from `received_at` on the
+/// database clock. `progress` is called after each batch with the running total.
+///
+/// # Errors
+/// The database's error; rows deleted before it stay deleted.
+pub async fn purge<DB: InboxDatabase>(
+    pool: &Pool<DB>,
+    retention: &Retention,
+    mut progress: impl FnMut(u64),
+) -> Result<PurgeReport, sqlx::Error> {
+    let statuses: &[&str] = if retention.include_failed_and_dead {
+        &["processed", "discarded", "failed", "dead"][..]
+    } else {
+        &["processed", "discarded"][..]
+    };
+    let mut report = PurgeReport::default();
+    let mut conn = pool.acquire().await?;
+    let store = DB::any_connection(&mut conn).store();
+    // Two statements when failed and dead are included (the statement takes three statuses).
+    for chunk in statuses.chunks(3) {
+        loop {
+            let deleted = store
+                .purge_batch(
+                    chunk,
+                    retention.window.as_secs_f64(),
+                    i64::from(retention.batch_size),
+                )
+                .await?;
+            report.deleted += deleted;
+            report.batches += 1;
+            progress(report.deleted);
+            metrics::counter!("inbox_purged_total").increment(deleted);
+            if deleted < u64::from(retention.batch_size) {
+                break;
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// Runs [`purge`] every `every` until the task is aborted, logging each run's result.
+pub fn spawn_purger<DB: InboxDatabase>(
+    pool: Pool<DB>,
+    retention: Retention,
+    every: Duration,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(every);
+        loop {
+            ticks.tick().await;
+            match purge(&pool, &retention, |_| {}).await {
+                Ok(report) => tracing::info!(deleted = report.deleted, "inbox retention purge"),
+                Err(error) => tracing::error!(%error, "inbox retention purge failed"),
+            }
+        }
+    })
+}

@@ -1,0 +1,421 @@
+//! What both backends share: request/record types, statements with one text for both, and the
+//! Rust side of every store operation (`impl_inbox_connection!`).
+
+use crate::envelope::SourceMetadata;
+
+/// What one claim asks the inbox for.
+#[doc(hidden)]
+pub struct ClaimRequest<'a> {
+    pub consumer: &'a str,
+    pub message_key: &'a str,
+    pub message_name: &'a str,
+    pub payload_hash: &'a str,
+    pub source: Option<&'a SourceMetadata>,
+    /// Also take a `dead` key (an operator's replay).
+    pub replay: bool,
+}
+
+/// What the claim statement found.
+#[doc(hidden)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimResult {
+    /// The key is now held by this transaction; `attempts` counts this one.
+    Claimed { attempts: u32 },
+    /// A row for the key exists and was not taken.
+    Existing {
+        status: String,
+        payload_hash: String,
+        attempts: u32,
+    },
+}
+
+/// A failed attempt to record.
+#[doc(hidden)]
+pub struct FailureRecord<'a> {
+    pub consumer: &'a str,
+    pub message_key: &'a str,
+    pub message_name: &'a str,
+    pub payload_hash: &'a str,
+    pub permanent: bool,
+    pub max_attempts: u32,
+    pub last_error: &'a str,
+    pub retry_delay_ms: i64,
+    pub payload: &'a [u8],
+    pub source: Option<&'a SourceMetadata>,
+}
+
+/// Why a delivery was rejected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RejectionReason {
+    /// Same idempotency key as a processed message, different payload.
+    Conflict,
+    /// The payload could not be decoded as the message type.
+    Malformed,
+    /// No handler is registered for the message name.
+    UnknownMessage,
+    /// The message's idempotency key is missing, null, empty, too long or invalid.
+    InvalidKey,
+}
+
+impl RejectionReason {
+    /// The stored name: `conflict`, `malformed`, `unknown_message`, `invalid_key`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectionReason::Conflict => "conflict",
+            RejectionReason::Malformed => "malformed",
+            RejectionReason::UnknownMessage => "unknown_message",
+            RejectionReason::InvalidKey => "invalid_key",
+        }
+    }
+}
+
+/// A rejected delivery to record.
+#[doc(hidden)]
+pub struct Rejection<'a> {
+    pub consumer: Option<&'a str>,
+    pub message_key: Option<&'a str>,
+    pub message_name: &'a str,
+    pub reason: RejectionReason,
+    pub detail: &'a str,
+    pub payload_hash: Option<&'a str>,
+    pub payload: &'a [u8],
+    pub source: Option<&'a SourceMetadata>,
+}
+
+/// One row of the inbox, as the admin API shows it. Timestamps are the database's text form
+/// (UTC).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StoredMessage {
+    /// The consumer.
+    pub consumer: String,
+    /// The idempotency key.
+    pub message_key: String,
+    /// The routing name.
+    pub message_name: String,
+    /// `processed`, `failed`, `dead`, `parked` or `discarded`.
+    pub status: String,
+    /// Attempts that ran the handler.
+    pub attempts: u32,
+    /// The last error, cut to [`crate::RetryPolicy::max_error_bytes`].
+    pub last_error: Option<String>,
+    /// Payload fingerprint (hex SHA-256).
+    pub payload_hash: String,
+    /// The payload (JSON), kept for `failed`, `dead` and `parked` rows.
+    pub payload: Option<Vec<u8>>,
+    /// When the first delivery arrived.
+    pub received_at: String,
+    /// When it was processed (or discarded).
+    pub processed_at: Option<String>,
+    /// Earliest time of the next attempt, for `failed` rows.
+    pub next_attempt_at: Option<String>,
+    /// Source of the first recorded delivery.
+    pub source: Option<String>,
+}
+
+/// One line of [`crate::admin::stats`]: a count per consumer and status (or rejection reason).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StatsRow {
+    /// The consumer (`None` for rejections no consumer could be named for).
+    pub consumer: Option<String>,
+    /// `processed`, `failed`, `dead`, `parked`, `discarded`, or `rejected:<reason>`.
+    pub status: String,
+    /// How many rows.
+    pub count: i64,
+    /// The oldest `received_at` among them.
+    pub oldest: Option<String>,
+}
+
+pub(super) const EXISTING: &str = "SELECT status, payload_hash, attempts FROM inbox_messages \
+     WHERE consumer = $1 AND message_key = $2";
+
+pub(super) const RECORD_REJECTION: &str = "INSERT INTO inbox_rejections \
+     (consumer, message_key, message_name, reason, detail, payload_hash, payload, \
+      source, source_partition, source_offset) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
+
+macro_rules! message_columns {
+    () => {
+        "consumer, message_key, message_name, status, attempts, last_error, payload_hash, \
+         payload, CAST(received_at AS TEXT), CAST(processed_at AS TEXT), \
+         CAST(next_attempt_at AS TEXT), source"
+    };
+}
+
+pub(super) const FETCH: &str = concat!(
+    "SELECT ",
+    message_columns!(),
+    " FROM inbox_messages WHERE consumer = $1 AND message_key = $2"
+);
+
+/// `$2`..`$6`: up to five statuses (unused ones bound to NULL).
+pub(super) const LIST: &str = concat!(
+    "SELECT ",
+    message_columns!(),
+    " FROM inbox_messages WHERE ($1 IS NULL OR consumer = $1) \
+     AND status IN ($2, $3, $4, $5, $6) ORDER BY received_at, consumer, message_key LIMIT $7"
+);
+
+pub(super) const STATS: &str = "SELECT consumer, status, COUNT(*), CAST(MIN(received_at) AS TEXT) \
+     FROM inbox_messages GROUP BY consumer, status \
+     UNION ALL \
+     SELECT consumer, 'rejected:' || reason, COUNT(*), CAST(MIN(received_at) AS TEXT) \
+     FROM inbox_rejections GROUP BY consumer, reason \
+     ORDER BY 1, 2";
+
+/// Implements `InboxConnection` for one backend's connection type. `$sql` is the backend's
+/// module with `CLAIM`, `RECORD_FAILURE`, `DISCARD` and `PURGE`.
+macro_rules! impl_inbox_connection {
+    ($conn:ty, $db:ty, $variant:ident, $sql:path, begin = |$this:ident| $begin:expr) => {
+        impl $crate::store::InboxConnection for $conn {
+            const BACKEND: $crate::store::Backend = $crate::store::Backend::$variant;
+
+            fn begin_inbox(
+                &mut self,
+            ) -> $crate::BoxFuture<'_, Result<sqlx::Transaction<'_, $db>, sqlx::Error>> {
+                let $this = self;
+                $begin
+            }
+
+            fn in_transaction<'t>(tx: &'t mut sqlx::Transaction<'_, $db>) -> &'t mut Self {
+                &mut *tx
+            }
+
+            fn claim<'c>(
+                &'c mut self,
+                request: &'c $crate::store::ClaimRequest<'c>,
+            ) -> $crate::BoxFuture<'c, Result<$crate::store::ClaimResult, sqlx::Error>> {
+                use $sql as sql;
+                use sqlx::Row as _;
+                use $crate::store::ClaimResult;
+                Box::pin(async move {
+                    let (source, partition, offset) = $crate::store::source_parts(request.source);
+                    // A key deleted by a retention purge between the claim and the read is
+                    // claimed again; three rounds are more than such a race can take.
+                    for _ in 0..3 {
+                        let row = sqlx::query(sql::CLAIM)
+                            .bind(request.consumer)
+                            .bind(request.message_key)
+                            .bind(request.message_name)
+                            .bind(request.payload_hash)
+                            .bind(source)
+                            .bind(partition)
+                            .bind(offset)
+                            .bind(request.replay)
+                            .fetch_optional(&mut *self)
+                            .await?;
+                        // The statement's own snapshot may not show a row that a concurrent
+                        // transaction committed while the claim waited on it: read it anew.
+                        let row = match row {
+                            Some(row) => Some(row),
+                            None => {
+                                sqlx::query($crate::store::shared::EXISTING)
+                                    .bind(request.consumer)
+                                    .bind(request.message_key)
+                                    .fetch_optional(&mut *self)
+                                    .await?
+                            }
+                        };
+                        let Some(row) = row else { continue };
+                        let status: String = row.try_get(0)?;
+                        let attempts: i32 = row.try_get(2)?;
+                        let attempts = u32::try_from(attempts).unwrap_or(0);
+                        if status == "claimed" {
+                            return Ok(ClaimResult::Claimed { attempts });
+                        }
+                        return Ok(ClaimResult::Existing {
+                            status,
+                            payload_hash: row.try_get(1)?,
+                            attempts,
+                        });
+                    }
+                    Err(sqlx::Error::Protocol(
+                        "inbox claim: key neither claimable nor present after 3 rounds".into(),
+                    ))
+                })
+            }
+
+            fn record_failure<'c>(
+                &'c mut self,
+                r: &'c $crate::store::FailureRecord<'c>,
+            ) -> $crate::BoxFuture<'c, Result<Option<(String, u32)>, sqlx::Error>> {
+                use $sql as sql;
+                Box::pin(async move {
+                    let (source, partition, offset) = $crate::store::source_parts(r.source);
+                    let row: Option<(String, i32)> = sqlx::query_as(sql::RECORD_FAILURE)
+                        .bind(r.consumer)
+                        .bind(r.message_key)
+                        .bind(r.message_name)
+                        .bind(r.payload_hash)
+                        .bind(r.permanent)
+                        .bind(i32::try_from(r.max_attempts).unwrap_or(i32::MAX))
+                        .bind(r.last_error)
+                        .bind(r.retry_delay_ms)
+                        .bind(r.payload)
+                        .bind(source)
+                        .bind(partition)
+                        .bind(offset)
+                        .fetch_optional(&mut *self)
+                        .await?;
+                    Ok(row.map(|(status, attempts)| (status, u32::try_from(attempts).unwrap_or(0))))
+                })
+            }
+
+            fn record_rejection<'c>(
+                &'c mut self,
+                r: &'c $crate::store::Rejection<'c>,
+            ) -> $crate::BoxFuture<'c, Result<(), sqlx::Error>> {
+                Box::pin(async move {
+                    let (source, partition, offset) = $crate::store::source_parts(r.source);
+                    sqlx::query($crate::store::shared::RECORD_REJECTION)
+                        .bind(r.consumer)
+                        .bind(r.message_key)
+                        .bind(r.message_name)
+                        .bind(r.reason.as_str())
+                        .bind(r.detail)
+                        .bind(r.payload_hash)
+                        .bind(r.payload)
+                        .bind(source)
+                        .bind(partition)
+                        .bind(offset)
+                        .execute(&mut *self)
+                        .await?;
+                    Ok(())
+                })
+            }
+
+            fn fetch_message<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                key: &'c str,
+            ) -> $crate::BoxFuture<'c, Result<Option<$crate::store::StoredMessage>, sqlx::Error>>
+            {
+                Box::pin(async move {
+                    let row = sqlx::query($crate::store::shared::FETCH)
+                        .bind(consumer)
+                        .bind(key)
+                        .fetch_optional(&mut *self)
+                        .await?;
+                    row.as_ref().map($crate::store::shared::stored_message).transpose()
+                })
+            }
+
+            fn list_messages<'c>(
+                &'c mut self,
+                consumer: Option<&'c str>,
+                statuses: &'c [&'c str],
+                limit: i64,
+            ) -> $crate::BoxFuture<'c, Result<Vec<$crate::store::StoredMessage>, sqlx::Error>>
+            {
+                Box::pin(async move {
+                    let status = |i: usize| statuses.get(i).copied();
+                    let rows = sqlx::query($crate::store::shared::LIST)
+                        .bind(consumer)
+                        .bind(status(0))
+                        .bind(status(1))
+                        .bind(status(2))
+                        .bind(status(3))
+                        .bind(status(4))
+                        .bind(limit)
+                        .fetch_all(&mut *self)
+                        .await?;
+                    rows.iter().map($crate::store::shared::stored_message).collect()
+                })
+            }
+
+            fn discard_message<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                key: &'c str,
+            ) -> $crate::BoxFuture<'c, Result<bool, sqlx::Error>> {
+                use $sql as sql;
+                Box::pin(async move {
+                    let done = sqlx::query(sql::DISCARD)
+                        .bind(consumer)
+                        .bind(key)
+                        .execute(&mut *self)
+                        .await?;
+                    Ok(done.rows_affected() > 0)
+                })
+            }
+
+            fn stats(
+                &mut self,
+            ) -> $crate::BoxFuture<'_, Result<Vec<$crate::store::StatsRow>, sqlx::Error>> {
+                Box::pin(async move {
+                    let rows: Vec<(Option<String>, String, i64, Option<String>)> =
+                        sqlx::query_as($crate::store::shared::STATS)
+                            .fetch_all(&mut *self)
+                            .await?;
+                    Ok(rows
+                        .into_iter()
+                        .map(|(consumer, status, count, oldest)| $crate::store::StatsRow {
+                            consumer,
+                            status,
+                            count,
+                            oldest,
+                        })
+                        .collect())
+                })
+            }
+
+            fn purge_batch<'c>(
+                &'c mut self,
+                statuses: &'c [&'c str],
+                older_than_secs: f64,
+                batch: i64,
+            ) -> $crate::BoxFuture<'c, Result<u64, sqlx::Error>> {
+                use $sql as sql;
+                Box::pin(async move {
+                    let status = |i: usize| statuses.get(i).copied();
+                    let done = sqlx::query(sql::PURGE)
+                        .bind(status(0))
+                        .bind(status(1))
+                        .bind(status(2))
+                        .bind(older_than_secs)
+                        .bind(batch)
+                        .execute(&mut *self)
+                        .await?;
+                    Ok(done.rows_affected())
+                })
+            }
+
+            fn from_any(conn: $crate::store::AnyConnection<'_>) -> Option<&mut Self> {
+                match conn {
+                    $crate::store::AnyConnection::$variant(conn) => Some(conn),
+                    #[allow(unreachable_patterns)]
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+/// Decodes a row of `MESSAGE_COLUMNS`.
+pub(super) fn stored_message<R>(row: &R) -> Result<StoredMessage, sqlx::Error>
+where
+    R: sqlx::Row,
+    usize: sqlx::ColumnIndex<R>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<Vec<u8>>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let attempts: i32 = row.try_get(4)?;
+    Ok(StoredMessage {
+        consumer: row.try_get(0)?,
+        message_key: row.try_get(1)?,
+        message_name: row.try_get(2)?,
+        status: row.try_get(3)?,
+        attempts: u32::try_from(attempts).unwrap_or(0),
+        last_error: row.try_get(5)?,
+        payload_hash: row.try_get(6)?,
+        payload: row.try_get(7)?,
+        received_at: row.try_get(8)?,
+        processed_at: row.try_get(9)?,
+        next_attempt_at: row.try_get(10)?,
+        source: row.try_get(11)?,
+    })
+}

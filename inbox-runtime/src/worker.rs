@@ -1,0 +1,553 @@
+//! The worker: pulls deliveries from a [`Source`], dispatches them, settles each after commit.
+//!
+//! ```no_run
+//! # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! use std::time::Duration;
+//! use inbox_runtime::{Dispatcher, Worker};
+//! use inbox_runtime::source::file::FileSource;
+//!
+//! inbox_runtime::migrate(&pool).await?;
+//! let worker = Worker::new(Dispatcher::from_registry(pool)?)
+//!     .concurrency(8)
+//!     .requeue_delay(Duration::from_secs(1));
+//! let shutdown = inbox_runtime::cancel_on_signal()?; // SIGINT / SIGTERM
+//! let report = worker.run(FileSource::open("events.jsonl").await?, shutdown).await?;
+//! println!("processed {} messages", report.processed);
+//! # Ok(()) }
+//! ```
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{DispatchError, Error};
+use crate::outcome::Outcome;
+use crate::registry::{ConsumerOutcome, Dispatcher};
+use crate::source::{Delivery, Settlement, Source, SourceError};
+use crate::store::InboxDatabase;
+
+/// The settlement policy: how the dispatcher's result for one delivery settles it.
+///
+/// * every consumer's outcome is [`Outcome::Processed`] or [`Outcome::Duplicate`] →
+///   [`Settlement::Ack`] (the transactions have committed);
+/// * a [`DispatchError`] (unknown message, malformed payload, bad key — permanent, nothing
+///   written), or a consumer's [`Error::Conflict`], [`Error::Key`] or [`Error::Fingerprint`] →
+///   [`Settlement::Reject`]: nack without requeue;
+/// * a handler or database error of any consumer, or an outcome this policy does not know →
+///   [`Settlement::Requeue`] after `requeue_delay`: the failed consumer's transaction rolled
+///   back, and on the redelivery the consumers that did commit see a duplicate.
+///
+/// Requeue wins over reject, reject over ack.
+pub fn settlement_for(
+    result: &Result<Vec<ConsumerOutcome>, DispatchError>,
+    requeue_delay: Duration,
+) -> Settlement {
+    let outcomes = match result {
+        Ok(outcomes) => outcomes,
+        Err(_) => return Settlement::Reject,
+    };
+    let mut settlement = Settlement::Ack;
+    for outcome in outcomes {
+        match &outcome.result {
+            Ok(Outcome::Processed(()) | Outcome::Duplicate) => {}
+            Err(Error::Conflict(_) | Error::Key(_) | Error::Fingerprint(_)) => {
+                settlement = Settlement::Reject;
+            }
+            // Handler and database errors, and outcomes added later, until they are known.
+            _ => {
+                return Settlement::Requeue {
+                    delay: Some(requeue_delay),
+                };
+            }
+        }
+    }
+    settlement
+}
+
+/// Why [`Worker::run`] returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StopReason {
+    /// The source said no delivery will come again, and every one was settled.
+    SourceExhausted,
+    /// Nothing arrived for the idle time set with [`Worker::stop_when_idle`], with nothing in
+    /// flight.
+    Idle,
+    /// The shutdown token was cancelled (SIGINT/SIGTERM with [`cancel_on_signal`]).
+    Shutdown,
+    /// The source failed; the error is in [`WorkerError`].
+    SourceFailed,
+}
+
+/// What one [`Worker::run`] did. Consumer counts are per consumer outcome (a message routed to
+/// two consumers counts twice); delivery counts are per delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WorkerReport {
+    /// Deliveries fetched from the source (redeliveries included).
+    pub deliveries: u64,
+    /// Consumer outcomes [`Outcome::Processed`]: effects committed by this run.
+    pub processed: u64,
+    /// Consumer outcomes [`Outcome::Duplicate`].
+    pub duplicates: u64,
+    /// Consumer results [`Error::Conflict`].
+    pub conflicts: u64,
+    /// Deliveries the dispatcher refused ([`DispatchError`]: unknown message, malformed payload,
+    /// bad key), plus consumer key or fingerprint errors.
+    pub invalid: u64,
+    /// Consumer handler and database errors (and unknown outcomes): requeued.
+    pub failed: u64,
+    /// Deliveries acked.
+    pub acked: u64,
+    /// Deliveries rejected (nacked without requeue).
+    pub rejected: u64,
+    /// Deliveries requeued: after a failure, or because shutdown came before they started.
+    pub requeued: u64,
+    /// Deliveries dropped unsettled: still running when the drain timeout passed, or whose task
+    /// panicked. The source redelivers them.
+    pub abandoned: u64,
+    /// Settlements the source could not carry out (the broker redelivers those messages).
+    pub settle_errors: u64,
+    /// Why the run ended.
+    pub stop: StopReason,
+}
+
+impl Default for WorkerReport {
+    fn default() -> Self {
+        Self {
+            deliveries: 0,
+            processed: 0,
+            duplicates: 0,
+            conflicts: 0,
+            invalid: 0,
+            failed: 0,
+            acked: 0,
+            rejected: 0,
+            requeued: 0,
+            abandoned: 0,
+            settle_errors: 0,
+            stop: StopReason::SourceExhausted,
+        }
+    }
+}
+
+/// The source failed, so the worker stopped (after finishing its in-flight work).
+#[derive(Debug, thiserror::Error)]
+#[error("worker stopped: {error}")]
+pub struct WorkerError {
+    /// The source's error.
+    #[source]
+    pub error: SourceError,
+    /// What the run did until then (`stop` is [`StopReason::SourceFailed`]).
+    pub report: WorkerReport,
+}
+
+/// Pulls deliveries from a [`Source`], runs the [`Dispatcher`] on each with bounded
+/// concurrency, and settles each delivery strictly **after** its inbox transactions committed,
+/// as [`settlement_for`] says.
+///
+/// * **Concurrency**: at most [`concurrency`](Self::concurrency) deliveries are fetched and not
+///   yet settled at any time (size the database pool and the broker's prefetch to it).
+/// * **Order**: deliveries with the same [ordering key](Delivery::ordering_key) run one at a
+///   time, in the order the source handed them out. A requeued delivery comes back when the
+///   source redelivers it, possibly after later ones of its key.
+/// * **Shutdown**: when the token is cancelled the worker stops fetching, requeues deliveries
+///   that have not started, lets running ones finish (commit, then ack) for up to the
+///   [drain timeout](Self::drain_timeout), then drops the rest unsettled (their transactions roll
+///   back; the broker redelivers them), calls [`Source::close`] and returns.
+#[derive(Debug)]
+pub struct Worker<DB: InboxDatabase> {
+    dispatcher: Arc<Dispatcher<DB>>,
+    concurrency: usize,
+    requeue_delay: Duration,
+    drain_timeout: Duration,
+    idle: Option<Duration>,
+}
+
+/// A finished task.
+struct Done {
+    ordering_key: Option<String>,
+    report: WorkerReport,
+}
+
+impl<DB: InboxDatabase> Worker<DB> {
+    /// A worker over `dispatcher`: concurrency 8, requeue delay 1 s, drain timeout 30 s, no idle
+    /// stop.
+    pub fn new(dispatcher: Dispatcher<DB>) -> Self {
+        Self::from_arc(Arc::new(dispatcher))
+    }
+
+    /// A worker over a shared dispatcher.
+    pub fn from_arc(dispatcher: Arc<Dispatcher<DB>>) -> Self {
+        Self {
+            dispatcher,
+            concurrency: 8,
+            requeue_delay: Duration::from_secs(1),
+            drain_timeout: Duration::from_secs(30),
+            idle: None,
+        }
+    }
+
+    /// At most `n` deliveries in flight (fetched, not yet settled); at least 1.
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = n.max(1);
+        self
+    }
+
+    /// How long a failed delivery waits before its redelivery (see [`Settlement::Requeue`]).
+    pub fn requeue_delay(mut self, delay: Duration) -> Self {
+        self.requeue_delay = delay;
+        self
+    }
+
+    /// On shutdown, how long running deliveries may take to finish before they are abandoned.
+    pub fn drain_timeout(mut self, timeout: Duration) -> Self {
+        self.drain_timeout = timeout;
+        self
+    }
+
+    /// Stop (with [`StopReason::Idle`]) once nothing is in flight and the source has delivered
+    /// nothing for `idle`: for batch jobs that drain a queue and exit.
+    pub fn stop_when_idle(mut self, idle: Duration) -> Self {
+        self.idle = Some(idle);
+        self
+    }
+
+    /// The dispatcher.
+    pub fn dispatcher(&self) -> &Dispatcher<DB> {
+        &self.dispatcher
+    }
+
+    /// Runs until the source is exhausted, the worker is idle (if set), `shutdown` is
+    /// cancelled, or the source fails; then closes the source.
+    ///
+    /// # Errors
+    /// [`WorkerError`] if fetching from the source failed (in-flight work is finished first), or
+    /// closing it did.
+    pub async fn run<S: Source>(
+        &self,
+        mut source: S,
+        shutdown: CancellationToken,
+    ) -> Result<WorkerReport, WorkerError> {
+        let mut report = WorkerReport::default();
+        let mut tasks: JoinSet<Done> = JoinSet::new();
+        // Deliveries waiting for an earlier one of their ordering key; and the busy keys.
+        let mut waiting: HashMap<String, VecDeque<Delivery>> = HashMap::new();
+        let mut busy: HashSet<String> = HashSet::new();
+        let mut in_flight = 0_usize;
+        let mut stop: Option<StopReason> = None;
+        let mut failure: Option<SourceError> = None;
+        let mut drain_deadline: Option<Instant> = None;
+        let mut last_activity = Instant::now();
+        let far = Duration::from_secs(86_400 * 365);
+
+        loop {
+            if stop.is_some() && tasks.is_empty() {
+                break;
+            }
+            let can_fetch = stop.is_none() && in_flight < self.concurrency;
+            let idle_at = match (self.idle, stop, in_flight) {
+                (Some(idle), None, 0) => last_activity + idle,
+                _ => last_activity + far,
+            };
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled(), if stop.is_none() => {
+                    stop = Some(StopReason::Shutdown);
+                    drain_deadline = Some(Instant::now() + self.drain_timeout);
+                    // Deliveries that have not started: hand them back now.
+                    for (_, queue) in waiting.drain() {
+                        for delivery in queue {
+                            in_flight -= 1;
+                            report.requeued += 1;
+                            if let Err(error) = delivery.requeue(None).await {
+                                report.settle_errors += 1;
+                                tracing::warn!(%error, "cannot requeue an unstarted delivery at shutdown");
+                            }
+                        }
+                    }
+                    tracing::info!(
+                        source = source.name(),
+                        running = tasks.len(),
+                        "shutdown: no more fetching; finishing running deliveries"
+                    );
+                }
+                () = tokio::time::sleep_until(drain_deadline.unwrap_or(last_activity + far)),
+                    if drain_deadline.is_some() =>
+                {
+                    let running = tasks.len() as u64;
+                    tracing::warn!(
+                        source = source.name(),
+                        running,
+                        "drain timeout: abandoning running deliveries unsettled"
+                    );
+                    tasks.abort_all();
+                    while tasks.join_next().await.is_some() {}
+                    report.abandoned += running;
+                    break;
+                }
+                Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
+                    last_activity = Instant::now();
+                    in_flight -= 1;
+                    let key = match joined {
+                        Ok(done) => {
+                            add(&mut report, &done.report);
+                            done.ordering_key
+                        }
+                        Err(error) => {
+                            // A panicking handler: the delivery was dropped unsettled.
+                            report.abandoned += 1;
+                            tracing::error!(%error, "delivery task failed; delivery abandoned");
+                            None
+                        }
+                    };
+                    if let Some(key) = key {
+                        let next = waiting.get_mut(&key).and_then(VecDeque::pop_front);
+                        match next {
+                            Some(delivery) => self.spawn(&mut tasks, delivery),
+                            None => {
+                                waiting.remove(&key);
+                                busy.remove(&key);
+                            }
+                        }
+                    }
+                }
+                fetched = source.next(), if can_fetch => {
+                    last_activity = Instant::now();
+                    match fetched {
+                        Ok(Some(delivery)) => {
+                            report.deliveries += 1;
+                            in_flight += 1;
+                            match delivery.ordering_key() {
+                                Some(key) if busy.contains(key) => {
+                                    waiting.entry(key.to_owned()).or_default().push_back(delivery);
+                                }
+                                Some(key) => {
+                                    busy.insert(key.to_owned());
+                                    self.spawn(&mut tasks, delivery);
+                                }
+                                None => self.spawn(&mut tasks, delivery),
+                            }
+                        }
+                        Ok(None) => stop = Some(StopReason::SourceExhausted),
+                        Err(error) => {
+                            tracing::error!(source = source.name(), %error, "source failed; finishing in-flight deliveries");
+                            stop = Some(StopReason::SourceFailed);
+                            failure = Some(error);
+                        }
+                    }
+                }
+                () = tokio::time::sleep_until(idle_at), if self.idle.is_some() && stop.is_none() && in_flight == 0 => {
+                    stop = Some(StopReason::Idle);
+                }
+            }
+        }
+
+        // Waiting deliveries left after a source failure (shutdown handled them already).
+        for (_, queue) in waiting.drain() {
+            for delivery in queue {
+                report.requeued += 1;
+                if delivery.requeue(None).await.is_err() {
+                    report.settle_errors += 1;
+                }
+            }
+        }
+        report.stop = stop.unwrap_or(StopReason::Shutdown);
+        let closed = source.close().await;
+        match (failure, closed) {
+            (Some(error), _) | (None, Err(error)) => {
+                report.stop = StopReason::SourceFailed;
+                Err(WorkerError { error, report })
+            }
+            (None, Ok(())) => Ok(report),
+        }
+    }
+
+    /// Like [`run`](Self::run), shutting down gracefully on SIGINT or SIGTERM (see
+    /// [`cancel_on_signal`]).
+    ///
+    /// # Errors
+    /// As [`run`](Self::run); a [`SourceError`] with operation `"install signal handlers"` if
+    /// the handlers cannot be installed.
+    pub async fn run_until_signal<S: Source>(&self, source: S) -> Result<WorkerReport, WorkerError> {
+        let token = cancel_on_signal().map_err(|e| WorkerError {
+            error: SourceError::new(source.name(), "install signal handlers", e),
+            report: WorkerReport::default(),
+        })?;
+        self.run(source, token).await
+    }
+
+    fn spawn(&self, tasks: &mut JoinSet<Done>, delivery: Delivery) {
+        let dispatcher = Arc::clone(&self.dispatcher);
+        let requeue_delay = self.requeue_delay;
+        tasks.spawn(async move { process(&dispatcher, delivery, requeue_delay).await });
+    }
+}
+
+fn add(total: &mut WorkerReport, one: &WorkerReport) {
+    total.processed += one.processed;
+    total.duplicates += one.duplicates;
+    total.conflicts += one.conflicts;
+    total.invalid += one.invalid;
+    total.failed += one.failed;
+    total.acked += one.acked;
+    total.rejected += one.rejected;
+    total.requeued += one.requeued;
+    total.settle_errors += one.settle_errors;
+}
+
+/// One delivery: dispatch, decide, log, settle.
+async fn process<DB: InboxDatabase>(
+    dispatcher: &Dispatcher<DB>,
+    delivery: Delivery,
+    requeue_delay: Duration,
+) -> Done {
+    let mut report = WorkerReport::default();
+    let ordering_key = delivery.ordering_key().map(str::to_owned);
+    let envelope = delivery.envelope();
+    let result = dispatcher.dispatch(envelope).await;
+    let settlement = settlement_for(&result, requeue_delay);
+
+    let message_name = envelope.message_name.as_str();
+    let source = envelope.source.as_ref();
+    let source_name = source.map_or("", |s| s.source.as_str());
+    let offset = source.and_then(|s| s.offset);
+    match &result {
+        Err(error) => {
+            report.invalid += 1;
+            tracing::error!(
+                message_name,
+                source = source_name,
+                offset,
+                reason = %error,
+                "rejecting delivery: the dispatcher cannot route it"
+            );
+        }
+        Ok(outcomes) => {
+            for outcome in outcomes {
+                match &outcome.result {
+                    Ok(Outcome::Processed(())) => report.processed += 1,
+                    Ok(Outcome::Duplicate) => report.duplicates += 1,
+                    Err(error @ Error::Conflict(_)) => {
+                        report.conflicts += 1;
+                        tracing::error!(
+                            message_name,
+                            consumer = outcome.consumer,
+                            source = source_name,
+                            offset,
+                            reason = %error,
+                            "rejecting delivery: conflict"
+                        );
+                    }
+                    Err(error @ (Error::Key(_) | Error::Fingerprint(_))) => {
+                        report.invalid += 1;
+                        tracing::error!(
+                            message_name,
+                            consumer = outcome.consumer,
+                            source = source_name,
+                            offset,
+                            reason = %error,
+                            "rejecting delivery: invalid message"
+                        );
+                    }
+                    Err(error) => {
+                        report.failed += 1;
+                        tracing::warn!(
+                            message_name,
+                            consumer = outcome.consumer,
+                            source = source_name,
+                            offset,
+                            reason = %error,
+                            "consumer failed; requeueing the delivery"
+                        );
+                    }
+                    Ok(other) => {
+                        report.failed += 1;
+                        tracing::warn!(
+                            message_name,
+                            consumer = outcome.consumer,
+                            outcome = other.kind(),
+                            "outcome unknown to the settlement policy; requeueing the delivery"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    drop(result);
+
+    match settlement {
+        Settlement::Ack => report.acked += 1,
+        Settlement::Reject => report.rejected += 1,
+        Settlement::Requeue { .. } => report.requeued += 1,
+    }
+    let message_name = message_name.to_owned();
+    if let Err(error) = delivery.settle(settlement).await {
+        report.settle_errors += 1;
+        tracing::warn!(
+            message_name,
+            settlement = settlement.kind(),
+            %error,
+            "cannot settle the delivery; the source will deliver it again"
+        );
+    }
+    Done {
+        ordering_key,
+        report,
+    }
+}
+
+/// Resolves on the first SIGINT or SIGTERM (on non-Unix platforms: Ctrl-C).
+///
+/// # Errors
+/// An [`std::io::Error`] if the signal handlers cannot be installed.
+pub async fn shutdown_signal() -> std::io::Result<()> {
+    let signal = install_signal_handlers()?;
+    signal.await;
+    Ok(())
+}
+
+/// Installs SIGINT and SIGTERM handlers now and returns a token that is cancelled on the first
+/// of them (on non-Unix platforms: Ctrl-C). From then on these signals no longer end the process
+/// on their own: pass the token to [`Worker::run`] so that it shuts down gracefully.
+///
+/// Call it early (before connecting to anything) so that a signal during start-up is not lost.
+/// Needs a Tokio runtime.
+///
+/// # Errors
+/// An [`std::io::Error`] if the signal handlers cannot be installed.
+pub fn cancel_on_signal() -> std::io::Result<CancellationToken> {
+    let token = CancellationToken::new();
+    let signal = install_signal_handlers()?;
+    let cancel = token.clone();
+    tokio::spawn(async move {
+        signal.await;
+        cancel.cancel();
+    });
+    Ok(token)
+}
+
+fn install_signal_handlers() -> std::io::Result<crate::BoxFuture<'static, ()>> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut interrupt = signal(SignalKind::interrupt())?;
+        let mut terminate = signal(SignalKind::terminate())?;
+        Ok(Box::pin(async move {
+            tokio::select! {
+                _ = interrupt.recv() => tracing::info!("SIGINT received"),
+                _ = terminate.recv() => tracing::info!("SIGTERM received"),
+            }
+        }))
+    }
+    #[cfg(not(unix))]
+    {
+        Ok(Box::pin(async {
+            let _ = tokio::signal::ctrl_c().await;
+        }))
+    }
+}
