@@ -3,15 +3,65 @@
 use crate::ctxt::Errors;
 use proc_macro2::{Ident, Span};
 use syn::ext::IdentExt;
+use syn::parse::ParseStream;
 use syn::punctuated::Punctuated;
-use syn::{Expr, ExprLit, Lit, LitStr, Meta, Path, Token};
+use syn::{Expr, ExprLit, Lit, LitStr, Meta, MetaNameValue, Path, Token};
 
 /// A comma-separated list of `name = value` / `name` / `name(...)` arguments.
 pub(crate) type MetaList = Punctuated<Meta, Token![,]>;
 
 /// Parses the tokens between the parentheses of an attribute into a [`MetaList`].
-pub(crate) fn parse_meta_list(input: syn::parse::ParseStream<'_>) -> syn::Result<MetaList> {
-    MetaList::parse_terminated(input)
+///
+/// Like `Punctuated::<Meta, Token![,]>::parse_terminated`, with errors that say what an argument
+/// looks like; `example` is one, such as `consumer = "ledger"`.
+pub(crate) fn parse_meta_list(input: ParseStream<'_>, example: &str) -> syn::Result<MetaList> {
+    let mut list = MetaList::new();
+    while !input.is_empty() {
+        if input.peek(Lit) {
+            let lit: Lit = input.parse()?;
+            return Err(syn::Error::new(
+                lit.span(),
+                format_args!("expected an argument name, as in `{example}`"),
+            ));
+        }
+        let meta = if peek_name_value(input) {
+            let path: Path = input.parse()?;
+            let eq_token: Token![=] = input.parse()?;
+            if input.is_empty() || input.peek(Token![,]) {
+                return Err(syn::Error::new(
+                    eq_token.span,
+                    format_args!("expected a value after `{} =`", path_name(&path)),
+                ));
+            }
+            Meta::NameValue(MetaNameValue {
+                path,
+                eq_token,
+                value: input.parse()?,
+            })
+        } else {
+            input.parse::<Meta>()?
+        };
+        list.push_value(meta);
+        if input.is_empty() {
+            break;
+        }
+        if !input.peek(Token![,]) {
+            let name = path_name(list.last().expect("just pushed").path());
+            let message = match list.last() {
+                Some(Meta::Path(_)) => format!("expected `=` or `,` after `{name}`"),
+                _ => format!("expected `,` after the `{name}` argument"),
+            };
+            return Err(input.error(message));
+        }
+        list.push_punct(input.parse()?);
+    }
+    Ok(list)
+}
+
+/// Whether the input starts with `path =`.
+fn peek_name_value(input: ParseStream<'_>) -> bool {
+    let fork = input.fork();
+    fork.parse::<Path>().is_ok() && fork.peek(Token![=])
 }
 
 /// `a::b` for a path, as the user spelled it (for error messages).

@@ -6,7 +6,8 @@
 use crate::args::{self, MetaList};
 use crate::ctxt::{Errors, Setting};
 use proc_macro2::{Ident, Span, TokenStream};
-use syn::parse::Parser;
+use quote::{ToTokens, quote, quote_spanned};
+use syn::parse::{ParseStream, Parser};
 use syn::spanned::Spanned;
 use syn::{
     Attribute, FnArg, Item, ItemFn, LitStr, Pat, PatType, ReturnType, Signature, Type,
@@ -15,6 +16,10 @@ use syn::{
 
 /// The arguments every handler needs, as an example for error messages.
 const USAGE: &str = "#[idempotent(consumer = \"ledger\")]";
+
+/// The parameters of a handler, for error messages.
+const PARAMS: &str = "the connection and then the message, as in \
+                      `(conn: &mut sqlx::PgConnection, msg: OrderPlaced)`";
 
 /// Arguments accepted by `#[idempotent]`, for the "unknown argument" error.
 const ARGUMENTS: &str = "`consumer`, `key`";
@@ -85,7 +90,8 @@ pub(crate) fn parse(args: TokenStream, item: TokenStream) -> syn::Result<Handler
 
 /// Parses `consumer = "...", key = "..."`.
 fn parse_args(args: TokenStream, errors: &mut Errors) -> Option<(LitStr, Option<KeyField>)> {
-    let metas = match args::parse_meta_list.parse2(args) {
+    let parser = |input: ParseStream<'_>| args::parse_meta_list(input, "consumer = \"ledger\"");
+    let metas = match parser.parse2(args) {
         Ok(metas) => metas,
         Err(e) => {
             errors.push(e);
@@ -204,20 +210,38 @@ fn check_signature(sig: &Signature, errors: &mut Errors) -> Option<Sig> {
     let params = match typed.as_slice() {
         [conn, msg] => Some((*conn, *msg)),
         _ if typed.len() < sig.inputs.len() => None, // `self`: already reported.
+        [_, _, extra @ ..] => {
+            errors.spanned(
+                quote!(#(#extra)*),
+                format_args!(
+                    "`#[idempotent]` handlers take exactly two parameters, {PARAMS}; found {}",
+                    typed.len()
+                ),
+            );
+            None
+        }
         _ => {
             errors.at(
                 sig.paren_token.span.join(),
                 format_args!(
-                    "`#[idempotent]` handlers take exactly two parameters, the connection and \
-                     the message, as in `(conn: &mut sqlx::PgConnection, msg: OrderPlaced)`; \
-                     found {}",
-                    count(typed.len())
+                    "`#[idempotent]` handlers take exactly two parameters, {PARAMS}; found {}",
+                    if typed.is_empty() { "none" } else { "one" }
                 ),
             );
             None
         }
     };
     let params = params.and_then(|(conn, msg)| {
+        if !is_mut_ref(&conn.ty) && is_mut_ref(&msg.ty) {
+            errors.at(
+                sig.paren_token.span.join(),
+                format_args!(
+                    "the parameters are the wrong way round: `#[idempotent]` handlers take \
+                     {PARAMS}"
+                ),
+            );
+            return None;
+        }
         let connection = connection_type(&conn.ty, errors);
         let message = message_type(&msg.ty, errors);
         Some((connection?, message?, conn, msg))
@@ -225,8 +249,11 @@ fn check_signature(sig: &Signature, errors: &mut Errors) -> Option<Sig> {
 
     let output = match &sig.output {
         ReturnType::Default => {
+            // From `fn` to `)`: where the return type is missing.
+            let mut signature = sig.fn_token.to_token_stream();
+            signature.extend(quote_spanned!(sig.paren_token.span.close()=> ()));
             errors.spanned(
-                sig,
+                signature,
                 "`#[idempotent]` handlers must return a `Result`, as in \
                  `-> Result<(), sqlx::Error>`",
             );
@@ -302,7 +329,7 @@ fn message_type(ty: &Type, errors: &mut Errors) -> Option<Type> {
                 ty,
                 format_args!(
                     "the second parameter must take the message by value, as in `msg: {}`",
-                    quote::ToTokens::to_token_stream(&reference.elem)
+                    reference.elem.to_token_stream()
                 ),
             );
             None
@@ -330,24 +357,31 @@ fn peel(mut ty: &Type) -> &Type {
 }
 
 /// The parameter's own name when it is a plain binding (`conn`, `mut conn`), else `fallback`.
+///
+/// The name gets the macro's span: the wrapper's use of `_msg` is generated code, which lints
+/// such as `clippy::used_underscore_binding` must not blame on the user.
 fn param_name(param: &PatType, fallback: &str) -> Ident {
-    match &*param.pat {
+    let mut ident = match &*param.pat {
         Pat::Ident(pat) if pat.by_ref.is_none() && pat.subpat.is_none() => pat.ident.clone(),
         _ => Ident::new(fallback, Span::call_site()),
-    }
+    };
+    ident.set_span(Span::call_site());
+    ident
 }
 
-fn count(n: usize) -> String {
-    match n {
-        0 => "none".to_owned(),
-        1 => "one".to_owned(),
-        n => n.to_string(),
-    }
+/// Whether `ty` is `&mut T`.
+fn is_mut_ref(ty: &Type) -> bool {
+    matches!(
+        peel(ty),
+        Type::Reference(TypeReference {
+            mutability: Some(_),
+            ..
+        })
+    )
 }
 
 /// The token to blame when `#[idempotent]` is put on something that is not a function.
 fn item_keyword(item: &Item) -> TokenStream {
-    use quote::ToTokens;
     match item {
         Item::Struct(i) => i.struct_token.to_token_stream(),
         Item::Enum(i) => i.enum_token.to_token_stream(),
@@ -361,7 +395,7 @@ fn item_keyword(item: &Item) -> TokenStream {
         Item::Use(i) => i.use_token.to_token_stream(),
         other => {
             let span = other.span();
-            quote::quote_spanned!(span=> item)
+            quote_spanned!(span=> item)
         }
     }
 }

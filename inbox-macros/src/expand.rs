@@ -14,6 +14,7 @@ use syn::spanned::Spanned;
 /// `impl ::inbox_runtime::Message for ...`.
 pub(crate) fn message(def: &MessageDef) -> TokenStream {
     let MessageDef { ident, name, key } = def;
+    let key_part_fn = key_part_fn();
     let body = match key {
         Key::Field(part) => {
             let value = field_ref(part);
@@ -57,17 +58,32 @@ pub(crate) fn message(def: &MessageDef) -> TokenStream {
                 &self,
             ) -> ::core::result::Result<::inbox_runtime::IdempotencyKey, ::inbox_runtime::KeyError>
             {
+                #key_part_fn
                 #body
             }
         }
     }
 }
 
-/// `&self.field`, as a `&dyn KeyPart`; a field type that is no `KeyPart` is blamed on the type.
+/// `&self.field` as a `&dyn KeyPart`, through the function of [`key_part_fn`] so that a field type that is no
+/// `KeyPart` is blamed on the field's type.
 fn field_ref(part: &KeyPart) -> TokenStream {
     let member = &part.member;
-    let coerce = quote_spanned!(part.ty_span=> &);
-    quote!(#coerce self.#member)
+    let ty = &part.ty;
+    let function = quote_spanned!(ty.span()=> __inbox_key_part::<#ty>);
+    quote!(#function(&self.#member))
+}
+
+/// The identity function `field_ref` calls: `&T` to `&dyn KeyPart`, with the bound on `T`.
+fn key_part_fn() -> TokenStream {
+    quote! {
+        #[inline]
+        fn __inbox_key_part<T: ::inbox_runtime::KeyPart>(
+            value: &T,
+        ) -> &dyn ::inbox_runtime::KeyPart {
+            value
+        }
+    }
 }
 
 /// The items generated for an `#[idempotent]` handler.
@@ -110,7 +126,12 @@ pub(crate) fn handler(handler: &Handler) -> TokenStream {
     let output_span = output.span();
     let ok = quote_spanned!(output_span=> <#output as #private::HandlerResult>::Ok);
     let err = quote_spanned!(output_span=> <#output as #private::HandlerResult>::Err);
-    let registered = quote_spanned!(output_span=> &#handler_ty);
+    // The handler's error must convert into a `BoxError` to be registered: blame the return type.
+    let registered = {
+        let mut handler_ty = handler_ty.clone();
+        handler_ty.set_span(output_span);
+        quote_spanned!(output_span=> &#handler_ty)
+    };
 
     let key_body = match key {
         Some(field) => {

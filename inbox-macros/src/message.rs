@@ -4,8 +4,8 @@ use crate::args;
 use crate::ctxt::{Errors, Setting};
 use crate::template::{self, Piece};
 use proc_macro2::{Ident, Span};
-use syn::spanned::Spanned;
-use syn::{Attribute, Data, DeriveInput, Field, Fields, LitStr, Meta};
+use syn::parse::ParseStream;
+use syn::{Attribute, Data, DeriveInput, Field, Fields, LitStr, Meta, Type};
 
 /// Arguments accepted on the struct, for the "unknown argument" error.
 const STRUCT_ARGUMENTS: &str = "`name`, `key`";
@@ -39,8 +39,8 @@ pub(crate) struct KeyPart {
     pub(crate) member: Ident,
     /// Its name without `r#`, for run-time errors.
     pub(crate) name: String,
-    /// Its type's span: errors about the type (not a `KeyPart`) point there.
-    pub(crate) ty_span: Span,
+    /// Its type: errors about it (not a `KeyPart`) point there.
+    pub(crate) ty: Box<Type>,
 }
 
 /// A piece of a checked key template.
@@ -109,12 +109,12 @@ pub(crate) fn parse(input: &DeriveInput) -> syn::Result<MessageDef> {
 
     let mut key = None;
     if let Some(fields) = &fields {
-        let key_field = parse_field_attrs(fields, attrs.template.as_ref(), &mut errors);
+        let field_key = parse_field_attrs(fields, attrs.template.as_ref(), &mut errors);
         if let Some(template) = &attrs.template {
             key = check_template(&input.ident, template, fields, &mut errors);
-        } else if let Some(field) = key_field {
+        } else if let Some(field) = field_key.field {
             key = Some(Key::Field(field));
-        } else if !attrs.key_given {
+        } else if !attrs.key_given && !field_key.attempted {
             errors.spanned(
                 &input.ident,
                 format_args!(
@@ -142,14 +142,16 @@ pub(crate) fn parse(input: &DeriveInput) -> syn::Result<MessageDef> {
 struct StructAttrs {
     name: Option<LitStr>,
     template: Option<LitStr>,
-    /// `key` was given on the struct, maybe with an invalid value.
+    /// `key` was given on the struct, maybe with an invalid value (so a missing key is not
+    /// worth another error).
     key_given: bool,
 }
 
 fn parse_struct_attrs(attrs: &[Attribute], errors: &mut Errors) -> StructAttrs {
     let mut name = Setting::new("name");
     let mut key = Setting::new("key");
-    for meta in &message_attrs(attrs, errors) {
+    let parsed = message_attrs(attrs, "name = \"orders.placed\"", errors);
+    for meta in &parsed.metas {
         let path = meta.path();
         if path.is_ident("name") {
             let lit = args::string_value(meta, errors, "\"orders.placed\"")
@@ -179,7 +181,8 @@ fn parse_struct_attrs(attrs: &[Attribute], errors: &mut Errors) -> StructAttrs {
             );
         }
     }
-    let key_given = key.is_given();
+    // A malformed attribute may have been meant to give the key.
+    let key_given = key.is_given() || parsed.malformed;
     StructAttrs {
         name: name.get(),
         template: key.get(),
@@ -187,18 +190,21 @@ fn parse_struct_attrs(attrs: &[Attribute], errors: &mut Errors) -> StructAttrs {
     }
 }
 
-/// Checks the `#[message(...)]` attributes of the fields; returns the field marked
-/// `#[message(key)]`, if there is exactly one.
+/// Checks the `#[message(...)]` attributes of the fields.
 fn parse_field_attrs(
     fields: &[&Field],
     template: Option<&LitStr>,
     errors: &mut Errors,
-) -> Option<KeyPart> {
-    // The first field marked as the key; later ones are errors.
-    let mut key: Option<KeyPart> = None;
+) -> FieldKey {
+    let mut found = FieldKey {
+        field: None,
+        attempted: false,
+    };
     for field in fields {
         let mut marked = Setting::new("key");
-        for meta in &message_attrs(&field.attrs, errors) {
+        let parsed = message_attrs(&field.attrs, "key", errors);
+        found.attempted |= parsed.malformed;
+        for meta in &parsed.metas {
             let path = meta.path();
             if !path.is_ident("key") {
                 errors.spanned(
@@ -210,6 +216,7 @@ fn parse_field_attrs(
                 );
                 continue;
             }
+            found.attempted = true;
             match meta {
                 Meta::Path(_) => marked.set(errors, path, Some(path.clone())),
                 _ => {
@@ -230,7 +237,7 @@ fn parse_field_attrs(
                 "the struct already takes its key from a template (`#[message(key = \"...\")]`); \
                  use either a key field or a key template, not both",
             );
-        } else if let Some(first) = &key {
+        } else if let Some(first) = &found.field {
             errors.spanned(
                 &path,
                 format_args!(
@@ -243,14 +250,23 @@ fn parse_field_attrs(
                 ),
             );
         } else {
-            key = Some(KeyPart {
+            found.field = Some(KeyPart {
                 name: args::unraw(&member),
                 member,
-                ty_span: field.ty.span(),
+                ty: Box::new(field.ty.clone()),
             });
         }
     }
-    key
+    found
+}
+
+/// The field marked `#[message(key)]`.
+struct FieldKey {
+    /// The first field so marked.
+    field: Option<KeyPart>,
+    /// Whether some field tried to be the key, even invalidly (so a missing key is not worth
+    /// another error).
+    attempted: bool,
 }
 
 /// Checks a key template against the struct's fields.
@@ -286,7 +302,7 @@ fn check_template(
                     segments.push(Segment::Field(KeyPart {
                         name: args::unraw(&member),
                         member: with_span(&member, template.span()),
-                        ty_span: field.ty.span(),
+                        ty: Box::new(field.ty.clone()),
                     }));
                 }
                 None if args::field_ident(&name, Span::call_site()).is_none() => errors.spanned(
@@ -357,21 +373,34 @@ fn with_span(ident: &Ident, span: Span) -> Ident {
     ident
 }
 
-/// The arguments of every `#[message(...)]` attribute in `attrs`; malformed ones are reported
-/// and skipped.
-fn message_attrs(attrs: &[Attribute], errors: &mut Errors) -> Vec<Meta> {
-    let mut metas = Vec::new();
+/// The arguments of every `#[message(...)]` attribute in `attrs`; malformed attributes are
+/// reported and skipped. `example` is an argument shown in syntax errors.
+fn message_attrs(attrs: &[Attribute], example: &str, errors: &mut Errors) -> MessageAttrs {
+    let mut parsed = MessageAttrs {
+        metas: Vec::new(),
+        malformed: false,
+    };
     for attr in attrs.iter().filter(|attr| attr.path().is_ident("message")) {
-        let parsed = attr
-            .meta
-            .require_list()
-            .and_then(|list| list.parse_args_with(args::parse_meta_list));
-        match parsed {
-            Ok(list) => metas.extend(list),
-            Err(e) => errors.push(e),
+        let list = attr.meta.require_list().and_then(|list| {
+            list.parse_args_with(|input: ParseStream<'_>| args::parse_meta_list(input, example))
+        });
+        match list {
+            Ok(list) => parsed.metas.extend(list),
+            Err(e) => {
+                errors.push(e);
+                parsed.malformed = true;
+            }
         }
     }
-    metas
+    parsed
+}
+
+/// What [`message_attrs`] found.
+struct MessageAttrs {
+    /// The arguments of the well-formed attributes.
+    metas: Vec<Meta>,
+    /// Whether some attribute could not be parsed (and so might have held a key).
+    malformed: bool,
 }
 
 /// The whole derive: parse, check, generate.

@@ -1,0 +1,17 @@
+#![allow(unused)]
+
+use inbox_runtime::{idempotent, Message};
+use serde::{Deserialize, Serialize};
+use sqlx::PgConnection;
+
+#[derive(Clone, Serialize, Deserialize, Message)]
+struct Msg {
+    #[message(key)]
+    id: u64,
+}
+
+#[idempotent(consumer = "ledger")]
+async fn option(conn: &mut PgConnection, msg: Msg) -> Option<u64> {
+    Some(msg.id)
+}
+fn main() {}
