@@ -24,7 +24,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::error::{DispatchError, Error};
+use crate::error::{DispatchError, Disposition, Error};
 use crate::outcome::Outcome;
 use crate::registry::{ConsumerOutcome, Dispatcher};
 use crate::source::{Delivery, Settlement, Source, SourceError};
@@ -32,16 +32,19 @@ use crate::store::InboxDatabase;
 
 /// The settlement policy: how the dispatcher's result for one delivery settles it.
 ///
-/// * every consumer's outcome is [`Outcome::Processed`] or [`Outcome::Duplicate`] →
-///   [`Settlement::Ack`] (the transactions have committed);
+/// * every consumer's outcome is [`Outcome::Processed`], [`Outcome::Duplicate`],
+///   [`Outcome::Dead`] or [`Outcome::Discarded`], or a handler failure recorded as dead
+///   ([`Disposition::Dead`]: the payload is kept in the inbox) → [`Settlement::Ack`]: the
+///   transactions have committed;
 /// * a [`DispatchError`] (unknown message, malformed payload, bad key — permanent, nothing
 ///   written), or a consumer's [`Error::Conflict`], [`Error::Key`] or [`Error::Fingerprint`] →
 ///   [`Settlement::Reject`]: nack without requeue;
-/// * a handler or database error of any consumer, or an outcome this policy does not know →
-///   [`Settlement::Requeue`] after `requeue_delay`: the failed consumer's transaction rolled
-///   back, and on the redelivery the consumers that did commit see a duplicate.
+/// * a handler failure to retry ([`Disposition::Retry`]) → [`Settlement::Requeue`] after its
+///   `after` delay; any other handler failure, a database error, or an outcome this policy does
+///   not know → [`Settlement::Requeue`] after `requeue_delay`. The failed consumer's transaction
+///   rolled back; on the redelivery the consumers that did commit see a duplicate.
 ///
-/// Requeue wins over reject, reject over ack.
+/// Requeue wins over reject, reject over ack; of several requeue delays the longest is used.
 pub fn settlement_for(
     result: &Result<Vec<ConsumerOutcome>, DispatchError>,
     requeue_delay: Duration,
@@ -50,22 +53,31 @@ pub fn settlement_for(
         Ok(outcomes) => outcomes,
         Err(_) => return Settlement::Reject,
     };
-    let mut settlement = Settlement::Ack;
+    let mut reject = false;
+    let mut requeue: Option<Duration> = None;
     for outcome in outcomes {
         match &outcome.result {
-            Ok(Outcome::Processed(()) | Outcome::Duplicate) => {}
-            Err(Error::Conflict(_) | Error::Key(_) | Error::Fingerprint(_)) => {
-                settlement = Settlement::Reject;
-            }
-            // Handler and database errors, and outcomes added later, until they are known.
-            _ => {
-                return Settlement::Requeue {
-                    delay: Some(requeue_delay),
+            Ok(
+                Outcome::Processed(()) | Outcome::Duplicate | Outcome::Dead | Outcome::Discarded,
+            ) => {}
+            Err(Error::Handler(failure)) if failure.disposition.is_settled() => {}
+            Err(Error::Conflict(_) | Error::Key(_) | Error::Fingerprint(_)) => reject = true,
+            Err(Error::Handler(failure)) => {
+                let delay = match failure.disposition {
+                    Disposition::Retry { after } => after,
+                    _ => requeue_delay,
                 };
+                requeue = Some(requeue.map_or(delay, |d| d.max(delay)));
             }
+            // Database errors, and outcomes added later until they are known here.
+            _ => requeue = Some(requeue.map_or(requeue_delay, |d| d.max(requeue_delay))),
         }
     }
-    settlement
+    match (requeue, reject) {
+        (Some(delay), _) => Settlement::Requeue { delay: Some(delay) },
+        (None, true) => Settlement::Reject,
+        (None, false) => Settlement::Ack,
+    }
 }
 
 /// Why [`Worker::run`] returned.
@@ -99,7 +111,10 @@ pub struct WorkerReport {
     /// Deliveries the dispatcher refused ([`DispatchError`]: unknown message, malformed payload,
     /// bad key), plus consumer key or fingerprint errors.
     pub invalid: u64,
-    /// Consumer handler and database errors (and unknown outcomes): requeued.
+    /// Consumer outcomes [`Outcome::Dead`] and [`Outcome::Discarded`], and handler failures
+    /// recorded as dead now: acked, the payload kept in the inbox.
+    pub dead: u64,
+    /// Consumer handler failures to retry, database errors (and unknown outcomes): requeued.
     pub failed: u64,
     /// Deliveries acked.
     pub acked: u64,
@@ -124,6 +139,7 @@ impl Default for WorkerReport {
             duplicates: 0,
             conflicts: 0,
             invalid: 0,
+            dead: 0,
             failed: 0,
             acked: 0,
             rejected: 0,
@@ -373,7 +389,10 @@ impl<DB: InboxDatabase> Worker<DB> {
     /// # Errors
     /// As [`run`](Self::run); a [`SourceError`] with operation `"install signal handlers"` if
     /// the handlers cannot be installed.
-    pub async fn run_until_signal<S: Source>(&self, source: S) -> Result<WorkerReport, WorkerError> {
+    pub async fn run_until_signal<S: Source>(
+        &self,
+        source: S,
+    ) -> Result<WorkerReport, WorkerError> {
         let token = cancel_on_signal().map_err(|e| WorkerError {
             error: SourceError::new(source.name(), "install signal handlers", e),
             report: WorkerReport::default(),
@@ -393,6 +412,7 @@ fn add(total: &mut WorkerReport, one: &WorkerReport) {
     total.duplicates += one.duplicates;
     total.conflicts += one.conflicts;
     total.invalid += one.invalid;
+    total.dead += one.dead;
     total.failed += one.failed;
     total.acked += one.acked;
     total.rejected += one.rejected;
@@ -432,6 +452,18 @@ async fn process<DB: InboxDatabase>(
                 match &outcome.result {
                     Ok(Outcome::Processed(())) => report.processed += 1,
                     Ok(Outcome::Duplicate) => report.duplicates += 1,
+                    Ok(Outcome::Dead | Outcome::Discarded) => report.dead += 1,
+                    Err(Error::Handler(failure)) if failure.disposition.is_settled() => {
+                        report.dead += 1;
+                        tracing::error!(
+                            message_name,
+                            consumer = outcome.consumer,
+                            source = source_name,
+                            offset,
+                            reason = %failure,
+                            "dead-lettered in the inbox; acking the delivery"
+                        );
+                    }
                     Err(error @ Error::Conflict(_)) => {
                         report.conflicts += 1;
                         tracing::error!(
@@ -465,6 +497,8 @@ async fn process<DB: InboxDatabase>(
                             "consumer failed; requeueing the delivery"
                         );
                     }
+                    // Outcomes added later, until the policy knows them.
+                    #[allow(unreachable_patterns)]
                     Ok(other) => {
                         report.failed += 1;
                         tracing::warn!(

@@ -109,7 +109,11 @@ impl AmqpConfig {
     }
 
     /// Adds a routing key → message name mapping to [`routes`](Self::routes).
-    pub fn route(mut self, routing_key: impl Into<String>, message_name: impl Into<String>) -> Self {
+    pub fn route(
+        mut self,
+        routing_key: impl Into<String>,
+        message_name: impl Into<String>,
+    ) -> Self {
         self.routes.insert(routing_key.into(), message_name.into());
         self
     }
@@ -213,8 +217,18 @@ impl AmqpSource {
             .name_header
             .as_ref()
             .and_then(|header| headers.get(header).cloned())
-            .or_else(|| properties.kind().as_ref().map(|kind| kind.as_str().to_owned()))
-            .or_else(|| self.config.routes.get(delivery.routing_key.as_str()).cloned())
+            .or_else(|| {
+                properties
+                    .kind()
+                    .as_ref()
+                    .map(|kind| kind.as_str().to_owned())
+            })
+            .or_else(|| {
+                self.config
+                    .routes
+                    .get(delivery.routing_key.as_str())
+                    .cloned()
+            })
             .or_else(|| {
                 self.config
                     .routing_key_as_name
@@ -280,7 +294,10 @@ struct AmqpSettler {
 }
 
 impl Settle for AmqpSettler {
-    fn settle(self: Box<Self>, settlement: Settlement) -> BoxFuture<'static, Result<(), SourceError>> {
+    fn settle(
+        self: Box<Self>,
+        settlement: Settlement,
+    ) -> BoxFuture<'static, Result<(), SourceError>> {
         Box::pin(async move {
             let operation = settlement.kind();
             let sent = match settlement {
@@ -338,10 +355,16 @@ impl Source for AmqpSource {
         Box::pin(async move {
             let close_error = |e| SourceError::new(&self.config.queue, "close", e);
             if self.channel.status().connected() {
-                self.channel.close(200, "OK".into()).await.map_err(close_error)?;
+                self.channel
+                    .close(200, "OK".into())
+                    .await
+                    .map_err(close_error)?;
             }
             if self.connection.status().connected() {
-                self.connection.close(200, "OK".into()).await.map_err(close_error)?;
+                self.connection
+                    .close(200, "OK".into())
+                    .await
+                    .map_err(close_error)?;
             }
             Ok(())
         })

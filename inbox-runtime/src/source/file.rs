@@ -461,7 +461,13 @@ impl Source for FileSource {
                 .await
                 .map_err(|e| SourceError::new(name.clone(), "persist position", e))?
                 .map_err(|e| SourceError::new(name.clone(), "persist position", e))?;
-            if let Some(error) = self.offset.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            if let Some(error) = self
+                .offset
+                .error
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take()
+            {
                 return Err(SourceError::new(name, "persist position", error));
             }
             Ok(())

@@ -22,9 +22,9 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::BoxFuture;
 use crate::envelope::Envelope;
 use crate::error::BoxError;
-use crate::BoxFuture;
 
 #[cfg(feature = "amqp")]
 pub mod amqp;
@@ -105,7 +105,10 @@ pub trait Settle: Send + 'static {
     /// A [`SourceError`] if the broker could not be told (connection lost, channel closed). The
     /// message is then not settled and the broker will deliver it again; after an [`Ack`]
     /// (`Settlement::Ack`) whose transaction committed, that redelivery is a duplicate.
-    fn settle(self: Box<Self>, settlement: Settlement) -> BoxFuture<'static, Result<(), SourceError>>;
+    fn settle(
+        self: Box<Self>,
+        settlement: Settlement,
+    ) -> BoxFuture<'static, Result<(), SourceError>>;
 
     /// The delivery was dropped without being settled. The default does nothing (the broker
     /// redelivers on its own: RabbitMQ when the channel closes, JetStream after `AckWait`).

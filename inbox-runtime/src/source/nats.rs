@@ -39,9 +39,9 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream::{self, AckKind};
 use async_nats::jetstream::consumer::pull::{self, MessagesErrorKind};
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy};
+use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt as _;
 
 use crate::BoxFuture;
@@ -274,7 +274,10 @@ struct NatsSettler {
 }
 
 impl Settle for NatsSettler {
-    fn settle(self: Box<Self>, settlement: Settlement) -> BoxFuture<'static, Result<(), SourceError>> {
+    fn settle(
+        self: Box<Self>,
+        settlement: Settlement,
+    ) -> BoxFuture<'static, Result<(), SourceError>> {
         Box::pin(async move {
             let kind = match settlement {
                 Settlement::Ack => AckKind::Ack,
