@@ -166,7 +166,24 @@ struct Sig {
 /// Checks the handler's signature, reporting every problem; `Some` only if there was none.
 fn check_signature(sig: &Signature, errors: &mut Errors) -> Option<Sig> {
     let before = errors.len();
+    check_qualifiers(sig, errors);
+    let params = check_params(sig, errors);
+    let output = check_output(sig, errors);
+    if errors.len() > before {
+        return None;
+    }
+    let (connection, message, conn, msg) = params?;
+    Some(Sig {
+        connection,
+        message,
+        output: output?,
+        conn_arg: param_name(conn, "__inbox_conn"),
+        msg_arg: param_name(msg, "__inbox_msg"),
+    })
+}
 
+/// Everything about the function but its parameters and return type.
+fn check_qualifiers(sig: &Signature, errors: &mut Errors) {
     if let Some(token) = &sig.constness {
         errors.spanned(token, "`#[idempotent]` handlers cannot be `const fn`");
     }
@@ -195,7 +212,13 @@ fn check_signature(sig: &Signature, errors: &mut Errors) -> Option<Sig> {
     if let Some(variadic) = &sig.variadic {
         errors.spanned(variadic, "`#[idempotent]` handlers cannot be variadic");
     }
+}
 
+/// The connection type, the message type and both parameters.
+fn check_params<'a>(
+    sig: &'a Signature,
+    errors: &mut Errors,
+) -> Option<(Type, Type, &'a PatType, &'a PatType)> {
     let mut typed = Vec::new();
     for input in &sig.inputs {
         match input {
@@ -207,9 +230,9 @@ fn check_signature(sig: &Signature, errors: &mut Errors) -> Option<Sig> {
             FnArg::Typed(pat_type) => typed.push(pat_type),
         }
     }
-    let params = match typed.as_slice() {
-        [conn, msg] => Some((*conn, *msg)),
-        _ if typed.len() < sig.inputs.len() => None, // `self`: already reported.
+    let (conn, msg) = match typed.as_slice() {
+        [conn, msg] => (*conn, *msg),
+        _ if typed.len() < sig.inputs.len() => return None, // `self`: already reported.
         [_, _, extra @ ..] => {
             errors.spanned(
                 quote!(#(#extra)*),
@@ -218,7 +241,7 @@ fn check_signature(sig: &Signature, errors: &mut Errors) -> Option<Sig> {
                     typed.len()
                 ),
             );
-            None
+            return None;
         }
         _ => {
             errors.at(
@@ -228,35 +251,33 @@ fn check_signature(sig: &Signature, errors: &mut Errors) -> Option<Sig> {
                     if typed.is_empty() { "none" } else { "one" }
                 ),
             );
-            None
-        }
-    };
-    let params = params.and_then(|(conn, msg)| {
-        if !is_mut_ref(&conn.ty) && is_mut_ref(&msg.ty) {
-            errors.at(
-                sig.paren_token.span.join(),
-                format_args!(
-                    "the parameters are the wrong way round: `#[idempotent]` handlers take \
-                     {PARAMS}"
-                ),
-            );
             return None;
         }
-        let connection = connection_type(&conn.ty, errors);
-        let message = message_type(&msg.ty, errors);
-        Some((connection?, message?, conn, msg))
-    });
+    };
+    if !is_mut_ref(&conn.ty) && is_mut_ref(&msg.ty) {
+        errors.at(
+            sig.paren_token.span.join(),
+            format_args!(
+                "the parameters are the wrong way round: `#[idempotent]` handlers take {PARAMS}"
+            ),
+        );
+        return None;
+    }
+    let connection = connection_type(&conn.ty, errors);
+    let message = message_type(&msg.ty, errors);
+    Some((connection?, message?, conn, msg))
+}
 
-    let output = match &sig.output {
+/// The return type, which must be some `Result`.
+fn check_output(sig: &Signature, errors: &mut Errors) -> Option<Type> {
+    const NOT_A_RESULT: &str =
+        "`#[idempotent]` handlers must return a `Result`, as in `-> Result<(), sqlx::Error>`";
+    match &sig.output {
         ReturnType::Default => {
             // From `fn` to `)`: where the return type is missing.
             let mut signature = sig.fn_token.to_token_stream();
             signature.extend(quote_spanned!(sig.paren_token.span.close()=> ()));
-            errors.spanned(
-                signature,
-                "`#[idempotent]` handlers must return a `Result`, as in \
-                 `-> Result<(), sqlx::Error>`",
-            );
+            errors.spanned(signature, NOT_A_RESULT);
             None
         }
         ReturnType::Type(_, ty) => match peel(ty) {
@@ -268,28 +289,12 @@ fn check_signature(sig: &Signature, errors: &mut Errors) -> Option<Sig> {
                 None
             }
             Type::Never(_) | Type::Tuple(_) => {
-                errors.spanned(
-                    ty,
-                    "`#[idempotent]` handlers must return a `Result`, as in \
-                     `-> Result<(), sqlx::Error>`",
-                );
+                errors.spanned(ty, NOT_A_RESULT);
                 None
             }
             _ => Some((**ty).clone()),
         },
-    };
-
-    if errors.len() > before {
-        return None;
     }
-    let (connection, message, conn, msg) = params?;
-    Some(Sig {
-        connection,
-        message,
-        output: output?,
-        conn_arg: param_name(conn, "__inbox_conn"),
-        msg_arg: param_name(msg, "__inbox_msg"),
-    })
 }
 
 /// `T` of `&mut T`; anything else is reported.
@@ -424,5 +429,136 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     match parse(args, item.clone()) {
         Ok(handler) => crate::expand::handler(&handler),
         Err(e) => crate::ctxt::error_output(&e, item),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn errors_of(args: TokenStream, item: TokenStream) -> Vec<String> {
+        match parse(args, item) {
+            Ok(_) => Vec::new(),
+            Err(e) => e.into_iter().map(|e| e.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn parses_a_handler() {
+        let handler = parse(
+            quote!(consumer = "ledger", key = "r#type"),
+            quote! {
+                /// Docs.
+                pub async fn credit(mut conn: &mut sqlx::PgConnection, Msg { id }: Msg)
+                    -> anyhow::Result<()> { Ok(()) }
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(handler.consumer.value(), "ledger");
+        let key = handler.key.unwrap();
+        assert_eq!(key.member, "r#type");
+        assert_eq!(key.name, "type");
+        assert_eq!(
+            handler.connection.to_token_stream().to_string(),
+            "sqlx :: PgConnection"
+        );
+        assert_eq!(handler.message.to_token_stream().to_string(), "Msg");
+        assert_eq!(
+            handler.output.to_token_stream().to_string(),
+            "anyhow :: Result < () >"
+        );
+        assert_eq!(handler.conn_arg, "conn");
+        assert_eq!(handler.msg_arg, "__inbox_msg");
+    }
+
+    #[test]
+    fn reports_every_problem_at_once() {
+        let errors = errors_of(
+            quote!(consumer = "ledger", consumer = "x", foo = 1),
+            quote!(
+                fn handler<T>(conn: &PgConnection) {}
+            ),
+        );
+        assert_eq!(
+            errors,
+            [
+                "`consumer` set multiple times",
+                "unknown argument `foo`, expected one of: `consumer`, `key`",
+                "`#[idempotent]` handlers must be `async fn`",
+                "`#[idempotent]` handlers cannot be generic: the connection and message types \
+                 must be concrete",
+                "`#[idempotent]` handlers take exactly two parameters, the connection and then \
+                 the message, as in `(conn: &mut sqlx::PgConnection, msg: OrderPlaced)`; found one",
+                "`#[idempotent]` handlers must return a `Result`, as in \
+                 `-> Result<(), sqlx::Error>`",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_bad_consumer_is_not_also_missing() {
+        let item = quote!(
+            async fn h(c: &mut C, m: M) -> Result<(), E> {
+                Ok(())
+            }
+        );
+        assert_eq!(
+            errors_of(quote!(consumer = ""), item.clone()),
+            ["`consumer` must not be empty"]
+        );
+        assert_eq!(
+            errors_of(quote!(consumer = 1), item.clone()),
+            ["`consumer` must be a string literal, as in `consumer = \"ledger\"`"]
+        );
+        assert_eq!(
+            errors_of(quote!(), item),
+            [
+                "missing argument `consumer`: every handler needs a consumer name, as in \
+                 `#[idempotent(consumer = \"ledger\")]`"
+            ]
+        );
+    }
+
+    #[test]
+    fn generated_code_is_valid_rust() {
+        let output = idempotent(
+            quote!(consumer = "ledger", key = "event_id"),
+            quote! {
+                #[cfg(feature = "pg")]
+                #[expect(clippy::needless_return)]
+                pub(crate) async fn credit(conn: &mut PgConnection, msg: Msg) -> Result<u8, E> {
+                    return Ok(1);
+                }
+            },
+        );
+        let file: syn::File = syn::parse2(output.clone()).unwrap_or_else(|e| panic!("{e}"));
+        // struct, impl, submit!, the wrapper: each under the `cfg`.
+        assert_eq!(file.items.len(), 4);
+        let text = output.to_string();
+        assert!(text.contains("struct __inbox_handler_credit"), "{text}");
+        assert_eq!(
+            text.matches("# [cfg (feature = \"pg\")]").count(),
+            4,
+            "{text}"
+        );
+        // `#[expect]` moves to the body: once, not on the wrapper.
+        assert_eq!(text.matches("expect").count(), 1, "{text}");
+        assert!(
+            text.contains("async fn __inbox_body (conn : & mut PgConnection , msg : Msg)"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn errors_keep_the_item() {
+        let output = idempotent(
+            quote!(),
+            quote!(
+                async fn kept() {}
+            ),
+        );
+        let text = output.to_string();
+        assert!(text.contains("compile_error"), "{text}");
+        assert!(text.contains("async fn kept () { }"), "{text}");
     }
 }

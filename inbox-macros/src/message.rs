@@ -414,3 +414,134 @@ pub(crate) fn derive(input: proc_macro2::TokenStream) -> proc_macro2::TokenStrea
         Err(e) => e.to_compile_error(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use quote::quote;
+
+    fn parse_tokens(tokens: proc_macro2::TokenStream) -> syn::Result<MessageDef> {
+        parse(&syn::parse2(tokens).unwrap())
+    }
+
+    fn errors_of(tokens: proc_macro2::TokenStream) -> Vec<String> {
+        match parse_tokens(tokens) {
+            Ok(_) => Vec::new(),
+            Err(e) => e.into_iter().map(|e| e.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn field_key_and_default_name() {
+        let def = parse_tokens(quote! {
+            struct r#Placed { a: u8, #[message(key)] r#ref: u64 }
+        })
+        .unwrap();
+        assert_eq!(def.name.value(), "Placed");
+        let Key::Field(part) = def.key else {
+            panic!("not a field key")
+        };
+        assert_eq!(part.member, "r#ref");
+        assert_eq!(part.name, "ref");
+    }
+
+    #[test]
+    fn template_key_segments() {
+        let def = parse_tokens(quote! {
+            #[message(name = "orders.placed", key = "{{o}}:{region}-{id}")]
+            struct Placed { id: u64, region: String }
+        })
+        .unwrap();
+        assert_eq!(def.name.value(), "orders.placed");
+        let Key::Template { template, segments } = def.key else {
+            panic!("not a template")
+        };
+        assert_eq!(template.value(), "{{o}}:{region}-{id}");
+        let rendered: Vec<String> = segments
+            .iter()
+            .map(|s| match s {
+                Segment::Lit(text) => format!("lit {text}"),
+                Segment::Field(part) => format!("field {}", part.name),
+            })
+            .collect();
+        assert_eq!(rendered, ["lit {o}:", "field region", "lit -", "field id"]);
+    }
+
+    #[test]
+    fn reports_every_problem_at_once() {
+        let errors = errors_of(quote! {
+            #[message(name = "", topic = "t")]
+            struct Many<T> { #[message(key, key)] id: T }
+        });
+        assert_eq!(
+            errors,
+            [
+                "`#[derive(Message)]` does not support generic types: a message is a concrete, \
+                 named type",
+                "the message `name` must not be empty",
+                "unknown argument `topic`, expected one of: `name`, `key`",
+                "`key` set multiple times",
+            ]
+        );
+    }
+
+    #[test]
+    fn no_key_is_reported_once() {
+        assert_eq!(
+            errors_of(quote!(
+                struct S {
+                    id: u64,
+                }
+            ))
+            .len(),
+            1
+        );
+        // An invalid attempt at a key is not also a missing key.
+        assert_eq!(
+            errors_of(quote!(
+                struct S {
+                    #[message(key = "x")]
+                    id: u64,
+                }
+            ))
+            .len(),
+            1
+        );
+        assert_eq!(
+            errors_of(quote!(
+                #[message(key)]
+                struct S {
+                    id: u64,
+                }
+            ))
+            .len(),
+            1
+        );
+        assert_eq!(
+            errors_of(quote!(
+                #[message(key = )]
+                struct S {
+                    id: u64,
+                }
+            ))
+            .len(),
+            1
+        );
+    }
+
+    #[test]
+    fn generated_code_is_valid_rust() {
+        let output = derive(quote! {
+            #[message(key = "a:{a}:{b}")]
+            struct S { a: u8, b: String }
+        });
+        let item: syn::ItemImpl = syn::parse2(output.clone()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(item.items.len(), 2);
+        let text = output.to_string();
+        assert!(text.contains("key_from_template"), "{text}");
+        assert!(
+            text.contains("__inbox_key_part :: < u8 > (& self . a)"),
+            "{text}"
+        );
+    }
+}
