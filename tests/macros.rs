@@ -127,3 +127,16 @@ async fn a_handler_runs_once_per_key_override() {
     );
     assert_eq!(SHIPPED.load(Ordering::SeqCst), 2);
 }
+
+/// Handlers written by a `macro_rules!` macro: still not dead code when never called by name.
+macro_rules! handler_for {
+    ($name:ident, $consumer:literal, $conn:ty) => {
+        #[idempotent(consumer = $consumer)]
+        async fn $name(conn: &mut $conn, msg: OrderPlaced) -> Result<u64, std::io::Error> {
+            let _ = conn;
+            Ok(msg.order_id)
+        }
+    };
+}
+
+handler_for!(from_a_macro, "from-a-macro", SqliteConnection);

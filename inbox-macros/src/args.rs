@@ -85,7 +85,7 @@ pub(crate) fn path_name(path: &Path) -> String {
 pub(crate) fn string_value(meta: &Meta, errors: &mut Errors, example: &str) -> Option<LitStr> {
     let name = path_name(meta.path());
     match meta {
-        Meta::NameValue(nv) => match &nv.value {
+        Meta::NameValue(nv) => match peel_expr(&nv.value) {
             Expr::Lit(ExprLit {
                 lit: Lit::Str(lit), ..
             }) => Some(lit.clone()),
@@ -102,6 +102,15 @@ pub(crate) fn string_value(meta: &Meta, errors: &mut Errors, example: &str) -> O
             None
         }
     }
+}
+
+/// Looks through invisible groups: a `$value:literal` of a `macro_rules!` macro arrives wrapped
+/// in one.
+fn peel_expr(mut expr: &Expr) -> &Expr {
+    while let Expr::Group(group) = expr {
+        expr = &group.expr;
+    }
+    expr
 }
 
 /// Checks a name that ends up stored in the inbox table or compared at run time (a consumer name,

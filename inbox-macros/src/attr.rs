@@ -532,13 +532,13 @@ mod tests {
             },
         );
         let file: syn::File = syn::parse2(output.clone()).unwrap_or_else(|e| panic!("{e}"));
-        // struct, impl, submit!, the wrapper: each under the `cfg`.
-        assert_eq!(file.items.len(), 4);
+        // struct, impl, submit!, the use of the wrapper, the wrapper: each under the `cfg`.
+        assert_eq!(file.items.len(), 5);
         let text = output.to_string();
         assert!(text.contains("struct __inbox_handler_credit"), "{text}");
         assert_eq!(
             text.matches("# [cfg (feature = \"pg\")]").count(),
-            4,
+            5,
             "{text}"
         );
         // `#[expect]` moves to the body: once, not on the wrapper.

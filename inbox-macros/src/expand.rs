@@ -193,6 +193,12 @@ pub(crate) fn handler(handler: &Handler) -> TokenStream {
             #private::Registration::new(#registered)
         }
 
+        // Registered, the wrapper needs no caller: this use keeps it from being dead code.
+        #(#cfgs)*
+        const _: () = {
+            let _ = #ident;
+        };
+
         #(#outer_attrs)*
         #vis #asyncness fn #ident(
             #conn_arg: #conn_ty,
