@@ -62,6 +62,15 @@ impl Db {
     /// [`DEFAULT_SQLITE_FILE`] in the current directory if there is none. Returns the pool and
     /// a description of the database without credentials.
     pub(crate) async fn connect(url: Option<&str>) -> Result<(Db, String), DbError> {
+        Self::connect_with(url, 2).await
+    }
+
+    /// [`Db::connect`], with at most `pg_connections` connections to PostgreSQL (SQLite always
+    /// gets one).
+    pub(crate) async fn connect_with(
+        url: Option<&str>,
+        pg_connections: u32,
+    ) -> Result<(Db, String), DbError> {
         let connect_error = |e| DbError::Sql("cannot connect to the database".into(), e);
         match url {
             None => {
@@ -93,7 +102,7 @@ impl Db {
                     options.get_database().unwrap_or("")
                 );
                 let pool = PgPoolOptions::new()
-                    .max_connections(2)
+                    .max_connections(pg_connections)
                     .connect_with(options)
                     .await
                     .map_err(connect_error)?;

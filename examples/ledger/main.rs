@@ -6,6 +6,12 @@
 //! cargo run --example ledger -- - < events.jsonl     # standard input
 //! cargo run --example ledger -- events.jsonl --expected truth.json
 //! DATABASE_URL=postgres://user@host/db cargo run --example ledger
+//!
+//! # On a broker: load the sample into it, then consume it (see "Brokers" below)
+//! cargo run --example ledger -- publish --to amqp://127.0.0.1:5672/%2f
+//! cargo run --example ledger -- --source amqp://127.0.0.1:5672/%2f
+//! cargo run --example ledger -- publish --to nats://127.0.0.1:4222
+//! cargo run --example ledger -- --source nats://127.0.0.1:4222
 //! ```
 //!
 //! Each input line is one delivery,
@@ -40,14 +46,38 @@
 //! `summary: processed=N duplicates=N conflicts=N rejected=N balances=ok|MISMATCH|unchecked`.
 //! Exit status: 0 when the check passed or there was none, 1 on a mismatch (the differences
 //! are listed on stderr), 2 on bad usage, unreadable input, or a database or handler failure.
+//!
+//! ## Brokers
+//!
+//! `ledger publish [PATH] --to URL` loads a JSON-lines stream (default: the sample) into
+//! RabbitMQ (`amqp://…`: the durable queue `--queue`, default `ledger`, persistent messages with
+//! publisher confirms; the message name in the `type` property, `message_id` = `line-N`) or
+//! NATS JetStream (`nats://…`: the stream `--stream`, default `LEDGER`, created on subject
+//! `--subject`, default `ledger.events`; the message name in the `message-name` header). A line
+//! that is not a message envelope is published as it is, with no name. `--duplicate P` publishes
+//! each line a second time with probability P % (seeded by `--seed`), like a retrying producer.
+//!
+//! `ledger --source URL` consumes the queue (or the JetStream durable consumer `--consumer`,
+//! default `ledger`) with an [`inbox_runtime::Worker`]: `--concurrency` deliveries at once
+//! (default 16; also the prefetch and the PostgreSQL pool size), each acked only after its
+//! transaction committed, conflicts and malformed messages rejected (logged on stderr),
+//! failures requeued. It exits once nothing has arrived for `--idle-exit` seconds (default 3),
+//! and prints the same summary line, counting this run's deliveries; the balances are checked
+//! against `--expected` (default: the sample's `expected.json`; `--no-check`: none), the counts
+//! never (a run may see part of the stream, or redeliveries). On SIGINT or SIGTERM it stops
+//! fetching, finishes the deliveries under way, and exits 0 with `balances=unchecked`; killed
+//! outright, it loses nothing: the broker redelivers what was not acked, and the inbox turns
+//! what had committed into duplicates.
 
+mod broker;
 mod check;
 mod db;
 mod feed;
 mod handlers;
 mod messages;
 
-use std::path::PathBuf;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -67,9 +97,20 @@ const SAMPLE_EXPECTED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/ledger/data/
 #[derive(Parser, Debug)]
 #[command(
     name = "ledger",
-    about = "Feeds a payments stream through #[idempotent] handlers and checks the balances"
+    about = "Feeds a payments stream through #[idempotent] handlers and checks the balances",
+    args_conflicts_with_subcommands = true
 )]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// Consume from a broker instead of a file: amqp://… (RabbitMQ) or nats://… (JetStream)
+    #[arg(long, value_name = "URL")]
+    source: Option<String>,
+    /// Do not check the balances
+    #[arg(long)]
+    no_check: bool,
+    #[command(flatten)]
+    consume: broker::ConsumeArgs,
     /// JSON-lines input file, or `-` for standard input [default: the bundled sample]
     #[arg(value_name = "PATH|-")]
     input: Option<PathBuf>,
@@ -80,6 +121,12 @@ struct Args {
     /// Database: postgres://… or sqlite:… [default: sqlite file ./ledger.db]
     #[arg(long, env = "DATABASE_URL", value_name = "URL", hide_env_values = true)]
     database_url: Option<String>,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Command {
+    /// Loads a JSON-lines stream into RabbitMQ or NATS JetStream
+    Publish(broker::PublishArgs),
 }
 
 /// Whether the check passed.
@@ -118,7 +165,7 @@ async fn run(args: Args) -> Result<Verdict, String> {
         None => (PathBuf::from(SAMPLE), Some(PathBuf::from(SAMPLE_EXPECTED))),
         Some(input) => (input, None),
     };
-    let expected_path = args.expected.or(expected_path);
+    let expected_path = args.expected.or(expected_path).filter(|_| !args.no_check);
     let expected = expected_path.as_deref().map(Expected::load).transpose()?;
 
     let (reader, source): (Input, String) = if input.as_os_str() == "-" {
@@ -162,8 +209,24 @@ async fn run(args: Args) -> Result<Verdict, String> {
     db.close().await;
     let balances = balances?;
 
-    let verdict = match (&expected, &expected_path) {
-        (Some(expected), Some(path)) => {
+    Ok(check_and_summarize(
+        expected.as_ref().zip(expected_path.as_deref()),
+        &balances,
+        &counts,
+        fresh,
+    ))
+}
+
+/// Compares the balances (and, on a fresh database, the counts) with the ground truth, reports
+/// the differences on stderr, and prints the summary line.
+fn check_and_summarize(
+    expected: Option<(&Expected, &Path)>,
+    balances: &BTreeMap<String, i64>,
+    counts: &Counts,
+    fresh: bool,
+) -> Verdict {
+    let verdict = match expected {
+        Some((expected, path)) => {
             let mut mismatches = expected.balance_mismatches(&balances);
             if fresh {
                 mismatches.extend(expected.count_mismatches(&counts));
@@ -192,7 +255,7 @@ async fn run(args: Args) -> Result<Verdict, String> {
                 Verdict::Mismatch
             }
         }
-        _ => Verdict::Unchecked,
+        None => Verdict::Unchecked,
     };
 
     println!(
@@ -207,13 +270,98 @@ async fn run(args: Args) -> Result<Verdict, String> {
             Verdict::Unchecked => "unchecked",
         }
     );
-    Ok(verdict)
+    verdict
+}
+
+/// `ledger publish`.
+async fn run_publish(args: broker::PublishArgs) -> Result<Verdict, String> {
+    let input = args.input.clone().unwrap_or_else(|| PathBuf::from(SAMPLE));
+    let started = Instant::now();
+    let published = broker::publish(&args, &input).await?;
+    println!(
+        "published {published} messages from {} to {} in {:.2} s",
+        input.display(),
+        args.to,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(Verdict::Unchecked)
+}
+
+/// `ledger --source URL`: consume a broker with a worker, then check the balances.
+async fn run_broker(args: Args, url: String) -> Result<Verdict, String> {
+    // Before anything else, so that a signal during start-up is not lost.
+    let shutdown = inbox_runtime::cancel_on_signal().map_err(|e| e.to_string())?;
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(tracing_subscriber::filter::LevelFilter::WARN)
+        .with_target(false)
+        .init();
+    let expected_path = if args.no_check {
+        None
+    } else {
+        Some(
+            args.expected
+                .unwrap_or_else(|| PathBuf::from(SAMPLE_EXPECTED)),
+        )
+    };
+    let expected = expected_path.as_deref().map(Expected::load).transpose()?;
+
+    let pool_size = u32::from(args.consume.concurrency).max(2);
+    let (db, description) = Db::connect_with(args.database_url.as_deref(), pool_size)
+        .await
+        .map_err(|e| e.to_string())?;
+    println!("database: {description}");
+    println!("source: {url}");
+    db.setup().await.map_err(|e| e.to_string())?;
+    let source = match broker::connect(&url, &args.consume).await {
+        Ok(source) => source,
+        Err(error) => {
+            db.close().await;
+            return Err(error);
+        }
+    };
+
+    let started = Instant::now();
+    let consumed = match &db {
+        Db::Postgres(pool) => broker::consume(pool.clone(), source, &args.consume, shutdown).await,
+        Db::Sqlite(pool) => broker::consume(pool.clone(), source, &args.consume, shutdown).await,
+    };
+    let elapsed = started.elapsed();
+    let (counts, signalled) = match consumed {
+        Ok(consumed) => consumed,
+        Err(error) => {
+            db.close().await;
+            return Err(error);
+        }
+    };
+    println!(
+        "consumed {} deliveries in {:.2} s ({:.0} deliveries/s)",
+        counts.lines,
+        elapsed.as_secs_f64(),
+        counts.lines as f64 / elapsed.as_secs_f64().max(1e-9)
+    );
+    let balances = db.balances().await.map_err(|e| e.to_string());
+    db.close().await;
+    let balances = balances?;
+    if signalled {
+        println!("stopped by a signal: balances not checked");
+    }
+    let expected = expected
+        .as_ref()
+        .zip(expected_path.as_deref())
+        .filter(|_| !signalled);
+    Ok(check_and_summarize(expected, &balances, &counts, false))
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args = Args::parse();
-    match run(args).await {
+    let mut args = Args::parse();
+    let result = match (args.command.take(), args.source.take()) {
+        (Some(Command::Publish(publish)), _) => run_publish(publish).await,
+        (None, Some(url)) => run_broker(args, url).await,
+        (None, None) => run(args).await,
+    };
+    match result {
         Ok(Verdict::Ok | Verdict::Unchecked) => ExitCode::SUCCESS,
         Ok(Verdict::Mismatch) => ExitCode::from(1),
         Err(error) => {

@@ -1,0 +1,323 @@
+//! What the broker tests share: the ledger demo binary, fresh PostgreSQL databases, the sample's
+//! ground truth, child processes that are killed at random moments.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::str::FromStr as _;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use sqlx::Connection as _;
+use sqlx::postgres::PgConnectOptions;
+
+/// The workspace root.
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_owned()
+}
+
+/// The bundled sample stream.
+pub fn sample() -> PathBuf {
+    root().join("examples/ledger/data/payments.jsonl")
+}
+
+/// The `ledger` example, built once per test binary (a no-op when `cargo test --workspace
+/// --all-targets` built it already) and copied to the temp directory.
+pub fn ledger_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let output = Command::new(cargo)
+            .current_dir(root())
+            .args([
+                "build",
+                "-p",
+                "inbox-examples",
+                "--example",
+                "ledger",
+                "--message-format=json-render-diagnostics",
+            ])
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("run cargo build");
+        assert!(
+            output.status.success(),
+            "cargo build --example ledger failed"
+        );
+        let stdout = String::from_utf8(output.stdout).unwrap();
+        let built = stdout
+            .lines()
+            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+            .filter(|message| message["target"]["name"] == "ledger")
+            .find_map(|message| message["executable"].as_str().map(PathBuf::from))
+            .expect("cargo reported the ledger executable");
+        // A private copy: the target directory may be shared with other checkouts, whose builds
+        // of the same example would replace it under the running tests.
+        let copy = std::env::temp_dir().join(format!("inbox-ledger-{}", std::process::id()));
+        std::fs::copy(&built, &copy).expect("copy the ledger executable");
+        copy
+    })
+}
+
+/// An environment variable that `scripts/test.sh` sets; panics with how to get it.
+pub fn env(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| {
+        panic!("{name} is not set: run the tests with scripts/test.sh, which starts the brokers")
+    })
+}
+
+/// A unique name for this process and purpose.
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}_{}", std::process::id())
+}
+
+/// A fresh PostgreSQL database named `name`; returns its URL (without durability of commits:
+/// the tests kill consumers, not the database server).
+pub async fn fresh_database(name: &str) -> String {
+    let url = inbox_tests::database_url();
+    let options = PgConnectOptions::from_str(&url).unwrap();
+    let mut admin = sqlx::PgConnection::connect_with(&options).await.unwrap();
+    for statement in [
+        format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+        format!("CREATE DATABASE {name}"),
+    ] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+            .execute(&mut admin)
+            .await
+            .unwrap();
+    }
+    admin.close().await.ok();
+    let base = url.rsplit_once('/').unwrap().0;
+    format!("{base}/{name}?options[synchronous_commit]=off")
+}
+
+/// The sample's ground truth (`expected.json`).
+#[derive(Debug, serde::Deserialize)]
+pub struct Expected {
+    pub lines: u64,
+    pub processed: u64,
+    pub duplicates: u64,
+    pub conflicts: u64,
+    pub rejected: u64,
+    pub balances: BTreeMap<String, i64>,
+}
+
+pub fn expected() -> Expected {
+    let text = std::fs::read_to_string(root().join("examples/ledger/data/expected.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The event id (inbox key form) of every line of the sample that has one, by line number
+/// (1-based, blank lines not counted).
+pub fn sample_event_ids() -> BTreeMap<u64, String> {
+    let text = std::fs::read_to_string(sample()).unwrap();
+    text.lines()
+        .filter(|line| !line.trim().is_empty())
+        .enumerate()
+        .filter_map(|(index, line)| {
+            let value: serde_json::Value = serde_json::from_str(line).ok()?;
+            let id = uuid::Uuid::parse_str(value["payload"]["event_id"].as_str()?).ok()?;
+            Some((index as u64 + 1, id.hyphenated().to_string()))
+        })
+        .collect()
+}
+
+/// What the database holds after a run.
+#[derive(Debug)]
+pub struct DbState {
+    pub balances: BTreeMap<String, i64>,
+    /// Keys of the `ledger` consumer's inbox rows with status `processed`.
+    pub processed_keys: BTreeSet<String>,
+    /// Inbox rows of the `ledger` consumer, any status.
+    pub inbox_rows: u64,
+}
+
+pub async fn db_state(url: &str) -> DbState {
+    let mut conn = sqlx::PgConnection::connect(url).await.unwrap();
+    let balances: Vec<(String, i64)> =
+        sqlx::query_as("SELECT id, balance_cents FROM accounts ORDER BY id")
+            .fetch_all(&mut conn)
+            .await
+            .unwrap();
+    let keys: Vec<String> = sqlx::query_scalar(
+        "SELECT message_key FROM inbox_messages WHERE consumer = 'ledger' AND status = 'processed'",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM inbox_messages WHERE consumer = 'ledger'")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    conn.close().await.ok();
+    DbState {
+        balances: balances.into_iter().collect(),
+        processed_keys: keys.into_iter().collect(),
+        inbox_rows: rows as u64,
+    }
+}
+
+/// Balances exact, every valid event applied exactly once (one processed inbox row each).
+pub fn assert_ledger_exact(state: &DbState) {
+    let expected = expected();
+    assert_eq!(state.balances, expected.balances, "balances");
+    assert_eq!(
+        state.processed_keys.len() as u64,
+        expected.processed,
+        "processed events"
+    );
+    assert_eq!(state.inbox_rows, expected.processed, "inbox rows");
+    let valid: BTreeSet<String> = sample_event_ids().into_values().collect();
+    assert!(
+        state.processed_keys.is_subset(&valid),
+        "only the sample's events are applied"
+    );
+}
+
+/// Runs `ledger ARGS` to completion; panics unless it exits 0. Returns its stdout.
+pub fn run_ledger(args: &[&str], database_url: &str, log: &Path) -> String {
+    let child = spawn_ledger(args, database_url, log);
+    let (status, stdout) = wait_ledger(child, log, Duration::from_secs(120));
+    assert!(status.success(), "ledger {args:?}: {status}\n{}", tail(log));
+    stdout
+}
+
+/// Starts `ledger ARGS` with stdout to `<log>.out` and stderr to `log`.
+pub fn spawn_ledger(args: &[&str], database_url: &str, log: &Path) -> Child {
+    let stderr = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .unwrap();
+    let stdout = std::fs::File::create(log.with_extension("out")).unwrap();
+    Command::new(ledger_bin())
+        .args(args)
+        .env("DATABASE_URL", database_url)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(stdout)
+        .stderr(stderr)
+        .spawn()
+        .expect("start the ledger")
+}
+
+/// Waits for `child` (at most `timeout`, then kills it and panics); its exit status and stdout.
+pub fn wait_ledger(mut child: Child, log: &Path, timeout: Duration) -> (ExitStatus, String) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let stdout = std::fs::read_to_string(log.with_extension("out")).unwrap();
+            return (status, stdout);
+        }
+        if Instant::now() > deadline {
+            child.kill().ok();
+            panic!("ledger did not exit within {timeout:?}\n{}", tail(log));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The last lines of a log file, for failure messages.
+pub fn tail(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let out = std::fs::read_to_string(log.with_extension("out")).unwrap_or_default();
+    let last = |t: &str| {
+        t.lines()
+            .rev()
+            .take(15)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    format!(
+        "--- stdout ---\n{}\n--- stderr ---\n{}",
+        last(&out),
+        last(&text)
+    )
+}
+
+/// The summary line's fields.
+pub fn summary(stdout: &str) -> BTreeMap<String, String> {
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|line| line.starts_with("summary: "))
+        .unwrap_or_else(|| panic!("no summary line in\n{stdout}"));
+    line["summary: ".len()..]
+        .split_whitespace()
+        .filter_map(|field| field.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+/// Sends SIGTERM to `child`.
+pub fn sigterm(child: &Child) {
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// Starts the consumer, SIGKILLs it a random 100-800 ms (seeded) after it started consuming, `kills` times, each time
+/// checking it was still running; then runs it to completion. Returns the last run's stdout.
+pub fn kill_and_restart(
+    args: &[&str],
+    database_url: &str,
+    log: &Path,
+    kills: usize,
+    seed: u64,
+) -> String {
+    use rand::{Rng as _, SeedableRng as _};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    for kill in 0..kills {
+        let mut child = spawn_ledger(args, database_url, log);
+        wait_for_handlers(log);
+        let delay = Duration::from_millis(rng.random_range(100..800));
+        std::thread::sleep(delay);
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "kill {kill}: the consumer exited before its SIGKILL at {delay:?}\n{}",
+            tail(log)
+        );
+        child.kill().unwrap(); // SIGKILL
+        let status = child.wait().unwrap();
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(9),
+            "kill {kill}"
+        );
+    }
+    run_ledger(args, database_url, log)
+}
+
+/// A log file in the temp directory for this test.
+pub fn log_file(name: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("{}.log", unique(name)));
+    let _ = std::fs::remove_file(&path);
+    path
+}
+
+/// Waits until the consumer has printed its handlers (it is about to consume).
+pub fn wait_for_handlers(log: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !std::fs::read_to_string(log.with_extension("out"))
+        .unwrap_or_default()
+        .contains("handler:")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the consumer did not start\n{}",
+            tail(log)
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
