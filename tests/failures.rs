@@ -18,6 +18,13 @@ pub struct Job {
     pub amount: i64,
 }
 
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[message(name = "test.strict")]
+pub struct StrictJob {
+    #[message(key)]
+    pub id: String,
+}
+
 /// Per job id: how many more attempts fail, and how (`true`: permanently).
 static FAILURES: Mutex<Vec<(String, u32, bool)>> = Mutex::new(Vec::new());
 
@@ -83,7 +90,7 @@ macro_rules! failure_tests {
         mod $backend {
             use super::*;
             use inbox_runtime::admin::{self, Retention};
-            use inbox_runtime::{Disposition, Dispatcher, Envelope, Error, RetryPolicy};
+            use inbox_runtime::{Dispatcher, Disposition, Envelope, Error, RetryPolicy};
             use inbox_tests::APPLY_EFFECT;
 
             #[inbox_runtime::idempotent(consumer = "jobs")]
@@ -102,16 +109,50 @@ macro_rules! failure_tests {
                 }
             }
 
+            /// Always fails, retryably; dead at the second attempt by its own `max_attempts`.
+            #[inbox_runtime::idempotent(consumer = "strict", max_attempts = 2)]
+            async fn strict(_conn: &mut $conn, msg: StrictJob) -> Result<(), JobError> {
+                count_call(&id(&msg.id));
+                Err(JobError::Flaky)
+            }
+
+            #[tokio::test]
+            async fn the_handlers_max_attempts_overrides_the_default() {
+                let (pool, _guard) = $pool;
+                let mut conn = pool.acquire().await.unwrap();
+                let job = || StrictJob { id: "s".into() };
+                let first = strict(&mut conn, job()).await.unwrap_err();
+                let first = first.as_handler_failure().unwrap();
+                assert!(
+                    matches!(first.disposition, Disposition::Retry { .. }),
+                    "{first:?}"
+                );
+                let second = strict(&mut conn, job()).await.unwrap_err();
+                let second = second.as_handler_failure().unwrap();
+                assert_eq!(
+                    (second.attempts, second.disposition),
+                    (2, Disposition::Dead)
+                );
+                assert_eq!(strict(&mut conn, job()).await.unwrap(), Outcome::Dead);
+                assert_eq!(calls(&id("s")), 2);
+            }
+
             fn id(job: &str) -> String {
                 format!(concat!(stringify!($backend), ":{}"), job)
             }
 
             fn envelope(job: &str, amount: i64) -> Envelope {
-                let job = Job { id: job.into(), amount };
+                let job = Job {
+                    id: job.into(),
+                    amount,
+                };
                 Envelope::new(Job::NAME, serde_json::to_vec(&job).unwrap())
             }
 
-            async fn applied(pool: &sqlx::Pool<<$conn as sqlx::Connection>::Database>, job: &str) -> i64 {
+            async fn applied(
+                pool: &sqlx::Pool<<$conn as sqlx::Connection>::Database>,
+                job: &str,
+            ) -> i64 {
                 sqlx::query_scalar::<_, i64>("SELECT applied FROM effects WHERE effect_key = $1")
                     .bind(format!("job:{job}"))
                     .fetch_optional(pool)
@@ -120,7 +161,10 @@ macro_rules! failure_tests {
                     .unwrap_or(0)
             }
 
-            async fn one(dispatcher: &Dispatcher<<$conn as sqlx::Connection>::Database>, envelope: &Envelope) -> Result<Outcome<()>, Error<inbox_runtime::BoxError>> {
+            async fn one(
+                dispatcher: &Dispatcher<<$conn as sqlx::Connection>::Database>,
+                envelope: &Envelope,
+            ) -> Result<Outcome<()>, Error<inbox_runtime::BoxError>> {
                 let mut outcomes = dispatcher.dispatch(envelope).await.unwrap();
                 assert_eq!(outcomes.len(), 1);
                 outcomes.remove(0).result
@@ -133,37 +177,62 @@ macro_rules! failure_tests {
                 fail_next(&id("twice"), 2, false);
                 for attempt in 1..=2_u32 {
                     let error = one(&dispatcher, &envelope("twice", 5)).await.unwrap_err();
-                    let Error::Handler(failure) = error else { panic!("{error:?}") };
+                    let Error::Handler(failure) = error else {
+                        panic!("{error:?}")
+                    };
                     assert_eq!(failure.attempts, attempt);
                     assert_eq!(failure.class, ErrorClass::Retryable);
-                    assert!(matches!(failure.disposition, Disposition::Retry { .. }), "{failure:?}");
+                    assert!(
+                        matches!(failure.disposition, Disposition::Retry { .. }),
+                        "{failure:?}"
+                    );
                     assert_eq!(failure.error.to_string(), "flaky dependency");
                     let row = admin::show(&pool, "jobs", "twice").await.unwrap().unwrap();
                     assert_eq!((row.status.as_str(), row.attempts), ("failed", attempt));
                     assert!(row.payload.is_some());
                     assert!(row.next_attempt_at.is_some());
-                    assert_eq!(row.last_error.as_deref(), Some("retryable error: flaky dependency"));
+                    assert_eq!(
+                        row.last_error.as_deref(),
+                        Some("retryable error: flaky dependency")
+                    );
                     // The failed attempt's effect was rolled back with it.
                     assert_eq!(applied(&pool, "twice").await, 0);
                 }
-                assert_eq!(one(&dispatcher, &envelope("twice", 5)).await.unwrap(), Outcome::Processed(()));
+                assert_eq!(
+                    one(&dispatcher, &envelope("twice", 5)).await.unwrap(),
+                    Outcome::Processed(())
+                );
                 let row = admin::show(&pool, "jobs", "twice").await.unwrap().unwrap();
-                assert_eq!((row.status.as_str(), row.attempts, row.payload), ("processed", 3, None));
+                assert_eq!(
+                    (row.status.as_str(), row.attempts, row.payload),
+                    ("processed", 3, None)
+                );
                 assert_eq!(applied(&pool, "twice").await, 1);
                 assert_eq!(calls(&id("twice")), 3);
                 // Processed: never runs again.
-                assert_eq!(one(&dispatcher, &envelope("twice", 5)).await.unwrap(), Outcome::Duplicate);
+                assert_eq!(
+                    one(&dispatcher, &envelope("twice", 5)).await.unwrap(),
+                    Outcome::Duplicate
+                );
                 assert_eq!(calls(&id("twice")), 3);
                 // A different payload under the failed-then-processed key is a conflict, kept.
-                assert_eq!(one(&dispatcher, &envelope("twice", 6)).await.unwrap_err().kind(), "conflict");
-                let rejected: Vec<(String, Option<String>, Vec<u8>)> = sqlx::query_as(
-                    "SELECT reason, message_key, payload FROM inbox_rejections",
-                )
-                .fetch_all(&pool)
-                .await
-                .unwrap();
+                assert_eq!(
+                    one(&dispatcher, &envelope("twice", 6))
+                        .await
+                        .unwrap_err()
+                        .kind(),
+                    "conflict"
+                );
+                let rejected: Vec<(String, Option<String>, Vec<u8>)> =
+                    sqlx::query_as("SELECT reason, message_key, payload FROM inbox_rejections")
+                        .fetch_all(&pool)
+                        .await
+                        .unwrap();
                 assert_eq!(rejected.len(), 1);
-                assert_eq!((rejected[0].0.as_str(), rejected[0].1.as_deref()), ("conflict", Some("twice")));
+                assert_eq!(
+                    (rejected[0].0.as_str(), rejected[0].1.as_deref()),
+                    ("conflict", Some("twice"))
+                );
                 let kept: Job = serde_json::from_slice(&rejected[0].2).unwrap();
                 assert_eq!(kept.amount, 6);
             }
@@ -178,17 +247,28 @@ macro_rules! failure_tests {
                 let mut dispositions = Vec::new();
                 for _ in 0..3 {
                     let error = one(&dispatcher, &envelope("poison", 7)).await.unwrap_err();
-                    let Error::Handler(failure) = error else { panic!("{error:?}") };
+                    let Error::Handler(failure) = error else {
+                        panic!("{error:?}")
+                    };
                     dispositions.push((failure.attempts, failure.disposition.is_settled()));
                 }
                 assert_eq!(dispositions, [(1, false), (2, false), (3, true)]);
-                let dead = admin::list(&pool, Some("jobs"), &["dead"], 10).await.unwrap();
+                let dead = admin::list(&pool, Some("jobs"), &["dead"], 10)
+                    .await
+                    .unwrap();
                 assert_eq!(dead.len(), 1);
-                assert_eq!((dead[0].message_key.as_str(), dead[0].attempts), ("poison", 3));
-                let payload: Job = serde_json::from_slice(dead[0].payload.as_ref().unwrap()).unwrap();
+                assert_eq!(
+                    (dead[0].message_key.as_str(), dead[0].attempts),
+                    ("poison", 3)
+                );
+                let payload: Job =
+                    serde_json::from_slice(dead[0].payload.as_ref().unwrap()).unwrap();
                 assert_eq!(payload.amount, 7);
                 // A redelivery of a dead message runs nothing: it is settled.
-                assert_eq!(one(&dispatcher, &envelope("poison", 7)).await.unwrap(), Outcome::Dead);
+                assert_eq!(
+                    one(&dispatcher, &envelope("poison", 7)).await.unwrap(),
+                    Outcome::Dead
+                );
                 assert_eq!(calls(&id("poison")), 3);
                 // The fault is fixed; the operator replays it: applied exactly once.
                 let replayed = dispatcher.replay("jobs", "poison").await.unwrap();
@@ -196,7 +276,10 @@ macro_rules! failure_tests {
                 assert_eq!(applied(&pool, "poison").await, 1);
                 let again = dispatcher.replay("jobs", "poison").await.unwrap();
                 assert_eq!(again.result.unwrap(), Outcome::Duplicate);
-                assert_eq!(one(&dispatcher, &envelope("poison", 7)).await.unwrap(), Outcome::Duplicate);
+                assert_eq!(
+                    one(&dispatcher, &envelope("poison", 7)).await.unwrap(),
+                    Outcome::Duplicate
+                );
                 assert_eq!(applied(&pool, "poison").await, 1);
                 assert_eq!(calls(&id("poison")), 4);
                 let row = admin::show(&pool, "jobs", "poison").await.unwrap().unwrap();
@@ -209,12 +292,23 @@ macro_rules! failure_tests {
                 let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
                 fail_next(&id("invalid"), 1, true);
                 let error = one(&dispatcher, &envelope("invalid", 1)).await.unwrap_err();
-                let Error::Handler(failure) = error else { panic!("{error:?}") };
-                assert_eq!((failure.class, failure.attempts, failure.disposition), (ErrorClass::Permanent, 1, Disposition::Dead));
+                let Error::Handler(failure) = error else {
+                    panic!("{error:?}")
+                };
+                assert_eq!(
+                    (failure.class, failure.attempts, failure.disposition),
+                    (ErrorClass::Permanent, 1, Disposition::Dead)
+                );
                 assert!(admin::discard(&pool, "jobs", "invalid").await.unwrap());
                 assert!(!admin::discard(&pool, "jobs", "invalid").await.unwrap());
-                assert_eq!(one(&dispatcher, &envelope("invalid", 1)).await.unwrap(), Outcome::Discarded);
-                let row = admin::show(&pool, "jobs", "invalid").await.unwrap().unwrap();
+                assert_eq!(
+                    one(&dispatcher, &envelope("invalid", 1)).await.unwrap(),
+                    Outcome::Discarded
+                );
+                let row = admin::show(&pool, "jobs", "invalid")
+                    .await
+                    .unwrap()
+                    .unwrap();
                 assert_eq!((row.status.as_str(), row.payload), ("discarded", None));
                 assert_eq!(applied(&pool, "invalid").await, 0);
                 assert!(matches!(
@@ -226,13 +320,21 @@ macro_rules! failure_tests {
             #[tokio::test]
             async fn a_dead_message_replayed_twice_concurrently_applies_once() {
                 let (pool, _guard) = $pool;
-                let dispatcher = std::sync::Arc::new(Dispatcher::from_registry(pool.clone()).unwrap());
+                let dispatcher =
+                    std::sync::Arc::new(Dispatcher::from_registry(pool.clone()).unwrap());
                 fail_next(&id("twin"), 1, true);
                 assert!(one(&dispatcher, &envelope("twin", 3)).await.is_err());
                 let tasks: Vec<_> = (0..2)
                     .map(|_| {
                         let dispatcher = dispatcher.clone();
-                        tokio::spawn(async move { dispatcher.replay("jobs", "twin").await.unwrap().result.unwrap() })
+                        tokio::spawn(async move {
+                            dispatcher
+                                .replay("jobs", "twin")
+                                .await
+                                .unwrap()
+                                .result
+                                .unwrap()
+                        })
                     })
                     .collect();
                 let mut outcomes = Vec::new();
@@ -248,10 +350,17 @@ macro_rules! failure_tests {
             async fn rejected_envelopes_are_kept() {
                 let (pool, _guard) = $pool;
                 let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
-                for (name, payload) in [("test.job", &b"{not json"[..]), ("test.nope", &b"{}"[..]), ("test.job", &br#"{"id":"","amount":1}"#[..])] {
+                for (name, payload) in [
+                    ("test.job", &b"{not json"[..]),
+                    ("test.nope", &b"{}"[..]),
+                    ("test.job", &br#"{"id":"","amount":1}"#[..]),
+                ] {
                     let envelope = Envelope::new(name, payload.to_vec());
                     let error = dispatcher.dispatch(&envelope).await.unwrap_err();
-                    dispatcher.record_rejection(&envelope, &error).await.unwrap();
+                    dispatcher
+                        .record_rejection(&envelope, &error)
+                        .await
+                        .unwrap();
                 }
                 let rows: Vec<(String, String, Vec<u8>)> = sqlx::query_as(
                     "SELECT reason, message_name, payload FROM inbox_rejections ORDER BY id",
@@ -259,7 +368,10 @@ macro_rules! failure_tests {
                 .fetch_all(&pool)
                 .await
                 .unwrap();
-                let rows: Vec<(&str, &str, &[u8])> = rows.iter().map(|(r, n, p)| (r.as_str(), n.as_str(), p.as_slice())).collect();
+                let rows: Vec<(&str, &str, &[u8])> = rows
+                    .iter()
+                    .map(|(r, n, p)| (r.as_str(), n.as_str(), p.as_slice()))
+                    .collect();
                 assert_eq!(
                     rows,
                     [
@@ -269,9 +381,18 @@ macro_rules! failure_tests {
                     ]
                 );
                 let stats = admin::stats(&pool).await.unwrap();
-                let stats: Vec<(Option<&str>, &str, i64)> = stats.iter().map(|s| (s.consumer.as_deref(), s.status.as_str(), s.count)).collect();
-                assert!(stats.contains(&(None, "rejected:malformed", 1)), "{stats:?}");
-                assert!(stats.contains(&(Some("jobs"), "rejected:invalid_key", 1)), "{stats:?}");
+                let stats: Vec<(Option<&str>, &str, i64)> = stats
+                    .iter()
+                    .map(|s| (s.consumer.as_deref(), s.status.as_str(), s.count))
+                    .collect();
+                assert!(
+                    stats.contains(&(None, "rejected:malformed", 1)),
+                    "{stats:?}"
+                );
+                assert!(
+                    stats.contains(&(Some("jobs"), "rejected:invalid_key", 1)),
+                    "{stats:?}"
+                );
             }
 
             #[tokio::test]
@@ -279,7 +400,12 @@ macro_rules! failure_tests {
                 let (pool, _guard) = $pool;
                 let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
                 for job in ["old-1", "old-2", "old-3", "new-1"] {
-                    assert!(one(&dispatcher, &envelope(job, 1)).await.unwrap().is_processed());
+                    assert!(
+                        one(&dispatcher, &envelope(job, 1))
+                            .await
+                            .unwrap()
+                            .is_processed()
+                    );
                 }
                 fail_next(&id("old-failed"), 1, false);
                 fail_next(&id("old-dead"), 1, true);
@@ -287,22 +413,34 @@ macro_rules! failure_tests {
                 assert!(one(&dispatcher, &envelope("old-dead", 1)).await.is_err());
                 sqlx::query($age).execute(&pool).await.unwrap();
 
-                let too_short = Retention::new(Duration::from_secs(3600), Duration::from_secs(7200));
+                let too_short =
+                    Retention::new(Duration::from_secs(3600), Duration::from_secs(7200));
                 assert_eq!(too_short.unwrap_err().horizon, Duration::from_secs(7200));
 
-                let retention = Retention::new(Duration::from_secs(86_400), Duration::from_secs(43_200)).unwrap().batch_size(2);
+                let retention =
+                    Retention::new(Duration::from_secs(86_400), Duration::from_secs(43_200))
+                        .unwrap()
+                        .batch_size(2);
                 let mut seen = Vec::new();
-                let report = admin::purge(&pool, &retention, |n| seen.push(n)).await.unwrap();
-                assert_eq!((report.deleted, report.batches), (3, 2));
-                assert_eq!(seen, [2, 3]);
-                let mut keys: Vec<String> = sqlx::query_scalar("SELECT message_key FROM inbox_messages")
-                    .fetch_all(&pool)
+                let report = admin::purge(&pool, &retention, |n| seen.push(n))
                     .await
                     .unwrap();
+                assert_eq!((report.deleted, report.batches), (3, 2));
+                assert_eq!(seen, [2, 3]);
+                let mut keys: Vec<String> =
+                    sqlx::query_scalar("SELECT message_key FROM inbox_messages")
+                        .fetch_all(&pool)
+                        .await
+                        .unwrap();
                 keys.sort();
                 assert_eq!(keys, ["new-1", "old-dead", "old-failed"]);
                 // A purged key is outside the window: its redelivery is processed again.
-                assert!(one(&dispatcher, &envelope("old-1", 1)).await.unwrap().is_processed());
+                assert!(
+                    one(&dispatcher, &envelope("old-1", 1))
+                        .await
+                        .unwrap()
+                        .is_processed()
+                );
 
                 let everything = retention.include_failed_and_dead(true);
                 let report = admin::purge(&pool, &everything, |_| {}).await.unwrap();

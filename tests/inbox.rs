@@ -160,17 +160,18 @@ macro_rules! backend_tests {
                 let mut conn = pool.acquire().await.unwrap();
                 let mut rejected = note("r", 7);
                 rejected.memo = "reject".into();
-                let error = apply_note(&mut conn, rejected).await.unwrap_err();
+                let error = apply_note(&mut conn, rejected.clone()).await.unwrap_err();
                 assert!(matches!(error.into_handler_error(), Some(TestError::Rejected(id)) if id == "r"));
-                assert_eq!(count(&pool, "SELECT COUNT(*) FROM inbox_messages").await, 0);
+                // Claim and effect were rolled back; the attempt was recorded on its own.
                 assert_eq!(effect(&pool, "note:r").await, None);
-                // The redelivery (now accepted) runs: the failed attempt did not block its retry.
-                let mut fixed = note("r", 7);
-                fixed.memo = "reject".into();
-                assert!(apply_note(&mut conn, fixed).await.is_err());
-                // A payload that the handler accepts is a different payload, and processes.
-                assert_eq!(apply_note(&mut conn, note("r", 7)).await.unwrap(), Outcome::Processed(7));
-                assert_eq!(effect(&pool, "note:r").await, Some((1, 7)));
+                let status = "SELECT COUNT(*) FROM inbox_messages WHERE status = 'failed' AND payload IS NOT NULL";
+                assert_eq!(count(&pool, status).await, 1);
+                // The failed key does not block its own retry: the handler runs again.
+                let error = apply_note(&mut conn, rejected).await.unwrap_err();
+                assert_eq!(error.as_handler_failure().map(|f| f.attempts), Some(2));
+                // Another payload under that key is a conflict, not a retry.
+                assert_eq!(apply_note(&mut conn, note("r", 7)).await.unwrap_err().kind(), "conflict");
+                assert_eq!(effect(&pool, "note:r").await, None);
             }
 
             #[tokio::test]

@@ -104,6 +104,44 @@ pub(crate) fn string_value(meta: &Meta, errors: &mut Errors, example: &str) -> O
     }
 }
 
+/// The positive integer of a `name = N` argument (`1..=u32::MAX`); anything else is reported and
+/// gives `None`.
+pub(crate) fn positive_int_value(
+    meta: &Meta,
+    errors: &mut Errors,
+    example: &str,
+) -> Option<syn::LitInt> {
+    let name = path_name(meta.path());
+    let lit = match meta {
+        Meta::NameValue(nv) => match peel_expr(&nv.value) {
+            Expr::Lit(ExprLit {
+                lit: Lit::Int(lit), ..
+            }) => lit.clone(),
+            other => {
+                errors.spanned(
+                    other,
+                    format_args!("`{name}` must be an integer literal, as in `{name} = {example}`"),
+                );
+                return None;
+            }
+        },
+        Meta::Path(_) | Meta::List(_) => {
+            errors.spanned(meta, format_args!("expected `{name} = {example}`"));
+            return None;
+        }
+    };
+    match lit.base10_parse::<u32>() {
+        Ok(0) | Err(_) => {
+            errors.spanned(
+                &lit,
+                format_args!("`{name}` must be between 1 and {}", u32::MAX),
+            );
+            None
+        }
+        Ok(_) => Some(lit),
+    }
+}
+
 /// Looks through invisible groups: a `$value:literal` of a `macro_rules!` macro arrives wrapped
 /// in one.
 fn peel_expr(mut expr: &Expr) -> &Expr {

@@ -22,7 +22,7 @@ const PARAMS: &str = "the connection and then the message, as in \
                       `(conn: &mut sqlx::PgConnection, msg: OrderPlaced)`";
 
 /// Arguments accepted by `#[idempotent]`, for the "unknown argument" error.
-const ARGUMENTS: &str = "`consumer`, `key`";
+const ARGUMENTS: &str = "`consumer`, `key`, `max_attempts`";
 
 /// A fully checked `#[idempotent]` handler, ready for [`crate::expand::handler`].
 pub(crate) struct Handler {
@@ -30,6 +30,8 @@ pub(crate) struct Handler {
     pub(crate) consumer: LitStr,
     /// `key = "field"`, if the message's own key is overridden.
     pub(crate) key: Option<KeyField>,
+    /// `max_attempts = N`, if the dispatcher's default is overridden.
+    pub(crate) max_attempts: Option<syn::LitInt>,
     /// The user's function, untouched.
     pub(crate) func: ItemFn,
     /// `T` of the first parameter's `&mut T`.
@@ -73,12 +75,22 @@ pub(crate) fn parse(args: TokenStream, item: TokenStream) -> syn::Result<Handler
     let sig = func.as_ref().map(|f| check_signature(&f.sig, &mut errors));
     errors.finish()?;
     // No error means every part was found.
-    let (Some((consumer, key)), Some(func), Some(Some(sig))) = (args, func, sig) else {
+    let (
+        Some(Args {
+            consumer,
+            key,
+            max_attempts,
+        }),
+        Some(func),
+        Some(Some(sig)),
+    ) = (args, func, sig)
+    else {
         unreachable!("a missing part is always reported as an error")
     };
     Ok(Handler {
         consumer,
         key,
+        max_attempts,
         func,
         connection: sig.connection,
         message: sig.message,
@@ -88,8 +100,15 @@ pub(crate) fn parse(args: TokenStream, item: TokenStream) -> syn::Result<Handler
     })
 }
 
-/// Parses `consumer = "...", key = "..."`.
-fn parse_args(args: TokenStream, errors: &mut Errors) -> Option<(LitStr, Option<KeyField>)> {
+/// The checked arguments of `#[idempotent]`.
+struct Args {
+    consumer: LitStr,
+    key: Option<KeyField>,
+    max_attempts: Option<syn::LitInt>,
+}
+
+/// Parses `consumer = "...", key = "...", max_attempts = N`.
+fn parse_args(args: TokenStream, errors: &mut Errors) -> Option<Args> {
     let parser = |input: ParseStream<'_>| args::parse_meta_list(input, "consumer = \"ledger\"");
     let metas = match parser.parse2(args) {
         Ok(metas) => metas,
@@ -98,14 +117,20 @@ fn parse_args(args: TokenStream, errors: &mut Errors) -> Option<(LitStr, Option<
             return None;
         }
     };
-    let (consumer, key) = parse_metas(&metas, errors);
-    let consumer = consumer?;
-    Some((consumer, key))
+    let (consumer, key, max_attempts) = parse_metas(&metas, errors);
+    Some(Args {
+        consumer: consumer?,
+        key,
+        max_attempts,
+    })
 }
 
-fn parse_metas(metas: &MetaList, errors: &mut Errors) -> (Option<LitStr>, Option<KeyField>) {
+type Parsed = (Option<LitStr>, Option<KeyField>, Option<syn::LitInt>);
+
+fn parse_metas(metas: &MetaList, errors: &mut Errors) -> Parsed {
     let mut consumer = Setting::new("consumer");
     let mut key = Setting::new("key");
+    let mut max_attempts = Setting::new("max_attempts");
     for meta in metas {
         let path = meta.path();
         if path.is_ident("consumer") {
@@ -116,6 +141,9 @@ fn parse_metas(metas: &MetaList, errors: &mut Errors) -> (Option<LitStr>, Option
             let field = args::string_value(meta, errors, "\"event_id\"")
                 .and_then(|lit| key_field(&lit, errors));
             key.set(errors, path, field);
+        } else if path.is_ident("max_attempts") {
+            let value = args::positive_int_value(meta, errors, "5");
+            max_attempts.set(errors, path, value);
         } else {
             errors.spanned(
                 path,
@@ -134,7 +162,7 @@ fn parse_metas(metas: &MetaList, errors: &mut Errors) -> (Option<LitStr>, Option
             ),
         );
     }
-    (consumer.get(), key.get())
+    (consumer.get(), key.get(), max_attempts.get())
 }
 
 /// The field named by the `key` argument's string.

@@ -91,6 +91,7 @@ pub(crate) fn handler(handler: &Handler) -> TokenStream {
     let Handler {
         consumer,
         key,
+        max_attempts,
         func,
         connection,
         message,
@@ -150,6 +151,22 @@ pub(crate) fn handler(handler: &Handler) -> TokenStream {
         },
     };
 
+    let max_attempts = max_attempts.as_ref().map(|n| {
+        quote! {
+            const MAX_ATTEMPTS: ::core::option::Option<::core::primitive::u32> =
+                ::core::option::Option::Some(#n);
+        }
+    });
+
+    // Spanned at the return type, like `ok`/`err`: a non-`Result` is blamed there.
+    let classify = quote_spanned! {output_span=>
+        fn classify(error: &#err) -> ::inbox_runtime::ErrorClass {
+            #[allow(unused_imports)]
+            use #private::{ViaAsRefError as _, ViaClassify as _, ViaFallback as _, ViaStdError as _};
+            (&&&#private::Probe(error)).inbox_class()
+        }
+    };
+
     let (conn_ty, msg_ty) = match (sig.inputs.first(), sig.inputs.last()) {
         (Some(syn::FnArg::Typed(conn)), Some(syn::FnArg::Typed(msg))) => (&conn.ty, &msg.ty),
         _ => unreachable!("checked by attr::parse"),
@@ -170,6 +187,10 @@ pub(crate) fn handler(handler: &Handler) -> TokenStream {
             const CONSUMER: &'static ::core::primitive::str = #consumer;
             const FUNCTION: &'static ::core::primitive::str =
                 ::core::concat!(::core::module_path!(), "::", #function);
+
+            #max_attempts
+
+            #classify
 
             fn key(
                 msg: &#message,

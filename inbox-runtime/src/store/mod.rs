@@ -160,8 +160,9 @@ pub trait InboxConnection: sqlx::Connection + sealed::Sealed + Send + 'static {
     /// Opens the transaction the claim and the handler body share (a savepoint if the
     /// connection is already inside a transaction).
     #[doc(hidden)]
-    fn begin_inbox(&mut self)
-    -> BoxFuture<'_, Result<Transaction<'_, Self::Database>, sqlx::Error>>;
+    fn begin_inbox(
+        &mut self,
+    ) -> BoxFuture<'_, Result<Transaction<'_, Self::Database>, sqlx::Error>>;
 
     /// The connection inside a transaction opened by [`InboxConnection::begin_inbox`].
     #[doc(hidden)]

@@ -57,8 +57,16 @@ mod sql {
 }
 
 const MIGRATIONS: &[(i64, &str, &str)] = &[
-    (1, "inbox", include_str!("../../migrations/postgres/0001_inbox.sql")),
-    (2, "rejections", include_str!("../../migrations/postgres/0002_rejections.sql")),
+    (
+        1,
+        "inbox",
+        include_str!("../../migrations/postgres/0001_inbox.sql"),
+    ),
+    (
+        2,
+        "rejections",
+        include_str!("../../migrations/postgres/0002_rejections.sql"),
+    ),
 ];
 
 impl_inbox_connection!(

@@ -187,9 +187,27 @@ macro_rules! impl_inbox_connection {
                 &'c mut self,
                 request: &'c $crate::store::ClaimRequest<'c>,
             ) -> $crate::BoxFuture<'c, Result<$crate::store::ClaimResult, sqlx::Error>> {
-                use $sql as sql;
                 use sqlx::Row as _;
                 use $crate::store::ClaimResult;
+                use $crate::store::shared::claimable;
+                use $sql as sql;
+                fn decode(
+                    row: Option<<$db as sqlx::Database>::Row>,
+                ) -> Result<Option<ClaimResult>, sqlx::Error> {
+                    let Some(row) = row else { return Ok(None) };
+                    let status: String = row.try_get(0)?;
+                    let attempts: i32 = row.try_get(2)?;
+                    let attempts = u32::try_from(attempts).unwrap_or(0);
+                    Ok(Some(if status == "claimed" {
+                        ClaimResult::Claimed { attempts }
+                    } else {
+                        ClaimResult::Existing {
+                            status,
+                            payload_hash: row.try_get(1)?,
+                            attempts,
+                        }
+                    }))
+                }
                 Box::pin(async move {
                     let (source, partition, offset) = $crate::store::source_parts(request.source);
                     // A key deleted by a retention purge between the claim and the read is
@@ -206,33 +224,36 @@ macro_rules! impl_inbox_connection {
                             .bind(request.replay)
                             .fetch_optional(&mut *self)
                             .await?;
-                        // The statement's own snapshot may not show a row that a concurrent
-                        // transaction committed while the claim waited on it: read it anew.
-                        let row = match row {
-                            Some(row) => Some(row),
-                            None => {
-                                sqlx::query($crate::store::shared::EXISTING)
-                                    .bind(request.consumer)
-                                    .bind(request.message_key)
-                                    .fetch_optional(&mut *self)
-                                    .await?
-                            }
-                        };
-                        let Some(row) = row else { continue };
-                        let status: String = row.try_get(0)?;
-                        let attempts: i32 = row.try_get(2)?;
-                        let attempts = u32::try_from(attempts).unwrap_or(0);
-                        if status == "claimed" {
-                            return Ok(ClaimResult::Claimed { attempts });
+                        let mut found = decode(row)?;
+                        if let Some(ClaimResult::Claimed { .. }) = found {
+                            return Ok(found.expect("checked"));
                         }
-                        return Ok(ClaimResult::Existing {
-                            status,
-                            payload_hash: row.try_get(1)?,
-                            attempts,
-                        });
+                        // The claim statement's snapshot predates any wait on a concurrent
+                        // claim of the key: it may miss a row committed meanwhile, or show one
+                        // that a concurrent transaction has taken over since (a row the claim
+                        // itself would have taken, had it still been so). Read it anew.
+                        if found
+                            .as_ref()
+                            .is_none_or(|existing| claimable(existing, request))
+                        {
+                            let row = sqlx::query($crate::store::shared::EXISTING)
+                                .bind(request.consumer)
+                                .bind(request.message_key)
+                                .fetch_optional(&mut *self)
+                                .await?;
+                            found = decode(row)?;
+                        }
+                        match found {
+                            // Deleted by a purge, or released by a rolled-back concurrent
+                            // attempt: claim again.
+                            None => continue,
+                            Some(ref existing) if claimable(existing, request) => continue,
+                            Some(existing) => return Ok(existing),
+                        }
                     }
+                    // Transient (see `Classify for sqlx::Error`): retried by the caller.
                     Err(sqlx::Error::Protocol(
-                        "inbox claim: key neither claimable nor present after 3 rounds".into(),
+                        "inbox claim: key neither claimable nor settled after 3 rounds".into(),
                     ))
                 })
             }
@@ -259,7 +280,11 @@ macro_rules! impl_inbox_connection {
                         .bind(offset)
                         .fetch_optional(&mut *self)
                         .await?;
-                    Ok(row.map(|(status, attempts)| (status, u32::try_from(attempts).unwrap_or(0))))
+                    Ok(
+                        row.map(|(status, attempts)| {
+                            (status, u32::try_from(attempts).unwrap_or(0))
+                        }),
+                    )
                 })
             }
 
@@ -298,7 +323,9 @@ macro_rules! impl_inbox_connection {
                         .bind(key)
                         .fetch_optional(&mut *self)
                         .await?;
-                    row.as_ref().map($crate::store::shared::stored_message).transpose()
+                    row.as_ref()
+                        .map($crate::store::shared::stored_message)
+                        .transpose()
                 })
             }
 
@@ -307,8 +334,7 @@ macro_rules! impl_inbox_connection {
                 consumer: Option<&'c str>,
                 statuses: &'c [&'c str],
                 limit: i64,
-            ) -> $crate::BoxFuture<'c, Result<Vec<$crate::store::StoredMessage>, sqlx::Error>>
-            {
+            ) -> $crate::BoxFuture<'c, Result<Vec<$crate::store::StoredMessage>, sqlx::Error>> {
                 Box::pin(async move {
                     let status = |i: usize| statuses.get(i).copied();
                     let rows = sqlx::query($crate::store::shared::LIST)
@@ -321,7 +347,9 @@ macro_rules! impl_inbox_connection {
                         .bind(limit)
                         .fetch_all(&mut *self)
                         .await?;
-                    rows.iter().map($crate::store::shared::stored_message).collect()
+                    rows.iter()
+                        .map($crate::store::shared::stored_message)
+                        .collect()
                 })
             }
 
@@ -351,12 +379,14 @@ macro_rules! impl_inbox_connection {
                             .await?;
                     Ok(rows
                         .into_iter()
-                        .map(|(consumer, status, count, oldest)| $crate::store::StatsRow {
-                            consumer,
-                            status,
-                            count,
-                            oldest,
-                        })
+                        .map(
+                            |(consumer, status, count, oldest)| $crate::store::StatsRow {
+                                consumer,
+                                status,
+                                count,
+                                oldest,
+                            },
+                        )
                         .collect())
                 })
             }
@@ -391,6 +421,22 @@ macro_rules! impl_inbox_connection {
             }
         }
     };
+}
+
+/// Whether the claim statement would have taken this row: a failed key (or a dead one, on
+/// replay) with the request's fingerprint. Seeing one after the claim means it changed since.
+pub(super) fn claimable(existing: &ClaimResult, request: &ClaimRequest<'_>) -> bool {
+    match existing {
+        ClaimResult::Claimed { .. } => false,
+        ClaimResult::Existing {
+            status,
+            payload_hash,
+            ..
+        } => {
+            payload_hash == request.payload_hash
+                && (status == "failed" || (status == "dead" && request.replay))
+        }
+    }
 }
 
 /// Decodes a row of `MESSAGE_COLUMNS`.

@@ -51,8 +51,16 @@ mod sql {
 }
 
 const MIGRATIONS: &[(i64, &str, &str)] = &[
-    (1, "inbox", include_str!("../../migrations/sqlite/0001_inbox.sql")),
-    (2, "rejections", include_str!("../../migrations/sqlite/0002_rejections.sql")),
+    (
+        1,
+        "inbox",
+        include_str!("../../migrations/sqlite/0001_inbox.sql"),
+    ),
+    (
+        2,
+        "rejections",
+        include_str!("../../migrations/sqlite/0002_rejections.sql"),
+    ),
 ];
 
 impl_inbox_connection!(

@@ -15,7 +15,7 @@ async fn unknown(conn: &mut PgConnection, msg: Msg) -> Result<(), sqlx::Error> {
     Ok(())
 }
 
-#[idempotent(max_attempts = 3, consumer = "b")]
+#[idempotent(retries = 3, consumer = "b")]
 async fn future_argument(conn: &mut PgConnection, msg: Msg) -> Result<(), sqlx::Error> {
     Ok(())
 }
