@@ -234,7 +234,10 @@ async fn connection_killed_mid_transaction_loses_nothing_and_applies_once() {
     let error = running.await.unwrap().unwrap_err();
     // The handler saw the connection die; in-process retries on the same (dead) connection
     // fail to begin; nothing could be recorded.
-    assert!(matches!(&error, Error::Database(e) if e.operation == "begin"), "{error:?}");
+    assert!(
+        matches!(&error, Error::Database(e) if e.operation == "begin"),
+        "{error:?}"
+    );
     // Nothing of the attempt survived: no claim, no effect.
     let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM inbox_messages")
         .fetch_one(&pool)

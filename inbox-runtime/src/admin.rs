@@ -32,7 +32,11 @@ pub async fn list<DB: InboxDatabase>(
     let mut conn = pool.acquire().await?;
     DB::any_connection(&mut conn)
         .store()
-        .list_messages(consumer, &statuses[..statuses.len().min(5)], i64::from(limit))
+        .list_messages(
+            consumer,
+            &statuses[..statuses.len().min(5)],
+            i64::from(limit),
+        )
         .await
 }
 
@@ -46,7 +50,10 @@ pub async fn show<DB: InboxDatabase>(
     key: &str,
 ) -> Result<Option<StoredMessage>, sqlx::Error> {
     let mut conn = pool.acquire().await?;
-    DB::any_connection(&mut conn).store().fetch_message(consumer, key).await
+    DB::any_connection(&mut conn)
+        .store()
+        .fetch_message(consumer, key)
+        .await
 }
 
 /// Marks a `failed` or `dead` message `discarded`: it will never run, its payload is dropped,

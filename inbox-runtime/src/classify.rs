@@ -220,10 +220,22 @@ mod tests {
 
     #[test]
     fn probes_pick_the_most_specific_classification() {
-        assert_eq!((&&&Probe(&Permanent::new("x"))).inbox_class(), ErrorClass::Permanent);
-        assert_eq!((&&&Probe(&Wrapper(Permanent::new("x")))).inbox_class(), ErrorClass::Permanent);
-        assert_eq!((&&&Probe(&sqlx::Error::PoolTimedOut)).inbox_class(), ErrorClass::Transient);
-        assert_eq!((&&&Probe(&sqlx::Error::RowNotFound)).inbox_class(), ErrorClass::Retryable);
+        assert_eq!(
+            (&&&Probe(&Permanent::new("x"))).inbox_class(),
+            ErrorClass::Permanent
+        );
+        assert_eq!(
+            (&&&Probe(&Wrapper(Permanent::new("x")))).inbox_class(),
+            ErrorClass::Permanent
+        );
+        assert_eq!(
+            (&&&Probe(&sqlx::Error::PoolTimedOut)).inbox_class(),
+            ErrorClass::Transient
+        );
+        assert_eq!(
+            (&&&Probe(&sqlx::Error::RowNotFound)).inbox_class(),
+            ErrorClass::Retryable
+        );
         let boxed: BoxError = Box::new(Permanent::new("x"));
         assert_eq!((&&&Probe(&boxed)).inbox_class(), ErrorClass::Permanent);
         assert_eq!((&&&Probe(&Plain)).inbox_class(), ErrorClass::Retryable);

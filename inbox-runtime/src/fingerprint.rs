@@ -74,7 +74,8 @@ mod tests {
         let b: serde_json::Value =
             serde_json::from_str("{\"a\":{\"x\":\"s\",\n \"y\":[1, 2]},\"b\":1}").unwrap();
         assert_eq!(Fingerprint::of(&a).unwrap(), Fingerprint::of(&b).unwrap());
-        let c: serde_json::Value = serde_json::from_str(r#"{"a": {"x": "s", "y": [1,2]}, "b": 2}"#).unwrap();
+        let c: serde_json::Value =
+            serde_json::from_str(r#"{"a": {"x": "s", "y": [1,2]}, "b": 2}"#).unwrap();
         assert_ne!(Fingerprint::of(&a).unwrap(), Fingerprint::of(&c).unwrap());
     }
 

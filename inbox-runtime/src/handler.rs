@@ -132,7 +132,10 @@ pub(crate) async fn run_delivery<H: Handler>(
         let mut result = attempt::<H>(conn, msg.clone(), delivery).await;
         while is_transient::<H, _>(&result) {
             let Some(delay) = delays.next() else { break };
-            tracing::debug!(delay_ms = delay.as_millis() as u64, "transient failure; retrying");
+            tracing::debug!(
+                delay_ms = delay.as_millis() as u64,
+                "transient failure; retrying"
+            );
             tokio::time::sleep(delay).await;
             result = attempt::<H>(conn, msg.clone(), delivery).await;
         }
@@ -307,11 +310,15 @@ async fn record_failure<H: Handler>(
     delivery: &Delivery<'_>,
     mut failure: HandlerFailure<H::Error>,
 ) -> HandlerFailure<H::Error> {
-    let max_attempts = H::MAX_ATTEMPTS.unwrap_or(delivery.policy.max_attempts).max(1);
+    let max_attempts = H::MAX_ATTEMPTS
+        .unwrap_or(delivery.policy.max_attempts)
+        .max(1);
     let retry_delay = delivery.policy.retry_delay(failure.attempts.max(1));
-    let last_error = delivery
-        .policy
-        .bounded_error(format!("{} error: {}", failure.class.as_str(), failure.error));
+    let last_error = delivery.policy.bounded_error(format!(
+        "{} error: {}",
+        failure.class.as_str(),
+        failure.error
+    ));
     let payload_hash = delivery.fingerprint.to_hex();
     let payload = payload_of(msg, delivery);
     let record = FailureRecord {

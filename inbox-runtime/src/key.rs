@@ -259,22 +259,30 @@ mod tests {
 
     #[test]
     fn field_keys_are_validated() {
-        assert_eq!(
-            key_from_field(&"abc", "m", "f").unwrap().as_str(),
-            "abc"
-        );
+        assert_eq!(key_from_field(&"abc", "m", "f").unwrap().as_str(), "abc");
         assert_eq!(
             key_from_field(&None::<String>, "m", "f"),
-            Err(KeyError::Null { message: "m", field: "f" })
+            Err(KeyError::Null {
+                message: "m",
+                field: "f"
+            })
         );
         assert_eq!(
             key_from_field(&"", "m", "f"),
-            Err(KeyError::Empty { message: "m", field: "f" })
+            Err(KeyError::Empty {
+                message: "m",
+                field: "f"
+            })
         );
         let long = "x".repeat(MAX_KEY_BYTES + 1);
         assert_eq!(
             key_from_field(&long, "m", "f"),
-            Err(KeyError::TooLong { message: "m", field: "f", len: 513, max: 512 })
+            Err(KeyError::TooLong {
+                message: "m",
+                field: "f",
+                len: 513,
+                max: 512
+            })
         );
         assert!(key_from_field(&"x".repeat(MAX_KEY_BYTES), "m", "f").is_ok());
         assert!(matches!(
@@ -307,7 +315,10 @@ mod tests {
                 "pay:{region}",
                 &[KeySegment::Lit("pay:"), KeySegment::Field("region", &empty)]
             ),
-            Err(KeyError::Empty { message: "m", field: "region" })
+            Err(KeyError::Empty {
+                message: "m",
+                field: "region"
+            })
         );
     }
 }

@@ -86,15 +86,15 @@ mod key;
 mod outcome;
 mod policy;
 mod registry;
-mod store;
 pub mod source;
+mod store;
 mod worker;
 
 use std::future::Future;
 use std::pin::Pin;
 
-pub use envelope::{Envelope, SourceMetadata};
 pub use classify::{Classify, ErrorClass, Permanent, classify_error_chain};
+pub use envelope::{Envelope, SourceMetadata};
 pub use error::{
     BoxError, Conflict, DispatchError, Disposition, Error, HandlerFailure, RegistryError,
     StoreError,
@@ -111,7 +111,8 @@ pub use store::{
 };
 
 pub use worker::{
-    StopReason, Worker, WorkerError, WorkerReport, cancel_on_signal, settlement_for, shutdown_signal,
+    StopReason, Worker, WorkerError, WorkerReport, cancel_on_signal, settlement_for,
+    shutdown_signal,
 };
 
 /// Rewrites an `async fn(conn: &mut <Backend>Connection, msg: M) -> Result<T, E>` to run inside

@@ -116,14 +116,20 @@ mod tests {
             assert!(delay <= Duration::from_secs(2), "{delay:?}");
         }
         let first = policy.retry_delay(1);
-        assert!(first >= Duration::from_secs(1) && first <= Duration::from_secs(2), "{first:?}");
+        assert!(
+            first >= Duration::from_secs(1) && first <= Duration::from_secs(2),
+            "{first:?}"
+        );
         let late = policy.retry_delay(40);
         assert!(late <= Duration::from_secs(600), "{late:?}");
     }
 
     #[test]
     fn error_text_is_cut_at_a_char_boundary() {
-        let policy = RetryPolicy { max_error_bytes: 8, ..RetryPolicy::default() };
+        let policy = RetryPolicy {
+            max_error_bytes: 8,
+            ..RetryPolicy::default()
+        };
         assert_eq!(policy.bounded_error("short".into()), "short");
         assert_eq!(policy.bounded_error("ééééé".into()), "éé...");
     }

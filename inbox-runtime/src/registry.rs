@@ -11,11 +11,11 @@ use crate::envelope::Envelope;
 use crate::error::{BoxError, DispatchError, Error, RegistryError, StoreError};
 use crate::fingerprint::{Fingerprint, FingerprintError};
 use crate::handler::{Delivery, Handler, Message, run_delivery};
-use crate::policy::RetryPolicy;
-use crate::store::{Rejection, RejectionReason};
 use crate::key::{IdempotencyKey, KeyError};
 use crate::outcome::Outcome;
+use crate::policy::RetryPolicy;
 use crate::store::{AnyConnection, Backend, InboxConnection, InboxDatabase};
+use crate::store::{Rejection, RejectionReason};
 
 type AnyMessage = dyn Any + Send + Sync;
 
@@ -229,7 +229,10 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
                     second: handler.function(),
                 });
             }
-            routes.entry(handler.message_name()).or_default().push(handler);
+            routes
+                .entry(handler.message_name())
+                .or_default()
+                .push(handler);
         }
         if routes.is_empty() {
             return Err(RegistryError::NoHandlers {
@@ -285,18 +288,25 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     /// message type, [`DispatchError::Key`] if a consumer's key is missing, null, empty or too
     /// long, [`DispatchError::Fingerprint`] if the message cannot be fingerprinted. Per-consumer
     /// failures (handler error, conflict, database) are in each [`ConsumerOutcome::result`].
-    pub async fn dispatch(&self, envelope: &Envelope) -> Result<Vec<ConsumerOutcome>, DispatchError> {
-        let handlers = self.routes.get(envelope.message_name.as_str()).ok_or_else(|| {
-            DispatchError::UnknownMessage {
+    pub async fn dispatch(
+        &self,
+        envelope: &Envelope,
+    ) -> Result<Vec<ConsumerOutcome>, DispatchError> {
+        let handlers = self
+            .routes
+            .get(envelope.message_name.as_str())
+            .ok_or_else(|| DispatchError::UnknownMessage {
                 message_name: envelope.message_name.clone(),
-            }
-        })?;
+            })?;
 
         // Decode once per message type (consumers of one name almost always share one type).
         let mut decoded: Vec<(TypeId, Box<AnyMessage>, Fingerprint)> = Vec::with_capacity(1);
         let mut prepared = Vec::with_capacity(handlers.len());
         for handler in handlers {
-            let index = match decoded.iter().position(|(ty, ..)| *ty == handler.message_type()) {
+            let index = match decoded
+                .iter()
+                .position(|(ty, ..)| *ty == handler.message_type())
+            {
                 Some(index) => index,
                 None => {
                     let msg = handler.decode(&envelope.payload).map_err(|source| {
@@ -357,7 +367,10 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     ) -> Result<Outcome<()>, Error<BoxError>> {
         let mut result = self.invoke_once(handler, msg, delivery).await;
         if lost_connection(&result) {
-            tracing::warn!(consumer = handler.consumer(), "connection lost; retrying on a new one");
+            tracing::warn!(
+                consumer = handler.consumer(),
+                "connection lost; retrying on a new one"
+            );
             result = self.invoke_once(handler, msg, delivery).await;
         }
         result
@@ -461,15 +474,20 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
                 result: Ok(outcome),
             });
         }
-        let payload = stored.payload.as_deref().ok_or_else(|| ReplayError::NoPayload {
-            consumer: consumer.to_owned(),
-            key: key.to_owned(),
-            status: stored.status.clone(),
-        })?;
-        let msg = handler.decode(payload).map_err(|source| ReplayError::Decode {
-            message_name: stored.message_name.clone(),
-            source,
-        })?;
+        let payload = stored
+            .payload
+            .as_deref()
+            .ok_or_else(|| ReplayError::NoPayload {
+                consumer: consumer.to_owned(),
+                key: key.to_owned(),
+                status: stored.status.clone(),
+            })?;
+        let msg = handler
+            .decode(payload)
+            .map_err(|source| ReplayError::Decode {
+                message_name: stored.message_name.clone(),
+                source,
+            })?;
         let message_key = handler.key(&*msg).map_err(ReplayError::Key)?;
         if message_key.as_str() != key {
             return Err(ReplayError::KeyMismatch {
@@ -477,7 +495,9 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
                 decoded: message_key.into_string(),
             });
         }
-        let fingerprint = handler.fingerprint(&*msg).map_err(ReplayError::Fingerprint)?;
+        let fingerprint = handler
+            .fingerprint(&*msg)
+            .map_err(ReplayError::Fingerprint)?;
         let delivery = Delivery {
             key: &message_key,
             fingerprint: &fingerprint,
