@@ -34,10 +34,11 @@ pub fn ledger_bin() -> &'static Path {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let output = Command::new(cargo)
             .current_dir(root())
+            // `--workspace`: the same feature resolution as `cargo test --workspace`, so that
+            // after scripts/test.sh's build this is a no-op rather than a rebuild.
             .args([
                 "build",
-                "-p",
-                "inbox-examples",
+                "--workspace",
                 "--example",
                 "ledger",
                 "--message-format=json-render-diagnostics",
