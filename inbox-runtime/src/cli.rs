@@ -1,0 +1,813 @@
+//! The operator's command line: `migrate`, `stats`, `dead list|show|replay|discard`, `purge`.
+//!
+//! Behind the cargo feature `cli`. It is a library entry point, not a binary of its own: replaying
+//! a dead message runs its registered `#[idempotent]` handler, so the CLI must run inside *your*
+//! program, where the handlers are linked in. Either hand it the arguments:
+//!
+//! ```no_run
+//! # async fn demo(pool: sqlx::PgPool) -> std::process::ExitCode {
+//! // `myservice admin dead list --consumer ledger`
+//! let args = std::env::args_os().skip(1); // "admin", "dead", "list", …
+//! inbox_runtime::cli::run(&pool, args).await
+//! # }
+//! ```
+//!
+//! or embed [`AdminCommand`] as a clap subcommand of your own parser and call [`execute`]:
+//!
+//! ```no_run
+//! use clap::Parser;
+//!
+//! #[derive(Parser)]
+//! enum Cli {
+//!     /// Runs the service
+//!     Serve,
+//!     /// Inspects and repairs the inbox
+//!     #[command(subcommand)]
+//!     Admin(inbox_runtime::cli::AdminCommand),
+//! }
+//!
+//! # async fn demo(pool: sqlx::PgPool) -> Result<(), inbox_runtime::cli::CliError> {
+//! match Cli::parse() {
+//!     Cli::Serve => { /* … */ }
+//!     Cli::Admin(command) => inbox_runtime::cli::execute(&command, &pool).await?,
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! Results go to standard output (tables aligned for reading; `dead show` prints the payload as
+//! pretty JSON). Long operations (`dead replay --all`, `purge`) show a progress bar on standard
+//! error when it is a terminal, and nothing when it is not (piped, redirected, in CI).
+
+use std::ffi::OsString;
+use std::io::{self, IsTerminal as _, Write};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use sqlx::Pool;
+
+use crate::admin::{self, Retention, RetentionError};
+use crate::error::{Error, RegistryError};
+use crate::outcome::Outcome;
+use crate::registry::{ConsumerOutcome, Dispatcher, ReplayError};
+use crate::store::{InboxDatabase, StatsRow, StoredMessage};
+
+/// A parser for the admin commands alone, as [`run`] uses it: the first argument is the program
+/// name (clap's convention), the rest is an [`AdminCommand`].
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "admin",
+    about = "Inspects and repairs the inbox: statistics, dead letters, replay, retention purge"
+)]
+pub struct AdminCli {
+    /// The command.
+    #[command(subcommand)]
+    pub command: AdminCommand,
+}
+
+/// The admin commands, as a clap subcommand to embed in a parser of your own.
+#[derive(Debug, Clone, Subcommand)]
+#[non_exhaustive]
+pub enum AdminCommand {
+    /// Creates or upgrades the inbox tables
+    Migrate,
+    /// Counts per consumer and status, oldest failed and dead, rejected deliveries by reason
+    Stats,
+    /// Failed and dead messages: list, show, replay, discard
+    #[command(subcommand)]
+    Dead(DeadCommand),
+    /// Deletes processed (and discarded) rows older than the retention window, in batches
+    Purge(PurgeArgs),
+}
+
+/// `dead …`: failed and dead messages.
+#[derive(Debug, Clone, Subcommand)]
+#[non_exhaustive]
+pub enum DeadCommand {
+    /// Lists failed and dead messages, oldest first
+    List(ListArgs),
+    /// Shows one message with its last error and its payload
+    Show(MessageRef),
+    /// Runs a failed or dead message (or all of them) once more, through the same claim
+    Replay(ReplayArgs),
+    /// Marks a failed or dead message discarded: it never runs, and its key keeps blocking
+    /// redeliveries
+    Discard(MessageRef),
+}
+
+/// Which messages `dead list` and `dead replay --all` take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeadStatus {
+    /// `failed`: waiting for a redelivery (attempts left).
+    Failed,
+    /// `dead`: dead-lettered (permanent error, or attempts used up).
+    Dead,
+}
+
+impl DeadStatus {
+    fn statuses(status: Option<DeadStatus>) -> &'static [&'static str] {
+        match status {
+            None => &["failed", "dead"],
+            Some(DeadStatus::Failed) => &["failed"],
+            Some(DeadStatus::Dead) => &["dead"],
+        }
+    }
+}
+
+/// `dead list` arguments.
+#[derive(Debug, Clone, Args)]
+pub struct ListArgs {
+    /// Only this consumer's messages
+    #[arg(long)]
+    pub consumer: Option<String>,
+    /// Only `failed` or only `dead` messages [default: both]
+    #[arg(long, value_enum)]
+    pub status: Option<DeadStatus>,
+    /// At most this many
+    #[arg(long, default_value_t = 50)]
+    pub limit: u32,
+}
+
+/// One message: its consumer and idempotency key.
+#[derive(Debug, Clone, Args)]
+pub struct MessageRef {
+    /// The consumer
+    pub consumer: String,
+    /// The message's idempotency key
+    pub key: String,
+}
+
+/// `dead replay` arguments: `CONSUMER KEY`, or `--all [--consumer C] [--status S]`.
+#[derive(Debug, Clone, Args)]
+pub struct ReplayArgs {
+    /// The consumer
+    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    pub consumer: Option<String>,
+    /// The message's idempotency key
+    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    pub key: Option<String>,
+    /// Replay every failed and dead message (of `--consumer`, if given), oldest first
+    #[arg(long)]
+    pub all: bool,
+    /// With --all: only this consumer's messages
+    #[arg(
+        long = "consumer",
+        id = "only_consumer",
+        requires = "all",
+        value_name = "CONSUMER"
+    )]
+    pub only_consumer: Option<String>,
+    /// With --all: only `failed` or only `dead` messages [default: both]
+    #[arg(long, value_enum, requires = "all")]
+    pub status: Option<DeadStatus>,
+}
+
+/// `purge` arguments. Durations in humantime's form: `7d`, `36h`, `1h 30m`, `90s`.
+#[derive(Debug, Clone, Args)]
+pub struct PurgeArgs {
+    /// Keep processed rows this long: the deduplication guarantee
+    #[arg(long, value_parser = parse_duration)]
+    pub window: Duration,
+    /// The broker's redelivery horizon; a window shorter than it is refused
+    #[arg(long, value_parser = parse_duration)]
+    pub redelivery_horizon: Duration,
+    /// Also delete failed and dead rows older than the window (with their payloads)
+    #[arg(long)]
+    pub include_failed_and_dead: bool,
+    /// Rows deleted per statement (one short transaction each)
+    #[arg(long, default_value_t = 1000)]
+    pub batch_size: u32,
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text).map_err(|e| format!("{e} (examples: 7d, 36h, 1h 30m, 90s)"))
+}
+
+/// Why an admin command failed. [`run`] prints it after `error: ` and exits with status 1.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CliError {
+    /// The database failed.
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+    /// The inbox migrations failed.
+    #[error("migrations: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    /// The handler registry cannot build a dispatcher (needed to replay).
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    /// A single replay could not run.
+    #[error(transparent)]
+    Replay(#[from] ReplayError),
+    /// The retention window is shorter than the redelivery horizon.
+    #[error(transparent)]
+    Retention(#[from] RetentionError),
+    /// No failed or dead message with this consumer and key (`show`, `discard`).
+    #[error("consumer `{consumer}` has no {what} message with key `{key}`")]
+    NotFound {
+        /// The consumer.
+        consumer: String,
+        /// The key.
+        key: String,
+        /// What was looked for: `"stored"` or `"failed or dead"`.
+        what: &'static str,
+    },
+    /// Some replays did not end processed (or duplicate): they failed again, or could not run.
+    #[error("{failed} of {total} replays did not succeed")]
+    ReplayFailed {
+        /// Replays that did not succeed.
+        failed: u64,
+        /// Replays attempted.
+        total: u64,
+    },
+    /// Writing the output failed.
+    #[error("output: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// Parses `args` (the program name first, as in `std::env::args_os()`) as an [`AdminCli`] and
+/// runs the command on `pool`, printing results on standard output and errors on standard error.
+///
+/// Exit status: 0 on success, 1 if the command failed ([`CliError`]), 2 on bad usage (clap's
+/// message is printed; `--help` exits 0).
+pub async fn run<DB, I, T>(pool: &Pool<DB>, args: I) -> ExitCode
+where
+    DB: InboxDatabase,
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match AdminCli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(error) => {
+            let code = if error.use_stderr() { 2 } else { 0 };
+            let _ = error.print();
+            return ExitCode::from(code);
+        }
+    };
+    match execute(&cli.command, pool).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Runs `command` on `pool`, printing on standard output. `dead replay` builds a
+/// [`Dispatcher::from_registry`] over `pool` (use [`execute_with`] to replay with a dispatcher
+/// of yours, e.g. with another retry policy).
+///
+/// # Errors
+/// [`CliError`]: the database's error, an unknown message, a refused retention, replays that did
+/// not succeed.
+pub async fn execute<DB: InboxDatabase>(
+    command: &AdminCommand,
+    pool: &Pool<DB>,
+) -> Result<(), CliError> {
+    let stdout = io::stdout();
+    let mut out = stdout.lock();
+    execute_on(command, Target::Pool(pool), &mut out).await
+}
+
+/// Runs `command` with `dispatcher` (its pool for everything, its handlers and retry policy for
+/// `dead replay`), writing the results to `out`.
+///
+/// # Errors
+/// As [`execute`].
+pub async fn execute_with<DB: InboxDatabase>(
+    command: &AdminCommand,
+    dispatcher: &Dispatcher<DB>,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    execute_on(command, Target::Dispatcher(dispatcher), out).await
+}
+
+/// Runs `command` on `pool`, writing the results to `out` (for tests and for embedding).
+///
+/// # Errors
+/// As [`execute`].
+pub async fn execute_to<DB: InboxDatabase>(
+    command: &AdminCommand,
+    pool: &Pool<DB>,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    execute_on(command, Target::Pool(pool), out).await
+}
+
+enum Target<'a, DB: InboxDatabase> {
+    Pool(&'a Pool<DB>),
+    Dispatcher(&'a Dispatcher<DB>),
+}
+
+impl<DB: InboxDatabase> Target<'_, DB> {
+    fn pool(&self) -> &Pool<DB> {
+        match self {
+            Target::Pool(pool) => pool,
+            Target::Dispatcher(dispatcher) => dispatcher.pool(),
+        }
+    }
+}
+
+async fn execute_on<DB: InboxDatabase>(
+    command: &AdminCommand,
+    target: Target<'_, DB>,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    let pool = target.pool();
+    match command {
+        AdminCommand::Migrate => {
+            crate::migrate(pool).await?;
+            writeln!(out, "inbox migrations applied ({})", DB::BACKEND)?;
+        }
+        AdminCommand::Stats => {
+            let rows = admin::stats(pool).await?;
+            write_stats(out, &rows)?;
+        }
+        AdminCommand::Dead(DeadCommand::List(args)) => {
+            let rows = admin::list(
+                pool,
+                args.consumer.as_deref(),
+                DeadStatus::statuses(args.status),
+                args.limit,
+            )
+            .await?;
+            write_list(out, &rows)?;
+        }
+        AdminCommand::Dead(DeadCommand::Show(message)) => {
+            let row = admin::show(pool, &message.consumer, &message.key)
+                .await?
+                .ok_or_else(|| CliError::NotFound {
+                    consumer: message.consumer.clone(),
+                    key: message.key.clone(),
+                    what: "stored",
+                })?;
+            write_show(out, &row)?;
+        }
+        AdminCommand::Dead(DeadCommand::Discard(message)) => {
+            if !admin::discard(pool, &message.consumer, &message.key).await? {
+                return Err(CliError::NotFound {
+                    consumer: message.consumer.clone(),
+                    key: message.key.clone(),
+                    what: "failed or dead",
+                });
+            }
+            writeln!(
+                out,
+                "{}/{}: discarded (its key keeps blocking redeliveries until the retention purge)",
+                message.consumer, message.key
+            )?;
+        }
+        AdminCommand::Dead(DeadCommand::Replay(args)) => {
+            let owned;
+            let dispatcher = match target {
+                Target::Dispatcher(dispatcher) => dispatcher,
+                Target::Pool(pool) => {
+                    owned = Dispatcher::from_registry(pool.clone())?;
+                    &owned
+                }
+            };
+            replay(dispatcher, args, out).await?;
+        }
+        AdminCommand::Purge(args) => {
+            let retention = Retention::new(args.window, args.redelivery_horizon)?
+                .batch_size(args.batch_size)
+                .include_failed_and_dead(args.include_failed_and_dead);
+            let bar = progress_bar(None, "{spinner} purging: {pos} rows deleted ({elapsed})");
+            let report = admin::purge(pool, &retention, |deleted| bar.set_position(deleted)).await;
+            bar.finish_and_clear();
+            let report = report?;
+            writeln!(
+                out,
+                "purged {} rows older than {} in {} batches{}",
+                report.deleted,
+                humantime::format_duration(args.window),
+                report.batches,
+                if args.include_failed_and_dead {
+                    " (failed and dead included)"
+                } else {
+                    ""
+                }
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// A progress bar on standard error, hidden unless standard error is a terminal. `len`: the
+/// total, if known (else a spinner).
+fn progress_bar(len: Option<u64>, template: &str) -> ProgressBar {
+    let target = if io::stderr().is_terminal() {
+        ProgressDrawTarget::stderr()
+    } else {
+        ProgressDrawTarget::hidden()
+    };
+    let bar = match len {
+        Some(len) => ProgressBar::with_draw_target(Some(len), target),
+        None => {
+            let bar = ProgressBar::with_draw_target(None, target);
+            bar.enable_steady_tick(Duration::from_millis(120));
+            bar
+        }
+    };
+    if let Ok(style) = ProgressStyle::with_template(template) {
+        bar.set_style(style);
+    }
+    bar
+}
+
+/// How one replay ended, as a short text, and whether it succeeded.
+fn describe(outcome: &ConsumerOutcome) -> (String, bool) {
+    match &outcome.result {
+        Ok(Outcome::Processed(())) => ("processed".into(), true),
+        Ok(Outcome::Duplicate) => ("duplicate (processed meanwhile)".into(), true),
+        Ok(other) => (other.kind().into(), false),
+        Err(Error::Handler(failure)) => (failure.to_string(), false),
+        Err(error) => (error.to_string(), false),
+    }
+}
+
+async fn replay<DB: InboxDatabase>(
+    dispatcher: &Dispatcher<DB>,
+    args: &ReplayArgs,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    if !args.all {
+        let (Some(consumer), Some(key)) = (&args.consumer, &args.key) else {
+            unreachable!("clap requires CONSUMER and KEY without --all")
+        };
+        let outcome = dispatcher.replay(consumer, key).await?;
+        let (text, ok) = describe(&outcome);
+        writeln!(out, "{consumer}/{key}: {text}")?;
+        return if ok {
+            Ok(())
+        } else {
+            Err(CliError::ReplayFailed {
+                failed: 1,
+                total: 1,
+            })
+        };
+    }
+
+    let rows = admin::list(
+        dispatcher.pool(),
+        args.only_consumer.as_deref(),
+        DeadStatus::statuses(args.status),
+        u32::MAX,
+    )
+    .await?;
+    let total = rows.len() as u64;
+    let bar = progress_bar(
+        Some(total),
+        "replaying {bar:40} {pos}/{len} ({per_sec}, eta {eta})",
+    );
+    let (mut processed, mut duplicates, mut failed) = (0_u64, 0_u64, 0_u64);
+    for row in &rows {
+        let result = dispatcher.replay(&row.consumer, &row.message_key).await;
+        let line = match result {
+            Ok(outcome) => match describe(&outcome) {
+                (_, true) if outcome.result.as_ref().is_ok_and(Outcome::is_processed) => {
+                    processed += 1;
+                    None
+                }
+                (_, true) => {
+                    duplicates += 1;
+                    None
+                }
+                (text, false) => Some(text),
+            },
+            Err(error) => Some(error.to_string()),
+        };
+        if let Some(text) = line {
+            failed += 1;
+            bar.suspend(|| writeln!(out, "{}/{}: {text}", row.consumer, row.message_key))?;
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    writeln!(
+        out,
+        "replayed {total}: {processed} processed, {duplicates} duplicates, {failed} not processed"
+    )?;
+    if failed > 0 {
+        return Err(CliError::ReplayFailed { failed, total });
+    }
+    Ok(())
+}
+
+/// Left- or right-aligned columns, two spaces apart.
+struct Table {
+    header: Vec<&'static str>,
+    right: Vec<bool>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    fn new(columns: &[(&'static str, bool)]) -> Self {
+        Self {
+            header: columns.iter().map(|(name, _)| *name).collect(),
+            right: columns.iter().map(|(_, right)| *right).collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+
+    fn write(&self, out: &mut dyn Write) -> io::Result<()> {
+        let mut widths: Vec<usize> = self.header.iter().map(|h| h.chars().count()).collect();
+        for row in &self.rows {
+            for (width, cell) in widths.iter_mut().zip(row) {
+                *width = (*width).max(cell.chars().count());
+            }
+        }
+        let line = |cells: &mut dyn Iterator<Item = &str>| {
+            let mut text = String::new();
+            for (index, cell) in cells.enumerate() {
+                if index > 0 {
+                    text.push_str("  ");
+                }
+                let pad = widths[index].saturating_sub(cell.chars().count());
+                if self.right[index] {
+                    text.extend(std::iter::repeat_n(' ', pad));
+                    text.push_str(cell);
+                } else {
+                    text.push_str(cell);
+                    text.extend(std::iter::repeat_n(' ', pad));
+                }
+            }
+            text.trim_end().to_owned()
+        };
+        writeln!(out, "{}", line(&mut self.header.iter().copied()))?;
+        for row in &self.rows {
+            writeln!(out, "{}", line(&mut row.iter().map(String::as_str)))?;
+        }
+        Ok(())
+    }
+}
+
+/// A database timestamp to the second: `2026-05-21 10:04:31.123456+00` → `2026-05-21 10:04:31`
+/// (SQLite's and PostgreSQL's text forms are both UTC).
+fn short_time(text: &str) -> String {
+    let text = text.replace('T', " ");
+    let cut = text
+        .find('.')
+        .or_else(|| text[10.min(text.len())..].find(['+', 'Z']).map(|i| i + 10));
+    let mut short = match cut {
+        Some(at) => text[..at].to_owned(),
+        None => text,
+    };
+    short.truncate(19);
+    short
+}
+
+fn write_stats(out: &mut dyn Write, rows: &[StatsRow]) -> io::Result<()> {
+    const STATUSES: [&str; 5] = ["processed", "failed", "dead", "parked", "discarded"];
+    let mut consumers: Vec<&str> = rows
+        .iter()
+        .filter(|row| !row.status.starts_with("rejected:"))
+        .filter_map(|row| row.consumer.as_deref())
+        .collect();
+    consumers.sort_unstable();
+    consumers.dedup();
+    let find = |consumer: Option<&str>, status: &str| {
+        rows.iter()
+            .find(|row| row.consumer.as_deref() == consumer && row.status == status)
+    };
+    let count =
+        |consumer: &str, status: &str| find(Some(consumer), status).map_or(0, |row| row.count);
+    let oldest = |consumer: &str, status: &str| {
+        find(Some(consumer), status)
+            .and_then(|row| row.oldest.as_deref())
+            .map_or_else(|| "-".to_owned(), short_time)
+    };
+
+    let mut inbox = Table::new(&[
+        ("CONSUMER", false),
+        ("PROCESSED", true),
+        ("FAILED", true),
+        ("DEAD", true),
+        ("PARKED", true),
+        ("DISCARDED", true),
+        ("CONFLICTS SEEN", true),
+        ("OLDEST FAILED", false),
+        ("OLDEST DEAD", false),
+    ]);
+    let mut total = [0_i64; 6];
+    for consumer in &consumers {
+        let mut cells = vec![(*consumer).to_owned()];
+        for (index, status) in STATUSES
+            .iter()
+            .chain(["rejected:conflict"].iter())
+            .enumerate()
+        {
+            let n = count(consumer, status);
+            total[index] += n;
+            cells.push(n.to_string());
+        }
+        cells.push(oldest(consumer, "failed"));
+        cells.push(oldest(consumer, "dead"));
+        inbox.row(cells);
+    }
+    if consumers.is_empty() {
+        writeln!(out, "inbox: empty")?;
+    } else {
+        if consumers.len() > 1 {
+            let mut cells = vec!["(all)".to_owned()];
+            cells.extend(total.iter().map(i64::to_string));
+            inbox.row(cells);
+        }
+        inbox.write(out)?;
+    }
+
+    let rejected: Vec<&StatsRow> = rows
+        .iter()
+        .filter(|row| row.status.starts_with("rejected:"))
+        .collect();
+    if !rejected.is_empty() {
+        writeln!(out)?;
+        writeln!(out, "rejected deliveries, kept with their payloads:")?;
+        let mut table = Table::new(&[
+            ("CONSUMER", false),
+            ("REASON", false),
+            ("COUNT", true),
+            ("OLDEST", false),
+        ]);
+        for row in rejected {
+            let reason = &row.status["rejected:".len()..];
+            table.row(vec![
+                row.consumer.clone().unwrap_or_else(|| "-".into()),
+                match reason {
+                    "conflict" => "conflict (same key, other payload)".into(),
+                    "malformed" => "malformed payload".into(),
+                    "unknown_message" => "unknown message name".into(),
+                    "invalid_key" => "invalid key".into(),
+                    other => other.to_owned(),
+                },
+                row.count.to_string(),
+                row.oldest.as_deref().map_or_else(|| "-".into(), short_time),
+            ]);
+        }
+        table.write(out)?;
+    }
+    Ok(())
+}
+
+/// The first line of `text`, at most `max` characters (an ellipsis marks a cut).
+fn first_line(text: &str, max: usize) -> String {
+    let line = text.lines().next().unwrap_or("");
+    if line.chars().count() > max || line.len() < text.trim_end().len() {
+        let mut cut: String = line.chars().take(max.saturating_sub(1)).collect();
+        cut.push('…');
+        cut
+    } else {
+        line.to_owned()
+    }
+}
+
+fn write_list(out: &mut dyn Write, rows: &[StoredMessage]) -> io::Result<()> {
+    if rows.is_empty() {
+        return writeln!(out, "no failed or dead messages");
+    }
+    let mut table = Table::new(&[
+        ("CONSUMER", false),
+        ("KEY", false),
+        ("MESSAGE", false),
+        ("STATUS", false),
+        ("ATTEMPTS", true),
+        ("RECEIVED", false),
+        ("LAST ERROR", false),
+    ]);
+    for row in rows {
+        table.row(vec![
+            row.consumer.clone(),
+            row.message_key.clone(),
+            row.message_name.clone(),
+            row.status.clone(),
+            row.attempts.to_string(),
+            short_time(&row.received_at),
+            first_line(row.last_error.as_deref().unwrap_or("-"), 72),
+        ]);
+    }
+    table.write(out)
+}
+
+fn write_show(out: &mut dyn Write, row: &StoredMessage) -> io::Result<()> {
+    let optional = |value: &Option<String>| value.clone().unwrap_or_else(|| "-".into());
+    let fields = [
+        ("consumer", row.consumer.clone()),
+        ("key", row.message_key.clone()),
+        ("message", row.message_name.clone()),
+        ("status", row.status.clone()),
+        ("attempts", row.attempts.to_string()),
+        ("received", row.received_at.clone()),
+        ("processed", optional(&row.processed_at)),
+        ("next attempt", optional(&row.next_attempt_at)),
+        ("source", optional(&row.source)),
+        ("fingerprint", row.payload_hash.clone()),
+        ("last error", optional(&row.last_error)),
+    ];
+    for (name, value) in fields {
+        writeln!(out, "{:<13} {value}", format!("{name}:"))?;
+    }
+    match &row.payload {
+        None => writeln!(
+            out,
+            "payload:      - (not kept for {} messages)",
+            row.status
+        ),
+        Some(bytes) => {
+            writeln!(out, "payload:")?;
+            let pretty = serde_json::from_slice::<serde_json::Value>(bytes)
+                .ok()
+                .and_then(|value| serde_json::to_string_pretty(&value).ok())
+                .unwrap_or_else(|| String::from_utf8_lossy(bytes).into_owned());
+            writeln!(out, "{pretty}")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_are_cut_to_the_second() {
+        assert_eq!(
+            short_time("2026-05-21 10:04:31.123456+00"),
+            "2026-05-21 10:04:31"
+        );
+        assert_eq!(short_time("2026-05-21 10:04:31"), "2026-05-21 10:04:31");
+        assert_eq!(short_time("2026-05-21T10:04:31Z"), "2026-05-21 10:04:31");
+        assert_eq!(short_time("2026-05-21 10:04:31+00"), "2026-05-21 10:04:31");
+    }
+
+    #[test]
+    fn tables_align() {
+        let mut table = Table::new(&[("NAME", false), ("COUNT", true)]);
+        table.row(vec!["ledger".into(), "26000".into()]);
+        table.row(vec!["audit".into(), "7".into()]);
+        let mut out = Vec::new();
+        table.write(&mut out).unwrap();
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "NAME    COUNT\nledger  26000\naudit       7\n"
+        );
+    }
+
+    #[test]
+    fn arguments_parse() {
+        let parse = |args: &[&str]| AdminCli::try_parse_from(args.iter().copied());
+        let cli = parse(&[
+            "admin",
+            "purge",
+            "--window",
+            "7d",
+            "--redelivery-horizon",
+            "3d",
+        ])
+        .unwrap();
+        let AdminCommand::Purge(purge) = cli.command else {
+            panic!("purge")
+        };
+        assert_eq!(purge.window, Duration::from_secs(7 * 86_400));
+        assert_eq!(purge.redelivery_horizon, Duration::from_secs(3 * 86_400));
+        assert!(
+            parse(&[
+                "admin",
+                "purge",
+                "--window",
+                "7 fortnights",
+                "--redelivery-horizon",
+                "1d"
+            ])
+            .is_err()
+        );
+
+        assert!(parse(&["admin", "dead", "replay", "ledger", "k-1"]).is_ok());
+        assert!(parse(&["admin", "dead", "replay", "--all", "--consumer", "ledger"]).is_ok());
+        assert!(
+            parse(&["admin", "dead", "replay", "ledger"]).is_err(),
+            "KEY missing"
+        );
+        assert!(
+            parse(&["admin", "dead", "replay"]).is_err(),
+            "nothing to replay"
+        );
+        assert!(parse(&["admin", "dead", "replay", "ledger", "k", "--all"]).is_err());
+        assert!(
+            parse(&["admin", "dead", "replay", "--consumer", "ledger"]).is_err(),
+            "--consumer needs --all"
+        );
+        assert!(parse(&["admin", "dead", "list", "--status", "dead", "--limit", "5"]).is_ok());
+        assert!(parse(&["admin", "dead", "list", "--status", "processed"]).is_err());
+    }
+
+    #[test]
+    fn error_lines_are_cut() {
+        assert_eq!(first_line("short", 10), "short");
+        assert_eq!(first_line("one\ntwo", 10), "one…");
+        assert_eq!(first_line("abcdefghijkl", 5), "abcd…");
+    }
+}
