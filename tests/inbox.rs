@@ -19,6 +19,16 @@ pub struct Note {
     pub memo: String,
 }
 
+/// The same shape as `Note` under another name: same key and fields must still conflict.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Message)]
+#[message(name = "test.note-copy")]
+pub struct NoteCopy {
+    #[message(key)]
+    pub id: String,
+    pub amount: i64,
+    pub memo: String,
+}
+
 /// A message whose key may be null.
 #[derive(Debug, Clone, Serialize, Deserialize, Message)]
 #[message(name = "test.maybe")]
@@ -96,6 +106,26 @@ macro_rules! backend_tests {
                     .execute(conn)
                     .await?;
                 Ok(())
+            }
+
+            #[inbox_runtime::idempotent(consumer = "effects")]
+            async fn apply_note_copy(conn: &mut $conn, msg: NoteCopy) -> Result<(), sqlx::Error> {
+                sqlx::query(APPLY_EFFECT)
+                    .bind(format!("note:{}", msg.id))
+                    .bind(msg.amount)
+                    .execute(conn)
+                    .await?;
+                Ok(())
+            }
+
+            #[tokio::test]
+            async fn another_message_name_under_the_same_key_is_a_conflict() {
+                let (pool, _guard) = $pool;
+                let mut conn = pool.acquire().await.unwrap();
+                assert!(apply_note(&mut conn, note("n", 4)).await.unwrap().is_processed());
+                let copy = NoteCopy { id: "n".into(), amount: 4, memo: "m".into() };
+                assert_eq!(apply_note_copy(&mut conn, copy).await.unwrap_err().kind(), "conflict");
+                assert_eq!(effect(&pool, "note:n").await, Some((1, 4)));
             }
 
             #[inbox_runtime::idempotent(consumer = "effects")]
@@ -184,8 +214,8 @@ macro_rules! backend_tests {
                 assert_eq!(conflict.consumer, "effects");
                 assert_eq!(conflict.message_name, "test.note");
                 assert_eq!(conflict.key.as_str(), "c");
-                assert_eq!(conflict.stored, inbox_runtime::Fingerprint::of(&note("c", 10)).unwrap());
-                assert_eq!(conflict.received, inbox_runtime::Fingerprint::of(&note("c", 11)).unwrap());
+                assert_eq!(conflict.stored, inbox_runtime::Fingerprint::of("test.note", &note("c", 10)).unwrap());
+                assert_eq!(conflict.received, inbox_runtime::Fingerprint::of("test.note", &note("c", 11)).unwrap());
                 assert_ne!(conflict.stored, conflict.received);
                 assert_eq!(effect(&pool, "note:c").await, Some((1, 10)));
                 // The original payload is still a plain duplicate afterwards.
@@ -372,6 +402,7 @@ macro_rules! backend_tests {
                         ("test.note", "audit"),
                         ("test.note", "by-memo"),
                         ("test.note", "effects"),
+                        ("test.note-copy", "effects"),
                     ]
                 );
                 assert!(dispatcher.handlers().iter().all(|h| h.function.contains(concat!("::", stringify!($backend), "::"))));

@@ -157,7 +157,7 @@ pub fn classify_error_chain(error: &(dyn StdError + 'static)) -> ErrorClass {
 /// Autoref-specialized classification for generated code: `Classify` if implemented, else the
 /// error chain of a `std::error::Error` or an `AsRef<dyn Error>` (anyhow), else `Retryable`.
 #[doc(hidden)]
-pub mod probe {
+pub(crate) mod probe {
     use super::{Classify, ErrorClass, StdError, classify_error_chain};
 
     pub struct Probe<'a, E>(pub &'a E);

@@ -5,7 +5,11 @@ use std::fmt;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-/// The fingerprint of a message's payload: SHA-256 over its canonical JSON form.
+/// The fingerprint of a message: SHA-256 over its routing name, a newline, and the canonical
+/// JSON form of its payload.
+///
+/// The name is part of it so that two message types of the same shape (a capture and a refund
+/// with the same fields) under one key are a conflict, not a duplicate.
 ///
 /// The canonical form is the JSON Canonicalization Scheme (RFC 8785) applied to the *decoded*
 /// message re-serialized with serde: object members sorted, no insignificant whitespace, numbers
@@ -18,14 +22,19 @@ use sha2::{Digest, Sha256};
 pub struct Fingerprint([u8; 32]);
 
 impl Fingerprint {
-    /// Computes the fingerprint of `message`.
+    /// Computes the fingerprint of `message` under the routing name `name` (what the inbox
+    /// stores is `Fingerprint::of(M::NAME, &msg)`).
     ///
     /// # Errors
     /// [`FingerprintError`] if the message cannot be serialized to JSON (for example a map with
     /// non-string keys, or a `Serialize` impl that fails).
-    pub fn of<M: Serialize + ?Sized>(message: &M) -> Result<Self, FingerprintError> {
+    pub fn of<M: Serialize + ?Sized>(name: &str, message: &M) -> Result<Self, FingerprintError> {
         let canonical = serde_jcs::to_vec(message).map_err(FingerprintError)?;
-        Ok(Self(Sha256::digest(&canonical).into()))
+        let mut hasher = Sha256::new();
+        hasher.update(name.as_bytes());
+        hasher.update(b"\n");
+        hasher.update(&canonical);
+        Ok(Self(hasher.finalize().into()))
     }
 
     /// Parses the 64-hex-digit form stored in the inbox.
@@ -73,15 +82,30 @@ mod tests {
             serde_json::from_str(r#"{"b": 1, "a": {"y": [1,2], "x": "s"}}"#).unwrap();
         let b: serde_json::Value =
             serde_json::from_str("{\"a\":{\"x\":\"s\",\n \"y\":[1, 2]},\"b\":1}").unwrap();
-        assert_eq!(Fingerprint::of(&a).unwrap(), Fingerprint::of(&b).unwrap());
+        assert_eq!(
+            Fingerprint::of("m", &a).unwrap(),
+            Fingerprint::of("m", &b).unwrap()
+        );
         let c: serde_json::Value =
             serde_json::from_str(r#"{"a": {"x": "s", "y": [1,2]}, "b": 2}"#).unwrap();
-        assert_ne!(Fingerprint::of(&a).unwrap(), Fingerprint::of(&c).unwrap());
+        assert_ne!(
+            Fingerprint::of("m", &a).unwrap(),
+            Fingerprint::of("m", &c).unwrap()
+        );
+    }
+
+    #[test]
+    fn the_message_name_is_part_of_the_fingerprint() {
+        let payload = serde_json::json!({"id": 1});
+        assert_ne!(
+            Fingerprint::of("payments.captured", &payload).unwrap(),
+            Fingerprint::of("payments.refunded", &payload).unwrap()
+        );
     }
 
     #[test]
     fn hex_round_trips() {
-        let fp = Fingerprint::of(&"x").unwrap();
+        let fp = Fingerprint::of("m", &"x").unwrap();
         assert_eq!(fp.to_hex().len(), 64);
         assert_eq!(Fingerprint::from_hex(&fp.to_hex()), Some(fp));
         assert_eq!(Fingerprint::from_hex("zz"), None);

@@ -12,10 +12,12 @@ use crate::envelope::SourceMetadata;
 use crate::error::{Conflict, Disposition, Error, HandlerFailure, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
+use crate::ordering::{GapPolicy, Ordering};
 use crate::outcome::Outcome;
 use crate::policy::RetryPolicy;
 use crate::store::{
-    ClaimRequest, ClaimResult, FailureRecord, InboxConnection, Rejection, RejectionReason,
+    ClaimMode, ClaimRequest, ClaimResult, FailureRecord, InboxConnection, Rejection,
+    RejectionReason,
 };
 
 /// A message type: its routing name and its idempotency key. Derive it with
@@ -32,6 +34,16 @@ pub trait Message: Serialize + DeserializeOwned + Clone + Send + Sync + 'static 
     /// # Errors
     /// A [`KeyError`] if the key is null, empty, too long or invalid.
     fn idempotency_key(&self) -> Result<IdempotencyKey, KeyError>;
+
+    /// The message's aggregate and sequence, for per-aggregate ordering; `None` (the default)
+    /// for messages without one. Derived from `#[message(aggregate)]` and `#[message(sequence)]`
+    /// fields.
+    ///
+    /// # Errors
+    /// A [`KeyError`] if the aggregate id is null or empty, or the sequence is null or below 1.
+    fn ordering(&self) -> Result<Option<Ordering>, KeyError> {
+        Ok(None)
+    }
 }
 
 /// The `Ok` and `Err` types of a handler's declared return type (any alias of `Result`).
@@ -63,6 +75,14 @@ pub trait Handler: Send + Sync + 'static {
     const FUNCTION: &'static str;
     /// `#[idempotent(max_attempts = N)]`, overriding the dispatcher's [`RetryPolicy`].
     const MAX_ATTEMPTS: Option<u32> = None;
+    /// `#[idempotent(gaps = "park")]`.
+    const GAPS: GapPolicy = GapPolicy::Apply;
+
+    /// The ordering of `msg` for this handler (generated from `aggregate`/`sequence`
+    /// arguments, else the message's own).
+    fn ordering(msg: &Self::Message) -> Result<Option<Ordering>, KeyError> {
+        msg.ordering()
+    }
 
     /// The idempotency key of `msg` for this handler.
     fn key(msg: &Self::Message) -> Result<IdempotencyKey, KeyError>;
@@ -80,15 +100,18 @@ pub trait Handler: Send + Sync + 'static {
 }
 
 /// Everything about one delivery that stays the same across its attempts.
-pub(crate) struct Delivery<'a> {
+#[doc(hidden)]
+pub struct Delivery<'a> {
     pub(crate) key: &'a IdempotencyKey,
     pub(crate) fingerprint: &'a Fingerprint,
     pub(crate) source: Option<&'a SourceMetadata>,
     /// The payload as delivered, if known (else the message is serialized when needed).
     pub(crate) payload: Option<&'a [u8]>,
     pub(crate) policy: &'a RetryPolicy,
-    /// An operator's replay: a `dead` key may be claimed too.
-    pub(crate) replay: bool,
+    /// Which existing rows the claim may take over.
+    pub(crate) mode: ClaimMode,
+    /// The message's place in its aggregate, if the handler orders it.
+    pub(crate) ordering: Option<&'a Ordering>,
 }
 
 /// Runs `H` on `msg` over `conn` with the default [`RetryPolicy`]: what the rewritten function
@@ -99,7 +122,8 @@ pub async fn run<H: Handler>(
     msg: H::Message,
 ) -> Result<Outcome<H::Output>, Error<H::Error>> {
     let key = H::key(&msg)?;
-    let fingerprint = Fingerprint::of(&msg)?;
+    let ordering = H::ordering(&msg)?;
+    let fingerprint = Fingerprint::of(<H::Message as Message>::NAME, &msg)?;
     let policy = RetryPolicy::default();
     let delivery = Delivery {
         key: &key,
@@ -107,9 +131,17 @@ pub async fn run<H: Handler>(
         source: None,
         payload: None,
         policy: &policy,
-        replay: false,
+        mode: ClaimMode::Deliver,
+        ordering: ordering.as_ref(),
     };
-    run_delivery::<H>(conn, &msg, &delivery).await
+    let result = run_delivery::<H>(conn, &msg, &delivery).await;
+    if let (Ok(Outcome::Processed(_)), Some(ordering)) = (&result, &ordering) {
+        if H::GAPS == GapPolicy::Park {
+            crate::registry::apply_parked_successors(conn.as_any(), H::CONSUMER, ordering, &policy)
+                .await;
+        }
+    }
+    result
 }
 
 /// One delivery on one connection: attempts with in-process retries of transient faults, then
@@ -226,7 +258,7 @@ async fn attempt<H: Handler>(
         message_name: <H::Message as Message>::NAME,
         payload_hash: &payload_hash,
         source: delivery.source,
-        replay: delivery.replay,
+        mode: delivery.mode,
     };
 
     let started = Instant::now();
@@ -237,6 +269,20 @@ async fn attempt<H: Handler>(
     let (status, stored_hash, attempts) = match claimed {
         Ok(ClaimResult::Claimed { attempts }) => {
             tracing::Span::current().record("attempts", attempts);
+            if let Some(ordering) = delivery.ordering {
+                let this = H::Connection::in_transaction(&mut tx);
+                match order::<H>(this, &msg, delivery, ordering).await {
+                    Ok(None) => {}
+                    Ok(Some(outcome)) => {
+                        tx.commit().await.map_err(store_error("commit"))?;
+                        return Ok(outcome);
+                    }
+                    Err(source) => {
+                        let _ = tx.rollback().await;
+                        return Err(store_error("order")(source).into());
+                    }
+                }
+            }
             let started = Instant::now();
             let result = H::call(H::Connection::in_transaction(&mut tx), msg).await;
             metrics::histogram!("inbox_handler_duration_seconds", "consumer" => H::CONSUMER)
@@ -291,8 +337,40 @@ async fn attempt<H: Handler>(
     Ok(match status.as_str() {
         "dead" => Outcome::Dead,
         "discarded" => Outcome::Discarded,
+        "parked" => Outcome::Parked,
+        "stale" => Outcome::Stale,
         _ => Outcome::Duplicate,
     })
+}
+
+/// The sequence guard, inside the claim's transaction: locks the aggregate (serializing its
+/// messages), then either lets the body run (advancing the aggregate's sequence), or settles the
+/// claim as `stale` or `parked` without running it.
+async fn order<H: Handler>(
+    conn: &mut H::Connection,
+    msg: &H::Message,
+    delivery: &Delivery<'_>,
+    ordering: &Ordering,
+) -> Result<Option<Outcome<H::Output>>, sqlx::Error> {
+    let last = conn
+        .lock_aggregate(H::CONSUMER, &ordering.aggregate_id)
+        .await?;
+    let key = delivery.key.as_str();
+    if ordering.sequence <= last {
+        conn.mark_message(H::CONSUMER, key, "stale", ordering, None)
+            .await?;
+        return Ok(Some(Outcome::Stale));
+    }
+    let gap = ordering.sequence > last + 1;
+    if gap && H::GAPS == GapPolicy::Park && delivery.mode != ClaimMode::Release {
+        let payload = payload_of(msg, delivery);
+        conn.mark_message(H::CONSUMER, key, "parked", ordering, Some(&payload))
+            .await?;
+        return Ok(Some(Outcome::Parked));
+    }
+    conn.advance_aggregate(H::CONSUMER, &ordering.aggregate_id, ordering.sequence)
+        .await?;
+    Ok(None)
 }
 
 fn payload_of<M: Serialize>(msg: &M, delivery: &Delivery<'_>) -> Vec<u8> {
@@ -332,6 +410,8 @@ async fn record_failure<H: Handler>(
         retry_delay_ms: i64::try_from(retry_delay.as_millis()).unwrap_or(i64::MAX),
         payload: &payload,
         source: delivery.source,
+        aggregate_id: delivery.ordering.map(|o| o.aggregate_id.as_str()),
+        sequence: delivery.ordering.map(|o| o.sequence),
     };
     match conn.record_failure(&record).await {
         Ok(Some((status, attempts))) => {

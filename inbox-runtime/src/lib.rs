@@ -87,6 +87,7 @@ mod error;
 mod fingerprint;
 mod handler;
 mod key;
+mod ordering;
 mod outcome;
 mod policy;
 mod registry;
@@ -106,9 +107,12 @@ pub use error::{
 pub use fingerprint::{Fingerprint, FingerprintError};
 pub use handler::Message;
 pub use key::{IdempotencyKey, KeyError, KeyPart, MAX_KEY_BYTES};
+pub use ordering::{GapPolicy, Ordering, ParkPolicy, ParkTimeout, SequencePart};
 pub use outcome::Outcome;
 pub use policy::RetryPolicy;
-pub use registry::{ConsumerOutcome, Dispatcher, HandlerInfo, ReplayError, registered_handlers};
+pub use registry::{
+    ConsumerOutcome, Dispatcher, HandlerInfo, ReplayError, SweepReport, registered_handlers,
+};
 pub use store::{
     Backend, InboxConnection, InboxDatabase, MIGRATIONS_TABLE, RejectionReason, StatsRow,
     StoredMessage,
@@ -154,8 +158,9 @@ pub async fn migrate<DB: InboxDatabase>(pool: &sqlx::Pool<DB>) -> Result<(), Mig
 pub mod __private {
     pub use crate::BoxFuture;
     pub use crate::classify::probe::{Probe, ViaAsRefError, ViaClassify, ViaFallback, ViaStdError};
-    pub use crate::handler::{Handler, HandlerResult, run};
+    pub use crate::handler::{Delivery, Handler, HandlerResult, run};
     pub use crate::key::{KeyPart, KeySegment, key_from_field, key_from_template};
+    pub use crate::ordering::{SequencePart, ordering_from_fields};
     pub use crate::registry::{DynHandler, Registration};
     pub use crate::store::{AnyConnection, ClaimRequest, ClaimResult};
     pub use inventory;

@@ -21,6 +21,13 @@ pub enum Outcome<T> {
     Dead,
     /// An operator discarded the key: nothing ran, nothing will. The source may ack.
     Discarded,
+    /// Per-aggregate ordering: the message's sequence is not newer than the last one applied
+    /// to its aggregate. Recorded as consumed (`stale`), not applied. The source may ack.
+    Stale,
+    /// Per-aggregate ordering with `gaps = "park"`: the message came before its predecessor.
+    /// Stored durably (`parked`, payload kept) and applied, in order, once the gap fills. The
+    /// source may ack.
+    Parked,
 }
 
 impl<T> Outcome<T> {
@@ -49,17 +56,21 @@ impl<T> Outcome<T> {
             Outcome::Duplicate => Outcome::Duplicate,
             Outcome::Dead => Outcome::Dead,
             Outcome::Discarded => Outcome::Discarded,
+            Outcome::Stale => Outcome::Stale,
+            Outcome::Parked => Outcome::Parked,
         }
     }
 
-    /// The outcome's name as used in logs and metrics: `"processed"`, `"duplicate"`, `"dead"`
-    /// or `"discarded"`.
+    /// The outcome's name as used in logs and metrics: `"processed"`, `"duplicate"`, `"dead"`,
+    /// `"discarded"`, `"stale"` or `"parked"`.
     pub fn kind(&self) -> &'static str {
         match self {
             Outcome::Processed(_) => "processed",
             Outcome::Duplicate => "duplicate",
             Outcome::Dead => "dead",
             Outcome::Discarded => "discarded",
+            Outcome::Stale => "stale",
+            Outcome::Parked => "parked",
         }
     }
 }

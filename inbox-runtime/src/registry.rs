@@ -12,10 +12,11 @@ use crate::error::{BoxError, DispatchError, Error, RegistryError, StoreError};
 use crate::fingerprint::{Fingerprint, FingerprintError};
 use crate::handler::{Delivery, Handler, Message, run_delivery};
 use crate::key::{IdempotencyKey, KeyError};
+use crate::ordering::{GapPolicy, Ordering, ParkPolicy, ParkTimeout};
 use crate::outcome::Outcome;
 use crate::policy::RetryPolicy;
 use crate::store::{AnyConnection, Backend, InboxConnection, InboxDatabase};
-use crate::store::{Rejection, RejectionReason};
+use crate::store::{ClaimMode, Rejection, RejectionReason, StoredMessage};
 
 type AnyMessage = dyn Any + Send + Sync;
 
@@ -29,6 +30,8 @@ pub trait DynHandler: Send + Sync + 'static {
     fn message_type(&self) -> TypeId;
     fn decode(&self, payload: &[u8]) -> Result<Box<AnyMessage>, serde_json::Error>;
     fn key(&self, msg: &AnyMessage) -> Result<IdempotencyKey, KeyError>;
+    fn ordering(&self, msg: &AnyMessage) -> Result<Option<Ordering>, KeyError>;
+    fn gaps(&self) -> GapPolicy;
     fn fingerprint(&self, msg: &AnyMessage) -> Result<Fingerprint, FingerprintError>;
     fn invoke<'c>(
         &'c self,
@@ -69,8 +72,14 @@ where
     fn key(&self, msg: &AnyMessage) -> Result<IdempotencyKey, KeyError> {
         H::key(downcast::<H::Message>(msg))
     }
+    fn ordering(&self, msg: &AnyMessage) -> Result<Option<Ordering>, KeyError> {
+        H::ordering(downcast::<H::Message>(msg))
+    }
+    fn gaps(&self) -> GapPolicy {
+        H::GAPS
+    }
     fn fingerprint(&self, msg: &AnyMessage) -> Result<Fingerprint, FingerprintError> {
-        Fingerprint::of(downcast::<H::Message>(msg))
+        Fingerprint::of(<H::Message as Message>::NAME, downcast::<H::Message>(msg))
     }
     fn invoke<'c>(
         &'c self,
@@ -186,6 +195,7 @@ pub struct Dispatcher<DB: InboxDatabase> {
     pool: Pool<DB>,
     routes: HashMap<&'static str, Vec<&'static dyn DynHandler>>,
     policy: RetryPolicy,
+    park: ParkPolicy,
 }
 
 impl<DB: InboxDatabase> fmt::Debug for Dispatcher<DB> {
@@ -244,7 +254,14 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             pool,
             routes,
             policy: RetryPolicy::default(),
+            park: ParkPolicy::default(),
         })
+    }
+
+    /// Replaces the default [`ParkPolicy`] used by [`Dispatcher::sweep_parked`].
+    pub fn with_park_policy(mut self, park: ParkPolicy) -> Self {
+        self.park = park;
+        self
     }
 
     /// Replaces the default [`RetryPolicy`] (handlers' own `max_attempts` still win).
@@ -327,17 +344,17 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
                     decoded.len() - 1
                 }
             };
-            let key = handler
-                .key(&*decoded[index].1)
-                .map_err(|source| DispatchError::Key {
-                    consumer: handler.consumer(),
-                    source,
-                })?;
-            prepared.push((*handler, index, key));
+            let key_error = |source| DispatchError::Key {
+                consumer: handler.consumer(),
+                source,
+            };
+            let key = handler.key(&*decoded[index].1).map_err(key_error)?;
+            let ordering = handler.ordering(&*decoded[index].1).map_err(key_error)?;
+            prepared.push((*handler, index, key, ordering));
         }
 
         let mut outcomes = Vec::with_capacity(prepared.len());
-        for (handler, index, key) in &prepared {
+        for (handler, index, key, ordering) in &prepared {
             let (_, msg, fingerprint) = &decoded[*index];
             let delivery = Delivery {
                 key,
@@ -345,12 +362,17 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
                 source: envelope.source.as_ref(),
                 payload: Some(&envelope.payload),
                 policy: &self.policy,
-                replay: false,
+                mode: ClaimMode::Deliver,
+                ordering: ordering.as_ref(),
             };
+            let result = self.invoke(*handler, &**msg, &delivery).await;
+            if let (Ok(Outcome::Processed(())), Some(ordering)) = (&result, ordering) {
+                self.apply_parked_successors(*handler, ordering).await;
+            }
             outcomes.push(ConsumerOutcome {
                 consumer: handler.consumer(),
                 function: handler.function(),
-                result: self.invoke(*handler, &**msg, &delivery).await,
+                result,
             });
         }
         Ok(outcomes)
@@ -474,44 +496,244 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
                 result: Ok(outcome),
             });
         }
-        let payload = stored
-            .payload
-            .as_deref()
-            .ok_or_else(|| ReplayError::NoPayload {
-                consumer: consumer.to_owned(),
-                key: key.to_owned(),
-                status: stored.status.clone(),
-            })?;
-        let msg = handler
-            .decode(payload)
-            .map_err(|source| ReplayError::Decode {
-                message_name: stored.message_name.clone(),
-                source,
-            })?;
-        let message_key = handler.key(&*msg).map_err(ReplayError::Key)?;
-        if message_key.as_str() != key {
-            return Err(ReplayError::KeyMismatch {
-                stored: key.to_owned(),
-                decoded: message_key.into_string(),
-            });
+        let mut conn = self.pool.acquire().await?;
+        let result = run_stored(
+            handler,
+            DB::any_connection(&mut conn),
+            &stored,
+            ClaimMode::Replay,
+            &self.policy,
+        )
+        .await?;
+        drop(conn);
+        if let (Ok(Outcome::Processed(())), Some(ordering)) = (&result, &stored.ordering()) {
+            self.apply_parked_successors(handler, ordering).await;
         }
-        let fingerprint = handler
-            .fingerprint(&*msg)
-            .map_err(ReplayError::Fingerprint)?;
-        let delivery = Delivery {
-            key: &message_key,
-            fingerprint: &fingerprint,
-            source: None,
-            payload: Some(payload),
-            policy: &self.policy,
-            replay: true,
-        };
         Ok(ConsumerOutcome {
             consumer: handler.consumer(),
             function: handler.function(),
-            result: self.invoke(handler, &*msg, &delivery).await,
+            result,
         })
     }
+
+    /// Applies the parked successors of `ordering` that its processing made applicable.
+    async fn apply_parked_successors(&self, handler: &'static dyn DynHandler, ordering: &Ordering) {
+        if handler.gaps() != GapPolicy::Park {
+            return;
+        }
+        match self.pool.acquire().await {
+            Ok(mut conn) => {
+                apply_parked_successors(
+                    DB::any_connection(&mut conn),
+                    handler.consumer(),
+                    ordering,
+                    &self.policy,
+                )
+                .await;
+            }
+            Err(error) => tracing::warn!(%error, "cannot apply parked successors now"),
+        }
+    }
+
+    /// Surfaces parked messages whose gap has stayed open longer than the [`ParkPolicy`]'s
+    /// timeout: dead-letters them, or releases them (applies them despite the gap, then their
+    /// parked successors), as the policy says. At most 1000 per call; call it periodically
+    /// (the worker does) or from the admin CLI.
+    ///
+    /// # Errors
+    /// The database's error; messages handled before it stay handled.
+    pub async fn sweep_parked(&self) -> Result<SweepReport, sqlx::Error> {
+        let mut report = SweepReport::default();
+        let expired = {
+            let mut conn = self.pool.acquire().await?;
+            DB::any_connection(&mut conn)
+                .store()
+                .expired_parked(self.park.timeout.as_secs_f64(), 1000)
+                .await?
+        };
+        for parked in expired {
+            let mut conn = self.pool.acquire().await?;
+            match self.park.on_timeout {
+                ParkTimeout::DeadLetter => {
+                    let reason = format!(
+                        "parked for more than {} s waiting for sequence {} of aggregate `{}`",
+                        self.park.timeout.as_secs(),
+                        parked.sequence - 1,
+                        parked.aggregate_id
+                    );
+                    if DB::any_connection(&mut conn)
+                        .store()
+                        .dead_letter_parked(&parked.consumer, &parked.message_key, &reason)
+                        .await?
+                    {
+                        report.dead_lettered += 1;
+                    }
+                }
+                ParkTimeout::Release => {
+                    let Some(handler) = self
+                        .routes
+                        .get(parked.message_name.as_str())
+                        .and_then(|hs| hs.iter().find(|h| h.consumer() == parked.consumer))
+                        .copied()
+                    else {
+                        continue;
+                    };
+                    let Some(stored) = DB::any_connection(&mut conn)
+                        .store()
+                        .fetch_message(&parked.consumer, &parked.message_key)
+                        .await?
+                    else {
+                        continue;
+                    };
+                    let result = run_stored(
+                        handler,
+                        DB::any_connection(&mut conn),
+                        &stored,
+                        ClaimMode::Release,
+                        &self.policy,
+                    )
+                    .await;
+                    drop(conn);
+                    if let Ok(Ok(Outcome::Processed(()))) = result {
+                        report.released += 1;
+                        let ordering = Ordering {
+                            aggregate_id: parked.aggregate_id.clone(),
+                            sequence: parked.sequence,
+                        };
+                        self.apply_parked_successors(handler, &ordering).await;
+                    }
+                }
+            }
+        }
+        Ok(report)
+    }
+}
+
+/// What one [`Dispatcher::sweep_parked`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct SweepReport {
+    /// Parked messages turned dead.
+    pub dead_lettered: u64,
+    /// Parked messages applied despite their gap.
+    pub released: u64,
+}
+
+/// Runs a stored (failed, dead or parked) message through its handler in `mode`.
+async fn run_stored(
+    handler: &'static dyn DynHandler,
+    conn: AnyConnection<'_>,
+    stored: &StoredMessage,
+    mode: ClaimMode,
+    policy: &RetryPolicy,
+) -> Result<Result<Outcome<()>, Error<BoxError>>, ReplayError> {
+    let payload = stored
+        .payload
+        .as_deref()
+        .ok_or_else(|| ReplayError::NoPayload {
+            consumer: stored.consumer.clone(),
+            key: stored.message_key.clone(),
+            status: stored.status.clone(),
+        })?;
+    let msg = handler
+        .decode(payload)
+        .map_err(|source| ReplayError::Decode {
+            message_name: stored.message_name.clone(),
+            source,
+        })?;
+    let message_key = handler.key(&*msg).map_err(ReplayError::Key)?;
+    if message_key.as_str() != stored.message_key {
+        return Err(ReplayError::KeyMismatch {
+            stored: stored.message_key.clone(),
+            decoded: message_key.into_string(),
+        });
+    }
+    let ordering = handler.ordering(&*msg).map_err(ReplayError::Key)?;
+    let fingerprint = handler
+        .fingerprint(&*msg)
+        .map_err(ReplayError::Fingerprint)?;
+    let delivery = Delivery {
+        key: &message_key,
+        fingerprint: &fingerprint,
+        source: None,
+        payload: Some(payload),
+        policy,
+        mode,
+        ordering: ordering.as_ref(),
+    };
+    Ok(handler.invoke(conn, &*msg, &delivery).await)
+}
+
+/// After `ordering` was applied: applies, in order, each parked successor of its aggregate
+/// (sequence + 1, + 2, …), each in its own transaction, until one is missing or does not apply.
+/// Problems are logged, not returned: the message that triggered this was processed.
+pub(crate) async fn apply_parked_successors(
+    mut conn: AnyConnection<'_>,
+    consumer: &str,
+    ordering: &Ordering,
+    policy: &RetryPolicy,
+) {
+    let mut sequence = ordering.sequence;
+    loop {
+        let next = async {
+            let store = conn.reborrow().store();
+            let Some(parked) = store
+                .find_parked(consumer, &ordering.aggregate_id, sequence + 1)
+                .await?
+            else {
+                return Ok(None);
+            };
+            let stored = store.fetch_message(consumer, &parked.message_key).await?;
+            Ok::<_, sqlx::Error>(stored.map(|stored| (parked, stored)))
+        }
+        .await;
+        let (parked, stored) = match next {
+            Ok(Some(found)) => found,
+            Ok(None) => return,
+            Err(error) => {
+                tracing::warn!(%error, consumer, "cannot look up parked successors");
+                return;
+            }
+        };
+        let Some(handler) = find_handler(conn.backend(), consumer, &parked.message_name) else {
+            tracing::warn!(
+                consumer,
+                message = parked.message_name,
+                "parked message has no registered handler"
+            );
+            return;
+        };
+        match run_stored(handler, conn.reborrow(), &stored, ClaimMode::Resume, policy).await {
+            Ok(Ok(Outcome::Processed(()))) => sequence += 1,
+            Ok(other) => {
+                tracing::info!(
+                    consumer,
+                    key = parked.message_key,
+                    outcome = ?other.map(|o| o.kind()).map_err(|e| e.kind()),
+                    "parked successor not applied"
+                );
+                return;
+            }
+            Err(error) => {
+                tracing::warn!(%error, consumer, key = parked.message_key, "parked successor cannot run");
+                return;
+            }
+        }
+    }
+}
+
+/// The registered handler of `consumer` for `message_name` on `backend`.
+fn find_handler(
+    backend: Backend,
+    consumer: &str,
+    message_name: &str,
+) -> Option<&'static dyn DynHandler> {
+    inventory::iter::<Registration>
+        .into_iter()
+        .map(|registration| registration.handler)
+        .find(|h| {
+            h.backend() == backend && h.consumer() == consumer && h.message_name() == message_name
+        })
 }
 
 fn lost_connection<T>(result: &Result<T, Error<BoxError>>) -> bool {

@@ -20,3 +20,7 @@ CREATE INDEX IF NOT EXISTS inbox_rejections_consumer ON inbox_rejections (consum
 
 CREATE INDEX IF NOT EXISTS inbox_messages_retry
     ON inbox_messages (consumer, next_attempt_at) WHERE status = 'failed';
+
+-- Ordering: the parked (and failed) successors of an aggregate, by sequence.
+CREATE INDEX IF NOT EXISTS inbox_messages_aggregate
+    ON inbox_messages (consumer, aggregate_id, sequence) WHERE aggregate_id IS NOT NULL;

@@ -6,7 +6,7 @@ CREATE TABLE IF NOT EXISTS inbox_messages (
     message_name     TEXT    NOT NULL,
     payload_hash     TEXT    NOT NULL,
     status           TEXT    NOT NULL DEFAULT 'processed'
-                     CHECK (status IN ('processed', 'failed', 'dead', 'parked', 'discarded')),
+                     CHECK (status IN ('processed', 'failed', 'dead', 'parked', 'stale', 'discarded')),
     attempts         INTEGER NOT NULL DEFAULT 1,
     last_error       TEXT,
     received_at      TEXT    NOT NULL DEFAULT (strftime('%Y-%m-%dT%H:%M:%fZ', 'now')),

@@ -19,9 +19,8 @@ mod shared;
 mod postgres;
 mod sqlite;
 
-pub use shared::{
-    ClaimRequest, ClaimResult, FailureRecord, Rejection, RejectionReason, StatsRow, StoredMessage,
-};
+pub(crate) use shared::{ClaimMode, FailureRecord, ParkedMessage, Rejection};
+pub use shared::{ClaimRequest, ClaimResult, RejectionReason, StatsRow, StoredMessage};
 
 /// Name of the table where the inbox's own schema migrations are recorded.
 ///
@@ -66,6 +65,22 @@ pub enum AnyConnection<'c> {
 }
 
 impl<'c> AnyConnection<'c> {
+    /// A shorter-lived copy of this borrow.
+    pub(crate) fn reborrow(&mut self) -> AnyConnection<'_> {
+        match self {
+            AnyConnection::Postgres(conn) => AnyConnection::Postgres(conn),
+            AnyConnection::Sqlite(conn) => AnyConnection::Sqlite(conn),
+        }
+    }
+
+    /// The backend of this connection.
+    pub(crate) fn backend(&self) -> Backend {
+        match self {
+            AnyConnection::Postgres(_) => Backend::Postgres,
+            AnyConnection::Sqlite(_) => Backend::Sqlite,
+        }
+    }
+
     /// The connection's store operations, whatever its backend.
     pub(crate) fn store(self) -> &'c mut dyn Store {
         match self {
@@ -99,6 +114,23 @@ pub(crate) trait Store: Send {
         key: &'c str,
     ) -> BoxFuture<'c, Result<bool, sqlx::Error>>;
     fn stats(&mut self) -> BoxFuture<'_, Result<Vec<StatsRow>, sqlx::Error>>;
+    fn find_parked<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        aggregate_id: &'c str,
+        sequence: i64,
+    ) -> BoxFuture<'c, Result<Option<ParkedMessage>, sqlx::Error>>;
+    fn expired_parked<'c>(
+        &'c mut self,
+        older_than_secs: f64,
+        limit: i64,
+    ) -> BoxFuture<'c, Result<Vec<ParkedMessage>, sqlx::Error>>;
+    fn dead_letter_parked<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        key: &'c str,
+        reason: &'c str,
+    ) -> BoxFuture<'c, Result<bool, sqlx::Error>>;
     fn purge_batch<'c>(
         &'c mut self,
         statuses: &'c [&'c str],
@@ -138,6 +170,29 @@ impl<C: InboxConnection> Store for C {
     }
     fn stats(&mut self) -> BoxFuture<'_, Result<Vec<StatsRow>, sqlx::Error>> {
         InboxConnection::stats(self)
+    }
+    fn find_parked<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        aggregate_id: &'c str,
+        sequence: i64,
+    ) -> BoxFuture<'c, Result<Option<ParkedMessage>, sqlx::Error>> {
+        InboxConnection::find_parked(self, consumer, aggregate_id, sequence)
+    }
+    fn expired_parked<'c>(
+        &'c mut self,
+        older_than_secs: f64,
+        limit: i64,
+    ) -> BoxFuture<'c, Result<Vec<ParkedMessage>, sqlx::Error>> {
+        InboxConnection::expired_parked(self, older_than_secs, limit)
+    }
+    fn dead_letter_parked<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        key: &'c str,
+        reason: &'c str,
+    ) -> BoxFuture<'c, Result<bool, sqlx::Error>> {
+        InboxConnection::dead_letter_parked(self, consumer, key, reason)
     }
     fn purge_batch<'c>(
         &'c mut self,
@@ -233,6 +288,65 @@ pub trait InboxConnection: sqlx::Connection + sealed::Sealed + Send + 'static {
         older_than_secs: f64,
         batch: i64,
     ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
+
+    /// Locks the aggregate's state row (created at 0) and returns its last applied sequence.
+    #[doc(hidden)]
+    fn lock_aggregate<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        aggregate_id: &'c str,
+    ) -> BoxFuture<'c, Result<i64, sqlx::Error>>;
+
+    /// Sets the aggregate's last applied sequence.
+    #[doc(hidden)]
+    fn advance_aggregate<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        aggregate_id: &'c str,
+        sequence: i64,
+    ) -> BoxFuture<'c, Result<(), sqlx::Error>>;
+
+    /// Sets a claimed row's status (`stale`, `parked`), ordering and payload.
+    #[doc(hidden)]
+    fn mark_message<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        key: &'c str,
+        status: &'static str,
+        ordering: &'c crate::Ordering,
+        payload: Option<&'c [u8]>,
+    ) -> BoxFuture<'c, Result<(), sqlx::Error>>;
+
+    /// The parked (or failed) message of `aggregate_id` with `sequence`, if any.
+    #[doc(hidden)]
+    fn find_parked<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        aggregate_id: &'c str,
+        sequence: i64,
+    ) -> BoxFuture<'c, Result<Option<ParkedMessage>, sqlx::Error>>;
+
+    /// Parked messages first delivered more than `older_than_secs` ago, oldest aggregates and
+    /// sequences first, at most `limit`.
+    #[doc(hidden)]
+    fn expired_parked<'c>(
+        &'c mut self,
+        older_than_secs: f64,
+        limit: i64,
+    ) -> BoxFuture<'c, Result<Vec<ParkedMessage>, sqlx::Error>>;
+
+    /// Turns a parked message dead, with `reason` as its last error.
+    #[doc(hidden)]
+    fn dead_letter_parked<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        key: &'c str,
+        reason: &'c str,
+    ) -> BoxFuture<'c, Result<bool, sqlx::Error>>;
+
+    /// Type-erases this connection.
+    #[doc(hidden)]
+    fn as_any(&mut self) -> AnyConnection<'_>;
 
     /// Narrows a type-erased connection to this backend's, if it is one.
     #[doc(hidden)]

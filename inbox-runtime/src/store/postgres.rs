@@ -21,7 +21,8 @@ mod sql {
            status = 'processed', attempts = inbox_messages.attempts + 1, processed_at = now(), \
            next_attempt_at = NULL, payload = NULL \
          WHERE inbox_messages.payload_hash = excluded.payload_hash \
-           AND (inbox_messages.status = 'failed' OR (inbox_messages.status = 'dead' AND $8)) \
+           AND (inbox_messages.status = 'failed' OR (inbox_messages.status = 'dead' AND $8 = 'replay') \
+           OR (inbox_messages.status = 'parked' AND $8 IN ('resume', 'release'))) \
          RETURNING attempts) \
        SELECT 'claimed' AS status, NULL::text AS payload_hash, attempts FROM claim \
        UNION ALL \
@@ -33,17 +34,23 @@ mod sql {
     /// `max_attempts` ($6).
     pub(super) const RECORD_FAILURE: &str = "INSERT INTO inbox_messages \
          (consumer, message_key, message_name, payload_hash, status, attempts, last_error, \
-          next_attempt_at, payload, received_at, source, source_partition, source_offset) \
+          next_attempt_at, payload, received_at, source, source_partition, source_offset, \
+          aggregate_id, sequence) \
        VALUES ($1, $2, $3, $4, CASE WHEN $5 OR $6 <= 1 THEN 'dead' ELSE 'failed' END, 1, $7, \
-          now() + $8 * interval '1 millisecond', $9, now(), $10, $11, $12) \
+          now() + $8 * interval '1 millisecond', $9, now(), $10, $11, $12, $13, $14) \
        ON CONFLICT (consumer, message_key) DO UPDATE SET \
          attempts = inbox_messages.attempts + 1, \
          status = CASE WHEN $5 OR inbox_messages.attempts + 1 >= $6 THEN 'dead' ELSE 'failed' END, \
          last_error = excluded.last_error, next_attempt_at = excluded.next_attempt_at, \
          payload = excluded.payload \
        WHERE inbox_messages.payload_hash = excluded.payload_hash \
-         AND inbox_messages.status IN ('failed', 'dead') \
+         AND inbox_messages.status IN ('failed', 'dead', 'parked') \
        RETURNING status, attempts";
+
+    pub(super) const EXPIRED_PARKED: &str = "SELECT consumer, message_key, message_name, \
+         aggregate_id, sequence FROM inbox_messages \
+       WHERE status = 'parked' AND received_at < now() - $1 * interval '1 second' \
+       ORDER BY consumer, aggregate_id, sequence LIMIT $2";
 
     pub(super) const DISCARD: &str = "UPDATE inbox_messages \
        SET status = 'discarded', payload = NULL, next_attempt_at = NULL, processed_at = now() \

@@ -11,8 +11,31 @@ pub struct ClaimRequest<'a> {
     pub message_name: &'a str,
     pub payload_hash: &'a str,
     pub source: Option<&'a SourceMetadata>,
-    /// Also take a `dead` key (an operator's replay).
-    pub replay: bool,
+    /// Which existing rows the claim may take over.
+    pub mode: ClaimMode,
+}
+
+/// Which existing rows (with the request's fingerprint) a claim may take over, besides a free
+/// key: a delivery retries a `failed` one; a replay also a `dead` one; resuming or releasing a
+/// parked message takes its `parked` (or, after a failed try, `failed`) row.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimMode {
+    Deliver,
+    Replay,
+    Resume,
+    Release,
+}
+
+impl ClaimMode {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            ClaimMode::Deliver => "deliver",
+            ClaimMode::Replay => "replay",
+            ClaimMode::Resume => "resume",
+            ClaimMode::Release => "release",
+        }
+    }
 }
 
 /// What the claim statement found.
@@ -42,6 +65,19 @@ pub struct FailureRecord<'a> {
     pub retry_delay_ms: i64,
     pub payload: &'a [u8],
     pub source: Option<&'a SourceMetadata>,
+    pub aggregate_id: Option<&'a str>,
+    pub sequence: Option<i64>,
+}
+
+/// A parked (or failed) message of an aggregate, found by sequence.
+#[doc(hidden)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParkedMessage {
+    pub consumer: String,
+    pub message_key: String,
+    pub message_name: String,
+    pub aggregate_id: String,
+    pub sequence: i64,
 }
 
 /// Why a delivery was rejected.
@@ -112,6 +148,20 @@ pub struct StoredMessage {
     pub next_attempt_at: Option<String>,
     /// Source of the first recorded delivery.
     pub source: Option<String>,
+    /// The aggregate, for ordered messages that were parked, stale or failed.
+    pub aggregate_id: Option<String>,
+    /// The sequence within the aggregate, likewise.
+    pub sequence: Option<i64>,
+}
+
+impl StoredMessage {
+    /// The row's ordering, if it has one (parked, stale and failed ordered messages).
+    pub(crate) fn ordering(&self) -> Option<crate::Ordering> {
+        Some(crate::Ordering {
+            aggregate_id: self.aggregate_id.clone()?,
+            sequence: self.sequence?,
+        })
+    }
 }
 
 /// One line of [`crate::admin::stats`]: a count per consumer and status (or rejection reason).
@@ -140,7 +190,7 @@ macro_rules! message_columns {
     () => {
         "consumer, message_key, message_name, status, attempts, last_error, payload_hash, \
          payload, CAST(received_at AS TEXT), CAST(processed_at AS TEXT), \
-         CAST(next_attempt_at AS TEXT), source"
+         CAST(next_attempt_at AS TEXT), source, aggregate_id, sequence"
     };
 }
 
@@ -164,6 +214,41 @@ pub(super) const STATS: &str = "SELECT consumer, status, COUNT(*), CAST(MIN(rece
      SELECT consumer, 'rejected:' || reason, COUNT(*), CAST(MIN(received_at) AS TEXT) \
      FROM inbox_rejections GROUP BY consumer, reason \
      ORDER BY 1, 2";
+
+/// Locks the aggregate's state row (creating it at sequence 0) and reads its last applied
+/// sequence; a concurrent transaction on the same aggregate waits here until this one ends.
+pub(super) const LOCK_AGGREGATE: &str = "INSERT INTO inbox_aggregate_state \
+     (consumer, aggregate_id, last_sequence) VALUES ($1, $2, 0) \
+     ON CONFLICT (consumer, aggregate_id) DO UPDATE \
+     SET last_sequence = inbox_aggregate_state.last_sequence \
+     RETURNING last_sequence";
+
+pub(super) const ADVANCE_AGGREGATE: &str = "UPDATE inbox_aggregate_state SET last_sequence = $3 \
+     WHERE consumer = $1 AND aggregate_id = $2";
+
+pub(super) const MARK_MESSAGE: &str = "UPDATE inbox_messages \
+     SET status = $3, aggregate_id = $4, sequence = $5, payload = $6 \
+     WHERE consumer = $1 AND message_key = $2";
+
+pub(super) const FIND_PARKED: &str = "SELECT consumer, message_key, message_name, aggregate_id, \
+     sequence FROM inbox_messages \
+     WHERE consumer = $1 AND aggregate_id = $2 AND sequence = $3 \
+     AND status IN ('parked', 'failed') LIMIT 1";
+
+pub(super) const DEAD_LETTER_PARKED: &str = "UPDATE inbox_messages \
+     SET status = 'dead', last_error = $3 \
+     WHERE consumer = $1 AND message_key = $2 AND status = 'parked'";
+
+pub(super) fn parked(row: (String, String, String, String, i64)) -> ParkedMessage {
+    let (consumer, message_key, message_name, aggregate_id, sequence) = row;
+    ParkedMessage {
+        consumer,
+        message_key,
+        message_name,
+        aggregate_id,
+        sequence,
+    }
+}
 
 /// Implements `InboxConnection` for one backend's connection type. `$sql` is the backend's
 /// module with `CLAIM`, `RECORD_FAILURE`, `DISCARD` and `PURGE`.
@@ -221,7 +306,7 @@ macro_rules! impl_inbox_connection {
                             .bind(source)
                             .bind(partition)
                             .bind(offset)
-                            .bind(request.replay)
+                            .bind(request.mode.as_str())
                             .fetch_optional(&mut *self)
                             .await?;
                         let mut found = decode(row)?;
@@ -278,6 +363,8 @@ macro_rules! impl_inbox_connection {
                         .bind(source)
                         .bind(partition)
                         .bind(offset)
+                        .bind(r.aggregate_id)
+                        .bind(r.sequence)
                         .fetch_optional(&mut *self)
                         .await?;
                     Ok(
@@ -412,6 +499,119 @@ macro_rules! impl_inbox_connection {
                 })
             }
 
+            fn lock_aggregate<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                aggregate_id: &'c str,
+            ) -> $crate::BoxFuture<'c, Result<i64, sqlx::Error>> {
+                Box::pin(async move {
+                    sqlx::query_scalar($crate::store::shared::LOCK_AGGREGATE)
+                        .bind(consumer)
+                        .bind(aggregate_id)
+                        .fetch_one(&mut *self)
+                        .await
+                })
+            }
+
+            fn advance_aggregate<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                aggregate_id: &'c str,
+                sequence: i64,
+            ) -> $crate::BoxFuture<'c, Result<(), sqlx::Error>> {
+                Box::pin(async move {
+                    sqlx::query($crate::store::shared::ADVANCE_AGGREGATE)
+                        .bind(consumer)
+                        .bind(aggregate_id)
+                        .bind(sequence)
+                        .execute(&mut *self)
+                        .await?;
+                    Ok(())
+                })
+            }
+
+            fn mark_message<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                key: &'c str,
+                status: &'static str,
+                ordering: &'c $crate::Ordering,
+                payload: Option<&'c [u8]>,
+            ) -> $crate::BoxFuture<'c, Result<(), sqlx::Error>> {
+                Box::pin(async move {
+                    sqlx::query($crate::store::shared::MARK_MESSAGE)
+                        .bind(consumer)
+                        .bind(key)
+                        .bind(status)
+                        .bind(ordering.aggregate_id.as_str())
+                        .bind(ordering.sequence)
+                        .bind(payload)
+                        .execute(&mut *self)
+                        .await?;
+                    Ok(())
+                })
+            }
+
+            fn find_parked<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                aggregate_id: &'c str,
+                sequence: i64,
+            ) -> $crate::BoxFuture<'c, Result<Option<$crate::store::ParkedMessage>, sqlx::Error>>
+            {
+                Box::pin(async move {
+                    let row: Option<(String, String, String, String, i64)> =
+                        sqlx::query_as($crate::store::shared::FIND_PARKED)
+                            .bind(consumer)
+                            .bind(aggregate_id)
+                            .bind(sequence)
+                            .fetch_optional(&mut *self)
+                            .await?;
+                    Ok(row.map($crate::store::shared::parked))
+                })
+            }
+
+            fn expired_parked<'c>(
+                &'c mut self,
+                older_than_secs: f64,
+                limit: i64,
+            ) -> $crate::BoxFuture<'c, Result<Vec<$crate::store::ParkedMessage>, sqlx::Error>> {
+                use $sql as sql;
+                Box::pin(async move {
+                    let rows: Vec<(String, String, String, String, i64)> =
+                        sqlx::query_as(sql::EXPIRED_PARKED)
+                            .bind(older_than_secs)
+                            .bind(limit)
+                            .fetch_all(&mut *self)
+                            .await?;
+                    Ok(rows
+                        .into_iter()
+                        .map($crate::store::shared::parked)
+                        .collect())
+                })
+            }
+
+            fn dead_letter_parked<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                key: &'c str,
+                reason: &'c str,
+            ) -> $crate::BoxFuture<'c, Result<bool, sqlx::Error>> {
+                Box::pin(async move {
+                    let done = sqlx::query($crate::store::shared::DEAD_LETTER_PARKED)
+                        .bind(consumer)
+                        .bind(key)
+                        .bind(reason)
+                        .execute(&mut *self)
+                        .await?;
+                    Ok(done.rows_affected() > 0)
+                })
+            }
+
+            fn as_any(&mut self) -> $crate::store::AnyConnection<'_> {
+                $crate::store::AnyConnection::$variant(self)
+            }
+
             fn from_any(conn: $crate::store::AnyConnection<'_>) -> Option<&mut Self> {
                 match conn {
                     $crate::store::AnyConnection::$variant(conn) => Some(conn),
@@ -434,7 +634,12 @@ pub(super) fn claimable(existing: &ClaimResult, request: &ClaimRequest<'_>) -> b
             ..
         } => {
             payload_hash == request.payload_hash
-                && (status == "failed" || (status == "dead" && request.replay))
+                && match status.as_str() {
+                    "failed" => true,
+                    "dead" => request.mode == ClaimMode::Replay,
+                    "parked" => matches!(request.mode, ClaimMode::Resume | ClaimMode::Release),
+                    _ => false,
+                }
         }
     }
 }
@@ -448,6 +653,7 @@ where
     for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> Option<Vec<u8>>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<i64>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
 {
     let attempts: i32 = row.try_get(4)?;
     Ok(StoredMessage {
@@ -463,5 +669,7 @@ where
         processed_at: row.try_get(9)?,
         next_attempt_at: row.try_get(10)?,
         source: row.try_get(11)?,
+        aggregate_id: row.try_get(12)?,
+        sequence: row.try_get(13)?,
     })
 }

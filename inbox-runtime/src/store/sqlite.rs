@@ -20,23 +20,30 @@ mod sql {
          processed_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), next_attempt_at = NULL, \
          payload = NULL \
        WHERE inbox_messages.payload_hash = excluded.payload_hash \
-         AND (inbox_messages.status = 'failed' OR (inbox_messages.status = 'dead' AND $8)) \
+         AND (inbox_messages.status = 'failed' OR (inbox_messages.status = 'dead' AND $8 = 'replay') \
+           OR (inbox_messages.status = 'parked' AND $8 IN ('resume', 'release'))) \
        RETURNING 'claimed', NULL, attempts";
 
     pub(super) const RECORD_FAILURE: &str = "INSERT INTO inbox_messages \
          (consumer, message_key, message_name, payload_hash, status, attempts, last_error, \
-          next_attempt_at, payload, received_at, source, source_partition, source_offset) \
+          next_attempt_at, payload, received_at, source, source_partition, source_offset, \
+          aggregate_id, sequence) \
        VALUES ($1, $2, $3, $4, CASE WHEN $5 OR $6 <= 1 THEN 'dead' ELSE 'failed' END, 1, $7, \
           strftime('%Y-%m-%dT%H:%M:%fZ', 'now', printf('%+.3f seconds', $8 / 1000.0)), $9, \
-          strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), $10, $11, $12) \
+          strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), $10, $11, $12, $13, $14) \
        ON CONFLICT (consumer, message_key) DO UPDATE SET \
          attempts = inbox_messages.attempts + 1, \
          status = CASE WHEN $5 OR inbox_messages.attempts + 1 >= $6 THEN 'dead' ELSE 'failed' END, \
          last_error = excluded.last_error, next_attempt_at = excluded.next_attempt_at, \
          payload = excluded.payload \
        WHERE inbox_messages.payload_hash = excluded.payload_hash \
-         AND inbox_messages.status IN ('failed', 'dead') \
+         AND inbox_messages.status IN ('failed', 'dead', 'parked') \
        RETURNING status, attempts";
+
+    pub(super) const EXPIRED_PARKED: &str = "SELECT consumer, message_key, message_name, \
+         aggregate_id, sequence FROM inbox_messages \
+       WHERE status = 'parked' AND received_at < strftime('%Y-%m-%dT%H:%M:%fZ', 'now', printf('-%.3f seconds', $1)) \
+       ORDER BY consumer, aggregate_id, sequence LIMIT $2";
 
     pub(super) const DISCARD: &str = "UPDATE inbox_messages \
        SET status = 'discarded', payload = NULL, next_attempt_at = NULL, \
