@@ -22,14 +22,18 @@ const PARAMS: &str = "the connection and then the message, as in \
                       `(conn: &mut sqlx::PgConnection, msg: OrderPlaced)`";
 
 /// Arguments accepted by `#[idempotent]`, for the "unknown argument" error.
-const ARGUMENTS: &str = "`consumer`, `key`, `max_attempts`";
+const ARGUMENTS: &str = "`consumer`, `key`, `aggregate`, `sequence`, `gaps`, `max_attempts`";
 
 /// A fully checked `#[idempotent]` handler, ready for [`crate::expand::handler`].
 pub(crate) struct Handler {
     /// `consumer = "..."`.
     pub(crate) consumer: LitStr,
     /// `key = "field"`, if the message's own key is overridden.
-    pub(crate) key: Option<KeyField>,
+    pub(crate) key: Option<FieldArg>,
+    /// `aggregate = "field", sequence = "field"`, if the message's own ordering is overridden.
+    pub(crate) ordering: Option<OrderingArgs>,
+    /// `gaps = "..."`, if given.
+    pub(crate) gaps: Option<GapPolicy>,
     /// `max_attempts = N`, if the dispatcher's default is overridden.
     pub(crate) max_attempts: Option<syn::LitInt>,
     /// The user's function, untouched.
@@ -46,12 +50,29 @@ pub(crate) struct Handler {
     pub(crate) msg_arg: Ident,
 }
 
-/// The field named by `key = "..."`.
-pub(crate) struct KeyField {
+/// The field named by `key = "..."`, `aggregate = "..."` or `sequence = "..."`.
+pub(crate) struct FieldArg {
     /// The field, spanned at the string literal (so "no field" errors point there).
     pub(crate) member: Ident,
     /// The field's name without `r#`, for run-time errors.
     pub(crate) name: String,
+}
+
+/// `aggregate = "...", sequence = "..."`.
+pub(crate) struct OrderingArgs {
+    /// The field holding the aggregate id.
+    pub(crate) aggregate: FieldArg,
+    /// The field holding the sequence number.
+    pub(crate) sequence: FieldArg,
+}
+
+/// `gaps = "apply"` or `gaps = "park"`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum GapPolicy {
+    /// Apply any newer sequence, skipping the gap (the runtime's default).
+    Apply,
+    /// Park messages that arrive before their predecessor.
+    Park,
 }
 
 /// Parses and checks `#[idempotent(args)] item`.
@@ -79,6 +100,8 @@ pub(crate) fn parse(args: TokenStream, item: TokenStream) -> syn::Result<Handler
         Some(Args {
             consumer,
             key,
+            ordering,
+            gaps,
             max_attempts,
         }),
         Some(func),
@@ -90,6 +113,8 @@ pub(crate) fn parse(args: TokenStream, item: TokenStream) -> syn::Result<Handler
     Ok(Handler {
         consumer,
         key,
+        ordering,
+        gaps,
         max_attempts,
         func,
         connection: sig.connection,
@@ -103,11 +128,14 @@ pub(crate) fn parse(args: TokenStream, item: TokenStream) -> syn::Result<Handler
 /// The checked arguments of `#[idempotent]`.
 struct Args {
     consumer: LitStr,
-    key: Option<KeyField>,
+    key: Option<FieldArg>,
+    ordering: Option<OrderingArgs>,
+    gaps: Option<GapPolicy>,
     max_attempts: Option<syn::LitInt>,
 }
 
-/// Parses `consumer = "...", key = "...", max_attempts = N`.
+/// Parses `consumer = "...", key = "...", aggregate = "...", sequence = "...", gaps = "...",
+/// max_attempts = N`.
 fn parse_args(args: TokenStream, errors: &mut Errors) -> Option<Args> {
     let parser = |input: ParseStream<'_>| args::parse_meta_list(input, "consumer = \"ledger\"");
     let metas = match parser.parse2(args) {
@@ -117,20 +145,34 @@ fn parse_args(args: TokenStream, errors: &mut Errors) -> Option<Args> {
             return None;
         }
     };
-    let (consumer, key, max_attempts) = parse_metas(&metas, errors);
+    let parsed = parse_metas(&metas, errors);
     Some(Args {
-        consumer: consumer?,
-        key,
-        max_attempts,
+        consumer: parsed.consumer?,
+        key: parsed.key,
+        ordering: parsed.ordering,
+        gaps: parsed.gaps,
+        max_attempts: parsed.max_attempts,
     })
 }
 
-type Parsed = (Option<LitStr>, Option<KeyField>, Option<syn::LitInt>);
+/// The arguments that were given and valid.
+struct Parsed {
+    consumer: Option<LitStr>,
+    key: Option<FieldArg>,
+    ordering: Option<OrderingArgs>,
+    gaps: Option<GapPolicy>,
+    max_attempts: Option<syn::LitInt>,
+}
 
 fn parse_metas(metas: &MetaList, errors: &mut Errors) -> Parsed {
     let mut consumer = Setting::new("consumer");
     let mut key = Setting::new("key");
+    let mut aggregate = Setting::new("aggregate");
+    let mut sequence = Setting::new("sequence");
+    let mut gaps = Setting::new("gaps");
     let mut max_attempts = Setting::new("max_attempts");
+    // The `aggregate` and `sequence` names, for "one without the other" errors.
+    let (mut aggregate_path, mut sequence_path) = (None, None);
     for meta in metas {
         let path = meta.path();
         if path.is_ident("consumer") {
@@ -139,8 +181,22 @@ fn parse_metas(metas: &MetaList, errors: &mut Errors) -> Parsed {
             consumer.set(errors, path, lit);
         } else if path.is_ident("key") {
             let field = args::string_value(meta, errors, "\"event_id\"")
-                .and_then(|lit| key_field(&lit, errors));
+                .and_then(|lit| field_arg("key", &lit, errors));
             key.set(errors, path, field);
+        } else if path.is_ident("aggregate") {
+            let field = args::string_value(meta, errors, "\"order_id\"")
+                .and_then(|lit| Some((field_arg("aggregate", &lit, errors)?, lit)));
+            aggregate_path.get_or_insert(path);
+            aggregate.set(errors, path, field);
+        } else if path.is_ident("sequence") {
+            let field = args::string_value(meta, errors, "\"seq\"")
+                .and_then(|lit| Some((field_arg("sequence", &lit, errors)?, lit)));
+            sequence_path.get_or_insert(path);
+            sequence.set(errors, path, field);
+        } else if path.is_ident("gaps") {
+            let policy = args::string_value(meta, errors, "\"park\"")
+                .and_then(|lit| gap_policy(&lit, errors));
+            gaps.set(errors, path, policy);
         } else if path.is_ident("max_attempts") {
             let value = args::positive_int_value(meta, errors, "5");
             max_attempts.set(errors, path, value);
@@ -162,24 +218,81 @@ fn parse_metas(metas: &MetaList, errors: &mut Errors) -> Parsed {
             ),
         );
     }
-    (consumer.get(), key.get(), max_attempts.get())
+    match (aggregate_path, sequence_path) {
+        (Some(path), None) => errors.spanned(
+            path,
+            "`aggregate` needs `sequence` too: name the field holding the message's sequence \
+             number, as in `aggregate = \"order_id\", sequence = \"seq\"`",
+        ),
+        (None, Some(path)) => errors.spanned(
+            path,
+            "`sequence` needs `aggregate` too: name the field holding the message's aggregate \
+             id, as in `aggregate = \"order_id\", sequence = \"seq\"`",
+        ),
+        _ => {}
+    }
+    let ordering = match (aggregate.get(), sequence.get()) {
+        (Some((aggregate, _)), Some((sequence, lit))) if aggregate.name == sequence.name => {
+            errors.spanned(
+                lit,
+                format_args!(
+                    "`sequence` names the same field as `aggregate`, `{}`: the aggregate field \
+                     says which entity the message is about, the sequence field where the \
+                     message stands among that entity's messages",
+                    sequence.name
+                ),
+            );
+            None
+        }
+        (Some((aggregate, _)), Some((sequence, _))) => Some(OrderingArgs {
+            aggregate,
+            sequence,
+        }),
+        _ => None,
+    };
+    Parsed {
+        consumer: consumer.get(),
+        key: key.get(),
+        ordering,
+        gaps: gaps.get(),
+        max_attempts: max_attempts.get(),
+    }
 }
 
-/// The field named by the `key` argument's string.
-fn key_field(lit: &LitStr, errors: &mut Errors) -> Option<KeyField> {
+/// The field named by the string of the argument `arg` (`key`, `aggregate`, `sequence`).
+fn field_arg(arg: &str, lit: &LitStr, errors: &mut Errors) -> Option<FieldArg> {
     let value = lit.value();
     let Some(member) = args::field_ident(&value, lit.span()) else {
         errors.spanned(
             lit,
             format_args!(
-                "`key` must be the name of a field of the message, and {value:?} is not a valid \
-                 field name"
+                "`{arg}` must be the name of a field of the message, and {value:?} is not a \
+                 valid field name"
             ),
         );
         return None;
     };
     let name = args::unraw(&member);
-    Some(KeyField { member, name })
+    Some(FieldArg { member, name })
+}
+
+/// The policy named by the `gaps` argument's string.
+fn gap_policy(lit: &LitStr, errors: &mut Errors) -> Option<GapPolicy> {
+    match lit.value().as_str() {
+        "apply" => Some(GapPolicy::Apply),
+        "park" => Some(GapPolicy::Park),
+        other => {
+            errors.spanned(
+                lit,
+                format_args!(
+                    "unknown gap policy {other:?}, expected `\"apply\"` (apply any newer \
+                     sequence, skipping the gap) or `\"park\"` (hold messages that arrive \
+                     before their predecessor until it has been applied)"
+                ),
+            );
+            None
+        }
+    }
 }
 
 /// The parts of a valid handler signature.
@@ -511,7 +624,8 @@ mod tests {
             errors,
             [
                 "`consumer` set multiple times",
-                "unknown argument `foo`, expected one of: `consumer`, `key`",
+                "unknown argument `foo`, expected one of: `consumer`, `key`, `aggregate`, \
+                 `sequence`, `gaps`, `max_attempts`",
                 "`#[idempotent]` handlers must be `async fn`",
                 "`#[idempotent]` handlers cannot be generic: the connection and message types \
                  must be concrete",
@@ -575,6 +689,182 @@ mod tests {
             text.contains("async fn __inbox_body (conn : & mut PgConnection , msg : Msg)"),
             "{text}"
         );
+    }
+
+    fn item() -> TokenStream {
+        quote!(
+            async fn h(c: &mut C, m: M) -> Result<(), E> {
+                Ok(())
+            }
+        )
+    }
+
+    #[test]
+    fn parses_ordering_arguments() {
+        let handler = parse(
+            quote!(
+                consumer = "c",
+                aggregate = "r#type",
+                sequence = "seq",
+                gaps = "park"
+            ),
+            item(),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let ordering = handler.ordering.unwrap();
+        assert_eq!(ordering.aggregate.member, "r#type");
+        assert_eq!(ordering.aggregate.name, "type");
+        assert_eq!(ordering.sequence.member, "seq");
+        assert_eq!(ordering.sequence.name, "seq");
+        assert_eq!(handler.gaps, Some(GapPolicy::Park));
+        assert!(handler.key.is_none());
+
+        let handler = parse(quote!(consumer = "c", gaps = "apply"), item()).unwrap();
+        assert!(handler.ordering.is_none());
+        assert_eq!(handler.gaps, Some(GapPolicy::Apply));
+
+        let handler = parse(quote!(consumer = "c"), item()).unwrap();
+        assert!(handler.ordering.is_none());
+        assert_eq!(handler.gaps, None);
+    }
+
+    #[test]
+    fn ordering_arguments_come_in_pairs() {
+        assert_eq!(
+            errors_of(quote!(consumer = "c", aggregate = "order_id"), item()),
+            [
+                "`aggregate` needs `sequence` too: name the field holding the message's \
+                 sequence number, as in `aggregate = \"order_id\", sequence = \"seq\"`"
+            ]
+        );
+        assert_eq!(
+            errors_of(quote!(sequence = "seq", consumer = "c"), item()),
+            [
+                "`sequence` needs `aggregate` too: name the field holding the message's \
+                 aggregate id, as in `aggregate = \"order_id\", sequence = \"seq\"`"
+            ]
+        );
+        // An invalid partner is reported once, not also as missing.
+        assert_eq!(
+            errors_of(
+                quote!(consumer = "c", aggregate = "order_id", sequence = 1),
+                item()
+            ),
+            ["`sequence` must be a string literal, as in `sequence = \"seq\"`"]
+        );
+        assert_eq!(
+            errors_of(
+                quote!(consumer = "c", aggregate = "a b", sequence = "seq"),
+                item()
+            ),
+            [
+                "`aggregate` must be the name of a field of the message, and \"a b\" is not a \
+                 valid field name"
+            ]
+        );
+        assert_eq!(
+            errors_of(quote!(consumer = "c", aggregate, sequence = "seq"), item()),
+            ["expected `aggregate = \"order_id\"`"]
+        );
+    }
+
+    #[test]
+    fn ordering_argument_mistakes() {
+        assert_eq!(
+            errors_of(
+                quote!(
+                    consumer = "c",
+                    aggregate = "id",
+                    sequence = "r#id",
+                    gaps = "wait",
+                ),
+                item()
+            ),
+            [
+                "unknown gap policy \"wait\", expected `\"apply\"` (apply any newer sequence, \
+                 skipping the gap) or `\"park\"` (hold messages that arrive before their \
+                 predecessor until it has been applied)",
+                "`sequence` names the same field as `aggregate`, `id`: the aggregate field says \
+                 which entity the message is about, the sequence field where the message stands \
+                 among that entity's messages",
+            ]
+        );
+        assert_eq!(
+            errors_of(
+                quote!(consumer = "c", aggregate = "id", sequence = "{seq}"),
+                item()
+            ),
+            [
+                "`sequence` must be the name of a field of the message, and \"{seq}\" is not a \
+                 valid field name"
+            ]
+        );
+        // Repeats are reported, in argument order.
+        let errors = errors_of(
+            quote!(
+                consumer = "c",
+                aggregate = "a",
+                sequence = "s",
+                aggregate = "a",
+                gaps = "park",
+                gaps = "park",
+                sequence = "s",
+            ),
+            item(),
+        );
+        assert_eq!(
+            errors,
+            [
+                "`aggregate` set multiple times",
+                "`gaps` set multiple times",
+                "`sequence` set multiple times",
+            ]
+        );
+        assert_eq!(
+            errors_of(quote!(consumer = "c", gaps = park), item()),
+            ["`gaps` must be a string literal, as in `gaps = \"park\"`"]
+        );
+        assert_eq!(
+            errors_of(quote!(consumer = "c", gaps = "Park"), item()).len(),
+            1
+        );
+    }
+
+    #[test]
+    fn generates_ordering_and_gaps() {
+        let text = idempotent(
+            quote!(
+                consumer = "c",
+                aggregate = "order_id",
+                sequence = "type",
+                gaps = "park"
+            ),
+            item(),
+        )
+        .to_string();
+        assert!(
+            text.contains(
+                "const GAPS : :: inbox_runtime :: GapPolicy = :: inbox_runtime :: GapPolicy :: \
+                 Park ;"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("fn ordering (msg : & M ,)"), "{text}");
+        assert!(
+            text.contains("let inbox_aggregate_msg = msg ; let inbox_sequence_msg = msg ;"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                ":: inbox_runtime :: __private :: ordering_from_fields (< M as :: \
+                 inbox_runtime :: Message > :: NAME , \"order_id\" , & inbox_aggregate_msg . order_id , \
+                 \"type\" , & inbox_sequence_msg . r#type ,)"
+            ),
+            "{text}"
+        );
+        let text = idempotent(quote!(consumer = "c", gaps = "apply"), item()).to_string();
+        assert!(!text.contains("GAPS"), "{text}");
+        assert!(!text.contains("ordering"), "{text}");
     }
 
     #[test]

@@ -4,17 +4,23 @@
 //! Generated code names only `::inbox_runtime::...` paths (and `::core`/`::std`), so it works
 //! wherever the user depends on `inbox-runtime`, under any import names.
 
-use crate::attr::{self, Handler};
-use crate::message::{Key, KeyPart, MessageDef, Segment};
-use proc_macro2::{Span, TokenStream};
+use crate::attr::{self, FieldArg, GapPolicy, Handler, OrderingArgs};
+use crate::message::{FieldRef, Key, MessageDef, OrderingFields, Segment};
+use proc_macro2::{Ident, Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned};
 use syn::ext::IdentExt;
 use syn::spanned::Spanned;
 
 /// `impl ::inbox_runtime::Message for ...`.
 pub(crate) fn message(def: &MessageDef) -> TokenStream {
-    let MessageDef { ident, name, key } = def;
+    let MessageDef {
+        ident,
+        name,
+        key,
+        ordering,
+    } = def;
     let key_part_fn = key_part_fn();
+    let ordering = ordering.as_ref().map(message_ordering);
     let body = match key {
         Key::Field(part) => {
             let value = field_ref(part);
@@ -61,17 +67,74 @@ pub(crate) fn message(def: &MessageDef) -> TokenStream {
                 #key_part_fn
                 #body
             }
+
+            #ordering
         }
     }
 }
 
-/// `&self.field` as a `&dyn KeyPart`, through the function of [`key_part_fn`] so that a field type that is no
-/// `KeyPart` is blamed on the field's type.
-fn field_ref(part: &KeyPart) -> TokenStream {
+/// `fn ordering(&self)` of `impl Message`, when fields are marked `#[message(aggregate)]` and
+/// `#[message(sequence)]`; without them the trait's default (no ordering) applies.
+fn message_ordering(ordering: &OrderingFields) -> TokenStream {
+    let OrderingFields {
+        aggregate,
+        sequence,
+    } = ordering;
+    let key_part_fn = key_part_fn();
+    let sequence_part_fn = sequence_part_fn();
+    let aggregate_name = &aggregate.name;
+    let aggregate_value = field_ref(aggregate);
+    let sequence_name = &sequence.name;
+    let sequence_value = sequence_ref(sequence);
+    quote! {
+        fn ordering(
+            &self,
+        ) -> ::core::result::Result<
+            ::core::option::Option<::inbox_runtime::Ordering>,
+            ::inbox_runtime::KeyError,
+        > {
+            #key_part_fn
+            #sequence_part_fn
+            ::inbox_runtime::__private::ordering_from_fields(
+                <Self as ::inbox_runtime::Message>::NAME,
+                #aggregate_name,
+                #aggregate_value,
+                #sequence_name,
+                #sequence_value,
+            )
+        }
+    }
+}
+
+/// `&self.field` as a `&dyn KeyPart`, through the function of [`key_part_fn`] so that a field
+/// type that is no `KeyPart` is blamed on the field's type.
+fn field_ref(part: &FieldRef) -> TokenStream {
     let member = &part.member;
     let ty = &part.ty;
     let function = quote_spanned!(ty.span()=> __inbox_key_part::<#ty>);
     quote!(#function(&self.#member))
+}
+
+/// `&self.field` as a `&dyn SequencePart`, through the function of [`sequence_part_fn`]: like
+/// [`field_ref`], a field type that is no `SequencePart` is blamed on the field's type.
+fn sequence_ref(part: &FieldRef) -> TokenStream {
+    let member = &part.member;
+    let ty = &part.ty;
+    let function = quote_spanned!(ty.span()=> __inbox_sequence_part::<#ty>);
+    quote!(#function(&self.#member))
+}
+
+/// The identity function `sequence_ref` calls: `&T` to `&dyn SequencePart`, with the bound on
+/// `T`.
+fn sequence_part_fn() -> TokenStream {
+    quote! {
+        #[inline]
+        fn __inbox_sequence_part<T: ::inbox_runtime::__private::SequencePart>(
+            value: &T,
+        ) -> &dyn ::inbox_runtime::__private::SequencePart {
+            value
+        }
+    }
 }
 
 /// The identity function `field_ref` calls: `&T` to `&dyn KeyPart`, with the bound on `T`.
@@ -91,6 +154,8 @@ pub(crate) fn handler(handler: &Handler) -> TokenStream {
     let Handler {
         consumer,
         key,
+        ordering,
+        gaps,
         max_attempts,
         func,
         connection,
@@ -151,6 +216,18 @@ pub(crate) fn handler(handler: &Handler) -> TokenStream {
         },
     };
 
+    let ordering = ordering
+        .as_ref()
+        .map(|ordering| handler_ordering(ordering, message));
+
+    let gaps = match gaps {
+        Some(GapPolicy::Park) => Some(quote! {
+            const GAPS: ::inbox_runtime::GapPolicy = ::inbox_runtime::GapPolicy::Park;
+        }),
+        // `Apply` is the trait's default.
+        Some(GapPolicy::Apply) | None => None,
+    };
+
     let max_attempts = max_attempts.as_ref().map(|n| {
         quote! {
             const MAX_ATTEMPTS: ::core::option::Option<::core::primitive::u32> =
@@ -190,6 +267,8 @@ pub(crate) fn handler(handler: &Handler) -> TokenStream {
 
             #max_attempts
 
+            #gaps
+
             #classify
 
             fn key(
@@ -198,6 +277,8 @@ pub(crate) fn handler(handler: &Handler) -> TokenStream {
             {
                 #key_body
             }
+
+            #ordering
 
             fn call<'c>(
                 conn: &'c mut #connection,
@@ -231,4 +312,56 @@ pub(crate) fn handler(handler: &Handler) -> TokenStream {
             #private::run::<#handler_ty>(#conn_arg, #msg_arg).await
         }
     }
+}
+
+/// `fn ordering(msg)` of `impl Handler`, for `#[idempotent(aggregate = "...", sequence = "...")]`:
+/// overrides the message's own ordering.
+///
+/// A field that does not exist, or whose type is not a `KeyPart` (aggregate) or a
+/// `SequencePart` (sequence), is blamed on the argument's string literal: see [`msg_field`].
+fn handler_ordering(ordering: &OrderingArgs, message: &syn::Type) -> TokenStream {
+    let OrderingArgs {
+        aggregate,
+        sequence,
+    } = ordering;
+    let private = quote!(::inbox_runtime::__private);
+    let aggregate_name = &aggregate.name;
+    let (aggregate_msg, aggregate_value) = msg_field(aggregate, "inbox_aggregate_msg");
+    let sequence_name = &sequence.name;
+    let (sequence_msg, sequence_value) = msg_field(sequence, "inbox_sequence_msg");
+    quote! {
+        fn ordering(
+            msg: &#message,
+        ) -> ::core::result::Result<
+            ::core::option::Option<::inbox_runtime::Ordering>,
+            ::inbox_runtime::KeyError,
+        > {
+            let #aggregate_msg = msg;
+            let #sequence_msg = msg;
+            #private::ordering_from_fields(
+                <#message as ::inbox_runtime::Message>::NAME,
+                #aggregate_name,
+                #aggregate_value,
+                #sequence_name,
+                #sequence_value,
+            )
+        }
+    }
+}
+
+/// A variable called `name` for the message, and `&name.field`, all spanned at the argument's
+/// string literal (the span of `field`), so that the coercion of the field to `&dyn KeyPart` /
+/// `&dyn SequencePart` is blamed there.
+///
+/// Not `&msg.field`: the parameter `msg` has the call-site span, and an expression mixing it with
+/// the literal's span is blamed on the whole attribute. Nor `msg` spanned at the literal: passed
+/// through a `macro_rules!` macro, the literal has another hygiene context than the parameter, and
+/// `msg` would not resolve. The variable, bound to `msg`, has the literal's span at its
+/// definition and at its use.
+fn msg_field(field: &FieldArg, name: &str) -> (Ident, TokenStream) {
+    let member = &field.member;
+    let span = member.span();
+    let var = Ident::new(name, span);
+    let value = quote_spanned!(span=> &#var.#member);
+    (var, value)
 }

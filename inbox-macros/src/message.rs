@@ -5,10 +5,13 @@ use crate::ctxt::{Errors, Setting};
 use crate::template::{self, Piece};
 use proc_macro2::{Ident, Span};
 use syn::parse::ParseStream;
-use syn::{Attribute, Data, DeriveInput, Field, Fields, LitStr, Meta, Type};
+use syn::{Attribute, Data, DeriveInput, Field, Fields, LitStr, Meta, Path, Type};
 
 /// Arguments accepted on the struct, for the "unknown argument" error.
 const STRUCT_ARGUMENTS: &str = "`name`, `key`";
+
+/// Markers accepted on a field, for the "unknown field argument" error.
+const FIELD_ARGUMENTS: &str = "`key`, `aggregate`, `sequence`";
 
 /// A fully checked message type, ready for [`crate::expand::message`].
 pub(crate) struct MessageDef {
@@ -18,12 +21,22 @@ pub(crate) struct MessageDef {
     pub(crate) name: LitStr,
     /// Where the idempotency key comes from.
     pub(crate) key: Key,
+    /// The fields marked `#[message(aggregate)]` and `#[message(sequence)]`, if any.
+    pub(crate) ordering: Option<OrderingFields>,
+}
+
+/// The fields a message's ordering is read from.
+pub(crate) struct OrderingFields {
+    /// The field marked `#[message(aggregate)]`: which aggregate the message belongs to.
+    pub(crate) aggregate: FieldRef,
+    /// The field marked `#[message(sequence)]`: the message's position among the aggregate's.
+    pub(crate) sequence: FieldRef,
 }
 
 /// Where a message's idempotency key comes from.
 pub(crate) enum Key {
     /// `#[message(key)]` on this field.
-    Field(KeyPart),
+    Field(FieldRef),
     /// `#[message(key = "...")]` on the struct.
     Template {
         /// The template as written.
@@ -33,13 +46,13 @@ pub(crate) enum Key {
     },
 }
 
-/// A field used in a key.
-pub(crate) struct KeyPart {
+/// A field used in a key or in the ordering.
+pub(crate) struct FieldRef {
     /// The field.
     pub(crate) member: Ident,
     /// Its name without `r#`, for run-time errors.
     pub(crate) name: String,
-    /// Its type: errors about it (not a `KeyPart`) point there.
+    /// Its type: errors about it (not a `KeyPart`, not a `SequencePart`) point there.
     pub(crate) ty: Box<Type>,
 }
 
@@ -48,7 +61,7 @@ pub(crate) enum Segment {
     /// Literal text.
     Lit(String),
     /// A field's value.
-    Field(KeyPart),
+    Field(FieldRef),
 }
 
 /// Parses and checks the input of `#[derive(Message)]`.
@@ -108,13 +121,18 @@ pub(crate) fn parse(input: &DeriveInput) -> syn::Result<MessageDef> {
     };
 
     let mut key = None;
+    let mut ordering = None;
     if let Some(fields) = &fields {
-        let field_key = parse_field_attrs(fields, attrs.template.as_ref(), &mut errors);
+        let mut markers = parse_field_attrs(fields, attrs.template.as_ref(), &mut errors);
+        for &marker in &attrs.misplaced {
+            // Already reported: not also missing.
+            markers.get(marker).attempted = true;
+        }
         if let Some(template) = &attrs.template {
             key = check_template(&input.ident, template, fields, &mut errors);
-        } else if let Some(field) = field_key.field {
+        } else if let Some((_, field)) = markers.key.field.take() {
             key = Some(Key::Field(field));
-        } else if !attrs.key_given && !field_key.attempted {
+        } else if !attrs.key_given && !markers.key.attempted {
             errors.spanned(
                 &input.ident,
                 format_args!(
@@ -125,6 +143,7 @@ pub(crate) fn parse(input: &DeriveInput) -> syn::Result<MessageDef> {
                 ),
             );
         }
+        ordering = markers.ordering(&mut errors);
     }
 
     errors.finish()?;
@@ -135,6 +154,7 @@ pub(crate) fn parse(input: &DeriveInput) -> syn::Result<MessageDef> {
         ident: input.ident.clone(),
         name,
         key: key.expect("no key without an error"),
+        ordering,
     })
 }
 
@@ -145,11 +165,14 @@ struct StructAttrs {
     /// `key` was given on the struct, maybe with an invalid value (so a missing key is not
     /// worth another error).
     key_given: bool,
+    /// Field markers (`aggregate`, `sequence`) wrongly given on the struct: already reported.
+    misplaced: Vec<Marker>,
 }
 
 fn parse_struct_attrs(attrs: &[Attribute], errors: &mut Errors) -> StructAttrs {
     let mut name = Setting::new("name");
     let mut key = Setting::new("key");
+    let mut misplaced = Vec::new();
     let parsed = message_attrs(attrs, "name = \"orders.placed\"", errors);
     for meta in &parsed.metas {
         let path = meta.path();
@@ -171,6 +194,20 @@ fn parse_struct_attrs(attrs: &[Attribute], errors: &mut Errors) -> StructAttrs {
                 _ => args::string_value(meta, errors, "\"order:{order_id}\""),
             };
             key.set(errors, path, lit);
+        } else if let Some(marker) = Marker::ORDERING
+            .into_iter()
+            .find(|m| path.is_ident(m.name()))
+        {
+            misplaced.push(marker);
+            errors.spanned(
+                path,
+                format_args!(
+                    "`{0}` is a field marker: put `#[message({0})]` on the field that holds the \
+                     message's {1}",
+                    marker.name(),
+                    marker.what(),
+                ),
+            );
         } else {
             errors.spanned(
                 path,
@@ -187,85 +224,240 @@ fn parse_struct_attrs(attrs: &[Attribute], errors: &mut Errors) -> StructAttrs {
         name: name.get(),
         template: key.get(),
         key_given,
+        misplaced,
     }
 }
 
-/// Checks the `#[message(...)]` attributes of the fields.
+/// Checks the `#[message(...)]` markers of the fields: `key`, `aggregate`, `sequence`.
 fn parse_field_attrs(
     fields: &[&Field],
     template: Option<&LitStr>,
     errors: &mut Errors,
-) -> FieldKey {
-    let mut found = FieldKey {
-        field: None,
-        attempted: false,
-    };
+) -> FieldMarkers {
+    let mut found = FieldMarkers::default();
     for field in fields {
-        let mut marked = Setting::new("key");
-        let parsed = message_attrs(&field.attrs, "key", errors);
-        found.attempted |= parsed.malformed;
-        for meta in &parsed.metas {
-            let path = meta.path();
-            if !path.is_ident("key") {
+        let marks = field_marks(field, errors, &mut found);
+        let member = field.ident.clone().expect("named fields have names");
+        let field_ref = || FieldRef {
+            name: args::unraw(&member),
+            member: member.clone(),
+            ty: Box::new(field.ty.clone()),
+        };
+        if let Some(path) = marks.key {
+            if template.is_some() {
                 errors.spanned(
-                    path,
+                    &path,
+                    "the struct already takes its key from a template \
+                     (`#[message(key = \"...\")]`); use either a key field or a key template, \
+                     not both",
+                );
+            } else if let Some((_, first)) = &found.key.field {
+                errors.spanned(
+                    &path,
                     format_args!(
-                        "unknown field argument `{}`, expected `key`",
-                        args::path_name(path)
+                        "only one field can be `#[message(key)]`, and `{}` already is; to build \
+                         the key from several fields, put a template on the struct, as in \
+                         `#[message(key = \"{{{}}}:{{{}}}\")]`",
+                        first.name,
+                        first.name,
+                        args::unraw(&member),
                     ),
                 );
-                continue;
-            }
-            found.attempted = true;
-            match meta {
-                Meta::Path(_) => marked.set(errors, path, Some(path.clone())),
-                _ => {
-                    errors.spanned(
-                        meta,
-                        "`#[message(key)]` on a field takes no value; to build the key from \
-                         several fields, put `#[message(key = \"...\")]` on the struct",
-                    );
-                    marked.set(errors, path, None);
-                }
+            } else {
+                found.key.field = Some((path, field_ref()));
             }
         }
-        let Some(path) = marked.get() else { continue };
-        let member = field.ident.clone().expect("named fields have names");
-        if template.is_some() {
-            errors.spanned(
-                &path,
-                "the struct already takes its key from a template (`#[message(key = \"...\")]`); \
-                 use either a key field or a key template, not both",
-            );
-        } else if let Some(first) = &found.field {
-            errors.spanned(
-                &path,
-                format_args!(
-                    "only one field can be `#[message(key)]`, and `{}` already is; to build the \
-                     key from several fields, put a template on the struct, as in \
-                     `#[message(key = \"{{{}}}:{{{}}}\")]`",
-                    first.name,
-                    first.name,
-                    args::unraw(&member),
-                ),
-            );
-        } else {
-            found.field = Some(KeyPart {
-                name: args::unraw(&member),
-                member,
-                ty: Box::new(field.ty.clone()),
-            });
+        for (marker, path) in [
+            (Marker::Aggregate, marks.aggregate),
+            (Marker::Sequence, marks.sequence),
+        ] {
+            let Some(path) = path else { continue };
+            let slot = found.get(marker);
+            if let Some((_, first)) = &slot.field {
+                errors.spanned(
+                    &path,
+                    format_args!(
+                        "only one field can be `#[message({})]`, and `{}` already is: {}",
+                        marker.name(),
+                        first.name,
+                        match marker {
+                            Marker::Aggregate => "a message belongs to one aggregate",
+                            _ => "a message has one position in its aggregate's sequence",
+                        },
+                    ),
+                );
+            } else {
+                slot.field = Some((path, field_ref()));
+            }
         }
     }
     found
 }
 
-/// The field marked `#[message(key)]`.
-struct FieldKey {
-    /// The first field so marked.
-    field: Option<KeyPart>,
-    /// Whether some field tried to be the key, even invalidly (so a missing key is not worth
-    /// another error).
+/// The markers of one field, each `Some` if given once and without a value.
+struct FieldMarks {
+    key: Option<Path>,
+    aggregate: Option<Path>,
+    sequence: Option<Path>,
+}
+
+/// Parses the `#[message(...)]` attributes of one field, reporting what is wrong in them, and
+/// records in `found` which markers were attempted.
+fn field_marks(field: &Field, errors: &mut Errors, found: &mut FieldMarkers) -> FieldMarks {
+    let mut key = Setting::new("key");
+    let mut aggregate = Setting::new("aggregate");
+    let mut sequence = Setting::new("sequence");
+    let parsed = message_attrs(&field.attrs, "key", errors);
+    if parsed.malformed {
+        // It may have been meant to be any marker: none is worth a "missing" error.
+        for marker in Marker::ALL {
+            found.get(marker).attempted = true;
+        }
+    }
+    for meta in &parsed.metas {
+        let path = meta.path();
+        let Some(marker) = Marker::ALL.into_iter().find(|m| path.is_ident(m.name())) else {
+            errors.spanned(
+                path,
+                format_args!(
+                    "unknown field argument `{}`, expected one of: {FIELD_ARGUMENTS}",
+                    args::path_name(path)
+                ),
+            );
+            continue;
+        };
+        found.get(marker).attempted = true;
+        let (setting, other) = match marker {
+            Marker::Key => (&mut key, None),
+            Marker::Aggregate => (&mut aggregate, Some(&sequence)),
+            Marker::Sequence => (&mut sequence, Some(&aggregate)),
+        };
+        if !matches!(meta, Meta::Path(_)) {
+            errors.spanned(meta, marker.takes_no_value());
+            setting.set(errors, path, None);
+        } else if other.is_some_and(Setting::is_given) {
+            errors.spanned(
+                path,
+                "a field cannot be both `#[message(aggregate)]` and `#[message(sequence)]`: the \
+                 aggregate field says which entity the message is about, the sequence field \
+                 where the message stands among that entity's messages",
+            );
+            setting.set(errors, path, None);
+        } else {
+            setting.set(errors, path, Some(path.clone()));
+        }
+    }
+    FieldMarks {
+        key: key.get(),
+        aggregate: aggregate.get(),
+        sequence: sequence.get(),
+    }
+}
+
+/// A field-level marker.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Marker {
+    /// `#[message(key)]`.
+    Key,
+    /// `#[message(aggregate)]`.
+    Aggregate,
+    /// `#[message(sequence)]`.
+    Sequence,
+}
+
+impl Marker {
+    const ALL: [Self; 3] = [Self::Key, Self::Aggregate, Self::Sequence];
+    const ORDERING: [Self; 2] = [Self::Aggregate, Self::Sequence];
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Key => "key",
+            Self::Aggregate => "aggregate",
+            Self::Sequence => "sequence",
+        }
+    }
+
+    /// What the marked field holds.
+    fn what(self) -> &'static str {
+        match self {
+            Self::Key => "idempotency key",
+            Self::Aggregate => "aggregate id",
+            Self::Sequence => "sequence number",
+        }
+    }
+
+    /// The error for `#[message(marker = ...)]` or `#[message(marker(...))]` on a field.
+    fn takes_no_value(self) -> &'static str {
+        match self {
+            Self::Key => {
+                "`#[message(key)]` on a field takes no value; to build the key from several \
+                 fields, put `#[message(key = \"...\")]` on the struct"
+            }
+            Self::Aggregate => {
+                "`#[message(aggregate)]` takes no value: it marks the field it is on as the \
+                 message's aggregate id"
+            }
+            Self::Sequence => {
+                "`#[message(sequence)]` takes no value: it marks the field it is on as the \
+                 message's sequence number"
+            }
+        }
+    }
+}
+
+/// What the markers of all fields designate.
+#[derive(Default)]
+struct FieldMarkers {
+    key: Marked,
+    aggregate: Marked,
+    sequence: Marked,
+}
+
+impl FieldMarkers {
+    fn get(&mut self, marker: Marker) -> &mut Marked {
+        match marker {
+            Marker::Key => &mut self.key,
+            Marker::Aggregate => &mut self.aggregate,
+            Marker::Sequence => &mut self.sequence,
+        }
+    }
+
+    /// The ordering fields, if both are marked; one without the other is reported (unless the
+    /// other was attempted, invalidly: that is already an error).
+    fn ordering(&mut self, errors: &mut Errors) -> Option<OrderingFields> {
+        match (self.aggregate.field.take(), self.sequence.field.take()) {
+            (Some((_, aggregate)), Some((_, sequence))) => Some(OrderingFields {
+                aggregate,
+                sequence,
+            }),
+            (Some((path, _)), None) if !self.sequence.attempted => {
+                errors.spanned(
+                    path,
+                    "`#[message(aggregate)]` needs a `#[message(sequence)]` field too: messages \
+                     are ordered by their sequence numbers within their aggregate",
+                );
+                None
+            }
+            (None, Some((path, _))) if !self.aggregate.attempted => {
+                errors.spanned(
+                    path,
+                    "`#[message(sequence)]` needs an `#[message(aggregate)]` field too: sequence \
+                     numbers are compared between the messages of one aggregate",
+                );
+                None
+            }
+            _ => None,
+        }
+    }
+}
+
+/// The field designated by one marker.
+#[derive(Default)]
+struct Marked {
+    /// The first field so marked, with the marker (errors about it point there).
+    field: Option<(Path, FieldRef)>,
+    /// Whether some field tried to carry the marker, even invalidly (so a missing marker is not
+    /// worth another error).
     attempted: bool,
 }
 
@@ -299,7 +491,7 @@ fn check_template(
             Piece::Field(name) => match find_field(fields, &name) {
                 Some(field) => {
                     let member = field.ident.clone().expect("named fields have names");
-                    segments.push(Segment::Field(KeyPart {
+                    segments.push(Segment::Field(FieldRef {
                         name: args::unraw(&member),
                         member: with_span(&member, template.span()),
                         ty: Box::new(field.ty.clone()),
@@ -527,6 +719,165 @@ mod tests {
             .len(),
             1
         );
+    }
+
+    #[test]
+    fn ordering_markers() {
+        let def = parse_tokens(quote! {
+            struct Shipped {
+                #[message(key, aggregate)]
+                r#ref: String,
+                #[message(sequence)]
+                seq: Option<u32>,
+            }
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        let ordering = def.ordering.unwrap();
+        assert_eq!(ordering.aggregate.member, "r#ref");
+        assert_eq!(ordering.aggregate.name, "ref");
+        assert_eq!(ordering.sequence.name, "seq");
+        assert!(matches!(def.key, Key::Field(ref part) if part.name == "ref"));
+
+        // With a key template, and with the markers in separate attributes.
+        let def = parse_tokens(quote! {
+            #[message(key = "{order_id}:{seq}")]
+            struct Paid {
+                #[message(aggregate)]
+                #[doc = "x"]
+                order_id: u64,
+                #[message(sequence)]
+                seq: i64,
+            }
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(def.ordering.is_some());
+
+        let def = parse_tokens(quote! {
+            struct Plain { #[message(key)] id: u64 }
+        })
+        .unwrap();
+        assert!(def.ordering.is_none());
+    }
+
+    #[test]
+    fn ordering_marker_mistakes() {
+        assert_eq!(
+            errors_of(quote! {
+                struct S { #[message(key, aggregate)] id: u64 }
+            }),
+            [
+                "`#[message(aggregate)]` needs a `#[message(sequence)]` field too: messages are \
+                 ordered by their sequence numbers within their aggregate"
+            ]
+        );
+        assert_eq!(
+            errors_of(quote! {
+                struct S { #[message(key)] id: u64, #[message(sequence)] seq: u64 }
+            }),
+            [
+                "`#[message(sequence)]` needs an `#[message(aggregate)]` field too: sequence \
+                 numbers are compared between the messages of one aggregate"
+            ]
+        );
+        assert_eq!(
+            errors_of(quote! {
+                struct S {
+                    #[message(key, aggregate, aggregate)] id: u64,
+                    #[message(aggregate)] other: u64,
+                    #[message(sequence)] seq: u64,
+                    #[message(sequence)] seq2: u64,
+                }
+            }),
+            [
+                "`aggregate` set multiple times",
+                "only one field can be `#[message(aggregate)]`, and `id` already is: a message \
+                 belongs to one aggregate",
+                "only one field can be `#[message(sequence)]`, and `seq` already is: a message \
+                 has one position in its aggregate's sequence",
+            ]
+        );
+        // Both on one field: one error, at the second marker, and not also "missing".
+        let both = "a field cannot be both `#[message(aggregate)]` and `#[message(sequence)]`: \
+                    the aggregate field says which entity the message is about, the sequence \
+                    field where the message stands among that entity's messages";
+        assert_eq!(
+            errors_of(quote! {
+                struct S { #[message(key)] id: u64, #[message(sequence, aggregate)] seq: u64 }
+            }),
+            [both]
+        );
+        assert_eq!(
+            errors_of(quote! {
+                struct S {
+                    #[message(key)] id: u64,
+                    #[message(aggregate)]
+                    #[message(sequence)]
+                    seq: u64,
+                }
+            }),
+            [both]
+        );
+        // A marker with a value is reported once, not also as missing.
+        assert_eq!(
+            errors_of(quote! {
+                struct S { #[message(key, aggregate)] id: u64, #[message(sequence = 1)] seq: u64 }
+            }),
+            [
+                "`#[message(sequence)]` takes no value: it marks the field it is on as the \
+                 message's sequence number"
+            ]
+        );
+        // On the struct: pointed to the field, and not also missing.
+        assert_eq!(
+            errors_of(quote! {
+                #[message(aggregate = "id")]
+                struct S { #[message(key)] id: u64, #[message(sequence)] seq: u64 }
+            }),
+            [
+                "`aggregate` is a field marker: put `#[message(aggregate)]` on the field that \
+                 holds the message's aggregate id"
+            ]
+        );
+        assert_eq!(
+            errors_of(quote! {
+                struct S { #[message(key, ordered)] id: u64 }
+            }),
+            ["unknown field argument `ordered`, expected one of: `key`, `aggregate`, `sequence`"]
+        );
+    }
+
+    #[test]
+    fn generated_ordering() {
+        let output = derive(quote! {
+            struct S {
+                #[message(key)] id: u64,
+                #[message(aggregate)] r#type: String,
+                #[message(sequence)] seq: Option<u32>,
+            }
+        });
+        let item: syn::ItemImpl = syn::parse2(output.clone()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(item.items.len(), 3);
+        let text = output.to_string();
+        assert!(
+            text.contains(
+                ":: inbox_runtime :: __private :: ordering_from_fields (< Self as :: \
+                 inbox_runtime :: Message > :: NAME , \"type\" , __inbox_key_part :: < String \
+                 > (& self . r#type) , \"seq\" , __inbox_sequence_part :: < Option < u32 > > \
+                 (& self . seq) ,)"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "fn __inbox_sequence_part < T : :: inbox_runtime :: __private :: SequencePart >"
+            ),
+            "{text}"
+        );
+        // Without markers, the trait's default applies.
+        let output = derive(quote! {
+            struct S { #[message(key)] id: u64 }
+        });
+        assert!(!output.to_string().contains("ordering"), "{output}");
     }
 
     #[test]

@@ -1,0 +1,19 @@
+#![allow(unused)]
+
+use inbox_runtime::{idempotent, Message};
+use serde::{Deserialize, Serialize};
+use sqlx::PgConnection;
+
+#[derive(Clone, Serialize, Deserialize, Message)]
+struct Msg {
+    #[message(key)]
+    id: u64,
+    order_id: u64,
+    seq: u32,
+}
+
+#[idempotent(consumer = "ledger", aggregate = "order", sequence = "sequence")]
+async fn handler(conn: &mut PgConnection, msg: Msg) -> Result<(), sqlx::Error> {
+    Ok(())
+}
+fn main() {}
