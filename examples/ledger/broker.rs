@@ -292,6 +292,7 @@ pub(crate) async fn consume<DB: InboxDatabase>(
         duplicates: report.duplicates,
         conflicts: report.conflicts,
         rejected: report.invalid,
+        dead: report.dead,
     };
     Ok((counts, report.stop == StopReason::Shutdown))
 }

@@ -20,6 +20,9 @@ pub(crate) struct Counts {
     pub(crate) conflicts: u64,
     /// Not a message: malformed line, unknown message name, undecodable payload, bad key.
     pub(crate) rejected: u64,
+    /// Refused by the handler for good (a permanent error, e.g. an unknown account), or already
+    /// dead-lettered or discarded: kept in the inbox as `dead` with its payload, not applied.
+    pub(crate) dead: u64,
 }
 
 /// One line of the stream: `{"message": NAME, "payload": {…}}`. The payload is kept as raw
@@ -67,7 +70,7 @@ fn trim_newline(mut line: &[u8]) -> &[u8] {
 
 fn reject(counts: &mut Counts, line: u64, reason: &dyn std::fmt::Display) {
     counts.rejected += 1;
-    eprintln!("line {line}: rejected: {reason}");
+    crate::observe::note(format_args!("line {line}: rejected: {reason}"));
 }
 
 /// Dispatches every line of `input` in order, counting the outcomes. Rejections and conflicts
@@ -116,21 +119,28 @@ pub(crate) async fn feed<DB: InboxDatabase>(
         };
         let outcomes = match dispatcher.dispatch(&envelope).await {
             Ok(outcomes) => outcomes,
-            // serde_json's message already ends with the position: don't repeat it.
-            Err(DispatchError::Decode {
-                message_name,
-                source,
-                ..
-            }) => {
-                reject(
-                    &mut counts,
-                    number,
-                    &format_args!("payload is not a valid `{message_name}`: {source}"),
-                );
-                continue;
-            }
             Err(error) => {
-                reject(&mut counts, number, &error);
+                // Kept in `inbox_rejections` with its payload (see `ledger admin stats`).
+                if let Err(db) = dispatcher.record_rejection(&envelope, &error).await {
+                    return Err(FeedError::Failed {
+                        line: number,
+                        consumer: "-",
+                        error: format!("cannot record the rejected delivery: {db}"),
+                    });
+                }
+                match error {
+                    // serde_json's message already ends with the position: don't repeat it.
+                    DispatchError::Decode {
+                        message_name,
+                        source,
+                        ..
+                    } => reject(
+                        &mut counts,
+                        number,
+                        &format_args!("payload is not a valid `{message_name}`: {source}"),
+                    ),
+                    error => reject(&mut counts, number, &error),
+                }
                 continue;
             }
         };
@@ -140,13 +150,27 @@ pub(crate) async fn feed<DB: InboxDatabase>(
                 Ok(Outcome::Duplicate) => counts.duplicates += 1,
                 Err(Error::Conflict(conflict)) => {
                     counts.conflicts += 1;
-                    eprintln!(
+                    crate::observe::note(format_args!(
                         "line {number}: conflict: `{}` was applied with another payload \
                          (fingerprint {:.12}…, now {:.12}…): not applied",
                         conflict.key,
                         conflict.stored.to_hex(),
                         conflict.received.to_hex(),
-                    );
+                    ));
+                }
+                Err(Error::Handler(failure)) if failure.disposition.is_settled() => {
+                    counts.dead += 1;
+                    crate::observe::note(format_args!(
+                        "line {number}: dead: consumer `{}`: {failure}",
+                        outcome.consumer
+                    ));
+                }
+                Ok(Outcome::Dead | Outcome::Discarded) => {
+                    counts.dead += 1;
+                    crate::observe::note(format_args!(
+                        "line {number}: already dead-lettered for consumer `{}`: not applied",
+                        outcome.consumer
+                    ));
                 }
                 Err(Error::Key(error)) => reject(&mut counts, number, &error),
                 Err(error) => {
@@ -156,8 +180,8 @@ pub(crate) async fn feed<DB: InboxDatabase>(
                         error: error.to_string(),
                     });
                 }
-                // `Dead` or `Discarded` (or a newer outcome): only a key whose handler failed
-                // before can be dead-lettered, and the demo stops at the first handler failure.
+                // A newer outcome this demo does not know.
+                #[allow(unreachable_patterns)]
                 Ok(other) => {
                     return Err(FeedError::Failed {
                         line: number,

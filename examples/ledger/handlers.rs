@@ -7,8 +7,12 @@
 //!
 //! Nothing in the demo calls these functions by name: `#[idempotent]` registers them, and the
 //! dispatcher finds them in the registry.
+//!
+//! An event whose account id is not a ledger account (`acct-` followed by 1 to 8 digits) can
+//! never be applied: the handlers refuse it with a permanent error, so the inbox dead-letters it
+//! at once with its payload (see `ledger admin dead list`).
 
-use inbox_runtime::idempotent;
+use inbox_runtime::{Classify, ErrorClass, idempotent};
 use sqlx::{PgConnection, SqliteConnection};
 
 use crate::messages::{PaymentCaptured, PaymentRefunded};
@@ -21,9 +25,66 @@ const UPSERT_PG: &str = "INSERT INTO accounts (id, balance_cents) VALUES ($1, $2
 const UPSERT_SQLITE: &str = "INSERT INTO accounts (id, balance_cents) VALUES (?1, ?2) \
      ON CONFLICT (id) DO UPDATE SET balance_cents = accounts.balance_cents + excluded.balance_cents";
 
+/// Why a ledger handler failed.
+#[derive(Debug)]
+pub(crate) enum LedgerError {
+    /// The account id is not of the form `acct-<digits>`: permanent.
+    UnknownAccount(String),
+    /// The database failed (classified as sqlx errors are: transient or retryable).
+    Db(sqlx::Error),
+}
+
+impl std::fmt::Display for LedgerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LedgerError::UnknownAccount(account) => {
+                write!(f, "`{account}` is not a ledger account (acct-<digits>)")
+            }
+            LedgerError::Db(error) => error.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for LedgerError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            LedgerError::UnknownAccount(_) => None,
+            LedgerError::Db(error) => Some(error),
+        }
+    }
+}
+
+impl From<sqlx::Error> for LedgerError {
+    fn from(error: sqlx::Error) -> Self {
+        LedgerError::Db(error)
+    }
+}
+
+impl Classify for LedgerError {
+    fn class(&self) -> ErrorClass {
+        match self {
+            LedgerError::UnknownAccount(_) => ErrorClass::Permanent,
+            LedgerError::Db(error) => error.class(),
+        }
+    }
+}
+
+/// Refuses account ids that are not `acct-` followed by 1 to 8 ASCII digits.
+fn check_account(account: &str) -> Result<(), LedgerError> {
+    match account.strip_prefix("acct-") {
+        Some(digits)
+            if (1..=8).contains(&digits.len()) && digits.bytes().all(|b| b.is_ascii_digit()) =>
+        {
+            Ok(())
+        }
+        _ => Err(LedgerError::UnknownAccount(account.to_owned())),
+    }
+}
+
 /// Credits a captured payment (PostgreSQL).
 #[idempotent(consumer = "ledger")]
-async fn credit_pg(conn: &mut PgConnection, msg: PaymentCaptured) -> Result<(), sqlx::Error> {
+async fn credit_pg(conn: &mut PgConnection, msg: PaymentCaptured) -> Result<(), LedgerError> {
+    check_account(&msg.account_id)?;
     sqlx::query(UPSERT_PG)
         .bind(&msg.account_id)
         .bind(msg.amount_cents)
@@ -34,7 +95,8 @@ async fn credit_pg(conn: &mut PgConnection, msg: PaymentCaptured) -> Result<(), 
 
 /// Debits a refunded payment (PostgreSQL).
 #[idempotent(consumer = "ledger")]
-async fn debit_pg(conn: &mut PgConnection, msg: PaymentRefunded) -> Result<(), sqlx::Error> {
+async fn debit_pg(conn: &mut PgConnection, msg: PaymentRefunded) -> Result<(), LedgerError> {
+    check_account(&msg.account_id)?;
     sqlx::query(UPSERT_PG)
         .bind(&msg.account_id)
         .bind(-msg.amount_cents)
@@ -48,7 +110,8 @@ async fn debit_pg(conn: &mut PgConnection, msg: PaymentRefunded) -> Result<(), s
 async fn credit_sqlite(
     conn: &mut SqliteConnection,
     msg: PaymentCaptured,
-) -> Result<(), sqlx::Error> {
+) -> Result<(), LedgerError> {
+    check_account(&msg.account_id)?;
     sqlx::query(UPSERT_SQLITE)
         .bind(&msg.account_id)
         .bind(msg.amount_cents)
@@ -62,7 +125,8 @@ async fn credit_sqlite(
 async fn debit_sqlite(
     conn: &mut SqliteConnection,
     msg: PaymentRefunded,
-) -> Result<(), sqlx::Error> {
+) -> Result<(), LedgerError> {
+    check_account(&msg.account_id)?;
     sqlx::query(UPSERT_SQLITE)
         .bind(&msg.account_id)
         .bind(-msg.amount_cents)

@@ -12,6 +12,17 @@
 //! cargo run --example ledger -- --source amqp://127.0.0.1:5672/%2f
 //! cargo run --example ledger -- publish --to nats://127.0.0.1:4222
 //! cargo run --example ledger -- --source nats://127.0.0.1:4222
+//!
+//! # The same stream through a worker over a file that resumes at its last acked line
+//! cargo run --example ledger -- --source file:examples/ledger/data/payments.jsonl --offset-file /tmp/ledger.offset
+//!
+//! # Operating it: the inbox's admin CLI (inbox_runtime::cli) on the demo's database
+//! cargo run --example ledger -- admin stats
+//! cargo run --example ledger -- admin dead list
+//! cargo run --example ledger -- admin dead replay --all
+//!
+//! # Metrics table on stderr at exit (or --metrics-listen 127.0.0.1:9464), logs by RUST_LOG
+//! RUST_LOG=inbox_runtime=debug cargo run --example ledger -- --metrics
 //! ```
 //!
 //! Each input line is one delivery,
@@ -25,7 +36,11 @@
 //!   changed — is a **duplicate**: the handler does not run again;
 //! * an event id seen before with a *different* payload is a **conflict**: not applied;
 //! * a line that is not a message (bad JSON, unknown message name, payload that does not decode,
-//!   missing or empty event id) is **rejected**, reported on stderr with its line number.
+//!   missing or empty event id) is **rejected**, reported on stderr with its line number (and
+//!   kept in `inbox_rejections` when it is a message envelope);
+//! * an event for an account id that is not `acct-<digits>` is **dead**: the handler refuses it
+//!   with a permanent error, and the inbox keeps it as `dead` with its payload for an operator
+//!   (`ledger admin dead list`). The summary line then ends with `dead=N`.
 //!
 //! The bundled sample (`examples/ledger/data/payments.jsonl`, ~30,000 lines over 300 accounts,
 //! written by `cargo run --example ledger-gen`) holds thousands of redeliveries, 16 conflicts and
@@ -68,6 +83,25 @@
 //! fetching, finishes the deliveries under way, and exits 0 with `balances=unchecked`; killed
 //! outright, it loses nothing: the broker redelivers what was not acked, and the inbox turns
 //! what had committed into duplicates.
+//!
+//! `--source file:PATH` consumes a JSON-lines file the same way, with
+//! [`inbox_runtime::source::file::FileSource`]: it keeps the acked prefix of the file in the
+//! offset file (`--offset-file`, default `PATH.offset`) and resumes after it when started
+//! again; it exits when every line is settled.
+//!
+//! ## Operating it
+//!
+//! `ledger admin …` is [`inbox_runtime::cli`] on the demo's database (`--database-url` or
+//! `DATABASE_URL` after `admin`, else `./ledger.db`): `migrate`, `stats`,
+//! `dead list|show|replay|discard`, `purge --window 7d --redelivery-horizon 3d`.
+//!
+//! ## Observability
+//!
+//! Logs go to stderr, filtered by `RUST_LOG` (default: off in file mode, `warn` with
+//! `--source`). `--metrics` records the runtime's metrics and prints a table of them on stderr
+//! at exit; `--metrics-listen ADDR` serves them at `http://ADDR/metrics` while running. On a
+//! terminal a progress bar shows how far the input is read; piped or redirected, stderr gets
+//! none.
 
 mod broker;
 mod check;
@@ -75,6 +109,7 @@ mod db;
 mod feed;
 mod handlers;
 mod messages;
+mod observe;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -82,6 +117,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Parser;
+use inbox_runtime::source::file::FileSource;
 use inbox_runtime::{Dispatcher, InboxDatabase};
 use tokio::io::{AsyncBufRead, BufReader};
 
@@ -121,12 +157,29 @@ struct Args {
     /// Database: postgres://… or sqlite:… [default: sqlite file ./ledger.db]
     #[arg(long, env = "DATABASE_URL", value_name = "URL", hide_env_values = true)]
     database_url: Option<String>,
+    /// With --source file:PATH: the file keeping the acked position [default: PATH.offset]
+    #[arg(long, value_name = "FILE")]
+    offset_file: Option<PathBuf>,
+    #[command(flatten)]
+    observe: observe::ObserveArgs,
 }
 
 #[derive(clap::Subcommand, Debug)]
 enum Command {
     /// Loads a JSON-lines stream into RabbitMQ or NATS JetStream
     Publish(broker::PublishArgs),
+    /// Inspects and repairs the inbox: stats, dead letters, replay, purge
+    Admin(AdminArgs),
+}
+
+/// `ledger admin`: the runtime's admin CLI on the demo's database.
+#[derive(clap::Args, Debug)]
+struct AdminArgs {
+    /// Database: postgres://… or sqlite:… [default: sqlite file ./ledger.db]
+    #[arg(long, env = "DATABASE_URL", value_name = "URL", hide_env_values = true)]
+    database_url: Option<String>,
+    #[command(subcommand)]
+    command: inbox_runtime::cli::AdminCommand,
 }
 
 /// Whether the check passed.
@@ -161,6 +214,8 @@ async fn process(db: &Db, input: Input, source: &str) -> Result<Counts, String> 
 }
 
 async fn run(args: Args) -> Result<Verdict, String> {
+    observe::init_tracing("off");
+    let metrics = observe::Metrics::install(&args.observe)?;
     let (input, expected_path) = match args.input {
         None => (PathBuf::from(SAMPLE), Some(PathBuf::from(SAMPLE_EXPECTED))),
         Some(input) => (input, None),
@@ -168,14 +223,21 @@ async fn run(args: Args) -> Result<Verdict, String> {
     let expected_path = args.expected.or(expected_path).filter(|_| !args.no_check);
     let expected = expected_path.as_deref().map(Expected::load).transpose()?;
 
+    // A progress bar over the bytes read (shown on a terminal only).
     let (reader, source): (Input, String) = if input.as_os_str() == "-" {
-        (Box::new(BufReader::new(tokio::io::stdin())), "stdin".into())
+        let bar = observe::progress_bar(None);
+        (
+            Box::new(BufReader::new(bar.wrap_async_read(tokio::io::stdin()))),
+            "stdin".into(),
+        )
     } else {
         let file = tokio::fs::File::open(&input)
             .await
             .map_err(|e| format!("cannot open {}: {e}", input.display()))?;
+        let len = file.metadata().await.ok().map(|m| m.len());
+        let bar = observe::progress_bar(len);
         (
-            Box::new(BufReader::with_capacity(1 << 16, file)),
+            Box::new(BufReader::with_capacity(1 << 16, bar.wrap_async_read(file))),
             input.display().to_string(),
         )
     };
@@ -190,6 +252,7 @@ async fn run(args: Args) -> Result<Verdict, String> {
 
     let started = Instant::now();
     let counts = process(&db, reader, &source).await;
+    observe::finish_progress();
     let elapsed = started.elapsed();
     let counts = match counts {
         Ok(counts) => counts,
@@ -208,6 +271,9 @@ async fn run(args: Args) -> Result<Verdict, String> {
     let balances = db.balances().await.map_err(|e| e.to_string());
     db.close().await;
     let balances = balances?;
+    if let Some(metrics) = &metrics {
+        metrics.finish();
+    }
 
     Ok(check_and_summarize(
         expected.as_ref().zip(expected_path.as_deref()),
@@ -227,9 +293,9 @@ fn check_and_summarize(
 ) -> Verdict {
     let verdict = match expected {
         Some((expected, path)) => {
-            let mut mismatches = expected.balance_mismatches(&balances);
+            let mut mismatches = expected.balance_mismatches(balances);
             if fresh {
-                mismatches.extend(expected.count_mismatches(&counts));
+                mismatches.extend(expected.count_mismatches(counts));
             }
             if mismatches.is_empty() {
                 println!(
@@ -259,7 +325,7 @@ fn check_and_summarize(
     };
 
     println!(
-        "summary: processed={} duplicates={} conflicts={} rejected={} balances={}",
+        "summary: processed={} duplicates={} conflicts={} rejected={} balances={}{}",
         counts.processed,
         counts.duplicates,
         counts.conflicts,
@@ -268,6 +334,12 @@ fn check_and_summarize(
             Verdict::Ok => "ok",
             Verdict::Mismatch => "MISMATCH",
             Verdict::Unchecked => "unchecked",
+        },
+        // Only when there are some: the summary of a stream without them is unchanged.
+        if counts.dead > 0 {
+            format!(" dead={}", counts.dead)
+        } else {
+            String::new()
         }
     );
     verdict
@@ -291,11 +363,8 @@ async fn run_publish(args: broker::PublishArgs) -> Result<Verdict, String> {
 async fn run_broker(args: Args, url: String) -> Result<Verdict, String> {
     // Before anything else, so that a signal during start-up is not lost.
     let shutdown = inbox_runtime::cancel_on_signal().map_err(|e| e.to_string())?;
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_max_level(tracing_subscriber::filter::LevelFilter::WARN)
-        .with_target(false)
-        .init();
+    observe::init_tracing("warn");
+    let metrics = observe::Metrics::install(&args.observe)?;
     let expected_path = if args.no_check {
         None
     } else {
@@ -313,7 +382,26 @@ async fn run_broker(args: Args, url: String) -> Result<Verdict, String> {
     println!("database: {description}");
     println!("source: {url}");
     db.setup().await.map_err(|e| e.to_string())?;
-    let source = match broker::connect(&url, &args.consume).await {
+    let connected = match url.strip_prefix("file:") {
+        Some(path) => {
+            let opened = match &args.offset_file {
+                Some(offset) => FileSource::open_with_offset_file(path, offset).await,
+                None => FileSource::open(path).await,
+            };
+            opened
+                .map(|source| {
+                    println!(
+                        "resuming after line {} (offset file {})",
+                        source.start_position().line,
+                        source.offset_path().display()
+                    );
+                    Box::new(source) as Box<dyn inbox_runtime::source::Source>
+                })
+                .map_err(|e| e.to_string())
+        }
+        None => broker::connect(&url, &args.consume).await,
+    };
+    let source = match connected {
         Ok(source) => source,
         Err(error) => {
             db.close().await;
@@ -343,6 +431,9 @@ async fn run_broker(args: Args, url: String) -> Result<Verdict, String> {
     let balances = db.balances().await.map_err(|e| e.to_string());
     db.close().await;
     let balances = balances?;
+    if let Some(metrics) = &metrics {
+        metrics.finish();
+    }
     if signalled {
         println!("stopped by a signal: balances not checked");
     }
@@ -353,10 +444,34 @@ async fn run_broker(args: Args, url: String) -> Result<Verdict, String> {
     Ok(check_and_summarize(expected, &balances, &counts, false))
 }
 
+/// `ledger admin …`: exit status 0, 1 if the command failed, 2 if the database is unusable.
+async fn run_admin(args: AdminArgs) -> ExitCode {
+    let db = match Db::connect(args.database_url.as_deref()).await {
+        Ok((db, _)) => db,
+        Err(error) => {
+            eprintln!("ledger admin: {error}");
+            return ExitCode::from(2);
+        }
+    };
+    let result = match &db {
+        Db::Postgres(pool) => inbox_runtime::cli::execute(&args.command, pool).await,
+        Db::Sqlite(pool) => inbox_runtime::cli::execute(&args.command, pool).await,
+    };
+    db.close().await;
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("ledger admin: {error}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let mut args = Args::parse();
     let result = match (args.command.take(), args.source.take()) {
+        (Some(Command::Admin(admin)), _) => return run_admin(admin).await,
         (Some(Command::Publish(publish)), _) => run_publish(publish).await,
         (None, Some(url)) => run_broker(args, url).await,
         (None, None) => run(args).await,
@@ -446,6 +561,7 @@ mod tests {
             duplicates: 1,
             conflicts: 1,
             rejected: 4,
+            dead: 0,
         };
         assert_eq!(first, expected);
         let balances = db.balances().await.unwrap();
