@@ -71,6 +71,11 @@ pub struct SourceMetadata {
     /// How many times the broker has delivered this message, this delivery included (JetStream's
     /// delivery count, RabbitMQ's `x-delivery-count` on quorum queues), if the source knows.
     pub delivery_count: Option<u64>,
+    /// When the message was produced (the producer's or broker's wall clock: AMQP's `timestamp`
+    /// property, JetStream's stream time, a field of the file line), if the source knows. The
+    /// dispatcher records `now − published_at` as the histogram `inbox_lag_seconds{consumer}`
+    /// (in seconds; 0 if the time lies in the future, i.e. clock skew).
+    pub published_at: Option<std::time::SystemTime>,
 }
 
 impl SourceMetadata {
@@ -109,6 +114,12 @@ impl SourceMetadata {
     /// Sets the delivery count (1 for a first delivery).
     pub fn delivery_count(mut self, delivery_count: u64) -> Self {
         self.delivery_count = Some(delivery_count);
+        self
+    }
+
+    /// Sets when the message was produced (see [`SourceMetadata::published_at`]).
+    pub fn published_at(mut self, published_at: std::time::SystemTime) -> Self {
+        self.published_at = Some(published_at);
         self
     }
 }

@@ -299,6 +299,10 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     /// The payload is decoded once per message type, and every consumer's key is read, before
     /// any database work: a bad envelope writes nothing.
     ///
+    /// If the envelope's [`SourceMetadata::published_at`](crate::SourceMetadata::published_at)
+    /// is set, the lag (now minus that time, in seconds) is recorded per consumer in the
+    /// histogram `inbox_lag_seconds{consumer}`.
+    ///
     /// # Errors
     /// [`DispatchError::UnknownMessage`] if no handler takes this name,
     /// [`DispatchError::Decode`] (with line and column) if the payload is not valid JSON of the
@@ -353,8 +357,22 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             prepared.push((*handler, index, key, ordering));
         }
 
+        // Lag: how long after its production the message reaches its consumers.
+        let lag = envelope
+            .source
+            .as_ref()
+            .and_then(|source| source.published_at)
+            .map(|at| {
+                std::time::SystemTime::now()
+                    .duration_since(at)
+                    .unwrap_or_default()
+            });
         let mut outcomes = Vec::with_capacity(prepared.len());
         for (handler, index, key, ordering) in &prepared {
+            if let Some(lag) = lag {
+                metrics::histogram!("inbox_lag_seconds", "consumer" => handler.consumer())
+                    .record(lag.as_secs_f64());
+            }
             let (_, msg, fingerprint) = &decoded[*index];
             let delivery = Delivery {
                 key,
