@@ -32,7 +32,28 @@ pub fn ledger_bin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let output = Command::new(cargo)
+        let mut command = Command::new(cargo);
+        // Not the variables cargo set for this test: build scripts that watch one of them (ring
+        // watches CARGO_MANIFEST_DIR) would run again and rebuild half the dependency tree.
+        for (name, _) in std::env::vars_os() {
+            let name = name.to_string_lossy();
+            if name.starts_with("CARGO_PKG_")
+                || [
+                    "CARGO_MANIFEST_DIR",
+                    "CARGO_MANIFEST_PATH",
+                    "CARGO_CRATE_NAME",
+                    "CARGO_BIN_NAME",
+                    "CARGO_PRIMARY_PACKAGE",
+                    "CARGO_TARGET_TMPDIR",
+                    "CARGO_RUSTC_CURRENT_DIR",
+                    "OUT_DIR",
+                ]
+                .contains(&&*name)
+            {
+                command.env_remove(&*name);
+            }
+        }
+        let output = command
             .current_dir(root())
             // `--workspace`: the same feature resolution as `cargo test --workspace`, so that
             // after scripts/test.sh's build this is a no-op rather than a rebuild.
