@@ -198,7 +198,7 @@ fn is_transient<H: Handler, T>(result: &Result<T, Error<H::Error>>) -> bool {
 }
 
 /// Counts the outcome and records it on the current span.
-fn observe<T, E>(consumer: &'static str, result: &Result<Outcome<T>, Error<E>>) {
+pub(crate) fn observe<T, E>(consumer: &'static str, result: &Result<Outcome<T>, Error<E>>) {
     let outcome = match result {
         Ok(outcome) => outcome.kind(),
         Err(Error::Handler(failure)) => match failure.disposition {

@@ -79,6 +79,7 @@
 #![warn(missing_docs, unreachable_pub, rust_2018_idioms)]
 
 pub mod admin;
+mod batch;
 mod classify;
 #[cfg(feature = "cli")]
 pub mod cli;

@@ -39,6 +39,21 @@ pub trait DynHandler: Send + Sync + 'static {
         msg: &'c AnyMessage,
         delivery: &'c Delivery<'c>,
     ) -> BoxFuture<'c, Result<Outcome<()>, Error<BoxError>>>;
+    /// Runs only the handler's body on `conn` (inside a caller's transaction), for batches.
+    fn call_body<'c>(
+        &'c self,
+        conn: AnyConnection<'c>,
+        msg: &'c AnyMessage,
+    ) -> BoxFuture<'c, Result<(), BodyError>>;
+    fn max_attempts(&self) -> Option<u32>;
+}
+
+/// A handler body's error, boxed, with its class and text.
+#[doc(hidden)]
+pub struct BodyError {
+    pub(crate) class: crate::ErrorClass,
+    pub(crate) text: String,
+    pub(crate) error: BoxError,
 }
 
 fn downcast<M: 'static>(msg: &AnyMessage) -> &M {
@@ -95,6 +110,28 @@ where
                 .map(|outcome| outcome.map(|_| ()))
                 .map_err(|error| error.map_handler(Into::into))
         })
+    }
+    fn call_body<'c>(
+        &'c self,
+        conn: AnyConnection<'c>,
+        msg: &'c AnyMessage,
+    ) -> BoxFuture<'c, Result<(), BodyError>> {
+        Box::pin(async move {
+            let conn = H::Connection::from_any(conn)
+                .expect("dispatcher routes only handlers of its own backend");
+            let msg = downcast::<H::Message>(msg).clone();
+            H::call(conn, msg)
+                .await
+                .map(|_| ())
+                .map_err(|error| BodyError {
+                    class: H::classify(&error),
+                    text: error.to_string(),
+                    error: error.into(),
+                })
+        })
+    }
+    fn max_attempts(&self) -> Option<u32> {
+        H::MAX_ATTEMPTS
     }
 }
 
@@ -192,10 +229,10 @@ pub struct ConsumerOutcome {
 /// # Ok(()) }
 /// ```
 pub struct Dispatcher<DB: InboxDatabase> {
-    pool: Pool<DB>,
-    routes: HashMap<&'static str, Vec<&'static dyn DynHandler>>,
-    policy: RetryPolicy,
-    park: ParkPolicy,
+    pub(crate) pool: Pool<DB>,
+    pub(crate) routes: HashMap<&'static str, Vec<&'static dyn DynHandler>>,
+    pub(crate) policy: RetryPolicy,
+    pub(crate) park: ParkPolicy,
 }
 
 impl<DB: InboxDatabase> fmt::Debug for Dispatcher<DB> {
@@ -313,6 +350,19 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         &self,
         envelope: &Envelope,
     ) -> Result<Vec<ConsumerOutcome>, DispatchError> {
+        let prepared = self.prepare(envelope)?;
+        let mut outcomes = Vec::with_capacity(prepared.items.len());
+        for item in &prepared.items {
+            outcomes.push(self.run_item(&prepared, item).await);
+        }
+        Ok(outcomes)
+    }
+
+    /// Decodes an envelope once per message type and reads every consumer's key and ordering.
+    pub(crate) fn prepare<'e>(
+        &self,
+        envelope: &'e Envelope,
+    ) -> Result<Prepared<'e>, DispatchError> {
         let handlers = self
             .routes
             .get(envelope.message_name.as_str())
@@ -322,7 +372,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
 
         // Decode once per message type (consumers of one name almost always share one type).
         let mut decoded: Vec<(TypeId, Box<AnyMessage>, Fingerprint)> = Vec::with_capacity(1);
-        let mut prepared = Vec::with_capacity(handlers.len());
+        let mut items = Vec::with_capacity(handlers.len());
         for handler in handlers {
             let index = match decoded
                 .iter()
@@ -354,9 +404,13 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             };
             let key = handler.key(&*decoded[index].1).map_err(key_error)?;
             let ordering = handler.ordering(&*decoded[index].1).map_err(key_error)?;
-            prepared.push((*handler, index, key, ordering));
+            items.push(PreparedItem {
+                handler: *handler,
+                message: index,
+                key,
+                ordering,
+            });
         }
-
         // Lag: how long after its production the message reaches its consumers.
         let lag = envelope
             .source
@@ -367,33 +421,44 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
                     .duration_since(at)
                     .unwrap_or_default()
             });
-        let mut outcomes = Vec::with_capacity(prepared.len());
-        for (handler, index, key, ordering) in &prepared {
-            if let Some(lag) = lag {
-                metrics::histogram!("inbox_lag_seconds", "consumer" => handler.consumer())
-                    .record(lag.as_secs_f64());
-            }
-            let (_, msg, fingerprint) = &decoded[*index];
-            let delivery = Delivery {
-                key,
-                fingerprint,
-                source: envelope.source.as_ref(),
-                payload: Some(&envelope.payload),
-                policy: &self.policy,
-                mode: ClaimMode::Deliver,
-                ordering: ordering.as_ref(),
-            };
-            let result = self.invoke(*handler, &**msg, &delivery).await;
-            if let (Ok(Outcome::Processed(())), Some(ordering)) = (&result, ordering) {
-                self.apply_parked_successors(*handler, ordering).await;
-            }
-            outcomes.push(ConsumerOutcome {
-                consumer: handler.consumer(),
-                function: handler.function(),
-                result,
-            });
+        Ok(Prepared {
+            envelope,
+            decoded,
+            items,
+            lag,
+        })
+    }
+
+    /// Runs one consumer of a prepared envelope in its own transaction (the single path).
+    pub(crate) async fn run_item(
+        &self,
+        prepared: &Prepared<'_>,
+        item: &PreparedItem,
+    ) -> ConsumerOutcome {
+        let handler = item.handler;
+        if let Some(lag) = prepared.lag {
+            metrics::histogram!("inbox_lag_seconds", "consumer" => handler.consumer())
+                .record(lag.as_secs_f64());
         }
-        Ok(outcomes)
+        let (_, msg, fingerprint) = &prepared.decoded[item.message];
+        let delivery = Delivery {
+            key: &item.key,
+            fingerprint,
+            source: prepared.envelope.source.as_ref(),
+            payload: Some(&prepared.envelope.payload),
+            policy: &self.policy,
+            mode: ClaimMode::Deliver,
+            ordering: item.ordering.as_ref(),
+        };
+        let result = self.invoke(handler, &**msg, &delivery).await;
+        if let (Ok(Outcome::Processed(())), Some(ordering)) = (&result, &item.ordering) {
+            self.apply_parked_successors(handler, ordering).await;
+        }
+        ConsumerOutcome {
+            consumer: handler.consumer(),
+            function: handler.function(),
+            result,
+        }
     }
 
     /// Runs one handler on a pooled connection; a connection lost on the way (the attempt's
@@ -625,6 +690,25 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         }
         Ok(report)
     }
+}
+
+/// An envelope decoded and keyed for each of its consumers.
+pub(crate) struct Prepared<'e> {
+    pub(crate) envelope: &'e Envelope,
+    /// One decoded message (and its fingerprint) per message type.
+    pub(crate) decoded: Vec<(TypeId, Box<AnyMessage>, Fingerprint)>,
+    /// One item per consumer, in consumer order.
+    pub(crate) items: Vec<PreparedItem>,
+    lag: Option<std::time::Duration>,
+}
+
+/// One consumer of a prepared envelope.
+pub(crate) struct PreparedItem {
+    pub(crate) handler: &'static dyn DynHandler,
+    /// Index into [`Prepared::decoded`].
+    pub(crate) message: usize,
+    pub(crate) key: IdempotencyKey,
+    pub(crate) ordering: Option<Ordering>,
 }
 
 /// What one [`Dispatcher::sweep_parked`] did.

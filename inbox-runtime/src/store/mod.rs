@@ -344,6 +344,29 @@ pub trait InboxConnection: sqlx::Connection + sealed::Sealed + Send + 'static {
         reason: &'c str,
     ) -> BoxFuture<'c, Result<bool, sqlx::Error>>;
 
+    /// The batch claim: one multi-row `INSERT … ON CONFLICT` for keys that are unique within
+    /// the batch. Per request, the attempts if claimed (free, or a failed key with the same
+    /// fingerprint), else `None`.
+    #[doc(hidden)]
+    fn claim_batch<'c>(
+        &'c mut self,
+        requests: &'c [ClaimRequest<'c>],
+    ) -> BoxFuture<'c, Result<Vec<Option<u32>>, sqlx::Error>>;
+
+    /// The stored rows of `(consumer, key)` pairs, as `(consumer, key, Existing { .. })`.
+    #[doc(hidden)]
+    fn existing_batch<'c>(
+        &'c mut self,
+        keys: &'c [(&'c str, &'c str)],
+    ) -> BoxFuture<'c, Result<Vec<(String, String, ClaimResult)>, sqlx::Error>>;
+
+    /// Turns a row claimed in the current transaction into a failed (or dead) attempt.
+    #[doc(hidden)]
+    fn fail_claimed<'c>(
+        &'c mut self,
+        record: &'c FailureRecord<'c>,
+    ) -> BoxFuture<'c, Result<Option<(String, u32)>, sqlx::Error>>;
+
     /// Type-erases this connection.
     #[doc(hidden)]
     fn as_any(&mut self) -> AnyConnection<'_>;

@@ -7,6 +7,18 @@ use super::{AnyConnection, Backend, InboxDatabase};
 use crate::BoxFuture;
 
 mod sql {
+    /// The database clock, as the batch claim writes it.
+    pub(super) const NOW: &str = "now()";
+
+    /// Turns a row claimed in this (batch) transaction into a failed attempt, after the
+    /// handler's savepoint was rolled back. `attempts` already counts this attempt.
+    pub(super) const FAIL_CLAIMED: &str = "UPDATE inbox_messages SET \
+         status = CASE WHEN $3 OR attempts >= $4 THEN 'dead' ELSE 'failed' END, \
+         last_error = $5, next_attempt_at = now() + $6 * interval '1 millisecond', \
+         payload = $7, processed_at = NULL \
+       WHERE consumer = $1 AND message_key = $2 \
+       RETURNING status, attempts";
+
     /// The claim, in one round trip. The INSERT is the transaction's first statement and never
     /// raises a unique violation (which would abort a PostgreSQL transaction): a free key is
     /// inserted; a `failed` key with the same fingerprint (or a `dead` one, on replay) is taken

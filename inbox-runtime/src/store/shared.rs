@@ -608,6 +608,111 @@ macro_rules! impl_inbox_connection {
                 })
             }
 
+            fn claim_batch<'c>(
+                &'c mut self,
+                requests: &'c [$crate::store::ClaimRequest<'c>],
+            ) -> $crate::BoxFuture<'c, Result<Vec<Option<u32>>, sqlx::Error>> {
+                use $sql as sql;
+                Box::pin(async move {
+                    let mut claimed = vec![None; requests.len()];
+                    if requests.is_empty() {
+                        return Ok(claimed);
+                    }
+                    let mut query = sqlx::QueryBuilder::<$db>::new(
+                        "INSERT INTO inbox_messages (consumer, message_key, message_name, \
+                         payload_hash, status, attempts, received_at, processed_at, source, \
+                         source_partition, source_offset) ",
+                    );
+                    query.push_values(requests, |mut row, request| {
+                        let (source, partition, offset) =
+                            $crate::store::source_parts(request.source);
+                        row.push_bind(request.consumer)
+                            .push_bind(request.message_key)
+                            .push_bind(request.message_name)
+                            .push_bind(request.payload_hash)
+                            .push("'processed'")
+                            .push("1")
+                            .push(sql::NOW)
+                            .push(sql::NOW)
+                            .push_bind(source)
+                            .push_bind(partition)
+                            .push_bind(offset);
+                    });
+                    query.push(concat!(
+                        " ON CONFLICT (consumer, message_key) DO UPDATE SET ",
+                        "status = 'processed', attempts = inbox_messages.attempts + 1, ",
+                        "processed_at = excluded.processed_at, next_attempt_at = NULL, ",
+                        "payload = NULL ",
+                        "WHERE inbox_messages.payload_hash = excluded.payload_hash ",
+                        "AND inbox_messages.status = 'failed' ",
+                        "RETURNING consumer, message_key, attempts"
+                    ));
+                    let rows: Vec<(String, String, i32)> =
+                        query.build_query_as().fetch_all(&mut *self).await?;
+                    for (consumer, key, attempts) in rows {
+                        if let Some(index) = requests
+                            .iter()
+                            .position(|r| r.consumer == consumer && r.message_key == key)
+                        {
+                            claimed[index] = Some(u32::try_from(attempts).unwrap_or(0));
+                        }
+                    }
+                    Ok(claimed)
+                })
+            }
+
+            fn existing_batch<'c>(
+                &'c mut self,
+                keys: &'c [(&'c str, &'c str)],
+            ) -> $crate::BoxFuture<'c, Result<Vec<(String, String, $crate::store::ClaimResult)>, sqlx::Error>>
+            {
+                Box::pin(async move {
+                    if keys.is_empty() {
+                        return Ok(Vec::new());
+                    }
+                    let mut query = sqlx::QueryBuilder::<$db>::new(
+                        "SELECT consumer, message_key, status, payload_hash, attempts \
+                         FROM inbox_messages WHERE (consumer, message_key) IN ",
+                    );
+                    query.push_tuples(keys, |mut row, (consumer, key)| {
+                        row.push_bind(*consumer).push_bind(*key);
+                    });
+                    let rows: Vec<(String, String, String, String, i32)> =
+                        query.build_query_as().fetch_all(&mut *self).await?;
+                    Ok(rows
+                        .into_iter()
+                        .map(|(consumer, key, status, payload_hash, attempts)| {
+                            let attempts = u32::try_from(attempts).unwrap_or(0);
+                            (consumer, key, $crate::store::ClaimResult::Existing {
+                                status,
+                                payload_hash,
+                                attempts,
+                            })
+                        })
+                        .collect())
+                })
+            }
+
+            fn fail_claimed<'c>(
+                &'c mut self,
+                r: &'c $crate::store::FailureRecord<'c>,
+            ) -> $crate::BoxFuture<'c, Result<Option<(String, u32)>, sqlx::Error>> {
+                use $sql as sql;
+                Box::pin(async move {
+                    let row: Option<(String, i32)> = sqlx::query_as(sql::FAIL_CLAIMED)
+                        .bind(r.consumer)
+                        .bind(r.message_key)
+                        .bind(r.permanent)
+                        .bind(i32::try_from(r.max_attempts).unwrap_or(i32::MAX))
+                        .bind(r.last_error)
+                        .bind(r.retry_delay_ms)
+                        .bind(r.payload)
+                        .fetch_optional(&mut *self)
+                        .await?;
+                    Ok(row.map(|(status, attempts)| (status, u32::try_from(attempts).unwrap_or(0))))
+                })
+            }
+
             fn as_any(&mut self) -> $crate::store::AnyConnection<'_> {
                 $crate::store::AnyConnection::$variant(self)
             }

@@ -7,6 +7,18 @@ use super::{AnyConnection, Backend, InboxDatabase};
 use crate::BoxFuture;
 
 mod sql {
+    /// The database clock, as the batch claim writes it.
+    pub(super) const NOW: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')";
+
+    /// See the PostgreSQL store.
+    pub(super) const FAIL_CLAIMED: &str = "UPDATE inbox_messages SET \
+         status = CASE WHEN $3 OR attempts >= $4 THEN 'dead' ELSE 'failed' END, \
+         last_error = $5, \
+         next_attempt_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', printf('%+.3f seconds', $6 / 1000.0)), \
+         payload = $7, processed_at = NULL \
+       WHERE consumer = $1 AND message_key = $2 \
+       RETURNING status, attempts";
+
     /// The claim (see the PostgreSQL store). SQLite serializes writers and the transaction is
     /// opened with `BEGIN IMMEDIATE`, so nothing can commit the key between this statement and
     /// the read that follows it when it returns no row.

@@ -1,0 +1,299 @@
+//! Batch claims: one transaction claims and processes a batch of deliveries.
+
+use std::collections::{HashMap, HashSet};
+
+use sqlx::Connection as _;
+
+use crate::error::{BoxError, Conflict, Disposition, Error, HandlerFailure};
+use crate::outcome::Outcome;
+use crate::registry::{ConsumerOutcome, Dispatcher, Prepared, PreparedItem};
+use crate::store::{
+    ClaimMode, ClaimRequest, ClaimResult, FailureRecord, InboxConnection, InboxDatabase, Rejection,
+    RejectionReason,
+};
+use crate::{DispatchError, ErrorClass, Fingerprint};
+
+/// Where one consumer's result comes from.
+enum Slot {
+    /// Settled by the batch transaction (after it committed).
+    Done(Result<Outcome<()>, Error<BoxError>>),
+    /// Run through the single path after the batch: ordered messages, keys repeated within the
+    /// batch, keys found `failed` meanwhile, transient failures, or everything if the batch
+    /// transaction itself failed.
+    Single,
+}
+
+impl<DB> Dispatcher<DB>
+where
+    DB: InboxDatabase,
+    DB::Connection: InboxConnection,
+{
+    /// Processes a batch of deliveries (as a broker poll returns them) in **one** transaction:
+    /// one multi-row claim statement for all of them, each handler isolated by a savepoint so that
+    /// one failure does not undo the others, one commit. Ack the deliveries after this returns.
+    ///
+    /// Returns one result per envelope, in order, exactly as [`Dispatcher::dispatch`] would:
+    /// the same outcomes and errors, the same guarantees. Failed attempts are recorded in the
+    /// batch transaction (`failed` with a next attempt time, or `dead`); conflicts are kept in
+    /// `inbox_rejections`.
+    ///
+    /// Some deliveries take the one-message-per-transaction path after the batch commits:
+    /// messages with per-aggregate ordering (their aggregate lock must not be held across the
+    /// batch), a key that appears twice in the batch (the later ones), a key found `failed`
+    /// (retried with its own claim), and transient failures (retried in-process). If the batch
+    /// transaction fails as a whole (lost connection, failed commit), every delivery of it takes
+    /// that path: the claims make that safe whatever had been committed.
+    pub async fn dispatch_batch(
+        &self,
+        envelopes: &[crate::Envelope],
+    ) -> Vec<Result<Vec<ConsumerOutcome>, DispatchError>> {
+        let prepared: Vec<Result<Prepared<'_>, DispatchError>> =
+            envelopes.iter().map(|e| self.prepare(e)).collect();
+        // (envelope, item) pairs that the batch transaction takes.
+        let mut batch: Vec<(usize, usize)> = Vec::new();
+        let mut seen = HashSet::new();
+        let mut slots: Vec<Vec<Slot>> = Vec::with_capacity(prepared.len());
+        for (e, p) in prepared.iter().enumerate() {
+            let mut env_slots = Vec::new();
+            if let Ok(p) = p {
+                for (i, item) in p.items.iter().enumerate() {
+                    let unique = seen.insert((item.handler.consumer(), item.key.as_str()));
+                    if unique && item.ordering.is_none() {
+                        batch.push((e, i));
+                    }
+                    env_slots.push(Slot::Single);
+                }
+            }
+            slots.push(env_slots);
+        }
+
+        // A fixed order of claims across concurrent batches keeps them from deadlocking.
+        batch.sort_by(|a, b| {
+            let key = |&(e, i): &(usize, usize)| {
+                let item = &prepared[e].as_ref().expect("batched").items[i];
+                (item.handler.consumer(), item.key.as_str())
+            };
+            key(a).cmp(&key(b))
+        });
+        if !batch.is_empty() {
+            match self.run_batch(&prepared, &batch).await {
+                Ok(results) => {
+                    for ((e, i), slot) in batch.iter().zip(results) {
+                        slots[*e][*i] = slot;
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(%error, size = batch.len(), "batch transaction failed; processing its messages one by one");
+                }
+            }
+        }
+
+        let mut results = Vec::with_capacity(prepared.len());
+        for (p, env_slots) in prepared.into_iter().zip(slots) {
+            let p = match p {
+                Ok(p) => p,
+                Err(error) => {
+                    results.push(Err(error));
+                    continue;
+                }
+            };
+            let mut outcomes = Vec::with_capacity(p.items.len());
+            for (item, slot) in p.items.iter().zip(env_slots) {
+                outcomes.push(match slot {
+                    Slot::Done(result) => {
+                        crate::handler::observe(item.handler.consumer(), &result);
+                        ConsumerOutcome {
+                            consumer: item.handler.consumer(),
+                            function: item.handler.function(),
+                            result,
+                        }
+                    }
+                    Slot::Single => self.run_item(&p, item).await,
+                });
+            }
+            results.push(Ok(outcomes));
+        }
+        results
+    }
+
+    /// The batch transaction. An `Err` means nothing of it is known to be committed.
+    async fn run_batch(
+        &self,
+        prepared: &[Result<Prepared<'_>, DispatchError>],
+        batch: &[(usize, usize)],
+    ) -> Result<Vec<Slot>, sqlx::Error> {
+        let item = |&(e, i): &(usize, usize)| -> (&Prepared<'_>, &PreparedItem) {
+            let p = prepared[e]
+                .as_ref()
+                .expect("only prepared envelopes are batched");
+            (p, &p.items[i])
+        };
+        let hashes: Vec<String> = batch
+            .iter()
+            .map(|at| {
+                let (p, it) = item(at);
+                p.decoded[it.message].2.to_hex()
+            })
+            .collect();
+        let requests: Vec<ClaimRequest<'_>> = batch
+            .iter()
+            .zip(&hashes)
+            .map(|(at, hash)| {
+                let (p, it) = item(at);
+                ClaimRequest {
+                    consumer: it.handler.consumer(),
+                    message_key: it.key.as_str(),
+                    message_name: it.handler.message_name(),
+                    payload_hash: hash,
+                    source: p.envelope.source.as_ref(),
+                    mode: ClaimMode::Deliver,
+                }
+            })
+            .collect();
+
+        let mut conn = self.pool.acquire().await?;
+        let mut tx = conn.begin_inbox().await?;
+        let claimed = DB::Connection::in_transaction(&mut tx)
+            .claim_batch(&requests)
+            .await?;
+        let taken: Vec<(&str, &str)> = requests
+            .iter()
+            .zip(&claimed)
+            .filter(|(_, claimed)| claimed.is_none())
+            .map(|(r, _)| (r.consumer, r.message_key))
+            .collect();
+        let existing: HashMap<(String, String), ClaimResult> =
+            DB::Connection::in_transaction(&mut tx)
+                .existing_batch(&taken)
+                .await?
+                .into_iter()
+                .map(|(consumer, key, found)| ((consumer, key), found))
+                .collect();
+
+        let mut slots = Vec::with_capacity(batch.len());
+        for ((at, request), claimed) in batch.iter().zip(&requests).zip(&claimed) {
+            let (p, it) = item(at);
+            let (_, msg, fingerprint) = &p.decoded[it.message];
+            let Some(attempts) = *claimed else {
+                let found =
+                    existing.get(&(request.consumer.to_owned(), request.message_key.to_owned()));
+                slots.push(match found {
+                    Some(ClaimResult::Existing {
+                        status,
+                        payload_hash,
+                        ..
+                    }) => {
+                        if payload_hash != request.payload_hash {
+                            let conflict = Conflict {
+                                consumer: it.handler.consumer(),
+                                message_name: it.handler.message_name(),
+                                key: it.key.clone(),
+                                stored: Fingerprint::from_hex(payload_hash).unwrap_or(*fingerprint),
+                                received: *fingerprint,
+                            };
+                            let detail = conflict.to_string();
+                            let rejection = Rejection {
+                                consumer: Some(it.handler.consumer()),
+                                message_key: Some(it.key.as_str()),
+                                message_name: it.handler.message_name(),
+                                reason: RejectionReason::Conflict,
+                                detail: &detail,
+                                payload_hash: Some(request.payload_hash),
+                                payload: &p.envelope.payload,
+                                source: p.envelope.source.as_ref(),
+                            };
+                            DB::Connection::in_transaction(&mut tx)
+                                .record_rejection(&rejection)
+                                .await?;
+                            Slot::Done(Err(Error::Conflict(conflict)))
+                        } else {
+                            match status.as_str() {
+                                "processed" => Slot::Done(Ok(Outcome::Duplicate)),
+                                "dead" => Slot::Done(Ok(Outcome::Dead)),
+                                "discarded" => Slot::Done(Ok(Outcome::Discarded)),
+                                "stale" => Slot::Done(Ok(Outcome::Stale)),
+                                "parked" => Slot::Done(Ok(Outcome::Parked)),
+                                _ => Slot::Single,
+                            }
+                        }
+                    }
+                    _ => Slot::Single,
+                });
+                continue;
+            };
+
+            // The handler, isolated by a savepoint.
+            let mut savepoint = DB::Connection::in_transaction(&mut tx).begin().await?;
+            let body = it
+                .handler
+                .call_body(
+                    DB::Connection::in_transaction(&mut savepoint).as_any(),
+                    &**msg,
+                )
+                .await;
+            match body {
+                Ok(()) => {
+                    savepoint.commit().await?;
+                    slots.push(Slot::Done(Ok(Outcome::Processed(()))));
+                }
+                Err(failure) => {
+                    savepoint.rollback().await?;
+                    let max_attempts = it
+                        .handler
+                        .max_attempts()
+                        .unwrap_or(self.policy.max_attempts)
+                        .max(1);
+                    let retry_delay = self.policy.retry_delay(attempts.max(1));
+                    let last_error = self.policy.bounded_error(format!(
+                        "{} error: {}",
+                        failure.class.as_str(),
+                        failure.text
+                    ));
+                    let record = FailureRecord {
+                        consumer: it.handler.consumer(),
+                        message_key: it.key.as_str(),
+                        message_name: it.handler.message_name(),
+                        payload_hash: request.payload_hash,
+                        permanent: failure.class == ErrorClass::Permanent,
+                        max_attempts,
+                        last_error: &last_error,
+                        retry_delay_ms: i64::try_from(retry_delay.as_millis()).unwrap_or(i64::MAX),
+                        payload: &p.envelope.payload,
+                        source: p.envelope.source.as_ref(),
+                        aggregate_id: None,
+                        sequence: None,
+                    };
+                    let recorded = DB::Connection::in_transaction(&mut tx)
+                        .fail_claimed(&record)
+                        .await?;
+                    if failure.class == ErrorClass::Transient
+                        && recorded
+                            .as_ref()
+                            .is_some_and(|(status, _)| status == "failed")
+                    {
+                        // Retried in-process on the single path, after the batch commits.
+                        slots.push(Slot::Single);
+                        continue;
+                    }
+                    let (disposition, attempts) = match recorded {
+                        Some((status, attempts)) if status == "dead" => {
+                            (Disposition::Dead, attempts)
+                        }
+                        Some((_, attempts)) => {
+                            (Disposition::Retry { after: retry_delay }, attempts)
+                        }
+                        None => (Disposition::NotRecorded, attempts),
+                    };
+                    slots.push(Slot::Done(Err(Error::Handler(HandlerFailure {
+                        error: failure.error,
+                        class: failure.class,
+                        attempts,
+                        disposition,
+                    }))));
+                }
+            }
+        }
+        tx.commit().await?;
+        Ok(slots)
+    }
+}

@@ -1,0 +1,211 @@
+//! Batch claims on both backends: the same outcomes and effects as one message per
+//! transaction, with duplicates inside a batch, a failing message in the middle, conflicts.
+
+#![allow(missing_docs)]
+
+use inbox_runtime::{Classify, ErrorClass, Message};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[message(name = "test.transfer")]
+pub struct Transfer {
+    #[message(key)]
+    pub id: String,
+    pub account: String,
+    pub amount: i64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    #[error("account {0} is frozen")]
+    Frozen(String),
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+impl Classify for TransferError {
+    fn class(&self) -> ErrorClass {
+        match self {
+            TransferError::Frozen(_) => ErrorClass::Permanent,
+            TransferError::Db(error) => error.class(),
+        }
+    }
+}
+
+pub fn transfer(id: &str, account: &str, amount: i64) -> inbox_runtime::Envelope {
+    let t = Transfer {
+        id: id.into(),
+        account: account.into(),
+        amount,
+    };
+    inbox_runtime::Envelope::new(Transfer::NAME, serde_json::to_vec(&t).unwrap())
+}
+
+macro_rules! batch_tests {
+    ($backend:ident, $conn:ty, $db:ty, $pool:expr) => {
+        mod $backend {
+            use super::*;
+            use inbox_runtime::{Dispatcher, Envelope, Outcome};
+            use inbox_tests::APPLY_EFFECT;
+
+            #[inbox_runtime::idempotent(consumer = "bank")]
+            async fn apply_transfer(conn: &mut $conn, msg: Transfer) -> Result<(), TransferError> {
+                sqlx::query(APPLY_EFFECT)
+                    .bind(&msg.account)
+                    .bind(msg.amount)
+                    .execute(&mut *conn)
+                    .await?;
+                // The write above is undone with the savepoint when the account is frozen.
+                if msg.account == "frozen" {
+                    return Err(TransferError::Frozen(msg.account));
+                }
+                Ok(())
+            }
+
+            type Kinds = Vec<Result<Vec<&'static str>, String>>;
+
+            fn kinds(results: Vec<Result<Vec<inbox_runtime::ConsumerOutcome>, inbox_runtime::DispatchError>>) -> Kinds {
+                results
+                    .into_iter()
+                    .map(|r| match r {
+                        Ok(outcomes) => Ok(outcomes
+                            .into_iter()
+                            .map(|o| match o.result {
+                                Ok(outcome) => outcome.kind(),
+                                Err(inbox_runtime::Error::Handler(f)) if f.disposition == inbox_runtime::Disposition::Dead => "dead-lettered",
+                                Err(error) => error.kind(),
+                            })
+                            .collect()),
+                        Err(error) => Err(error.to_string().split(':').next().unwrap().to_owned()),
+                    })
+                    .collect()
+            }
+
+            async fn balances(pool: &sqlx::Pool<$db>) -> Vec<(String, i64, i64)> {
+                sqlx::query_as("SELECT effect_key, applied, total FROM effects ORDER BY effect_key")
+                    .fetch_all(pool)
+                    .await
+                    .unwrap()
+            }
+
+            #[tokio::test]
+            async fn a_batch_with_duplicates_a_failure_and_a_conflict() {
+                let (pool, _guard) = $pool;
+                let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+                // Processed before the batch: t0 (its redelivery is a duplicate, a changed one a
+                // conflict).
+                dispatcher.dispatch(&transfer("t0", "a", 1)).await.unwrap();
+                let reordered = Envelope::new(Transfer::NAME, br#"{ "amount": 5, "account": "b", "id": "t2" }"#.to_vec());
+                let batch = [
+                    transfer("t1", "a", 10),
+                    transfer("t2", "b", 5),
+                    transfer("t3", "frozen", 7),
+                    reordered,
+                    transfer("t1", "a", 10),
+                    transfer("t0", "a", 1),
+                    transfer("t0", "a", 2),
+                    Envelope::new(Transfer::NAME, b"{oops".to_vec()),
+                    transfer("t4", "b", 3),
+                ];
+                let results = kinds(dispatcher.dispatch_batch(&batch).await);
+                assert_eq!(
+                    results,
+                    vec![
+                        Ok(vec!["processed"]),
+                        Ok(vec!["processed"]),
+                        Ok(vec!["dead-lettered"]),
+                        Ok(vec!["duplicate"]),
+                        Ok(vec!["duplicate"]),
+                        Ok(vec!["duplicate"]),
+                        Ok(vec!["conflict"]),
+                        Err("malformed payload for message `test.transfer` at line 1, column 2".to_owned()),
+                        Ok(vec!["processed"]),
+                    ]
+                );
+                assert_eq!(
+                    balances(&pool).await,
+                    [("a".to_owned(), 2, 11), ("b".to_owned(), 2, 8)]
+                );
+                // One claim statement took them all (the database clock is read once per
+                // statement): they were not processed one transaction each.
+                let claims: i64 = sqlx::query_scalar(
+                    "SELECT COUNT(DISTINCT received_at) FROM inbox_messages WHERE message_key IN ('t1', 't2', 't3', 't4')",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                assert_eq!(claims, 1);
+                let dead = inbox_runtime::admin::show(&pool, "bank", "t3").await.unwrap().unwrap();
+                assert_eq!((dead.status.as_str(), dead.attempts), ("dead", 1));
+                assert!(dead.payload.is_some());
+                let conflicts: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM inbox_rejections WHERE reason = 'conflict'")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+                assert_eq!(conflicts, 1);
+                // The whole batch again: all settled.
+                let again = kinds(dispatcher.dispatch_batch(&batch).await);
+                assert_eq!(again[0], Ok(vec!["duplicate"]));
+                assert_eq!(again[2], Ok(vec!["dead"]));
+                assert_eq!(again[6], Ok(vec!["conflict"]));
+                assert_eq!(balances(&pool).await, [("a".to_owned(), 2, 11), ("b".to_owned(), 2, 8)]);
+            }
+
+            #[tokio::test]
+            async fn batches_and_single_messages_agree_on_a_random_stream() {
+                use rand::seq::SliceRandom;
+                use rand::{Rng, SeedableRng};
+                let (pool, _guard) = $pool;
+                let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+                let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+                let mut stream = Vec::new();
+                for i in 0..300 {
+                    let account = ["x", "y", "z", "frozen"][rng.random_range(0..4)];
+                    stream.push((format!("s{i}"), account, rng.random_range(1..100_i64)));
+                }
+                for _ in 0..150 {
+                    let pick = stream[rng.random_range(0..300)].clone();
+                    stream.push(pick);
+                }
+                stream.shuffle(&mut rng);
+                // Expected from the model: each id once; frozen ones never applied.
+                let mut seen = std::collections::HashSet::new();
+                let mut expected = std::collections::BTreeMap::<String, (i64, i64)>::new();
+                for (id, account, amount) in &stream {
+                    if seen.insert(id.clone()) && *account != "frozen" {
+                        let e = expected.entry(account.to_string()).or_default();
+                        e.0 += 1;
+                        e.1 += amount;
+                    }
+                }
+                let envelopes: Vec<Envelope> = stream.iter().map(|(id, account, amount)| transfer(id, account, *amount)).collect();
+                let mut batched = Vec::new();
+                for chunk in envelopes.chunks(37) {
+                    batched.extend(kinds(dispatcher.dispatch_batch(chunk).await));
+                }
+                let expected: Vec<(String, i64, i64)> = expected.into_iter().map(|(k, (n, t))| (k, n, t)).collect();
+                assert_eq!(balances(&pool).await, expected);
+                let processed = batched.iter().filter(|k| **k == Ok(vec!["processed"])).count();
+                let dead = batched.iter().filter(|k| **k == Ok(vec!["dead-lettered"])).count();
+                assert_eq!(processed + dead, 300);
+                assert_eq!(batched.len() - processed - dead, 150);
+                // Every redelivery is a duplicate or (of a dead one) dead.
+                assert!(batched.iter().all(|k| [Ok(vec!["processed"]), Ok(vec!["dead-lettered"]), Ok(vec!["duplicate"]), Ok(vec!["dead"])].contains(k)));
+                let _ = Outcome::<()>::Duplicate;
+            }
+        }
+    };
+}
+
+batch_tests!(
+    postgres,
+    sqlx::PgConnection,
+    sqlx::Postgres,
+    (inbox_tests::pg_pool(4).await, ())
+);
+batch_tests!(
+    sqlite,
+    sqlx::SqliteConnection,
+    sqlx::Sqlite,
+    inbox_tests::sqlite_pool(2).await
+);
