@@ -4,6 +4,8 @@
 #   scripts/pg.sh start   # initdb in $INBOX_PG_DIR (default /tmp/inbox-pg), start on $INBOX_PG_PORT
 #                         # (default 54329), create database `inbox`, print the DATABASE_URL
 #   scripts/pg.sh stop    # stop it and delete the data directory
+#   scripts/pg.sh restart # restart the running server (fast shutdown: open connections are cut),
+#                         # same data and options; for tests of a database that goes away
 #   scripts/pg.sh url     # print the DATABASE_URL
 #
 # PostgreSQL refuses to run as root, so as root the server runs as the `postgres` user.
@@ -13,6 +15,7 @@ set -euo pipefail
 PG_DIR=${INBOX_PG_DIR:-/tmp/inbox-pg}
 PG_PORT=${INBOX_PG_PORT:-54329}
 URL="postgres://postgres@127.0.0.1:${PG_PORT}/inbox"
+PG_OPTS="-c listen_addresses=127.0.0.1 -c port=$PG_PORT -c unix_socket_directories=$PG_DIR -c max_connections=200 -c fsync=on"
 
 pg_bin() {
   local dir
@@ -44,11 +47,23 @@ start() {
   as_pg "$bin/initdb" -D "$PG_DIR/data" -U postgres -A trust -E UTF8 --no-locale >"$PG_DIR/initdb.log" 2>&1 \
     || { cat "$PG_DIR/initdb.log" >&2; exit 1; }
   as_pg "$bin/pg_ctl" -D "$PG_DIR/data" -l "$PG_DIR/server.log" -w -t 60 start \
-    -o "-c listen_addresses=127.0.0.1 -c port=$PG_PORT -c unix_socket_directories=$PG_DIR -c max_connections=200 -c fsync=on" >/dev/null \
+    -o "$PG_OPTS" >/dev/null \
     || { cat "$PG_DIR/server.log" >&2; exit 1; }
   as_pg "$bin/psql" -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -qAt \
     -c "CREATE DATABASE inbox" >/dev/null
   echo "$URL"
+}
+
+restart() {
+  local bin
+  bin=$(pg_bin) || { echo "pg.sh: no PostgreSQL binaries" >&2; exit 1; }
+  if ! [ -f "$PG_DIR/data/postmaster.pid" ]; then
+    echo "pg.sh: no server running in $PG_DIR (start it first)" >&2
+    exit 1
+  fi
+  as_pg "$bin/pg_ctl" -D "$PG_DIR/data" -l "$PG_DIR/server.log" -m fast -w -t 60 restart \
+    -o "$PG_OPTS" >/dev/null \
+    || { tail -n 20 "$PG_DIR/server.log" >&2; exit 1; }
 }
 
 stop() {
@@ -63,6 +78,7 @@ stop() {
 case "${1:-}" in
   start) start ;;
   stop) stop ;;
+  restart) restart ;;
   url) echo "$URL" ;;
-  *) echo "usage: $0 start|stop|url" >&2; exit 2 ;;
+  *) echo "usage: $0 start|stop|restart|url" >&2; exit 2 ;;
 esac
