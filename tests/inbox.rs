@@ -273,6 +273,32 @@ macro_rules! backend_tests {
             }
 
             #[tokio::test]
+            async fn deliveries_marked_as_redelivered_take_the_fast_path_with_the_same_outcomes() {
+                let (pool, _guard) = $pool;
+                let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+                let redelivered = |payload: &[u8]| {
+                    Envelope::new("test.note", payload.to_vec())
+                        .with_source(inbox_runtime::SourceMetadata::new("queue").redelivered(true))
+                };
+                let kinds = |outcomes: Vec<inbox_runtime::ConsumerOutcome>| {
+                    outcomes.into_iter().map(|o| o.result.map(|r| r.kind()).map_err(|e| e.kind())).collect::<Vec<_>>()
+                };
+                // Marked as redelivered but never seen: processed as usual.
+                let first = dispatcher.dispatch(&redelivered(br#"{"id":"f","amount":2,"memo":"q"}"#)).await.unwrap();
+                assert_eq!(kinds(first), [Ok("processed"); 3]);
+                let again = dispatcher.dispatch(&redelivered(br#"{"memo":"q","id":"f","amount":2}"#)).await.unwrap();
+                assert_eq!(kinds(again), [Ok("duplicate"); 3]);
+                let changed = dispatcher.dispatch(&redelivered(br#"{"id":"f","amount":3,"memo":"q"}"#)).await.unwrap();
+                assert_eq!(kinds(changed), [Err("conflict"); 3]);
+                assert_eq!(effect(&pool, "note:f").await, Some((1, 2)));
+                let source: Option<String> = sqlx::query_scalar("SELECT source FROM inbox_messages WHERE consumer = 'effects' AND message_key = 'f'")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+                assert_eq!(source.as_deref(), Some("queue"));
+            }
+
+            #[tokio::test]
             async fn conflict_inside_a_callers_transaction_and_savepoint_semantics() {
                 let (pool, _guard) = $pool;
                 let mut conn = pool.acquire().await.unwrap();

@@ -261,6 +261,30 @@ async fn attempt<H: Handler>(
         mode: delivery.mode,
     };
 
+    // A delivery the source marks as a redelivery is most likely a duplicate: one read, with no
+    // transaction, settles it. A key that is free or `failed` takes the usual path.
+    if delivery.mode == ClaimMode::Deliver && delivery.source.is_some_and(|s| s.redelivered) {
+        let existing = conn
+            .existing(H::CONSUMER, key.as_str())
+            .await
+            .map_err(store_error("claim"))?;
+        if let Some(ClaimResult::Existing {
+            status,
+            payload_hash: stored_hash,
+            ..
+        }) = existing
+        {
+            if status != "failed" {
+                return settle_existing::<H>(&status, &stored_hash, delivery).map_err(
+                    |e| match e {
+                        Settle::Conflict(conflict) => Error::Conflict(conflict),
+                        Settle::Corrupt(source) => store_error("claim")(source).into(),
+                    },
+                );
+            }
+        }
+    }
+
     let started = Instant::now();
     let mut tx = conn.begin_inbox().await.map_err(store_error("begin"))?;
     let claimed = H::Connection::in_transaction(&mut tx).claim(&request).await;
@@ -319,22 +343,38 @@ async fn attempt<H: Handler>(
     };
     tx.rollback().await.map_err(store_error("rollback"))?;
     tracing::Span::current().record("attempts", attempts);
-    if stored_hash != payload_hash {
-        let stored = Fingerprint::from_hex(&stored_hash).ok_or_else(|| {
-            store_error("claim")(sqlx::Error::Decode(
+    settle_existing::<H>(&status, &stored_hash, delivery).map_err(|e| match e {
+        Settle::Conflict(conflict) => Error::Conflict(conflict),
+        Settle::Corrupt(source) => store_error("claim")(source).into(),
+    })
+}
+
+enum Settle {
+    Conflict(Conflict),
+    Corrupt(sqlx::Error),
+}
+
+/// The outcome of a delivery whose key is already settled in the inbox (not claimable).
+fn settle_existing<H: Handler>(
+    status: &str,
+    stored_hash: &str,
+    delivery: &Delivery<'_>,
+) -> Result<Outcome<H::Output>, Settle> {
+    if stored_hash != delivery.fingerprint.to_hex() {
+        let stored = Fingerprint::from_hex(stored_hash).ok_or_else(|| {
+            Settle::Corrupt(sqlx::Error::Decode(
                 format!("stored payload_hash {stored_hash:?} is not a SHA-256 hex digest").into(),
             ))
         })?;
-        return Err(Conflict {
+        return Err(Settle::Conflict(Conflict {
             consumer: H::CONSUMER,
             message_name: <H::Message as Message>::NAME,
-            key: key.clone(),
+            key: delivery.key.clone(),
             stored,
             received: *delivery.fingerprint,
-        }
-        .into());
+        }));
     }
-    Ok(match status.as_str() {
+    Ok(match status {
         "dead" => Outcome::Dead,
         "discarded" => Outcome::Discarded,
         "parked" => Outcome::Parked,

@@ -232,6 +232,15 @@ pub trait InboxConnection: sqlx::Connection + sealed::Sealed + Send + 'static {
         request: &'c ClaimRequest<'c>,
     ) -> BoxFuture<'c, Result<ClaimResult, sqlx::Error>>;
 
+    /// The stored status, fingerprint and attempts of a key, read outside any transaction (the
+    /// redelivery fast path), or `None`.
+    #[doc(hidden)]
+    fn existing<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        key: &'c str,
+    ) -> BoxFuture<'c, Result<Option<ClaimResult>, sqlx::Error>>;
+
     /// Records a failed attempt in its own statement (autocommit): `failed` or `dead`, attempts
     /// + 1, last error, next attempt time, payload. Returns the stored status and attempts, or
     /// `None` if the key is no longer failed (processed by a concurrent delivery meanwhile).

@@ -343,6 +343,28 @@ macro_rules! impl_inbox_connection {
                 })
             }
 
+            fn existing<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                key: &'c str,
+            ) -> $crate::BoxFuture<'c, Result<Option<$crate::store::ClaimResult>, sqlx::Error>> {
+                Box::pin(async move {
+                    let row: Option<(String, String, i32)> =
+                        sqlx::query_as($crate::store::shared::EXISTING)
+                            .bind(consumer)
+                            .bind(key)
+                            .fetch_optional(&mut *self)
+                            .await?;
+                    Ok(row.map(|(status, payload_hash, attempts)| {
+                        $crate::store::ClaimResult::Existing {
+                            status,
+                            payload_hash,
+                            attempts: u32::try_from(attempts).unwrap_or(0),
+                        }
+                    }))
+                })
+            }
+
             fn record_failure<'c>(
                 &'c mut self,
                 r: &'c $crate::store::FailureRecord<'c>,
