@@ -219,6 +219,8 @@ mod tests {
     struct Wrapper(#[source] Permanent);
 
     #[test]
+    // The borrows are the mechanism: each `&` level selects another probe.
+    #[allow(clippy::needless_borrow)]
     fn probes_pick_the_most_specific_classification() {
         assert_eq!(
             (&&&Probe(&Permanent::new("x"))).inbox_class(),

@@ -135,8 +135,10 @@ pub async fn run<H: Handler>(
         ordering: ordering.as_ref(),
     };
     let result = run_delivery::<H>(conn, &msg, &delivery).await;
-    if let (Ok(Outcome::Processed(_)), Some(ordering)) = (&result, &ordering) {
-        if H::GAPS == GapPolicy::Park {
+    if let (Ok(Outcome::Processed(_)), Some(ordering)) = (&result, &ordering)
+        && H::GAPS == GapPolicy::Park
+    {
+        {
             crate::registry::apply_parked_successors(conn.as_any(), H::CONSUMER, ordering, &policy)
                 .await;
         }
@@ -273,8 +275,9 @@ async fn attempt<H: Handler>(
             payload_hash: stored_hash,
             ..
         }) = existing
+            && status != "failed"
         {
-            if status != "failed" {
+            {
                 return settle_existing::<H>(&status, &stored_hash, delivery).map_err(
                     |e| match e {
                         Settle::Conflict(conflict) => Error::Conflict(conflict),

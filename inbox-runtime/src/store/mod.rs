@@ -55,6 +55,10 @@ mod sealed {
     impl Sealed for sqlx::Sqlite {}
 }
 
+/// A stored row found by the batch claim: `(consumer, key, Existing { .. })`.
+#[doc(hidden)]
+pub(crate) type ExistingRow = (String, String, ClaimResult);
+
 /// A borrowed connection of any supported backend (used by the type-erased dispatcher).
 #[doc(hidden)]
 pub enum AnyConnection<'c> {
@@ -367,7 +371,7 @@ pub trait InboxConnection: sqlx::Connection + sealed::Sealed + Send + 'static {
     fn existing_batch<'c>(
         &'c mut self,
         keys: &'c [(&'c str, &'c str)],
-    ) -> BoxFuture<'c, Result<Vec<(String, String, ClaimResult)>, sqlx::Error>>;
+    ) -> BoxFuture<'c, Result<Vec<ExistingRow>, sqlx::Error>>;
 
     /// Turns a row claimed in the current transaction into a failed (or dead) attempt.
     #[doc(hidden)]
