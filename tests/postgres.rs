@@ -281,3 +281,45 @@ async fn connection_killed_mid_transaction_loses_nothing_and_applies_once() {
             .unwrap();
     assert_eq!(applied, 1);
 }
+
+/// A handler that swallows a database error and returns `Ok`.
+#[inbox_runtime::idempotent(consumer = "careless")]
+pub async fn careless(conn: &mut PgConnection, msg: Slow) -> Result<(), sqlx::Error> {
+    sqlx::query(APPLY_EFFECT)
+        .bind(format!("careless:{}", msg.id))
+        .bind(1_i64)
+        .execute(&mut *conn)
+        .await?;
+    // Division by zero: the transaction is now aborted; the error is dropped.
+    let _ = sqlx::query("SELECT 1 / 0").execute(&mut *conn).await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_handler_that_swallows_a_database_error_is_not_reported_processed() {
+    let pool = inbox_tests::pg_pool(2).await;
+    let mut conn = pool.acquire().await.unwrap();
+    let msg = || Slow {
+        id: "c".into(),
+        variant: 0,
+    };
+    let error = careless(&mut conn, msg()).await.unwrap_err();
+    assert!(
+        matches!(&error, Error::Database(e) if e.operation == "verify"),
+        "{error:?}"
+    );
+    // Nothing committed: no claim, no effect; a redelivery runs again (and fails the same way).
+    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM inbox_messages")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let effects: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM effects")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!((rows, effects), (0, 0));
+    assert_eq!(
+        careless(&mut conn, msg()).await.unwrap_err().kind(),
+        "database"
+    );
+}

@@ -231,6 +231,21 @@ where
                     &**msg,
                 )
                 .await;
+            // As on the single path: a body that swallowed a database error and returned `Ok`
+            // must not be reported processed.
+            let body = match body {
+                Ok(()) => DB::Connection::in_transaction(&mut savepoint)
+                    .verify_claim(it.handler.consumer(), it.key.as_str())
+                    .await
+                    .map_err(|error| crate::registry::BodyError {
+                        class: ErrorClass::Retryable,
+                        text: format!(
+                            "the handler returned Ok from an aborted transaction: {error}"
+                        ),
+                        error: Box::new(error),
+                    }),
+                Err(failure) => Err(failure),
+            };
             match body {
                 Ok(()) => {
                     savepoint.commit().await?;

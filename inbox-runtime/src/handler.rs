@@ -316,6 +316,16 @@ async fn attempt<H: Handler>(
                 .record(started.elapsed().as_secs_f64());
             return match result {
                 Ok(value) => {
+                    // A handler that swallowed a database error and returned `Ok` leaves a
+                    // PostgreSQL transaction aborted, and COMMIT would then roll back without an
+                    // error: check first, so that such a message is not reported processed.
+                    let verified = H::Connection::in_transaction(&mut tx)
+                        .verify_claim(H::CONSUMER, key.as_str())
+                        .await;
+                    if let Err(source) = verified {
+                        let _ = tx.rollback().await;
+                        return Err(store_error("verify")(source).into());
+                    }
                     tx.commit().await.map_err(store_error("commit"))?;
                     Ok(Outcome::Processed(value))
                 }

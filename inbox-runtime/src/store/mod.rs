@@ -236,6 +236,17 @@ pub trait InboxConnection: sqlx::Connection + sealed::Sealed + Send + 'static {
         request: &'c ClaimRequest<'c>,
     ) -> BoxFuture<'c, Result<ClaimResult, sqlx::Error>>;
 
+    /// Checks, before COMMIT, that the transaction holding the claim of `key` is still usable:
+    /// on PostgreSQL one cheap read that fails if the handler left the transaction aborted
+    /// (there COMMIT would silently roll back); nothing on SQLite (a failed statement does not
+    /// abort a SQLite transaction, and one that rolls it back makes COMMIT fail).
+    #[doc(hidden)]
+    fn verify_claim<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        key: &'c str,
+    ) -> BoxFuture<'c, Result<(), sqlx::Error>>;
+
     /// The stored status, fingerprint and attempts of a key, read outside any transaction (the
     /// redelivery fast path), or `None`.
     #[doc(hidden)]

@@ -7,6 +7,10 @@ use super::{AnyConnection, Backend, InboxDatabase};
 use crate::BoxFuture;
 
 mod sql {
+    /// Fails with SQLSTATE 25P02 if the transaction was left aborted.
+    pub(super) const VERIFY_CLAIM: Option<&str> =
+        Some("SELECT 1 FROM inbox_messages WHERE consumer = $1 AND message_key = $2");
+
     /// The database clock, as the batch claim writes it.
     pub(super) const NOW: &str = "now()";
 

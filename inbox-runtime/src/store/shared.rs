@@ -343,6 +343,30 @@ macro_rules! impl_inbox_connection {
                 })
             }
 
+            fn verify_claim<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                key: &'c str,
+            ) -> $crate::BoxFuture<'c, Result<(), sqlx::Error>> {
+                use $sql as sql;
+                Box::pin(async move {
+                    let Some(verify) = sql::VERIFY_CLAIM else {
+                        return Ok(());
+                    };
+                    let found: Option<i32> = sqlx::query_scalar(verify)
+                        .bind(consumer)
+                        .bind(key)
+                        .fetch_optional(&mut *self)
+                        .await?;
+                    match found {
+                        Some(_) => Ok(()),
+                        None => Err(sqlx::Error::Protocol(
+                            "the claim is gone from the handler's transaction".into(),
+                        )),
+                    }
+                })
+            }
+
             fn existing<'c>(
                 &'c mut self,
                 consumer: &'c str,

@@ -7,6 +7,9 @@ use super::{AnyConnection, Backend, InboxDatabase};
 use crate::BoxFuture;
 
 mod sql {
+    /// Not needed on SQLite (see `InboxConnection::verify_claim`).
+    pub(super) const VERIFY_CLAIM: Option<&str> = None;
+
     /// The database clock, as the batch claim writes it.
     pub(super) const NOW: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')";
 
