@@ -21,11 +21,8 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use support::*;
 
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
+/// One test at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn rabbitmqctl(args: &[&str]) -> String {
     let output = Command::new(root().join("scripts/brokers.sh"))
@@ -84,7 +81,7 @@ async fn connect() -> Connection {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn amqp_source_maps_and_settles_deliveries() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let queue = unique("amqp_unit");
     let connection = connect().await;
     let channel = connection.create_channel().await.unwrap();
@@ -208,7 +205,7 @@ async fn amqp_source_maps_and_settles_deliveries() {
 /// by the broker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn amqp_ledger_survives_five_sigkills() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let queue = unique("ledger_kill");
     let db = fresh_database(&unique("amqp_kill")).await;
     let log = log_file("amqp_kill");
@@ -246,7 +243,7 @@ async fn amqp_ledger_survives_five_sigkills() {
 /// has its event committed; then a second run completes the ledger exactly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn amqp_ledger_sigterm_acks_only_committed() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let queue = unique("ledger_term");
     let db = fresh_database(&unique("amqp_term")).await;
     let log = log_file("amqp_term");
@@ -313,7 +310,7 @@ async fn amqp_ledger_sigterm_acks_only_committed() {
 /// balances.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn amqp_two_workers_with_injected_duplicates() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let queue = unique("ledger_two");
     let db = fresh_database(&unique("amqp_two")).await;
     let log = log_file("amqp_two");

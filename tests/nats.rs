@@ -16,11 +16,8 @@ use inbox_runtime::source::nats::{NatsConfig, NatsSource};
 use inbox_runtime::source::{Settlement, Source};
 use support::*;
 
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
+/// One test at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 async fn context() -> jetstream::Context {
     jetstream::new(async_nats::connect(env("NATS_URL")).await.unwrap())
@@ -54,7 +51,7 @@ async fn fresh_stream(name: &str, subject: &str) -> stream::Stream {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_source_maps_and_settles_deliveries() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let name = unique("UNIT").to_uppercase();
     let subject = format!("unit.{}", std::process::id());
     fresh_stream(&name, &format!("{subject}.>")).await;
@@ -152,7 +149,7 @@ async fn nats_source_maps_and_settles_deliveries() {
 /// redeliveries counted by JetStream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_ledger_survives_five_sigkills() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let stream = unique("KILL").to_uppercase();
     let subject = format!("ledger.kill.{}", std::process::id());
     let db = fresh_database(&unique("nats_kill")).await;
@@ -202,7 +199,7 @@ async fn nats_ledger_survives_five_sigkills() {
 /// event committed; then a second run completes the ledger exactly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_ledger_sigterm_acks_only_committed() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let stream = unique("TERM").to_uppercase();
     let subject = format!("ledger.term.{}", std::process::id());
     let db = fresh_database(&unique("nats_term")).await;
@@ -267,7 +264,7 @@ async fn nats_ledger_sigterm_acks_only_committed() {
 /// publisher: exact balances.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_two_workers_with_injected_duplicates() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let stream = unique("TWO").to_uppercase();
     let subject = format!("ledger.two.{}", std::process::id());
     let db = fresh_database(&unique("nats_two")).await;

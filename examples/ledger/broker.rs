@@ -88,9 +88,11 @@ struct Line<'a> {
     payload: &'a RawValue,
 }
 
-/// The messages of `input`: (message name if the line is an envelope, body). Blank lines are
-/// skipped.
-fn messages(input: &Path) -> Result<Vec<(Option<String>, Vec<u8>)>, String> {
+/// One message to publish: its name (if the line is an envelope) and its body.
+type Message = (Option<String>, Vec<u8>);
+
+/// The messages of `input`. Blank lines are skipped.
+fn messages(input: &Path) -> Result<Vec<Message>, String> {
     let text = std::fs::read(input).map_err(|e| format!("cannot read {}: {e}", input.display()))?;
     Ok(text
         .split(|&b| b == b'\n')

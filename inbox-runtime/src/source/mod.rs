@@ -1,7 +1,7 @@
 //! Sources: where deliveries come from, and how they are settled.
 //!
 //! A [`Source`] hands out [`Delivery`]s one at a time. Each carries an [`Envelope`] (message
-//! name, payload, headers, [`SourceMetadata`]) and must be settled exactly once, *after* the
+//! name, payload, headers, [`SourceMetadata`](crate::SourceMetadata)) and must be settled exactly once, *after* the
 //! inbox transaction of its message has committed (the [`Worker`](crate::Worker) does this):
 //!
 //! | [`Settlement`] | meaning | RabbitMQ | JetStream | file / memory |
@@ -103,8 +103,8 @@ pub trait Settle: Send + 'static {
     ///
     /// # Errors
     /// A [`SourceError`] if the broker could not be told (connection lost, channel closed). The
-    /// message is then not settled and the broker will deliver it again; after an [`Ack`]
-    /// (`Settlement::Ack`) whose transaction committed, that redelivery is a duplicate.
+    /// message is then not settled and the broker will deliver it again; after an
+    /// [`Settlement::Ack`] whose transaction committed, that redelivery is a duplicate.
     fn settle(
         self: Box<Self>,
         settlement: Settlement,
