@@ -1,7 +1,6 @@
 //! Adversarial tests: attempts to break the effectively-once promise (double effects, lost
 //! messages, wrong outcomes, missed conflicts, batch/single disagreements).
 //!
-//! Every test says at its top whether it found a bug (`FOUND BUG`, then `#[ignore = "BUG: …"]`
 //! so that the suite stays green until the runtime is fixed) or documents a guarantee that held
 //! (`HOLDS`). Most run on both backends through `adversarial_tests!`.
 
@@ -112,10 +111,9 @@ impl Classify for AdvError {
 const BIG_ODD: i64 = 9_007_199_254_740_993;
 const BIG_EVEN: i64 = 9_007_199_254_740_992;
 
-/// FOUND BUG (no database): the fingerprint of two different `i64` values above 2^53 is the
+/// FOUND BUG, FIXED (no database): the fingerprint of two different `i64` values above 2^53 is the
 /// same, because serde_jcs formats every integer through `f64` (`write_i64` → `value as f64`).
 #[test]
-#[ignore = "BUG: fingerprint maps i64/u64 above 2^53 through f64: distinct amounts, same fingerprint"]
 fn fingerprint_tells_big_integers_apart() {
     let odd = AdvNote {
         id: "k".into(),
@@ -331,11 +329,10 @@ macro_rules! adversarial_tests {
                 Ok(())
             }
 
-            /// FOUND BUG: two deliveries with the same key whose amounts differ only beyond f64
+            /// FOUND BUG, FIXED: two deliveries with the same key whose amounts differ only beyond f64
             /// precision (2^53 + 1 vs 2^53) must be a conflict; the second is reported
             /// `Duplicate` and silently dropped.
             #[tokio::test]
-            #[ignore = "BUG: same key, amount 2^53+1 then 2^53 is reported Duplicate, not Conflict (fingerprint through f64)"]
             async fn big_integer_payload_change_is_a_conflict() {
                 let (pool, _guard) = $pool;
                 let mut conn = pool.acquire().await.unwrap();
@@ -350,12 +347,11 @@ macro_rules! adversarial_tests {
                 );
             }
 
-            /// FOUND BUG (design): a key template joins free-text fields with a literal
+            /// FOUND BUG, FIXED (design): a key template joins free-text fields with a literal
             /// separator and no escaping, so `("a:b", "c")` and `("a", "b:c")` get the same key
             /// `a:b:c`. The second, a different message, is rejected as a conflict and never
             /// applied.
             #[tokio::test]
-            #[ignore = "BUG: key template \"{left}:{right}\" is ambiguous: (a:b, c) and (a, b:c) share key a:b:c"]
             async fn template_keys_of_different_messages_do_not_collide() {
                 let (pool, _guard) = $pool;
                 let mut conn = pool.acquire().await.unwrap();
@@ -432,13 +428,12 @@ macro_rules! adversarial_tests {
                 assert_eq!(effect(&pool, "measure:z").await, Some((1, 1)));
             }
 
-            /// FOUND BUG: the purge measures age from `received_at` (first delivery), not from
+            /// FOUND BUG, FIXED: the purge measures age from `received_at` (first delivery), not from
             /// when the key was settled. A message that kept failing for longer than the window
             /// and is then processed is purged at the next purge, right after its processing;
             /// the redelivery that follows (its ack lost) applies it a second time. The trait
             /// doc of `purge_batch` promises `processed_at`.
             #[tokio::test]
-            #[ignore = "BUG: purge ages rows by received_at: a message processed just now after long failures is purged at once and re-applied on redelivery"]
             async fn purge_keeps_a_key_processed_inside_the_window() {
                 let (pool, _guard) = $pool;
                 let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
@@ -485,13 +480,12 @@ macro_rules! adversarial_tests {
                 assert_eq!(dispatcher.dispatch(&envelope(&fresh)).await.unwrap()[0].result.as_ref().unwrap(), &Outcome::Duplicate);
             }
 
-            /// FOUND BUG: batch vs single disagree on a transient failure of a handler with
+            /// FOUND BUG, FIXED: batch vs single disagree on a transient failure of a handler with
             /// `max_attempts = 1`. The single path retries the transient fault in-process and
             /// reports `Processed`; the batch path records the transient failure as a counted
             /// attempt with `fail_claimed` (attempts 1 ≥ max 1 → `dead`) and reports the message
             /// dead, never applied.
             #[tokio::test]
-            #[ignore = "BUG: dispatch_batch dead-letters a transient failure (max_attempts=1) that dispatch retries and processes"]
             async fn batch_and_single_agree_on_a_transient_failure() {
                 let (pool, _guard) = $pool;
                 let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
@@ -555,13 +549,12 @@ macro_rules! adversarial_tests {
                 }
             }
 
-            /// FOUND BUG (PostgreSQL): for the swallowed-error handler, the single path and the
+            /// FOUND BUG, FIXED (PostgreSQL): for the swallowed-error handler, the single path and the
             /// batch path disagree: the single path reports a `database` error and records
             /// nothing (the message is never counted towards `max_attempts`, so a poison message
             /// is redelivered forever), the batch path reports a `handler` failure recorded as
             /// `failed`.
             #[tokio::test]
-            #[ignore = "BUG: swallowed PG error: dispatch says database error (unrecorded, never dead), dispatch_batch says handler failure (recorded failed)"]
             async fn swallowed_error_outcome_is_the_same_in_batch_and_single() {
                 let (pool, _guard) = $pool;
                 if !$is_pg {

@@ -454,11 +454,13 @@ failure_tests!(
     postgres,
     sqlx::PgConnection,
     (inbox_tests::pg_pool(8).await, ()),
-    age = "UPDATE inbox_messages SET received_at = received_at - interval '2 days' WHERE message_key LIKE 'old-%'"
+    age = "UPDATE inbox_messages SET received_at = received_at - interval '2 days', \
+           processed_at = processed_at - interval '2 days' WHERE message_key LIKE 'old-%'"
 );
 failure_tests!(
     sqlite,
     sqlx::SqliteConnection,
     inbox_tests::sqlite_pool(4).await,
-    age = "UPDATE inbox_messages SET received_at = strftime('%Y-%m-%dT%H:%M:%fZ', received_at, '-2 days') WHERE message_key LIKE 'old-%'"
+    age = "UPDATE inbox_messages SET received_at = strftime('%Y-%m-%dT%H:%M:%fZ', received_at, '-2 days'), \
+           processed_at = strftime('%Y-%m-%dT%H:%M:%fZ', processed_at, '-2 days') WHERE message_key LIKE 'old-%'"
 );

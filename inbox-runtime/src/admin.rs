@@ -83,7 +83,7 @@ pub async fn discard<DB: InboxDatabase>(
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Retention {
-    /// Keep `processed` (and `discarded`) rows this long after their first delivery.
+    /// Keep `processed` (and `discarded`, `stale`) rows this long after they were settled.
     pub window: Duration,
     /// The broker's redelivery horizon the window was checked against.
     pub redelivery_horizon: Duration,
@@ -152,8 +152,11 @@ pub struct PurgeReport {
 
 /// Deletes rows older than the retention window, in batches of `retention.batch_size`, each its
 /// own short statement (no long locks; on PostgreSQL rows locked by running transactions are
-/// skipped). Runs until a batch comes back short. Age is measured from `received_at` on the
-/// database clock. `progress` is called after each batch with the running total.
+/// skipped). Runs until a batch comes back short. A row's age is measured on the database clock
+/// from when it was settled (`processed_at`: processed, discarded or stale), or else from its
+/// first delivery (`received_at`: failed, dead). `processed`, `discarded` and `stale` rows go;
+/// `failed` and `dead` ones only with [`Retention::include_failed_and_dead`]; `parked` ones
+/// never. `progress` is called after each batch with the running total.
 ///
 /// # Errors
 /// The database's error; rows deleted before it stay deleted.
@@ -162,10 +165,12 @@ pub async fn purge<DB: InboxDatabase>(
     retention: &Retention,
     mut progress: impl FnMut(u64),
 ) -> Result<PurgeReport, sqlx::Error> {
+    // Settled rows; failed and dead ones only when asked. Parked ones never: they wait for
+    // their gap (see `Dispatcher::sweep_parked`).
     let statuses: &[&str] = if retention.include_failed_and_dead {
-        &["processed", "discarded", "failed", "dead"][..]
+        &["processed", "discarded", "stale", "failed", "dead"][..]
     } else {
-        &["processed", "discarded"][..]
+        &["processed", "discarded", "stale"][..]
     };
     let mut report = PurgeReport::default();
     let mut conn = pool.acquire().await?;

@@ -4,7 +4,7 @@ use std::collections::{HashMap, HashSet};
 
 use sqlx::Connection as _;
 
-use crate::error::{BoxError, Conflict, Disposition, Error, HandlerFailure};
+use crate::error::{BoxError, Conflict, Disposition, Error, HandlerFailure, StoreError};
 use crate::outcome::Outcome;
 use crate::registry::{ConsumerOutcome, Dispatcher, Prepared, PreparedItem};
 use crate::store::{
@@ -114,6 +114,49 @@ where
             results.push(Ok(outcomes));
         }
         results
+    }
+
+    /// Records a failed attempt of a key claimed in the batch transaction (`failed`, or `dead`
+    /// when permanent or out of attempts). Returns the stored status and attempts, and the delay
+    /// before the next attempt.
+    #[allow(clippy::too_many_arguments)]
+    async fn fail_in_batch(
+        &self,
+        tx: &mut sqlx::Transaction<'_, DB>,
+        p: &Prepared<'_>,
+        it: &PreparedItem,
+        request: &ClaimRequest<'_>,
+        attempts: u32,
+        class: ErrorClass,
+        text: &str,
+    ) -> Result<(Option<(String, u32)>, std::time::Duration), sqlx::Error> {
+        let max_attempts = it
+            .handler
+            .max_attempts()
+            .unwrap_or(self.policy.max_attempts)
+            .max(1);
+        let retry_delay = self.policy.retry_delay(attempts.max(1));
+        let last_error = self
+            .policy
+            .bounded_error(format!("{} error: {}", class.as_str(), text));
+        let record = FailureRecord {
+            consumer: it.handler.consumer(),
+            message_key: it.key.as_str(),
+            message_name: it.handler.message_name(),
+            payload_hash: request.payload_hash,
+            permanent: class == ErrorClass::Permanent,
+            max_attempts,
+            last_error: &last_error,
+            retry_delay_ms: i64::try_from(retry_delay.as_millis()).unwrap_or(i64::MAX),
+            payload: &p.envelope.payload,
+            source: p.envelope.source.as_ref(),
+            aggregate_id: None,
+            sequence: None,
+        };
+        let recorded = DB::Connection::in_transaction(tx)
+            .fail_claimed(&record)
+            .await?;
+        Ok((recorded, retry_delay))
     }
 
     /// The batch transaction. An `Err` means nothing of it is known to be committed.
@@ -231,65 +274,62 @@ where
                     &**msg,
                 )
                 .await;
-            // As on the single path: a body that swallowed a database error and returned `Ok`
-            // must not be reported processed.
-            let body = match body {
-                Ok(()) => DB::Connection::in_transaction(&mut savepoint)
-                    .verify_claim(it.handler.consumer(), it.key.as_str())
-                    .await
-                    .map_err(|error| crate::registry::BodyError {
-                        class: ErrorClass::Retryable,
-                        text: format!(
-                            "the handler returned Ok from an aborted transaction: {error}"
-                        ),
-                        error: Box::new(error),
-                    }),
-                Err(failure) => Err(failure),
-            };
             match body {
                 Ok(()) => {
-                    savepoint.commit().await?;
-                    slots.push(Slot::Done(Ok(Outcome::Processed(()))));
+                    // As on the single path: a body that swallowed a database error and
+                    // returned `Ok` must not be reported processed; its attempt is recorded.
+                    let verified = DB::Connection::in_transaction(&mut savepoint)
+                        .verify_claim(it.handler.consumer(), it.key.as_str())
+                        .await;
+                    match verified {
+                        Ok(()) => {
+                            savepoint.commit().await?;
+                            slots.push(Slot::Done(Ok(Outcome::Processed(()))));
+                        }
+                        Err(error) => {
+                            savepoint.rollback().await?;
+                            let text = crate::handler::aborted_transaction_text(&error);
+                            self.fail_in_batch(
+                                &mut tx,
+                                p,
+                                it,
+                                request,
+                                attempts,
+                                ErrorClass::Retryable,
+                                &text,
+                            )
+                            .await?;
+                            slots.push(Slot::Done(Err(Error::Database(StoreError {
+                                consumer: it.handler.consumer(),
+                                key: it.key.clone(),
+                                operation: "verify",
+                                source: error,
+                            }))));
+                        }
+                    }
+                }
+                Err(failure) if failure.class == ErrorClass::Transient => {
+                    // Retried in-process on the single path after the batch commits, as
+                    // `dispatch` would: the claim is given back, no attempt is counted.
+                    savepoint.rollback().await?;
+                    DB::Connection::in_transaction(&mut tx)
+                        .unclaim(it.handler.consumer(), it.key.as_str(), &p.envelope.payload)
+                        .await?;
+                    slots.push(Slot::Single);
                 }
                 Err(failure) => {
                     savepoint.rollback().await?;
-                    let max_attempts = it
-                        .handler
-                        .max_attempts()
-                        .unwrap_or(self.policy.max_attempts)
-                        .max(1);
-                    let retry_delay = self.policy.retry_delay(attempts.max(1));
-                    let last_error = self.policy.bounded_error(format!(
-                        "{} error: {}",
-                        failure.class.as_str(),
-                        failure.text
-                    ));
-                    let record = FailureRecord {
-                        consumer: it.handler.consumer(),
-                        message_key: it.key.as_str(),
-                        message_name: it.handler.message_name(),
-                        payload_hash: request.payload_hash,
-                        permanent: failure.class == ErrorClass::Permanent,
-                        max_attempts,
-                        last_error: &last_error,
-                        retry_delay_ms: i64::try_from(retry_delay.as_millis()).unwrap_or(i64::MAX),
-                        payload: &p.envelope.payload,
-                        source: p.envelope.source.as_ref(),
-                        aggregate_id: None,
-                        sequence: None,
-                    };
-                    let recorded = DB::Connection::in_transaction(&mut tx)
-                        .fail_claimed(&record)
+                    let (recorded, retry_delay) = self
+                        .fail_in_batch(
+                            &mut tx,
+                            p,
+                            it,
+                            request,
+                            attempts,
+                            failure.class,
+                            &failure.text,
+                        )
                         .await?;
-                    if failure.class == ErrorClass::Transient
-                        && recorded
-                            .as_ref()
-                            .is_some_and(|(status, _)| status == "failed")
-                    {
-                        // Retried in-process on the single path, after the batch commits.
-                        slots.push(Slot::Single);
-                        continue;
-                    }
                     let (disposition, attempts) = match recorded {
                         Some((status, attempts)) if status == "dead" => {
                             (Disposition::Dead, attempts)

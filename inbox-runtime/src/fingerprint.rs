@@ -1,4 +1,5 @@
-//! Payload fingerprints: SHA-256 over the RFC 8785 canonical JSON form of a message.
+//! Payload fingerprints: SHA-256 over the message name and the canonical JSON form of a message
+//! (RFC 8785, with integers written exactly).
 
 use std::fmt;
 
@@ -12,10 +13,15 @@ use sha2::{Digest, Sha256};
 /// with the same fields) under one key are a conflict, not a duplicate.
 ///
 /// The canonical form is the JSON Canonicalization Scheme (RFC 8785) applied to the *decoded*
-/// message re-serialized with serde: object members sorted, no insignificant whitespace, numbers
-/// and strings in one normal form. So the same event redelivered with its fields reordered or its
-/// whitespace changed has the same fingerprint, while any change of a value changes it. Fields
-/// the message type does not declare are not part of the message and do not count.
+/// message re-serialized with serde: object members sorted by their UTF-16 code units, no
+/// insignificant whitespace, strings and non-integer numbers in RFC 8785's normal form — with one
+/// deliberate difference: integers are written exactly, in decimal, rather than through an IEEE
+/// double (RFC 8785 targets I-JSON, where integers above 2^53 do not exist; amounts in minor
+/// units and 64-bit ids do, and two of them must never share a fingerprint). So the same event
+/// redelivered with its fields reordered, its whitespace changed or its numbers spelled another
+/// way (`1` for `1.0`, `1e2` for `100`) has the same fingerprint, while any change of a value
+/// changes it. Fields the message type does not declare are not part of the message and do not
+/// count.
 ///
 /// Stored in the inbox as 64 lower-case hex digits; shown the same way.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -29,7 +35,9 @@ impl Fingerprint {
     /// [`FingerprintError`] if the message cannot be serialized to JSON (for example a map with
     /// non-string keys, or a `Serialize` impl that fails).
     pub fn of<M: Serialize + ?Sized>(name: &str, message: &M) -> Result<Self, FingerprintError> {
-        let canonical = serde_jcs::to_vec(message).map_err(FingerprintError)?;
+        let value = serde_json::to_value(message).map_err(FingerprintError)?;
+        let mut canonical = Vec::with_capacity(256);
+        write_canonical(&value, &mut canonical).map_err(FingerprintError)?;
         let mut hasher = Sha256::new();
         hasher.update(name.as_bytes());
         hasher.update(b"\n");
@@ -53,6 +61,53 @@ impl Fingerprint {
     pub fn as_bytes(&self) -> &[u8; 32] {
         &self.0
     }
+}
+
+/// Writes `value` in canonical form (see [`Fingerprint`]).
+fn write_canonical(value: &serde_json::Value, out: &mut Vec<u8>) -> Result<(), serde_json::Error> {
+    use serde_json::Value;
+    match value {
+        Value::Null => out.extend_from_slice(b"null"),
+        Value::Bool(true) => out.extend_from_slice(b"true"),
+        Value::Bool(false) => out.extend_from_slice(b"false"),
+        Value::Number(number) => {
+            if let Some(int) = number.as_i64() {
+                out.extend_from_slice(int.to_string().as_bytes());
+            } else if let Some(int) = number.as_u64() {
+                out.extend_from_slice(int.to_string().as_bytes());
+            } else {
+                // A float: RFC 8785's (ECMAScript's) shortest round-trip form.
+                let float = number.as_f64().unwrap_or(f64::NAN);
+                serde_jcs::to_writer(&mut *out, &float)?;
+            }
+        }
+        Value::String(text) => serde_jcs::to_writer(&mut *out, text)?,
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_canonical(item, out)?;
+            }
+            out.push(b']');
+        }
+        Value::Object(members) => {
+            let mut members: Vec<(&String, &Value)> = members.iter().collect();
+            members.sort_by(|(a, _), (b, _)| a.encode_utf16().cmp(b.encode_utf16()));
+            out.push(b'{');
+            for (i, (name, member)) in members.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                serde_jcs::to_writer(&mut *out, name)?;
+                out.push(b':');
+                write_canonical(member, out)?;
+            }
+            out.push(b'}');
+        }
+    }
+    Ok(())
 }
 
 impl fmt::Display for Fingerprint {
@@ -91,6 +146,31 @@ mod tests {
         assert_ne!(
             Fingerprint::of("m", &a).unwrap(),
             Fingerprint::of("m", &c).unwrap()
+        );
+    }
+
+    #[test]
+    fn integers_are_exact_and_floats_canonical() {
+        let canonical = |json: &str| {
+            let value: serde_json::Value = serde_json::from_str(json).unwrap();
+            let mut out = Vec::new();
+            write_canonical(&value, &mut out).unwrap();
+            String::from_utf8(out).unwrap()
+        };
+        assert_eq!(canonical("9007199254740993"), "9007199254740993");
+        assert_eq!(canonical("18446744073709551615"), "18446744073709551615");
+        assert_eq!(canonical("-9223372036854775808"), "-9223372036854775808");
+        assert_eq!(canonical("1.0"), "1");
+        assert_eq!(canonical("1e2"), "100");
+        assert_eq!(canonical("0.1"), "0.1");
+        assert_eq!(
+            canonical(r#"{"b":[1,"\u00e9"],"a":null,"\u20ac":true,"\ud83d\ude00":false}"#),
+            "{\"a\":null,\"b\":[1,\"é\"],\"€\":true,\"\u{1f600}\":false}"
+                .replace("\\u{1f600}", "\u{1f600}")
+        );
+        assert_ne!(
+            Fingerprint::of("m", &9_007_199_254_740_993_i64).unwrap(),
+            Fingerprint::of("m", &9_007_199_254_740_992_i64).unwrap()
         );
     }
 

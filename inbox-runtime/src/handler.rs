@@ -181,6 +181,13 @@ pub(crate) async fn run_delivery<H: Handler>(
                 record_conflict::<H>(conn, msg, delivery, &conflict).await;
                 Err(Error::Conflict(conflict))
             }
+            // The handler returned Ok from an aborted transaction: its attempt counts, so that
+            // a handler that always does so ends dead instead of being redelivered forever.
+            Err(Error::Database(error)) if error.operation == "verify" => {
+                let text = aborted_transaction_text(&error.source);
+                record_attempt::<H>(conn, msg, delivery, ErrorClass::Retryable, &text, 0).await;
+                Err(Error::Database(error))
+            }
             other => other,
         };
         observe(H::CONSUMER, &result);
@@ -441,15 +448,38 @@ async fn record_failure<H: Handler>(
     delivery: &Delivery<'_>,
     mut failure: HandlerFailure<H::Error>,
 ) -> HandlerFailure<H::Error> {
+    let text = failure.error.to_string();
+    let (disposition, attempts) =
+        record_attempt::<H>(conn, msg, delivery, failure.class, &text, failure.attempts).await;
+    failure.disposition = disposition;
+    failure.attempts = attempts;
+    failure
+}
+
+/// The text recorded for a handler that returned `Ok` from an aborted transaction.
+pub(crate) fn aborted_transaction_text(error: &sqlx::Error) -> String {
+    format!(
+        "the handler returned Ok, but its transaction was aborted (a database error it did not return?): {error}"
+    )
+}
+
+/// Records one failed attempt in its own statement (autocommit), after the rollback: `failed`
+/// with a next attempt time, or `dead`. Returns what was recorded and the attempts so far.
+async fn record_attempt<H: Handler>(
+    conn: &mut H::Connection,
+    msg: &H::Message,
+    delivery: &Delivery<'_>,
+    class: ErrorClass,
+    text: &str,
+    attempts: u32,
+) -> (Disposition, u32) {
     let max_attempts = H::MAX_ATTEMPTS
         .unwrap_or(delivery.policy.max_attempts)
         .max(1);
-    let retry_delay = delivery.policy.retry_delay(failure.attempts.max(1));
-    let last_error = delivery.policy.bounded_error(format!(
-        "{} error: {}",
-        failure.class.as_str(),
-        failure.error
-    ));
+    let retry_delay = delivery.policy.retry_delay(attempts.max(1));
+    let last_error = delivery
+        .policy
+        .bounded_error(format!("{} error: {}", class.as_str(), text));
     let payload_hash = delivery.fingerprint.to_hex();
     let payload = payload_of(msg, delivery);
     let record = FailureRecord {
@@ -457,7 +487,7 @@ async fn record_failure<H: Handler>(
         message_key: delivery.key.as_str(),
         message_name: <H::Message as Message>::NAME,
         payload_hash: &payload_hash,
-        permanent: failure.class == ErrorClass::Permanent,
+        permanent: class == ErrorClass::Permanent,
         max_attempts,
         last_error: &last_error,
         retry_delay_ms: i64::try_from(retry_delay.as_millis()).unwrap_or(i64::MAX),
@@ -467,24 +497,15 @@ async fn record_failure<H: Handler>(
         sequence: delivery.ordering.map(|o| o.sequence),
     };
     match conn.record_failure(&record).await {
-        Ok(Some((status, attempts))) => {
-            failure.attempts = attempts;
-            failure.disposition = if status == "dead" {
-                Disposition::Dead
-            } else {
-                Disposition::Retry { after: retry_delay }
-            };
-        }
-        Ok(None) => {
-            // Processed by a concurrent delivery since: nothing to record.
-            failure.disposition = Disposition::NotRecorded;
-        }
+        Ok(Some((status, attempts))) if status == "dead" => (Disposition::Dead, attempts),
+        Ok(Some((_, attempts))) => (Disposition::Retry { after: retry_delay }, attempts),
+        // Processed by a concurrent delivery since: nothing to record.
+        Ok(None) => (Disposition::NotRecorded, attempts),
         Err(error) => {
             tracing::error!(%error, "could not record the failed attempt");
-            failure.disposition = Disposition::NotRecorded;
+            (Disposition::NotRecorded, attempts)
         }
     }
-    failure
 }
 
 /// Keeps a conflicting delivery (payload included) in `inbox_rejections`.

@@ -226,19 +226,41 @@ pub fn key_from_field(
 
 /// The key of `message` built from a template: every field must be non-null and non-empty (a
 /// composite key with an empty part would be shared by unrelated messages).
+///
+/// Field values are escaped so that the key stays unambiguous: in each value, `%` and the first
+/// character of the literal text that follows the field are written as `%XX` (the UTF-8 bytes in
+/// upper-case hex, as in RFC 3986 percent-encoding), so the key splits back into its parts in
+/// one way only. With `"{left}:{right}"`, `("a:b", "c")` gives `a%3Ab:c` and `("a", "b:c")`
+/// gives `a:b:c`. Values without such characters are unchanged.
 pub fn key_from_template(
     message: &'static str,
     template: &'static str,
     segments: &[KeySegment<'_>],
 ) -> Result<IdempotencyKey, KeyError> {
     let mut key = String::new();
-    for segment in segments {
+    for (index, segment) in segments.iter().enumerate() {
+        let separator = match segments.get(index + 1) {
+            Some(KeySegment::Lit(text)) => text.chars().next(),
+            _ => None,
+        };
+        let literal = |ch: char| ch == '%' || Some(ch) == separator;
         match *segment {
             KeySegment::Lit(text) => key.push_str(text),
             KeySegment::Field(field, value) => match value.key_part() {
                 None => return Err(KeyError::Null { message, field }),
                 Some(text) if text.is_empty() => return Err(KeyError::Empty { message, field }),
-                Some(text) => key.push_str(&text),
+                Some(text) => {
+                    for ch in text.chars() {
+                        if literal(ch) {
+                            let mut bytes = [0_u8; 4];
+                            for byte in ch.encode_utf8(&mut bytes).bytes() {
+                                key.push_str(&format!("%{byte:02X}"));
+                            }
+                        } else {
+                            key.push(ch);
+                        }
+                    }
+                }
             },
         }
         if key.len() > MAX_KEY_BYTES {
@@ -308,6 +330,22 @@ mod tests {
         )
         .unwrap();
         assert_eq!(key.as_str(), "pay:eu:7");
+        let two = |left: &str, right: &str| {
+            key_from_template(
+                "m",
+                "{left}:{right}",
+                &[
+                    KeySegment::Field("left", &left.to_owned()),
+                    KeySegment::Lit(":"),
+                    KeySegment::Field("right", &right.to_owned()),
+                ],
+            )
+            .unwrap()
+            .into_string()
+        };
+        assert_eq!(two("a:b", "c"), "a%3Ab:c");
+        assert_eq!(two("a", "b:c"), "a:b:c");
+        assert_eq!(two("50%", "x"), "50%25:x");
         let empty = String::new();
         assert_eq!(
             key_from_template(

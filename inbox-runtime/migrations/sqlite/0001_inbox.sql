@@ -21,8 +21,10 @@ CREATE TABLE IF NOT EXISTS inbox_messages (
     PRIMARY KEY (consumer, message_key)
 ) WITHOUT ROWID;
 
-CREATE INDEX IF NOT EXISTS inbox_messages_status_received_at
-    ON inbox_messages (status, received_at);
+-- Retention: rows age from when they were settled (processed, discarded, stale), or else
+-- from their first delivery.
+CREATE INDEX IF NOT EXISTS inbox_messages_status_age
+    ON inbox_messages (status, (COALESCE(processed_at, received_at)));
 
 CREATE TABLE IF NOT EXISTS inbox_aggregate_state (
     consumer      TEXT    NOT NULL,

@@ -384,6 +384,16 @@ pub trait InboxConnection: sqlx::Connection + sealed::Sealed + Send + 'static {
         keys: &'c [(&'c str, &'c str)],
     ) -> BoxFuture<'c, Result<Vec<ExistingRow>, sqlx::Error>>;
 
+    /// Undoes this transaction's claim of a key (after its handler's savepoint was rolled back):
+    /// deletes a freshly inserted row, or gives a taken-over `failed` row back its state.
+    #[doc(hidden)]
+    fn unclaim<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        key: &'c str,
+        payload: &'c [u8],
+    ) -> BoxFuture<'c, Result<(), sqlx::Error>>;
+
     /// Turns a row claimed in the current transaction into a failed (or dead) attempt.
     #[doc(hidden)]
     fn fail_claimed<'c>(

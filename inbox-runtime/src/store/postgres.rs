@@ -75,7 +75,8 @@ mod sql {
     /// One bounded batch; rows locked by a running transaction are skipped, not waited for.
     pub(super) const PURGE: &str = "DELETE FROM inbox_messages WHERE (consumer, message_key) IN ( \
          SELECT consumer, message_key FROM inbox_messages \
-         WHERE status IN ($1, $2, $3) AND received_at < now() - $4 * interval '1 second' \
+         WHERE status IN ($1, $2, $3) \
+           AND COALESCE(processed_at, received_at) < now() - $4 * interval '1 second' \
          LIMIT $5 FOR UPDATE SKIP LOCKED)";
 }
 

@@ -223,11 +223,23 @@ pub(super) const LOCK_AGGREGATE: &str = "INSERT INTO inbox_aggregate_state \
      SET last_sequence = inbox_aggregate_state.last_sequence \
      RETURNING last_sequence";
 
+/// A key claimed fresh in this transaction has `attempts = 1`.
+pub(super) const UNCLAIM_FRESH: &str = "DELETE FROM inbox_messages \
+     WHERE consumer = $1 AND message_key = $2 AND status = 'processed' AND attempts = 1";
+
+/// A `failed` key taken over in this transaction counted one more attempt and dropped its payload.
+pub(super) const UNCLAIM_TAKEN_OVER: &str = "UPDATE inbox_messages \
+     SET status = 'failed', attempts = attempts - 1, processed_at = NULL, payload = $3 \
+     WHERE consumer = $1 AND message_key = $2 AND status = 'processed' AND attempts > 1";
+
 pub(super) const ADVANCE_AGGREGATE: &str = "UPDATE inbox_aggregate_state SET last_sequence = $3 \
      WHERE consumer = $1 AND aggregate_id = $2";
 
+/// A parked row is not settled: it loses the `processed_at` its claim gave it (retention ages
+/// it from its first delivery, and never purges it).
 pub(super) const MARK_MESSAGE: &str = "UPDATE inbox_messages \
-     SET status = $3, aggregate_id = $4, sequence = $5, payload = $6 \
+     SET status = $3, aggregate_id = $4, sequence = $5, payload = $6, \
+     processed_at = CASE WHEN $3 = 'parked' THEN NULL ELSE processed_at END \
      WHERE consumer = $1 AND message_key = $2";
 
 pub(super) const FIND_PARKED: &str = "SELECT consumer, message_key, message_name, aggregate_id, \
@@ -736,6 +748,28 @@ macro_rules! impl_inbox_connection {
                             })
                         })
                         .collect())
+                })
+            }
+
+            fn unclaim<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                key: &'c str,
+                payload: &'c [u8],
+            ) -> $crate::BoxFuture<'c, Result<(), sqlx::Error>> {
+                Box::pin(async move {
+                    sqlx::query($crate::store::shared::UNCLAIM_FRESH)
+                        .bind(consumer)
+                        .bind(key)
+                        .execute(&mut *self)
+                        .await?;
+                    sqlx::query($crate::store::shared::UNCLAIM_TAKEN_OVER)
+                        .bind(consumer)
+                        .bind(key)
+                        .bind(payload)
+                        .execute(&mut *self)
+                        .await?;
+                    Ok(())
                 })
             }
 

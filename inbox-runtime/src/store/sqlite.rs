@@ -68,7 +68,8 @@ mod sql {
     pub(super) const PURGE: &str = "DELETE FROM inbox_messages WHERE (consumer, message_key) IN ( \
          SELECT consumer, message_key FROM inbox_messages \
          WHERE status IN ($1, $2, $3) \
-           AND received_at < strftime('%Y-%m-%dT%H:%M:%fZ', 'now', printf('-%.3f seconds', $4)) \
+           AND COALESCE(processed_at, received_at) \
+               < strftime('%Y-%m-%dT%H:%M:%fZ', 'now', printf('-%.3f seconds', $4)) \
          LIMIT $5)";
 }
 
