@@ -26,6 +26,9 @@ pub(crate) enum TemplateError {
     EmptyPlaceholder,
     /// A `{` inside a placeholder, as in `{a{b}`.
     NestedOpen(String),
+    /// Two placeholders with no literal text between them, as in `{a}{b}`: the key would be
+    /// ambiguous (`("ab", "c")` and `("a", "bc")` give the same key).
+    Adjacent(String, String),
 }
 
 impl fmt::Display for TemplateError {
@@ -39,6 +42,11 @@ impl fmt::Display for TemplateError {
             }
             Self::EmptyPlaceholder => f.write_str(
                 "empty placeholder `{}` in key template; name a field, as in `{order_id}`",
+            ),
+            Self::Adjacent(first, second) => write!(
+                f,
+                "placeholders `{{{first}}}` and `{{{second}}}` need literal text between them \
+                 (as in `{{{first}}}:{{{second}}}`): without it the key is ambiguous",
             ),
             Self::NestedOpen(inner) => write!(
                 f,
@@ -80,6 +88,8 @@ pub(crate) fn parse(template: &str) -> Result<Vec<Piece>, TemplateError> {
                 }
                 if !lit.is_empty() {
                     pieces.push(Piece::Lit(std::mem::take(&mut lit)));
+                } else if let Some(Piece::Field(previous)) = pieces.last() {
+                    return Err(TemplateError::Adjacent(previous.clone(), name));
                 }
                 pieces.push(Piece::Field(name));
             }
@@ -110,7 +120,7 @@ mod tests {
             parse("payment:{payment_id}:{seq}").unwrap(),
             [lit("payment:"), field("payment_id"), lit(":"), field("seq")]
         );
-        assert_eq!(parse("{a}{b}").unwrap(), [field("a"), field("b")]);
+        assert_eq!(parse("{a}/{b}").unwrap(), [field("a"), lit("/"), field("b")]);
         assert_eq!(parse("{a}-").unwrap(), [field("a"), lit("-")]);
         assert_eq!(parse("plain").unwrap(), [lit("plain")]);
         assert_eq!(parse("").unwrap(), []);
@@ -144,6 +154,15 @@ mod tests {
         assert_eq!(parse("{id}}"), Err(TemplateError::UnmatchedClose));
         assert_eq!(parse("x{}"), Err(TemplateError::EmptyPlaceholder));
         assert_eq!(parse("{a{b}"), Err(TemplateError::NestedOpen("a".into())));
+        assert_eq!(
+            parse("k:{a}{b}"),
+            Err(TemplateError::Adjacent("a".into(), "b".into()))
+        );
+        assert_eq!(
+            TemplateError::Adjacent("a".into(), "b".into()).to_string(),
+            "placeholders `{a}` and `{b}` need literal text between them (as in `{a}:{b}`): \
+             without it the key is ambiguous"
+        );
     }
 
     #[test]

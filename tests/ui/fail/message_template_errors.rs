@@ -29,6 +29,13 @@ struct UnknownFields {
 }
 
 #[derive(Message)]
+#[message(key = "order:{id}{line}")]
+struct Adjacent {
+    id: u64,
+    line: u32,
+}
+
+#[derive(Message)]
 #[message(key = "order:{id")]
 struct Unclosed {
     id: u64,
