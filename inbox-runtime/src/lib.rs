@@ -73,8 +73,8 @@
 //!
 //! ## Crate features
 //! PostgreSQL and SQLite support are always compiled in. The payload format is JSON (serde).
-//! * `cli`: [`cli`], the operator's command line (stats, dead letters, replay, purge) to embed
-//!   in a binary of yours.
+//! * `cli`: the module `cli`, the operator's command line (stats, dead letters, replay, purge),
+//!   to embed in a binary of yours.
 
 #![warn(missing_docs, unreachable_pub, rust_2018_idioms)]
 
