@@ -35,7 +35,7 @@ fn resumed_after(log: &Path) -> u64 {
 }
 
 /// Runs the demo over the sample with the file source, SIGKILLs it `KILLS` times at random
-/// moments 50-600 ms after it started consuming, then lets it finish. Returns the lines each run
+/// moments 30-350 ms after it started consuming, then lets it finish. Returns the lines each run
 /// resumed after, and the last run's stdout.
 fn kill_and_recover(database_url: &str, dir: &Path, seed: u64) -> (Vec<u64>, String) {
     let log = log_file(&format!("crash_{seed}"));
@@ -55,7 +55,7 @@ fn kill_and_recover(database_url: &str, dir: &Path, seed: u64) -> (Vec<u64>, Str
     for kill in 0..KILLS {
         let mut child = spawn_ledger(&args, database_url, &log);
         wait_for_handlers(&log);
-        let delay = Duration::from_millis(rng.random_range(50..600));
+        let delay = Duration::from_millis(rng.random_range(30..350));
         std::thread::sleep(delay);
         assert!(
             child.try_wait().unwrap().is_none(),
