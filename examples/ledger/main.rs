@@ -583,6 +583,101 @@ mod tests {
         db.close().await;
     }
 
+    /// Events for unknown accounts are dead-lettered; `ledger admin` lists, shows, replays,
+    /// discards them, and refuses a purge window below the redelivery horizon.
+    #[tokio::test]
+    async fn admin_on_dead_letters() {
+        use clap::Parser as _;
+        use inbox_runtime::cli::{AdminCli, CliError, execute_to};
+
+        const K1: &str = "7b0e4c1a-93d2-4f0e-8a51-0c6f2d9e4a11";
+        const K2: &str = "c2a9f7d4-15be-4b8c-9e3f-7d1a6b0c5e22";
+        let unknown = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/ledger/data/unknown-accounts.jsonl"
+        ))
+        .unwrap();
+        let stream = format!(
+            r#"{{"message":"payments.captured","payload":{{"event_id":"{A}","account_id":"acct-1","amount_cents":500}}}}"#
+        ) + "\n"
+            + &unknown;
+        let tmp = TempDb::new("admin");
+        let (db, _) = Db::connect(Some(&tmp.url())).await.unwrap();
+        db.setup().await.unwrap();
+        let counts = process(&db, input(&stream), "test").await.unwrap();
+        assert_eq!((counts.processed, counts.dead), (1, 3));
+        let Db::Sqlite(pool) = &db else {
+            unreachable!()
+        };
+        let admin = |args: &str| {
+            let cli =
+                AdminCli::try_parse_from(std::iter::once("admin").chain(args.split_whitespace()))
+                    .unwrap();
+            async move {
+                let mut out = Vec::new();
+                let result = execute_to(&cli.command, pool, &mut out).await;
+                (result, String::from_utf8(out).unwrap())
+            }
+        };
+
+        let (result, stats) = admin("stats").await;
+        result.unwrap();
+        let row = stats.lines().find(|l| l.starts_with("ledger ")).unwrap();
+        let cells: Vec<&str> = row.split_whitespace().collect();
+        // consumer, processed, failed, dead, parked, discarded, conflicts seen
+        assert_eq!(
+            cells[..7],
+            ["ledger", "1", "0", "2", "0", "0", "0"],
+            "{stats}"
+        );
+
+        let (result, list) = admin("dead list").await;
+        result.unwrap();
+        assert_eq!(list.lines().count(), 3, "{list}");
+        assert!(list.contains(K1) && list.contains(K2), "{list}");
+        assert!(
+            list.contains("`acct-unknown` is not a ledger account"),
+            "{list}"
+        );
+
+        let (result, shown) = admin(&format!("dead show ledger {K1}")).await;
+        result.unwrap();
+        assert!(shown.contains("status:       dead"), "{shown}");
+        assert!(
+            shown.contains("  \"account_id\": \"acct-unknown\","),
+            "{shown}"
+        );
+
+        // Still an unknown account: the replay runs the handler once more and fails again.
+        let (result, replayed) = admin("dead replay --all --consumer ledger").await;
+        assert!(
+            matches!(
+                result,
+                Err(CliError::ReplayFailed {
+                    failed: 2,
+                    total: 2
+                })
+            ),
+            "{result:?}"
+        );
+        assert!(replayed.contains("attempt 2, dead-lettered"), "{replayed}");
+
+        let (result, _) = admin(&format!("dead discard ledger {K2}")).await;
+        result.unwrap();
+        let (result, list) = admin("dead list --status dead").await;
+        result.unwrap();
+        assert!(list.contains(K1) && !list.contains(K2), "{list}");
+
+        let (result, _) = admin("purge --window 1d --redelivery-horizon 3d").await;
+        assert!(matches!(result, Err(CliError::Retention(_))), "{result:?}");
+        let (result, purged) = admin("purge --window 7d --redelivery-horizon 3d").await;
+        result.unwrap();
+        assert!(purged.starts_with("purged 0 rows"), "{purged}");
+
+        assert_eq!(db.balances().await.unwrap()["acct-1"], 500);
+        db.close().await;
+    }
+
     /// Feeds the bundled sample twice into `db` and checks both runs against `expected.json`.
     async fn sample_twice(db: &Db) {
         let expected = Expected::load(SAMPLE_EXPECTED.as_ref()).unwrap();
