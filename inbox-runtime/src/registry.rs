@@ -222,7 +222,7 @@ pub struct ConsumerOutcome {
 /// for handler in dispatcher.handlers() {
 ///     println!("{handler}");
 /// }
-/// let payload = br#"{"event_id":"0190c7f8-…","account_id":"a-1","amount_cents":500}"#;
+/// let payload = br#"{"event_id":"0190c7f8-9d3e-7b21-8c4a-5e6f7a8b9c0d","account_id":"a-1","amount_cents":500}"#;
 /// for outcome in dispatcher.dispatch(&Envelope::new("payments.captured", payload.to_vec())).await? {
 ///     println!("{}: {:?}", outcome.consumer, outcome.result);
 /// }
