@@ -167,7 +167,7 @@ macro_rules! ordering_tests {
                         for e in &events {
                             let outcomes = dispatcher.dispatch(&envelope(e)).await.unwrap();
                             for outcome in outcomes {
-                                outcome.result.unwrap();
+                                let _settled = outcome.result.unwrap();
                             }
                         }
                         assert_eq!(histories(&pool, "orders-park", &prefix).await, in_order(&events));
