@@ -266,9 +266,27 @@ async fn worker_settles_by_the_policy_on_the_memory_source() {
     assert_eq!(by_id[&ok], [Settlement::Ack]);
     assert_eq!(by_id[&dup], [Settlement::Ack]);
     assert_eq!(by_id[&conflict], [Settlement::Reject]);
-    assert_eq!(by_id[&unknown], [Settlement::Reject]);
-    assert_eq!(by_id[&malformed], [Settlement::Reject]);
-    assert_eq!(by_id[&no_key], [Settlement::Reject]);
+    // Refused deliveries are kept in inbox_rejections (payload included), then acked.
+    assert_eq!(by_id[&unknown], [Settlement::Ack]);
+    assert_eq!(by_id[&malformed], [Settlement::Ack]);
+    assert_eq!(by_id[&no_key], [Settlement::Ack]);
+    let kept: Vec<(String, Vec<u8>)> = sqlx::query_as(
+        "SELECT reason, payload FROM inbox_rejections WHERE reason <> 'conflict' ORDER BY id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        kept,
+        [
+            ("unknown_message".to_owned(), b"{}".to_vec()),
+            ("malformed".to_owned(), b"{\"event_id\":".to_vec()),
+            (
+                "invalid_key".to_owned(),
+                br#"{"event_id":"","amount_cents":1}"#.to_vec()
+            ),
+        ]
+    );
     // Requeued after the delay the inbox's retry policy chose (or the worker's 50 ms), then acked.
     assert!(
         matches!(
@@ -293,7 +311,7 @@ async fn worker_settles_by_the_policy_on_the_memory_source() {
         ),
         (2, 1, 1, 3, 1)
     );
-    assert_eq!((report.acked, report.rejected, report.requeued), (3, 4, 1));
+    assert_eq!((report.acked, report.rejected, report.requeued), (6, 1, 1));
     assert_eq!(report.abandoned, 0);
     assert_eq!(report.settle_errors, 0);
 

@@ -33,12 +33,15 @@ use crate::store::InboxDatabase;
 /// The settlement policy: how the dispatcher's result for one delivery settles it.
 ///
 /// * every consumer's outcome is [`Outcome::Processed`], [`Outcome::Duplicate`],
-///   [`Outcome::Dead`] or [`Outcome::Discarded`], or a handler failure recorded as dead
+///   [`Outcome::Dead`], [`Outcome::Discarded`], [`Outcome::Stale`] or [`Outcome::Parked`] (all
+///   settled in the inbox), or a handler failure recorded as dead
 ///   ([`Disposition::Dead`]: the payload is kept in the inbox) → [`Settlement::Ack`]: the
 ///   transactions have committed;
 /// * a [`DispatchError`] (unknown message, malformed payload, bad key — permanent, nothing
 ///   written), or a consumer's [`Error::Conflict`], [`Error::Key`] or [`Error::Fingerprint`] →
-///   [`Settlement::Reject`]: nack without requeue;
+///   [`Settlement::Reject`]: nack without requeue. (The [`Worker`] first keeps a refused
+///   delivery in `inbox_rejections`, payload included, and acks it when that succeeded;
+///   conflicts are kept there by the dispatcher itself.)
 /// * a handler failure to retry ([`Disposition::Retry`]) → [`Settlement::Requeue`] after its
 ///   `after` delay; any other handler failure, a database error, or an outcome this policy does
 ///   not know → [`Settlement::Requeue`] after `requeue_delay`. The failed consumer's transaction
@@ -58,7 +61,12 @@ pub fn settlement_for(
     for outcome in outcomes {
         match &outcome.result {
             Ok(
-                Outcome::Processed(()) | Outcome::Duplicate | Outcome::Dead | Outcome::Discarded,
+                Outcome::Processed(())
+                | Outcome::Duplicate
+                | Outcome::Dead
+                | Outcome::Discarded
+                | Outcome::Stale
+                | Outcome::Parked,
             ) => {}
             Err(Error::Handler(failure)) if failure.disposition.is_settled() => {}
             Err(Error::Conflict(_) | Error::Key(_) | Error::Fingerprint(_)) => reject = true,
@@ -106,6 +114,10 @@ pub struct WorkerReport {
     pub processed: u64,
     /// Consumer outcomes [`Outcome::Duplicate`].
     pub duplicates: u64,
+    /// Consumer outcomes [`Outcome::Stale`] (ordering: older than the aggregate's state).
+    pub stale: u64,
+    /// Consumer outcomes [`Outcome::Parked`] (ordering: held until their gap fills).
+    pub parked: u64,
     /// Consumer results [`Error::Conflict`].
     pub conflicts: u64,
     /// Deliveries the dispatcher refused ([`DispatchError`]: unknown message, malformed payload,
@@ -135,6 +147,8 @@ impl Default for WorkerReport {
     fn default() -> Self {
         Self {
             deliveries: 0,
+            stale: 0,
+            parked: 0,
             processed: 0,
             duplicates: 0,
             conflicts: 0,
@@ -430,7 +444,18 @@ async fn process<DB: InboxDatabase>(
     let ordering_key = delivery.ordering_key().map(str::to_owned);
     let envelope = delivery.envelope();
     let result = dispatcher.dispatch(envelope).await;
-    let settlement = settlement_for(&result, requeue_delay);
+    let mut settlement = settlement_for(&result, requeue_delay);
+    // A delivery the dispatcher refuses is kept in `inbox_rejections` (payload included); once
+    // it is, acking it loses nothing. If it cannot be kept, it is rejected to the broker.
+    if let Err(error) = &result {
+        match dispatcher.record_rejection(envelope, error).await {
+            Ok(()) => settlement = Settlement::Ack,
+            Err(record_error) => tracing::error!(
+                error = %record_error,
+                "could not keep the refused delivery in inbox_rejections; rejecting it"
+            ),
+        }
+    }
 
     let message_name = envelope.message_name.as_str();
     let source = envelope.source.as_ref();
@@ -453,6 +478,8 @@ async fn process<DB: InboxDatabase>(
                     Ok(Outcome::Processed(())) => report.processed += 1,
                     Ok(Outcome::Duplicate) => report.duplicates += 1,
                     Ok(Outcome::Dead | Outcome::Discarded) => report.dead += 1,
+                    Ok(Outcome::Stale) => report.stale += 1,
+                    Ok(Outcome::Parked) => report.parked += 1,
                     Err(Error::Handler(failure)) if failure.disposition.is_settled() => {
                         report.dead += 1;
                         tracing::error!(
