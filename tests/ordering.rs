@@ -206,6 +206,31 @@ macro_rules! ordering_tests {
             }
 
             #[tokio::test]
+            async fn the_worker_acks_parked_messages_and_sweeps_expired_ones() {
+                use inbox_runtime::source::memory::MemorySource;
+                use std::time::Duration;
+                let (pool, _guard) = setup().await;
+                let dispatcher = Dispatcher::from_registry(pool.clone())
+                    .unwrap()
+                    .with_park_policy(ParkPolicy::new(Duration::ZERO, ParkTimeout::DeadLetter));
+                let source = MemorySource::new("mem");
+                let handle = source.handle();
+                let parked = handle.push(envelope(&event("w", 2, "paid")));
+                let report = inbox_runtime::Worker::new(dispatcher)
+                    .park_sweep(Some(Duration::from_millis(50)))
+                    .stop_when_idle(Duration::from_millis(500))
+                    .run(source, tokio_util::sync::CancellationToken::new())
+                    .await
+                    .unwrap();
+                // orders-park parked it, orders-apply applied it: the delivery is acked.
+                assert_eq!((report.parked, report.processed, report.acked), (1, 1, 1));
+                assert_eq!(handle.settlements(), [(parked, inbox_runtime::source::Settlement::Ack)]);
+                // The gap stayed open past the (zero) timeout: the sweep dead-lettered it.
+                let row = inbox_runtime::admin::show(&pool, "orders-park", "w/2").await.unwrap().unwrap();
+                assert_eq!(row.status, "dead");
+            }
+
+            #[tokio::test]
             async fn outcomes_of_the_guard() {
                 let (pool, _guard) = setup().await;
                 let mut conn = pool.acquire().await.unwrap();

@@ -196,6 +196,7 @@ pub struct Worker<DB: InboxDatabase> {
     requeue_delay: Duration,
     drain_timeout: Duration,
     idle: Option<Duration>,
+    park_sweep: Option<Duration>,
 }
 
 /// A finished task.
@@ -219,7 +220,16 @@ impl<DB: InboxDatabase> Worker<DB> {
             requeue_delay: Duration::from_secs(1),
             drain_timeout: Duration::from_secs(30),
             idle: None,
+            park_sweep: Some(Duration::from_secs(60)),
         }
+    }
+
+    /// How often, while running, the worker calls [`Dispatcher::sweep_parked`] (parked
+    /// messages whose gap stayed open past the dispatcher's [`crate::ParkPolicy`] are
+    /// dead-lettered or released). Default every 60 s; `None` turns it off.
+    pub fn park_sweep(mut self, every: Option<Duration>) -> Self {
+        self.park_sweep = every;
+        self
     }
 
     /// At most `n` deliveries in flight (fetched, not yet settled); at least 1.
@@ -274,6 +284,29 @@ impl<DB: InboxDatabase> Worker<DB> {
         let mut drain_deadline: Option<Instant> = None;
         let mut last_activity = Instant::now();
         let far = Duration::from_secs(86_400 * 365);
+        // The parked-message sweep runs beside the loop and stops with it.
+        let sweeping = CancellationToken::new();
+        let _stop_sweeping = sweeping.clone().drop_guard();
+        if let Some(every) = self.park_sweep {
+            let dispatcher = self.dispatcher.clone();
+            tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        () = sweeping.cancelled() => break,
+                        () = tokio::time::sleep(every) => {}
+                    }
+                    match dispatcher.sweep_parked().await {
+                        Ok(report) if report.dead_lettered + report.released > 0 => tracing::warn!(
+                            dead_lettered = report.dead_lettered,
+                            released = report.released,
+                            "parked messages whose gap stayed open"
+                        ),
+                        Ok(_) => {}
+                        Err(error) => tracing::warn!(%error, "parked-message sweep failed"),
+                    }
+                }
+            });
+        }
 
         loop {
             if stop.is_some() && tasks.is_empty() {
@@ -425,6 +458,8 @@ fn add(total: &mut WorkerReport, one: &WorkerReport) {
     total.processed += one.processed;
     total.duplicates += one.duplicates;
     total.conflicts += one.conflicts;
+    total.stale += one.stale;
+    total.parked += one.parked;
     total.invalid += one.invalid;
     total.dead += one.dead;
     total.failed += one.failed;
