@@ -120,7 +120,10 @@ mod tests {
             parse("payment:{payment_id}:{seq}").unwrap(),
             [lit("payment:"), field("payment_id"), lit(":"), field("seq")]
         );
-        assert_eq!(parse("{a}/{b}").unwrap(), [field("a"), lit("/"), field("b")]);
+        assert_eq!(
+            parse("{a}/{b}").unwrap(),
+            [field("a"), lit("/"), field("b")]
+        );
         assert_eq!(parse("{a}-").unwrap(), [field("a"), lit("-")]);
         assert_eq!(parse("plain").unwrap(), [lit("plain")]);
         assert_eq!(parse("").unwrap(), []);
