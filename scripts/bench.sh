@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The benchmark command (issue 6; method and figures in BENCHMARKS.md). Builds the harness
+# (`examples/bench`, release mode) and runs it against PostgreSQL and SQLite; the report goes to
+# stdout and to target/bench-report.md.
+#
+#   scripts/bench.sh                  # default set, a few minutes
+#   scripts/bench.sh --quick          # about a minute
+#   scripts/bench.sh --full           # full sizes (10 M-row inbox, 5-minute memory run)
+#   scripts/bench.sh --help           # every option of the harness
+#
+# PostgreSQL: the server of BENCH_DATABASE_URL or of --database-url if given (the harness works
+# in its own database there, `inbox_bench`); otherwise a throwaway PostgreSQL started here with
+# scripts/pg.sh on its own data directory and port ($INBOX_BENCH_PG_DIR, default
+# /tmp/inbox-bench-pg; $INBOX_BENCH_PG_PORT, default 54330), so that tests running meanwhile do
+# not disturb it, and stopped afterwards. That server keeps durability on (fsync=on,
+# synchronous_commit=on) and gets shared_buffers=1GB and max_wal_size=4GB (the 10 M-row inbox
+# does not fit the 128 MB default).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+args=("$@")
+given=${BENCH_DATABASE_URL:-}
+for arg in "$@"; do
+  case "$arg" in --database-url | --database-url=*) given=given ;; esac
+done
+
+if [ -z "$given" ]; then
+  export INBOX_PG_DIR=${INBOX_BENCH_PG_DIR:-/tmp/inbox-bench-pg}
+  export INBOX_PG_PORT=${INBOX_BENCH_PG_PORT:-54330}
+  trap 'scripts/pg.sh stop' EXIT
+  url=$(scripts/pg.sh start)
+  bin=$(dirname "$(ls -d /usr/lib/postgresql/*/bin/pg_ctl | sort -V | tail -n 1)")
+  as_pg() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
+  as_pg "$bin/psql" -h 127.0.0.1 -p "$INBOX_PG_PORT" -U postgres -d postgres -qAt \
+    -c "ALTER SYSTEM SET shared_buffers = '1GB'" -c "ALTER SYSTEM SET max_wal_size = '4GB'" >/dev/null
+  as_pg "$bin/pg_ctl" -D "$INBOX_PG_DIR/data" -l "$INBOX_PG_DIR/server.log" -w -t 60 -m fast restart >/dev/null
+  echo "bench.sh: throwaway PostgreSQL at $url" >&2
+  args+=(--database-url "$url")
+elif [ "$given" != given ]; then
+  args+=(--database-url "$given")
+fi
+
+mkdir -p target
+cargo run --quiet --release -p inbox-examples --example bench -- "${args[@]}" | tee target/bench-report.md
