@@ -308,18 +308,26 @@ async fn a_handler_that_swallows_a_database_error_is_not_reported_processed() {
         matches!(&error, Error::Database(e) if e.operation == "verify"),
         "{error:?}"
     );
-    // Nothing committed: no claim, no effect; a redelivery runs again (and fails the same way).
-    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM inbox_messages")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    // Nothing of the attempt committed (no effect); the attempt is recorded as failed, so a
+    // handler that always does this ends dead instead of being redelivered forever.
     let effects: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM effects")
         .fetch_one(&pool)
         .await
         .unwrap();
-    assert_eq!((rows, effects), (0, 0));
+    assert_eq!(effects, 0);
+    let row = inbox_runtime::admin::show(&pool, "careless", "c")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((row.status.as_str(), row.attempts), ("failed", 1));
+    assert!(row.last_error.unwrap().contains("transaction was aborted"));
     assert_eq!(
         careless(&mut conn, msg()).await.unwrap_err().kind(),
         "database"
     );
+    let row = inbox_runtime::admin::show(&pool, "careless", "c")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((row.status.as_str(), row.attempts), ("failed", 2));
 }
