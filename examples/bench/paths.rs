@@ -125,6 +125,9 @@ pub(crate) enum Stream {
     Fresh {
         rng: Rng,
         keys: KeyKind,
+        /// (worker, workers): this worker's accounts are those ≡ worker (mod workers), as a
+        /// partitioned consumer's would be; concurrent transactions never share an account.
+        partition: (u64, u64),
     },
     Redelivered {
         set: Arc<DupSet>,
@@ -177,10 +180,13 @@ pub(crate) fn fresh(rng: &mut Rng, keys: KeyKind) -> Credit {
 }
 
 impl Stream {
-    pub(crate) fn fresh(seed: u64, keys: KeyKind) -> Stream {
+    /// New messages for worker `worker` of `workers` (see [`Stream::Fresh`]).
+    pub(crate) fn fresh(seed: u64, keys: KeyKind, worker: usize, workers: usize) -> Stream {
+        let workers = workers.max(1) as u64;
         Stream::Fresh {
             rng: Rng::new(seed),
             keys,
+            partition: (worker as u64 % workers, workers),
         }
     }
 
@@ -200,7 +206,16 @@ impl Stream {
     /// The next message and, for redeliveries, its payload as first delivered.
     pub(crate) fn next(&mut self) -> (Credit, Option<Vec<u8>>) {
         match self {
-            Stream::Fresh { rng, keys } => (fresh(rng, *keys), None),
+            Stream::Fresh {
+                rng,
+                keys,
+                partition: (worker, workers),
+            } => {
+                let mut msg = fresh(rng, *keys);
+                let slot = rng.range(ACCOUNTS / *workers) - 1;
+                msg.account_id = (slot * *workers + *worker + 1).to_string();
+                (msg, None)
+            }
             Stream::Redelivered { set, next, step } => {
                 let (msg, payload) = &set.messages[*next % set.messages.len()];
                 *next += *step;

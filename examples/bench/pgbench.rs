@@ -12,7 +12,10 @@ use std::time::Duration;
 use hdrhistogram::Histogram;
 
 use crate::measure::{BoxError, CpuProbe, Sample, histogram};
-use crate::paths::{ACCOUNTS, UPSERT_PG};
+use crate::paths::{ACCOUNTS, CONSUMER, MESSAGE, UPSERT_PG};
+
+/// A fingerprint for the minimal claim's rows (never compared).
+const HASH: &str = "1111111111111111111111111111111111111111111111111111111111111111";
 use crate::proxy::Entry;
 
 /// Where pgbench is and how it reaches the server.
@@ -238,6 +241,9 @@ pub(crate) enum Script {
     Runtime,
     /// `BEGIN; claim; effect; COMMIT`: 4 round trips (the claim as the runtime sends it).
     Inbox,
+    /// `BEGIN; INSERT … ON CONFLICT DO NOTHING; effect; COMMIT`: the smallest claim there is
+    /// (4 round trips), to price the runtime's claim statement against it.
+    MinimalClaim,
     /// `BEGIN` and the claim in one pipeline, then effect, `COMMIT`: 3 round trips.
     InboxBeginPipelined,
     /// The whole transaction in one pipeline: 1 round trip (no decision between claim and
@@ -254,6 +260,9 @@ impl Script {
             Script::BareTx => "pgbench: BEGIN; effect; COMMIT",
             Script::Runtime => "pgbench: the runtime's statements (as recorded)",
             Script::Inbox => "pgbench: BEGIN; claim; effect; COMMIT",
+            Script::MinimalClaim => {
+                "pgbench: BEGIN; INSERT … ON CONFLICT DO NOTHING; effect; COMMIT"
+            }
             Script::InboxBeginPipelined => "pgbench: [BEGIN; claim]; effect; COMMIT",
             Script::InboxOneTrip => "pgbench: [BEGIN; claim; effect; COMMIT]",
             Script::Duplicate { .. } => "pgbench: the runtime's duplicate (as recorded)",
@@ -263,7 +272,7 @@ impl Script {
     /// The `-D` definitions the script needs.
     fn defines(self, rec: &Recordings) -> Vec<(String, String)> {
         match self {
-            Script::Bare | Script::BareTx => Vec::new(),
+            Script::Bare | Script::BareTx | Script::MinimalClaim => Vec::new(),
             Script::Duplicate { .. } => rec
                 .duplicate
                 .as_ref()
@@ -301,6 +310,12 @@ impl Script {
                 "{VARS}{}BEGIN;\n{};\n{effect};\nCOMMIT;\n",
                 effect_vars(),
                 claim()?
+            ),
+            Script::MinimalClaim => format!(
+                "{VARS}{}BEGIN;\nINSERT INTO inbox_messages (consumer, message_key, message_name, \
+                 payload_hash) VALUES ('{CONSUMER}', :key, '{MESSAGE}', '{HASH}') \
+                 ON CONFLICT DO NOTHING RETURNING attempts;\n{effect};\nCOMMIT;\n",
+                effect_vars()
             ),
             Script::InboxBeginPipelined => format!(
                 "{VARS}{}\\startpipeline\nBEGIN;\n{};\n\\endpipeline\n{effect};\nCOMMIT;\n",

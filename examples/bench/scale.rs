@@ -97,6 +97,9 @@ pub(crate) struct PurgeRun {
     pub(crate) report: PurgeReport,
     pub(crate) elapsed: Duration,
     pub(crate) kept: u64,
+    /// Mean time of a batch among the first and the last tenth of the batches.
+    pub(crate) first_batches: Duration,
+    pub(crate) last_batches: Duration,
 }
 
 /// Fills `old` rows received 30 days ago and `recent` rows received a day ago, then runs
@@ -126,8 +129,15 @@ pub(crate) async fn purge(
     let week = Duration::from_secs(7 * 86_400);
     let retention = Retention::new(week, week)?.batch_size(batch);
     let started = Instant::now();
-    let report = inbox_runtime::admin::purge(pool, &retention, |_| {}).await?;
+    let mut marks = vec![started];
+    let report =
+        inbox_runtime::admin::purge(pool, &retention, |_| marks.push(Instant::now())).await?;
     let elapsed = started.elapsed();
+    let batches: Vec<Duration> = marks.windows(2).map(|w| w[1] - w[0]).collect();
+    let tenth = (batches.len() / 10).max(1);
+    let mean = |d: &[Duration]| d.iter().sum::<Duration>() / (d.len().max(1) as u32);
+    let first_batches = mean(&batches[..tenth.min(batches.len())]);
+    let last_batches = mean(&batches[batches.len().saturating_sub(tenth)..]);
     let (kept,): (i64,) = sqlx::query_as("SELECT count(*) FROM inbox_messages")
         .fetch_one(pool)
         .await?;
@@ -135,6 +145,8 @@ pub(crate) async fn purge(
         report,
         elapsed,
         kept: kept as u64,
+        first_batches,
+        last_batches,
     })
 }
 
