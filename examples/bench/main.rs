@@ -617,6 +617,9 @@ async fn run(args: &Args) -> Result<String, BoxError> {
     }
     if let Some(pg) = pg {
         pg.admin.close().await;
+        if let Some(bench) = &pg.pgbench {
+            let _ = std::fs::remove_dir_all(&bench.dir);
+        }
         if args.drop_db {
             drop_database(
                 args.database_url.as_deref().unwrap_or_default(),
