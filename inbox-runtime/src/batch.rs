@@ -4,7 +4,7 @@ use std::collections::{HashMap, HashSet};
 
 use sqlx::Connection as _;
 
-use crate::error::{BoxError, Conflict, Disposition, Error, HandlerFailure, StoreError};
+use crate::error::{BoxError, Conflict, Disposition, Error, HandlerFailure};
 use crate::outcome::Outcome;
 use crate::registry::{ConsumerOutcome, Dispatcher, Prepared, PreparedItem};
 use crate::store::{
@@ -276,37 +276,12 @@ where
                 .await;
             match body {
                 Ok(()) => {
-                    // As on the single path: a body that swallowed a database error and
-                    // returned `Ok` must not be reported processed; its attempt is recorded.
-                    let verified = DB::Connection::in_transaction(&mut savepoint)
-                        .verify_claim(it.handler.consumer(), it.key.as_str())
-                        .await;
-                    match verified {
-                        Ok(()) => {
-                            savepoint.commit().await?;
-                            slots.push(Slot::Done(Ok(Outcome::Processed(()))));
-                        }
-                        Err(error) => {
-                            savepoint.rollback().await?;
-                            let text = crate::handler::aborted_transaction_text(&error);
-                            self.fail_in_batch(
-                                &mut tx,
-                                p,
-                                it,
-                                request,
-                                attempts,
-                                ErrorClass::Retryable,
-                                &text,
-                            )
-                            .await?;
-                            slots.push(Slot::Done(Err(Error::Database(StoreError {
-                                consumer: it.handler.consumer(),
-                                key: it.key.clone(),
-                                operation: "verify",
-                                source: error,
-                            }))));
-                        }
-                    }
+                    // No separate check here, unlike the single path: a body that swallowed a
+                    // database error left the transaction aborted, and RELEASE SAVEPOINT then
+                    // fails; the batch fails as a whole and every message of it takes the
+                    // single path, which checks, records and reports it.
+                    savepoint.commit().await?;
+                    slots.push(Slot::Done(Ok(Outcome::Processed(()))));
                 }
                 Err(failure) if failure.class == ErrorClass::Transient => {
                     // Retried in-process on the single path after the batch commits, as

@@ -75,6 +75,10 @@
 //! PostgreSQL and SQLite support are always compiled in. The payload format is JSON (serde).
 //! * `cli`: the module `cli`, the operator's command line (stats, dead letters, replay, purge),
 //!   to embed in a binary of yours.
+//! * `amqp`: `source::amqp`, the RabbitMQ source (lapin).
+//! * `nats`: `source::nats`, the NATS JetStream source (async-nats).
+//!
+//! Build these docs with `cargo doc --all-features` to see all three.
 
 #![warn(missing_docs, unreachable_pub, rust_2018_idioms)]
 
@@ -141,7 +145,8 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// The error [`migrate`] returns: sqlx's migration error.
 pub use sqlx::migrate::MigrateError;
 
-/// Creates or upgrades the inbox tables (`inbox_messages`, `inbox_aggregate_state`) in the
+/// Creates or upgrades the inbox tables (`inbox_messages`, `inbox_aggregate_state`,
+/// `inbox_rejections`) in the
 /// database behind `pool` (a `PgPool` or a `SqlitePool`). Idempotent: run it at every start.
 ///
 /// Applied versions are recorded in [`MIGRATIONS_TABLE`], apart from the application's own
