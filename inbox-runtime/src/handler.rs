@@ -285,12 +285,7 @@ async fn attempt<H: Handler>(
             && status != "failed"
         {
             {
-                return settle_existing::<H>(&status, &stored_hash, delivery).map_err(
-                    |e| match e {
-                        Settle::Conflict(conflict) => Error::Conflict(conflict),
-                        Settle::Corrupt(source) => store_error("claim")(source).into(),
-                    },
-                );
+                return settle_existing::<H>(&status, &stored_hash, delivery);
             }
         }
     }
@@ -363,15 +358,7 @@ async fn attempt<H: Handler>(
     };
     tx.rollback().await.map_err(store_error("rollback"))?;
     tracing::Span::current().record("attempts", attempts);
-    settle_existing::<H>(&status, &stored_hash, delivery).map_err(|e| match e {
-        Settle::Conflict(conflict) => Error::Conflict(conflict),
-        Settle::Corrupt(source) => store_error("claim")(source).into(),
-    })
-}
-
-enum Settle {
-    Conflict(Conflict),
-    Corrupt(sqlx::Error),
+    settle_existing::<H>(&status, &stored_hash, delivery)
 }
 
 /// The outcome of a delivery whose key is already settled in the inbox (not claimable).
@@ -379,14 +366,17 @@ fn settle_existing<H: Handler>(
     status: &str,
     stored_hash: &str,
     delivery: &Delivery<'_>,
-) -> Result<Outcome<H::Output>, Settle> {
+) -> Result<Outcome<H::Output>, Error<H::Error>> {
     if stored_hash != delivery.fingerprint.to_hex() {
-        let stored = Fingerprint::from_hex(stored_hash).ok_or_else(|| {
-            Settle::Corrupt(sqlx::Error::Decode(
+        let stored = Fingerprint::from_hex(stored_hash).ok_or_else(|| StoreError {
+            consumer: H::CONSUMER,
+            key: delivery.key.clone(),
+            operation: "claim",
+            source: sqlx::Error::Decode(
                 format!("stored payload_hash {stored_hash:?} is not a SHA-256 hex digest").into(),
-            ))
+            ),
         })?;
-        return Err(Settle::Conflict(Conflict {
+        return Err(Error::Conflict(Conflict {
             consumer: H::CONSUMER,
             message_name: <H::Message as Message>::NAME,
             key: delivery.key.clone(),
