@@ -32,6 +32,16 @@ impl Classify for TransferError {
     }
 }
 
+/// A message whose handler counts its calls.
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[message(name = "test.counted")]
+pub struct Counted {
+    #[message(key)]
+    pub id: String,
+    pub account: String,
+    pub amount: i64,
+}
+
 pub fn transfer(id: &str, account: &str, amount: i64) -> inbox_runtime::Envelope {
     let t = Transfer {
         id: id.into(),
@@ -60,6 +70,70 @@ macro_rules! batch_tests {
                     return Err(TransferError::Frozen(msg.account));
                 }
                 Ok(())
+            }
+
+            /// Calls of `count_calls`, to see how often the batch ran each handler.
+            static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+            #[inbox_runtime::idempotent(consumer = "counter")]
+            async fn count_calls(conn: &mut $conn, msg: Counted) -> Result<(), TransferError> {
+                CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                sqlx::query(APPLY_EFFECT)
+                    .bind(format!("counted:{}", msg.account))
+                    .bind(msg.amount)
+                    .execute(&mut *conn)
+                    .await?;
+                if msg.account == "frozen" {
+                    return Err(TransferError::Frozen(msg.account));
+                }
+                Ok(())
+            }
+
+            fn counted(id: &str, account: &str) -> Envelope {
+                let c = Counted { id: id.into(), account: account.into(), amount: 1 };
+                Envelope::new(Counted::NAME, serde_json::to_vec(&c).unwrap())
+            }
+
+            /// A batch runs optimistically (each handler once, no savepoints); when one handler
+            /// fails, that run is rolled back and the batch runs again with savepoints: the
+            /// handlers before the failure are called twice, their effects still apply once.
+            #[tokio::test]
+            async fn a_batch_runs_each_handler_once_unless_one_fails() {
+                use std::sync::atomic::Ordering::SeqCst;
+                let (pool, _guard) = $pool;
+                let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+                let ok: Vec<Envelope> = (0..5).map(|i| counted(&format!("ok{i}"), "a")).collect();
+                let results = kinds(dispatcher.dispatch_batch(&ok).await);
+                assert_eq!(results, vec![Ok(vec!["processed"]); 5]);
+                assert_eq!(CALLS.load(SeqCst), 5);
+
+                let mixed = [
+                    counted("m0", "b"),
+                    counted("m1", "b"),
+                    counted("m2", "frozen"),
+                    counted("m3", "b"),
+                    counted("m4", "b"),
+                ];
+                let results = kinds(dispatcher.dispatch_batch(&mixed).await);
+                assert_eq!(
+                    results,
+                    vec![
+                        Ok(vec!["processed"]),
+                        Ok(vec!["processed"]),
+                        Ok(vec!["dead-lettered"]),
+                        Ok(vec!["processed"]),
+                        Ok(vec!["processed"]),
+                    ]
+                );
+                // 3 calls in the optimistic run (up to the failure), 5 in the isolated one.
+                assert_eq!(CALLS.load(SeqCst), 5 + 3 + 5);
+                let effects: Vec<(String, i64, i64)> = sqlx::query_as(
+                    "SELECT effect_key, applied, total FROM effects WHERE effect_key LIKE 'counted:%' ORDER BY effect_key",
+                )
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+                assert_eq!(effects, [("counted:a".to_owned(), 5, 5), ("counted:b".to_owned(), 4, 4)]);
             }
 
             type Kinds = Vec<Result<Vec<&'static str>, String>>;

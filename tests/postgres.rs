@@ -331,3 +331,65 @@ async fn a_handler_that_swallows_a_database_error_is_not_reported_processed() {
         .unwrap();
     assert_eq!((row.status.as_str(), row.attempts), ("failed", 2));
 }
+
+/// `dispatch_on` keeps one connection across envelopes; when the server kills it between two
+/// envelopes, the next one runs on a new connection and is applied exactly once.
+#[tokio::test]
+async fn a_held_connection_is_reused_and_replaced_when_killed() {
+    let pool = inbox_tests::pg_pool(4).await;
+    let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+    let mut slot = inbox_runtime::ConnectionSlot::new();
+    assert!(!slot.is_held());
+    let payment = |account: &str| {
+        let msg = Payment {
+            event_id: uuid::Uuid::new_v4(),
+            account: account.into(),
+            amount_cents: 100,
+        };
+        Envelope::new(Payment::NAME, serde_json::to_vec(&msg).unwrap())
+    };
+
+    let opened = pool.size();
+    for _ in 0..3 {
+        let outcomes = dispatcher
+            .dispatch_on(&mut slot, &payment("held"))
+            .await
+            .unwrap();
+        assert!(matches!(outcomes[0].result, Ok(Outcome::Processed(()))));
+        assert!(slot.is_held());
+        // The slot keeps one connection out of the pool, the same one each time.
+        assert_eq!(
+            (pool.size(), pool.num_idle()),
+            (opened, opened as usize - 1)
+        );
+    }
+
+    let killed: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid() \
+         AND backend_type = 'client backend'",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    // The held connection, and any other idle one of the pool.
+    assert_eq!(killed, vec![true; opened as usize - 1]);
+    let outcomes = dispatcher
+        .dispatch_on(&mut slot, &payment("held"))
+        .await
+        .unwrap();
+    assert!(
+        matches!(outcomes[0].result, Ok(Outcome::Processed(()))),
+        "{:?}",
+        outcomes[0].result
+    );
+    assert!(slot.is_held());
+    let effects: (i64, i64) =
+        sqlx::query_as("SELECT applied, total FROM effects WHERE effect_key = 'held'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(effects, (4, 400));
+    slot.release();
+    assert!(!slot.is_held());
+}

@@ -327,7 +327,7 @@ enum Kind {
     BareTx,
     Direct,
     Dispatch,
-    DispatchNoPing,
+    DispatchOn,
     DupDirect,
     DupDispatch,
     DupRedelivered,
@@ -341,14 +341,14 @@ impl Kind {
             Kind::Bare => "bare effect (autocommit) — baseline".into(),
             Kind::BareTx => "bare effect in BEGIN … COMMIT".into(),
             Kind::Direct => "#[idempotent] called directly".into(),
-            Kind::Dispatch => "Dispatcher::dispatch (pool defaults)".into(),
-            Kind::DispatchNoPing => "Dispatcher::dispatch (test_before_acquire off)".into(),
+            Kind::Dispatch => "Dispatcher::dispatch (a pooled connection per message)".into(),
+            Kind::DispatchOn => "Dispatcher::dispatch_on (held connection, as the Worker)".into(),
             Kind::DupDirect => "duplicate, #[idempotent] called directly".into(),
-            Kind::DupDispatch => "duplicate, Dispatcher::dispatch (pool defaults)".into(),
+            Kind::DupDispatch => "duplicate, Dispatcher::dispatch_on (held connection)".into(),
             Kind::DupRedelivered => {
-                "duplicate marked redelivered, Dispatcher::dispatch (pool defaults)".into()
+                "duplicate marked redelivered, Dispatcher::dispatch_on (held connection)".into()
             }
-            Kind::Batch(n) => format!("Dispatcher::dispatch_batch, {n} per transaction"),
+            Kind::Batch(n) => format!("Dispatcher::dispatch_batch_on, {n} per transaction"),
             Kind::Pgb(script) => script.label().into(),
         }
     }
@@ -359,7 +359,7 @@ const MAIN_KINDS: [Kind; 12] = [
     Kind::BareTx,
     Kind::Direct,
     Kind::Dispatch,
-    Kind::DispatchNoPing,
+    Kind::DispatchOn,
     Kind::Pgb(Script::Bare),
     Kind::Pgb(Script::BareTx),
     Kind::Pgb(Script::Runtime),
@@ -871,11 +871,11 @@ async fn pg_ops(
             Ok((pool, ops))
         }
         Kind::Dispatch
-        | Kind::DispatchNoPing
+        | Kind::DispatchOn
         | Kind::DupDispatch
         | Kind::DupRedelivered
         | Kind::Batch(_) => {
-            let pool = pg_pool(opts, workers, kind != Kind::DispatchNoPing).await?;
+            let pool = pg_pool(opts, workers, true).await?;
             let dispatcher = Arc::new(Dispatcher::from_registry(pool.clone())?);
             for worker in 0..workers {
                 if let Kind::Batch(size) = kind {
@@ -885,11 +885,12 @@ async fn pg_ops(
                     );
                     continue;
                 }
-                ops.push(Box::new(DispatchOp {
-                    dispatcher: Disp::Pg(dispatcher.clone()),
-                    stream: stream(worker)?,
-                    redelivered: kind == Kind::DupRedelivered,
-                }));
+                ops.push(Box::new(DispatchOp::new(
+                    Disp::Pg(dispatcher.clone()),
+                    stream(worker)?,
+                    kind == Kind::DupRedelivered,
+                    kind != Kind::Dispatch,
+                )));
             }
             Ok((pool, ops))
         }
@@ -913,6 +914,7 @@ fn batch_op(
 ) -> Option<Box<dyn Op>> {
     struct BatchOp {
         dispatcher: Arc<Dispatcher<sqlx::Postgres>>,
+        slot: inbox_runtime::ConnectionSlot<sqlx::Postgres>,
         size: usize,
         stream: Stream,
     }
@@ -927,7 +929,10 @@ fn batch_op(
                         serde_json::to_vec(&msg)?,
                     ));
                 }
-                let results = self.dispatcher.dispatch_batch(&envelopes).await;
+                let results = self
+                    .dispatcher
+                    .dispatch_batch_on(&mut self.slot, &envelopes)
+                    .await;
                 if results.len() != self.size {
                     return Err(
                         format!("{} results for {} envelopes", results.len(), self.size).into(),
@@ -946,6 +951,7 @@ fn batch_op(
     }
     Some(Box::new(BatchOp {
         dispatcher,
+        slot: inbox_runtime::ConnectionSlot::new(),
         size,
         stream,
     }))
@@ -1162,7 +1168,7 @@ async fn round_trips(
         Kind::BareTx,
         Kind::Direct,
         Kind::Dispatch,
-        Kind::DispatchNoPing,
+        Kind::DispatchOn,
         Kind::DupDirect,
         Kind::DupDispatch,
         Kind::DupRedelivered,
@@ -1385,7 +1391,7 @@ async fn dup_section(
 async fn batch_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), BoxError> {
     let available = batch_op_available(pg).await;
     let mut rows = Vec::new();
-    let mut kinds = vec![Kind::Dispatch];
+    let mut kinds = vec![Kind::DispatchOn];
     kinds.extend(BATCH_SIZES.map(Kind::Batch));
     for &workers in &p.batch_workers {
         if !available {
@@ -1400,7 +1406,7 @@ async fn batch_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), Bo
         scale::truncate(&pg.admin).await?;
         let acc = rounds(pg, &kinds, workers, p, None).await?;
         let bare = pg.rates.get(&(Kind::Bare, workers)).copied();
-        let single = acc.get(&Kind::Dispatch).map(Acc::rate);
+        let single = acc.get(&Kind::DispatchOn).map(Acc::rate);
         for kind in &kinds {
             if let Some(a) = acc.get(kind) {
                 pg.rates.insert((*kind, workers), a.rate());
@@ -1631,11 +1637,12 @@ async fn sqlite_ops(
         Kind::Dispatch | Kind::DupDispatch => {
             let dispatcher = Arc::new(Dispatcher::from_registry(pool.clone())?);
             for worker in 0..workers {
-                ops.push(Box::new(DispatchOp {
-                    dispatcher: Disp::Lite(dispatcher.clone()),
-                    stream: stream(worker),
-                    redelivered: false,
-                }));
+                ops.push(Box::new(DispatchOp::new(
+                    Disp::Lite(dispatcher.clone()),
+                    stream(worker),
+                    false,
+                    kind != Kind::Dispatch,
+                )));
             }
         }
         _ => {
@@ -1879,17 +1886,17 @@ fn targets(out: &mut Out, pg: &Pg, p: &Profile) {
             if *rt <= 1.0 + 1e-9 {
                 "met"
             } else {
-                "**not met** (sqlx's pool pings)"
+                "**not met**"
             }
         ));
     }
     let mut batch = false;
     for &w in &p.batch_workers {
         let get = |k: Kind| pg.rates.get(&(k, w)).copied();
-        if let (Some(b), Some(single)) = (get(Kind::Batch(100)), get(Kind::Dispatch)) {
+        if let (Some(b), Some(single)) = (get(Kind::Batch(100)), get(Kind::DispatchOn)) {
             batch = true;
             lines.push(format!(
-                "- {w} workers: batches of 100 = {:.2}× `Dispatcher::dispatch` (target ≥ 10: {})",
+                "- {w} workers: batches of 100 = {:.2}× `Dispatcher::dispatch_on` (target ≥ 10: {})",
                 b / single,
                 if b / single >= 10.0 {
                     "met"

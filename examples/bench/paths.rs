@@ -4,7 +4,9 @@
 
 use std::sync::Arc;
 
-use inbox_runtime::{Dispatcher, Envelope, Fingerprint, Outcome, SourceMetadata, idempotent};
+use inbox_runtime::{
+    ConnectionSlot, Dispatcher, Envelope, Fingerprint, Outcome, SourceMetadata, idempotent,
+};
 use serde::{Deserialize, Serialize};
 use sqlx::pool::PoolConnection;
 use sqlx::{
@@ -256,13 +258,31 @@ pub(crate) struct ConnOp {
     pub(crate) stream: Stream,
 }
 
-/// One task's loop body through a shared dispatcher (which acquires a pooled connection per
-/// message).
+/// One task's loop body through a shared dispatcher: a pooled connection per message
+/// (`Dispatcher::dispatch`), or one held across messages (`Dispatcher::dispatch_on`, as the
+/// `Worker` does).
 pub(crate) struct DispatchOp {
-    pub(crate) dispatcher: Disp,
-    pub(crate) stream: Stream,
+    dispatcher: Disp,
+    stream: Stream,
     /// Mark every envelope as a redelivery (as a broker does on a requeued message).
-    pub(crate) redelivered: bool,
+    redelivered: bool,
+    /// Dispatch on the task's held connection.
+    hold: bool,
+    pg_slot: ConnectionSlot<Postgres>,
+    lite_slot: ConnectionSlot<Sqlite>,
+}
+
+impl DispatchOp {
+    pub(crate) fn new(dispatcher: Disp, stream: Stream, redelivered: bool, hold: bool) -> Self {
+        Self {
+            dispatcher,
+            stream,
+            redelivered,
+            hold,
+            pg_slot: ConnectionSlot::new(),
+            lite_slot: ConnectionSlot::new(),
+        }
+    }
 }
 
 pub(crate) fn check<E: std::fmt::Debug>(
@@ -343,9 +363,11 @@ impl Op for DispatchOp {
             if self.redelivered {
                 envelope = envelope.with_source(SourceMetadata::new("bench").redelivered(true));
             }
-            let mut outcomes = match &self.dispatcher {
-                Disp::Pg(d) => d.dispatch(&envelope).await?,
-                Disp::Lite(d) => d.dispatch(&envelope).await?,
+            let mut outcomes = match (&self.dispatcher, self.hold) {
+                (Disp::Pg(d), true) => d.dispatch_on(&mut self.pg_slot, &envelope).await?,
+                (Disp::Pg(d), false) => d.dispatch(&envelope).await?,
+                (Disp::Lite(d), true) => d.dispatch_on(&mut self.lite_slot, &envelope).await?,
+                (Disp::Lite(d), false) => d.dispatch(&envelope).await?,
             };
             if outcomes.len() != 1 {
                 return Err(format!("{} consumer outcomes, expected 1", outcomes.len()).into());

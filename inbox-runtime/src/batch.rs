@@ -7,6 +7,7 @@ use sqlx::Connection as _;
 use crate::error::{BoxError, Conflict, Disposition, Error, HandlerFailure};
 use crate::outcome::Outcome;
 use crate::registry::{ConsumerOutcome, Dispatcher, Prepared, PreparedItem};
+use crate::slot::ConnectionSlot;
 use crate::store::{
     ClaimMode, ClaimRequest, ClaimResult, FailureRecord, InboxConnection, InboxDatabase, Rejection,
     RejectionReason,
@@ -29,13 +30,22 @@ where
     DB::Connection: InboxConnection,
 {
     /// Processes a batch of deliveries (as a broker poll returns them) in **one** transaction:
-    /// one multi-row claim statement for all of them, each handler isolated by a savepoint so that
-    /// one failure does not undo the others, one commit. Ack the deliveries after this returns.
+    /// one multi-row claim statement for all of them, then each handler, one commit. Ack the
+    /// deliveries after this returns.
     ///
     /// Returns one result per envelope, in order, exactly as [`Dispatcher::dispatch`] would:
     /// the same outcomes and errors, the same guarantees. Failed attempts are recorded in the
     /// batch transaction (`failed` with a next attempt time, or `dead`); conflicts are kept in
     /// `inbox_rejections`.
+    ///
+    /// **How one failure is kept from undoing the others.** The batch first runs optimistically:
+    /// every handler directly in the batch transaction, then one check that the transaction is
+    /// not aborted, then `COMMIT` — one round trip per handler body. If any handler returns an
+    /// error, or left the transaction aborted, that transaction is rolled back and the batch runs
+    /// again with each handler isolated by a savepoint (`SAVEPOINT`, body, `RELEASE` or
+    /// `ROLLBACK TO`), so that the failure is recorded and the others commit. Handlers are
+    /// therefore called twice in that case (their database writes from the first run are rolled
+    /// back; effects outside the database happen twice, as on any retry).
     ///
     /// Some deliveries take the one-message-per-transaction path after the batch commits:
     /// messages with per-aggregate ordering (their aggregate lock must not be held across the
@@ -43,8 +53,22 @@ where
     /// (retried with its own claim), and transient failures (retried in-process). If the batch
     /// transaction fails as a whole (lost connection, failed commit), every delivery of it takes
     /// that path: the claims make that safe whatever had been committed.
+    ///
+    /// Acquires one pooled connection per call; see [`dispatch_batch_on`](Self::dispatch_batch_on)
+    /// to hold one across batches.
     pub async fn dispatch_batch(
         &self,
+        envelopes: &[crate::Envelope],
+    ) -> Vec<Result<Vec<ConsumerOutcome>, DispatchError>> {
+        self.dispatch_batch_on(&mut ConnectionSlot::new(), envelopes)
+            .await
+    }
+
+    /// [`dispatch_batch`](Self::dispatch_batch) on the connection held by `slot` (see
+    /// [`ConnectionSlot`]): the same results, without the pool's round trips per batch.
+    pub async fn dispatch_batch_on(
+        &self,
+        slot: &mut ConnectionSlot<DB>,
         envelopes: &[crate::Envelope],
     ) -> Vec<Result<Vec<ConsumerOutcome>, DispatchError>> {
         let prepared: Vec<Result<Prepared<'_>, DispatchError>> =
@@ -76,13 +100,30 @@ where
             key(a).cmp(&key(b))
         });
         if !batch.is_empty() {
-            match self.run_batch(&prepared, &batch).await {
-                Ok(results) => {
-                    for ((e, i), slot) in batch.iter().zip(results) {
-                        slots[*e][*i] = slot;
+            let mut run = self.run_batch(slot, &prepared, &batch, false).await;
+            if let Ok(BatchRun::Isolate) = run {
+                tracing::debug!(
+                    size = batch.len(),
+                    "a handler failed in the optimistic batch; running it again with savepoints"
+                );
+                run = self.run_batch(slot, &prepared, &batch, true).await;
+            }
+            match run {
+                Ok(BatchRun::Done(results)) => {
+                    for ((e, i), result) in batch.iter().zip(results) {
+                        slots[*e][*i] = result;
                     }
                 }
+                Ok(BatchRun::Isolate) => {
+                    unreachable!("an isolated batch run never asks for isolation")
+                }
                 Err(error) => {
+                    if matches!(
+                        error,
+                        sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed
+                    ) {
+                        slot.discard();
+                    }
                     tracing::warn!(%error, size = batch.len(), "batch transaction failed; processing its messages one by one");
                 }
             }
@@ -98,8 +139,8 @@ where
                 }
             };
             let mut outcomes = Vec::with_capacity(p.items.len());
-            for (item, slot) in p.items.iter().zip(env_slots) {
-                outcomes.push(match slot {
+            for (item, settled) in p.items.iter().zip(env_slots) {
+                outcomes.push(match settled {
                     Slot::Done(result) => {
                         crate::handler::observe(item.handler.consumer(), &result);
                         ConsumerOutcome {
@@ -108,7 +149,7 @@ where
                             result,
                         }
                     }
-                    Slot::Single => self.run_item(&p, item).await,
+                    Slot::Single => self.run_item(slot, &p, item).await,
                 });
             }
             results.push(Ok(outcomes));
@@ -159,12 +200,16 @@ where
         Ok((recorded, retry_delay))
     }
 
-    /// The batch transaction. An `Err` means nothing of it is known to be committed.
+    /// The batch transaction, optimistic (handlers run directly in it) or `isolate`d (each
+    /// handler in a savepoint). An `Err` means nothing of it is known to be committed;
+    /// [`BatchRun::Isolate`] that the optimistic run was rolled back because a handler failed.
     async fn run_batch(
         &self,
+        slot: &mut ConnectionSlot<DB>,
         prepared: &[Result<Prepared<'_>, DispatchError>],
         batch: &[(usize, usize)],
-    ) -> Result<Vec<Slot>, sqlx::Error> {
+        isolate: bool,
+    ) -> Result<BatchRun, sqlx::Error> {
         let item = |&(e, i): &(usize, usize)| -> (&Prepared<'_>, &PreparedItem) {
             let p = prepared[e]
                 .as_ref()
@@ -194,7 +239,7 @@ where
             })
             .collect();
 
-        let mut conn = self.pool.acquire().await?;
+        let conn = slot.get(&self.pool).await?;
         let mut tx = conn.begin_inbox().await?;
         let claimed = DB::Connection::in_transaction(&mut tx)
             .claim_batch(&requests)
@@ -265,6 +310,19 @@ where
                 continue;
             };
 
+            if !isolate {
+                let body = it
+                    .handler
+                    .call_body(DB::Connection::in_transaction(&mut tx).as_any(), &**msg)
+                    .await;
+                if body.is_err() {
+                    tx.rollback().await?;
+                    return Ok(BatchRun::Isolate);
+                }
+                slots.push(Slot::Done(Ok(Outcome::Processed(()))));
+                continue;
+            }
+
             // The handler, isolated by a savepoint.
             let mut savepoint = DB::Connection::in_transaction(&mut tx).begin().await?;
             let body = it
@@ -323,7 +381,33 @@ where
                 }
             }
         }
+        if !isolate {
+            // A handler that swallowed a database error and returned `Ok` left the transaction
+            // aborted (PostgreSQL), and COMMIT would silently roll it back: check once for the
+            // batch. The isolated run then finds which handler it was.
+            let first_claimed = batch
+                .iter()
+                .zip(&claimed)
+                .find_map(|(at, attempts)| attempts.map(|_| item(at).1));
+            if let Some(it) = first_claimed {
+                let verified = DB::Connection::in_transaction(&mut tx)
+                    .verify_claim(it.handler.consumer(), it.key.as_str())
+                    .await;
+                if verified.is_err() {
+                    let _ = tx.rollback().await;
+                    return Ok(BatchRun::Isolate);
+                }
+            }
+        }
         tx.commit().await?;
-        Ok(slots)
+        Ok(BatchRun::Done(slots))
     }
+}
+
+/// What one run of the batch transaction came to.
+enum BatchRun {
+    /// Committed; one result per batched message.
+    Done(Vec<Slot>),
+    /// The optimistic run was rolled back: a handler failed; run again with savepoints.
+    Isolate,
 }

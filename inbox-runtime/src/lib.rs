@@ -96,6 +96,7 @@ mod ordering;
 mod outcome;
 mod policy;
 mod registry;
+mod slot;
 pub mod source;
 mod store;
 mod worker;
@@ -118,6 +119,7 @@ pub use policy::RetryPolicy;
 pub use registry::{
     ConsumerOutcome, Dispatcher, HandlerInfo, ReplayError, SweepReport, registered_handlers,
 };
+pub use slot::ConnectionSlot;
 pub use store::{
     Backend, InboxConnection, InboxDatabase, MIGRATIONS_TABLE, RejectionReason, StatsRow,
     StoredMessage,

@@ -15,6 +15,7 @@ use crate::key::{IdempotencyKey, KeyError};
 use crate::ordering::{GapPolicy, Ordering, ParkPolicy, ParkTimeout};
 use crate::outcome::Outcome;
 use crate::policy::RetryPolicy;
+use crate::slot::ConnectionSlot;
 use crate::store::{AnyConnection, Backend, InboxConnection, InboxDatabase};
 use crate::store::{ClaimMode, Rejection, RejectionReason, StoredMessage};
 
@@ -346,14 +347,33 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     /// message type, [`DispatchError::Key`] if a consumer's key is missing, null, empty or too
     /// long, [`DispatchError::Fingerprint`] if the message cannot be fingerprinted. Per-consumer
     /// failures (handler error, conflict, database) are in each [`ConsumerOutcome::result`].
+    ///
+    /// Each call acquires a connection from the pool and gives it back: sqlx's pool pings on
+    /// both (two round trips more per envelope). A loop that dispatches many envelopes should
+    /// hold a connection across them with [`dispatch_on`](Self::dispatch_on), as the
+    /// [`Worker`](crate::Worker) does.
     pub async fn dispatch(
         &self,
+        envelope: &Envelope,
+    ) -> Result<Vec<ConsumerOutcome>, DispatchError> {
+        self.dispatch_on(&mut ConnectionSlot::new(), envelope).await
+    }
+
+    /// [`dispatch`](Self::dispatch) on the connection held by `slot` (acquired from the pool if
+    /// the slot is empty, replaced if it was lost): the same outcomes, errors and guarantees,
+    /// without the pool's round trips per envelope. See [`ConnectionSlot`].
+    ///
+    /// # Errors
+    /// As [`dispatch`](Self::dispatch).
+    pub async fn dispatch_on(
+        &self,
+        slot: &mut ConnectionSlot<DB>,
         envelope: &Envelope,
     ) -> Result<Vec<ConsumerOutcome>, DispatchError> {
         let prepared = self.prepare(envelope)?;
         let mut outcomes = Vec::with_capacity(prepared.items.len());
         for item in &prepared.items {
-            outcomes.push(self.run_item(&prepared, item).await);
+            outcomes.push(self.run_item(slot, &prepared, item).await);
         }
         Ok(outcomes)
     }
@@ -432,6 +452,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     /// Runs one consumer of a prepared envelope in its own transaction (the single path).
     pub(crate) async fn run_item(
         &self,
+        slot: &mut ConnectionSlot<DB>,
         prepared: &Prepared<'_>,
         item: &PreparedItem,
     ) -> ConsumerOutcome {
@@ -450,9 +471,9 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             mode: ClaimMode::Deliver,
             ordering: item.ordering.as_ref(),
         };
-        let result = self.invoke(handler, &**msg, &delivery).await;
+        let result = self.invoke(slot, handler, &**msg, &delivery).await;
         if let (Ok(Outcome::Processed(())), Some(ordering)) = (&result, &item.ordering) {
-            self.apply_parked_successors(handler, ordering).await;
+            self.apply_parked_successors(slot, handler, ordering).await;
         }
         ConsumerOutcome {
             consumer: handler.consumer(),
@@ -461,36 +482,42 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         }
     }
 
-    /// Runs one handler on a pooled connection; a connection lost on the way (the attempt's
+    /// Runs one handler on the slot's connection; a connection lost on the way (the attempt's
     /// failure not even recorded) is replaced once and the delivery run again — the claim makes
     /// that safe.
     async fn invoke(
         &self,
+        slot: &mut ConnectionSlot<DB>,
         handler: &'static dyn DynHandler,
         msg: &AnyMessage,
         delivery: &Delivery<'_>,
     ) -> Result<Outcome<()>, Error<BoxError>> {
-        let mut result = self.invoke_once(handler, msg, delivery).await;
+        let mut result = self.invoke_once(slot, handler, msg, delivery).await;
         if lost_connection(&result) {
+            slot.discard();
             tracing::warn!(
                 consumer = handler.consumer(),
                 "connection lost; retrying on a new one"
             );
-            result = self.invoke_once(handler, msg, delivery).await;
+            result = self.invoke_once(slot, handler, msg, delivery).await;
+            if lost_connection(&result) {
+                slot.discard();
+            }
         }
         result
     }
 
     async fn invoke_once(
         &self,
+        slot: &mut ConnectionSlot<DB>,
         handler: &'static dyn DynHandler,
         msg: &AnyMessage,
         delivery: &Delivery<'_>,
     ) -> Result<Outcome<()>, Error<BoxError>> {
-        match self.pool.acquire().await {
-            Ok(mut conn) => {
+        match slot.get(&self.pool).await {
+            Ok(conn) => {
                 handler
-                    .invoke(DB::any_connection(&mut conn), msg, delivery)
+                    .invoke(DB::any_connection(conn), msg, delivery)
                     .await
             }
             Err(source) => Err(Error::Database(StoreError {
@@ -512,6 +539,20 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         envelope: &Envelope,
         error: &DispatchError,
     ) -> Result<(), sqlx::Error> {
+        self.record_rejection_on(&mut ConnectionSlot::new(), envelope, error)
+            .await
+    }
+
+    /// [`record_rejection`](Self::record_rejection) on the connection held by `slot`.
+    ///
+    /// # Errors
+    /// As [`record_rejection`](Self::record_rejection).
+    pub async fn record_rejection_on(
+        &self,
+        slot: &mut ConnectionSlot<DB>,
+        envelope: &Envelope,
+        error: &DispatchError,
+    ) -> Result<(), sqlx::Error> {
         let (reason, consumer) = match error {
             DispatchError::UnknownMessage { .. } => (RejectionReason::UnknownMessage, None),
             DispatchError::Decode { .. } | DispatchError::Fingerprint { .. } => {
@@ -530,11 +571,17 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             payload: &envelope.payload,
             source: envelope.source.as_ref(),
         };
-        let mut conn = self.pool.acquire().await?;
-        DB::any_connection(&mut conn)
+        let conn = slot.get(&self.pool).await?;
+        let recorded = DB::any_connection(conn)
             .store()
             .record_rejection(&rejection)
-            .await
+            .await;
+        if let Err(sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed) =
+            &recorded
+        {
+            slot.discard();
+        }
+        recorded
     }
 
     /// Replays one `failed` or `dead` message: decodes its stored payload and runs its
@@ -590,7 +637,8 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         .await?;
         drop(conn);
         if let (Ok(Outcome::Processed(())), Some(ordering)) = (&result, &stored.ordering()) {
-            self.apply_parked_successors(handler, ordering).await;
+            self.apply_parked_successors(&mut ConnectionSlot::new(), handler, ordering)
+                .await;
         }
         Ok(ConsumerOutcome {
             consumer: handler.consumer(),
@@ -600,14 +648,19 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     }
 
     /// Applies the parked successors of `ordering` that its processing made applicable.
-    async fn apply_parked_successors(&self, handler: &'static dyn DynHandler, ordering: &Ordering) {
+    async fn apply_parked_successors(
+        &self,
+        slot: &mut ConnectionSlot<DB>,
+        handler: &'static dyn DynHandler,
+        ordering: &Ordering,
+    ) {
         if handler.gaps() != GapPolicy::Park {
             return;
         }
-        match self.pool.acquire().await {
-            Ok(mut conn) => {
+        match slot.get(&self.pool).await {
+            Ok(conn) => {
                 apply_parked_successors(
-                    DB::any_connection(&mut conn),
+                    DB::any_connection(conn),
                     handler.consumer(),
                     ordering,
                     &self.policy,
@@ -683,7 +736,12 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
                             aggregate_id: parked.aggregate_id.clone(),
                             sequence: parked.sequence,
                         };
-                        self.apply_parked_successors(handler, &ordering).await;
+                        self.apply_parked_successors(
+                            &mut ConnectionSlot::new(),
+                            handler,
+                            &ordering,
+                        )
+                        .await;
                     }
                 }
             }

@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{DispatchError, Disposition, Error};
 use crate::outcome::Outcome;
 use crate::registry::{ConsumerOutcome, Dispatcher};
+use crate::slot::ConnectionSlot;
 use crate::source::{Delivery, Settlement, Source, SourceError};
 use crate::store::InboxDatabase;
 
@@ -182,6 +183,12 @@ pub struct WorkerError {
 ///
 /// * **Concurrency**: at most [`concurrency`](Self::concurrency) deliveries are fetched and not
 ///   yet settled at any time (size the database pool and the broker's prefetch to it).
+/// * **Connections**: the worker keeps up to `min(concurrency, max_connections − 1)` pooled
+///   connections across deliveries ([`ConnectionSlot`]s, each handed back to the pool after
+///   5 minutes), so that sqlx's pool round trips are not paid per message; at least one
+///   connection of the pool is never kept, for deliveries beyond those, the parked-message
+///   sweep and anything else sharing the pool. A pool of `concurrency + 1` connections lets
+///   every delivery keep its connection.
 /// * **Order**: deliveries with the same [ordering key](Delivery::ordering_key) run one at a
 ///   time, in the order the source handed them out. A requeued delivery comes back when the
 ///   source redelivers it, possibly after later ones of its key.
@@ -200,9 +207,11 @@ pub struct Worker<DB: InboxDatabase> {
 }
 
 /// A finished task.
-struct Done {
+struct Done<DB: InboxDatabase> {
     ordering_key: Option<String>,
     report: WorkerReport,
+    /// The task's connection slot, back for the next delivery (if it may be kept).
+    slot: Option<ConnectionSlot<DB>>,
 }
 
 impl<DB: InboxDatabase> Worker<DB> {
@@ -274,7 +283,16 @@ impl<DB: InboxDatabase> Worker<DB> {
         shutdown: CancellationToken,
     ) -> Result<WorkerReport, WorkerError> {
         let mut report = WorkerReport::default();
-        let mut tasks: JoinSet<Done> = JoinSet::new();
+        let mut tasks: JoinSet<Done<DB>> = JoinSet::new();
+        // Connection slots kept across deliveries (each holds one pooled connection once used):
+        // at most `concurrency`, and at least one connection of the pool is never kept, so that
+        // a delivery without a kept slot, the parked-message sweep and other users of the pool
+        // always get one.
+        let max_connections = self.dispatcher.pool().options().get_max_connections() as usize;
+        let mut slots: Vec<ConnectionSlot<DB>> =
+            (0..self.concurrency.min(max_connections.saturating_sub(1)))
+                .map(|_| ConnectionSlot::new())
+                .collect();
         // Deliveries waiting for an earlier one of their ordering key; and the busy keys.
         let mut waiting: HashMap<String, VecDeque<Delivery>> = HashMap::new();
         let mut busy: HashSet<String> = HashSet::new();
@@ -359,6 +377,7 @@ impl<DB: InboxDatabase> Worker<DB> {
                     let key = match joined {
                         Ok(done) => {
                             add(&mut report, &done.report);
+                            slots.extend(done.slot);
                             done.ordering_key
                         }
                         Err(error) => {
@@ -371,7 +390,7 @@ impl<DB: InboxDatabase> Worker<DB> {
                     if let Some(key) = key {
                         let next = waiting.get_mut(&key).and_then(VecDeque::pop_front);
                         match next {
-                            Some(delivery) => self.spawn(&mut tasks, delivery),
+                            Some(delivery) => self.spawn(&mut tasks, &mut slots, delivery),
                             None => {
                                 waiting.remove(&key);
                                 busy.remove(&key);
@@ -391,9 +410,9 @@ impl<DB: InboxDatabase> Worker<DB> {
                                 }
                                 Some(key) => {
                                     busy.insert(key.to_owned());
-                                    self.spawn(&mut tasks, delivery);
+                                    self.spawn(&mut tasks, &mut slots, delivery);
                                 }
-                                None => self.spawn(&mut tasks, delivery),
+                                None => self.spawn(&mut tasks, &mut slots, delivery),
                             }
                         }
                         Ok(None) => stop = Some(StopReason::SourceExhausted),
@@ -447,10 +466,23 @@ impl<DB: InboxDatabase> Worker<DB> {
         self.run(source, token).await
     }
 
-    fn spawn(&self, tasks: &mut JoinSet<Done>, delivery: Delivery) {
+    fn spawn(
+        &self,
+        tasks: &mut JoinSet<Done<DB>>,
+        slots: &mut Vec<ConnectionSlot<DB>>,
+        delivery: Delivery,
+    ) {
         let dispatcher = Arc::clone(&self.dispatcher);
         let requeue_delay = self.requeue_delay;
-        tasks.spawn(async move { process(&dispatcher, delivery, requeue_delay).await });
+        let kept = slots.pop();
+        tasks.spawn(async move {
+            // A delivery without a kept slot uses a connection for itself only.
+            let keep = kept.is_some();
+            let mut slot = kept.unwrap_or_default();
+            let mut done = process(&dispatcher, &mut slot, delivery, requeue_delay).await;
+            done.slot = keep.then_some(slot);
+            done
+        });
     }
 }
 
@@ -472,18 +504,19 @@ fn add(total: &mut WorkerReport, one: &WorkerReport) {
 /// One delivery: dispatch, decide, log, settle.
 async fn process<DB: InboxDatabase>(
     dispatcher: &Dispatcher<DB>,
+    slot: &mut ConnectionSlot<DB>,
     delivery: Delivery,
     requeue_delay: Duration,
-) -> Done {
+) -> Done<DB> {
     let mut report = WorkerReport::default();
     let ordering_key = delivery.ordering_key().map(str::to_owned);
     let envelope = delivery.envelope();
-    let result = dispatcher.dispatch(envelope).await;
+    let result = dispatcher.dispatch_on(slot, envelope).await;
     let mut settlement = settlement_for(&result, requeue_delay);
     // A delivery the dispatcher refuses is kept in `inbox_rejections` (payload included); once
     // it is, acking it loses nothing. If it cannot be kept, it is rejected to the broker.
     if let Err(error) = &result {
-        match dispatcher.record_rejection(envelope, error).await {
+        match dispatcher.record_rejection_on(slot, envelope, error).await {
             Ok(()) => settlement = Settlement::Ack,
             Err(record_error) => tracing::error!(
                 error = %record_error,
@@ -594,6 +627,7 @@ async fn process<DB: InboxDatabase>(
     Done {
         ordering_key,
         report,
+        slot: None,
     }
 }
 
