@@ -86,7 +86,7 @@ fn calls(id: &str) -> u32 {
 }
 
 macro_rules! failure_tests {
-    ($backend:ident, $conn:ty, $pool:expr, age = $age:literal) => {
+    ($backend:ident, $conn:ty, $pool:expr, age = $age:literal, age_rejections = $age_rejections:literal) => {
         mod $backend {
             use super::*;
             use inbox_runtime::admin::{self, Retention};
@@ -446,6 +446,48 @@ macro_rules! failure_tests {
                 let report = admin::purge(&pool, &everything, |_| {}).await.unwrap();
                 assert_eq!(report.deleted, 2);
             }
+
+            #[tokio::test]
+            async fn retention_purges_old_rejections_only_when_asked() {
+                let (pool, _guard) = $pool;
+                let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+                for name in ["old.a", "old.b", "old.c", "new.a"] {
+                    let unknown = Envelope::new(name, b"{}".to_vec());
+                    let error = dispatcher.dispatch(&unknown).await.unwrap_err();
+                    dispatcher.record_rejection(&unknown, &error).await.unwrap();
+                }
+                sqlx::query($age_rejections).execute(&pool).await.unwrap();
+                let names = |pool| async move {
+                    let mut names: Vec<String> =
+                        sqlx::query_scalar("SELECT message_name FROM inbox_rejections")
+                            .fetch_all(pool)
+                            .await
+                            .unwrap();
+                    names.sort();
+                    names
+                };
+
+                let retention =
+                    Retention::new(Duration::from_secs(86_400), Duration::from_secs(43_200))
+                        .unwrap()
+                        .batch_size(2);
+                let report = admin::purge(&pool, &retention, |_| {}).await.unwrap();
+                assert_eq!((report.deleted, report.rejections_deleted), (0, 0));
+                assert_eq!(names(&pool).await, ["new.a", "old.a", "old.b", "old.c"]);
+
+                let mut seen = Vec::new();
+                let with_rejections = retention.include_rejections(true);
+                let report = admin::purge(&pool, &with_rejections, |n| seen.push(n))
+                    .await
+                    .unwrap();
+                // One (empty) batch of messages, then rejections 2 + 1.
+                assert_eq!(
+                    (report.deleted, report.rejections_deleted, report.batches),
+                    (0, 3, 3)
+                );
+                assert_eq!(seen, [0, 2, 3]);
+                assert_eq!(names(&pool).await, ["new.a"]);
+            }
         }
     };
 }
@@ -455,12 +497,16 @@ failure_tests!(
     sqlx::PgConnection,
     (inbox_tests::pg_pool(8).await, ()),
     age = "UPDATE inbox_messages SET received_at = received_at - interval '2 days', \
-           processed_at = processed_at - interval '2 days' WHERE message_key LIKE 'old-%'"
+           processed_at = processed_at - interval '2 days' WHERE message_key LIKE 'old-%'",
+    age_rejections = "UPDATE inbox_rejections SET received_at = received_at - interval '2 days' \
+           WHERE message_name LIKE 'old.%'"
 );
 failure_tests!(
     sqlite,
     sqlx::SqliteConnection,
     inbox_tests::sqlite_pool(4).await,
     age = "UPDATE inbox_messages SET received_at = strftime('%Y-%m-%dT%H:%M:%fZ', received_at, '-2 days'), \
-           processed_at = strftime('%Y-%m-%dT%H:%M:%fZ', processed_at, '-2 days') WHERE message_key LIKE 'old-%'"
+           processed_at = strftime('%Y-%m-%dT%H:%M:%fZ', processed_at, '-2 days') WHERE message_key LIKE 'old-%'",
+    age_rejections = "UPDATE inbox_rejections SET received_at = strftime('%Y-%m-%dT%H:%M:%fZ', received_at, '-2 days') \
+           WHERE message_name LIKE 'old.%'"
 );

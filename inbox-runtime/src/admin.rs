@@ -92,6 +92,9 @@ pub struct Retention {
     /// Also purge `failed` and `dead` rows older than the window (off by default: they hold
     /// payloads nobody has looked at yet).
     pub include_failed_and_dead: bool,
+    /// Also purge `inbox_rejections` rows (conflicts, malformed payloads, unknown names, bad
+    /// keys) received longer ago than the window (off by default, for the same reason).
+    pub include_rejections: bool,
 }
 
 /// A retention window shorter than the redelivery horizon it must cover.
@@ -124,6 +127,7 @@ impl Retention {
             redelivery_horizon,
             batch_size: 1000,
             include_failed_and_dead: false,
+            include_rejections: false,
         })
     }
 
@@ -138,14 +142,23 @@ impl Retention {
         self.include_failed_and_dead = include;
         self
     }
+
+    /// Also purges rejected deliveries (`inbox_rejections`) received longer ago than the
+    /// window.
+    pub fn include_rejections(mut self, include: bool) -> Self {
+        self.include_rejections = include;
+        self
+    }
 }
 
 /// What one [`purge`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct PurgeReport {
-    /// Rows deleted.
+    /// Rows of `inbox_messages` deleted.
     pub deleted: u64,
+    /// Rows of `inbox_rejections` deleted (with [`Retention::include_rejections`]).
+    pub rejections_deleted: u64,
     /// Statements (batches) run.
     pub batches: u32,
 }
@@ -156,7 +169,9 @@ pub struct PurgeReport {
 /// from when it was settled (`processed_at`: processed, discarded or stale), or else from its
 /// first delivery (`received_at`: failed, dead). `processed`, `discarded` and `stale` rows go;
 /// `failed` and `dead` ones only with [`Retention::include_failed_and_dead`]; `parked` ones
-/// never. `progress` is called after each batch with the running total.
+/// never. With [`Retention::include_rejections`], rejected deliveries received longer ago than
+/// the window go too, after the messages. `progress` is called after each batch with the running
+/// total of rows deleted (messages and rejections).
 ///
 /// # Errors
 /// The database's error; rows deleted before it stay deleted.
@@ -194,6 +209,21 @@ pub async fn purge<DB: InboxDatabase>(
             }
         }
     }
+    while retention.include_rejections {
+        let deleted = store
+            .purge_rejections_batch(
+                retention.window.as_secs_f64(),
+                i64::from(retention.batch_size),
+            )
+            .await?;
+        report.rejections_deleted += deleted;
+        report.batches += 1;
+        progress(report.deleted + report.rejections_deleted);
+        metrics::counter!("inbox_rejections_purged_total").increment(deleted);
+        if deleted < u64::from(retention.batch_size) {
+            break;
+        }
+    }
     Ok(report)
 }
 
@@ -208,7 +238,11 @@ pub fn spawn_purger<DB: InboxDatabase>(
         loop {
             ticks.tick().await;
             match purge(&pool, &retention, |_| {}).await {
-                Ok(report) => tracing::info!(deleted = report.deleted, "inbox retention purge"),
+                Ok(report) => tracing::info!(
+                    deleted = report.deleted,
+                    rejections_deleted = report.rejections_deleted,
+                    "inbox retention purge"
+                ),
                 Err(error) => tracing::error!(%error, "inbox retention purge failed"),
             }
         }

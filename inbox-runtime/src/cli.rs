@@ -175,6 +175,9 @@ pub struct PurgeArgs {
     /// Also delete failed and dead rows older than the window (with their payloads)
     #[arg(long)]
     pub include_failed_and_dead: bool,
+    /// Also delete rejected deliveries (inbox_rejections) received longer ago than the window
+    #[arg(long)]
+    pub include_rejections: bool,
     /// Rows deleted per statement (one short transaction each)
     #[arg(long, default_value_t = 1000)]
     pub batch_size: u32,
@@ -372,7 +375,8 @@ async fn execute_on<DB: InboxDatabase>(
         AdminCommand::Purge(args) => {
             let retention = Retention::new(args.window, args.redelivery_horizon)?
                 .batch_size(args.batch_size)
-                .include_failed_and_dead(args.include_failed_and_dead);
+                .include_failed_and_dead(args.include_failed_and_dead)
+                .include_rejections(args.include_rejections);
             let bar = progress_bar(None, "{spinner} purging: {pos} rows deleted ({elapsed})");
             let report = admin::purge(pool, &retention, |deleted| bar.set_position(deleted)).await;
             bar.finish_and_clear();
@@ -389,6 +393,14 @@ async fn execute_on<DB: InboxDatabase>(
                     ""
                 }
             )?;
+            if args.include_rejections {
+                writeln!(
+                    out,
+                    "purged {} rejected deliveries older than {}",
+                    report.rejections_deleted,
+                    humantime::format_duration(args.window),
+                )?;
+            }
         }
     }
     Ok(())

@@ -141,6 +141,11 @@ pub(crate) trait Store: Send {
         older_than_secs: f64,
         batch: i64,
     ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
+    fn purge_rejections_batch(
+        &mut self,
+        older_than_secs: f64,
+        batch: i64,
+    ) -> BoxFuture<'_, Result<u64, sqlx::Error>>;
 }
 
 impl<C: InboxConnection> Store for C {
@@ -205,6 +210,13 @@ impl<C: InboxConnection> Store for C {
         batch: i64,
     ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
         InboxConnection::purge_batch(self, statuses, older_than_secs, batch)
+    }
+    fn purge_rejections_batch(
+        &mut self,
+        older_than_secs: f64,
+        batch: i64,
+    ) -> BoxFuture<'_, Result<u64, sqlx::Error>> {
+        InboxConnection::purge_rejections_batch(self, older_than_secs, batch)
     }
 }
 
@@ -312,6 +324,15 @@ pub trait InboxConnection: sqlx::Connection + sealed::Sealed + Send + 'static {
         older_than_secs: f64,
         batch: i64,
     ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
+
+    /// Deletes at most `batch` rows of `inbox_rejections` received more than `older_than_secs`
+    /// ago, oldest first. Returns how many went.
+    #[doc(hidden)]
+    fn purge_rejections_batch(
+        &mut self,
+        older_than_secs: f64,
+        batch: i64,
+    ) -> BoxFuture<'_, Result<u64, sqlx::Error>>;
 
     /// Locks the aggregate's state row (created at 0) and returns its last applied sequence.
     #[doc(hidden)]

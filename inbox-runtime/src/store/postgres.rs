@@ -72,6 +72,12 @@ mod sql {
        SET status = 'discarded', payload = NULL, next_attempt_at = NULL, processed_at = now() \
        WHERE consumer = $1 AND message_key = $2 AND status IN ('failed', 'dead')";
 
+    /// One bounded batch of rejections received before the window, oldest first.
+    pub(super) const PURGE_REJECTIONS: &str = "DELETE FROM inbox_rejections WHERE id IN ( \
+         SELECT id FROM inbox_rejections \
+         WHERE received_at < now() - $1 * interval '1 second' \
+         ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED)";
+
     /// One bounded batch; rows locked by a running transaction are skipped, not waited for.
     pub(super) const PURGE: &str = "DELETE FROM inbox_messages WHERE (consumer, message_key) IN ( \
          SELECT consumer, message_key FROM inbox_messages \

@@ -557,6 +557,22 @@ macro_rules! impl_inbox_connection {
                 })
             }
 
+            fn purge_rejections_batch(
+                &mut self,
+                older_than_secs: f64,
+                batch: i64,
+            ) -> $crate::BoxFuture<'_, Result<u64, sqlx::Error>> {
+                use $sql as sql;
+                Box::pin(async move {
+                    let done = sqlx::query(sql::PURGE_REJECTIONS)
+                        .bind(older_than_secs)
+                        .bind(batch)
+                        .execute(&mut *self)
+                        .await?;
+                    Ok(done.rows_affected())
+                })
+            }
+
             fn lock_aggregate<'c>(
                 &'c mut self,
                 consumer: &'c str,

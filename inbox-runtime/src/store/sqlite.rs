@@ -65,6 +65,12 @@ mod sql {
            processed_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') \
        WHERE consumer = $1 AND message_key = $2 AND status IN ('failed', 'dead')";
 
+    /// One bounded batch of rejections received before the window, oldest first.
+    pub(super) const PURGE_REJECTIONS: &str = "DELETE FROM inbox_rejections WHERE id IN ( \
+         SELECT id FROM inbox_rejections \
+         WHERE received_at < strftime('%Y-%m-%dT%H:%M:%fZ', 'now', printf('-%.3f seconds', $1)) \
+         ORDER BY id LIMIT $2)";
+
     pub(super) const PURGE: &str = "DELETE FROM inbox_messages WHERE (consumer, message_key) IN ( \
          SELECT consumer, message_key FROM inbox_messages \
          WHERE status IN ($1, $2, $3) \
