@@ -209,19 +209,21 @@ pub async fn purge<DB: InboxDatabase>(
             }
         }
     }
-    while retention.include_rejections {
-        let deleted = store
-            .purge_rejections_batch(
-                retention.window.as_secs_f64(),
-                i64::from(retention.batch_size),
-            )
-            .await?;
-        report.rejections_deleted += deleted;
-        report.batches += 1;
-        progress(report.deleted + report.rejections_deleted);
-        metrics::counter!("inbox_rejections_purged_total").increment(deleted);
-        if deleted < u64::from(retention.batch_size) {
-            break;
+    if retention.include_rejections {
+        loop {
+            let deleted = store
+                .purge_rejections_batch(
+                    retention.window.as_secs_f64(),
+                    i64::from(retention.batch_size),
+                )
+                .await?;
+            report.rejections_deleted += deleted;
+            report.batches += 1;
+            progress(report.deleted + report.rejections_deleted);
+            metrics::counter!("inbox_rejections_purged_total").increment(deleted);
+            if deleted < u64::from(retention.batch_size) {
+                break;
+            }
         }
     }
     Ok(report)
