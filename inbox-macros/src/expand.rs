@@ -178,6 +178,7 @@ pub(crate) fn handler(handler: &Handler) -> TokenStream {
         span = Span::call_site()
     );
     let function = ident.unraw().to_string();
+    let registration_const = registration_ident(ident, Span::call_site());
 
     // `#[cfg]` applies to everything generated; lint levels also to the body, which lives in
     // its own function; `#[expect]` only to the body (the outer function cannot trigger it).
@@ -290,9 +291,16 @@ pub(crate) fn handler(handler: &Handler) -> TokenStream {
             }
         }
 
+        /// The registration of the handler, for `inbox_runtime::handler!`.
+        #(#cfgs)*
+        #[doc(hidden)]
+        #[allow(non_upper_case_globals, unreachable_pub)]
+        #vis const #registration_const: #private::Registration =
+            #private::Registration::new(#registered);
+
         #(#cfgs)*
         #private::inventory::submit! {
-            #private::Registration::new(#registered)
+            #registration_const
         }
 
         // Registered, the wrapper needs no caller: this use keeps it from being dead code.
@@ -364,4 +372,43 @@ fn msg_field(field: &FieldArg, name: &str) -> (Ident, TokenStream) {
     let var = Ident::new(name, span);
     let value = quote_spanned!(span=> &#var.#member);
     (var, value)
+}
+
+/// The hidden constant `#[idempotent]` defines next to the function `ident`, spanned at `span`.
+fn registration_ident(ident: &syn::Ident, span: Span) -> syn::Ident {
+    format_ident!("__inbox_registration_{}", ident.unraw(), span = span)
+}
+
+/// `handler!(path::to::function)`: the path of the registration constant `#[idempotent]`
+/// defined next to the function.
+pub(crate) fn registration(input: TokenStream) -> TokenStream {
+    let mut path: syn::Path = match syn::parse2(input.clone()) {
+        Ok(path) => path,
+        Err(_) => {
+            let message = "expected the path of an `#[idempotent]` function, such as \
+                           `handler!(crate::ledger::credit)`";
+            return if input.is_empty() {
+                syn::Error::new(Span::call_site(), message)
+            } else {
+                syn::Error::new_spanned(&input, message)
+            }
+            .to_compile_error();
+        }
+    };
+    let Some(last) = path.segments.last_mut() else {
+        return syn::Error::new(
+            Span::call_site(),
+            "expected the path of an `#[idempotent]` function",
+        )
+        .to_compile_error();
+    };
+    if !last.arguments.is_none() {
+        return syn::Error::new_spanned(
+            &last.arguments,
+            "a handler has no generic arguments: name the function alone",
+        )
+        .to_compile_error();
+    }
+    last.ident = registration_ident(&last.ident, last.ident.span());
+    quote!(#path)
 }

@@ -1,4 +1,5 @@
-//! Procedural macros of the `inbox` framework: `#[derive(Message)]` and `#[idempotent]`.
+//! Procedural macros of the `inbox` framework: `#[derive(Message)]`, `#[idempotent]` and
+//! `handler!`.
 //!
 //! **Use them through `inbox-runtime`**, which re-exports both
 //! (`use inbox_runtime::{Message, idempotent};`). The code they generate names
@@ -15,6 +16,8 @@
 //!   function is registered for the `Dispatcher`. For messages with an aggregate and a
 //!   sequence, it also applies them in order per aggregate (see
 //!   [ordering](macro@idempotent#ordering)).
+//! * [`macro@handler`] names the registration of an `#[idempotent]` function, for a dispatcher
+//!   built from an explicit list instead of the `inventory` registry.
 //!
 //! ```ignore
 //! use inbox_runtime::{idempotent, Message};
@@ -204,9 +207,35 @@ pub fn derive_message(input: TokenStream) -> TokenStream {
 ///
 /// The handler is registered, so a `Dispatcher` built from the registry routes its messages to
 /// it; it needs no call site and is not dead code. Alongside the function the macro defines a
-/// hidden type `__inbox_handler_<name>` in the same module: do not name it, and do not use the
-/// macro inside an `impl` or a trait.
+/// hidden type `__inbox_handler_<name>` and a hidden constant `__inbox_registration_<name>`
+/// (with the function's visibility) in the same module: do not name them (use
+/// [`handler!`](macro@handler)), and do not use the macro inside an `impl` or a trait.
 #[proc_macro_attribute]
 pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     attr::idempotent(args.into(), item.into()).into()
+}
+
+/// The registration of one `#[idempotent]` function, named by its path:
+/// `handler!(crate::ledger::credit)` is an `inbox_runtime::Registration`, for
+/// `Dispatcher::from_handlers(pool, [handler!(credit), handler!(refund)])`: the explicit
+/// alternative to the `inventory` registry (which cannot see handlers in a crate that nothing
+/// references, since such a crate is not linked).
+///
+/// The path is the function's, as you would call it from here; the function must be visible
+/// here and annotated with `#[idempotent]`.
+///
+/// ```ignore
+/// let dispatcher = Dispatcher::from_handlers(pool, [
+///     inbox_runtime::handler!(ledger::credit),
+///     inbox_runtime::handler!(ledger::refund),
+/// ])?;
+/// ```
+///
+/// # Errors (at compile time)
+/// Anything but a path without generic arguments is refused at the offending token. A path to a
+/// function without `#[idempotent]` fails to resolve `__inbox_registration_<name>` at its last
+/// segment.
+#[proc_macro]
+pub fn handler(input: TokenStream) -> TokenStream {
+    expand::registration(input.into()).into()
 }

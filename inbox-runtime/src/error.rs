@@ -193,13 +193,33 @@ pub enum RegistryError {
     /// No `#[idempotent]` handler for this backend is linked into the program.
     #[error(
         "no #[idempotent] handlers for {backend} are registered ({other} for other backends); \
-         a crate whose handlers nothing references is not linked: add `use that_crate as _;`"
+         a crate whose handlers nothing references is not linked: add `use that_crate as _;`, \
+         or list the handlers with `Dispatcher::from_handlers(pool, [handler!(path::to::function)])`"
     )]
     NoHandlers {
         /// The dispatcher's backend.
         backend: Backend,
         /// Handlers registered for other backends.
         other: usize,
+    },
+    /// [`Dispatcher::from_handlers`](crate::Dispatcher::from_handlers) got an empty list.
+    #[error("no handlers listed for the {backend} dispatcher")]
+    NoHandlersListed {
+        /// The dispatcher's backend.
+        backend: Backend,
+    },
+    /// A handler listed for [`Dispatcher::from_handlers`](crate::Dispatcher::from_handlers)
+    /// takes another backend's connection than the pool's.
+    #[error(
+        "handler `{function}` takes a {backend} connection, but the dispatcher's pool is {expected}"
+    )]
+    WrongBackend {
+        /// The handler (module path and function name).
+        function: &'static str,
+        /// The backend of its connection type.
+        backend: Backend,
+        /// The backend of the dispatcher's pool.
+        expected: Backend,
     },
     /// Two handlers claim the same message under the same consumer name: they would share one
     /// inbox scope, so one of them would see every message as a duplicate.

@@ -117,7 +117,8 @@ pub use ordering::{GapPolicy, Ordering, ParkPolicy, ParkTimeout, SequencePart};
 pub use outcome::Outcome;
 pub use policy::RetryPolicy;
 pub use registry::{
-    ConsumerOutcome, Dispatcher, HandlerInfo, ReplayError, SweepReport, registered_handlers,
+    ConsumerOutcome, Dispatcher, HandlerInfo, Registration, ReplayError, SweepReport,
+    registered_handlers,
 };
 pub use slot::ConnectionSlot;
 pub use store::{
@@ -140,6 +141,11 @@ pub use inbox_macros::idempotent;
 /// Derives [`Message`](trait@Message): routing name and idempotency key of a message struct.
 #[doc(inline)]
 pub use inbox_macros::Message;
+
+/// The [`Registration`] of one `#[idempotent]` function, named by its path, for
+/// [`Dispatcher::from_handlers`]: `handler!(crate::ledger::credit)`.
+#[doc(inline)]
+pub use inbox_macros::handler;
 
 /// A boxed, `Send` future, as handlers and stores return them.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

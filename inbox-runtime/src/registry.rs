@@ -136,16 +136,31 @@ where
     }
 }
 
-/// One registered handler, submitted by `#[idempotent]` through `inventory`.
-#[doc(hidden)]
+/// One `#[idempotent]` handler, as the registry holds it: what
+/// [`handler!(path::to::function)`](crate::handler!) gives, for
+/// [`Dispatcher::from_handlers`]. `#[idempotent]` submits one of these to the `inventory`
+/// registry for every handler.
+#[derive(Clone, Copy)]
 pub struct Registration {
     handler: &'static dyn DynHandler,
 }
 
 impl Registration {
-    /// Wraps a handler for `inventory::submit!`.
+    /// Wraps a handler (generated code only).
+    #[doc(hidden)]
     pub const fn new(handler: &'static dyn DynHandler) -> Self {
         Self { handler }
+    }
+
+    /// The handler's consumer, message, function and backend.
+    pub fn info(&self) -> HandlerInfo {
+        info(self.handler)
+    }
+}
+
+impl fmt::Debug for Registration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Registration").field(&self.info()).finish()
     }
 }
 
@@ -253,13 +268,65 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     /// [`RegistryError::DuplicateConsumer`] if two handlers share a consumer name for the same
     /// message.
     pub fn from_registry(pool: Pool<DB>) -> Result<Self, RegistryError> {
-        let mut routes: HashMap<&'static str, Vec<&'static dyn DynHandler>> = HashMap::new();
-        let mut other = 0;
-        let mut seen: BTreeMap<(&'static str, &'static str), &'static str> = BTreeMap::new();
-        let mut registrations: Vec<&'static dyn DynHandler> = inventory::iter::<Registration>
+        let registrations = inventory::iter::<Registration>
             .into_iter()
             .map(|registration| registration.handler)
             .collect();
+        Self::build(pool, registrations, false)
+    }
+
+    /// A dispatcher over `pool` with exactly the handlers listed, each named with
+    /// [`handler!`](crate::handler!): the explicit alternative to [`from_registry`](Self::from_registry),
+    /// which only sees handlers in crates that are linked into the program (a crate that
+    /// nothing references is not). Listing one handler twice is harmless.
+    ///
+    /// ```no_run
+    /// # mod ledger {
+    /// #     #[derive(Clone, serde::Serialize, serde::Deserialize, inbox_runtime::Message)]
+    /// #     pub struct Credit { #[message(key)] pub id: String }
+    /// #     #[inbox_runtime::idempotent(consumer = "ledger")]
+    /// #     pub async fn credit(conn: &mut sqlx::PgConnection, msg: Credit) -> Result<(), sqlx::Error> { Ok(()) }
+    /// # }
+    /// # fn demo(pool: sqlx::PgPool) -> Result<(), inbox_runtime::RegistryError> {
+    /// use inbox_runtime::{Dispatcher, handler};
+    ///
+    /// let dispatcher = Dispatcher::from_handlers(pool, [handler!(ledger::credit)])?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`RegistryError::NoHandlers`] if the list is empty; [`RegistryError::WrongBackend`] if a
+    /// handler takes another backend's connection; [`RegistryError::DuplicateConsumer`] if two
+    /// handlers share a consumer name for the same message.
+    pub fn from_handlers(
+        pool: Pool<DB>,
+        handlers: impl IntoIterator<Item = Registration>,
+    ) -> Result<Self, RegistryError> {
+        let mut listed: Vec<&'static dyn DynHandler> = Vec::new();
+        for registration in handlers {
+            let handler = registration.handler;
+            if handler.backend() != DB::BACKEND {
+                return Err(RegistryError::WrongBackend {
+                    function: handler.function(),
+                    backend: handler.backend(),
+                    expected: DB::BACKEND,
+                });
+            }
+            if !listed.iter().any(|h| h.function() == handler.function()) {
+                listed.push(handler);
+            }
+        }
+        Self::build(pool, listed, true)
+    }
+
+    fn build(
+        pool: Pool<DB>,
+        mut registrations: Vec<&'static dyn DynHandler>,
+        explicit: bool,
+    ) -> Result<Self, RegistryError> {
+        let mut routes: HashMap<&'static str, Vec<&'static dyn DynHandler>> = HashMap::new();
+        let mut other = 0;
+        let mut seen: BTreeMap<(&'static str, &'static str), &'static str> = BTreeMap::new();
         registrations.sort_by_key(|h| (h.message_name(), h.consumer(), h.function()));
         for handler in registrations {
             if handler.backend() != DB::BACKEND {
@@ -283,9 +350,15 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
                 .push(handler);
         }
         if routes.is_empty() {
-            return Err(RegistryError::NoHandlers {
-                backend: DB::BACKEND,
-                other,
+            return Err(if explicit {
+                RegistryError::NoHandlersListed {
+                    backend: DB::BACKEND,
+                }
+            } else {
+                RegistryError::NoHandlers {
+                    backend: DB::BACKEND,
+                    other,
+                }
             });
         }
         Ok(Self {
