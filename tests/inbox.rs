@@ -362,6 +362,28 @@ macro_rules! backend_tests {
                 let unknown = dispatch("test.nope", br#"{"id":"a"}"#).await.unwrap_err();
                 assert!(matches!(&unknown, DispatchError::UnknownMessage { message_name } if message_name == "test.nope"));
 
+                // No name at all (a source could not read one, or not an envelope): refused, and
+                // kept as malformed with its bytes when the caller records it.
+                let nameless = Envelope::new("", b"not even json".to_vec());
+                let error = dispatcher.dispatch(&nameless).await.unwrap_err();
+                assert!(matches!(error, DispatchError::NoMessageName), "{error:?}");
+                dispatcher.record_rejection(&nameless, &error).await.unwrap();
+                let kept: (String, String, Vec<u8>) = sqlx::query_as(
+                    "SELECT reason, detail, payload FROM inbox_rejections",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                assert_eq!(
+                    kept,
+                    (
+                        "malformed".to_owned(),
+                        "the delivery carries no message name (not a message envelope?)".to_owned(),
+                        b"not even json".to_vec()
+                    )
+                );
+                sqlx::query("DELETE FROM inbox_rejections").execute(&pool).await.unwrap();
+
                 let malformed = dispatch("test.note", b"{\"id\":\"a\",\n\"amount\": oops}").await.unwrap_err();
                 let DispatchError::Decode { message_name, line, column, .. } = &malformed else { panic!("{malformed:?}") };
                 assert_eq!((message_name.as_str(), *line, *column), ("test.note", 2, 11));

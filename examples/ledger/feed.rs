@@ -104,19 +104,15 @@ pub(crate) async fn feed<DB: InboxDatabase>(
         }
         counts.lines += 1;
 
-        let envelope = match serde_json::from_slice::<Line<'_>>(line) {
-            Ok(Line { message, payload }) => Envelope::new(message, payload.get()).with_source(
-                SourceMetadata::new(source).offset(i64::try_from(number).unwrap_or(i64::MAX)),
-            ),
-            Err(error) => {
-                reject(
-                    &mut counts,
-                    number,
-                    &format_args!("not a message envelope: {error}"),
-                );
-                continue;
-            }
+        let metadata =
+            SourceMetadata::new(source).offset(i64::try_from(number).unwrap_or(i64::MAX));
+        // A line that is not an envelope goes on with no message name: the dispatcher refuses
+        // it (`NoMessageName`) and it is kept, bytes as read, like any other rejected line.
+        let (envelope, not_an_envelope) = match serde_json::from_slice::<Line<'_>>(line) {
+            Ok(Line { message, payload }) => (Envelope::new(message, payload.get()), None),
+            Err(error) => (Envelope::new("", line), Some(error)),
         };
+        let envelope = envelope.with_source(metadata);
         let outcomes = match dispatcher.dispatch(&envelope).await {
             Ok(outcomes) => outcomes,
             Err(error) => {
@@ -127,6 +123,14 @@ pub(crate) async fn feed<DB: InboxDatabase>(
                         consumer: "-",
                         error: format!("cannot record the rejected delivery: {db}"),
                     });
+                }
+                if let Some(parse) = not_an_envelope {
+                    reject(
+                        &mut counts,
+                        number,
+                        &format_args!("not a message envelope: {parse}"),
+                    );
+                    continue;
                 }
                 match error {
                     // serde_json's message already ends with the position: don't repeat it.

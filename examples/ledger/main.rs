@@ -37,7 +37,7 @@
 //! * an event id seen before with a *different* payload is a **conflict**: not applied;
 //! * a line that is not a message (bad JSON, unknown message name, payload that does not decode,
 //!   missing or empty event id) is **rejected**, reported on stderr with its line number (and
-//!   kept in `inbox_rejections` when it is a message envelope);
+//!   kept in `inbox_rejections` with its bytes);
 //! * an event for an account id that is not `acct-<digits>` is **dead**: the handler refuses it
 //!   with a permanent error, and the inbox keeps it as `dead` with its payload for an operator
 //!   (`ledger admin dead list`). The summary line then ends with `dead=N`.

@@ -242,6 +242,10 @@ pub enum RegistryError {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum DispatchError {
+    /// The delivery carries no message name (its name is empty): a source could not read one,
+    /// or the bytes were not a message envelope at all. Recorded as `malformed`.
+    #[error("the delivery carries no message name (not a message envelope?)")]
+    NoMessageName,
     /// No handler is registered for this message name.
     #[error("unknown message `{message_name}`: no handler is registered for it")]
     UnknownMessage {

@@ -415,6 +415,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     /// histogram `inbox_lag_seconds{consumer}`.
     ///
     /// # Errors
+    /// [`DispatchError::NoMessageName`] if the envelope's name is empty,
     /// [`DispatchError::UnknownMessage`] if no handler takes this name,
     /// [`DispatchError::Decode`] (with line and column) if the payload is not valid JSON of the
     /// message type, [`DispatchError::Key`] if a consumer's key is missing, null, empty or too
@@ -456,6 +457,9 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         &self,
         envelope: &'e Envelope,
     ) -> Result<Prepared<'e>, DispatchError> {
+        if envelope.message_name.is_empty() {
+            return Err(DispatchError::NoMessageName);
+        }
         let handlers = self
             .routes
             .get(envelope.message_name.as_str())
@@ -628,9 +632,9 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     ) -> Result<(), sqlx::Error> {
         let (reason, consumer) = match error {
             DispatchError::UnknownMessage { .. } => (RejectionReason::UnknownMessage, None),
-            DispatchError::Decode { .. } | DispatchError::Fingerprint { .. } => {
-                (RejectionReason::Malformed, None)
-            }
+            DispatchError::NoMessageName
+            | DispatchError::Decode { .. }
+            | DispatchError::Fingerprint { .. } => (RejectionReason::Malformed, None),
             DispatchError::Key { consumer, .. } => (RejectionReason::InvalidKey, Some(*consumer)),
         };
         let detail = error.to_string();
