@@ -94,9 +94,10 @@ macro_rules! batch_tests {
                 Envelope::new(Counted::NAME, serde_json::to_vec(&c).unwrap())
             }
 
-            /// A batch runs optimistically (each handler once, no savepoints); when one handler
-            /// fails, that run is rolled back and the batch runs again with savepoints: the
-            /// handlers before the failure are called twice, their effects still apply once.
+            /// On PostgreSQL a batch runs optimistically (each handler once, no savepoints); when
+            /// one handler fails, that run is rolled back and the batch runs again with
+            /// savepoints: the handlers before the failure are called twice (their effects still
+            /// apply once), the failing one once.
             #[tokio::test]
             async fn a_batch_runs_each_handler_once_unless_one_fails() {
                 use std::sync::atomic::Ordering::SeqCst;
@@ -125,8 +126,11 @@ macro_rules! batch_tests {
                         Ok(vec!["processed"]),
                     ]
                 );
-                // 3 calls in the optimistic run (up to the failure), 5 in the isolated one.
-                assert_eq!(CALLS.load(SeqCst), 5 + 3 + 5);
+                // PostgreSQL: 3 calls in the optimistic run (up to the failure), then 4 in the
+                // isolated one (the failure is recorded, not called again). SQLite always
+                // isolates (a handler there can end the transaction): 5 calls.
+                let expected = if stringify!($backend) == "postgres" { 5 + 3 + 4 } else { 5 + 5 };
+                assert_eq!(CALLS.load(SeqCst), expected);
                 let effects: Vec<(String, i64, i64)> = sqlx::query_as(
                     "SELECT effect_key, applied, total FROM effects WHERE effect_key LIKE 'counted:%' ORDER BY effect_key",
                 )

@@ -74,7 +74,7 @@
 //!
 //! `ledger --source URL` consumes the queue (or the JetStream durable consumer `--consumer`,
 //! default `ledger`) with an [`inbox_runtime::Worker`]: `--concurrency` deliveries at once
-//! (default 16; also the prefetch and the PostgreSQL pool size), each acked only after its
+//! (default 16; also the prefetch; the PostgreSQL pool gets one more), each acked only after its
 //! transaction committed, conflicts and malformed messages rejected (logged on stderr),
 //! failures requeued. It exits once nothing has arrived for `--idle-exit` seconds (default 3),
 //! and prints the same summary line, counting this run's deliveries; the balances are checked
@@ -375,7 +375,9 @@ async fn run_broker(args: Args, url: String) -> Result<Verdict, String> {
     };
     let expected = expected_path.as_deref().map(Expected::load).transpose()?;
 
-    let pool_size = u32::from(args.consume.concurrency).max(2);
+    // One connection per concurrency slot (the worker keeps them across deliveries), plus one
+    // for everything else.
+    let pool_size = u32::from(args.consume.concurrency) + 1;
     let (db, description) = Db::connect_with(args.database_url.as_deref(), pool_size)
         .await
         .map_err(|e| e.to_string())?;

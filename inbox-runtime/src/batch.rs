@@ -6,7 +6,7 @@ use sqlx::Connection as _;
 
 use crate::error::{BoxError, Conflict, Disposition, Error, HandlerFailure};
 use crate::outcome::Outcome;
-use crate::registry::{ConsumerOutcome, Dispatcher, Prepared, PreparedItem};
+use crate::registry::{BodyError, ConsumerOutcome, Dispatcher, Prepared, PreparedItem};
 use crate::slot::ConnectionSlot;
 use crate::store::{
     ClaimMode, ClaimRequest, ClaimResult, FailureRecord, InboxConnection, InboxDatabase, Rejection,
@@ -38,14 +38,17 @@ where
     /// batch transaction (`failed` with a next attempt time, or `dead`); conflicts are kept in
     /// `inbox_rejections`.
     ///
-    /// **How one failure is kept from undoing the others.** The batch first runs optimistically:
-    /// every handler directly in the batch transaction, then one check that the transaction is
-    /// not aborted, then `COMMIT` — one round trip per handler body. If any handler returns an
-    /// error, or left the transaction aborted, that transaction is rolled back and the batch runs
-    /// again with each handler isolated by a savepoint (`SAVEPOINT`, body, `RELEASE` or
-    /// `ROLLBACK TO`), so that the failure is recorded and the others commit. Handlers are
-    /// therefore called twice in that case (their database writes from the first run are rolled
-    /// back; effects outside the database happen twice, as on any retry).
+    /// **How one failure is kept from undoing the others.** On PostgreSQL the batch first runs
+    /// optimistically: every handler directly in the batch transaction, then one check that the
+    /// transaction is not aborted, then `COMMIT` — one round trip per handler body. If a handler
+    /// returns an error, or left the transaction aborted, that transaction is rolled back and the
+    /// batch runs again with each handler isolated by a savepoint (`SAVEPOINT`, body, `RELEASE`
+    /// or `ROLLBACK TO`), so that the failure is recorded and the others commit. The failing
+    /// handler is not called again (its error is recorded as it was returned); the handlers
+    /// before it are (their database writes from the first run were rolled back; effects outside
+    /// the database happen twice, as on any retry). On SQLite, where a statement can end the
+    /// transaction (`INSERT OR ROLLBACK`, a trigger's `RAISE(ROLLBACK)`) and savepoints cost no
+    /// round trip, batches always run with savepoints.
     ///
     /// Some deliveries take the one-message-per-transaction path after the batch commits:
     /// messages with per-aggregate ordering (their aggregate lock must not be held across the
@@ -99,14 +102,27 @@ where
             };
             key(a).cmp(&key(b))
         });
+        let mut slot = slot.guard();
         if !batch.is_empty() {
-            let mut run = self.run_batch(slot, &prepared, &batch, false).await;
-            if let Ok(BatchRun::Isolate) = run {
+            // Optimistic only where a handler cannot end the transaction under the batch's
+            // feet: on PostgreSQL an error leaves it aborted (later statements fail, COMMIT is
+            // checked first), whereas on SQLite an `OR ROLLBACK` conflict or a trigger's
+            // `RAISE(ROLLBACK)` ends it and the statements after it would autocommit. SQLite
+            // savepoints cost no round trip.
+            let mut run = if DB::BACKEND == crate::Backend::Postgres {
+                self.run_batch(&mut slot, &prepared, &batch, Isolation::Optimistic)
+                    .await
+            } else {
+                Ok(BatchRun::Isolate(None))
+            };
+            if let Ok(BatchRun::Isolate(failed)) = run {
                 tracing::debug!(
                     size = batch.len(),
-                    "a handler failed in the optimistic batch; running it again with savepoints"
+                    "running the batch with a savepoint per handler"
                 );
-                run = self.run_batch(slot, &prepared, &batch, true).await;
+                run = self
+                    .run_batch(&mut slot, &prepared, &batch, Isolation::Savepoints(failed))
+                    .await;
             }
             match run {
                 Ok(BatchRun::Done(results)) => {
@@ -114,14 +130,11 @@ where
                         slots[*e][*i] = result;
                     }
                 }
-                Ok(BatchRun::Isolate) => {
+                Ok(BatchRun::Isolate(_)) => {
                     unreachable!("an isolated batch run never asks for isolation")
                 }
                 Err(error) => {
-                    if matches!(
-                        error,
-                        sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed
-                    ) {
+                    if crate::slot::connection_lost(&error) {
                         slot.discard();
                     }
                     tracing::warn!(%error, size = batch.len(), "batch transaction failed; processing its messages one by one");
@@ -149,11 +162,12 @@ where
                             result,
                         }
                     }
-                    Slot::Single => self.run_item(slot, &p, item).await,
+                    Slot::Single => self.run_item(&mut slot, &p, item).await,
                 });
             }
             results.push(Ok(outcomes));
         }
+        slot.done();
         results
     }
 
@@ -200,16 +214,22 @@ where
         Ok((recorded, retry_delay))
     }
 
-    /// The batch transaction, optimistic (handlers run directly in it) or `isolate`d (each
-    /// handler in a savepoint). An `Err` means nothing of it is known to be committed;
-    /// [`BatchRun::Isolate`] that the optimistic run was rolled back because a handler failed.
+    /// The batch transaction, optimistic (handlers run directly in it) or with a savepoint per
+    /// handler. An `Err` means nothing of it is known to be committed; [`BatchRun::Isolate`]
+    /// that the optimistic run was rolled back because a handler failed (with its failure, if
+    /// it returned one: the isolated run records it instead of calling the handler again, so
+    /// that each delivery's handler runs once per attempt, as on the single path).
     async fn run_batch(
         &self,
         slot: &mut ConnectionSlot<DB>,
         prepared: &[Result<Prepared<'_>, DispatchError>],
         batch: &[(usize, usize)],
-        isolate: bool,
+        isolation: Isolation,
     ) -> Result<BatchRun, sqlx::Error> {
+        let (isolate, mut carried) = match isolation {
+            Isolation::Optimistic => (false, None),
+            Isolation::Savepoints(failed) => (true, failed),
+        };
         let item = |&(e, i): &(usize, usize)| -> (&Prepared<'_>, &PreparedItem) {
             let p = prepared[e]
                 .as_ref()
@@ -310,28 +330,34 @@ where
                 continue;
             };
 
+            let index = slots.len();
             if !isolate {
                 let body = it
                     .handler
                     .call_body(DB::Connection::in_transaction(&mut tx).as_any(), &**msg)
                     .await;
-                if body.is_err() {
+                if let Err(failure) = body {
                     tx.rollback().await?;
-                    return Ok(BatchRun::Isolate);
+                    return Ok(BatchRun::Isolate(Some((index, failure))));
                 }
                 slots.push(Slot::Done(Ok(Outcome::Processed(()))));
                 continue;
             }
 
-            // The handler, isolated by a savepoint.
+            // The handler, isolated by a savepoint; or the failure it already returned in the
+            // optimistic run (its writes were rolled back with that run).
             let mut savepoint = DB::Connection::in_transaction(&mut tx).begin().await?;
-            let body = it
-                .handler
-                .call_body(
-                    DB::Connection::in_transaction(&mut savepoint).as_any(),
-                    &**msg,
-                )
-                .await;
+            let body = match carried.take_if(|(at, _)| *at == index) {
+                Some((_, failure)) => Err(failure),
+                None => {
+                    it.handler
+                        .call_body(
+                            DB::Connection::in_transaction(&mut savepoint).as_any(),
+                            &**msg,
+                        )
+                        .await
+                }
+            };
             match body {
                 Ok(()) => {
                     // No separate check here, unlike the single path: a body that swallowed a
@@ -395,7 +421,7 @@ where
                     .await;
                 if verified.is_err() {
                     let _ = tx.rollback().await;
-                    return Ok(BatchRun::Isolate);
+                    return Ok(BatchRun::Isolate(None));
                 }
             }
         }
@@ -404,10 +430,20 @@ where
     }
 }
 
+/// How the batch transaction isolates its handlers from each other.
+enum Isolation {
+    /// No savepoints: any failure rolls the whole run back.
+    Optimistic,
+    /// A savepoint per handler; the failure the optimistic run got, at its batch index, is
+    /// recorded instead of calling that handler again.
+    Savepoints(Option<(usize, BodyError)>),
+}
+
 /// What one run of the batch transaction came to.
 enum BatchRun {
     /// Committed; one result per batched message.
     Done(Vec<Slot>),
-    /// The optimistic run was rolled back: a handler failed; run again with savepoints.
-    Isolate,
+    /// The optimistic run was rolled back: a handler failed (returning this failure, at this
+    /// batch index, or leaving the transaction aborted); run again with savepoints.
+    Isolate(Option<(usize, BodyError)>),
 }

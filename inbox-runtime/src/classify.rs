@@ -65,7 +65,8 @@ impl Classify for sqlx::Error {
     /// Transient: I/O, TLS, protocol and pool-timeout errors, a crashed connection worker, and
     /// database errors whose SQLSTATE says so (PostgreSQL `40001` serialization failure, `40P01`
     /// deadlock, `55P03` lock not available, class `08` connection exceptions, `53300` too many
-    /// connections, `57P01`–`57P03` shutdown; SQLite `BUSY`/`LOCKED` codes 5, 6, 261, 262, 517).
+    /// connections, `57P01`–`57P03` shutdown, `57P05` idle session and `25P03` idle
+    /// transaction timeouts; SQLite `BUSY`/`LOCKED` codes 5, 6, 261, 262, 517).
     /// Everything else is [`ErrorClass::Retryable`].
     fn class(&self) -> ErrorClass {
         match self {
@@ -76,8 +77,8 @@ impl Classify for sqlx::Error {
             | sqlx::Error::WorkerCrashed => ErrorClass::Transient,
             sqlx::Error::Database(db) => match db.code().as_deref() {
                 Some(
-                    "40001" | "40P01" | "55P03" | "53300" | "57P01" | "57P02" | "57P03" | "5" | "6"
-                    | "261" | "262" | "517",
+                    "40001" | "40P01" | "55P03" | "53300" | "57P01" | "57P02" | "57P03" | "57P05"
+                    | "25P03" | "5" | "6" | "261" | "262" | "517",
                 ) => ErrorClass::Transient,
                 Some(code) if code.starts_with("08") => ErrorClass::Transient,
                 _ => ErrorClass::Retryable,

@@ -445,10 +445,12 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         envelope: &Envelope,
     ) -> Result<Vec<ConsumerOutcome>, DispatchError> {
         let prepared = self.prepare(envelope)?;
+        let mut slot = slot.guard();
         let mut outcomes = Vec::with_capacity(prepared.items.len());
         for item in &prepared.items {
-            outcomes.push(self.run_item(slot, &prepared, item).await);
+            outcomes.push(self.run_item(&mut slot, &prepared, item).await);
         }
+        slot.done();
         Ok(outcomes)
     }
 
@@ -648,17 +650,29 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             payload: &envelope.payload,
             source: envelope.source.as_ref(),
         };
-        let conn = slot.get(&self.pool).await?;
-        let recorded = DB::any_connection(conn)
-            .store()
-            .record_rejection(&rejection)
-            .await;
-        if let Err(sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed) =
-            &recorded
-        {
-            slot.discard();
+        let mut slot = slot.guard();
+        let mut recorded = self.record_once(&mut slot, &rejection).await;
+        // A connection lost since its last use is replaced once: the insert is not idempotent,
+        // but a lost connection means it did not commit (or, at worst, that the same delivery
+        // is kept twice, which loses nothing).
+        if slot.discard_if_lost(&recorded) {
+            recorded = self.record_once(&mut slot, &rejection).await;
+            slot.discard_if_lost(&recorded);
         }
+        slot.done();
         recorded
+    }
+
+    async fn record_once(
+        &self,
+        slot: &mut ConnectionSlot<DB>,
+        rejection: &Rejection<'_>,
+    ) -> Result<(), sqlx::Error> {
+        let conn = slot.get(&self.pool).await?;
+        DB::any_connection(conn)
+            .store()
+            .record_rejection(rejection)
+            .await
     }
 
     /// Replays one `failed` or `dead` message: decodes its stored payload and runs its
@@ -974,12 +988,7 @@ fn find_handler(
 }
 
 fn lost_connection<T>(result: &Result<T, Error<BoxError>>) -> bool {
-    let is_lost = |error: &sqlx::Error| {
-        matches!(
-            error,
-            sqlx::Error::Io(_) | sqlx::Error::WorkerCrashed | sqlx::Error::Protocol(_)
-        )
-    };
+    let is_lost = crate::slot::connection_lost;
     match result {
         Err(Error::Database(error)) => is_lost(&error.source),
         Err(Error::Handler(failure)) => {

@@ -183,12 +183,14 @@ pub struct WorkerError {
 ///
 /// * **Concurrency**: at most [`concurrency`](Self::concurrency) deliveries are fetched and not
 ///   yet settled at any time (size the database pool and the broker's prefetch to it).
-/// * **Connections**: the worker keeps up to `min(concurrency, max_connections − 1)` pooled
-///   connections across deliveries ([`ConnectionSlot`]s, each handed back to the pool after
-///   5 minutes), so that sqlx's pool round trips are not paid per message; at least one
-///   connection of the pool is never kept, for deliveries beyond those, the parked-message
-///   sweep and anything else sharing the pool. A pool of `concurrency + 1` connections lets
-///   every delivery keep its connection.
+/// * **Connections**: while deliveries keep coming, the worker keeps up to
+///   `min(concurrency, max_connections − 1)` pooled connections across them
+///   ([`ConnectionSlot`]s), so that sqlx's pool round trips are not paid per message. A kept
+///   connection goes back to the pool when it has been unused for 1 s, and at once when a
+///   delivery without one is running (it may be waiting for a connection), so that neither
+///   deliveries beyond the kept ones nor other users of the pool (the parked-message sweep,
+///   another worker) wait for a connection the worker is not using. A pool of
+///   `concurrency + 1` connections lets every delivery keep its connection.
 /// * **Order**: deliveries with the same [ordering key](Delivery::ordering_key) run one at a
 ///   time, in the order the source handed them out. A requeued delivery comes back when the
 ///   source redelivers it, possibly after later ones of its key.
@@ -205,6 +207,9 @@ pub struct Worker<DB: InboxDatabase> {
     idle: Option<Duration>,
     park_sweep: Option<Duration>,
 }
+
+/// How long a kept connection may go unused before the worker gives it back to the pool.
+const SLOT_IDLE: Duration = Duration::from_secs(1);
 
 /// A finished task.
 struct Done<DB: InboxDatabase> {
@@ -288,11 +293,16 @@ impl<DB: InboxDatabase> Worker<DB> {
         // at most `concurrency`, and at least one connection of the pool is never kept, so that
         // a delivery without a kept slot, the parked-message sweep and other users of the pool
         // always get one.
+        // A slot gives its connection back to the pool when a delivery without a kept slot is
+        // running (it may be waiting for one), and after `SLOT_IDLE` unused (so that an idle
+        // worker does not sit on connections that another user of the pool needs).
         let max_connections = self.dispatcher.pool().options().get_max_connections() as usize;
         let mut slots: Vec<ConnectionSlot<DB>> =
             (0..self.concurrency.min(max_connections.saturating_sub(1)))
                 .map(|_| ConnectionSlot::new())
                 .collect();
+        // Running tasks that took a kept slot.
+        let mut kept_tasks: HashSet<tokio::task::Id> = HashSet::new();
         // Deliveries waiting for an earlier one of their ordering key; and the busy keys.
         let mut waiting: HashMap<String, VecDeque<Delivery>> = HashMap::new();
         let mut busy: HashSet<String> = HashSet::new();
@@ -330,6 +340,13 @@ impl<DB: InboxDatabase> Worker<DB> {
             if stop.is_some() && tasks.is_empty() {
                 break;
             }
+            // The next time a kept slot's connection has been unused for `SLOT_IDLE`.
+            let release_at = slots
+                .iter()
+                .filter_map(ConnectionSlot::idle_for)
+                .map(|idle| SLOT_IDLE.saturating_sub(idle))
+                .min()
+                .map(|wait| Instant::now() + wait);
             let can_fetch = stop.is_none() && in_flight < self.concurrency;
             let idle_at = match (self.idle, stop, in_flight) {
                 (Some(idle), None, 0) => last_activity + idle,
@@ -371,17 +388,27 @@ impl<DB: InboxDatabase> Worker<DB> {
                     report.abandoned += running;
                     break;
                 }
-                Some(joined) = tasks.join_next(), if !tasks.is_empty() => {
+                Some(joined) = tasks.join_next_with_id(), if !tasks.is_empty() => {
                     last_activity = Instant::now();
                     in_flight -= 1;
                     let key = match joined {
-                        Ok(done) => {
+                        Ok((id, done)) => {
                             add(&mut report, &done.report);
-                            slots.extend(done.slot);
+                            kept_tasks.remove(&id);
+                            if let Some(mut slot) = done.slot {
+                                if tasks.len() > kept_tasks.len() {
+                                    slot.release();
+                                }
+                                slots.push(slot);
+                            }
                             done.ordering_key
                         }
                         Err(error) => {
-                            // A panicking handler: the delivery was dropped unsettled.
+                            // A panicking handler: the delivery was dropped unsettled (and its
+                            // slot with it).
+                            if kept_tasks.remove(&error.id()) {
+                                slots.push(ConnectionSlot::new());
+                            }
                             report.abandoned += 1;
                             tracing::error!(%error, "delivery task failed; delivery abandoned");
                             None
@@ -390,7 +417,7 @@ impl<DB: InboxDatabase> Worker<DB> {
                     if let Some(key) = key {
                         let next = waiting.get_mut(&key).and_then(VecDeque::pop_front);
                         match next {
-                            Some(delivery) => self.spawn(&mut tasks, &mut slots, delivery),
+                            Some(delivery) => self.spawn(&mut tasks, &mut slots, &mut kept_tasks, delivery),
                             None => {
                                 waiting.remove(&key);
                                 busy.remove(&key);
@@ -410,9 +437,9 @@ impl<DB: InboxDatabase> Worker<DB> {
                                 }
                                 Some(key) => {
                                     busy.insert(key.to_owned());
-                                    self.spawn(&mut tasks, &mut slots, delivery);
+                                    self.spawn(&mut tasks, &mut slots, &mut kept_tasks, delivery);
                                 }
-                                None => self.spawn(&mut tasks, &mut slots, delivery),
+                                None => self.spawn(&mut tasks, &mut slots, &mut kept_tasks, delivery),
                             }
                         }
                         Ok(None) => stop = Some(StopReason::SourceExhausted),
@@ -425,6 +452,13 @@ impl<DB: InboxDatabase> Worker<DB> {
                 }
                 () = tokio::time::sleep_until(idle_at), if self.idle.is_some() && stop.is_none() && in_flight == 0 => {
                     stop = Some(StopReason::Idle);
+                }
+                () = tokio::time::sleep_until(release_at.unwrap_or(last_activity + far)), if release_at.is_some() => {
+                    for slot in &mut slots {
+                        if slot.idle_for().is_some_and(|idle| idle >= SLOT_IDLE) {
+                            slot.release();
+                        }
+                    }
                 }
             }
         }
@@ -470,19 +504,23 @@ impl<DB: InboxDatabase> Worker<DB> {
         &self,
         tasks: &mut JoinSet<Done<DB>>,
         slots: &mut Vec<ConnectionSlot<DB>>,
+        kept_tasks: &mut HashSet<tokio::task::Id>,
         delivery: Delivery,
     ) {
         let dispatcher = Arc::clone(&self.dispatcher);
         let requeue_delay = self.requeue_delay;
         let kept = slots.pop();
-        tasks.spawn(async move {
+        let keep = kept.is_some();
+        let task = tasks.spawn(async move {
             // A delivery without a kept slot uses a connection for itself only.
-            let keep = kept.is_some();
             let mut slot = kept.unwrap_or_default();
             let mut done = process(&dispatcher, &mut slot, delivery, requeue_delay).await;
             done.slot = keep.then_some(slot);
             done
         });
+        if keep {
+            kept_tasks.insert(task.id());
+        }
     }
 }
 
