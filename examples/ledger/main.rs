@@ -671,10 +671,23 @@ mod tests {
         assert!(list.contains(K1) && !list.contains(K2), "{list}");
 
         let (result, _) = admin("purge --window 1d --redelivery-horizon 3d").await;
-        assert!(matches!(result, Err(CliError::Retention(_))), "{result:?}");
-        let (result, purged) = admin("purge --window 7d --redelivery-horizon 3d").await;
+        let error = result.unwrap_err();
+        assert!(matches!(error, CliError::Retention(_)), "{error:?}");
+        assert!(
+            error
+                .to_string()
+                .contains("retention window of 1d is shorter than the redelivery horizon of 3d"),
+            "{error}"
+        );
+        let (result, purged) =
+            admin("purge --window 7d --redelivery-horizon 3d --include-rejections").await;
         result.unwrap();
-        assert!(purged.starts_with("purged 0 rows"), "{purged}");
+        assert_eq!(
+            purged,
+            "purged 0 inbox rows older than 7d\n\
+             purged 0 rejected deliveries older than 7d\n\
+             2 statements of at most 1000 rows each\n"
+        );
 
         assert_eq!(db.balances().await.unwrap()["acct-1"], 500);
         db.close().await;

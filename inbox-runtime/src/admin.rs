@@ -100,8 +100,10 @@ pub struct Retention {
 /// A retention window shorter than the redelivery horizon it must cover.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "retention window of {window:?} is shorter than the redelivery horizon of {horizon:?}: \
-     redeliveries after the window would be processed again"
+    "retention window of {} is shorter than the redelivery horizon of {}: \
+     redeliveries after the window would be processed again",
+    format_duration(*window),
+    format_duration(*horizon)
 )]
 pub struct RetentionError {
     /// The window asked for.
@@ -249,4 +251,21 @@ pub fn spawn_purger<DB: InboxDatabase>(
             }
         }
     })
+}
+
+/// A duration the way operators write it: `7d`, `36h`, `90m`, `45s`, `1500ms` (the largest unit
+/// that divides it exactly).
+pub(crate) fn format_duration(duration: Duration) -> String {
+    let millis = duration.as_millis();
+    for (unit, per) in [
+        ("d", 86_400_000),
+        ("h", 3_600_000),
+        ("m", 60_000),
+        ("s", 1000),
+    ] {
+        if millis >= per && millis % per == 0 {
+            return format!("{}{unit}", millis / per);
+        }
+    }
+    format!("{millis}ms")
 }

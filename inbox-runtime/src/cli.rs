@@ -77,7 +77,7 @@ pub enum AdminCommand {
     /// Failed and dead messages: list, show, replay, discard
     #[command(subcommand)]
     Dead(DeadCommand),
-    /// Deletes processed (and discarded) rows older than the retention window, in batches
+    /// Deletes processed (and discarded, stale) rows older than the retention window, in batches
     Purge(PurgeArgs),
 }
 
@@ -381,12 +381,11 @@ async fn execute_on<DB: InboxDatabase>(
             let report = admin::purge(pool, &retention, |deleted| bar.set_position(deleted)).await;
             bar.finish_and_clear();
             let report = report?;
+            let window = admin::format_duration(args.window);
             writeln!(
                 out,
-                "purged {} rows older than {} in {} batches{}",
+                "purged {} inbox rows older than {window}{}",
                 report.deleted,
-                humantime::format_duration(args.window),
-                report.batches,
                 if args.include_failed_and_dead {
                     " (failed and dead included)"
                 } else {
@@ -396,11 +395,17 @@ async fn execute_on<DB: InboxDatabase>(
             if args.include_rejections {
                 writeln!(
                     out,
-                    "purged {} rejected deliveries older than {}",
+                    "purged {} rejected deliveries older than {window}",
                     report.rejections_deleted,
-                    humantime::format_duration(args.window),
                 )?;
             }
+            writeln!(
+                out,
+                "{} statement{} of at most {} rows each",
+                report.batches,
+                if report.batches == 1 { "" } else { "s" },
+                args.batch_size
+            )?;
         }
     }
     Ok(())
@@ -715,7 +720,15 @@ fn write_show(out: &mut dyn Write, row: &StoredMessage) -> io::Result<()> {
         ("attempts", row.attempts.to_string()),
         ("received", row.received_at.clone()),
         ("processed", optional(&row.processed_at)),
-        ("next attempt", optional(&row.next_attempt_at)),
+        // Only a failed message is retried; a dead one waits for an operator.
+        (
+            "next attempt",
+            if row.status == "failed" {
+                optional(&row.next_attempt_at)
+            } else {
+                "-".into()
+            },
+        ),
         ("source", optional(&row.source)),
         ("fingerprint", row.payload_hash.clone()),
         ("last error", optional(&row.last_error)),

@@ -213,7 +213,7 @@ pub(super) const STATS: &str = "SELECT consumer, status, COUNT(*), CAST(MIN(rece
      UNION ALL \
      SELECT consumer, 'rejected:' || reason, COUNT(*), CAST(MIN(received_at) AS TEXT) \
      FROM inbox_rejections GROUP BY consumer, reason \
-     ORDER BY 1, 2";
+     ORDER BY 1 NULLS FIRST, 2";
 
 /// Locks the aggregate's state row (creating it at sequence 0) and reads its last applied
 /// sequence; a concurrent transaction on the same aggregate waits here until this one ends.
