@@ -263,7 +263,7 @@ pub(crate) fn format_duration(duration: Duration) -> String {
         ("m", 60_000),
         ("s", 1000),
     ] {
-        if millis >= per && millis % per == 0 {
+        if millis >= per && millis.is_multiple_of(per) {
             return format!("{}{unit}", millis / per);
         }
     }
