@@ -674,13 +674,18 @@ mod tests {
             },
         );
         let file: syn::File = syn::parse2(output.clone()).unwrap_or_else(|e| panic!("{e}"));
-        // struct, impl, submit!, the use of the wrapper, the wrapper: each under the `cfg`.
-        assert_eq!(file.items.len(), 5);
+        // struct, impl, registration const, submit!, the use of the wrapper, the wrapper: each
+        // under the `cfg`.
+        assert_eq!(file.items.len(), 6);
         let text = output.to_string();
         assert!(text.contains("struct __inbox_handler_credit"), "{text}");
+        assert!(
+            text.contains("pub (crate) const __inbox_registration_credit"),
+            "{text}"
+        );
         assert_eq!(
             text.matches("# [cfg (feature = \"pg\")]").count(),
-            5,
+            6,
             "{text}"
         );
         // `#[expect]` moves to the body: once, not on the wrapper.

@@ -131,19 +131,13 @@ pub use worker::{
     shutdown_signal,
 };
 
-/// Rewrites an `async fn(conn: &mut <Backend>Connection, msg: M) -> Result<T, E>` to run inside
-/// the inbox's claim-then-act transaction and registers it with the [`Dispatcher`].
-///
-/// See the [crate documentation](crate) for the guarantee and an example.
+// The macros' own documentation is their page (re-exported inline, with nothing prepended).
 #[doc(inline)]
 pub use inbox_macros::idempotent;
 
-/// Derives [`Message`](trait@Message): routing name and idempotency key of a message struct.
 #[doc(inline)]
 pub use inbox_macros::Message;
 
-/// The [`Registration`] of one `#[idempotent]` function, named by its path, for
-/// [`Dispatcher::from_handlers`]: `handler!(crate::ledger::credit)`.
 #[doc(inline)]
 pub use inbox_macros::handler;
 
