@@ -155,6 +155,44 @@ fn kind(result: &Result<Outcome<()>, Error<inbox_runtime::BoxError>>) -> String 
     }
 }
 
+/// The kind of each envelope's (single) consumer outcome in a batch.
+fn batch_kinds(
+    batch: &[Result<Vec<inbox_runtime::ConsumerOutcome>, inbox_runtime::DispatchError>],
+) -> Vec<String> {
+    batch
+        .iter()
+        .map(|r| kind(&r.as_ref().unwrap()[0].result))
+        .collect()
+}
+
+/// `{prefix}-single` through `dispatch`, then `{prefix}-a`, `{prefix}-batch` (with `mode`),
+/// `{prefix}-z` through `dispatch_batch`: the single outcome's kind and the batch's kinds.
+async fn single_and_batch(
+    dispatcher: &Dispatcher<sqlx::Postgres>,
+    prefix: &str,
+    mode: &str,
+) -> (String, Vec<String>) {
+    let single = dispatcher
+        .dispatch(&pay(&format!("{prefix}-single"), 1, mode))
+        .await
+        .unwrap();
+    let batch = dispatcher
+        .dispatch_batch(&[
+            pay(&format!("{prefix}-a"), 1, ""),
+            pay(&format!("{prefix}-batch"), 1, mode),
+            pay(&format!("{prefix}-z"), 1, ""),
+        ])
+        .await;
+    (kind(&single[0].result), batch_kinds(&batch))
+}
+
+async fn count_conflicts(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM inbox_rejections WHERE reason = 'conflict'")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 async fn effect(pool: &PgPool, key: &str) -> Option<(i64, i64)> {
     sqlx::query_as("SELECT applied, total FROM effects WHERE effect_key = $1")
         .bind(key)
@@ -380,22 +418,8 @@ async fn slot_reused_after_cancellation_applies_once() {
 async fn swallowed_error_in_optimistic_batch_matches_dispatch() {
     let pool = inbox_tests::pg_pool(4).await;
     let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
-    let single = dispatcher
-        .dispatch(&pay("s-single", 1, "swallow"))
-        .await
-        .unwrap();
-    let batch = dispatcher
-        .dispatch_batch(&[
-            pay("s-a", 1, ""),
-            pay("s-batch", 1, "swallow"),
-            pay("s-z", 1, ""),
-        ])
-        .await;
-    let kinds: Vec<String> = batch
-        .iter()
-        .map(|r| kind(&r.as_ref().unwrap()[0].result))
-        .collect();
-    assert_eq!(kind(&single[0].result), "database:verify");
+    let (single, kinds) = single_and_batch(&dispatcher, "s", "swallow").await;
+    assert_eq!(single, "database:verify");
     assert_eq!(kinds, ["processed", "database:verify", "processed"]);
     assert_eq!(row(&pool, "s-single").await, row(&pool, "s-batch").await);
     assert_eq!(row(&pool, "s-batch").await, Some(("failed".into(), 1)));
@@ -412,22 +436,13 @@ async fn swallowed_error_in_optimistic_batch_matches_dispatch() {
 async fn handler_failing_on_first_call_only_batch_matches_dispatch() {
     let pool = inbox_tests::pg_pool(4).await;
     let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
-    let single = dispatcher
-        .dispatch(&pay("f-single", 1, "flaky"))
-        .await
-        .unwrap();
-    let batch = dispatcher
-        .dispatch_batch(&[pay("f-a", 1, ""), pay("f-batch", 1, "flaky")])
-        .await;
-    let single_kind = kind(&single[0].result);
-    let batch_kind = kind(&batch[1].as_ref().unwrap()[0].result);
-    let single_row = row(&pool, "f-single").await;
-    let batch_row = row(&pool, "f-batch").await;
+    let (single, kinds) = single_and_batch(&dispatcher, "f", "flaky").await;
     assert_eq!(
-        (single_kind.as_str(), single_row),
-        (batch_kind.as_str(), batch_row),
+        (single.as_str(), row(&pool, "f-single").await),
+        (kinds[1].as_str(), row(&pool, "f-batch").await),
         "dispatch vs dispatch_batch"
     );
+    assert_eq!(kinds[0], "processed");
 }
 
 /// conflicts recorded in the optimistic run are not recorded again when it is rolled
@@ -440,31 +455,17 @@ async fn conflict_recorded_once_when_optimistic_run_is_rerun() {
     let batch = dispatcher
         .dispatch_batch(&[pay("x0", 2, ""), pay("x1", 1, ""), pay("x2", 1, "frozen")])
         .await;
-    let kinds: Vec<String> = batch
-        .iter()
-        .map(|r| kind(&r.as_ref().unwrap()[0].result))
-        .collect();
+    let kinds = batch_kinds(&batch);
     assert_eq!(kinds, ["conflict", "processed", "handler:Dead"]);
-    let conflicts: i64 =
-        sqlx::query_scalar("SELECT COUNT(*) FROM inbox_rejections WHERE reason = 'conflict'")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let conflicts = count_conflicts(&pool).await;
     assert_eq!(conflicts, 1);
     // And a batch whose isolated run fails as a whole (swallowed error) → single path.
     let batch = dispatcher
         .dispatch_batch(&[pay("x0", 3, ""), pay("x3", 1, "swallow")])
         .await;
-    let kinds: Vec<String> = batch
-        .iter()
-        .map(|r| kind(&r.as_ref().unwrap()[0].result))
-        .collect();
+    let kinds = batch_kinds(&batch);
     assert_eq!(kinds, ["conflict", "database:verify"]);
-    let conflicts: i64 =
-        sqlx::query_scalar("SELECT COUNT(*) FROM inbox_rejections WHERE reason = 'conflict'")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let conflicts = count_conflicts(&pool).await;
     assert_eq!(conflicts, 2);
 }
 
@@ -494,10 +495,7 @@ async fn sqlite_batch_applies_once_after_a_swallowed_rollback() {
             lite_env("l3", false),
         ])
         .await;
-    let kinds: Vec<String> = batch
-        .iter()
-        .map(|r| kind(&r.as_ref().unwrap()[0].result))
-        .collect();
+    let kinds = batch_kinds(&batch);
     let applied: Vec<(String, i64)> =
         sqlx::query_as("SELECT effect_key, applied FROM effects ORDER BY effect_key")
             .fetch_all(&pool)
@@ -912,22 +910,8 @@ async fn worker_concurrency_above_pool_size_does_not_time_out() {
 async fn transient_first_call_in_batch_matches_dispatch() {
     let pool = inbox_tests::pg_pool(4).await;
     let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
-    let single = dispatcher
-        .dispatch(&pay("t-single", 1, "blip"))
-        .await
-        .unwrap();
-    let batch = dispatcher
-        .dispatch_batch(&[
-            pay("t-a", 1, ""),
-            pay("t-batch", 1, "blip"),
-            pay("t-z", 1, ""),
-        ])
-        .await;
-    let kinds: Vec<String> = batch
-        .iter()
-        .map(|r| kind(&r.as_ref().unwrap()[0].result))
-        .collect();
-    assert_eq!(kind(&single[0].result), "processed");
+    let (single, kinds) = single_and_batch(&dispatcher, "t", "blip").await;
+    assert_eq!(single, "processed");
     assert_eq!(kinds, ["processed", "processed", "processed"]);
     assert_eq!(row(&pool, "t-single").await, row(&pool, "t-batch").await);
     for k in ["t-single", "t-a", "t-batch", "t-z"] {
