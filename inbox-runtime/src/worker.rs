@@ -191,6 +191,8 @@ pub struct WorkerError {
 ///   deliveries beyond the kept ones nor other users of the pool (the parked-message sweep,
 ///   another worker) wait for a connection the worker is not using. A pool of
 ///   `concurrency + 1` connections lets every delivery keep its connection.
+/// * **Batches** (off by default, see [`batch`](Self::batch)): deliveries that are ready
+///   together run in one transaction, each settled after its commit by its own outcome.
 /// * **Order**: deliveries with the same [ordering key](Delivery::ordering_key) run one at a
 ///   time, in the order the source handed them out. A requeued delivery comes back when the
 ///   source redelivers it, possibly after later ones of its key.
@@ -206,6 +208,8 @@ pub struct Worker<DB: InboxDatabase> {
     drain_timeout: Duration,
     idle: Option<Duration>,
     park_sweep: Option<Duration>,
+    /// Batch size and the longest wait for one to fill, if batching.
+    batch: Option<(usize, Duration)>,
 }
 
 /// How long a kept connection may go unused before the worker gives it back to the pool.
@@ -213,10 +217,86 @@ const SLOT_IDLE: Duration = Duration::from_secs(1);
 
 /// A finished task.
 struct Done<DB: InboxDatabase> {
-    ordering_key: Option<String>,
     report: WorkerReport,
     /// The task's connection slot, back for the next delivery (if it may be kept).
     slot: Option<ConnectionSlot<DB>>,
+}
+
+/// What the worker knows of a running task.
+struct TaskMeta {
+    /// The deliveries it settles.
+    deliveries: usize,
+    /// Their ordering keys (busy until the task ends).
+    keys: Vec<String>,
+    /// Whether it took one of the kept connection slots.
+    kept: bool,
+}
+
+/// The worker's running tasks, its kept connection slots and the batch being gathered.
+struct Running<DB: InboxDatabase> {
+    tasks: JoinSet<Done<DB>>,
+    meta: HashMap<tokio::task::Id, TaskMeta>,
+    slots: Vec<ConnectionSlot<DB>>,
+    batch: Vec<Delivery>,
+    /// When the first delivery of `batch` arrived.
+    batch_since: Option<Instant>,
+}
+
+impl<DB: InboxDatabase> Running<DB> {
+    /// Starts `delivery`: at once, or (when batching) in the batch being gathered, which starts
+    /// when it is full.
+    fn start(&mut self, worker: &Worker<DB>, delivery: Delivery) {
+        match worker.batch {
+            Some((size, _)) => {
+                self.batch_since.get_or_insert_with(Instant::now);
+                self.batch.push(delivery);
+                if self.batch.len() >= size {
+                    self.flush(worker);
+                }
+            }
+            None => self.spawn(worker, vec![delivery]),
+        }
+    }
+
+    /// Starts the batch gathered so far, if any.
+    fn flush(&mut self, worker: &Worker<DB>) {
+        self.batch_since = None;
+        let batch = std::mem::take(&mut self.batch);
+        if !batch.is_empty() {
+            self.spawn(worker, batch);
+        }
+    }
+
+    /// Runs `deliveries` (one, or a batch) in a task, on a kept slot if one is free.
+    fn spawn(&mut self, worker: &Worker<DB>, deliveries: Vec<Delivery>) {
+        let dispatcher = Arc::clone(&worker.dispatcher);
+        let requeue_delay = worker.requeue_delay;
+        let kept = self.slots.pop();
+        let meta = TaskMeta {
+            deliveries: deliveries.len(),
+            keys: deliveries
+                .iter()
+                .filter_map(|d| d.ordering_key().map(str::to_owned))
+                .collect(),
+            kept: kept.is_some(),
+        };
+        let keep = meta.kept;
+        let task = self.tasks.spawn(async move {
+            // A task without a kept slot uses a connection for itself only.
+            let mut slot = kept.unwrap_or_default();
+            let report = process(&dispatcher, &mut slot, deliveries, requeue_delay).await;
+            Done {
+                report,
+                slot: keep.then_some(slot),
+            }
+        });
+        self.meta.insert(task.id(), meta);
+    }
+
+    /// Running tasks that took a kept slot.
+    fn kept_running(&self) -> usize {
+        self.meta.values().filter(|meta| meta.kept).count()
+    }
 }
 
 impl<DB: InboxDatabase> Worker<DB> {
@@ -235,7 +315,24 @@ impl<DB: InboxDatabase> Worker<DB> {
             drain_timeout: Duration::from_secs(30),
             idle: None,
             park_sweep: Some(Duration::from_secs(60)),
+            batch: None,
         }
+    }
+
+    /// Processes deliveries in batches, each in **one** transaction
+    /// ([`Dispatcher::dispatch_batch_on`]: one multi-row claim, the handlers, one commit), each
+    /// delivery settled after that commit by its own outcome, as [`settlement_for`] says. A batch
+    /// starts when `size` deliveries are ready, `max_wait` after its first one arrived, or as
+    /// soon as no more can be fetched (concurrency reached, source exhausted). Deliveries of one
+    /// ordering key are never in the same batch (the next waits for the batch to end).
+    ///
+    /// [`concurrency`](Self::concurrency) still counts deliveries: give it at least `size`
+    /// (twice `size` lets the next batch gather while one runs). `size` below 2 turns batching
+    /// off (the default: one delivery per transaction). Batches hold their effects' row locks
+    /// until their one commit: partition the stream by what the effects lock.
+    pub fn batch(mut self, size: usize, max_wait: Duration) -> Self {
+        self.batch = (size >= 2).then_some((size, max_wait));
+        self
     }
 
     /// How often, while running, the worker calls [`Dispatcher::sweep_parked`] (parked
@@ -288,7 +385,6 @@ impl<DB: InboxDatabase> Worker<DB> {
         shutdown: CancellationToken,
     ) -> Result<WorkerReport, WorkerError> {
         let mut report = WorkerReport::default();
-        let mut tasks: JoinSet<Done<DB>> = JoinSet::new();
         // Connection slots kept across deliveries (each holds one pooled connection once used):
         // at most `concurrency`, and at least one connection of the pool is never kept, so that
         // a delivery without a kept slot, the parked-message sweep and other users of the pool
@@ -297,12 +393,15 @@ impl<DB: InboxDatabase> Worker<DB> {
         // running (it may be waiting for one), and after `SLOT_IDLE` unused (so that an idle
         // worker does not sit on connections that another user of the pool needs).
         let max_connections = self.dispatcher.pool().options().get_max_connections() as usize;
-        let mut slots: Vec<ConnectionSlot<DB>> =
-            (0..self.concurrency.min(max_connections.saturating_sub(1)))
+        let mut running = Running {
+            tasks: JoinSet::new(),
+            meta: HashMap::new(),
+            slots: (0..self.concurrency.min(max_connections.saturating_sub(1)))
                 .map(|_| ConnectionSlot::new())
-                .collect();
-        // Running tasks that took a kept slot.
-        let mut kept_tasks: HashSet<tokio::task::Id> = HashSet::new();
+                .collect(),
+            batch: Vec::new(),
+            batch_since: None,
+        };
         // Deliveries waiting for an earlier one of their ordering key; and the busy keys.
         let mut waiting: HashMap<String, VecDeque<Delivery>> = HashMap::new();
         let mut busy: HashSet<String> = HashSet::new();
@@ -337,11 +436,20 @@ impl<DB: InboxDatabase> Worker<DB> {
         }
 
         loop {
-            if stop.is_some() && tasks.is_empty() {
+            // A gathered batch starts once nothing more can join it.
+            if !running.batch.is_empty() && (stop.is_some() || in_flight >= self.concurrency) {
+                running.flush(self);
+            }
+            if stop.is_some() && running.tasks.is_empty() {
                 break;
             }
+            let batch_at = running
+                .batch_since
+                .zip(self.batch)
+                .map(|(since, (_, max_wait))| since + max_wait);
             // The next time a kept slot's connection has been unused for `SLOT_IDLE`.
-            let release_at = slots
+            let release_at = running
+                .slots
                 .iter()
                 .filter_map(ConnectionSlot::idle_for)
                 .map(|idle| SLOT_IDLE.saturating_sub(idle))
@@ -358,66 +466,77 @@ impl<DB: InboxDatabase> Worker<DB> {
                     stop = Some(StopReason::Shutdown);
                     drain_deadline = Some(Instant::now() + self.drain_timeout);
                     // Deliveries that have not started: hand them back now.
-                    for (_, queue) in waiting.drain() {
-                        for delivery in queue {
-                            in_flight -= 1;
-                            report.requeued += 1;
-                            if let Err(error) = delivery.requeue(None).await {
-                                report.settle_errors += 1;
-                                tracing::warn!(%error, "cannot requeue an unstarted delivery at shutdown");
-                            }
+                    running.batch_since = None;
+                    let gathered = std::mem::take(&mut running.batch);
+                    let queued = waiting.drain().flat_map(|(_, queue)| queue);
+                    for delivery in gathered.into_iter().chain(queued) {
+                        in_flight -= 1;
+                        report.requeued += 1;
+                        if let Err(error) = delivery.requeue(None).await {
+                            report.settle_errors += 1;
+                            tracing::warn!(%error, "cannot requeue an unstarted delivery at shutdown");
                         }
                     }
                     tracing::info!(
                         source = source.name(),
-                        running = tasks.len(),
+                        running = running.tasks.len(),
                         "shutdown: no more fetching; finishing running deliveries"
                     );
                 }
                 () = tokio::time::sleep_until(drain_deadline.unwrap_or(last_activity + far)),
                     if drain_deadline.is_some() =>
                 {
-                    let running = tasks.len() as u64;
+                    let unsettled: usize = running.meta.values().map(|meta| meta.deliveries).sum();
                     tracing::warn!(
                         source = source.name(),
-                        running,
+                        running = unsettled,
                         "drain timeout: abandoning running deliveries unsettled"
                     );
-                    tasks.abort_all();
-                    while tasks.join_next().await.is_some() {}
-                    report.abandoned += running;
+                    running.tasks.abort_all();
+                    while running.tasks.join_next().await.is_some() {}
+                    report.abandoned += unsettled as u64;
                     break;
                 }
-                Some(joined) = tasks.join_next_with_id(), if !tasks.is_empty() => {
+                Some(joined) = running.tasks.join_next_with_id(), if !running.tasks.is_empty() => {
                     last_activity = Instant::now();
-                    in_flight -= 1;
-                    let key = match joined {
-                        Ok((id, done)) => {
+                    let id = match &joined {
+                        Ok((id, _)) => *id,
+                        Err(error) => error.id(),
+                    };
+                    let meta = running.meta.remove(&id).expect("every task has its meta");
+                    in_flight -= meta.deliveries;
+                    match joined {
+                        Ok((_, done)) => {
                             add(&mut report, &done.report);
-                            kept_tasks.remove(&id);
                             if let Some(mut slot) = done.slot {
-                                if tasks.len() > kept_tasks.len() {
+                                // Another task without a kept slot may be waiting for a
+                                // connection: give this one back.
+                                if running.tasks.len() > running.kept_running() {
                                     slot.release();
                                 }
-                                slots.push(slot);
+                                running.slots.push(slot);
                             }
-                            done.ordering_key
                         }
                         Err(error) => {
-                            // A panicking handler: the delivery was dropped unsettled (and its
-                            // slot with it).
-                            if kept_tasks.remove(&error.id()) {
-                                slots.push(ConnectionSlot::new());
+                            // A panicking handler: its deliveries were dropped unsettled (and
+                            // the task's slot with them).
+                            if meta.kept {
+                                running.slots.push(ConnectionSlot::new());
                             }
-                            report.abandoned += 1;
-                            tracing::error!(%error, "delivery task failed; delivery abandoned");
-                            None
+                            report.abandoned += meta.deliveries as u64;
+                            tracing::error!(%error, "delivery task failed; deliveries abandoned");
                         }
-                    };
-                    if let Some(key) = key {
+                    }
+                    for key in meta.keys {
                         let next = waiting.get_mut(&key).and_then(VecDeque::pop_front);
                         match next {
-                            Some(delivery) => self.spawn(&mut tasks, &mut slots, &mut kept_tasks, delivery),
+                            Some(delivery) if stop != Some(StopReason::Shutdown) => {
+                                running.start(self, delivery);
+                            }
+                            Some(delivery) => {
+                                // Shutdown emptied the queues; nothing is queued since.
+                                waiting.entry(key).or_default().push_front(delivery);
+                            }
                             None => {
                                 waiting.remove(&key);
                                 busy.remove(&key);
@@ -437,9 +556,9 @@ impl<DB: InboxDatabase> Worker<DB> {
                                 }
                                 Some(key) => {
                                     busy.insert(key.to_owned());
-                                    self.spawn(&mut tasks, &mut slots, &mut kept_tasks, delivery);
+                                    running.start(self, delivery);
                                 }
-                                None => self.spawn(&mut tasks, &mut slots, &mut kept_tasks, delivery),
+                                None => running.start(self, delivery),
                             }
                         }
                         Ok(None) => stop = Some(StopReason::SourceExhausted),
@@ -453,8 +572,11 @@ impl<DB: InboxDatabase> Worker<DB> {
                 () = tokio::time::sleep_until(idle_at), if self.idle.is_some() && stop.is_none() && in_flight == 0 => {
                     stop = Some(StopReason::Idle);
                 }
+                () = tokio::time::sleep_until(batch_at.unwrap_or(last_activity + far)), if batch_at.is_some() => {
+                    running.flush(self);
+                }
                 () = tokio::time::sleep_until(release_at.unwrap_or(last_activity + far)), if release_at.is_some() => {
-                    for slot in &mut slots {
+                    for slot in &mut running.slots {
                         if slot.idle_for().is_some_and(|idle| idle >= SLOT_IDLE) {
                             slot.release();
                         }
@@ -499,29 +621,6 @@ impl<DB: InboxDatabase> Worker<DB> {
         })?;
         self.run(source, token).await
     }
-
-    fn spawn(
-        &self,
-        tasks: &mut JoinSet<Done<DB>>,
-        slots: &mut Vec<ConnectionSlot<DB>>,
-        kept_tasks: &mut HashSet<tokio::task::Id>,
-        delivery: Delivery,
-    ) {
-        let dispatcher = Arc::clone(&self.dispatcher);
-        let requeue_delay = self.requeue_delay;
-        let kept = slots.pop();
-        let keep = kept.is_some();
-        let task = tasks.spawn(async move {
-            // A delivery without a kept slot uses a connection for itself only.
-            let mut slot = kept.unwrap_or_default();
-            let mut done = process(&dispatcher, &mut slot, delivery, requeue_delay).await;
-            done.slot = keep.then_some(slot);
-            done
-        });
-        if keep {
-            kept_tasks.insert(task.id());
-        }
-    }
 }
 
 fn add(total: &mut WorkerReport, one: &WorkerReport) {
@@ -539,17 +638,45 @@ fn add(total: &mut WorkerReport, one: &WorkerReport) {
     total.settle_errors += one.settle_errors;
 }
 
-/// One delivery: dispatch, decide, log, settle.
+/// One delivery (its own transaction) or a batch (one transaction): dispatch, then settle each.
 async fn process<DB: InboxDatabase>(
     dispatcher: &Dispatcher<DB>,
     slot: &mut ConnectionSlot<DB>,
-    delivery: Delivery,
+    mut deliveries: Vec<Delivery>,
     requeue_delay: Duration,
-) -> Done<DB> {
+) -> WorkerReport {
     let mut report = WorkerReport::default();
-    let ordering_key = delivery.ordering_key().map(str::to_owned);
+    if deliveries.len() == 1 {
+        let delivery = deliveries.pop().expect("one");
+        let result = dispatcher.dispatch_on(slot, delivery.envelope()).await;
+        add(
+            &mut report,
+            &settle(dispatcher, slot, delivery, result, requeue_delay).await,
+        );
+        return report;
+    }
+    let envelopes: Vec<crate::Envelope> = deliveries.iter().map(|d| d.envelope().clone()).collect();
+    let results = dispatcher.dispatch_batch_on(slot, &envelopes).await;
+    drop(envelopes);
+    for (delivery, result) in deliveries.into_iter().zip(results) {
+        add(
+            &mut report,
+            &settle(dispatcher, slot, delivery, result, requeue_delay).await,
+        );
+    }
+    report
+}
+
+/// Settles one delivery by the dispatcher's `result` for it: decide, log, settle.
+async fn settle<DB: InboxDatabase>(
+    dispatcher: &Dispatcher<DB>,
+    slot: &mut ConnectionSlot<DB>,
+    delivery: Delivery,
+    result: Result<Vec<ConsumerOutcome>, DispatchError>,
+    requeue_delay: Duration,
+) -> WorkerReport {
+    let mut report = WorkerReport::default();
     let envelope = delivery.envelope();
-    let result = dispatcher.dispatch_on(slot, envelope).await;
     let mut settlement = settlement_for(&result, requeue_delay);
     // A delivery the dispatcher refuses is kept in `inbox_rejections` (payload included); once
     // it is, acking it loses nothing. If it cannot be kept, it is rejected to the broker.
@@ -662,11 +789,7 @@ async fn process<DB: InboxDatabase>(
             "cannot settle the delivery; the source will deliver it again"
         );
     }
-    Done {
-        ordering_key,
-        report,
-        slot: None,
-    }
+    report
 }
 
 /// Resolves on the first SIGINT or SIGTERM (on non-Unix platforms: Ctrl-C).

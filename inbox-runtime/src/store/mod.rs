@@ -432,7 +432,7 @@ pub trait InboxConnection: sqlx::Connection + sealed::Sealed + Send + 'static {
 }
 
 /// A database an inbox can live in: `sqlx::Postgres` or `sqlx::Sqlite`. Sealed.
-pub trait InboxDatabase: sqlx::Database + sealed::Sealed {
+pub trait InboxDatabase: sqlx::Database<Connection: InboxConnection> + sealed::Sealed {
     /// The backend.
     const BACKEND: Backend;
 
