@@ -1763,23 +1763,47 @@ async fn scale_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), Bo
 
 async fn memory_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), BoxError> {
     const WORKERS: usize = 4;
-    scale::truncate(&pg.admin).await?;
-    progress(format!(
-        "memory: a Worker for {:.0} s",
-        p.memory.as_secs_f64()
-    ));
-    let pool = pg_pool(&pg.opts, WORKERS + 1).await?;
-    let run = scale::memory(pool.clone(), WORKERS, p.memory).await?;
-    pool.close().await;
-    let (warm, peak, end) = run.rss();
-    let slope = run.slope_per_100k();
-    let flat = end <= warm + (warm / 20).max(2048);
+    const BATCH: usize = 100;
+    let mut rows = Vec::new();
+    for batch in [None, Some(BATCH)] {
+        scale::truncate(&pg.admin).await?;
+        progress(format!(
+            "memory: a Worker for {:.0} s{}",
+            p.memory.as_secs_f64(),
+            batch.map_or(String::new(), |size| format!(", batches of {size}"))
+        ));
+        let pool = pg_pool(&pg.opts, WORKERS + 1).await?;
+        let run = scale::memory(pool.clone(), WORKERS, batch, p.memory).await?;
+        pool.close().await;
+        let (warm, peak, end) = run.rss();
+        let slope = run.slope_per_100k();
+        let flat = end <= warm + (warm / 20).max(2048);
+        rows.push(vec![
+            match batch {
+                None => format!("{:.0} s, concurrency {WORKERS}", run.elapsed.as_secs_f64()),
+                Some(size) => format!(
+                    "{:.0} s, `batch({size}, 5 ms)`, concurrency {}",
+                    run.elapsed.as_secs_f64(),
+                    2 * size
+                ),
+            },
+            run.settled.to_string(),
+            format!("{:.0}", run.settled as f64 / run.elapsed.as_secs_f64()),
+            format!("{} / {} / {}", run.processed, run.duplicates, run.failed),
+            format!("{:.1}", warm as f64 / 1024.0),
+            format!("{:.1}", peak as f64 / 1024.0),
+            format!("{:.1}", end as f64 / 1024.0),
+            format!("{slope:.1}"),
+            if flat { "yes" } else { "**no**" }.into(),
+        ]);
+    }
     out.line("## Worker memory over a long run (PostgreSQL)");
     out.line("");
     out.line(format!(
-        "`inbox_runtime::Worker`, concurrency {WORKERS}, pool of {WORKERS} + 1 (one kept connection per slot), over an endless \
-         generated stream (UUIDv7 keys, 10 % redeliveries of recent messages), RSS of this \
-         process from /proc/self/status every 250 ms; `warm` is after the first fifth of the run."
+        "`inbox_runtime::Worker` over an endless generated stream (UUIDv7 keys, 10 % redeliveries \
+         of recent messages), a pool of {WORKERS} + 1 connections: one delivery per transaction \
+         at concurrency {WORKERS}, then `Worker::batch({BATCH}, 5 ms)`. RSS of this process \
+         from /proc/self/status every 250 ms; `warm` is after the first fifth of the run."
     ));
     out.line("");
     out.table(
@@ -1794,17 +1818,7 @@ async fn memory_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), B
             "slope KiB per 100k msgs",
             "flat",
         ],
-        &[vec![
-            format!("{:.0} s", run.elapsed.as_secs_f64()),
-            run.settled.to_string(),
-            format!("{:.0}", run.settled as f64 / run.elapsed.as_secs_f64()),
-            format!("{} / {} / {}", run.processed, run.duplicates, run.failed),
-            format!("{:.1}", warm as f64 / 1024.0),
-            format!("{:.1}", peak as f64 / 1024.0),
-            format!("{:.1}", end as f64 / 1024.0),
-            format!("{slope:.1}"),
-            if flat { "yes" } else { "**no**" }.into(),
-        ]],
+        &rows,
     );
     Ok(())
 }

@@ -247,6 +247,7 @@ impl MemoryRun {
 pub(crate) async fn memory(
     pool: PgPool,
     workers: usize,
+    batch: Option<usize>,
     duration: Duration,
 ) -> Result<MemoryRun, BoxError> {
     let settled = Arc::new(AtomicU64::new(0));
@@ -256,7 +257,13 @@ pub(crate) async fn memory(
         redeliver_percent: 10,
         settled: settled.clone(),
     };
-    let worker = Worker::new(Dispatcher::from_registry(pool)?).concurrency(workers);
+    let mut worker = Worker::new(Dispatcher::from_registry(pool)?).concurrency(workers);
+    if let Some(size) = batch {
+        // Two batches in flight: one gathers while the other runs.
+        worker = worker
+            .concurrency(2 * size)
+            .batch(size, Duration::from_millis(5));
+    }
     let shutdown = CancellationToken::new();
     let started = Instant::now();
     let sampler = {
