@@ -46,7 +46,9 @@ where
     /// or `ROLLBACK TO`), so that the failure is recorded and the others commit. The failing
     /// handler is not called again (its error is recorded as it was returned); the handlers
     /// before it are (their database writes from the first run were rolled back; effects outside
-    /// the database happen twice, as on any retry). On SQLite, where a statement can end the
+    /// the database happen twice, as on any retry). If that second run fails as a whole too (a
+    /// handler left the transaction aborted), every message takes the one-message path below,
+    /// where each handler runs once more — the one that failed first included. On SQLite, where a statement can end the
     /// transaction (`INSERT OR ROLLBACK`, a trigger's `RAISE(ROLLBACK)`) and savepoints cost no
     /// round trip, batches always run with savepoints.
     ///

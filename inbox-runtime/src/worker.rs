@@ -17,8 +17,11 @@
 //! ```
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
+
+use futures_util::FutureExt as _;
 
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -212,20 +215,37 @@ pub struct Worker<DB: InboxDatabase> {
     batch: Option<(usize, Duration)>,
 }
 
+/// `at + after`, or a year after `at` if that overflows (`Duration::MAX` means "never").
+fn later(at: Instant, after: Duration) -> Instant {
+    at.checked_add(after)
+        .unwrap_or_else(|| at + Duration::from_secs(86_400 * 365))
+}
+
 /// How long a kept connection may go unused before the worker gives it back to the pool.
 const SLOT_IDLE: Duration = Duration::from_secs(1);
 
 /// A finished task.
 struct Done<DB: InboxDatabase> {
-    report: WorkerReport,
     /// The task's connection slot, back for the next delivery (if it may be kept).
     slot: Option<ConnectionSlot<DB>>,
 }
+
+/// What a task has settled so far (read even if the task is aborted or panics).
+#[derive(Default)]
+struct Progress {
+    report: WorkerReport,
+    /// Deliveries settled, or abandoned by a panicking handler.
+    done: usize,
+}
+
+type SharedProgress = Arc<std::sync::Mutex<Progress>>;
 
 /// What the worker knows of a running task.
 struct TaskMeta {
     /// The deliveries it settles.
     deliveries: usize,
+    /// How far it got.
+    progress: SharedProgress,
     /// Their ordering keys (busy until the task ends).
     keys: Vec<String>,
     /// Whether it took one of the kept connection slots.
@@ -272,8 +292,10 @@ impl<DB: InboxDatabase> Running<DB> {
         let dispatcher = Arc::clone(&worker.dispatcher);
         let requeue_delay = worker.requeue_delay;
         let kept = self.slots.pop();
+        let progress = SharedProgress::default();
         let meta = TaskMeta {
             deliveries: deliveries.len(),
+            progress: Arc::clone(&progress),
             keys: deliveries
                 .iter()
                 .filter_map(|d| d.ordering_key().map(str::to_owned))
@@ -284,13 +306,23 @@ impl<DB: InboxDatabase> Running<DB> {
         let task = self.tasks.spawn(async move {
             // A task without a kept slot uses a connection for itself only.
             let mut slot = kept.unwrap_or_default();
-            let report = process(&dispatcher, &mut slot, deliveries, requeue_delay).await;
+            process(&dispatcher, &mut slot, deliveries, requeue_delay, &progress).await;
             Done {
-                report,
                 slot: keep.then_some(slot),
             }
         });
         self.meta.insert(task.id(), meta);
+    }
+
+    /// Adds what a finished, aborted or panicked task settled to `report`; the deliveries it
+    /// did not settle count as abandoned (dropped unsettled: the source delivers them again).
+    fn account(meta: &TaskMeta, report: &mut WorkerReport) {
+        let progress = meta
+            .progress
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        add(report, &progress.report);
+        report.abandoned += meta.deliveries.saturating_sub(progress.done) as u64;
     }
 
     /// Running tasks that took a kept slot.
@@ -323,13 +355,19 @@ impl<DB: InboxDatabase> Worker<DB> {
     /// ([`Dispatcher::dispatch_batch_on`]: one multi-row claim, the handlers, one commit), each
     /// delivery settled after that commit by its own outcome, as [`settlement_for`] says. A batch
     /// starts when `size` deliveries are ready, `max_wait` after its first one arrived, or as
-    /// soon as no more can be fetched (concurrency reached, source exhausted). Deliveries of one
+    /// soon as no more can be fetched (concurrency reached, shutdown, source failed). Deliveries of one
     /// ordering key are never in the same batch (the next waits for the batch to end).
     ///
     /// [`concurrency`](Self::concurrency) still counts deliveries: give it at least `size`
     /// (twice `size` lets the next batch gather while one runs). `size` below 2 turns batching
     /// off (the default: one delivery per transaction). Batches hold their effects' row locks
     /// until their one commit: partition the stream by what the effects lock.
+    ///
+    /// `max_wait` is latency every delivery of a batch that does not fill may pay: keep it to
+    /// milliseconds. A batch that cannot fill — the source has nothing more for now, or the
+    /// deliveries still to come share ordering keys with it — starts when `max_wait` is up.
+    /// A handler that panics rolls its batch back; the batch's deliveries then run one by one
+    /// (the panicking one is dropped unsettled, for the source to deliver again).
     pub fn batch(mut self, size: usize, max_wait: Duration) -> Self {
         self.batch = (size >= 2).then_some((size, max_wait));
         self
@@ -446,7 +484,7 @@ impl<DB: InboxDatabase> Worker<DB> {
             let batch_at = running
                 .batch_since
                 .zip(self.batch)
-                .map(|(since, (_, max_wait))| since + max_wait);
+                .map(|(since, (_, max_wait))| later(since, max_wait));
             // The next time a kept slot's connection has been unused for `SLOT_IDLE`.
             let release_at = running
                 .slots
@@ -454,17 +492,17 @@ impl<DB: InboxDatabase> Worker<DB> {
                 .filter_map(ConnectionSlot::idle_for)
                 .map(|idle| SLOT_IDLE.saturating_sub(idle))
                 .min()
-                .map(|wait| Instant::now() + wait);
+                .map(|wait| later(Instant::now(), wait));
             let can_fetch = stop.is_none() && in_flight < self.concurrency;
             let idle_at = match (self.idle, stop, in_flight) {
-                (Some(idle), None, 0) => last_activity + idle,
+                (Some(idle), None, 0) => later(last_activity, idle),
                 _ => last_activity + far,
             };
             tokio::select! {
                 biased;
                 () = shutdown.cancelled(), if stop.is_none() => {
                     stop = Some(StopReason::Shutdown);
-                    drain_deadline = Some(Instant::now() + self.drain_timeout);
+                    drain_deadline = Some(later(Instant::now(), self.drain_timeout));
                     // Deliveries that have not started: hand them back now.
                     running.batch_since = None;
                     let gathered = std::mem::take(&mut running.batch);
@@ -486,15 +524,16 @@ impl<DB: InboxDatabase> Worker<DB> {
                 () = tokio::time::sleep_until(drain_deadline.unwrap_or(last_activity + far)),
                     if drain_deadline.is_some() =>
                 {
-                    let unsettled: usize = running.meta.values().map(|meta| meta.deliveries).sum();
                     tracing::warn!(
                         source = source.name(),
-                        running = unsettled,
+                        running = running.tasks.len(),
                         "drain timeout: abandoning running deliveries unsettled"
                     );
                     running.tasks.abort_all();
                     while running.tasks.join_next().await.is_some() {}
-                    report.abandoned += unsettled as u64;
+                    for meta in running.meta.values() {
+                        Running::<DB>::account(meta, &mut report);
+                    }
                     break;
                 }
                 Some(joined) = running.tasks.join_next_with_id(), if !running.tasks.is_empty() => {
@@ -505,9 +544,9 @@ impl<DB: InboxDatabase> Worker<DB> {
                     };
                     let meta = running.meta.remove(&id).expect("every task has its meta");
                     in_flight -= meta.deliveries;
+                    Running::<DB>::account(&meta, &mut report);
                     match joined {
                         Ok((_, done)) => {
-                            add(&mut report, &done.report);
                             if let Some(mut slot) = done.slot {
                                 // Another task without a kept slot may be waiting for a
                                 // connection: give this one back.
@@ -518,13 +557,12 @@ impl<DB: InboxDatabase> Worker<DB> {
                             }
                         }
                         Err(error) => {
-                            // A panicking handler: its deliveries were dropped unsettled (and
-                            // the task's slot with them).
+                            // The task panicked outside a handler (handlers' panics are caught):
+                            // its unsettled deliveries were dropped (and its slot with them).
                             if meta.kept {
                                 running.slots.push(ConnectionSlot::new());
                             }
-                            report.abandoned += meta.deliveries as u64;
-                            tracing::error!(%error, "delivery task failed; deliveries abandoned");
+                            tracing::error!(%error, "delivery task failed; unsettled deliveries abandoned");
                         }
                     }
                     for key in meta.keys {
@@ -638,33 +676,69 @@ fn add(total: &mut WorkerReport, one: &WorkerReport) {
     total.settle_errors += one.settle_errors;
 }
 
-/// One delivery (its own transaction) or a batch (one transaction): dispatch, then settle each.
+/// One delivery (its own transaction) or a batch (one transaction): dispatch, then settle each,
+/// recording each settled delivery in `progress`.
+///
+/// A handler that panics is caught here: in a batch, the batch transaction is rolled back and
+/// its deliveries run one by one (so that one poison message does not hold back the others);
+/// a delivery whose own handler panics is dropped unsettled (abandoned: the source delivers it
+/// again), and the others go on.
 async fn process<DB: InboxDatabase>(
     dispatcher: &Dispatcher<DB>,
     slot: &mut ConnectionSlot<DB>,
-    mut deliveries: Vec<Delivery>,
+    deliveries: Vec<Delivery>,
     requeue_delay: Duration,
-) -> WorkerReport {
-    let mut report = WorkerReport::default();
-    if deliveries.len() == 1 {
-        let delivery = deliveries.pop().expect("one");
-        let result = dispatcher.dispatch_on(slot, delivery.envelope()).await;
-        add(
-            &mut report,
-            &settle(dispatcher, slot, delivery, result, requeue_delay).await,
-        );
-        return report;
+    progress: &SharedProgress,
+) {
+    let record = |one: &WorkerReport| {
+        let mut progress = progress
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        add(&mut progress.report, one);
+        progress.done += 1;
+    };
+    if deliveries.len() > 1 {
+        let envelopes: Vec<crate::Envelope> =
+            deliveries.iter().map(|d| d.envelope().clone()).collect();
+        let dispatched = AssertUnwindSafe(dispatcher.dispatch_batch_on(slot, &envelopes))
+            .catch_unwind()
+            .await;
+        drop(envelopes);
+        match dispatched {
+            Ok(results) => {
+                for (delivery, result) in deliveries.into_iter().zip(results) {
+                    record(&settle(dispatcher, slot, delivery, result, requeue_delay).await);
+                }
+                return;
+            }
+            Err(_) => tracing::error!(
+                size = deliveries.len(),
+                "a handler panicked in a batch (rolled back); running its deliveries one by one"
+            ),
+        }
     }
-    let envelopes: Vec<crate::Envelope> = deliveries.iter().map(|d| d.envelope().clone()).collect();
-    let results = dispatcher.dispatch_batch_on(slot, &envelopes).await;
-    drop(envelopes);
-    for (delivery, result) in deliveries.into_iter().zip(results) {
-        add(
-            &mut report,
-            &settle(dispatcher, slot, delivery, result, requeue_delay).await,
-        );
+    for delivery in deliveries {
+        let dispatched = AssertUnwindSafe(dispatcher.dispatch_on(slot, delivery.envelope()))
+            .catch_unwind()
+            .await;
+        match dispatched {
+            Ok(result) => {
+                record(&settle(dispatcher, slot, delivery, result, requeue_delay).await);
+            }
+            Err(_) => {
+                tracing::error!(
+                    message_name = delivery.envelope().message_name.as_str(),
+                    "a handler panicked; delivery abandoned unsettled (the source delivers it again)"
+                );
+                drop(delivery);
+                let mut progress = progress
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                progress.report.abandoned += 1;
+                progress.done += 1;
+            }
+        }
     }
-    report
 }
 
 /// Settles one delivery by the dispatcher's `result` for it: decide, log, settle.
