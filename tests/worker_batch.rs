@@ -1094,3 +1094,37 @@ async fn file_source_batches_shutdown_and_resume() {
         }
     }
 }
+
+/// Shutdown after the source failed: the running delivery gets the drain timeout like any other
+/// (the first version ignored a shutdown once the source had ended, and waited for it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_after_the_source_failed_still_drains_with_its_timeout() {
+    let pool = pool(4).await;
+    let inner = MemorySource::new("mem");
+    let handle = inner.handle();
+    handle.push(pay_sleep("late-a", 1, "", 20_000));
+    let token = CancellationToken::new();
+    let cancel = token.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        cancel.cancel();
+    });
+    let worker = Worker::new(dispatcher(&pool))
+        .concurrency(4)
+        .drain_timeout(Duration::from_millis(300));
+    let error = tokio::time::timeout(
+        Duration::from_secs(10),
+        worker.run(FailingAfter { inner, left: 1 }, token),
+    )
+    .await
+    .expect("the shutdown's drain timeout ends the run")
+    .unwrap_err();
+    assert_eq!(error.report.stop, StopReason::SourceFailed);
+    assert_eq!(
+        (error.report.acked, error.report.abandoned),
+        (0, 1),
+        "{:?}",
+        error.report
+    );
+    assert_eq!(effects(&pool).await.len(), 0);
+}

@@ -500,8 +500,10 @@ impl<DB: InboxDatabase> Worker<DB> {
             };
             tokio::select! {
                 biased;
-                () = shutdown.cancelled(), if stop.is_none() => {
-                    stop = Some(StopReason::Shutdown);
+                // Also after the source ended (exhausted, failed): running deliveries then get
+                // the drain timeout too.
+                () = shutdown.cancelled(), if drain_deadline.is_none() => {
+                    stop.get_or_insert(StopReason::Shutdown);
                     drain_deadline = Some(later(Instant::now(), self.drain_timeout));
                     // Deliveries that have not started: hand them back now.
                     running.batch_since = None;
@@ -568,7 +570,7 @@ impl<DB: InboxDatabase> Worker<DB> {
                     for key in meta.keys {
                         let next = waiting.get_mut(&key).and_then(VecDeque::pop_front);
                         match next {
-                            Some(delivery) if stop != Some(StopReason::Shutdown) => {
+                            Some(delivery) if drain_deadline.is_none() => {
                                 running.start(self, delivery);
                             }
                             Some(delivery) => {
