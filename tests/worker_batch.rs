@@ -883,7 +883,10 @@ async fn sqlite_batches_match_one_at_a_time() {
                 handle.push(lite(&id, mode));
             }
         }
-        handle.push(lite(&format!("sl-{tag}-1"), "frozen")); // conflict
+        // A conflict: the same key as message 0, another payload. Both share message 0's
+        // ordering key, so that the original is applied first in both runs (unordered, two
+        // payloads of one key race under concurrency, and either may win).
+        handle.push_keyed(lite(&format!("sl-{tag}-0"), "frozen"), "k0");
         handle.push(unknown());
         handle.close();
         let dispatcher = Dispatcher::from_registry(pool.clone())
