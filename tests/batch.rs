@@ -140,6 +140,31 @@ macro_rules! batch_tests {
                 assert_eq!(effects, [("counted:a".to_owned(), 5, 5), ("counted:b".to_owned(), 4, 4)]);
             }
 
+            /// A stored fingerprint that is not a SHA-256 digest (a damaged row) is a clear
+            /// database error on both paths, and it holds back nothing else of the batch.
+            #[tokio::test]
+            async fn a_damaged_stored_fingerprint_is_an_error_on_both_paths() {
+                let (pool, _guard) = $pool;
+                let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+                dispatcher.dispatch(&transfer("d1", "a", 1)).await.unwrap();
+                sqlx::query("UPDATE inbox_messages SET payload_hash = 'damaged' WHERE message_key = 'd1'")
+                    .execute(&pool)
+                    .await
+                    .unwrap();
+                let single = dispatcher.dispatch(&transfer("d1", "a", 1)).await.unwrap();
+                let Err(inbox_runtime::Error::Database(error)) = &single[0].result else {
+                    panic!("{:?}", single[0].result)
+                };
+                assert_eq!(error.operation, "claim");
+                assert!(error.to_string().contains("\"damaged\" is not a SHA-256 hex digest"), "{error}");
+                let batch = kinds(dispatcher.dispatch_batch(&[transfer("d1", "a", 1), transfer("d2", "a", 2)]).await);
+                assert_eq!(batch, vec![Ok(vec!["database"]), Ok(vec!["processed"])]);
+                assert_eq!(
+                    balances(&pool).await.into_iter().filter(|(k, ..)| k == "a").collect::<Vec<_>>(),
+                    [("a".to_owned(), 2, 3)]
+                );
+            }
+
             type Kinds = Vec<Result<Vec<&'static str>, String>>;
 
             fn kinds(results: Vec<Result<Vec<inbox_runtime::ConsumerOutcome>, inbox_runtime::DispatchError>>) -> Kinds {

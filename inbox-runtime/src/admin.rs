@@ -269,3 +269,24 @@ pub(crate) fn format_duration(duration: Duration) -> String {
     }
     format!("{millis}ms")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::format_duration;
+    use std::time::Duration;
+
+    #[test]
+    fn durations_in_operators_units() {
+        let cases = [
+            (Duration::from_secs(7 * 86_400), "7d"),
+            (Duration::from_secs(36 * 3600), "36h"),
+            (Duration::from_secs(90 * 60), "90m"),
+            (Duration::from_secs(45), "45s"),
+            (Duration::from_millis(1500), "1500ms"),
+            (Duration::ZERO, "0ms"),
+        ];
+        for (duration, text) in cases {
+            assert_eq!(format_duration(duration), text);
+        }
+    }
+}

@@ -1,6 +1,7 @@
 //! Batch claims: one transaction claims and processes a batch of deliveries.
 
-use std::collections::{HashMap, HashSet};
+use std::borrow::Borrow;
+use std::collections::HashSet;
 
 use sqlx::Connection as _;
 
@@ -71,13 +72,16 @@ where
 
     /// [`dispatch_batch`](Self::dispatch_batch) on the connection held by `slot` (see
     /// [`ConnectionSlot`]): the same results, without the pool's round trips per batch.
-    pub async fn dispatch_batch_on(
+    ///
+    /// `envelopes` may be envelopes or references to them (`&[&Envelope]`, so that a consumer
+    /// holding its deliveries need not copy their payloads).
+    pub async fn dispatch_batch_on<E: Borrow<crate::Envelope>>(
         &self,
         slot: &mut ConnectionSlot<DB>,
-        envelopes: &[crate::Envelope],
+        envelopes: &[E],
     ) -> Vec<Result<Vec<ConsumerOutcome>, DispatchError>> {
         let prepared: Vec<Result<Prepared<'_>, DispatchError>> =
-            envelopes.iter().map(|e| self.prepare(e)).collect();
+            envelopes.iter().map(|e| self.prepare(e.borrow())).collect();
         // (envelope, item) pairs that the batch transaction takes.
         let mut batch: Vec<(usize, usize)> = Vec::new();
         let mut seen = HashSet::new();
@@ -272,33 +276,40 @@ where
             .filter(|(_, claimed)| claimed.is_none())
             .map(|(r, _)| (r.consumer, r.message_key))
             .collect();
-        let existing: HashMap<(String, String), ClaimResult> =
-            DB::Connection::in_transaction(&mut tx)
-                .existing_batch(&taken)
-                .await?
-                .into_iter()
-                .map(|(consumer, key, found)| ((consumer, key), found))
-                .collect();
+        // The stored rows of the keys not claimed, by their request's position.
+        let mut existing: Vec<Option<ClaimResult>> = requests.iter().map(|_| None).collect();
+        let index = crate::store::request_index(&requests);
+        for (consumer, key, found) in DB::Connection::in_transaction(&mut tx)
+            .existing_batch(&taken)
+            .await?
+        {
+            if let Some(&at) = index.get(&(consumer.as_str(), key.as_str())) {
+                existing[at] = Some(found);
+            }
+        }
 
         let mut slots = Vec::with_capacity(batch.len());
-        for ((at, request), claimed) in batch.iter().zip(&requests).zip(&claimed) {
+        for (((at, request), claimed), found) in
+            batch.iter().zip(&requests).zip(&claimed).zip(&existing)
+        {
             let (p, it) = item(at);
             let (_, msg, fingerprint) = &p.decoded[it.message];
             let Some(attempts) = *claimed else {
-                let found =
-                    existing.get(&(request.consumer.to_owned(), request.message_key.to_owned()));
-                slots.push(match found {
-                    Some(ClaimResult::Existing {
-                        status,
-                        payload_hash,
-                        ..
-                    }) => {
-                        if payload_hash != request.payload_hash {
+                let stored = match found {
+                    Some(ClaimResult::Existing { payload_hash, .. }) => {
+                        Fingerprint::from_hex(payload_hash)
+                    }
+                    _ => None,
+                };
+                // A stored fingerprint that does not parse is reported by the single path.
+                slots.push(match (found, stored) {
+                    (Some(ClaimResult::Existing { status, .. }), Some(stored)) => {
+                        if stored != *fingerprint {
                             let conflict = Conflict {
                                 consumer: it.handler.consumer(),
                                 message_name: it.handler.message_name(),
                                 key: it.key.clone(),
-                                stored: Fingerprint::from_hex(payload_hash).unwrap_or(*fingerprint),
+                                stored,
                                 received: *fingerprint,
                             };
                             let detail = conflict.to_string();

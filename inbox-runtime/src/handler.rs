@@ -367,15 +367,15 @@ fn settle_existing<H: Handler>(
     stored_hash: &str,
     delivery: &Delivery<'_>,
 ) -> Result<Outcome<H::Output>, Error<H::Error>> {
-    if stored_hash != delivery.fingerprint.to_hex() {
-        let stored = Fingerprint::from_hex(stored_hash).ok_or_else(|| StoreError {
-            consumer: H::CONSUMER,
-            key: delivery.key.clone(),
-            operation: "claim",
-            source: sqlx::Error::Decode(
-                format!("stored payload_hash {stored_hash:?} is not a SHA-256 hex digest").into(),
-            ),
-        })?;
+    let stored = Fingerprint::from_hex(stored_hash).ok_or_else(|| StoreError {
+        consumer: H::CONSUMER,
+        key: delivery.key.clone(),
+        operation: "claim",
+        source: sqlx::Error::Decode(
+            format!("stored payload_hash {stored_hash:?} is not a SHA-256 hex digest").into(),
+        ),
+    })?;
+    if stored != *delivery.fingerprint {
         return Err(Error::Conflict(Conflict {
             consumer: H::CONSUMER,
             message_name: <H::Message as Message>::NAME,

@@ -700,8 +700,7 @@ async fn process<DB: InboxDatabase>(
         progress.done += 1;
     };
     if deliveries.len() > 1 {
-        let envelopes: Vec<crate::Envelope> =
-            deliveries.iter().map(|d| d.envelope().clone()).collect();
+        let envelopes: Vec<&crate::Envelope> = deliveries.iter().map(Delivery::envelope).collect();
         let dispatched = AssertUnwindSafe(dispatcher.dispatch_batch_on(slot, &envelopes))
             .catch_unwind()
             .await;

@@ -55,6 +55,17 @@ mod sealed {
     impl Sealed for sqlx::Sqlite {}
 }
 
+/// Where each `(consumer, key)` of a batch's requests is (keys are unique within a batch).
+pub(crate) fn request_index<'a>(
+    requests: &'a [ClaimRequest<'a>],
+) -> std::collections::HashMap<(&'a str, &'a str), usize> {
+    requests
+        .iter()
+        .enumerate()
+        .map(|(index, r)| ((r.consumer, r.message_key), index))
+        .collect()
+}
+
 /// A stored row found by the batch claim: `(consumer, key, Existing { .. })`.
 #[doc(hidden)]
 pub(crate) type ExistingRow = (String, String, ClaimResult);

@@ -723,12 +723,10 @@ macro_rules! impl_inbox_connection {
                     ));
                     let rows: Vec<(String, String, i32)> =
                         query.build_query_as().fetch_all(&mut *self).await?;
+                    let index = $crate::store::request_index(requests);
                     for (consumer, key, attempts) in rows {
-                        if let Some(index) = requests
-                            .iter()
-                            .position(|r| r.consumer == consumer && r.message_key == key)
-                        {
-                            claimed[index] = Some(u32::try_from(attempts).unwrap_or(0));
+                        if let Some(&at) = index.get(&(consumer.as_str(), key.as_str())) {
+                            claimed[at] = Some(u32::try_from(attempts).unwrap_or(0));
                         }
                     }
                     Ok(claimed)
