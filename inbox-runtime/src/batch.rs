@@ -16,7 +16,7 @@ use crate::store::{
 use crate::{DispatchError, ErrorClass, Fingerprint};
 
 /// Where one consumer's result comes from.
-enum Slot {
+enum Settle {
     /// Settled by the batch transaction (after it committed).
     Done(Result<Outcome<()>, Error<BoxError>>),
     /// Run through the single path after the batch: ordered messages, keys repeated within the
@@ -85,19 +85,19 @@ where
         // (envelope, item) pairs that the batch transaction takes.
         let mut batch: Vec<(usize, usize)> = Vec::new();
         let mut seen = HashSet::new();
-        let mut slots: Vec<Vec<Slot>> = Vec::with_capacity(prepared.len());
+        let mut settles: Vec<Vec<Settle>> = Vec::with_capacity(prepared.len());
         for (e, p) in prepared.iter().enumerate() {
-            let mut env_slots = Vec::new();
+            let mut env_settles = Vec::new();
             if let Ok(p) = p {
                 for (i, item) in p.items.iter().enumerate() {
                     let unique = seen.insert((item.handler.consumer(), item.key.as_str()));
                     if unique && item.ordering.is_none() {
                         batch.push((e, i));
                     }
-                    env_slots.push(Slot::Single);
+                    env_settles.push(Settle::Single);
                 }
             }
-            slots.push(env_slots);
+            settles.push(env_settles);
         }
 
         // A fixed order of claims across concurrent batches keeps them from deadlocking.
@@ -133,7 +133,7 @@ where
             match run {
                 Ok(BatchRun::Done(results)) => {
                     for ((e, i), result) in batch.iter().zip(results) {
-                        slots[*e][*i] = result;
+                        settles[*e][*i] = result;
                     }
                 }
                 Ok(BatchRun::Isolate(_)) => {
@@ -149,7 +149,7 @@ where
         }
 
         let mut results = Vec::with_capacity(prepared.len());
-        for (p, env_slots) in prepared.into_iter().zip(slots) {
+        for (p, env_settles) in prepared.into_iter().zip(settles) {
             let p = match p {
                 Ok(p) => p,
                 Err(error) => {
@@ -158,9 +158,9 @@ where
                 }
             };
             let mut outcomes = Vec::with_capacity(p.items.len());
-            for (item, settled) in p.items.iter().zip(env_slots) {
+            for (item, settled) in p.items.iter().zip(env_settles) {
                 outcomes.push(match settled {
-                    Slot::Done(result) => {
+                    Settle::Done(result) => {
                         crate::handler::observe(item.handler.consumer(), &result);
                         ConsumerOutcome {
                             consumer: item.handler.consumer(),
@@ -168,7 +168,7 @@ where
                             result,
                         }
                     }
-                    Slot::Single => self.run_item(&mut slot, &p, item).await,
+                    Settle::Single => self.run_item(&mut slot, &p, item).await,
                 });
             }
             results.push(Ok(outcomes));
@@ -288,7 +288,7 @@ where
             }
         }
 
-        let mut slots = Vec::with_capacity(batch.len());
+        let mut settles = Vec::with_capacity(batch.len());
         for (((at, request), claimed), found) in
             batch.iter().zip(&requests).zip(&claimed).zip(&existing)
         {
@@ -302,7 +302,7 @@ where
                     _ => None,
                 };
                 // A stored fingerprint that does not parse is reported by the single path.
-                slots.push(match (found, stored) {
+                settles.push(match (found, stored) {
                     (Some(ClaimResult::Existing { status, .. }), Some(stored)) => {
                         if stored != *fingerprint {
                             let conflict = Conflict {
@@ -326,24 +326,24 @@ where
                             DB::Connection::in_transaction(&mut tx)
                                 .record_rejection(&rejection)
                                 .await?;
-                            Slot::Done(Err(Error::Conflict(conflict)))
+                            Settle::Done(Err(Error::Conflict(conflict)))
                         } else {
                             match status.as_str() {
-                                "processed" => Slot::Done(Ok(Outcome::Duplicate)),
-                                "dead" => Slot::Done(Ok(Outcome::Dead)),
-                                "discarded" => Slot::Done(Ok(Outcome::Discarded)),
-                                "stale" => Slot::Done(Ok(Outcome::Stale)),
-                                "parked" => Slot::Done(Ok(Outcome::Parked)),
-                                _ => Slot::Single,
+                                "processed" => Settle::Done(Ok(Outcome::Duplicate)),
+                                "dead" => Settle::Done(Ok(Outcome::Dead)),
+                                "discarded" => Settle::Done(Ok(Outcome::Discarded)),
+                                "stale" => Settle::Done(Ok(Outcome::Stale)),
+                                "parked" => Settle::Done(Ok(Outcome::Parked)),
+                                _ => Settle::Single,
                             }
                         }
                     }
-                    _ => Slot::Single,
+                    _ => Settle::Single,
                 });
                 continue;
             };
 
-            let index = slots.len();
+            let index = settles.len();
             if !isolate {
                 let body = it
                     .handler
@@ -353,7 +353,7 @@ where
                     tx.rollback().await?;
                     return Ok(BatchRun::Isolate(Some((index, failure))));
                 }
-                slots.push(Slot::Done(Ok(Outcome::Processed(()))));
+                settles.push(Settle::Done(Ok(Outcome::Processed(()))));
                 continue;
             }
 
@@ -378,7 +378,7 @@ where
                     // fails; the batch fails as a whole and every message of it takes the
                     // single path, which checks, records and reports it.
                     savepoint.commit().await?;
-                    slots.push(Slot::Done(Ok(Outcome::Processed(()))));
+                    settles.push(Settle::Done(Ok(Outcome::Processed(()))));
                 }
                 Err(failure) if failure.class == ErrorClass::Transient => {
                     // Retried in-process on the single path after the batch commits, as
@@ -387,7 +387,7 @@ where
                     DB::Connection::in_transaction(&mut tx)
                         .unclaim(it.handler.consumer(), it.key.as_str(), &p.envelope.payload)
                         .await?;
-                    slots.push(Slot::Single);
+                    settles.push(Settle::Single);
                 }
                 Err(failure) => {
                     savepoint.rollback().await?;
@@ -411,7 +411,7 @@ where
                         }
                         None => (Disposition::NotRecorded, attempts),
                     };
-                    slots.push(Slot::Done(Err(Error::Handler(HandlerFailure {
+                    settles.push(Settle::Done(Err(Error::Handler(HandlerFailure {
                         error: failure.error,
                         class: failure.class,
                         attempts,
@@ -439,7 +439,7 @@ where
             }
         }
         tx.commit().await?;
-        Ok(BatchRun::Done(slots))
+        Ok(BatchRun::Done(settles))
     }
 }
 
@@ -455,7 +455,7 @@ enum Isolation {
 /// What one run of the batch transaction came to.
 enum BatchRun {
     /// Committed; one result per batched message.
-    Done(Vec<Slot>),
+    Done(Vec<Settle>),
     /// The optimistic run was rolled back: a handler failed (returning this failure, at this
     /// batch index, or leaving the transaction aborted); run again with savepoints.
     Isolate(Option<(usize, BodyError)>),
