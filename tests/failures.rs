@@ -253,7 +253,7 @@ macro_rules! failure_tests {
                     dispositions.push((failure.attempts, failure.disposition.is_settled()));
                 }
                 assert_eq!(dispositions, [(1, false), (2, false), (3, true)]);
-                let dead = admin::list(&pool, Some("jobs"), &["dead"], 10)
+                let dead = admin::list(&pool, Some("jobs"), &[inbox_runtime::Status::Dead], 10)
                     .await
                     .unwrap();
                 assert_eq!(dead.len(), 1);

@@ -6,10 +6,12 @@ use std::time::Duration;
 
 use sqlx::Pool;
 
+use crate::status::Status;
 use crate::store::{InboxDatabase, StatsRow, StoredMessage};
 
-/// Per consumer and status: how many rows and the oldest `received_at`; rejected deliveries
-/// (conflicts, malformed, unknown, bad keys) per consumer as `rejected:<reason>`.
+/// Per consumer and status (every [`Status`] that has rows, `stale` included): how many rows
+/// and the oldest `received_at`; rejected deliveries (conflicts, malformed, unknown, bad keys)
+/// per consumer and reason ([`crate::StatsStatus::Rejected`]).
 ///
 /// # Errors
 /// The database's error.
@@ -18,25 +20,22 @@ pub async fn stats<DB: InboxDatabase>(pool: &Pool<DB>) -> Result<Vec<StatsRow>, 
     DB::any_connection(&mut conn).store().stats().await
 }
 
-/// Rows whose status is one of `statuses` (at most five; e.g. `["failed", "dead"]`), of one
-/// consumer or all, oldest first, at most `limit`.
+/// Rows whose status is one of `statuses` (any number, e.g. `&[Status::Failed, Status::Dead]`,
+/// or [`Status::ALL`]), of one consumer or all, oldest first (by `received_at`), at most `limit`.
+/// An empty `statuses` lists nothing.
 ///
 /// # Errors
 /// The database's error.
 pub async fn list<DB: InboxDatabase>(
     pool: &Pool<DB>,
     consumer: Option<&str>,
-    statuses: &[&str],
+    statuses: &[Status],
     limit: u32,
 ) -> Result<Vec<StoredMessage>, sqlx::Error> {
     let mut conn = pool.acquire().await?;
     DB::any_connection(&mut conn)
         .store()
-        .list_messages(
-            consumer,
-            &statuses[..statuses.len().min(5)],
-            i64::from(limit),
-        )
+        .list_messages(consumer, statuses, i64::from(limit))
         .await
 }
 
@@ -184,10 +183,16 @@ pub async fn purge<DB: InboxDatabase>(
 ) -> Result<PurgeReport, sqlx::Error> {
     // Settled rows; failed and dead ones only when asked. Parked ones never: they wait for
     // their gap (see `Dispatcher::sweep_parked`).
-    let statuses: &[&str] = if retention.include_failed_and_dead {
-        &["processed", "discarded", "stale", "failed", "dead"][..]
+    let statuses: &[Status] = if retention.include_failed_and_dead {
+        &[
+            Status::Processed,
+            Status::Discarded,
+            Status::Stale,
+            Status::Failed,
+            Status::Dead,
+        ][..]
     } else {
-        &["processed", "discarded", "stale"][..]
+        &[Status::Processed, Status::Discarded, Status::Stale][..]
     };
     let mut report = PurgeReport::default();
     let mut conn = pool.acquire().await?;

@@ -5,15 +5,17 @@ use std::collections::HashSet;
 
 use sqlx::Connection as _;
 
-use crate::error::{BoxError, Conflict, Disposition, Error, HandlerFailure};
+use crate::classify::{BoxError, ErrorClass};
+use crate::dispatcher::{ConsumerOutcome, Dispatcher, Prepared, PreparedItem};
+use crate::error::{Conflict, DispatchError, Error, HandlerFailure, HookError};
 use crate::outcome::Outcome;
-use crate::registry::{BodyError, ConsumerOutcome, Dispatcher, Prepared, PreparedItem};
+use crate::protocol::erased::BodyError;
+use crate::protocol::failure::{Attempt, Subject, conflict_rejection};
+use crate::protocol::hooks::ClaimInfo;
+use crate::protocol::{Decision, decide, verify};
 use crate::slot::ConnectionSlot;
-use crate::store::{
-    ClaimMode, ClaimRequest, ClaimResult, FailureRecord, InboxConnection, InboxDatabase, Rejection,
-    RejectionReason,
-};
-use crate::{DispatchError, ErrorClass, Fingerprint};
+use crate::status::ClaimMode;
+use crate::store::{ClaimRequest, ClaimResult, InboxConnection, InboxDatabase};
 
 /// Where one consumer's result comes from.
 enum Settle {
@@ -161,7 +163,7 @@ where
             for (item, settled) in p.items.iter().zip(env_settles) {
                 outcomes.push(match settled {
                     Settle::Done(result) => {
-                        crate::handler::observe(item.handler.consumer(), &result);
+                        crate::protocol::single::observe(item.handler.consumer(), &result);
                         ConsumerOutcome {
                             consumer: item.handler.consumer(),
                             function: item.handler.function(),
@@ -175,49 +177,6 @@ where
         }
         slot.done();
         results
-    }
-
-    /// Records a failed attempt of a key claimed in the batch transaction (`failed`, or `dead`
-    /// when permanent or out of attempts). Returns the stored status and attempts, and the delay
-    /// before the next attempt.
-    #[allow(clippy::too_many_arguments)]
-    async fn fail_in_batch(
-        &self,
-        tx: &mut sqlx::Transaction<'_, DB>,
-        p: &Prepared<'_>,
-        it: &PreparedItem,
-        request: &ClaimRequest<'_>,
-        attempts: u32,
-        class: ErrorClass,
-        text: &str,
-    ) -> Result<(Option<(String, u32)>, std::time::Duration), sqlx::Error> {
-        let max_attempts = it
-            .handler
-            .max_attempts()
-            .unwrap_or(self.policy.max_attempts)
-            .max(1);
-        let retry_delay = self.policy.retry_delay(attempts.max(1));
-        let last_error = self
-            .policy
-            .bounded_error(format!("{} error: {}", class.as_str(), text));
-        let record = FailureRecord {
-            consumer: it.handler.consumer(),
-            message_key: it.key.as_str(),
-            message_name: it.handler.message_name(),
-            payload_hash: request.payload_hash,
-            permanent: class == ErrorClass::Permanent,
-            max_attempts,
-            last_error: &last_error,
-            retry_delay_ms: i64::try_from(retry_delay.as_millis()).unwrap_or(i64::MAX),
-            payload: &p.envelope.payload,
-            source: p.envelope.source.as_ref(),
-            aggregate_id: None,
-            sequence: None,
-        };
-        let recorded = DB::Connection::in_transaction(tx)
-            .fail_claimed(&record)
-            .await?;
-        Ok((recorded, retry_delay))
     }
 
     /// The batch transaction, optimistic (handlers run directly in it) or with a savepoint per
@@ -264,6 +223,30 @@ where
                 }
             })
             .collect();
+        // The batch's `n`th message, at `at`, as a failure or conflict records it.
+        let subject = |n: usize, at: &(usize, usize)| -> Subject<'_> {
+            let (p, it) = item(at);
+            Subject {
+                consumer: it.handler.consumer(),
+                key: it.key.as_str(),
+                message_name: it.handler.message_name(),
+                payload_hash: &hashes[n],
+                payload: &p.envelope.payload,
+                source: p.envelope.source.as_ref(),
+                ordering: None,
+            }
+        };
+        let info = |at: &(usize, usize)| -> ClaimInfo<'_> {
+            let (p, it) = item(at);
+            ClaimInfo {
+                consumer: it.handler.consumer(),
+                key: it.key.as_str(),
+                message_name: it.handler.message_name(),
+                payload: Some(&p.envelope.payload),
+                source: p.envelope.source.as_ref(),
+            }
+        };
+        let hooks = self.hook_runner();
 
         let conn = slot.get(&self.pool).await?;
         let mut tx = conn.begin_inbox().await?;
@@ -289,56 +272,40 @@ where
         }
 
         let mut settles = Vec::with_capacity(batch.len());
-        for (((at, request), claimed), found) in
-            batch.iter().zip(&requests).zip(&claimed).zip(&existing)
-        {
+        // The batch positions whose handler ran and committed, for the after-commit hooks.
+        let mut processed = Vec::new();
+        for (n, ((at, claimed), found)) in batch.iter().zip(&claimed).zip(&existing).enumerate() {
             let (p, it) = item(at);
             let (_, msg, fingerprint) = &p.decoded[it.message];
             let Some(attempts) = *claimed else {
-                let stored = match found {
-                    Some(ClaimResult::Existing { payload_hash, .. }) => {
-                        Fingerprint::from_hex(payload_hash)
-                    }
+                let decision = match found {
+                    Some(ClaimResult::Existing {
+                        status,
+                        payload_hash,
+                        ..
+                    }) => decide(*status, payload_hash, fingerprint, ClaimMode::Deliver).ok(),
                     _ => None,
                 };
-                // A stored fingerprint that does not parse is reported by the single path.
-                settles.push(match (found, stored) {
-                    (Some(ClaimResult::Existing { status, .. }), Some(stored)) => {
-                        if stored != *fingerprint {
-                            let conflict = Conflict {
-                                consumer: it.handler.consumer(),
-                                message_name: it.handler.message_name(),
-                                key: it.key.clone(),
-                                stored,
-                                received: *fingerprint,
-                            };
-                            let detail = conflict.to_string();
-                            let rejection = Rejection {
-                                consumer: Some(it.handler.consumer()),
-                                message_key: Some(it.key.as_str()),
-                                message_name: it.handler.message_name(),
-                                reason: RejectionReason::Conflict,
-                                detail: &detail,
-                                payload_hash: Some(request.payload_hash),
-                                payload: &p.envelope.payload,
-                                source: p.envelope.source.as_ref(),
-                            };
-                            DB::Connection::in_transaction(&mut tx)
-                                .record_rejection(&rejection)
-                                .await?;
-                            Settle::Done(Err(Error::Conflict(conflict)))
-                        } else {
-                            match status.as_str() {
-                                "processed" => Settle::Done(Ok(Outcome::Duplicate)),
-                                "dead" => Settle::Done(Ok(Outcome::Dead)),
-                                "discarded" => Settle::Done(Ok(Outcome::Discarded)),
-                                "stale" => Settle::Done(Ok(Outcome::Stale)),
-                                "parked" => Settle::Done(Ok(Outcome::Parked)),
-                                _ => Settle::Single,
-                            }
-                        }
+                // A key freed or taken over since, or a stored fingerprint that does not parse
+                // (reported by the single path), takes the single path.
+                settles.push(match decision {
+                    Some(Decision::Settled(outcome)) => Settle::Done(Ok(outcome)),
+                    Some(Decision::Conflict { stored }) => {
+                        let conflict = Conflict {
+                            consumer: it.handler.consumer().to_owned(),
+                            message_name: it.handler.message_name().to_owned(),
+                            key: it.key.clone(),
+                            stored,
+                            received: *fingerprint,
+                        };
+                        let detail = conflict.to_string();
+                        let subject = subject(n, at);
+                        DB::Connection::in_transaction(&mut tx)
+                            .record_rejection(&conflict_rejection(&subject, &detail))
+                            .await?;
+                        Settle::Done(Err(Error::Conflict(conflict)))
                     }
-                    _ => Settle::Single,
+                    Some(Decision::Claimable) | None => Settle::Single,
                 });
                 continue;
             };
@@ -353,7 +320,19 @@ where
                     tx.rollback().await?;
                     return Ok(BatchRun::Isolate(Some((index, failure))));
                 }
+                if let Some(hooks) = hooks {
+                    let info = info(at);
+                    let hooked = hooks
+                        .before_commit(DB::Connection::in_transaction(&mut tx).as_any(), &info)
+                        .await;
+                    if hooked.is_err() {
+                        // The isolated run finds it again and records it.
+                        tx.rollback().await?;
+                        return Ok(BatchRun::Isolate(None));
+                    }
+                }
                 settles.push(Settle::Done(Ok(Outcome::Processed(()))));
+                processed.push(at);
                 continue;
             }
 
@@ -371,16 +350,53 @@ where
                         .await
                 }
             };
-            match body {
-                Ok(()) => {
+            let hooked = match (&body, hooks) {
+                (Ok(()), Some(hooks)) => {
+                    let info = info(at);
+                    hooks
+                        .before_commit(
+                            DB::Connection::in_transaction(&mut savepoint).as_any(),
+                            &info,
+                        )
+                        .await
+                }
+                _ => Ok(()),
+            };
+            match (body, hooked) {
+                (Ok(()), Ok(())) => {
                     // No separate check here, unlike the single path: a body that swallowed a
                     // database error left the transaction aborted, and RELEASE SAVEPOINT then
                     // fails; the batch fails as a whole and every message of it takes the
                     // single path, which checks, records and reports it.
                     savepoint.commit().await?;
                     settles.push(Settle::Done(Ok(Outcome::Processed(()))));
+                    processed.push(at);
                 }
-                Err(failure) if failure.class == ErrorClass::Transient => {
+                (Ok(()), Err(source)) => {
+                    savepoint.rollback().await?;
+                    let text = format!("before-commit hook failed: {source}");
+                    let max_attempts = it.handler.max_attempts();
+                    let (disposition, _) = Attempt::new(
+                        &self.policy,
+                        max_attempts,
+                        ErrorClass::Retryable,
+                        &text,
+                        attempts,
+                    )
+                    .record_in_transaction(
+                        DB::Connection::in_transaction(&mut tx),
+                        &subject(n, at),
+                        attempts,
+                    )
+                    .await?;
+                    settles.push(Settle::Done(Err(Error::Hook(HookError {
+                        consumer: it.handler.consumer().to_owned(),
+                        key: it.key.clone(),
+                        disposition,
+                        source,
+                    }))));
+                }
+                (Err(failure), _) if failure.class == ErrorClass::Transient => {
                     // Retried in-process on the single path after the batch commits, as
                     // `dispatch` would: the claim is given back, no attempt is counted.
                     savepoint.rollback().await?;
@@ -389,28 +405,22 @@ where
                         .await?;
                     settles.push(Settle::Single);
                 }
-                Err(failure) => {
+                (Err(failure), _) => {
                     savepoint.rollback().await?;
-                    let (recorded, retry_delay) = self
-                        .fail_in_batch(
-                            &mut tx,
-                            p,
-                            it,
-                            request,
-                            attempts,
-                            failure.class,
-                            &failure.text,
-                        )
-                        .await?;
-                    let (disposition, attempts) = match recorded {
-                        Some((status, attempts)) if status == "dead" => {
-                            (Disposition::Dead, attempts)
-                        }
-                        Some((_, attempts)) => {
-                            (Disposition::Retry { after: retry_delay }, attempts)
-                        }
-                        None => (Disposition::NotRecorded, attempts),
-                    };
+                    let max_attempts = it.handler.max_attempts();
+                    let (disposition, attempts) = Attempt::new(
+                        &self.policy,
+                        max_attempts,
+                        failure.class,
+                        &failure.text,
+                        attempts,
+                    )
+                    .record_in_transaction(
+                        DB::Connection::in_transaction(&mut tx),
+                        &subject(n, at),
+                        attempts,
+                    )
+                    .await?;
                     settles.push(Settle::Done(Err(Error::Handler(HandlerFailure {
                         error: failure.error,
                         class: failure.class,
@@ -429,9 +439,12 @@ where
                 .zip(&claimed)
                 .find_map(|(at, attempts)| attempts.map(|_| item(at).1));
             if let Some(it) = first_claimed {
-                let verified = DB::Connection::in_transaction(&mut tx)
-                    .verify_claim(it.handler.consumer(), it.key.as_str())
-                    .await;
+                let verified = verify(
+                    DB::Connection::in_transaction(&mut tx),
+                    it.handler.consumer(),
+                    it.key.as_str(),
+                )
+                .await;
                 if verified.is_err() {
                     let _ = tx.rollback().await;
                     return Ok(BatchRun::Isolate(None));
@@ -439,6 +452,11 @@ where
             }
         }
         tx.commit().await?;
+        if let Some(hooks) = hooks {
+            for at in processed {
+                hooks.after_commit(&info(at));
+            }
+        }
         Ok(BatchRun::Done(settles))
     }
 }

@@ -3,7 +3,8 @@
 use std::error::Error as StdError;
 use std::fmt;
 
-use crate::error::BoxError;
+/// A boxed error, as the dispatcher carries handler errors of any type.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// How a failure is handled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -48,10 +48,13 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sqlx::Pool;
 
 use crate::admin::{self, Retention, RetentionError};
+use crate::dispatcher::{ConsumerOutcome, Dispatcher};
+use crate::error::ReplayError;
 use crate::error::{Error, RegistryError};
 use crate::outcome::Outcome;
-use crate::registry::{ConsumerOutcome, Dispatcher, ReplayError};
+use crate::status::Status;
 use crate::store::{InboxDatabase, StatsRow, StoredMessage};
+use crate::store::{RejectionReason, StatsStatus};
 
 /// A parser for the admin commands alone, as [`run`] uses it: the first argument is the program
 /// name (clap's convention), the rest is an [`AdminCommand`].
@@ -106,11 +109,11 @@ pub enum DeadStatus {
 }
 
 impl DeadStatus {
-    fn statuses(status: Option<DeadStatus>) -> &'static [&'static str] {
+    fn statuses(status: Option<DeadStatus>) -> &'static [Status] {
         match status {
-            None => &["failed", "dead"],
-            Some(DeadStatus::Failed) => &["failed"],
-            Some(DeadStatus::Dead) => &["dead"],
+            None => &[Status::Failed, Status::Dead],
+            Some(DeadStatus::Failed) => &[Status::Failed],
+            Some(DeadStatus::Dead) => &[Status::Dead],
         }
     }
 }
@@ -580,22 +583,31 @@ fn short_time(text: &str) -> String {
 }
 
 fn write_stats(out: &mut dyn Write, rows: &[StatsRow]) -> io::Result<()> {
-    const STATUSES: [&str; 5] = ["processed", "failed", "dead", "parked", "discarded"];
+    // Every status, in the table's column order.
+    const STATUSES: [Status; 6] = [
+        Status::Processed,
+        Status::Failed,
+        Status::Dead,
+        Status::Parked,
+        Status::Stale,
+        Status::Discarded,
+    ];
     let mut consumers: Vec<&str> = rows
         .iter()
-        .filter(|row| !row.status.starts_with("rejected:"))
+        .filter(|row| matches!(row.status, StatsStatus::Message(_)))
         .filter_map(|row| row.consumer.as_deref())
         .collect();
     consumers.sort_unstable();
     consumers.dedup();
-    let find = |consumer: Option<&str>, status: &str| {
+    let find = |consumer: Option<&str>, status: StatsStatus| {
         rows.iter()
             .find(|row| row.consumer.as_deref() == consumer && row.status == status)
     };
-    let count =
-        |consumer: &str, status: &str| find(Some(consumer), status).map_or(0, |row| row.count);
-    let oldest = |consumer: &str, status: &str| {
-        find(Some(consumer), status)
+    let count = |consumer: &str, status: StatsStatus| {
+        find(Some(consumer), status).map_or(0, |row| row.count)
+    };
+    let oldest = |consumer: &str, status: Status| {
+        find(Some(consumer), StatsStatus::Message(status))
             .and_then(|row| row.oldest.as_deref())
             .map_or_else(|| "-".to_owned(), short_time)
     };
@@ -606,25 +618,27 @@ fn write_stats(out: &mut dyn Write, rows: &[StatsRow]) -> io::Result<()> {
         ("FAILED", true),
         ("DEAD", true),
         ("PARKED", true),
+        ("STALE", true),
         ("DISCARDED", true),
         ("CONFLICTS SEEN", true),
         ("OLDEST FAILED", false),
         ("OLDEST DEAD", false),
     ]);
-    let mut total = [0_i64; 6];
+    let columns: Vec<StatsStatus> = STATUSES
+        .into_iter()
+        .map(StatsStatus::Message)
+        .chain([StatsStatus::Rejected(RejectionReason::Conflict)])
+        .collect();
+    let mut total = vec![0_i64; columns.len()];
     for consumer in &consumers {
         let mut cells = vec![(*consumer).to_owned()];
-        for (index, status) in STATUSES
-            .iter()
-            .chain(["rejected:conflict"].iter())
-            .enumerate()
-        {
-            let n = count(consumer, status);
+        for (index, status) in columns.iter().enumerate() {
+            let n = count(consumer, *status);
             total[index] += n;
             cells.push(n.to_string());
         }
-        cells.push(oldest(consumer, "failed"));
-        cells.push(oldest(consumer, "dead"));
+        cells.push(oldest(consumer, Status::Failed));
+        cells.push(oldest(consumer, Status::Dead));
         inbox.row(cells);
     }
     if consumers.is_empty() {
@@ -638,9 +652,12 @@ fn write_stats(out: &mut dyn Write, rows: &[StatsRow]) -> io::Result<()> {
         inbox.write(out)?;
     }
 
-    let rejected: Vec<&StatsRow> = rows
+    let rejected: Vec<(&StatsRow, RejectionReason)> = rows
         .iter()
-        .filter(|row| row.status.starts_with("rejected:"))
+        .filter_map(|row| match row.status {
+            StatsStatus::Rejected(reason) => Some((row, reason)),
+            StatsStatus::Message(_) => None,
+        })
         .collect();
     if !rejected.is_empty() {
         writeln!(out)?;
@@ -651,16 +668,14 @@ fn write_stats(out: &mut dyn Write, rows: &[StatsRow]) -> io::Result<()> {
             ("COUNT", true),
             ("OLDEST", false),
         ]);
-        for row in rejected {
-            let reason = &row.status["rejected:".len()..];
+        for (row, reason) in rejected {
             table.row(vec![
                 row.consumer.clone().unwrap_or_else(|| "-".into()),
                 match reason {
-                    "conflict" => "conflict (same key, other payload)".into(),
-                    "malformed" => "malformed payload".into(),
-                    "unknown_message" => "unknown message name".into(),
-                    "invalid_key" => "invalid key".into(),
-                    other => other.to_owned(),
+                    RejectionReason::Conflict => "conflict (same key, other payload)".into(),
+                    RejectionReason::Malformed => "malformed payload".into(),
+                    RejectionReason::UnknownMessage => "unknown message name".into(),
+                    RejectionReason::InvalidKey => "invalid key".into(),
                 },
                 row.count.to_string(),
                 row.oldest.as_deref().map_or_else(|| "-".into(), short_time),
@@ -701,7 +716,7 @@ fn write_list(out: &mut dyn Write, rows: &[StoredMessage]) -> io::Result<()> {
             row.consumer.clone(),
             row.message_key.clone(),
             row.message_name.clone(),
-            row.status.clone(),
+            row.status.to_string(),
             row.attempts.to_string(),
             short_time(&row.received_at),
             first_line(row.last_error.as_deref().unwrap_or("-"), 72),
@@ -716,14 +731,14 @@ fn write_show(out: &mut dyn Write, row: &StoredMessage) -> io::Result<()> {
         ("consumer", row.consumer.clone()),
         ("key", row.message_key.clone()),
         ("message", row.message_name.clone()),
-        ("status", row.status.clone()),
+        ("status", row.status.to_string()),
         ("attempts", row.attempts.to_string()),
         ("received", row.received_at.clone()),
         ("processed", optional(&row.processed_at)),
         // Only a failed message is retried; a dead one waits for an operator.
         (
             "next attempt",
-            if row.status == "failed" {
+            if row.status == Status::Failed {
                 optional(&row.next_attempt_at)
             } else {
                 "-".into()

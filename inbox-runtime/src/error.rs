@@ -2,13 +2,10 @@
 
 use std::time::Duration;
 
-use crate::classify::ErrorClass;
+use crate::classify::{BoxError, ErrorClass};
 use crate::fingerprint::{Fingerprint, FingerprintError};
 use crate::key::{IdempotencyKey, KeyError};
 use crate::store::Backend;
-
-/// A boxed error, as the dispatcher carries handler errors of any type.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// Why one message was not processed (or not known to be) by one consumer.
 ///
@@ -32,6 +29,11 @@ pub enum Error<E> {
     /// The database failed. See [`StoreError::operation`] for whether the outcome is known.
     #[error(transparent)]
     Database(#[from] StoreError),
+    /// A [`TransactionHook`](crate::TransactionHook)'s `before_commit` failed after the handler
+    /// returned `Ok`: the transaction (claim, handler writes, hook writes) was rolled back and
+    /// the attempt recorded as failed (see [`HookError::disposition`]).
+    #[error(transparent)]
+    Hook(#[from] HookError),
 }
 
 impl<E> Error<E> {
@@ -52,7 +54,7 @@ impl<E> Error<E> {
     }
 
     /// The error's name as used in logs and metrics: `"handler"`, `"conflict"`, `"key"`,
-    /// `"fingerprint"` or `"database"`.
+    /// `"fingerprint"`, `"database"` or `"hook"`.
     pub fn kind(&self) -> &'static str {
         match self {
             Error::Handler(_) => "handler",
@@ -60,6 +62,7 @@ impl<E> Error<E> {
             Error::Key(_) => "key",
             Error::Fingerprint(_) => "fingerprint",
             Error::Database(_) => "database",
+            Error::Hook(_) => "hook",
         }
     }
 
@@ -84,6 +87,7 @@ impl<E> Error<E> {
             Error::Key(error) => Error::Key(error),
             Error::Fingerprint(error) => Error::Fingerprint(error),
             Error::Database(error) => Error::Database(error),
+            Error::Hook(error) => Error::Hook(error),
         }
     }
 }
@@ -155,10 +159,10 @@ impl Disposition {
      and payload fingerprint {stored}, but this delivery has fingerprint {received}"
 )]
 pub struct Conflict {
-    /// The consumer whose inbox holds the key.
-    pub consumer: &'static str,
-    /// Routing name of the message.
-    pub message_name: &'static str,
+    /// The consumer (inbox scope) that holds the key.
+    pub consumer: String,
+    /// Routing name of the message (for a claim session: the name it was opened with).
+    pub message_name: String,
     /// The idempotency key.
     pub key: IdempotencyKey,
     /// Fingerprint stored when the key was processed.
@@ -171,19 +175,90 @@ pub struct Conflict {
 #[derive(Debug, thiserror::Error)]
 #[error("inbox {operation} failed for consumer `{consumer}`, key `{key}`: {source}")]
 pub struct StoreError {
-    /// The consumer.
-    pub consumer: &'static str,
+    /// The consumer (inbox scope).
+    pub consumer: String,
     /// The idempotency key.
     pub key: IdempotencyKey,
-    /// What failed: `"acquire"`, `"begin"`, `"claim"`, `"rollback"` or `"commit"`.
-    ///
-    /// After a failed `"commit"` the outcome is unknown (the server may have committed before
-    /// the connection broke): do not ack; the redelivery's claim will tell (a `Duplicate` if it
-    /// had committed). Every other operation failed before anything was committed.
-    pub operation: &'static str,
+    /// What failed. After a failed [`StoreOperation::Commit`] the outcome is unknown (the server
+    /// may have committed before the connection broke): do not ack; the redelivery's claim will
+    /// tell (a `Duplicate` if it had committed). Every other operation failed before anything
+    /// was committed.
+    pub operation: StoreOperation,
     /// The driver's error.
     #[source]
     pub source: sqlx::Error,
+}
+
+/// A before-commit hook failed; everything of the transaction was rolled back.
+#[derive(Debug, thiserror::Error)]
+#[error("before-commit hook failed for consumer `{consumer}`, key `{key}`: {source}")]
+#[non_exhaustive]
+pub struct HookError {
+    /// The consumer.
+    pub consumer: String,
+    /// The idempotency key.
+    pub key: IdempotencyKey,
+    /// What was recorded for the attempt.
+    pub disposition: Disposition,
+    /// The hook's error.
+    #[source]
+    pub source: BoxError,
+}
+
+/// The step of the claim protocol during which the database failed (see [`StoreError`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StoreOperation {
+    /// Taking a connection from the pool.
+    Acquire,
+    /// `BEGIN`.
+    Begin,
+    /// The claim statement (or the read of a settled key).
+    Claim,
+    /// The per-aggregate sequence guard (lock, park, stale).
+    Order,
+    /// A before-commit hook's own statements (see [`crate::TransactionHook`]).
+    Hook,
+    /// Storing a claim session's result.
+    Complete,
+    /// The check before `COMMIT` that the transaction is not aborted: it was (the handler
+    /// returned `Ok` after a database error it swallowed). Nothing was committed; the attempt is
+    /// recorded as failed.
+    Verify,
+    /// `ROLLBACK`.
+    Rollback,
+    /// `COMMIT`: the outcome is unknown.
+    Commit,
+}
+
+impl StoreOperation {
+    /// The operation's name in messages and logs: `acquire`, `begin`, `claim`, `order`, `hook`,
+    /// `complete`, `verify`, `rollback` or `commit`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            StoreOperation::Acquire => "acquire",
+            StoreOperation::Begin => "begin",
+            StoreOperation::Claim => "claim",
+            StoreOperation::Order => "order",
+            StoreOperation::Hook => "hook",
+            StoreOperation::Complete => "complete",
+            StoreOperation::Verify => "verify",
+            StoreOperation::Rollback => "rollback",
+            StoreOperation::Commit => "commit",
+        }
+    }
+}
+
+impl std::fmt::Display for StoreOperation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl PartialEq<&str> for StoreOperation {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
 }
 
 /// The registry found no usable set of handlers.
@@ -285,4 +360,62 @@ pub enum DispatchError {
         #[source]
         source: FingerprintError,
     },
+}
+
+/// Why [`Dispatcher::replay`](crate::Dispatcher::replay) could not run a message.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReplayError {
+    /// No row for this consumer and key.
+    #[error("consumer `{consumer}` has no message with key `{key}`")]
+    NotFound {
+        /// The consumer.
+        consumer: String,
+        /// The key.
+        key: String,
+    },
+    /// The row keeps no payload.
+    #[error("message `{key}` of consumer `{consumer}` is {status} and keeps no payload")]
+    NoPayload {
+        /// The consumer.
+        consumer: String,
+        /// The key.
+        key: String,
+        /// Its status.
+        status: String,
+    },
+    /// No handler of this dispatcher serves that consumer and message.
+    #[error("no registered handler for consumer `{consumer}` and message `{message_name}`")]
+    NoHandler {
+        /// The consumer.
+        consumer: String,
+        /// The message name.
+        message_name: String,
+    },
+    /// The stored payload does not decode as the handler's message type (any more).
+    #[error("stored payload of `{message_name}` does not decode: {source}")]
+    Decode {
+        /// The message name.
+        message_name: String,
+        /// The decoder's error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The decoded message has no valid key.
+    #[error(transparent)]
+    Key(KeyError),
+    /// The decoded message cannot be fingerprinted.
+    #[error(transparent)]
+    Fingerprint(FingerprintError),
+    /// The decoded message's key is not the stored key (the key's definition changed).
+    #[error("stored key `{stored}` but the payload now yields key `{decoded}`")]
+    KeyMismatch {
+        /// The stored key.
+        stored: String,
+        /// The key the handler reads from the payload now.
+        decoded: String,
+    },
+    /// The database failed.
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
 }

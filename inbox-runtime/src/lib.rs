@@ -87,43 +87,49 @@ mod batch;
 mod classify;
 #[cfg(feature = "cli")]
 pub mod cli;
+mod dispatcher;
 mod envelope;
 mod error;
 mod fingerprint;
 mod handler;
 mod key;
+mod message;
 mod ordering;
 mod outcome;
 mod policy;
+mod protocol;
 mod registry;
 mod slot;
 pub mod source;
+mod status;
 mod store;
 mod worker;
 
 use std::future::Future;
 use std::pin::Pin;
 
-pub use classify::{Classify, ErrorClass, Permanent, classify_error_chain};
+pub use classify::{BoxError, Classify, ErrorClass, Permanent, classify_error_chain};
+pub use dispatcher::{ConsumerOutcome, Dispatcher, SweepReport};
 pub use envelope::{Envelope, SourceMetadata};
 pub use error::{
-    BoxError, Conflict, DispatchError, Disposition, Error, HandlerFailure, RegistryError,
-    StoreError,
+    Conflict, DispatchError, Disposition, Error, HandlerFailure, HookError, RegistryError,
+    ReplayError, StoreError, StoreOperation,
 };
 pub use fingerprint::{Fingerprint, FingerprintError};
-pub use handler::Message;
 pub use key::{IdempotencyKey, KeyError, KeyPart, MAX_KEY_BYTES};
+pub use message::Message;
 pub use ordering::{GapPolicy, Ordering, ParkPolicy, ParkTimeout, SequencePart};
 pub use outcome::Outcome;
 pub use policy::RetryPolicy;
-pub use registry::{
-    ConsumerOutcome, Dispatcher, HandlerInfo, Registration, ReplayError, SweepReport,
-    registered_handlers,
-};
+pub use protocol::Wait;
+pub use protocol::hooks::{ClaimInfo, TransactionHook};
+pub use protocol::session::{ClaimSession, ClaimState, ClaimedKey, Settled};
+pub use registry::{HandlerInfo, Registration, registered_handlers};
 pub use slot::ConnectionSlot;
+pub use status::{Status, UnknownStatus};
 pub use store::{
     Backend, InboxConnection, InboxDatabase, MIGRATIONS_TABLE, RejectionReason, StatsRow,
-    StoredMessage,
+    StatsStatus, StoredMessage,
 };
 
 pub use worker::{
@@ -166,10 +172,12 @@ pub async fn migrate<DB: InboxDatabase>(pool: &sqlx::Pool<DB>) -> Result<(), Mig
 pub mod __private {
     pub use crate::BoxFuture;
     pub use crate::classify::probe::{Probe, ViaAsRefError, ViaClassify, ViaFallback, ViaStdError};
-    pub use crate::handler::{Delivery, Handler, HandlerResult, run};
+    pub use crate::handler::run;
     pub use crate::key::{KeyPart, KeySegment, key_from_field, key_from_template};
     pub use crate::ordering::{SequencePart, ordering_from_fields};
-    pub use crate::registry::{DynHandler, Registration};
+    pub use crate::protocol::erased::DynHandler;
+    pub use crate::protocol::single::{Delivery, Handler, HandlerResult};
+    pub use crate::registry::Registration;
     pub use crate::store::{AnyConnection, ClaimRequest, ClaimResult};
     pub use inventory;
 }

@@ -27,9 +27,9 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::dispatcher::{ConsumerOutcome, Dispatcher};
 use crate::error::{DispatchError, Disposition, Error};
 use crate::outcome::Outcome;
-use crate::registry::{ConsumerOutcome, Dispatcher};
 use crate::slot::ConnectionSlot;
 use crate::source::{Delivery, Settlement, Source, SourceError};
 use crate::store::InboxDatabase;

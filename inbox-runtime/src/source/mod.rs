@@ -23,8 +23,8 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::BoxFuture;
+use crate::classify::BoxError;
 use crate::envelope::Envelope;
-use crate::error::BoxError;
 
 #[cfg(feature = "amqp")]
 pub mod amqp;

@@ -13,14 +13,17 @@ use sqlx::{Pool, SqlSafeStr as _, Transaction};
 
 use crate::BoxFuture;
 use crate::envelope::SourceMetadata;
+use crate::status::Status;
 
 #[macro_use]
 mod shared;
 mod postgres;
 mod sqlite;
 
-pub(crate) use shared::{ClaimMode, FailureRecord, ParkedMessage, Rejection};
-pub use shared::{ClaimRequest, ClaimResult, RejectionReason, StatsRow, StoredMessage};
+pub use shared::{
+    ClaimRequest, ClaimResult, RejectionReason, StatsRow, StatsStatus, StoredMessage,
+};
+pub(crate) use shared::{FailureRecord, ParkedMessage, Rejection};
 
 /// Name of the table where the inbox's own schema migrations are recorded.
 ///
@@ -88,14 +91,6 @@ impl<'c> AnyConnection<'c> {
         }
     }
 
-    /// The backend of this connection.
-    pub(crate) fn backend(&self) -> Backend {
-        match self {
-            AnyConnection::Postgres(_) => Backend::Postgres,
-            AnyConnection::Sqlite(_) => Backend::Sqlite,
-        }
-    }
-
     /// The connection's store operations, whatever its backend.
     pub(crate) fn store(self) -> &'c mut dyn Store {
         match self {
@@ -120,7 +115,7 @@ pub(crate) trait Store: Send {
     fn list_messages<'c>(
         &'c mut self,
         consumer: Option<&'c str>,
-        statuses: &'c [&'c str],
+        statuses: &'c [Status],
         limit: i64,
     ) -> BoxFuture<'c, Result<Vec<StoredMessage>, sqlx::Error>>;
     fn discard_message<'c>(
@@ -148,7 +143,7 @@ pub(crate) trait Store: Send {
     ) -> BoxFuture<'c, Result<bool, sqlx::Error>>;
     fn purge_batch<'c>(
         &'c mut self,
-        statuses: &'c [&'c str],
+        statuses: &'c [Status],
         older_than_secs: f64,
         batch: i64,
     ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
@@ -176,7 +171,7 @@ impl<C: InboxConnection> Store for C {
     fn list_messages<'c>(
         &'c mut self,
         consumer: Option<&'c str>,
-        statuses: &'c [&'c str],
+        statuses: &'c [Status],
         limit: i64,
     ) -> BoxFuture<'c, Result<Vec<StoredMessage>, sqlx::Error>> {
         InboxConnection::list_messages(self, consumer, statuses, limit)
@@ -216,7 +211,7 @@ impl<C: InboxConnection> Store for C {
     }
     fn purge_batch<'c>(
         &'c mut self,
-        statuses: &'c [&'c str],
+        statuses: &'c [Status],
         older_than_secs: f64,
         batch: i64,
     ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
@@ -246,6 +241,11 @@ pub trait InboxConnection: sqlx::Connection + sealed::Sealed + Send + 'static {
         &mut self,
     ) -> BoxFuture<'_, Result<Transaction<'_, Self::Database>, sqlx::Error>>;
 
+    /// The statement that opens a claim's transaction on this connection: `None` for the
+    /// driver's default (`BEGIN`, or a savepoint inside a transaction).
+    #[doc(hidden)]
+    fn begin_statement(&self) -> Option<sqlx::SqlStr>;
+
     /// The connection inside a transaction opened by [`InboxConnection::begin_inbox`].
     #[doc(hidden)]
     fn in_transaction<'t>(tx: &'t mut Transaction<'_, Self::Database>) -> &'t mut Self;
@@ -258,6 +258,33 @@ pub trait InboxConnection: sqlx::Connection + sealed::Sealed + Send + 'static {
         &'c mut self,
         request: &'c ClaimRequest<'c>,
     ) -> BoxFuture<'c, Result<ClaimResult, sqlx::Error>>;
+
+    /// The claim without waiting for another transaction that holds the key uncommitted:
+    /// `None` if one does (the transaction is then unusable and must be rolled back). On
+    /// PostgreSQL the claim runs with a `lock_timeout` of [`crate::Wait::NO_WAIT_GRACE`]; on
+    /// SQLite it is the plain claim (the protocol checks the claims of this process first).
+    #[doc(hidden)]
+    fn claim_no_wait<'c>(
+        &'c mut self,
+        request: &'c ClaimRequest<'c>,
+    ) -> BoxFuture<'c, Result<Option<ClaimResult>, sqlx::Error>>;
+
+    /// Stores a claim session's result with the key claimed in this transaction.
+    #[doc(hidden)]
+    fn store_result<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        key: &'c str,
+        result: &'c [u8],
+    ) -> BoxFuture<'c, Result<(), sqlx::Error>>;
+
+    /// The stored result of a key, if any.
+    #[doc(hidden)]
+    fn fetch_result<'c>(
+        &'c mut self,
+        consumer: &'c str,
+        key: &'c str,
+    ) -> BoxFuture<'c, Result<Option<Vec<u8>>, sqlx::Error>>;
 
     /// Checks, before COMMIT, that the transaction holding the claim of `key` is still usable:
     /// on PostgreSQL one cheap read that fails if the handler left the transaction aborted
@@ -286,7 +313,7 @@ pub trait InboxConnection: sqlx::Connection + sealed::Sealed + Send + 'static {
     fn record_failure<'c>(
         &'c mut self,
         record: &'c FailureRecord<'c>,
-    ) -> BoxFuture<'c, Result<Option<(String, u32)>, sqlx::Error>>;
+    ) -> BoxFuture<'c, Result<Option<(Status, u32)>, sqlx::Error>>;
 
     /// Records a delivery that can never be applied (conflict, malformed, unknown, bad key).
     #[doc(hidden)]
@@ -308,7 +335,7 @@ pub trait InboxConnection: sqlx::Connection + sealed::Sealed + Send + 'static {
     fn list_messages<'c>(
         &'c mut self,
         consumer: Option<&'c str>,
-        statuses: &'c [&'c str],
+        statuses: &'c [Status],
         limit: i64,
     ) -> BoxFuture<'c, Result<Vec<StoredMessage>, sqlx::Error>>;
 
@@ -331,7 +358,7 @@ pub trait InboxConnection: sqlx::Connection + sealed::Sealed + Send + 'static {
     #[doc(hidden)]
     fn purge_batch<'c>(
         &'c mut self,
-        statuses: &'c [&'c str],
+        statuses: &'c [Status],
         older_than_secs: f64,
         batch: i64,
     ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
@@ -368,7 +395,7 @@ pub trait InboxConnection: sqlx::Connection + sealed::Sealed + Send + 'static {
         &'c mut self,
         consumer: &'c str,
         key: &'c str,
-        status: &'static str,
+        status: Status,
         ordering: &'c crate::Ordering,
         payload: Option<&'c [u8]>,
     ) -> BoxFuture<'c, Result<(), sqlx::Error>>;
@@ -431,7 +458,7 @@ pub trait InboxConnection: sqlx::Connection + sealed::Sealed + Send + 'static {
     fn fail_claimed<'c>(
         &'c mut self,
         record: &'c FailureRecord<'c>,
-    ) -> BoxFuture<'c, Result<Option<(String, u32)>, sqlx::Error>>;
+    ) -> BoxFuture<'c, Result<Option<(Status, u32)>, sqlx::Error>>;
 
     /// Type-erases this connection.
     #[doc(hidden)]

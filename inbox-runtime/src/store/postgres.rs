@@ -7,6 +7,16 @@ use super::{AnyConnection, Backend, InboxDatabase};
 use crate::BoxFuture;
 
 mod sql {
+    /// No-wait claims: the `lock_timeout` set for the claim (returning the previous one), and
+    /// its reset after it.
+    pub(super) const NO_WAIT: Option<(&str, &str)> = Some((
+        "SELECT current_setting('lock_timeout') AS previous, set_config('lock_timeout', $1, true)",
+        "SELECT set_config('lock_timeout', $1, true)",
+    ));
+
+    /// SQLSTATE of a lock wait that ran out of `lock_timeout`.
+    pub(super) const LOCK_NOT_AVAILABLE: &str = "55P03";
+
     /// Fails with SQLSTATE 25P02 if the transaction was left aborted.
     pub(super) const VERIFY_CLAIM: Option<&str> =
         Some("SELECT 1 FROM inbox_messages WHERE consumer = $1 AND message_key = $2");
@@ -97,6 +107,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "rejections",
         include_str!("../../migrations/postgres/0002_rejections.sql"),
     ),
+    (
+        3,
+        "results",
+        include_str!("../../migrations/postgres/0003_results.sql"),
+    ),
 ];
 
 impl_inbox_connection!(
@@ -104,7 +119,8 @@ impl_inbox_connection!(
     Postgres,
     Postgres,
     self::sql,
-    begin = |conn| Box::pin(conn.begin())
+    begin = |conn| Box::pin(conn.begin()),
+    begin_statement = |_conn| None
 );
 
 impl InboxDatabase for Postgres {

@@ -2,6 +2,7 @@
 //! Rust side of every store operation (`impl_inbox_connection!`).
 
 use crate::envelope::SourceMetadata;
+use crate::status::{ClaimMode, Status};
 
 /// What one claim asks the inbox for.
 #[doc(hidden)]
@@ -15,29 +16,6 @@ pub struct ClaimRequest<'a> {
     pub mode: ClaimMode,
 }
 
-/// Which existing rows (with the request's fingerprint) a claim may take over, besides a free
-/// key: a delivery retries a `failed` one; a replay also a `dead` one; resuming or releasing a
-/// parked message takes its `parked` (or, after a failed try, `failed`) row.
-#[doc(hidden)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ClaimMode {
-    Deliver,
-    Replay,
-    Resume,
-    Release,
-}
-
-impl ClaimMode {
-    pub(crate) fn as_str(self) -> &'static str {
-        match self {
-            ClaimMode::Deliver => "deliver",
-            ClaimMode::Replay => "replay",
-            ClaimMode::Resume => "resume",
-            ClaimMode::Release => "release",
-        }
-    }
-}
-
 /// What the claim statement found.
 #[doc(hidden)]
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -46,7 +24,7 @@ pub enum ClaimResult {
     Claimed { attempts: u32 },
     /// A row for the key exists and was not taken.
     Existing {
-        status: String,
+        status: Status,
         payload_hash: String,
         attempts: u32,
     },
@@ -81,7 +59,7 @@ pub struct ParkedMessage {
 }
 
 /// Why a delivery was rejected.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[non_exhaustive]
 pub enum RejectionReason {
     /// Same idempotency key as a processed message, different payload.
@@ -103,6 +81,68 @@ impl RejectionReason {
             RejectionReason::UnknownMessage => "unknown_message",
             RejectionReason::InvalidKey => "invalid_key",
         }
+    }
+}
+
+impl std::str::FromStr for RejectionReason {
+    type Err = String;
+
+    /// Parses the stored name.
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        [
+            RejectionReason::Conflict,
+            RejectionReason::Malformed,
+            RejectionReason::UnknownMessage,
+            RejectionReason::InvalidKey,
+        ]
+        .into_iter()
+        .find(|reason| reason.as_str() == text)
+        .ok_or_else(|| format!("unknown rejection reason `{text}`"))
+    }
+}
+
+/// What one [`StatsRow`] counts: inbox rows in one status, or rejected deliveries for one
+/// reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum StatsStatus {
+    /// Rows of `inbox_messages` in this status.
+    Message(Status),
+    /// Rows of `inbox_rejections` with this reason.
+    Rejected(RejectionReason),
+}
+
+impl StatsStatus {
+    /// The text form: the status (`processed`, …), or `rejected:<reason>`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StatsStatus::Message(status) => status.as_str(),
+            StatsStatus::Rejected(RejectionReason::Conflict) => "rejected:conflict",
+            StatsStatus::Rejected(RejectionReason::Malformed) => "rejected:malformed",
+            StatsStatus::Rejected(RejectionReason::UnknownMessage) => "rejected:unknown_message",
+            StatsStatus::Rejected(RejectionReason::InvalidKey) => "rejected:invalid_key",
+        }
+    }
+
+    fn parse(text: &str) -> Result<Self, sqlx::Error> {
+        let decode = |e: String| sqlx::Error::Decode(e.into());
+        match text.strip_prefix("rejected:") {
+            Some(reason) => Ok(StatsStatus::Rejected(reason.parse().map_err(decode)?)),
+            None => Ok(StatsStatus::Message(text.parse().map_err(
+                |e: crate::status::UnknownStatus| decode(e.to_string()),
+            )?)),
+        }
+    }
+}
+
+impl std::fmt::Display for StatsStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl PartialEq<&str> for StatsStatus {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
     }
 }
 
@@ -130,8 +170,8 @@ pub struct StoredMessage {
     pub message_key: String,
     /// The routing name.
     pub message_name: String,
-    /// `processed`, `failed`, `dead`, `parked` or `discarded`.
-    pub status: String,
+    /// Its state.
+    pub status: Status,
     /// Attempts that ran the handler.
     pub attempts: u32,
     /// The last error, cut to [`crate::RetryPolicy::max_error_bytes`].
@@ -152,6 +192,9 @@ pub struct StoredMessage {
     pub aggregate_id: Option<String>,
     /// The sequence within the aggregate, likewise.
     pub sequence: Option<i64>,
+    /// The result a claim session stored with the key (see
+    /// [`ClaimedKey::complete`](crate::ClaimedKey::complete)), if any.
+    pub result: Option<Vec<u8>>,
 }
 
 impl StoredMessage {
@@ -170,8 +213,9 @@ impl StoredMessage {
 pub struct StatsRow {
     /// The consumer (`None` for rejections no consumer could be named for).
     pub consumer: Option<String>,
-    /// `processed`, `failed`, `dead`, `parked`, `discarded`, or `rejected:<reason>`.
-    pub status: String,
+    /// A status of `inbox_messages` (every one that has rows, `stale` included), or a rejection
+    /// reason.
+    pub status: StatsStatus,
     /// How many rows.
     pub count: i64,
     /// The oldest `received_at` among them.
@@ -180,6 +224,12 @@ pub struct StatsRow {
 
 pub(super) const EXISTING: &str = "SELECT status, payload_hash, attempts FROM inbox_messages \
      WHERE consumer = $1 AND message_key = $2";
+
+pub(super) const STORE_RESULT: &str =
+    "UPDATE inbox_messages SET result = $3 WHERE consumer = $1 AND message_key = $2";
+
+pub(super) const FETCH_RESULT: &str =
+    "SELECT result FROM inbox_messages WHERE consumer = $1 AND message_key = $2";
 
 pub(super) const RECORD_REJECTION: &str = "INSERT INTO inbox_rejections \
      (consumer, message_key, message_name, reason, detail, payload_hash, payload, \
@@ -190,7 +240,7 @@ macro_rules! message_columns {
     () => {
         "consumer, message_key, message_name, status, attempts, last_error, payload_hash, \
          payload, CAST(received_at AS TEXT), CAST(processed_at AS TEXT), \
-         CAST(next_attempt_at AS TEXT), source, aggregate_id, sequence"
+         CAST(next_attempt_at AS TEXT), source, aggregate_id, sequence, result"
     };
 }
 
@@ -198,14 +248,6 @@ pub(super) const FETCH: &str = concat!(
     "SELECT ",
     message_columns!(),
     " FROM inbox_messages WHERE consumer = $1 AND message_key = $2"
-);
-
-/// `$2`..`$6`: up to five statuses (unused ones bound to NULL).
-pub(super) const LIST: &str = concat!(
-    "SELECT ",
-    message_columns!(),
-    " FROM inbox_messages WHERE ($1 IS NULL OR consumer = $1) \
-     AND status IN ($2, $3, $4, $5, $6) ORDER BY received_at, consumer, message_key LIMIT $7"
 );
 
 pub(super) const STATS: &str = "SELECT consumer, status, COUNT(*), CAST(MIN(received_at) AS TEXT) \
@@ -251,6 +293,10 @@ pub(super) const DEAD_LETTER_PARKED: &str = "UPDATE inbox_messages \
      SET status = 'dead', last_error = $3 \
      WHERE consumer = $1 AND message_key = $2 AND status = 'parked'";
 
+pub(super) fn stats_status(text: &str) -> Result<StatsStatus, sqlx::Error> {
+    StatsStatus::parse(text)
+}
+
 pub(super) fn parked(row: (String, String, String, String, i64)) -> ParkedMessage {
     let (consumer, message_key, message_name, aggregate_id, sequence) = row;
     ParkedMessage {
@@ -265,7 +311,7 @@ pub(super) fn parked(row: (String, String, String, String, i64)) -> ParkedMessag
 /// Implements `InboxConnection` for one backend's connection type. `$sql` is the backend's
 /// module with `CLAIM`, `RECORD_FAILURE`, `DISCARD` and `PURGE`.
 macro_rules! impl_inbox_connection {
-    ($conn:ty, $db:ty, $variant:ident, $sql:path, begin = |$this:ident| $begin:expr) => {
+    ($conn:ty, $db:ty, $variant:ident, $sql:path, begin = |$this:ident| $begin:expr, begin_statement = |$that:ident| $statement:expr) => {
         impl $crate::store::InboxConnection for $conn {
             const BACKEND: $crate::store::Backend = $crate::store::Backend::$variant;
 
@@ -274,6 +320,11 @@ macro_rules! impl_inbox_connection {
             ) -> $crate::BoxFuture<'_, Result<sqlx::Transaction<'_, $db>, sqlx::Error>> {
                 let $this = self;
                 $begin
+            }
+
+            fn begin_statement(&self) -> Option<sqlx::SqlStr> {
+                let $that = self;
+                $statement
             }
 
             fn in_transaction<'t>(tx: &'t mut sqlx::Transaction<'_, $db>) -> &'t mut Self {
@@ -292,14 +343,14 @@ macro_rules! impl_inbox_connection {
                     row: Option<<$db as sqlx::Database>::Row>,
                 ) -> Result<Option<ClaimResult>, sqlx::Error> {
                     let Some(row) = row else { return Ok(None) };
-                    let status: String = row.try_get(0)?;
+                    let status: &str = row.try_get(0)?;
                     let attempts: i32 = row.try_get(2)?;
                     let attempts = u32::try_from(attempts).unwrap_or(0);
                     Ok(Some(if status == "claimed" {
                         ClaimResult::Claimed { attempts }
                     } else {
                         ClaimResult::Existing {
-                            status,
+                            status: status.parse().map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
                             payload_hash: row.try_get(1)?,
                             attempts,
                         }
@@ -355,6 +406,69 @@ macro_rules! impl_inbox_connection {
                 })
             }
 
+            fn claim_no_wait<'c>(
+                &'c mut self,
+                request: &'c $crate::store::ClaimRequest<'c>,
+            ) -> $crate::BoxFuture<'c, Result<Option<$crate::store::ClaimResult>, sqlx::Error>>
+            {
+                use $sql as sql;
+                Box::pin(async move {
+                    let Some((set, reset)) = sql::NO_WAIT else {
+                        return self.claim(request).await.map(Some);
+                    };
+                    let grace = format!("{}ms", $crate::Wait::NO_WAIT_GRACE.as_millis());
+                    let previous: String = sqlx::query_scalar(set)
+                        .bind(grace)
+                        .fetch_one(&mut *self)
+                        .await?;
+                    match self.claim(request).await {
+                        Ok(found) => {
+                            sqlx::query(reset).bind(previous).execute(&mut *self).await?;
+                            Ok(Some(found))
+                        }
+                        Err(sqlx::Error::Database(error))
+                            if error.code().as_deref() == Some(sql::LOCK_NOT_AVAILABLE) =>
+                        {
+                            Ok(None)
+                        }
+                        Err(error) => Err(error),
+                    }
+                })
+            }
+
+            fn store_result<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                key: &'c str,
+                result: &'c [u8],
+            ) -> $crate::BoxFuture<'c, Result<(), sqlx::Error>> {
+                Box::pin(async move {
+                    sqlx::query($crate::store::shared::STORE_RESULT)
+                        .bind(consumer)
+                        .bind(key)
+                        .bind(result)
+                        .execute(&mut *self)
+                        .await?;
+                    Ok(())
+                })
+            }
+
+            fn fetch_result<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                key: &'c str,
+            ) -> $crate::BoxFuture<'c, Result<Option<Vec<u8>>, sqlx::Error>> {
+                Box::pin(async move {
+                    let found: Option<Option<Vec<u8>>> =
+                        sqlx::query_scalar($crate::store::shared::FETCH_RESULT)
+                            .bind(consumer)
+                            .bind(key)
+                            .fetch_optional(&mut *self)
+                            .await?;
+                    Ok(found.flatten())
+                })
+            }
+
             fn verify_claim<'c>(
                 &'c mut self,
                 consumer: &'c str,
@@ -385,7 +499,7 @@ macro_rules! impl_inbox_connection {
                 key: &'c str,
             ) -> $crate::BoxFuture<'c, Result<Option<$crate::store::ClaimResult>, sqlx::Error>> {
                 Box::pin(async move {
-                    let row: Option<(String, String, i32)> =
+                    let row: Option<($crate::status::Status, String, i32)> =
                         sqlx::query_as($crate::store::shared::EXISTING)
                             .bind(consumer)
                             .bind(key)
@@ -404,11 +518,11 @@ macro_rules! impl_inbox_connection {
             fn record_failure<'c>(
                 &'c mut self,
                 r: &'c $crate::store::FailureRecord<'c>,
-            ) -> $crate::BoxFuture<'c, Result<Option<(String, u32)>, sqlx::Error>> {
+            ) -> $crate::BoxFuture<'c, Result<Option<($crate::status::Status, u32)>, sqlx::Error>> {
                 use $sql as sql;
                 Box::pin(async move {
                     let (source, partition, offset) = $crate::store::source_parts(r.source);
-                    let row: Option<(String, i32)> = sqlx::query_as(sql::RECORD_FAILURE)
+                    let row: Option<($crate::status::Status, i32)> = sqlx::query_as(sql::RECORD_FAILURE)
                         .bind(r.consumer)
                         .bind(r.message_key)
                         .bind(r.message_name)
@@ -477,21 +591,28 @@ macro_rules! impl_inbox_connection {
             fn list_messages<'c>(
                 &'c mut self,
                 consumer: Option<&'c str>,
-                statuses: &'c [&'c str],
+                statuses: &'c [$crate::status::Status],
                 limit: i64,
             ) -> $crate::BoxFuture<'c, Result<Vec<$crate::store::StoredMessage>, sqlx::Error>> {
                 Box::pin(async move {
-                    let status = |i: usize| statuses.get(i).copied();
-                    let rows = sqlx::query($crate::store::shared::LIST)
-                        .bind(consumer)
-                        .bind(status(0))
-                        .bind(status(1))
-                        .bind(status(2))
-                        .bind(status(3))
-                        .bind(status(4))
-                        .bind(limit)
-                        .fetch_all(&mut *self)
-                        .await?;
+                    if statuses.is_empty() {
+                        return Ok(Vec::new());
+                    }
+                    let mut query = sqlx::QueryBuilder::<$db>::new(concat!(
+                        "SELECT ",
+                        message_columns!(),
+                        " FROM inbox_messages WHERE ("
+                    ));
+                    query.push_bind(consumer).push(" IS NULL OR consumer = ");
+                    query.push_bind(consumer).push(") AND status IN (");
+                    let mut each = query.separated(", ");
+                    for status in statuses {
+                        each.push_bind(status.as_str());
+                    }
+                    query
+                        .push(") ORDER BY received_at, consumer, message_key LIMIT ")
+                        .push_bind(limit);
+                    let rows = query.build().fetch_all(&mut *self).await?;
                     rows.iter()
                         .map($crate::store::shared::stored_message)
                         .collect()
@@ -522,29 +643,28 @@ macro_rules! impl_inbox_connection {
                         sqlx::query_as($crate::store::shared::STATS)
                             .fetch_all(&mut *self)
                             .await?;
-                    Ok(rows
-                        .into_iter()
-                        .map(
-                            |(consumer, status, count, oldest)| $crate::store::StatsRow {
+                    rows.into_iter()
+                        .map(|(consumer, status, count, oldest)| {
+                            Ok($crate::store::StatsRow {
                                 consumer,
-                                status,
+                                status: $crate::store::shared::stats_status(&status)?,
                                 count,
                                 oldest,
-                            },
-                        )
-                        .collect())
+                            })
+                        })
+                        .collect()
                 })
             }
 
             fn purge_batch<'c>(
                 &'c mut self,
-                statuses: &'c [&'c str],
+                statuses: &'c [$crate::status::Status],
                 older_than_secs: f64,
                 batch: i64,
             ) -> $crate::BoxFuture<'c, Result<u64, sqlx::Error>> {
                 use $sql as sql;
                 Box::pin(async move {
-                    let status = |i: usize| statuses.get(i).copied();
+                    let status = |i: usize| statuses.get(i).map(|s| s.as_str());
                     let done = sqlx::query(sql::PURGE)
                         .bind(status(0))
                         .bind(status(1))
@@ -608,7 +728,7 @@ macro_rules! impl_inbox_connection {
                 &'c mut self,
                 consumer: &'c str,
                 key: &'c str,
-                status: &'static str,
+                status: $crate::status::Status,
                 ordering: &'c $crate::Ordering,
                 payload: Option<&'c [u8]>,
             ) -> $crate::BoxFuture<'c, Result<(), sqlx::Error>> {
@@ -616,7 +736,7 @@ macro_rules! impl_inbox_connection {
                     sqlx::query($crate::store::shared::MARK_MESSAGE)
                         .bind(consumer)
                         .bind(key)
-                        .bind(status)
+                        .bind(status.as_str())
                         .bind(ordering.aggregate_id.as_str())
                         .bind(ordering.sequence)
                         .bind(payload)
@@ -749,7 +869,7 @@ macro_rules! impl_inbox_connection {
                     query.push_tuples(keys, |mut row, (consumer, key)| {
                         row.push_bind(*consumer).push_bind(*key);
                     });
-                    let rows: Vec<(String, String, String, String, i32)> =
+                    let rows: Vec<(String, String, $crate::status::Status, String, i32)> =
                         query.build_query_as().fetch_all(&mut *self).await?;
                     Ok(rows
                         .into_iter()
@@ -790,10 +910,10 @@ macro_rules! impl_inbox_connection {
             fn fail_claimed<'c>(
                 &'c mut self,
                 r: &'c $crate::store::FailureRecord<'c>,
-            ) -> $crate::BoxFuture<'c, Result<Option<(String, u32)>, sqlx::Error>> {
+            ) -> $crate::BoxFuture<'c, Result<Option<($crate::status::Status, u32)>, sqlx::Error>> {
                 use $sql as sql;
                 Box::pin(async move {
-                    let row: Option<(String, i32)> = sqlx::query_as(sql::FAIL_CLAIMED)
+                    let row: Option<($crate::status::Status, i32)> = sqlx::query_as(sql::FAIL_CLAIMED)
                         .bind(r.consumer)
                         .bind(r.message_key)
                         .bind(r.permanent)
@@ -822,8 +942,8 @@ macro_rules! impl_inbox_connection {
     };
 }
 
-/// Whether the claim statement would have taken this row: a failed key (or a dead one, on
-/// replay) with the request's fingerprint. Seeing one after the claim means it changed since.
+/// Whether the claim statement would have taken this row (see [`ClaimMode::takes_over`]):
+/// seeing one after the claim means it changed since.
 pub(super) fn claimable(existing: &ClaimResult, request: &ClaimRequest<'_>) -> bool {
     match existing {
         ClaimResult::Claimed { .. } => false,
@@ -831,15 +951,7 @@ pub(super) fn claimable(existing: &ClaimResult, request: &ClaimRequest<'_>) -> b
             status,
             payload_hash,
             ..
-        } => {
-            payload_hash == request.payload_hash
-                && match status.as_str() {
-                    "failed" => true,
-                    "dead" => request.mode == ClaimMode::Replay,
-                    "parked" => matches!(request.mode, ClaimMode::Resume | ClaimMode::Release),
-                    _ => false,
-                }
-        }
+        } => payload_hash == request.payload_hash && request.mode.takes_over(*status),
     }
 }
 
@@ -849,6 +961,7 @@ where
     R: sqlx::Row,
     usize: sqlx::ColumnIndex<R>,
     for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Status: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> Option<Vec<u8>>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
@@ -870,5 +983,6 @@ where
         source: row.try_get(11)?,
         aggregate_id: row.try_get(12)?,
         sequence: row.try_get(13)?,
+        result: row.try_get(14)?,
     })
 }

@@ -7,6 +7,12 @@ use super::{AnyConnection, Backend, InboxDatabase};
 use crate::BoxFuture;
 
 mod sql {
+    /// No lock timeout on SQLite: see `InboxConnection::claim_no_wait`.
+    pub(super) const NO_WAIT: Option<(&str, &str)> = None;
+
+    /// Unused on SQLite.
+    pub(super) const LOCK_NOT_AVAILABLE: &str = "";
+
     /// Not needed on SQLite (see `InboxConnection::verify_claim`).
     pub(super) const VERIFY_CLAIM: Option<&str> = None;
 
@@ -90,6 +96,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "rejections",
         include_str!("../../migrations/sqlite/0002_rejections.sql"),
     ),
+    (
+        3,
+        "results",
+        include_str!("../../migrations/sqlite/0003_results.sql"),
+    ),
 ];
 
 impl_inbox_connection!(
@@ -104,6 +115,12 @@ impl_inbox_connection!(
         // Take the write lock up front: a deferred transaction that reads and then writes can
         // fail with SQLITE_BUSY instead of waiting out the busy timeout.
         Box::pin(conn.begin_with("BEGIN IMMEDIATE"))
+    },
+    // As `begin`: the write lock up front, unless nested.
+    begin_statement = |conn| if conn.is_in_transaction() {
+        None
+    } else {
+        Some(sqlx::SqlSafeStr::into_sql_str("BEGIN IMMEDIATE"))
     }
 );
 

@@ -1,0 +1,3 @@
+-- inbox-runtime: a small result stored with a claimed key (claim sessions: an HTTP response),
+-- returned to later claims of the same key.
+ALTER TABLE inbox_messages ADD COLUMN result BYTEA;

@@ -1,0 +1,725 @@
+//! The dispatcher: routes envelopes to every consumer registered for their message name, runs
+//! each through the claim protocol, replays stored messages and sweeps parked ones.
+
+use std::any::TypeId;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::sync::Arc;
+
+use sqlx::Pool;
+
+use crate::classify::BoxError;
+use crate::envelope::Envelope;
+use crate::error::{DispatchError, Error, RegistryError, ReplayError, StoreError, StoreOperation};
+use crate::fingerprint::Fingerprint;
+use crate::key::IdempotencyKey;
+use crate::ordering::{GapPolicy, Ordering, ParkPolicy, ParkTimeout};
+use crate::outcome::Outcome;
+use crate::policy::RetryPolicy;
+use crate::protocol::erased::{AnyMessage, DynHandler};
+use crate::protocol::hooks::{HookRunner, Hooks, TransactionHook};
+use crate::protocol::park::{Routes, apply_parked_successors, run_stored};
+use crate::protocol::single::Delivery;
+use crate::registry::{HandlerInfo, Registration, info};
+use crate::slot::ConnectionSlot;
+use crate::status::{ClaimMode, Status};
+use crate::store::{InboxDatabase, Rejection, RejectionReason};
+
+/// The result of one message for one consumer.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct ConsumerOutcome {
+    /// The consumer.
+    pub consumer: &'static str,
+    /// The handler function (module path and name).
+    pub function: &'static str,
+    /// The outcome, or why there is none. Handler errors are boxed.
+    pub result: Result<Outcome<()>, Error<BoxError>>,
+}
+
+/// Routes envelopes to every consumer registered for their message name.
+///
+/// Built from the `inventory` registry of `#[idempotent]` handlers whose connection type belongs
+/// to the pool's backend (`PgPool` → handlers taking `&mut PgConnection`).
+///
+/// ```no_run
+/// # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// use inbox_runtime::{Dispatcher, Envelope};
+///
+/// inbox_runtime::migrate(&pool).await?;
+/// let dispatcher = Dispatcher::from_registry(pool)?;
+/// for handler in dispatcher.handlers() {
+///     println!("{handler}");
+/// }
+/// let payload = br#"{"event_id":"0190c7f8-9d3e-7b21-8c4a-5e6f7a8b9c0d","account_id":"a-1","amount_cents":500}"#;
+/// for outcome in dispatcher.dispatch(&Envelope::new("payments.captured", payload.to_vec())).await? {
+///     println!("{}: {:?}", outcome.consumer, outcome.result);
+/// }
+/// # Ok(()) }
+/// ```
+pub struct Dispatcher<DB: InboxDatabase> {
+    pub(crate) pool: Pool<DB>,
+    pub(crate) routes: HashMap<&'static str, Vec<&'static dyn DynHandler>>,
+    pub(crate) policy: RetryPolicy,
+    pub(crate) park: ParkPolicy,
+    pub(crate) hooks: Hooks<DB>,
+}
+
+impl<DB: InboxDatabase> Routes for Dispatcher<DB> {
+    fn route(&self, consumer: &str, message_name: &str) -> Option<&'static dyn DynHandler> {
+        self.routes
+            .get(message_name)
+            .and_then(|handlers| handlers.iter().find(|h| h.consumer() == consumer))
+            .copied()
+    }
+}
+
+impl<DB: InboxDatabase> fmt::Debug for Dispatcher<DB> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Dispatcher")
+            .field("backend", &DB::BACKEND)
+            .field("handlers", &self.handlers())
+            .finish()
+    }
+}
+
+impl<DB: InboxDatabase> Dispatcher<DB> {
+    /// A dispatcher over `pool` with every registered handler of this backend.
+    ///
+    /// # Errors
+    /// [`RegistryError::NoHandlers`] if no handler of this backend is linked in;
+    /// [`RegistryError::DuplicateConsumer`] if two handlers share a consumer name for the same
+    /// message.
+    pub fn from_registry(pool: Pool<DB>) -> Result<Self, RegistryError> {
+        let registrations = inventory::iter::<Registration>
+            .into_iter()
+            .map(|registration| registration.handler())
+            .collect();
+        Self::build(pool, registrations, false)
+    }
+
+    /// A dispatcher over `pool` with exactly the handlers listed, each named with
+    /// [`handler!`](crate::handler!): the explicit alternative to [`from_registry`](Self::from_registry),
+    /// which only sees handlers in crates that are linked into the program (a crate that
+    /// nothing references is not). Listing one handler twice is harmless.
+    ///
+    /// ```no_run
+    /// # mod ledger {
+    /// #     #[derive(Clone, serde::Serialize, serde::Deserialize, inbox_runtime::Message)]
+    /// #     pub struct Credit { #[message(key)] pub id: String }
+    /// #     #[inbox_runtime::idempotent(consumer = "ledger")]
+    /// #     pub async fn credit(conn: &mut sqlx::PgConnection, msg: Credit) -> Result<(), sqlx::Error> { Ok(()) }
+    /// # }
+    /// # fn demo(pool: sqlx::PgPool) -> Result<(), inbox_runtime::RegistryError> {
+    /// use inbox_runtime::{Dispatcher, handler};
+    ///
+    /// let dispatcher = Dispatcher::from_handlers(pool, [handler!(ledger::credit)])?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`RegistryError::NoHandlers`] if the list is empty; [`RegistryError::WrongBackend`] if a
+    /// handler takes another backend's connection; [`RegistryError::DuplicateConsumer`] if two
+    /// handlers share a consumer name for the same message.
+    pub fn from_handlers(
+        pool: Pool<DB>,
+        handlers: impl IntoIterator<Item = Registration>,
+    ) -> Result<Self, RegistryError> {
+        let mut listed: Vec<&'static dyn DynHandler> = Vec::new();
+        for registration in handlers {
+            let handler = registration.handler();
+            if handler.backend() != DB::BACKEND {
+                return Err(RegistryError::WrongBackend {
+                    function: handler.function(),
+                    backend: handler.backend(),
+                    expected: DB::BACKEND,
+                });
+            }
+            if !listed.iter().any(|h| h.function() == handler.function()) {
+                listed.push(handler);
+            }
+        }
+        Self::build(pool, listed, true)
+    }
+
+    fn build(
+        pool: Pool<DB>,
+        mut registrations: Vec<&'static dyn DynHandler>,
+        explicit: bool,
+    ) -> Result<Self, RegistryError> {
+        let mut routes: HashMap<&'static str, Vec<&'static dyn DynHandler>> = HashMap::new();
+        let mut other = 0;
+        let mut seen: BTreeMap<(&'static str, &'static str), &'static str> = BTreeMap::new();
+        registrations.sort_by_key(|h| (h.message_name(), h.consumer(), h.function()));
+        for handler in registrations {
+            if handler.backend() != DB::BACKEND {
+                other += 1;
+                continue;
+            }
+            if let Some(first) = seen.insert(
+                (handler.consumer(), handler.message_name()),
+                handler.function(),
+            ) {
+                return Err(RegistryError::DuplicateConsumer {
+                    consumer: handler.consumer(),
+                    message_name: handler.message_name(),
+                    first,
+                    second: handler.function(),
+                });
+            }
+            routes
+                .entry(handler.message_name())
+                .or_default()
+                .push(handler);
+        }
+        if routes.is_empty() {
+            return Err(if explicit {
+                RegistryError::NoHandlersListed {
+                    backend: DB::BACKEND,
+                }
+            } else {
+                RegistryError::NoHandlers {
+                    backend: DB::BACKEND,
+                    other,
+                }
+            });
+        }
+        Ok(Self {
+            pool,
+            routes,
+            policy: RetryPolicy::default(),
+            park: ParkPolicy::default(),
+            hooks: Hooks::default(),
+        })
+    }
+
+    /// Adds a [`TransactionHook`]: its `before_commit` runs on the claim's transaction after
+    /// each handler that returned `Ok` (after the hooks added before it), its `after_commit`
+    /// once that transaction committed. Applies to every path of this dispatcher: single
+    /// deliveries, batches, replays and parked successors.
+    pub fn with_hook(mut self, hook: impl TransactionHook<DB>) -> Self {
+        self.hooks.push(Arc::new(hook));
+        self
+    }
+
+    /// The hooks, as the protocol runs them (`None` when there are none: nothing to call).
+    pub(crate) fn hook_runner(&self) -> Option<&dyn HookRunner> {
+        if self.hooks.is_empty() {
+            None
+        } else {
+            Some(&self.hooks)
+        }
+    }
+
+    /// Replaces the default [`ParkPolicy`] used by [`Dispatcher::sweep_parked`].
+    pub fn with_park_policy(mut self, park: ParkPolicy) -> Self {
+        self.park = park;
+        self
+    }
+
+    /// Replaces the default [`RetryPolicy`] (handlers' own `max_attempts` still win).
+    pub fn with_retry_policy(mut self, policy: RetryPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// The retry policy in force.
+    pub fn retry_policy(&self) -> &RetryPolicy {
+        &self.policy
+    }
+
+    /// The handlers this dispatcher routes to, sorted by message name and consumer.
+    pub fn handlers(&self) -> Vec<HandlerInfo> {
+        let mut all: Vec<HandlerInfo> = self
+            .routes
+            .values()
+            .flatten()
+            .map(|handler| info(*handler))
+            .collect();
+        all.sort_by(|a, b| (a.message_name, a.consumer).cmp(&(b.message_name, b.consumer)));
+        all
+    }
+
+    /// The pool the dispatcher runs handlers on.
+    pub fn pool(&self) -> &Pool<DB> {
+        &self.pool
+    }
+
+    /// Runs every consumer registered for `envelope.message_name`, each in its own transaction
+    /// and inbox scope, one after the other in consumer-name order. Returns one
+    /// [`ConsumerOutcome`] per consumer.
+    ///
+    /// The payload is decoded once per message type, and every consumer's key is read, before
+    /// any database work: a bad envelope writes nothing.
+    ///
+    /// If the envelope's [`SourceMetadata::published_at`](crate::SourceMetadata::published_at)
+    /// is set, the lag (now minus that time, in seconds) is recorded per consumer in the
+    /// histogram `inbox_lag_seconds{consumer}`.
+    ///
+    /// # Errors
+    /// [`DispatchError::NoMessageName`] if the envelope's name is empty,
+    /// [`DispatchError::UnknownMessage`] if no handler takes this name,
+    /// [`DispatchError::Decode`] (with line and column) if the payload is not valid JSON of the
+    /// message type, [`DispatchError::Key`] if a consumer's key is missing, null, empty or too
+    /// long, [`DispatchError::Fingerprint`] if the message cannot be fingerprinted. Per-consumer
+    /// failures (handler error, conflict, database) are in each [`ConsumerOutcome::result`].
+    ///
+    /// Each call acquires a connection from the pool and gives it back: sqlx's pool pings on
+    /// both (two round trips more per envelope). A loop that dispatches many envelopes should
+    /// hold a connection across them with [`dispatch_on`](Self::dispatch_on), as the
+    /// [`Worker`](crate::Worker) does.
+    pub async fn dispatch(
+        &self,
+        envelope: &Envelope,
+    ) -> Result<Vec<ConsumerOutcome>, DispatchError> {
+        self.dispatch_on(&mut ConnectionSlot::new(), envelope).await
+    }
+
+    /// [`dispatch`](Self::dispatch) on the connection held by `slot` (acquired from the pool if
+    /// the slot is empty, replaced if it was lost): the same outcomes, errors and guarantees,
+    /// without the pool's round trips per envelope. See [`ConnectionSlot`].
+    ///
+    /// # Errors
+    /// As [`dispatch`](Self::dispatch).
+    pub async fn dispatch_on(
+        &self,
+        slot: &mut ConnectionSlot<DB>,
+        envelope: &Envelope,
+    ) -> Result<Vec<ConsumerOutcome>, DispatchError> {
+        let prepared = self.prepare(envelope)?;
+        let mut slot = slot.guard();
+        let mut outcomes = Vec::with_capacity(prepared.items.len());
+        for item in &prepared.items {
+            outcomes.push(self.run_item(&mut slot, &prepared, item).await);
+        }
+        slot.done();
+        Ok(outcomes)
+    }
+
+    /// Decodes an envelope once per message type and reads every consumer's key and ordering.
+    pub(crate) fn prepare<'e>(
+        &self,
+        envelope: &'e Envelope,
+    ) -> Result<Prepared<'e>, DispatchError> {
+        if envelope.message_name.is_empty() {
+            return Err(DispatchError::NoMessageName);
+        }
+        let handlers = self
+            .routes
+            .get(envelope.message_name.as_str())
+            .ok_or_else(|| DispatchError::UnknownMessage {
+                message_name: envelope.message_name.clone(),
+            })?;
+
+        // Decode once per message type (consumers of one name almost always share one type).
+        let mut decoded: Vec<(TypeId, Box<AnyMessage>, Fingerprint)> = Vec::with_capacity(1);
+        let mut items = Vec::with_capacity(handlers.len());
+        for handler in handlers {
+            let index = match decoded
+                .iter()
+                .position(|(ty, ..)| *ty == handler.message_type())
+            {
+                Some(index) => index,
+                None => {
+                    let msg = handler.decode(&envelope.payload).map_err(|source| {
+                        DispatchError::Decode {
+                            message_name: envelope.message_name.clone(),
+                            line: source.line(),
+                            column: source.column(),
+                            source,
+                        }
+                    })?;
+                    let fingerprint = handler.fingerprint(&*msg).map_err(|source| {
+                        DispatchError::Fingerprint {
+                            message_name: envelope.message_name.clone(),
+                            source,
+                        }
+                    })?;
+                    decoded.push((handler.message_type(), msg, fingerprint));
+                    decoded.len() - 1
+                }
+            };
+            let key_error = |source| DispatchError::Key {
+                consumer: handler.consumer(),
+                source,
+            };
+            let key = handler.key(&*decoded[index].1).map_err(key_error)?;
+            let ordering = handler.ordering(&*decoded[index].1).map_err(key_error)?;
+            items.push(PreparedItem {
+                handler: *handler,
+                message: index,
+                key,
+                ordering,
+            });
+        }
+        // Lag: how long after its production the message reaches its consumers.
+        let lag = envelope
+            .source
+            .as_ref()
+            .and_then(|source| source.published_at)
+            .map(|at| {
+                std::time::SystemTime::now()
+                    .duration_since(at)
+                    .unwrap_or_default()
+            });
+        Ok(Prepared {
+            envelope,
+            decoded,
+            items,
+            lag,
+        })
+    }
+
+    /// Runs one consumer of a prepared envelope in its own transaction (the single path).
+    pub(crate) async fn run_item(
+        &self,
+        slot: &mut ConnectionSlot<DB>,
+        prepared: &Prepared<'_>,
+        item: &PreparedItem,
+    ) -> ConsumerOutcome {
+        let handler = item.handler;
+        if let Some(lag) = prepared.lag {
+            metrics::histogram!("inbox_lag_seconds", "consumer" => handler.consumer())
+                .record(lag.as_secs_f64());
+        }
+        let (_, msg, fingerprint) = &prepared.decoded[item.message];
+        let delivery = Delivery {
+            key: &item.key,
+            fingerprint,
+            source: prepared.envelope.source.as_ref(),
+            payload: Some(&prepared.envelope.payload),
+            policy: &self.policy,
+            mode: ClaimMode::Deliver,
+            ordering: item.ordering.as_ref(),
+            hooks: self.hook_runner(),
+        };
+        let result = self.invoke(slot, handler, &**msg, &delivery).await;
+        if let (Ok(Outcome::Processed(())), Some(ordering)) = (&result, &item.ordering) {
+            self.apply_parked_successors(slot, handler, ordering).await;
+        }
+        ConsumerOutcome {
+            consumer: handler.consumer(),
+            function: handler.function(),
+            result,
+        }
+    }
+
+    /// Runs one handler on the slot's connection; a connection lost on the way (the attempt's
+    /// failure not even recorded) is replaced once and the delivery run again — the claim makes
+    /// that safe.
+    async fn invoke(
+        &self,
+        slot: &mut ConnectionSlot<DB>,
+        handler: &'static dyn DynHandler,
+        msg: &AnyMessage,
+        delivery: &Delivery<'_>,
+    ) -> Result<Outcome<()>, Error<BoxError>> {
+        let mut result = self.invoke_once(slot, handler, msg, delivery).await;
+        if lost_connection(&result) {
+            slot.discard();
+            tracing::warn!(
+                consumer = handler.consumer(),
+                "connection lost; retrying on a new one"
+            );
+            result = self.invoke_once(slot, handler, msg, delivery).await;
+            if lost_connection(&result) {
+                slot.discard();
+            }
+        }
+        result
+    }
+
+    async fn invoke_once(
+        &self,
+        slot: &mut ConnectionSlot<DB>,
+        handler: &'static dyn DynHandler,
+        msg: &AnyMessage,
+        delivery: &Delivery<'_>,
+    ) -> Result<Outcome<()>, Error<BoxError>> {
+        match slot.get(&self.pool).await {
+            Ok(conn) => {
+                handler
+                    .invoke(DB::any_connection(conn), msg, delivery)
+                    .await
+            }
+            Err(source) => Err(Error::Database(StoreError {
+                consumer: handler.consumer().to_owned(),
+                key: delivery.key.clone(),
+                operation: StoreOperation::Acquire,
+                source,
+            })),
+        }
+    }
+
+    /// Keeps an envelope the dispatcher refused ([`DispatchError`]) in `inbox_rejections`,
+    /// payload included, so that a source can ack it without losing it.
+    ///
+    /// # Errors
+    /// The database's error if the row could not be written (then do not ack).
+    pub async fn record_rejection(
+        &self,
+        envelope: &Envelope,
+        error: &DispatchError,
+    ) -> Result<(), sqlx::Error> {
+        self.record_rejection_on(&mut ConnectionSlot::new(), envelope, error)
+            .await
+    }
+
+    /// [`record_rejection`](Self::record_rejection) on the connection held by `slot`.
+    ///
+    /// # Errors
+    /// As [`record_rejection`](Self::record_rejection).
+    pub async fn record_rejection_on(
+        &self,
+        slot: &mut ConnectionSlot<DB>,
+        envelope: &Envelope,
+        error: &DispatchError,
+    ) -> Result<(), sqlx::Error> {
+        let (reason, consumer) = match error {
+            DispatchError::UnknownMessage { .. } => (RejectionReason::UnknownMessage, None),
+            DispatchError::NoMessageName
+            | DispatchError::Decode { .. }
+            | DispatchError::Fingerprint { .. } => (RejectionReason::Malformed, None),
+            DispatchError::Key { consumer, .. } => (RejectionReason::InvalidKey, Some(*consumer)),
+        };
+        let detail = error.to_string();
+        let rejection = Rejection {
+            consumer,
+            message_key: None,
+            message_name: &envelope.message_name,
+            reason,
+            detail: &detail,
+            payload_hash: None,
+            payload: &envelope.payload,
+            source: envelope.source.as_ref(),
+        };
+        let mut slot = slot.guard();
+        let mut recorded = self.record_once(&mut slot, &rejection).await;
+        // A connection lost since its last use is replaced once: the insert is not idempotent,
+        // but a lost connection means it did not commit (or, at worst, that the same delivery
+        // is kept twice, which loses nothing).
+        if slot.discard_if_lost(&recorded) {
+            recorded = self.record_once(&mut slot, &rejection).await;
+            slot.discard_if_lost(&recorded);
+        }
+        slot.done();
+        recorded
+    }
+
+    async fn record_once(
+        &self,
+        slot: &mut ConnectionSlot<DB>,
+        rejection: &Rejection<'_>,
+    ) -> Result<(), sqlx::Error> {
+        let conn = slot.get(&self.pool).await?;
+        DB::any_connection(conn)
+            .store()
+            .record_rejection(rejection)
+            .await
+    }
+
+    /// Replays one `failed` or `dead` message: decodes its stored payload and runs its
+    /// registered handler once, through the same claim (a `dead` key may be claimed by a replay).
+    ///
+    /// Replaying a key that is `processed` by now is a [`Outcome::Duplicate`]; two concurrent
+    /// replays of one key apply it once (the second waits on the first's claim).
+    ///
+    /// # Errors
+    /// [`ReplayError`] if the key is unknown, has no payload, no registered handler, or its
+    /// payload no longer decodes or yields the stored key.
+    pub async fn replay(&self, consumer: &str, key: &str) -> Result<ConsumerOutcome, ReplayError> {
+        let stored = {
+            let mut conn = self.pool.acquire().await?;
+            DB::any_connection(&mut conn)
+                .store()
+                .fetch_message(consumer, key)
+                .await?
+        }
+        .ok_or_else(|| ReplayError::NotFound {
+            consumer: consumer.to_owned(),
+            key: key.to_owned(),
+        })?;
+        let handler =
+            self.route(consumer, &stored.message_name)
+                .ok_or_else(|| ReplayError::NoHandler {
+                    consumer: consumer.to_owned(),
+                    message_name: stored.message_name.clone(),
+                })?;
+        if matches!(stored.status, Status::Processed | Status::Discarded) {
+            let outcome = if stored.status == Status::Processed {
+                Outcome::Duplicate
+            } else {
+                Outcome::Discarded
+            };
+            return Ok(ConsumerOutcome {
+                consumer: handler.consumer(),
+                function: handler.function(),
+                result: Ok(outcome),
+            });
+        }
+        let mut conn = self.pool.acquire().await?;
+        let result = run_stored(
+            handler,
+            DB::any_connection(&mut conn),
+            &stored,
+            ClaimMode::Replay,
+            &self.policy,
+            self.hook_runner(),
+        )
+        .await?;
+        drop(conn);
+        if let (Ok(Outcome::Processed(())), Some(ordering)) = (&result, &stored.ordering()) {
+            self.apply_parked_successors(&mut ConnectionSlot::new(), handler, ordering)
+                .await;
+        }
+        Ok(ConsumerOutcome {
+            consumer: handler.consumer(),
+            function: handler.function(),
+            result,
+        })
+    }
+
+    /// Applies the parked successors of `ordering` that its processing made applicable.
+    async fn apply_parked_successors(
+        &self,
+        slot: &mut ConnectionSlot<DB>,
+        handler: &'static dyn DynHandler,
+        ordering: &Ordering,
+    ) {
+        if handler.gaps() != GapPolicy::Park {
+            return;
+        }
+        match slot.get(&self.pool).await {
+            Ok(conn) => {
+                apply_parked_successors(
+                    DB::any_connection(conn),
+                    self,
+                    handler.consumer(),
+                    ordering,
+                    &self.policy,
+                    self.hook_runner(),
+                )
+                .await;
+            }
+            Err(error) => tracing::warn!(%error, "cannot apply parked successors now"),
+        }
+    }
+
+    /// Surfaces parked messages whose gap has stayed open longer than the [`ParkPolicy`]'s
+    /// timeout: dead-letters them, or releases them (applies them despite the gap, then their
+    /// parked successors), as the policy says. At most 1000 per call; call it periodically
+    /// (the worker does) or from the admin CLI.
+    ///
+    /// # Errors
+    /// The database's error; messages handled before it stay handled.
+    pub async fn sweep_parked(&self) -> Result<SweepReport, sqlx::Error> {
+        let mut report = SweepReport::default();
+        let expired = {
+            let mut conn = self.pool.acquire().await?;
+            DB::any_connection(&mut conn)
+                .store()
+                .expired_parked(self.park.timeout.as_secs_f64(), 1000)
+                .await?
+        };
+        for parked in expired {
+            let mut conn = self.pool.acquire().await?;
+            match self.park.on_timeout {
+                ParkTimeout::DeadLetter => {
+                    let reason = format!(
+                        "parked for more than {} s waiting for sequence {} of aggregate `{}`",
+                        self.park.timeout.as_secs(),
+                        parked.sequence - 1,
+                        parked.aggregate_id
+                    );
+                    if DB::any_connection(&mut conn)
+                        .store()
+                        .dead_letter_parked(&parked.consumer, &parked.message_key, &reason)
+                        .await?
+                    {
+                        report.dead_lettered += 1;
+                    }
+                }
+                ParkTimeout::Release => {
+                    let Some(handler) = self.route(&parked.consumer, &parked.message_name) else {
+                        continue;
+                    };
+                    let Some(stored) = DB::any_connection(&mut conn)
+                        .store()
+                        .fetch_message(&parked.consumer, &parked.message_key)
+                        .await?
+                    else {
+                        continue;
+                    };
+                    let result = run_stored(
+                        handler,
+                        DB::any_connection(&mut conn),
+                        &stored,
+                        ClaimMode::Release,
+                        &self.policy,
+                        self.hook_runner(),
+                    )
+                    .await;
+                    drop(conn);
+                    if let Ok(Ok(Outcome::Processed(()))) = result {
+                        report.released += 1;
+                        let ordering = Ordering {
+                            aggregate_id: parked.aggregate_id.clone(),
+                            sequence: parked.sequence,
+                        };
+                        self.apply_parked_successors(
+                            &mut ConnectionSlot::new(),
+                            handler,
+                            &ordering,
+                        )
+                        .await;
+                    }
+                }
+            }
+        }
+        Ok(report)
+    }
+}
+
+/// An envelope decoded and keyed for each of its consumers.
+pub(crate) struct Prepared<'e> {
+    pub(crate) envelope: &'e Envelope,
+    /// One decoded message (and its fingerprint) per message type.
+    pub(crate) decoded: Vec<(TypeId, Box<AnyMessage>, Fingerprint)>,
+    /// One item per consumer, in consumer order.
+    pub(crate) items: Vec<PreparedItem>,
+    lag: Option<std::time::Duration>,
+}
+
+/// One consumer of a prepared envelope.
+pub(crate) struct PreparedItem {
+    pub(crate) handler: &'static dyn DynHandler,
+    /// Index into [`Prepared::decoded`].
+    pub(crate) message: usize,
+    pub(crate) key: IdempotencyKey,
+    pub(crate) ordering: Option<Ordering>,
+}
+
+/// What one [`Dispatcher::sweep_parked`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct SweepReport {
+    /// Parked messages turned dead.
+    pub dead_lettered: u64,
+    /// Parked messages applied despite their gap.
+    pub released: u64,
+}
+
+fn lost_connection<T>(result: &Result<T, Error<BoxError>>) -> bool {
+    let is_lost = crate::slot::connection_lost;
+    match result {
+        Err(Error::Database(error)) => is_lost(&error.source),
+        Err(Error::Handler(failure)) => {
+            failure.disposition == crate::Disposition::NotRecorded
+                && failure
+                    .error
+                    .downcast_ref::<sqlx::Error>()
+                    .is_some_and(is_lost)
+        }
+        _ => false,
+    }
+}

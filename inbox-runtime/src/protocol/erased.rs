@@ -1,0 +1,132 @@
+//! Handlers with their types erased, as the dispatcher and the batch driver drive them.
+
+use std::any::{Any, TypeId};
+
+use super::single::{Delivery, Handler, run_delivery};
+use crate::BoxFuture;
+use crate::classify::{BoxError, ErrorClass};
+use crate::error::Error;
+use crate::fingerprint::{Fingerprint, FingerprintError};
+use crate::key::{IdempotencyKey, KeyError};
+use crate::message::Message;
+use crate::ordering::{GapPolicy, Ordering};
+use crate::outcome::Outcome;
+use crate::store::{AnyConnection, Backend, InboxConnection};
+
+/// A decoded message of any type.
+pub(crate) type AnyMessage = dyn Any + Send + Sync;
+
+/// A handler with its types erased, as the dispatcher drives it.
+#[doc(hidden)]
+pub trait DynHandler: Send + Sync + 'static {
+    fn consumer(&self) -> &'static str;
+    fn message_name(&self) -> &'static str;
+    fn function(&self) -> &'static str;
+    fn backend(&self) -> Backend;
+    fn message_type(&self) -> TypeId;
+    fn decode(&self, payload: &[u8]) -> Result<Box<AnyMessage>, serde_json::Error>;
+    fn key(&self, msg: &AnyMessage) -> Result<IdempotencyKey, KeyError>;
+    fn ordering(&self, msg: &AnyMessage) -> Result<Option<Ordering>, KeyError>;
+    fn gaps(&self) -> GapPolicy;
+    fn fingerprint(&self, msg: &AnyMessage) -> Result<Fingerprint, FingerprintError>;
+    fn invoke<'c>(
+        &'c self,
+        conn: AnyConnection<'c>,
+        msg: &'c AnyMessage,
+        delivery: &'c Delivery<'c>,
+    ) -> BoxFuture<'c, Result<Outcome<()>, Error<BoxError>>>;
+    /// Runs only the handler's body on `conn` (inside a caller's transaction), for batches.
+    fn call_body<'c>(
+        &'c self,
+        conn: AnyConnection<'c>,
+        msg: &'c AnyMessage,
+    ) -> BoxFuture<'c, Result<(), BodyError>>;
+    fn max_attempts(&self) -> Option<u32>;
+}
+
+/// A handler body's error, boxed, with its class and text.
+#[doc(hidden)]
+pub struct BodyError {
+    pub(crate) class: ErrorClass,
+    pub(crate) text: String,
+    pub(crate) error: BoxError,
+}
+
+fn downcast<M: 'static>(msg: &AnyMessage) -> &M {
+    msg.downcast_ref::<M>()
+        .expect("dispatcher grouped handlers by message type")
+}
+
+impl<H> DynHandler for H
+where
+    H: Handler,
+    H::Error: Into<BoxError>,
+{
+    fn consumer(&self) -> &'static str {
+        H::CONSUMER
+    }
+    fn message_name(&self) -> &'static str {
+        <H::Message as Message>::NAME
+    }
+    fn function(&self) -> &'static str {
+        H::FUNCTION
+    }
+    fn backend(&self) -> Backend {
+        <H::Connection as InboxConnection>::BACKEND
+    }
+    fn message_type(&self) -> TypeId {
+        TypeId::of::<H::Message>()
+    }
+    fn decode(&self, payload: &[u8]) -> Result<Box<AnyMessage>, serde_json::Error> {
+        Ok(Box::new(serde_json::from_slice::<H::Message>(payload)?))
+    }
+    fn key(&self, msg: &AnyMessage) -> Result<IdempotencyKey, KeyError> {
+        H::key(downcast::<H::Message>(msg))
+    }
+    fn ordering(&self, msg: &AnyMessage) -> Result<Option<Ordering>, KeyError> {
+        H::ordering(downcast::<H::Message>(msg))
+    }
+    fn gaps(&self) -> GapPolicy {
+        H::GAPS
+    }
+    fn fingerprint(&self, msg: &AnyMessage) -> Result<Fingerprint, FingerprintError> {
+        Fingerprint::of(<H::Message as Message>::NAME, downcast::<H::Message>(msg))
+    }
+    fn invoke<'c>(
+        &'c self,
+        conn: AnyConnection<'c>,
+        msg: &'c AnyMessage,
+        delivery: &'c Delivery<'c>,
+    ) -> BoxFuture<'c, Result<Outcome<()>, Error<BoxError>>> {
+        Box::pin(async move {
+            let conn = H::Connection::from_any(conn)
+                .expect("dispatcher routes only handlers of its own backend");
+            run_delivery::<H>(conn, downcast::<H::Message>(msg), delivery)
+                .await
+                .map(|outcome| outcome.map(|_| ()))
+                .map_err(|error| error.map_handler(Into::into))
+        })
+    }
+    fn call_body<'c>(
+        &'c self,
+        conn: AnyConnection<'c>,
+        msg: &'c AnyMessage,
+    ) -> BoxFuture<'c, Result<(), BodyError>> {
+        Box::pin(async move {
+            let conn = H::Connection::from_any(conn)
+                .expect("dispatcher routes only handlers of its own backend");
+            let msg = downcast::<H::Message>(msg).clone();
+            H::call(conn, msg)
+                .await
+                .map(|_| ())
+                .map_err(|error| BodyError {
+                    class: H::classify(&error),
+                    text: error.to_string(),
+                    error: error.into(),
+                })
+        })
+    }
+    fn max_attempts(&self) -> Option<u32> {
+        H::MAX_ATTEMPTS
+    }
+}

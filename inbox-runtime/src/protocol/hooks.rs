@@ -1,0 +1,157 @@
+//! Hooks in the claim's transaction: code that must commit with the effect (an outbox enqueue,
+//! a Kafka position update) runs on the claim's connection before `COMMIT`; code that must only
+//! see committed state (a cache fill, a relay wake-up) runs after it.
+
+use std::sync::Arc;
+
+use crate::BoxFuture;
+use crate::classify::BoxError;
+use crate::envelope::SourceMetadata;
+use crate::store::{AnyConnection, InboxConnection, InboxDatabase};
+
+/// The claim a hook runs for: one consumer's processing of one message.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct ClaimInfo<'a> {
+    /// The consumer (inbox scope).
+    pub consumer: &'a str,
+    /// The idempotency key.
+    pub key: &'a str,
+    /// The message's routing name.
+    pub message_name: &'a str,
+    /// The payload as delivered (JSON bytes), when the message came through the dispatcher;
+    /// `None` for a handler called directly.
+    pub payload: Option<&'a [u8]>,
+    /// Where the delivery came from, if the source said.
+    pub source: Option<&'a SourceMetadata>,
+}
+
+/// Code that runs inside the claim's transaction, after the handler body and before `COMMIT`,
+/// and after the commit. Configure it on a [`Dispatcher`](crate::Dispatcher) with
+/// [`with_hook`](crate::Dispatcher::with_hook); it runs for every message the dispatcher
+/// processes (single deliveries, batches, replays and parked successors alike), once per
+/// consumer whose handler ran and returned `Ok`.
+///
+/// * [`before_commit`](Self::before_commit) writes on the claim's connection: its writes commit
+///   or roll back with the claim and the handler's. An error rolls the whole transaction back;
+///   the attempt is recorded as failed (retryable) and reported as
+///   [`Error::Hook`](crate::Error::Hook).
+/// * [`after_commit`](Self::after_commit) runs after the transaction committed, never before:
+///   nothing is announced that could still roll back. It must not fail or block (spawn what
+///   takes time).
+///
+/// Duplicates, conflicts, stale and parked messages run no hook: nothing is processed for them.
+///
+/// ```no_run
+/// use inbox_runtime::{BoxError, BoxFuture, ClaimInfo, Dispatcher, TransactionHook};
+///
+/// /// Records every processed message in an audit table, in the same transaction.
+/// struct Audit;
+///
+/// impl TransactionHook<sqlx::Postgres> for Audit {
+///     fn before_commit<'c>(
+///         &'c self,
+///         conn: &'c mut sqlx::PgConnection,
+///         claim: &'c ClaimInfo<'c>,
+///     ) -> BoxFuture<'c, Result<(), BoxError>> {
+///         Box::pin(async move {
+///             sqlx::query("INSERT INTO audit (consumer, message_key) VALUES ($1, $2)")
+///                 .bind(claim.consumer)
+///                 .bind(claim.key)
+///                 .execute(conn)
+///                 .await?;
+///             Ok(())
+///         })
+///     }
+/// }
+///
+/// # fn demo(pool: sqlx::PgPool) -> Result<(), inbox_runtime::RegistryError> {
+/// let dispatcher = Dispatcher::from_registry(pool)?.with_hook(Audit);
+/// # Ok(()) }
+/// ```
+pub trait TransactionHook<DB: InboxDatabase>: Send + Sync + 'static {
+    /// Runs on the claim's transaction after the handler body returned `Ok`, before `COMMIT`.
+    /// The default does nothing.
+    ///
+    /// # Errors
+    /// Any error: the transaction rolls back and the attempt is recorded as failed.
+    fn before_commit<'c>(
+        &'c self,
+        conn: &'c mut DB::Connection,
+        claim: &'c ClaimInfo<'c>,
+    ) -> BoxFuture<'c, Result<(), BoxError>> {
+        let _ = (conn, claim);
+        Box::pin(async { Ok(()) })
+    }
+
+    /// Runs after the claim's transaction committed. The default does nothing.
+    fn after_commit(&self, claim: &ClaimInfo<'_>) {
+        let _ = claim;
+    }
+}
+
+/// A dispatcher's hooks, in the order they were added, with the backend erased for the
+/// protocol's drivers.
+pub(crate) struct Hooks<DB: InboxDatabase> {
+    list: Vec<Arc<dyn TransactionHook<DB>>>,
+}
+
+impl<DB: InboxDatabase> Clone for Hooks<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            list: self.list.clone(),
+        }
+    }
+}
+
+impl<DB: InboxDatabase> Default for Hooks<DB> {
+    fn default() -> Self {
+        Self { list: Vec::new() }
+    }
+}
+
+impl<DB: InboxDatabase> Hooks<DB> {
+    pub(crate) fn push(&mut self, hook: Arc<dyn TransactionHook<DB>>) {
+        self.list.push(hook);
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+}
+
+/// Hooks as the protocol's drivers run them, whatever the backend.
+pub(crate) trait HookRunner: Send + Sync {
+    /// Every hook's `before_commit`, in order; the first error stops them.
+    fn before_commit<'c>(
+        &'c self,
+        conn: AnyConnection<'c>,
+        claim: &'c ClaimInfo<'c>,
+    ) -> BoxFuture<'c, Result<(), BoxError>>;
+
+    /// Every hook's `after_commit`, in order.
+    fn after_commit(&self, claim: &ClaimInfo<'_>);
+}
+
+impl<DB: InboxDatabase> HookRunner for Hooks<DB> {
+    fn before_commit<'c>(
+        &'c self,
+        conn: AnyConnection<'c>,
+        claim: &'c ClaimInfo<'c>,
+    ) -> BoxFuture<'c, Result<(), BoxError>> {
+        Box::pin(async move {
+            let conn = <DB::Connection as InboxConnection>::from_any(conn)
+                .ok_or("a hook got a connection of another backend")?;
+            for hook in &self.list {
+                hook.before_commit(conn, claim).await?;
+            }
+            Ok(())
+        })
+    }
+
+    fn after_commit(&self, claim: &ClaimInfo<'_>) {
+        for hook in &self.list {
+            hook.after_commit(claim);
+        }
+    }
+}

@@ -1,0 +1,136 @@
+//! Parked messages and replays: stored messages run again through the same claim, and the
+//! parked successors of an applied message released in order.
+
+use super::erased::DynHandler;
+use super::hooks::HookRunner;
+use super::single::Delivery;
+use crate::classify::BoxError;
+use crate::error::{Error, ReplayError};
+use crate::ordering::Ordering;
+use crate::outcome::Outcome;
+use crate::policy::RetryPolicy;
+use crate::status::ClaimMode;
+use crate::store::{AnyConnection, StoredMessage};
+
+/// Which handler runs a stored message of a consumer: the dispatcher's own routes, or (for a
+/// handler called directly) every handler linked into the program.
+pub(crate) trait Routes: Sync {
+    /// The handler of `consumer` for `message_name`, if there is one.
+    fn route(&self, consumer: &str, message_name: &str) -> Option<&'static dyn DynHandler>;
+}
+
+/// Runs a stored (failed, dead or parked) message through its handler in `mode`.
+pub(crate) async fn run_stored(
+    handler: &'static dyn DynHandler,
+    conn: AnyConnection<'_>,
+    stored: &StoredMessage,
+    mode: ClaimMode,
+    policy: &RetryPolicy,
+    hooks: Option<&dyn HookRunner>,
+) -> Result<Result<Outcome<()>, Error<BoxError>>, ReplayError> {
+    let payload = stored
+        .payload
+        .as_deref()
+        .ok_or_else(|| ReplayError::NoPayload {
+            consumer: stored.consumer.clone(),
+            key: stored.message_key.clone(),
+            status: stored.status.to_string(),
+        })?;
+    let msg = handler
+        .decode(payload)
+        .map_err(|source| ReplayError::Decode {
+            message_name: stored.message_name.clone(),
+            source,
+        })?;
+    let message_key = handler.key(&*msg).map_err(ReplayError::Key)?;
+    if message_key.as_str() != stored.message_key {
+        return Err(ReplayError::KeyMismatch {
+            stored: stored.message_key.clone(),
+            decoded: message_key.into_string(),
+        });
+    }
+    let ordering = handler.ordering(&*msg).map_err(ReplayError::Key)?;
+    let fingerprint = handler
+        .fingerprint(&*msg)
+        .map_err(ReplayError::Fingerprint)?;
+    let delivery = Delivery {
+        key: &message_key,
+        fingerprint: &fingerprint,
+        source: None,
+        payload: Some(payload),
+        policy,
+        mode,
+        ordering: ordering.as_ref(),
+        hooks,
+    };
+    Ok(handler.invoke(conn, &*msg, &delivery).await)
+}
+
+/// After `ordering` was applied: applies, in order, each parked successor of its aggregate
+/// (sequence + 1, + 2, …), each in its own transaction, until one is missing or does not apply.
+/// Problems are logged, not returned: the message that triggered this was processed.
+pub(crate) async fn apply_parked_successors(
+    mut conn: AnyConnection<'_>,
+    routes: &dyn Routes,
+    consumer: &str,
+    ordering: &Ordering,
+    policy: &RetryPolicy,
+    hooks: Option<&dyn HookRunner>,
+) {
+    let mut sequence = ordering.sequence;
+    loop {
+        let next = async {
+            let store = conn.reborrow().store();
+            let Some(parked) = store
+                .find_parked(consumer, &ordering.aggregate_id, sequence + 1)
+                .await?
+            else {
+                return Ok(None);
+            };
+            let stored = store.fetch_message(consumer, &parked.message_key).await?;
+            Ok::<_, sqlx::Error>(stored.map(|stored| (parked, stored)))
+        }
+        .await;
+        let (parked, stored) = match next {
+            Ok(Some(found)) => found,
+            Ok(None) => return,
+            Err(error) => {
+                tracing::warn!(%error, consumer, "cannot look up parked successors");
+                return;
+            }
+        };
+        let Some(handler) = routes.route(consumer, &parked.message_name) else {
+            tracing::warn!(
+                consumer,
+                message = parked.message_name,
+                "parked message has no registered handler"
+            );
+            return;
+        };
+        match run_stored(
+            handler,
+            conn.reborrow(),
+            &stored,
+            ClaimMode::Resume,
+            policy,
+            hooks,
+        )
+        .await
+        {
+            Ok(Ok(Outcome::Processed(()))) => sequence += 1,
+            Ok(other) => {
+                tracing::info!(
+                    consumer,
+                    key = parked.message_key,
+                    outcome = ?other.map(|o| o.kind()).map_err(|e| e.kind()),
+                    "parked successor not applied"
+                );
+                return;
+            }
+            Err(error) => {
+                tracing::warn!(%error, consumer, key = parked.message_key, "parked successor cannot run");
+                return;
+            }
+        }
+    }
+}

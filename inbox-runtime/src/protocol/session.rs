@@ -1,0 +1,396 @@
+//! The public claim session: the claim protocol without a macro, for code that is not a
+//! message handler (an HTTP request with an `Idempotency-Key`, a relay, a custom consumer).
+
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex};
+
+use super::failure::{Attempt, Subject, aborted_transaction_text};
+use super::{Begun, ClaimTx, Decision, Wait, begin_claim, decide, finish};
+use crate::classify::ErrorClass;
+use crate::envelope::SourceMetadata;
+use crate::error::{Conflict, Disposition, StoreError, StoreOperation};
+use crate::fingerprint::Fingerprint;
+use crate::key::IdempotencyKey;
+use crate::policy::RetryPolicy;
+use crate::status::{ClaimMode, Status};
+use crate::store::{Backend, ClaimRequest, InboxConnection};
+
+/// A claim to open: an idempotency key in a scope, with the fingerprint of what is being done
+/// under it. The same protocol `#[idempotent]` handlers run on, without the macro.
+///
+/// * `scope` is the inbox scope (a consumer name for messages; for HTTP, say, the principal and
+///   route): keys are unique per scope. Any runtime string.
+/// * `name` names what is claimed (a message name, `POST /orders`); it is stored with the key.
+/// * `fingerprint` identifies the payload: the same key with another fingerprint is a
+///   [`ClaimState::Conflict`]. [`Fingerprint::of`] computes one over canonical JSON.
+///
+/// [`open`](Self::open) claims the key as the first statement of a new transaction on the
+/// connection and returns a [`ClaimState`]: the key is yours ([`ClaimedKey`]: run your writes
+/// on its connection, then [`complete`](ClaimedKey::complete) or [`fail`](ClaimedKey::fail)),
+/// or it was settled before ([`Settled`], with the result stored then), or it conflicts, or
+/// (with [`Wait::NoWait`]) another transaction holds it right now.
+///
+/// ```no_run
+/// use inbox_runtime::{ClaimSession, ClaimState, Fingerprint, IdempotencyKey, Wait};
+///
+/// # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// let key = IdempotencyKey::new("order-42-charge", "POST /charges", "Idempotency-Key")?;
+/// let body = serde_json::json!({"order": 42, "amount_cents": 1500});
+/// let fingerprint = Fingerprint::of("POST /charges", &body)?;
+/// let mut conn = pool.acquire().await?;
+/// let session = ClaimSession::new("tenant-7", &key, "POST /charges", fingerprint).wait(Wait::NoWait);
+/// match session.open(&mut *conn).await? {
+///     ClaimState::Claimed(mut claim) => {
+///         sqlx::query("INSERT INTO charges (order_id, amount_cents) VALUES (42, 1500)")
+///             .execute(claim.connection())
+///             .await?;
+///         claim.complete(Some(br#"{"status":201}"#)).await?; // commits writes, claim and result
+///     }
+///     ClaimState::Settled(settled) => println!("done before: {:?}", settled.result),
+///     ClaimState::Conflict(conflict) => println!("same key, other request: {conflict}"),
+///     ClaimState::InProgress => println!("still running elsewhere: try again later"),
+///     _ => {}
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct ClaimSession<'a> {
+    scope: &'a str,
+    key: &'a IdempotencyKey,
+    name: &'a str,
+    fingerprint: Fingerprint,
+    wait: Wait,
+    policy: Option<&'a RetryPolicy>,
+    source: Option<&'a SourceMetadata>,
+}
+
+/// What [`ClaimSession::open`] found.
+#[derive(Debug)]
+#[non_exhaustive]
+#[must_use = "a claimed key must be completed or failed, or its transaction rolls back"]
+pub enum ClaimState<'c, C: InboxConnection> {
+    /// The key is claimed by an open transaction on the connection: run your writes on
+    /// [`ClaimedKey::connection`], then complete or fail it.
+    Claimed(ClaimedKey<'c, C>),
+    /// The key was settled before with the same fingerprint: nothing to do again. Carries the
+    /// stored status and result.
+    Settled(Settled),
+    /// The key was claimed before with a *different* fingerprint. Nothing ran, nothing was
+    /// written.
+    Conflict(Conflict),
+    /// Another transaction holds the key uncommitted right now ([`Wait::NoWait`] only): its
+    /// outcome is not known yet. Nothing was written.
+    InProgress,
+}
+
+/// A key settled by an earlier claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Settled {
+    /// Its state: `processed` for a completed claim; `dead`, `discarded`, `stale` or `parked`
+    /// for message keys settled otherwise.
+    pub status: Status,
+    /// The fingerprint stored with it (equal to the session's).
+    pub fingerprint: Fingerprint,
+    /// Attempts that ran for it.
+    pub attempts: u32,
+    /// The result stored by [`ClaimedKey::complete`], if any (read only for `processed` keys).
+    pub result: Option<Vec<u8>>,
+}
+
+impl<'a> ClaimSession<'a> {
+    /// A claim of `key` in `scope` for `name` with `fingerprint`; waits for a concurrent holder
+    /// of the key ([`Wait::Block`]) and uses the default [`RetryPolicy`] for failures.
+    pub fn new(
+        scope: &'a str,
+        key: &'a IdempotencyKey,
+        name: &'a str,
+        fingerprint: Fingerprint,
+    ) -> Self {
+        Self {
+            scope,
+            key,
+            name,
+            fingerprint,
+            wait: Wait::Block,
+            policy: None,
+            source: None,
+        }
+    }
+
+    /// Whether to wait for a concurrent holder of the key (see [`Wait`]).
+    pub fn wait(mut self, wait: Wait) -> Self {
+        self.wait = wait;
+        self
+    }
+
+    /// The retry policy for [`ClaimedKey::fail`]: attempts before `dead`, delays between them.
+    pub fn retry_policy(mut self, policy: &'a RetryPolicy) -> Self {
+        self.policy = Some(policy);
+        self
+    }
+
+    /// Where the work came from, stored with the key.
+    pub fn source(mut self, source: &'a SourceMetadata) -> Self {
+        self.source = Some(source);
+        self
+    }
+
+    /// Opens the claim on `conn`: `BEGIN` (a savepoint if `conn` is already inside a
+    /// transaction), then the claim statement. A `failed` key with the same fingerprint is
+    /// claimed again (its retry).
+    ///
+    /// # Errors
+    /// [`StoreError`] if the database fails ([`StoreOperation::Begin`],
+    /// [`StoreOperation::Claim`] or [`StoreOperation::Rollback`]); nothing was written.
+    pub async fn open<'c, C: InboxConnection>(
+        &self,
+        conn: &'c mut C,
+    ) -> Result<ClaimState<'c, C>, StoreError> {
+        let in_flight = match InFlight::enter(C::BACKEND, self.scope, self.key.as_str(), self.wait)
+        {
+            Some(in_flight) => in_flight,
+            None => return Ok(ClaimState::InProgress),
+        };
+        let payload_hash = self.fingerprint.to_hex();
+        let request = ClaimRequest {
+            consumer: self.scope,
+            message_key: self.key.as_str(),
+            message_name: self.name,
+            payload_hash: &payload_hash,
+            source: self.source,
+            mode: ClaimMode::Deliver,
+        };
+        let (mut tx, begun) = begin_claim(conn, &request, self.wait)
+            .await
+            .map_err(|error| self.store_error(error))?;
+        match begun {
+            Begun::Claimed { attempts } => Ok(ClaimState::Claimed(ClaimedKey {
+                tx,
+                scope: self.scope.to_owned(),
+                key: self.key.clone(),
+                name: self.name.to_owned(),
+                payload_hash,
+                attempts,
+                policy: self.policy.cloned().unwrap_or_default(),
+                _in_flight: in_flight,
+            })),
+            Begun::InProgress => Ok(ClaimState::InProgress),
+            Begun::Existing {
+                status,
+                payload_hash: stored_hash,
+                attempts,
+            } => {
+                let decision = decide(status, &stored_hash, &self.fingerprint, ClaimMode::Deliver)
+                    .map_err(|damaged| {
+                        self.store_error((StoreOperation::Claim, damaged.into_sqlx()))
+                    })?;
+                match decision {
+                    Decision::Conflict { stored } => Ok(ClaimState::Conflict(Conflict {
+                        consumer: self.scope.to_owned(),
+                        message_name: self.name.to_owned(),
+                        key: self.key.clone(),
+                        stored,
+                        received: self.fingerprint,
+                    })),
+                    Decision::Settled(_) => {
+                        let result = if status == Status::Processed {
+                            tx.conn()
+                                .fetch_result(self.scope, self.key.as_str())
+                                .await
+                                .map_err(|e| self.store_error((StoreOperation::Claim, e)))?
+                        } else {
+                            None
+                        };
+                        Ok(ClaimState::Settled(Settled {
+                            status,
+                            fingerprint: self.fingerprint,
+                            attempts,
+                            result,
+                        }))
+                    }
+                    // The claim statement takes such rows itself, retrying when they change
+                    // under it; one seen here changed again: report it as still in progress.
+                    Decision::Claimable => Ok(ClaimState::InProgress),
+                }
+            }
+        }
+    }
+
+    fn store_error(&self, (operation, source): (StoreOperation, sqlx::Error)) -> StoreError {
+        StoreError {
+            consumer: self.scope.to_owned(),
+            key: self.key.clone(),
+            operation,
+            source,
+        }
+    }
+}
+
+/// A key claimed by an open transaction: run your writes on [`connection`](Self::connection),
+/// then [`complete`](Self::complete) (commit) or [`fail`](Self::fail) (roll back and record the
+/// attempt). Dropped without either, the transaction rolls back and the key stays free.
+pub struct ClaimedKey<'c, C: InboxConnection> {
+    tx: ClaimTx<'c, C>,
+    scope: String,
+    key: IdempotencyKey,
+    name: String,
+    payload_hash: String,
+    attempts: u32,
+    policy: RetryPolicy,
+    _in_flight: InFlight,
+}
+
+impl<C: InboxConnection> std::fmt::Debug for ClaimedKey<'_, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClaimedKey")
+            .field("scope", &self.scope)
+            .field("key", &self.key)
+            .field("attempts", &self.attempts)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C: InboxConnection> ClaimedKey<'_, C> {
+    /// The connection, inside the claim's transaction: your writes on it commit or roll back
+    /// with the claim.
+    pub fn connection(&mut self) -> &mut C {
+        self.tx.conn()
+    }
+
+    /// Attempts for this key so far, this one included (1 for a first claim).
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    /// Stores `result` with the key (if given; later claims of the key get it back in
+    /// [`Settled::result`]), checks the transaction is still usable, and commits: the key is
+    /// `processed`.
+    ///
+    /// # Errors
+    /// [`StoreError`] with [`StoreOperation::Complete`] (storing the result failed; rolled
+    /// back), [`StoreOperation::Verify`] (the transaction was aborted by an error you did not
+    /// return; rolled back, and the attempt recorded as failed) or [`StoreOperation::Commit`]
+    /// (the outcome is unknown: claim the key again to find out).
+    pub async fn complete(mut self, result: Option<&[u8]>) -> Result<(), StoreError> {
+        if let Some(result) = result {
+            let stored = self
+                .tx
+                .conn()
+                .store_result(&self.scope, self.key.as_str(), result)
+                .await;
+            if let Err(error) = stored {
+                let _ = self.tx.rollback().await;
+                return Err(self.store_error((StoreOperation::Complete, error)));
+            }
+        }
+        match finish(&mut self.tx, &self.scope, self.key.as_str()).await {
+            Ok(()) => Ok(()),
+            Err((StoreOperation::Verify, error)) => {
+                let text = aborted_transaction_text(&error);
+                self.record(ErrorClass::Retryable, &text, 0, &[]).await;
+                Err(self.store_error((StoreOperation::Verify, error)))
+            }
+            Err(error) => Err(self.store_error(error)),
+        }
+    }
+
+    /// Rolls back every write of the transaction, claim included, then records the failed
+    /// attempt in its own statement: `failed` with a next attempt time (the key is claimed
+    /// again by its next session), or `dead` when `class` is [`ErrorClass::Permanent`] or the
+    /// policy's `max_attempts` is reached. `error` is the text kept as `last_error`; `payload`
+    /// the bytes kept for a replay (may be empty).
+    ///
+    /// Returns what was recorded: [`Disposition::Retry`], [`Disposition::Dead`], or
+    /// [`Disposition::NotRecorded`] if the database failed too (logged).
+    pub async fn fail(mut self, class: ErrorClass, error: &str, payload: &[u8]) -> Disposition {
+        let _ = self.tx.rollback().await;
+        let attempts = self.attempts;
+        self.record(class, error, attempts, payload).await
+    }
+
+    /// Rolls back, recording nothing: the key stays as it was (free, or `failed`).
+    ///
+    /// # Errors
+    /// [`StoreError`] with [`StoreOperation::Rollback`] if the rollback failed (the server
+    /// rolls back when the connection closes).
+    pub async fn abandon(mut self) -> Result<(), StoreError> {
+        self.tx
+            .rollback()
+            .await
+            .map_err(|e| self.store_error((StoreOperation::Rollback, e)))
+    }
+
+    async fn record(
+        &mut self,
+        class: ErrorClass,
+        text: &str,
+        attempts: u32,
+        payload: &[u8],
+    ) -> Disposition {
+        let subject = Subject {
+            consumer: &self.scope,
+            key: self.key.as_str(),
+            message_name: &self.name,
+            payload_hash: &self.payload_hash,
+            payload,
+            source: None,
+            ordering: None,
+        };
+        Attempt::new(&self.policy, None, class, text, attempts)
+            .record_after_rollback(self.tx.conn(), &subject, attempts)
+            .await
+            .0
+    }
+
+    fn store_error(&self, (operation, source): (StoreOperation, sqlx::Error)) -> StoreError {
+        StoreError {
+            consumer: self.scope.clone(),
+            key: self.key.clone(),
+            operation,
+            source,
+        }
+    }
+}
+
+/// The keys held by claim sessions of this process on SQLite, with how many sessions hold or
+/// wait for each, so that a [`Wait::NoWait`] session can answer "in progress" without waiting
+/// for SQLite's write lock (which any writer holds, whatever its key). Keyed by scope and key
+/// only: two SQLite databases in one process that claim the same scope and key at the same
+/// moment see each other's claims as in progress.
+static IN_FLIGHT: LazyLock<Mutex<HashMap<(String, String), usize>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// A session's place in [`IN_FLIGHT`] (SQLite only), given up when the session ends.
+struct InFlight(Option<(String, String)>);
+
+impl InFlight {
+    /// Enters the key; `None` if `wait` is [`Wait::NoWait`] and another session holds it.
+    fn enter(backend: Backend, scope: &str, key: &str, wait: Wait) -> Option<Self> {
+        if backend != Backend::Sqlite {
+            return Some(Self(None));
+        }
+        let entry = (scope.to_owned(), key.to_owned());
+        let mut held = IN_FLIGHT.lock().unwrap_or_else(|e| e.into_inner());
+        let count = held.entry(entry.clone()).or_insert(0);
+        if *count > 0 && wait == Wait::NoWait {
+            return None;
+        }
+        *count += 1;
+        Some(Self(Some(entry)))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let Some(entry) = self.0.take() {
+            let mut held = IN_FLIGHT.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(count) = held.get_mut(&entry) {
+                *count -= 1;
+                if *count == 0 {
+                    held.remove(&entry);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,455 @@
+//! The single-delivery driver: one consumer's processing of one message, in its own
+//! transaction, with in-process retries of transient faults and the failure recorded.
+
+use std::time::Instant;
+
+use serde::Serialize;
+use tracing::Instrument as _;
+
+use super::failure::{Attempt, Subject, aborted_transaction_text, record_conflict};
+use super::hooks::{ClaimInfo, HookRunner};
+use super::{Begun, Decision, Wait, begin_claim, decide, finish};
+use crate::BoxFuture;
+use crate::classify::{BoxError, Classify as _, ErrorClass};
+use crate::envelope::SourceMetadata;
+use crate::error::StoreOperation;
+use crate::error::{Conflict, Disposition, Error, HandlerFailure, HookError, StoreError};
+use crate::fingerprint::Fingerprint;
+use crate::key::{IdempotencyKey, KeyError};
+use crate::message::Message;
+use crate::ordering::{GapPolicy, Ordering};
+use crate::outcome::Outcome;
+use crate::policy::RetryPolicy;
+use crate::status::{ClaimMode, Status};
+use crate::store::{ClaimRequest, ClaimResult, InboxConnection};
+
+/// The `Ok` and `Err` types of a handler's declared return type (any alias of `Result`).
+#[doc(hidden)]
+pub trait HandlerResult {
+    type Ok;
+    type Err;
+}
+
+impl<T, E> HandlerResult for Result<T, E> {
+    type Ok = T;
+    type Err = E;
+}
+
+/// One `#[idempotent]` function, as the macro describes it to the runtime.
+#[doc(hidden)]
+pub trait Handler: Send + Sync + 'static {
+    /// The connection type of the handler's first parameter; decides the backend.
+    type Connection: InboxConnection;
+    /// The message type of the second parameter.
+    type Message: Message;
+    /// The handler's `Ok` type.
+    type Output: Send + 'static;
+    /// The handler's `Err` type.
+    type Error: std::fmt::Display + Send + 'static;
+    /// The consumer name: the inbox scope of this handler.
+    const CONSUMER: &'static str;
+    /// Module path and name of the function, for diagnostics.
+    const FUNCTION: &'static str;
+    /// `#[idempotent(max_attempts = N)]`, overriding the dispatcher's [`RetryPolicy`].
+    const MAX_ATTEMPTS: Option<u32> = None;
+    /// `#[idempotent(gaps = "park")]`.
+    const GAPS: GapPolicy = GapPolicy::Apply;
+
+    /// The ordering of `msg` for this handler (generated from `aggregate`/`sequence`
+    /// arguments, else the message's own).
+    fn ordering(msg: &Self::Message) -> Result<Option<Ordering>, KeyError> {
+        msg.ordering()
+    }
+
+    /// The idempotency key of `msg` for this handler.
+    fn key(msg: &Self::Message) -> Result<IdempotencyKey, KeyError>;
+
+    /// The class of a handler error (generated: `Classify`, else the error chain).
+    fn classify(_error: &Self::Error) -> ErrorClass {
+        ErrorClass::Retryable
+    }
+
+    /// The original function body, run on the inbox transaction.
+    fn call<'c>(
+        conn: &'c mut Self::Connection,
+        msg: Self::Message,
+    ) -> BoxFuture<'c, Result<Self::Output, Self::Error>>;
+}
+
+/// Everything about one delivery that stays the same across its attempts.
+#[doc(hidden)]
+pub struct Delivery<'a> {
+    pub(crate) key: &'a IdempotencyKey,
+    pub(crate) fingerprint: &'a Fingerprint,
+    pub(crate) source: Option<&'a SourceMetadata>,
+    /// The payload as delivered, if known (else the message is serialized when needed).
+    pub(crate) payload: Option<&'a [u8]>,
+    pub(crate) policy: &'a RetryPolicy,
+    /// Which existing rows the claim may take over.
+    pub(crate) mode: ClaimMode,
+    /// The message's place in its aggregate, if the handler orders it.
+    pub(crate) ordering: Option<&'a Ordering>,
+    /// The dispatcher's hooks, if any.
+    pub(crate) hooks: Option<&'a dyn HookRunner>,
+}
+
+/// One delivery on one connection: attempts with in-process retries of transient faults, then
+/// the failure, if any, recorded.
+pub(crate) async fn run_delivery<H: Handler>(
+    conn: &mut H::Connection,
+    msg: &H::Message,
+    delivery: &Delivery<'_>,
+) -> Result<Outcome<H::Output>, Error<H::Error>> {
+    let span = tracing::info_span!(
+        "inbox.message",
+        consumer = H::CONSUMER,
+        message = <H::Message as Message>::NAME,
+        key = %delivery.key,
+        outcome = tracing::field::Empty,
+        attempts = tracing::field::Empty,
+    );
+    async move {
+        let mut delays = delivery.policy.transient_delays();
+        let mut result = attempt::<H>(conn, msg.clone(), delivery).await;
+        while is_transient::<H, _>(&result) {
+            let Some(delay) = delays.next() else { break };
+            tracing::debug!(
+                delay_ms = delay.as_millis() as u64,
+                "transient failure; retrying"
+            );
+            tokio::time::sleep(delay).await;
+            result = attempt::<H>(conn, msg.clone(), delivery).await;
+        }
+        let result = match result {
+            Err(failed) => Err(record::<H>(conn, msg, delivery, failed).await),
+            Ok(outcome) => Ok(outcome),
+        };
+        observe(H::CONSUMER, &result);
+        result
+    }
+    .instrument(span)
+    .await
+}
+
+/// How one attempt failed, before anything is recorded.
+enum Failed<E> {
+    /// The error to report as it is (nothing to record).
+    Report(Error<E>),
+    /// The handler returned an error.
+    Handler(HandlerFailure<E>),
+    /// A hook failed after the handler returned `Ok`.
+    Hook { source: BoxError, attempts: u32 },
+    /// The handler returned `Ok` from an aborted transaction: its attempt counts, so that a
+    /// handler that always does so ends dead instead of being redelivered forever.
+    Aborted(StoreError),
+    /// Same key, another payload.
+    Conflict(Conflict),
+}
+
+/// Records what a failed delivery leaves behind (after its last attempt) and builds its error.
+async fn record<H: Handler>(
+    conn: &mut H::Connection,
+    msg: &H::Message,
+    delivery: &Delivery<'_>,
+    failed: Failed<H::Error>,
+) -> Error<H::Error> {
+    let failed = match failed {
+        Failed::Report(error) => return error,
+        failed => failed,
+    };
+    let payload = payload_of(msg, delivery);
+    let payload_hash = delivery.fingerprint.to_hex();
+    let subject = Subject {
+        consumer: H::CONSUMER,
+        key: delivery.key.as_str(),
+        message_name: <H::Message as Message>::NAME,
+        payload_hash: &payload_hash,
+        payload: &payload,
+        source: delivery.source,
+        ordering: delivery.ordering,
+    };
+    let attempt = |class, text: &str, attempts| {
+        Attempt::new(delivery.policy, H::MAX_ATTEMPTS, class, text, attempts)
+    };
+    match failed {
+        Failed::Report(error) => error,
+        Failed::Handler(mut failure) => {
+            let text = failure.error.to_string();
+            let (disposition, attempts) = attempt(failure.class, &text, failure.attempts)
+                .record_after_rollback(conn, &subject, failure.attempts)
+                .await;
+            failure.disposition = disposition;
+            failure.attempts = attempts;
+            Error::Handler(failure)
+        }
+        Failed::Hook { source, attempts } => {
+            let text = format!("before-commit hook failed: {source}");
+            let (disposition, _) = attempt(ErrorClass::Retryable, &text, attempts)
+                .record_after_rollback(conn, &subject, attempts)
+                .await;
+            Error::Hook(HookError {
+                consumer: H::CONSUMER.to_owned(),
+                key: delivery.key.clone(),
+                disposition,
+                source,
+            })
+        }
+        Failed::Aborted(error) => {
+            let text = aborted_transaction_text(&error.source);
+            attempt(ErrorClass::Retryable, &text, 0)
+                .record_after_rollback(conn, &subject, 0)
+                .await;
+            Error::Database(error)
+        }
+        Failed::Conflict(conflict) => {
+            record_conflict(conn, &subject, &conflict).await;
+            Error::Conflict(conflict)
+        }
+    }
+}
+
+fn is_transient<H: Handler, T>(result: &Result<T, Failed<H::Error>>) -> bool {
+    match result {
+        Err(Failed::Handler(failure)) => failure.class == ErrorClass::Transient,
+        // A commit whose answer was lost is retried too: the claim tells whether it landed.
+        Err(Failed::Report(Error::Database(error))) => {
+            error.source.class() == ErrorClass::Transient
+        }
+        _ => false,
+    }
+}
+
+/// Counts the outcome and records it on the current span.
+pub(crate) fn observe<T, E>(consumer: &'static str, result: &Result<Outcome<T>, Error<E>>) {
+    let outcome = match result {
+        Ok(outcome) => outcome.kind(),
+        Err(Error::Handler(failure)) => match failure.disposition {
+            Disposition::Dead => "dead",
+            _ => "failed",
+        },
+        Err(error) => error.kind(),
+    };
+    tracing::Span::current().record("outcome", outcome);
+    if let Err(error) = result {
+        tracing::warn!(error = %ErrorDisplay(error), "message not processed");
+    }
+    metrics::counter!("inbox_messages_total", "consumer" => consumer, "outcome" => outcome)
+        .increment(1);
+}
+
+/// Displays an `Error<E>` without requiring `E: Display` on the public type.
+struct ErrorDisplay<'a, E>(&'a Error<E>);
+
+impl<E> std::fmt::Display for ErrorDisplay<'_, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Error::Handler(failure) => write!(
+                f,
+                "handler failed ({}, attempt {})",
+                failure.class.as_str(),
+                failure.attempts
+            ),
+            Error::Conflict(error) => error.fmt(f),
+            Error::Key(error) => error.fmt(f),
+            Error::Fingerprint(error) => error.fmt(f),
+            Error::Database(error) => error.fmt(f),
+            Error::Hook(error) => error.fmt(f),
+        }
+    }
+}
+
+/// One attempt: BEGIN, claim, body, hooks, verify, COMMIT — or ROLLBACK on a duplicate, a
+/// conflict or a handler error.
+async fn attempt<H: Handler>(
+    conn: &mut H::Connection,
+    msg: H::Message,
+    delivery: &Delivery<'_>,
+) -> Result<Outcome<H::Output>, Failed<H::Error>> {
+    let key = delivery.key;
+    let store_error = |(operation, source): (StoreOperation, sqlx::Error)| StoreError {
+        consumer: H::CONSUMER.to_owned(),
+        key: key.clone(),
+        operation,
+        source,
+    };
+    let report = |error: (StoreOperation, sqlx::Error)| Failed::Report(store_error(error).into());
+    let payload_hash = delivery.fingerprint.to_hex();
+    let request = ClaimRequest {
+        consumer: H::CONSUMER,
+        message_key: key.as_str(),
+        message_name: <H::Message as Message>::NAME,
+        payload_hash: &payload_hash,
+        source: delivery.source,
+        mode: delivery.mode,
+    };
+
+    // A delivery the source marks as a redelivery is most likely a duplicate: one read, with no
+    // transaction, settles it. A key that is free or `failed` takes the usual path.
+    if delivery.mode == ClaimMode::Deliver && delivery.source.is_some_and(|s| s.redelivered) {
+        let existing = conn
+            .existing(H::CONSUMER, key.as_str())
+            .await
+            .map_err(|e| report((StoreOperation::Claim, e)))?;
+        if let Some(ClaimResult::Existing {
+            status,
+            payload_hash: stored_hash,
+            ..
+        }) = existing
+            && status != Status::Failed
+        {
+            return settle_existing::<H>(status, &stored_hash, delivery);
+        }
+    }
+
+    let started = Instant::now();
+    let (mut tx, begun) = begin_claim(conn, &request, Wait::Block)
+        .await
+        .map_err(report)?;
+    metrics::histogram!("inbox_claim_duration_seconds", "consumer" => H::CONSUMER)
+        .record(started.elapsed().as_secs_f64());
+    let attempts = match begun {
+        Begun::Claimed { attempts } => attempts,
+        Begun::Existing {
+            status,
+            payload_hash,
+            attempts,
+        } => {
+            tracing::Span::current().record("attempts", attempts);
+            return settle_existing::<H>(status, &payload_hash, delivery);
+        }
+        Begun::InProgress => unreachable!("a blocking claim waits"),
+    };
+    tracing::Span::current().record("attempts", attempts);
+    if let Some(ordering) = delivery.ordering {
+        match order::<H>(tx.conn(), &msg, delivery, ordering).await {
+            Ok(None) => {}
+            Ok(Some(outcome)) => {
+                tx.commit()
+                    .await
+                    .map_err(|e| report((StoreOperation::Commit, e)))?;
+                return Ok(outcome);
+            }
+            Err(source) => {
+                let _ = tx.rollback().await;
+                return Err(report((StoreOperation::Order, source)));
+            }
+        }
+    }
+    let started = Instant::now();
+    let result = H::call(tx.conn(), msg).await;
+    metrics::histogram!("inbox_handler_duration_seconds", "consumer" => H::CONSUMER)
+        .record(started.elapsed().as_secs_f64());
+    let value = match result {
+        Ok(value) => value,
+        Err(error) => {
+            // The handler's error is what the caller needs; a failing rollback means the
+            // connection is gone, and the server rolls back with it.
+            let _ = tx.rollback().await;
+            return Err(Failed::Handler(HandlerFailure {
+                class: H::classify(&error),
+                error,
+                attempts,
+                disposition: Disposition::NotRecorded,
+            }));
+        }
+    };
+    let info = ClaimInfo {
+        consumer: H::CONSUMER,
+        key: key.as_str(),
+        message_name: <H::Message as Message>::NAME,
+        payload: delivery.payload,
+        source: delivery.source,
+    };
+    if let Some(hooks) = delivery.hooks
+        && let Err(source) = hooks.before_commit(tx.conn().as_any(), &info).await
+    {
+        let _ = tx.rollback().await;
+        return Err(Failed::Hook { source, attempts });
+    }
+    match finish(&mut tx, H::CONSUMER, key.as_str()).await {
+        Ok(()) => {}
+        Err(error @ (StoreOperation::Verify, _)) => {
+            return Err(Failed::Aborted(store_error(error)));
+        }
+        Err(error) => return Err(report(error)),
+    }
+    if let Some(hooks) = delivery.hooks {
+        hooks.after_commit(&info);
+    }
+    Ok(Outcome::Processed(value))
+}
+
+/// The outcome of a delivery whose key is already taken in the inbox (by [`decide`]).
+// A conflict is as large as the other errors; it is the outcome of a rare path, never boxed.
+#[allow(clippy::result_large_err)]
+fn settle_existing<H: Handler>(
+    status: Status,
+    stored_hash: &str,
+    delivery: &Delivery<'_>,
+) -> Result<Outcome<H::Output>, Failed<H::Error>> {
+    let decision =
+        decide(status, stored_hash, delivery.fingerprint, delivery.mode).map_err(|damaged| {
+            Failed::Report(Error::Database(StoreError {
+                consumer: H::CONSUMER.to_owned(),
+                key: delivery.key.clone(),
+                operation: StoreOperation::Claim,
+                source: damaged.into_sqlx(),
+            }))
+        })?;
+    match decision {
+        Decision::Settled(outcome) => Ok(outcome.map(|()| unreachable!("settled, not processed"))),
+        Decision::Conflict { stored } => Err(Failed::Conflict(Conflict {
+            consumer: H::CONSUMER.to_owned(),
+            message_name: <H::Message as Message>::NAME.to_owned(),
+            key: delivery.key.clone(),
+            stored,
+            received: *delivery.fingerprint,
+        })),
+        // The claim statement retries a row it would take over until it settles; the fast path
+        // does not read such a row; seen here, it changed under the claim: a transient state.
+        Decision::Claimable => Err(Failed::Report(Error::Database(StoreError {
+            consumer: H::CONSUMER.to_owned(),
+            key: delivery.key.clone(),
+            operation: StoreOperation::Claim,
+            source: sqlx::Error::Protocol("inbox claim: key neither claimable nor settled".into()),
+        }))),
+    }
+}
+
+/// The sequence guard, inside the claim's transaction: locks the aggregate (serializing its
+/// messages), then either lets the body run (advancing the aggregate's sequence), or settles the
+/// claim as `stale` or `parked` without running it.
+async fn order<H: Handler>(
+    conn: &mut H::Connection,
+    msg: &H::Message,
+    delivery: &Delivery<'_>,
+    ordering: &Ordering,
+) -> Result<Option<Outcome<H::Output>>, sqlx::Error> {
+    let last = conn
+        .lock_aggregate(H::CONSUMER, &ordering.aggregate_id)
+        .await?;
+    let key = delivery.key.as_str();
+    if ordering.sequence <= last {
+        conn.mark_message(H::CONSUMER, key, Status::Stale, ordering, None)
+            .await?;
+        return Ok(Some(Outcome::Stale));
+    }
+    let gap = ordering.sequence > last + 1;
+    if gap && H::GAPS == GapPolicy::Park && delivery.mode != ClaimMode::Release {
+        let payload = payload_of(msg, delivery);
+        conn.mark_message(H::CONSUMER, key, Status::Parked, ordering, Some(&payload))
+            .await?;
+        return Ok(Some(Outcome::Parked));
+    }
+    conn.advance_aggregate(H::CONSUMER, &ordering.aggregate_id, ordering.sequence)
+        .await?;
+    Ok(None)
+}
+
+fn payload_of<M: Serialize>(msg: &M, delivery: &Delivery<'_>) -> Vec<u8> {
+    match delivery.payload {
+        Some(payload) => payload.to_vec(),
+        // A message that fingerprinted serializes: the fingerprint was computed over it.
+        None => serde_json::to_vec(msg).unwrap_or_default(),
+    }
+}
