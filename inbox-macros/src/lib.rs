@@ -19,7 +19,7 @@
 //! * [`macro@handler`] names the registration of an `#[idempotent]` function, for a dispatcher
 //!   built from an explicit list instead of the `inventory` registry.
 //!
-//! ```ignore
+//! ```no_run
 //! use inbox_runtime::{idempotent, Message};
 //! use serde::{Deserialize, Serialize};
 //!
@@ -63,7 +63,9 @@ use syn::DeriveInput;
 /// Derives `inbox_runtime::Message` for a struct with named fields: its routing name, its
 /// idempotency key and, optionally, its ordering.
 ///
-/// ```ignore
+/// ```no_run
+/// # use inbox_runtime::Message;
+/// # use serde::{Deserialize, Serialize};
 /// #[derive(Clone, Serialize, Deserialize, Message)]
 /// #[message(name = "payments.refunded", key = "refund:{payment_id}:{seq}")]
 /// struct PaymentRefunded {
@@ -127,19 +129,29 @@ pub fn derive_message(input: TokenStream) -> TokenStream {
 
 /// Makes an `async fn` an effectively-once handler of one message type.
 ///
-/// ```ignore
+/// ```no_run
+/// # use inbox_runtime::{idempotent, Message, Outcome};
+/// # #[derive(Clone, serde::Serialize, serde::Deserialize, Message)]
+/// # struct PaymentCaptured {
+/// #     event_id: uuid::Uuid,
+/// #     #[message(key)]
+/// #     delivery_id: String,
+/// # }
 /// #[idempotent(consumer = "ledger", key = "event_id")]
 /// pub async fn credit(conn: &mut sqlx::PgConnection, msg: PaymentCaptured) -> Result<(), sqlx::Error> {
 ///     /* writes through `conn` */
 ///     Ok(())
 /// }
 ///
+/// # async fn demo(pool: sqlx::PgPool, msg: PaymentCaptured) -> Result<(), Box<dyn std::error::Error>> {
+/// # let mut conn = pool.acquire().await?;
 /// // The function now returns Result<Outcome<()>, inbox_runtime::Error<sqlx::Error>>:
 /// match credit(&mut conn, msg).await? {
 ///     Outcome::Processed(()) => {}  // ran, and committed with the claim of the key
 ///     Outcome::Duplicate => {}      // already processed: nothing ran
 ///     _ => {}
 /// }
+/// # Ok(()) }
 /// ```
 ///
 /// # Arguments
@@ -196,7 +208,16 @@ pub fn derive_message(input: TokenStream) -> TokenStream {
 /// the first message of an aggregate is sequence 1, so under `gaps = "park"` a sequence 2 that
 /// comes first waits for sequence 1. Each consumer keeps its own position per aggregate.
 ///
-/// ```ignore
+/// ```no_run
+/// # use inbox_runtime::{idempotent, Message};
+/// # #[derive(Clone, serde::Serialize, serde::Deserialize, Message)]
+/// # #[message(key = "{order_id}:{seq}")]
+/// # struct OrderEvent {
+/// #     #[message(aggregate)]
+/// #     order_id: String,
+/// #     #[message(sequence)]
+/// #     seq: u64,
+/// # }
 /// #[idempotent(consumer = "orders", gaps = "park")]
 /// async fn apply(conn: &mut sqlx::PgConnection, msg: OrderEvent) -> Result<(), sqlx::Error> {
 ///     // runs for sequence 1, 2, 3... of each order, in that order, each once
@@ -225,11 +246,30 @@ pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
 /// The path is the function's, as you would call it from here; the function must be visible
 /// here and annotated with `#[idempotent]`.
 ///
-/// ```ignore
+/// ```no_run
+/// # mod ledger {
+/// #     use inbox_runtime::{idempotent, Message};
+/// #     #[derive(Clone, serde::Serialize, serde::Deserialize, Message)]
+/// #     pub struct Payment {
+/// #         #[message(key)]
+/// #         pub event_id: uuid::Uuid,
+/// #     }
+/// #     #[idempotent(consumer = "ledger")]
+/// #     pub async fn credit(conn: &mut sqlx::PgConnection, msg: Payment) -> Result<(), sqlx::Error> {
+/// #         Ok(())
+/// #     }
+/// #     #[idempotent(consumer = "ledger-refunds")]
+/// #     pub async fn refund(conn: &mut sqlx::PgConnection, msg: Payment) -> Result<(), sqlx::Error> {
+/// #         Ok(())
+/// #     }
+/// # }
+/// # use inbox_runtime::Dispatcher;
+/// # fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 /// let dispatcher = Dispatcher::from_handlers(pool, [
 ///     inbox_runtime::handler!(ledger::credit),
 ///     inbox_runtime::handler!(ledger::refund),
 /// ])?;
+/// # Ok(()) }
 /// ```
 ///
 /// # Errors (at compile time)
