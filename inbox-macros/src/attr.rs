@@ -1,4 +1,5 @@
-//! `#[idempotent(...)]`: argument parsing and validation of the handler's signature.
+//! `#[idempotent(...)]`: argument parsing and validation of the handler's signature; and the
+//! path given to `handler!`, which names such a handler.
 //!
 //! Everything is checked before anything is generated, and every problem found is reported at
 //! once, each at the token it is about.
@@ -10,8 +11,7 @@ use quote::{ToTokens, quote, quote_spanned};
 use syn::parse::{ParseStream, Parser};
 use syn::spanned::Spanned;
 use syn::{
-    Attribute, FnArg, Item, ItemFn, LitStr, Pat, PatType, ReturnType, Signature, Type,
-    TypeReference,
+    FnArg, Item, ItemFn, LitStr, Pat, PatType, Path, ReturnType, Signature, Type, TypeReference,
 };
 
 /// The arguments every handler needs, as an example for error messages.
@@ -546,31 +546,33 @@ fn item_keyword(item: &Item) -> TokenStream {
     }
 }
 
-/// Lint and configuration attributes of the handler, which [`crate::expand`] copies onto the
-/// items it generates.
-pub(crate) fn is_cfg(attr: &Attribute) -> bool {
-    attr.path().is_ident("cfg")
-}
-
-/// `#[allow]`, `#[warn]`, `#[deny]`, `#[forbid]`: lint levels that also matter for the body.
-pub(crate) fn is_lint_level(attr: &Attribute) -> bool {
-    ["allow", "warn", "deny", "forbid"]
-        .iter()
-        .any(|name| attr.path().is_ident(name))
-}
-
-/// `#[expect]`: the lint it expects can only come from the body, so it moves there.
-pub(crate) fn is_expect(attr: &Attribute) -> bool {
-    attr.path().is_ident("expect")
-}
-
-/// The whole attribute: parse, check, generate; on error, the item is emitted unchanged next to
-/// the errors, so that its uses do not fail too.
-pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
-    match parse(args, item.clone()) {
-        Ok(handler) => crate::expand::handler(&handler),
-        Err(e) => crate::ctxt::error_output(&e, item),
+/// Parses and checks the input of `handler!`: the path of a function, without generic arguments.
+pub(crate) fn parse_handler_path(input: TokenStream) -> syn::Result<Path> {
+    let path: Path = match syn::parse2(input.clone()) {
+        Ok(path) => path,
+        Err(_) => {
+            let message = "expected the path of an `#[idempotent]` function, such as \
+                           `handler!(crate::ledger::credit)`";
+            return Err(if input.is_empty() {
+                syn::Error::new(Span::call_site(), message)
+            } else {
+                syn::Error::new_spanned(&input, message)
+            });
+        }
+    };
+    let Some(last) = path.segments.last() else {
+        return Err(syn::Error::new(
+            Span::call_site(),
+            "expected the path of an `#[idempotent]` function",
+        ));
+    };
+    if !last.arguments.is_none() {
+        return Err(syn::Error::new_spanned(
+            &last.arguments,
+            "a handler has no generic arguments: name the function alone",
+        ));
     }
+    Ok(path)
 }
 
 #[cfg(test)]
@@ -658,41 +660,6 @@ mod tests {
                 "missing argument `consumer`: every handler needs a consumer name, as in \
                  `#[idempotent(consumer = \"ledger\")]`"
             ]
-        );
-    }
-
-    #[test]
-    fn generated_code_is_valid_rust() {
-        let output = idempotent(
-            quote!(consumer = "ledger", key = "event_id"),
-            quote! {
-                #[cfg(feature = "pg")]
-                #[expect(clippy::needless_return)]
-                pub(crate) async fn credit(conn: &mut PgConnection, msg: Msg) -> Result<u8, E> {
-                    return Ok(1);
-                }
-            },
-        );
-        let file: syn::File = syn::parse2(output.clone()).unwrap_or_else(|e| panic!("{e}"));
-        // struct, impl, registration const, submit!, the use of the wrapper, the wrapper: each
-        // under the `cfg`.
-        assert_eq!(file.items.len(), 6);
-        let text = output.to_string();
-        assert!(text.contains("struct __inbox_handler_credit"), "{text}");
-        assert!(
-            text.contains("pub (crate) const __inbox_registration_credit"),
-            "{text}"
-        );
-        assert_eq!(
-            text.matches("# [cfg (feature = \"pg\")]").count(),
-            6,
-            "{text}"
-        );
-        // `#[expect]` moves to the body: once, not on the wrapper.
-        assert_eq!(text.matches("expect").count(), 1, "{text}");
-        assert!(
-            text.contains("async fn __inbox_body (conn : & mut PgConnection , msg : Msg)"),
-            "{text}"
         );
     }
 
@@ -833,55 +800,5 @@ mod tests {
             errors_of(quote!(consumer = "c", gaps = "Park"), item()).len(),
             1
         );
-    }
-
-    #[test]
-    fn generates_ordering_and_gaps() {
-        let text = idempotent(
-            quote!(
-                consumer = "c",
-                aggregate = "order_id",
-                sequence = "type",
-                gaps = "park"
-            ),
-            item(),
-        )
-        .to_string();
-        assert!(
-            text.contains(
-                "const GAPS : :: inbox_runtime :: GapPolicy = :: inbox_runtime :: GapPolicy :: \
-                 Park ;"
-            ),
-            "{text}"
-        );
-        assert!(text.contains("fn ordering (msg : & M ,)"), "{text}");
-        assert!(
-            text.contains("let inbox_aggregate_msg = msg ; let inbox_sequence_msg = msg ;"),
-            "{text}"
-        );
-        assert!(
-            text.contains(
-                ":: inbox_runtime :: __private :: ordering_from_fields (< M as :: \
-                 inbox_runtime :: Message > :: NAME , \"order_id\" , & inbox_aggregate_msg . order_id , \
-                 \"type\" , & inbox_sequence_msg . r#type ,)"
-            ),
-            "{text}"
-        );
-        let text = idempotent(quote!(consumer = "c", gaps = "apply"), item()).to_string();
-        assert!(!text.contains("GAPS"), "{text}");
-        assert!(!text.contains("ordering"), "{text}");
-    }
-
-    #[test]
-    fn errors_keep_the_item() {
-        let output = idempotent(
-            quote!(),
-            quote!(
-                async fn kept() {}
-            ),
-        );
-        let text = output.to_string();
-        assert!(text.contains("compile_error"), "{text}");
-        assert!(text.contains("async fn kept () { }"), "{text}");
     }
 }

@@ -4,10 +4,11 @@
 //! Generated code names only `::inbox_runtime::...` paths (and `::core`/`::std`), so it works
 //! wherever the user depends on `inbox-runtime`, under any import names.
 
-use crate::attr::{self, FieldArg, GapPolicy, Handler, OrderingArgs};
+use crate::attr::{FieldArg, GapPolicy, Handler, OrderingArgs};
 use crate::message::{FieldRef, Key, MessageDef, OrderingFields, Segment};
 use proc_macro2::{Ident, Span, TokenStream};
 use quote::{format_ident, quote, quote_spanned};
+use syn::Attribute;
 use syn::ext::IdentExt;
 use syn::spanned::Spanned;
 
@@ -182,12 +183,12 @@ pub(crate) fn handler(handler: &Handler) -> TokenStream {
 
     // `#[cfg]` applies to everything generated; lint levels also to the body, which lives in
     // its own function; `#[expect]` only to the body (the outer function cannot trigger it).
-    let cfgs: Vec<_> = func.attrs.iter().filter(|a| attr::is_cfg(a)).collect();
+    let cfgs: Vec<_> = func.attrs.iter().filter(|a| is_cfg(a)).collect();
     let body_attrs = func
         .attrs
         .iter()
-        .filter(|a| attr::is_lint_level(a) || attr::is_expect(a));
-    let outer_attrs = func.attrs.iter().filter(|a| !attr::is_expect(a));
+        .filter(|a| is_lint_level(a) || is_expect(a));
+    let outer_attrs = func.attrs.iter().filter(|a| !is_expect(a));
 
     // Errors about the return type (not a `Result`) point at the return type.
     let output_span = output.span();
@@ -322,6 +323,23 @@ pub(crate) fn handler(handler: &Handler) -> TokenStream {
     }
 }
 
+/// `#[cfg]`: applies to every item generated for the handler.
+fn is_cfg(attr: &Attribute) -> bool {
+    attr.path().is_ident("cfg")
+}
+
+/// `#[allow]`, `#[warn]`, `#[deny]`, `#[forbid]`: lint levels that also matter for the body.
+fn is_lint_level(attr: &Attribute) -> bool {
+    ["allow", "warn", "deny", "forbid"]
+        .iter()
+        .any(|name| attr.path().is_ident(name))
+}
+
+/// `#[expect]`: the lint it expects can only come from the body, so it moves there.
+fn is_expect(attr: &Attribute) -> bool {
+    attr.path().is_ident("expect")
+}
+
 /// `fn ordering(msg)` of `impl Handler`, for `#[idempotent(aggregate = "...", sequence = "...")]`:
 /// overrides the message's own ordering.
 ///
@@ -380,35 +398,12 @@ fn registration_ident(ident: &syn::Ident, span: Span) -> syn::Ident {
 }
 
 /// `handler!(path::to::function)`: the path of the registration constant `#[idempotent]`
-/// defined next to the function.
-pub(crate) fn registration(input: TokenStream) -> TokenStream {
-    let mut path: syn::Path = match syn::parse2(input.clone()) {
-        Ok(path) => path,
-        Err(_) => {
-            let message = "expected the path of an `#[idempotent]` function, such as \
-                           `handler!(crate::ledger::credit)`";
-            return if input.is_empty() {
-                syn::Error::new(Span::call_site(), message)
-            } else {
-                syn::Error::new_spanned(&input, message)
-            }
-            .to_compile_error();
-        }
-    };
-    let Some(last) = path.segments.last_mut() else {
-        return syn::Error::new(
-            Span::call_site(),
-            "expected the path of an `#[idempotent]` function",
-        )
-        .to_compile_error();
-    };
-    if !last.arguments.is_none() {
-        return syn::Error::new_spanned(
-            &last.arguments,
-            "a handler has no generic arguments: name the function alone",
-        )
-        .to_compile_error();
-    }
+/// defined next to the function, from the path [`crate::attr::parse_handler_path`] checked.
+pub(crate) fn registration(mut path: syn::Path) -> TokenStream {
+    let last = path
+        .segments
+        .last_mut()
+        .expect("checked by attr::parse_handler_path");
     last.ident = registration_ident(&last.ident, last.ident.span());
     quote!(#path)
 }

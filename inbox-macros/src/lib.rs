@@ -19,7 +19,7 @@
 //! * [`macro@handler`] names the registration of an `#[idempotent]` function, for a dispatcher
 //!   built from an explicit list instead of the `inventory` registry.
 //!
-//! ```ignore
+//! ```no_run
 //! use inbox_runtime::{idempotent, Message};
 //! use serde::{Deserialize, Serialize};
 //!
@@ -58,11 +58,14 @@ mod message;
 mod template;
 
 use proc_macro::TokenStream;
+use syn::DeriveInput;
 
 /// Derives `inbox_runtime::Message` for a struct with named fields: its routing name, its
 /// idempotency key and, optionally, its ordering.
 ///
-/// ```ignore
+/// ```no_run
+/// # use inbox_runtime::Message;
+/// # use serde::{Deserialize, Serialize};
 /// #[derive(Clone, Serialize, Deserialize, Message)]
 /// #[message(name = "payments.refunded", key = "refund:{payment_id}:{seq}")]
 /// struct PaymentRefunded {
@@ -121,24 +124,34 @@ use proc_macro::TokenStream;
 /// Generic structs, tuple and unit structs, enums and unions are rejected.
 #[proc_macro_derive(Message, attributes(message))]
 pub fn derive_message(input: TokenStream) -> TokenStream {
-    message::derive(input.into()).into()
+    derive_message_impl(input.into()).into()
 }
 
 /// Makes an `async fn` an effectively-once handler of one message type.
 ///
-/// ```ignore
+/// ```no_run
+/// # use inbox_runtime::{idempotent, Message, Outcome};
+/// # #[derive(Clone, serde::Serialize, serde::Deserialize, Message)]
+/// # struct PaymentCaptured {
+/// #     event_id: uuid::Uuid,
+/// #     #[message(key)]
+/// #     delivery_id: String,
+/// # }
 /// #[idempotent(consumer = "ledger", key = "event_id")]
 /// pub async fn credit(conn: &mut sqlx::PgConnection, msg: PaymentCaptured) -> Result<(), sqlx::Error> {
 ///     /* writes through `conn` */
 ///     Ok(())
 /// }
 ///
+/// # async fn demo(pool: sqlx::PgPool, msg: PaymentCaptured) -> Result<(), Box<dyn std::error::Error>> {
+/// # let mut conn = pool.acquire().await?;
 /// // The function now returns Result<Outcome<()>, inbox_runtime::Error<sqlx::Error>>:
 /// match credit(&mut conn, msg).await? {
 ///     Outcome::Processed(()) => {}  // ran, and committed with the claim of the key
 ///     Outcome::Duplicate => {}      // already processed: nothing ran
 ///     _ => {}
 /// }
+/// # Ok(()) }
 /// ```
 ///
 /// # Arguments
@@ -195,7 +208,16 @@ pub fn derive_message(input: TokenStream) -> TokenStream {
 /// the first message of an aggregate is sequence 1, so under `gaps = "park"` a sequence 2 that
 /// comes first waits for sequence 1. Each consumer keeps its own position per aggregate.
 ///
-/// ```ignore
+/// ```no_run
+/// # use inbox_runtime::{idempotent, Message};
+/// # #[derive(Clone, serde::Serialize, serde::Deserialize, Message)]
+/// # #[message(key = "{order_id}:{seq}")]
+/// # struct OrderEvent {
+/// #     #[message(aggregate)]
+/// #     order_id: String,
+/// #     #[message(sequence)]
+/// #     seq: u64,
+/// # }
 /// #[idempotent(consumer = "orders", gaps = "park")]
 /// async fn apply(conn: &mut sqlx::PgConnection, msg: OrderEvent) -> Result<(), sqlx::Error> {
 ///     // runs for sequence 1, 2, 3... of each order, in that order, each once
@@ -212,7 +234,7 @@ pub fn derive_message(input: TokenStream) -> TokenStream {
 /// [`handler!`](macro@handler)), and do not use the macro inside an `impl` or a trait.
 #[proc_macro_attribute]
 pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
-    attr::idempotent(args.into(), item.into()).into()
+    idempotent_impl(args.into(), item.into()).into()
 }
 
 /// The registration of one `#[idempotent]` function, named by its path:
@@ -224,11 +246,30 @@ pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
 /// The path is the function's, as you would call it from here; the function must be visible
 /// here and annotated with `#[idempotent]`.
 ///
-/// ```ignore
+/// ```no_run
+/// # mod ledger {
+/// #     use inbox_runtime::{idempotent, Message};
+/// #     #[derive(Clone, serde::Serialize, serde::Deserialize, Message)]
+/// #     pub struct Payment {
+/// #         #[message(key)]
+/// #         pub event_id: uuid::Uuid,
+/// #     }
+/// #     #[idempotent(consumer = "ledger")]
+/// #     pub async fn credit(conn: &mut sqlx::PgConnection, msg: Payment) -> Result<(), sqlx::Error> {
+/// #         Ok(())
+/// #     }
+/// #     #[idempotent(consumer = "ledger-refunds")]
+/// #     pub async fn refund(conn: &mut sqlx::PgConnection, msg: Payment) -> Result<(), sqlx::Error> {
+/// #         Ok(())
+/// #     }
+/// # }
+/// # use inbox_runtime::Dispatcher;
+/// # fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 /// let dispatcher = Dispatcher::from_handlers(pool, [
 ///     inbox_runtime::handler!(ledger::credit),
 ///     inbox_runtime::handler!(ledger::refund),
 /// ])?;
+/// # Ok(()) }
 /// ```
 ///
 /// # Errors (at compile time)
@@ -237,5 +278,202 @@ pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
 /// segment.
 #[proc_macro]
 pub fn handler(input: TokenStream) -> TokenStream {
-    expand::registration(input.into()).into()
+    handler_impl(input.into()).into()
+}
+
+// The macros on `proc_macro2` tokens, which unit tests can call (`proc_macro` tokens exist only
+// inside a macro invocation): parse and check everything ([`attr`], [`message`]), then generate
+// ([`expand`]).
+
+/// [`derive@Message`]: on error, the errors alone.
+fn derive_message_impl(input: proc_macro2::TokenStream) -> proc_macro2::TokenStream {
+    let input = match syn::parse2::<DeriveInput>(input) {
+        Ok(input) => input,
+        Err(e) => return e.to_compile_error(),
+    };
+    match message::parse(&input) {
+        Ok(def) => expand::message(&def),
+        Err(e) => e.to_compile_error(),
+    }
+}
+
+/// [`macro@idempotent`]: on error, the item is emitted unchanged next to the errors, so that its
+/// uses do not fail too.
+fn idempotent_impl(
+    args: proc_macro2::TokenStream,
+    item: proc_macro2::TokenStream,
+) -> proc_macro2::TokenStream {
+    match attr::parse(args, item.clone()) {
+        Ok(handler) => expand::handler(&handler),
+        Err(e) => ctxt::error_output(&e, item),
+    }
+}
+
+/// [`macro@handler`]: on error, the errors alone.
+fn handler_impl(input: proc_macro2::TokenStream) -> proc_macro2::TokenStream {
+    match attr::parse_handler_path(input) {
+        Ok(path) => expand::registration(path),
+        Err(e) => e.to_compile_error(),
+    }
+}
+
+/// The macros' output as a whole; the parsers' own checks are tested in their modules.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proc_macro2::TokenStream;
+    use quote::quote;
+
+    fn item() -> TokenStream {
+        quote!(
+            async fn h(c: &mut C, m: M) -> Result<(), E> {
+                Ok(())
+            }
+        )
+    }
+
+    #[test]
+    fn idempotent_generates_valid_rust() {
+        let output = idempotent_impl(
+            quote!(consumer = "ledger", key = "event_id"),
+            quote! {
+                #[cfg(feature = "pg")]
+                #[expect(clippy::needless_return)]
+                pub(crate) async fn credit(conn: &mut PgConnection, msg: Msg) -> Result<u8, E> {
+                    return Ok(1);
+                }
+            },
+        );
+        let file: syn::File = syn::parse2(output.clone()).unwrap_or_else(|e| panic!("{e}"));
+        // struct, impl, registration const, submit!, the use of the wrapper, the wrapper: each
+        // under the `cfg`.
+        assert_eq!(file.items.len(), 6);
+        let text = output.to_string();
+        assert!(text.contains("struct __inbox_handler_credit"), "{text}");
+        assert!(
+            text.contains("pub (crate) const __inbox_registration_credit"),
+            "{text}"
+        );
+        assert_eq!(
+            text.matches("# [cfg (feature = \"pg\")]").count(),
+            6,
+            "{text}"
+        );
+        // `#[expect]` moves to the body: once, not on the wrapper.
+        assert_eq!(text.matches("expect").count(), 1, "{text}");
+        assert!(
+            text.contains("async fn __inbox_body (conn : & mut PgConnection , msg : Msg)"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn idempotent_generates_ordering_and_gaps() {
+        let text = idempotent_impl(
+            quote!(
+                consumer = "c",
+                aggregate = "order_id",
+                sequence = "type",
+                gaps = "park"
+            ),
+            item(),
+        )
+        .to_string();
+        assert!(
+            text.contains(
+                "const GAPS : :: inbox_runtime :: GapPolicy = :: inbox_runtime :: GapPolicy :: \
+                 Park ;"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("fn ordering (msg : & M ,)"), "{text}");
+        assert!(
+            text.contains("let inbox_aggregate_msg = msg ; let inbox_sequence_msg = msg ;"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                ":: inbox_runtime :: __private :: ordering_from_fields (< M as :: \
+                 inbox_runtime :: Message > :: NAME , \"order_id\" , & inbox_aggregate_msg . order_id , \
+                 \"type\" , & inbox_sequence_msg . r#type ,)"
+            ),
+            "{text}"
+        );
+        let text = idempotent_impl(quote!(consumer = "c", gaps = "apply"), item()).to_string();
+        assert!(!text.contains("GAPS"), "{text}");
+        assert!(!text.contains("ordering"), "{text}");
+    }
+
+    #[test]
+    fn idempotent_errors_keep_the_item() {
+        let output = idempotent_impl(
+            quote!(),
+            quote!(
+                async fn kept() {}
+            ),
+        );
+        let text = output.to_string();
+        assert!(text.contains("compile_error"), "{text}");
+        assert!(text.contains("async fn kept () { }"), "{text}");
+    }
+
+    #[test]
+    fn message_generates_ordering() {
+        let output = derive_message_impl(quote! {
+            struct S {
+                #[message(key)] id: u64,
+                #[message(aggregate)] r#type: String,
+                #[message(sequence)] seq: Option<u32>,
+            }
+        });
+        let item: syn::ItemImpl = syn::parse2(output.clone()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(item.items.len(), 3);
+        let text = output.to_string();
+        assert!(
+            text.contains(
+                ":: inbox_runtime :: __private :: ordering_from_fields (< Self as :: \
+                 inbox_runtime :: Message > :: NAME , \"type\" , __inbox_key_part :: < String \
+                 > (& self . r#type) , \"seq\" , __inbox_sequence_part :: < Option < u32 > > \
+                 (& self . seq) ,)"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "fn __inbox_sequence_part < T : :: inbox_runtime :: __private :: SequencePart >"
+            ),
+            "{text}"
+        );
+        // Without markers, the trait's default applies.
+        let output = derive_message_impl(quote! {
+            struct S { #[message(key)] id: u64 }
+        });
+        assert!(!output.to_string().contains("ordering"), "{output}");
+    }
+
+    #[test]
+    fn message_generates_valid_rust() {
+        let output = derive_message_impl(quote! {
+            #[message(key = "a:{a}:{b}")]
+            struct S { a: u8, b: String }
+        });
+        let item: syn::ItemImpl = syn::parse2(output.clone()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(item.items.len(), 2);
+        let text = output.to_string();
+        assert!(text.contains("key_from_template"), "{text}");
+        assert!(
+            text.contains("__inbox_key_part :: < u8 > (& self . a)"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn handler_names_the_registration() {
+        let text = handler_impl(quote!(crate::ledger::r#credit)).to_string();
+        assert_eq!(text, "crate :: ledger :: __inbox_registration_credit");
+        for input in [quote!(), quote!(credit()), quote!(ledger::credit::<u8>)] {
+            let text = handler_impl(input).to_string();
+            assert!(text.contains("compile_error"), "{text}");
+        }
+    }
 }

@@ -595,18 +595,6 @@ struct MessageAttrs {
     malformed: bool,
 }
 
-/// The whole derive: parse, check, generate.
-pub(crate) fn derive(input: proc_macro2::TokenStream) -> proc_macro2::TokenStream {
-    let input = match syn::parse2::<DeriveInput>(input) {
-        Ok(input) => input,
-        Err(e) => return e.to_compile_error(),
-    };
-    match parse(&input) {
-        Ok(def) => crate::expand::message(&def),
-        Err(e) => e.to_compile_error(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -843,56 +831,6 @@ mod tests {
                 struct S { #[message(key, ordered)] id: u64 }
             }),
             ["unknown field argument `ordered`, expected one of: `key`, `aggregate`, `sequence`"]
-        );
-    }
-
-    #[test]
-    fn generated_ordering() {
-        let output = derive(quote! {
-            struct S {
-                #[message(key)] id: u64,
-                #[message(aggregate)] r#type: String,
-                #[message(sequence)] seq: Option<u32>,
-            }
-        });
-        let item: syn::ItemImpl = syn::parse2(output.clone()).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(item.items.len(), 3);
-        let text = output.to_string();
-        assert!(
-            text.contains(
-                ":: inbox_runtime :: __private :: ordering_from_fields (< Self as :: \
-                 inbox_runtime :: Message > :: NAME , \"type\" , __inbox_key_part :: < String \
-                 > (& self . r#type) , \"seq\" , __inbox_sequence_part :: < Option < u32 > > \
-                 (& self . seq) ,)"
-            ),
-            "{text}"
-        );
-        assert!(
-            text.contains(
-                "fn __inbox_sequence_part < T : :: inbox_runtime :: __private :: SequencePart >"
-            ),
-            "{text}"
-        );
-        // Without markers, the trait's default applies.
-        let output = derive(quote! {
-            struct S { #[message(key)] id: u64 }
-        });
-        assert!(!output.to_string().contains("ordering"), "{output}");
-    }
-
-    #[test]
-    fn generated_code_is_valid_rust() {
-        let output = derive(quote! {
-            #[message(key = "a:{a}:{b}")]
-            struct S { a: u8, b: String }
-        });
-        let item: syn::ItemImpl = syn::parse2(output.clone()).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(item.items.len(), 2);
-        let text = output.to_string();
-        assert!(text.contains("key_from_template"), "{text}");
-        assert!(
-            text.contains("__inbox_key_part :: < u8 > (& self . a)"),
-            "{text}"
         );
     }
 }
