@@ -6,7 +6,8 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use inbox_runtime::{Envelope, Message, Outcome};
+use inbox_runtime::{Message, Outcome};
+use inbox_tests::envelope;
 use serde::{Deserialize, Serialize};
 
 /// One event of an order's lifecycle.
@@ -29,10 +30,6 @@ pub fn event(order: &str, seq: i64, kind: &str) -> OrderEvent {
         seq,
         kind: kind.to_owned(),
     }
-}
-
-pub fn envelope(event: &OrderEvent) -> Envelope {
-    Envelope::new(OrderEvent::NAME, serde_json::to_vec(event).unwrap())
 }
 
 /// The lifecycle kinds by sequence.
@@ -99,241 +96,225 @@ pub const ORDERS_TABLE: &str = "CREATE TABLE orders (consumer TEXT NOT NULL, ord
 pub const APPEND: &str = "INSERT INTO orders (consumer, order_id, history) VALUES ($1, $2, $3) \
      ON CONFLICT (consumer, order_id) DO UPDATE SET history = orders.history || ',' || excluded.history";
 
-macro_rules! ordering_tests {
-    ($backend:ident, $conn:ty, $db:ty, $pool:expr) => {
-        mod $backend {
-            use super::*;
-            use inbox_runtime::{Dispatcher, ParkPolicy, ParkTimeout};
-            use std::sync::Arc;
+inbox_tests::backend_matrix! {
+    connections(postgres = 8, sqlite = 4);
 
-            #[inbox_runtime::idempotent(consumer = "orders-park", gaps = "park")]
-            async fn track_parked(conn: &mut $conn, msg: OrderEvent) -> Result<(), sqlx::Error> {
-                sqlx::query(APPEND)
-                    .bind("orders-park")
-                    .bind(&msg.order_id)
-                    .bind(&msg.kind)
-                    .execute(conn)
-                    .await?;
-                Ok(())
-            }
+    use inbox_runtime::{Dispatcher, ParkPolicy, ParkTimeout};
+    use std::sync::Arc;
 
-            #[inbox_runtime::idempotent(consumer = "orders-apply")]
-            async fn track_newest(conn: &mut $conn, msg: OrderEvent) -> Result<(), sqlx::Error> {
-                sqlx::query(APPEND)
-                    .bind("orders-apply")
-                    .bind(&msg.order_id)
-                    .bind(&msg.kind)
-                    .execute(conn)
-                    .await?;
-                Ok(())
-            }
+    #[inbox_runtime::idempotent(consumer = "orders-park", gaps = "park")]
+    async fn track_parked(conn: &mut Conn, msg: OrderEvent) -> Result<(), sqlx::Error> {
+        sqlx::query(APPEND)
+            .bind("orders-park")
+            .bind(&msg.order_id)
+            .bind(&msg.kind)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
 
-            async fn setup() -> (sqlx::Pool<$db>, impl Sized) {
-                let (pool, guard) = $pool;
-                sqlx::raw_sql(ORDERS_TABLE).execute(&pool).await.unwrap();
-                (pool, guard)
-            }
+    #[inbox_runtime::idempotent(consumer = "orders-apply")]
+    async fn track_newest(conn: &mut Conn, msg: OrderEvent) -> Result<(), sqlx::Error> {
+        sqlx::query(APPEND)
+            .bind("orders-apply")
+            .bind(&msg.order_id)
+            .bind(&msg.kind)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
 
-            async fn histories(pool: &sqlx::Pool<$db>, consumer: &str, prefix: &str) -> BTreeMap<String, String> {
-                let rows: Vec<(String, String)> = sqlx::query_as(
-                    "SELECT order_id, history FROM orders WHERE consumer = $1 AND order_id LIKE $2",
-                )
-                .bind(consumer)
-                .bind(format!("{prefix}%"))
-                .fetch_all(pool)
-                .await
-                .unwrap();
-                rows.into_iter().collect()
-            }
+    async fn setup() -> (Pool, Guard) {
+        let (pool, guard) = fixture().await;
+        sqlx::raw_sql(ORDERS_TABLE).execute(&pool).await.unwrap();
+        (pool, guard)
+    }
 
-            async fn parked(pool: &sqlx::Pool<$db>) -> i64 {
-                sqlx::query_scalar("SELECT COUNT(*) FROM inbox_messages WHERE status = 'parked'")
-                    .fetch_one(pool)
-                    .await
-                    .unwrap()
-            }
+    async fn histories(pool: &Pool, consumer: &str, prefix: &str) -> BTreeMap<String, String> {
+        let rows: Vec<(String, String)> = sqlx::query_as(
+            "SELECT order_id, history FROM orders WHERE consumer = $1 AND order_id LIKE $2",
+        )
+        .bind(consumer)
+        .bind(format!("{prefix}%"))
+        .fetch_all(pool)
+        .await
+        .unwrap();
+        rows.into_iter().collect()
+    }
 
-            #[test]
-            fn random_permutations_with_duplicates_match_the_model() {
-                let runtime = tokio::runtime::Runtime::new().unwrap();
-                let (pool, _guard) = runtime.block_on(setup());
-                let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
-                let case = std::sync::atomic::AtomicU32::new(0);
-                proptest::proptest!(proptest::prelude::ProptestConfig::with_cases(24), |(seed in proptest::prelude::any::<u64>(), aggregates in 1_usize..8, extra in 0_usize..12)| {
-                    let n = case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let prefix = format!("c{n}-");
-                    let events = stream(seed, aggregates, extra, &prefix);
-                    runtime.block_on(async {
-                        for e in &events {
-                            let outcomes = dispatcher.dispatch(&envelope(e)).await.unwrap();
-                            for outcome in outcomes {
-                                let _settled = outcome.result.unwrap();
-                            }
+    async fn parked(pool: &Pool) -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM inbox_messages WHERE status = 'parked'")
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+
+    #[test]
+    fn random_permutations_with_duplicates_match_the_model() {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let (pool, _guard) = runtime.block_on(setup());
+        let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+        let case = std::sync::atomic::AtomicU32::new(0);
+        proptest::proptest!(proptest::prelude::ProptestConfig::with_cases(24), |(seed in proptest::prelude::any::<u64>(), aggregates in 1_usize..8, extra in 0_usize..12)| {
+            let n = case.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let prefix = format!("c{n}-");
+            let events = stream(seed, aggregates, extra, &prefix);
+            runtime.block_on(async {
+                for e in &events {
+                    let outcomes = dispatcher.dispatch(&envelope(e)).await.unwrap();
+                    for outcome in outcomes {
+                        let _settled = outcome.result.unwrap();
+                    }
+                }
+                assert_eq!(histories(&pool, "orders-park", &prefix).await, in_order(&events));
+                assert_eq!(histories(&pool, "orders-apply", &prefix).await, apply_newer(&events));
+            });
+        });
+        assert_eq!(runtime.block_on(parked(&pool)), 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn eight_tasks_on_fifty_aggregates_end_in_order() {
+        let (pool, _guard) = setup().await;
+        let dispatcher = Arc::new(Dispatcher::from_registry(pool.clone()).unwrap());
+        let events = stream(8, 50, 60, "conc-");
+        let queue = Arc::new(std::sync::Mutex::new(events.clone()));
+        let mut tasks = Vec::new();
+        for _ in 0..8 {
+            let queue = queue.clone();
+            let dispatcher = dispatcher.clone();
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    let Some(e) = queue.lock().unwrap().pop() else { break };
+                    for outcome in dispatcher.dispatch(&envelope(&e)).await.unwrap() {
+                        if let Err(error) = outcome.result {
+                            panic!("{}: {error}", outcome.consumer);
                         }
-                        assert_eq!(histories(&pool, "orders-park", &prefix).await, in_order(&events));
-                        assert_eq!(histories(&pool, "orders-apply", &prefix).await, apply_newer(&events));
-                    });
-                });
-                assert_eq!(runtime.block_on(parked(&pool)), 0);
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn eight_tasks_on_fifty_aggregates_end_in_order() {
-                let (pool, _guard) = setup().await;
-                let dispatcher = Arc::new(Dispatcher::from_registry(pool.clone()).unwrap());
-                let events = stream(8, 50, 60, "conc-");
-                let queue = Arc::new(std::sync::Mutex::new(events.clone()));
-                let mut tasks = Vec::new();
-                for _ in 0..8 {
-                    let queue = queue.clone();
-                    let dispatcher = dispatcher.clone();
-                    tasks.push(tokio::spawn(async move {
-                        loop {
-                            let Some(e) = queue.lock().unwrap().pop() else { break };
-                            for outcome in dispatcher.dispatch(&envelope(&e)).await.unwrap() {
-                                if let Err(error) = outcome.result {
-                                    panic!("{}: {error}", outcome.consumer);
-                                }
-                            }
-                        }
-                    }));
+                    }
                 }
-                for task in tasks {
-                    task.await.unwrap();
-                }
-                assert_eq!(histories(&pool, "orders-park", "conc-").await, in_order(&events));
-                assert_eq!(parked(&pool).await, 0);
-            }
-
-            #[tokio::test]
-            async fn the_worker_acks_parked_messages_and_sweeps_expired_ones() {
-                use inbox_runtime::source::memory::MemorySource;
-                use std::time::Duration;
-                let (pool, _guard) = setup().await;
-                let dispatcher = Dispatcher::from_registry(pool.clone())
-                    .unwrap()
-                    .with_park_policy(ParkPolicy::new(Duration::ZERO, ParkTimeout::DeadLetter));
-                let source = MemorySource::new("mem");
-                let handle = source.handle();
-                let parked = handle.push(envelope(&event("w", 2, "paid")));
-                let report = inbox_runtime::Worker::new(dispatcher)
-                    .park_sweep(Some(Duration::from_millis(50)))
-                    .stop_when_idle(Duration::from_millis(500))
-                    .run(source, tokio_util::sync::CancellationToken::new())
-                    .await
-                    .unwrap();
-                // orders-park parked it, orders-apply applied it: the delivery is acked.
-                assert_eq!((report.parked, report.processed, report.acked), (1, 1, 1));
-                assert_eq!(handle.settlements(), [(parked, inbox_runtime::source::Settlement::Ack)]);
-                // The gap stayed open past the (zero) timeout: the sweep dead-lettered it.
-                let row = inbox_runtime::admin::show(&pool, "orders-park", "w/2").await.unwrap().unwrap();
-                assert_eq!(row.status, "dead");
-            }
-
-            #[tokio::test]
-            async fn outcomes_of_the_guard() {
-                let (pool, _guard) = setup().await;
-                let mut conn = pool.acquire().await.unwrap();
-                // Park: 3 and 2 before 1 are held; 1 applies and brings 2 and 3 with it, in order.
-                assert_eq!(track_parked(&mut conn, event("g", 3, "packed")).await.unwrap(), Outcome::Parked);
-                assert_eq!(track_parked(&mut conn, event("g", 3, "packed")).await.unwrap(), Outcome::Parked);
-                assert_eq!(track_parked(&mut conn, event("g", 2, "paid")).await.unwrap(), Outcome::Parked);
-                assert_eq!(histories(&pool, "orders-park", "g").await.get("g"), None);
-                assert_eq!(track_parked(&mut conn, event("g", 1, "placed")).await.unwrap(), Outcome::Processed(()));
-                assert_eq!(histories(&pool, "orders-park", "g").await["g"], "placed,paid,packed");
-                assert_eq!(track_parked(&mut conn, event("g", 3, "packed")).await.unwrap(), Outcome::Duplicate);
-                // Another event with an old sequence is stale, and stays so when redelivered.
-                let mut late = event("g", 2, "paid-again");
-                late.event_id = "g/2-late".into();
-                assert_eq!(track_parked(&mut conn, late.clone()).await.unwrap(), Outcome::Stale);
-                assert_eq!(track_parked(&mut conn, late).await.unwrap(), Outcome::Stale);
-                assert_eq!(histories(&pool, "orders-park", "g").await["g"], "placed,paid,packed");
-                // The same key with another payload is a conflict, parked or not.
-                assert_eq!(track_parked(&mut conn, event("g", 9, "x")).await.unwrap(), Outcome::Parked);
-                let mut other = event("g", 9, "y");
-                other.event_id = "g/9".into();
-                assert_eq!(track_parked(&mut conn, other).await.unwrap_err().kind(), "conflict");
-                // Apply: newer applies over a gap; older is stale.
-                assert_eq!(track_newest(&mut conn, event("h", 2, "paid")).await.unwrap(), Outcome::Processed(()));
-                assert_eq!(track_newest(&mut conn, event("h", 1, "placed")).await.unwrap(), Outcome::Stale);
-                assert_eq!(histories(&pool, "orders-apply", "h").await["h"], "paid");
-                let statuses: Vec<(String, String)> = sqlx::query_as(
-                    "SELECT message_key, status FROM inbox_messages WHERE consumer = 'orders-park' ORDER BY message_key",
-                )
-                .fetch_all(&pool)
-                .await
-                .unwrap();
-                let statuses: Vec<(&str, &str)> = statuses.iter().map(|(k, s)| (k.as_str(), s.as_str())).collect();
-                assert_eq!(
-                    statuses,
-                    [("g/1", "processed"), ("g/2", "processed"), ("g/2-late", "stale"), ("g/3", "processed"), ("g/9", "parked")]
-                );
-            }
-
-            #[tokio::test]
-            async fn a_gap_left_open_is_dead_lettered_or_released_by_policy() {
-                let (pool, _guard) = setup().await;
-                let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
-                for e in [event("t1", 2, "paid"), event("t2", 2, "paid"), event("t2", 3, "packed")] {
-                    let outcomes = dispatcher.dispatch(&envelope(&e)).await.unwrap();
-                    assert_eq!(outcomes.iter().find(|o| o.consumer == "orders-park").unwrap().result.as_ref().unwrap(), &Outcome::Parked);
-                }
-                // Not yet expired: nothing happens.
-                assert_eq!(dispatcher.sweep_parked().await.unwrap().dead_lettered, 0);
-                let stats = inbox_runtime::admin::stats(&pool).await.unwrap();
-                assert!(stats.iter().any(|s| s.consumer.as_deref() == Some("orders-park") && s.status == "parked" && s.count == 3), "{stats:?}");
-
-                let zero = std::time::Duration::ZERO;
-                let release = Dispatcher::from_registry(pool.clone())
-                    .unwrap()
-                    .with_park_policy(ParkPolicy::new(zero, ParkTimeout::Release));
-                let dead = Dispatcher::from_registry(pool.clone())
-                    .unwrap()
-                    .with_park_policy(ParkPolicy::new(zero, ParkTimeout::DeadLetter));
-                // Timestamps have millisecond resolution: let the parked ones be strictly older.
-                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-                // t1/2 and t2/2 are released over their gaps; t2/3 then follows t2/2 in order.
-                let report = release.sweep_parked().await.unwrap();
-                assert_eq!((report.released, report.dead_lettered), (2, 0), "{report:?}");
-                assert_eq!(
-                    histories(&pool, "orders-park", "t").await,
-                    BTreeMap::from([("t1".to_owned(), "paid".to_owned()), ("t2".to_owned(), "paid,packed".to_owned())])
-                );
-                assert_eq!(parked(&pool).await, 0);
-                // A late predecessor of a released message is stale.
-                let late = dispatcher.dispatch(&envelope(&event("t1", 1, "placed"))).await.unwrap();
-                assert_eq!(late.iter().find(|o| o.consumer == "orders-park").unwrap().result.as_ref().unwrap(), &Outcome::Stale);
-                // Dead-lettering: a fresh gap, swept with the dead-letter policy.
-                let outcomes = dispatcher.dispatch(&envelope(&event("t3", 5, "delivered"))).await.unwrap();
-                assert_eq!(outcomes.iter().find(|o| o.consumer == "orders-park").unwrap().result.as_ref().unwrap(), &Outcome::Parked);
-                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-                assert_eq!(dead.sweep_parked().await.unwrap().dead_lettered, 1);
-                let row = inbox_runtime::admin::show(&pool, "orders-park", "t3/5").await.unwrap().unwrap();
-                assert_eq!(row.status, "dead");
-                assert!(row.last_error.unwrap().contains("waiting for sequence 4 of aggregate `t3`"));
-                assert!(row.payload.is_some());
-            }
+            }));
         }
-    };
+        for task in tasks {
+            task.await.unwrap();
+        }
+        assert_eq!(histories(&pool, "orders-park", "conc-").await, in_order(&events));
+        assert_eq!(parked(&pool).await, 0);
+    }
+
+    #[tokio::test]
+    async fn the_worker_acks_parked_messages_and_sweeps_expired_ones() {
+        use inbox_runtime::source::memory::MemorySource;
+        use std::time::Duration;
+        let (pool, _guard) = setup().await;
+        let dispatcher = Dispatcher::from_registry(pool.clone())
+            .unwrap()
+            .with_park_policy(ParkPolicy::new(Duration::ZERO, ParkTimeout::DeadLetter));
+        let source = MemorySource::new("mem");
+        let handle = source.handle();
+        let parked = handle.push(envelope(&event("w", 2, "paid")));
+        let report = inbox_runtime::Worker::new(dispatcher)
+            .park_sweep(Some(Duration::from_millis(50)))
+            .stop_when_idle(Duration::from_millis(500))
+            .run(source, tokio_util::sync::CancellationToken::new())
+            .await
+            .unwrap();
+        // orders-park parked it, orders-apply applied it: the delivery is acked.
+        assert_eq!((report.parked, report.processed, report.acked), (1, 1, 1));
+        assert_eq!(handle.settlements(), [(parked, inbox_runtime::source::Settlement::Ack)]);
+        // The gap stayed open past the (zero) timeout: the sweep dead-lettered it.
+        let row = inbox_runtime::admin::show(&pool, "orders-park", "w/2").await.unwrap().unwrap();
+        assert_eq!(row.status, "dead");
+    }
+
+    #[tokio::test]
+    async fn outcomes_of_the_guard() {
+        let (pool, _guard) = setup().await;
+        let mut conn = pool.acquire().await.unwrap();
+        // Park: 3 and 2 before 1 are held; 1 applies and brings 2 and 3 with it, in order.
+        assert_eq!(track_parked(&mut conn, event("g", 3, "packed")).await.unwrap(), Outcome::Parked);
+        assert_eq!(track_parked(&mut conn, event("g", 3, "packed")).await.unwrap(), Outcome::Parked);
+        assert_eq!(track_parked(&mut conn, event("g", 2, "paid")).await.unwrap(), Outcome::Parked);
+        assert_eq!(histories(&pool, "orders-park", "g").await.get("g"), None);
+        assert_eq!(track_parked(&mut conn, event("g", 1, "placed")).await.unwrap(), Outcome::Processed(()));
+        assert_eq!(histories(&pool, "orders-park", "g").await["g"], "placed,paid,packed");
+        assert_eq!(track_parked(&mut conn, event("g", 3, "packed")).await.unwrap(), Outcome::Duplicate);
+        // Another event with an old sequence is stale, and stays so when redelivered.
+        let mut late = event("g", 2, "paid-again");
+        late.event_id = "g/2-late".into();
+        assert_eq!(track_parked(&mut conn, late.clone()).await.unwrap(), Outcome::Stale);
+        assert_eq!(track_parked(&mut conn, late).await.unwrap(), Outcome::Stale);
+        assert_eq!(histories(&pool, "orders-park", "g").await["g"], "placed,paid,packed");
+        // The same key with another payload is a conflict, parked or not.
+        assert_eq!(track_parked(&mut conn, event("g", 9, "x")).await.unwrap(), Outcome::Parked);
+        let mut other = event("g", 9, "y");
+        other.event_id = "g/9".into();
+        assert_eq!(track_parked(&mut conn, other).await.unwrap_err().kind(), "conflict");
+        // Apply: newer applies over a gap; older is stale.
+        assert_eq!(track_newest(&mut conn, event("h", 2, "paid")).await.unwrap(), Outcome::Processed(()));
+        assert_eq!(track_newest(&mut conn, event("h", 1, "placed")).await.unwrap(), Outcome::Stale);
+        assert_eq!(histories(&pool, "orders-apply", "h").await["h"], "paid");
+        let statuses: Vec<(String, String)> = sqlx::query_as(
+            "SELECT message_key, status FROM inbox_messages WHERE consumer = 'orders-park' ORDER BY message_key",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        let statuses: Vec<(&str, &str)> = statuses.iter().map(|(k, s)| (k.as_str(), s.as_str())).collect();
+        assert_eq!(
+            statuses,
+            [("g/1", "processed"), ("g/2", "processed"), ("g/2-late", "stale"), ("g/3", "processed"), ("g/9", "parked")]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_gap_left_open_is_dead_lettered_or_released_by_policy() {
+        let (pool, _guard) = setup().await;
+        let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+        for e in [event("t1", 2, "paid"), event("t2", 2, "paid"), event("t2", 3, "packed")] {
+            let outcomes = dispatcher.dispatch(&envelope(&e)).await.unwrap();
+            assert_eq!(outcomes.iter().find(|o| o.consumer == "orders-park").unwrap().result.as_ref().unwrap(), &Outcome::Parked);
+        }
+        // Not yet expired: nothing happens.
+        assert_eq!(dispatcher.sweep_parked().await.unwrap().dead_lettered, 0);
+        let stats = inbox_runtime::admin::stats(&pool).await.unwrap();
+        assert!(stats.iter().any(|s| s.consumer.as_deref() == Some("orders-park") && s.status == "parked" && s.count == 3), "{stats:?}");
+
+        let zero = std::time::Duration::ZERO;
+        let release = Dispatcher::from_registry(pool.clone())
+            .unwrap()
+            .with_park_policy(ParkPolicy::new(zero, ParkTimeout::Release));
+        let dead = Dispatcher::from_registry(pool.clone())
+            .unwrap()
+            .with_park_policy(ParkPolicy::new(zero, ParkTimeout::DeadLetter));
+        // Timestamps have millisecond resolution: let the parked ones be strictly older.
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        // t1/2 and t2/2 are released over their gaps; t2/3 then follows t2/2 in order.
+        let report = release.sweep_parked().await.unwrap();
+        assert_eq!((report.released, report.dead_lettered), (2, 0), "{report:?}");
+        assert_eq!(
+            histories(&pool, "orders-park", "t").await,
+            BTreeMap::from([("t1".to_owned(), "paid".to_owned()), ("t2".to_owned(), "paid,packed".to_owned())])
+        );
+        assert_eq!(parked(&pool).await, 0);
+        // A late predecessor of a released message is stale.
+        let late = dispatcher.dispatch(&envelope(&event("t1", 1, "placed"))).await.unwrap();
+        assert_eq!(late.iter().find(|o| o.consumer == "orders-park").unwrap().result.as_ref().unwrap(), &Outcome::Stale);
+        // Dead-lettering: a fresh gap, swept with the dead-letter policy.
+        let outcomes = dispatcher.dispatch(&envelope(&event("t3", 5, "delivered"))).await.unwrap();
+        assert_eq!(outcomes.iter().find(|o| o.consumer == "orders-park").unwrap().result.as_ref().unwrap(), &Outcome::Parked);
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert_eq!(dead.sweep_parked().await.unwrap().dead_lettered, 1);
+        let row = inbox_runtime::admin::show(&pool, "orders-park", "t3/5").await.unwrap().unwrap();
+        assert_eq!(row.status, "dead");
+        assert!(row.last_error.unwrap().contains("waiting for sequence 4 of aggregate `t3`"));
+        assert!(row.payload.is_some());
+    }
 }
 
 /// The SQLite file of the restart test, shared between the parent and the child process.
 fn restart_db(parent: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("inbox_ordering_restart_{parent}.db"))
 }
-
-ordering_tests!(
-    postgres,
-    sqlx::PgConnection,
-    sqlx::Postgres,
-    (inbox_tests::pg_pool(8).await, ())
-);
-ordering_tests!(
-    sqlite,
-    sqlx::SqliteConnection,
-    sqlx::Sqlite,
-    inbox_tests::sqlite_pool(4).await
-);
 
 /// Child of `parked_messages_survive_a_kill`: parks sequences 2 and 3, says so, then hangs until
 /// killed. Ignored: only the parent runs it.

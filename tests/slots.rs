@@ -2,6 +2,9 @@
 //! adversity: killed and timed-out connections, cancellation, small and shared pools, handlers
 //! that fail once or swallow errors. Each test marked "Regression" describes the failure a review
 //! of the first version found (as it was then) and asserts the correct behaviour.
+//!
+//! PostgreSQL, except a SQLite regression and the Worker with small pools, which runs on both
+//! backends (`inbox_tests::backend_matrix!`).
 
 #![allow(missing_docs)]
 
@@ -15,7 +18,7 @@ use inbox_runtime::source::memory::MemorySource;
 use inbox_runtime::{
     Classify, ConnectionSlot, Dispatcher, Envelope, Error, ErrorClass, Message, Outcome, Worker,
 };
-use inbox_tests::APPLY_EFFECT;
+use inbox_tests::{APPLY_EFFECT, effect, envelope, inbox_row};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool, SqliteConnection};
 use tokio_util::sync::CancellationToken;
@@ -129,21 +132,19 @@ pub async fn lite(conn: &mut SqliteConnection, msg: Lite) -> Result<(), sqlx::Er
 }
 
 fn pay(id: &str, amount: i64, mode: &str) -> Envelope {
-    let msg = Pay {
+    envelope(&Pay {
         id: id.into(),
         amount,
         mode: mode.into(),
-    };
-    Envelope::new(Pay::NAME, serde_json::to_vec(&msg).unwrap())
+    })
 }
 
 fn lite_env(id: &str, poison: bool) -> Envelope {
-    let msg = Lite {
+    envelope(&Lite {
         id: id.into(),
         amount: 1,
         poison,
-    };
-    Envelope::new(Lite::NAME, serde_json::to_vec(&msg).unwrap())
+    })
 }
 
 fn kind(result: &Result<Outcome<()>, Error<inbox_runtime::BoxError>>) -> String {
@@ -193,22 +194,9 @@ async fn count_conflicts(pool: &PgPool) -> i64 {
         .unwrap()
 }
 
-async fn effect(pool: &PgPool, key: &str) -> Option<(i64, i64)> {
-    sqlx::query_as("SELECT applied, total FROM effects WHERE effect_key = $1")
-        .bind(key)
-        .fetch_optional(pool)
-        .await
-        .unwrap()
-}
-
+/// The `(status, attempts)` of a `review-pay` key.
 async fn row(pool: &PgPool, key: &str) -> Option<(String, i32)> {
-    sqlx::query_as(
-        "SELECT status, attempts FROM inbox_messages WHERE consumer = 'review-pay' AND message_key = $1",
-    )
-    .bind(key)
-    .fetch_optional(pool)
-    .await
-    .unwrap()
+    inbox_row(pool, "review-pay", key).await
 }
 
 /// Terminates every client backend of the pool's database except the caller's own.
@@ -512,71 +500,68 @@ async fn sqlite_batch_applies_once_after_a_swallowed_rollback() {
 // Worker with small pools.
 // ---------------------------------------------------------------------------------------------
 
-async fn run_worker_pg(pool: PgPool, concurrency: usize, n: usize) -> inbox_runtime::WorkerReport {
-    let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
-    let source = MemorySource::new("mem");
-    let handle = source.handle();
-    for i in 0..n {
-        handle.push(pay(&format!("w{i}"), 1, "slow"));
+/// For the Worker with small pools, on both backends.
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[message(name = "review.small")]
+pub struct Small {
+    #[message(key)]
+    pub id: String,
+}
+
+inbox_tests::backend_matrix! {
+    /// Writes its effect, then takes 5 ms inside the transaction.
+    #[inbox_runtime::idempotent(consumer = "review-small")]
+    async fn small(conn: &mut Conn, msg: Small) -> Result<(), sqlx::Error> {
+        sqlx::query(APPLY_EFFECT)
+            .bind(&msg.id)
+            .bind(1_i64)
+            .execute(&mut *conn)
+            .await?;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        Ok(())
     }
-    handle.close();
-    let worker = Worker::new(dispatcher)
-        .concurrency(concurrency)
-        .requeue_delay(Duration::from_millis(10));
-    tokio::time::timeout(
-        Duration::from_secs(60),
-        worker.run(source, CancellationToken::new()),
-    )
-    .await
-    .expect("worker did not finish in 60 s")
-    .unwrap()
-}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn worker_pg_pool_of_one_concurrency_four() {
-    let pool = inbox_tests::pg_pool(1).await;
-    let report = run_worker_pg(pool.clone(), 4, 60).await;
-    assert_eq!(
-        (report.processed, report.acked, report.failed),
-        (60, 60, 0),
-        "{report:?}"
-    );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn worker_pg_pool_of_two_concurrency_four() {
-    let pool = inbox_tests::pg_pool(2).await;
-    let report = run_worker_pg(pool.clone(), 4, 60).await;
-    assert_eq!(
-        (report.processed, report.acked, report.failed),
-        (60, 60, 0),
-        "{report:?}"
-    );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn worker_sqlite_pool_of_one_concurrency_four() {
-    let (pool, _guard) = inbox_tests::sqlite_pool(1).await;
-    let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
-    let source = MemorySource::new("mem");
-    let handle = source.handle();
-    for i in 0..60 {
-        handle.push(lite_env(&format!("w{i}"), false));
+    /// `n` messages through a Worker of `concurrency` on a fresh pool of `connections`.
+    async fn run_worker(connections: u32, concurrency: usize, n: usize) -> inbox_runtime::WorkerReport {
+        let (pool, _guard) = fixture_with(connections).await;
+        let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+        let source = MemorySource::new("mem");
+        let handle = source.handle();
+        for i in 0..n {
+            handle.push(envelope(&Small { id: format!("w{i}") }));
+        }
+        handle.close();
+        let worker = Worker::new(dispatcher)
+            .concurrency(concurrency)
+            .requeue_delay(Duration::from_millis(10));
+        tokio::time::timeout(
+            Duration::from_secs(60),
+            worker.run(source, CancellationToken::new()),
+        )
+        .await
+        .expect("worker did not finish in 60 s")
+        .unwrap()
     }
-    handle.close();
-    let worker = Worker::new(dispatcher).concurrency(4);
-    let report = tokio::time::timeout(
-        Duration::from_secs(60),
-        worker.run(source, CancellationToken::new()),
-    )
-    .await
-    .expect("worker did not finish in 60 s")
-    .unwrap();
-    assert_eq!(
-        (report.processed, report.acked, report.failed),
-        (60, 60, 0),
-        "{report:?}"
-    );
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn worker_pool_of_one_concurrency_four() {
+        let report = run_worker(1, 4, 60).await;
+        assert_eq!(
+            (report.processed, report.acked, report.failed),
+            (60, 60, 0),
+            "{report:?}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn worker_pool_of_two_concurrency_four() {
+        let report = run_worker(2, 4, 60).await;
+        assert_eq!(
+            (report.processed, report.acked, report.failed),
+            (60, 60, 0),
+            "{report:?}"
+        );
+    }
 }
 
 /// connections killed repeatedly while a Worker runs: every message applied exactly

@@ -13,7 +13,7 @@ use inbox_runtime::source::file::{FilePosition, FileSource, read_offset_file};
 use inbox_runtime::source::memory::MemorySource;
 use inbox_runtime::source::{Settlement, Source};
 use inbox_runtime::{Dispatcher, Envelope, Message, StopReason, Worker, settlement_for};
-use inbox_tests::APPLY_EFFECT;
+use inbox_tests::{APPLY_EFFECT, effects};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
@@ -87,16 +87,6 @@ async fn pool() -> PgPool {
         .await
         .unwrap();
     pool
-}
-
-async fn effects(pool: &PgPool) -> BTreeMap<String, (i64, i64)> {
-    sqlx::query_as::<_, (String, i64, i64)>("SELECT effect_key, applied, total FROM effects")
-        .fetch_all(pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|(key, applied, total)| (key, (applied, total)))
-        .collect()
 }
 
 fn write_lines(lines: &[&str]) -> (tempfile::TempDir, std::path::PathBuf) {

@@ -14,9 +14,9 @@ use inbox_runtime::{
     Classify, Dispatcher, Envelope, ErrorClass, Message, RetryPolicy, StopReason, Worker,
     WorkerReport,
 };
-use inbox_tests::APPLY_EFFECT;
+use inbox_tests::{APPLY_EFFECT, effects, envelope};
 use serde::{Deserialize, Serialize};
-use sqlx::{PgConnection, PgPool, SqliteConnection, SqlitePool};
+use sqlx::{PgConnection, PgPool, SqliteConnection};
 use tokio_util::sync::CancellationToken;
 
 // ---------------------------------------------------------------------------------------------
@@ -138,22 +138,20 @@ fn pay(id: &str, amount: i64, mode: &str) -> Envelope {
 }
 
 fn pay_sleep(id: &str, amount: i64, mode: &str, sleep_ms: u64) -> Envelope {
-    let msg = RbPay {
+    envelope(&RbPay {
         id: id.into(),
         amount,
         mode: mode.into(),
         sleep_ms,
-    };
-    Envelope::new(RbPay::NAME, serde_json::to_vec(&msg).unwrap())
+    })
 }
 
 fn lite(id: &str, mode: &str) -> Envelope {
-    let msg = RbLite {
+    envelope(&RbLite {
         id: id.into(),
         amount: 1,
         mode: mode.into(),
-    };
-    Envelope::new(RbLite::NAME, serde_json::to_vec(&msg).unwrap())
+    })
 }
 
 fn unknown() -> Envelope {
@@ -178,16 +176,6 @@ fn dispatcher(pool: &PgPool) -> Dispatcher<sqlx::Postgres> {
             RetryPolicy::default()
                 .retry_delays(Duration::from_millis(50), Duration::from_millis(100)),
         )
-}
-
-async fn effects(pool: &PgPool) -> BTreeMap<String, (i64, i64)> {
-    sqlx::query_as::<_, (String, i64, i64)>("SELECT effect_key, applied, total FROM effects")
-        .fetch_all(pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|(key, applied, total)| (key, (applied, total)))
-        .collect()
 }
 
 async fn applied_order(pool: &PgPool) -> Vec<(String, i64)> {
@@ -845,16 +833,6 @@ async fn small_pools_with_batches() {
     }
 }
 
-async fn sqlite_effects(pool: &SqlitePool) -> BTreeMap<String, (i64, i64)> {
-    sqlx::query_as::<_, (String, i64, i64)>("SELECT effect_key, applied, total FROM effects")
-        .fetch_all(pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|(key, applied, total)| (key, (applied, total)))
-        .collect()
-}
-
 /// SQLite (savepoints always): failing, duplicate, conflicting and keyed messages in batches,
 /// small pools; the same settlements per delivery as one at a time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -902,7 +880,7 @@ async fn sqlite_batches_match_one_at_a_time() {
             worker.concurrency(1)
         };
         let _report = run_to_end(worker, source).await;
-        let effects = sqlite_effects(&pool)
+        let effects = effects(&pool)
             .await
             .into_iter()
             .map(|(k, v)| (k.replace(&format!("sl-{tag}-"), ""), v))

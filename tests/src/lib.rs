@@ -4,15 +4,32 @@
 //!   generated code.
 //! * `inbox.rs`: the claim-then-act core on both backends; `postgres.rs`: PostgreSQL-only
 //!   concurrency and connection loss; `registry.rs`: registry checks at start.
+//! * `batch.rs`, `failures.rs`, `ordering.rs`, `adversarial.rs`: batches, failures, ordering and
+//!   attempts to break the guarantees, on both backends.
+//!
+//! Tests that run on both backends are written once, inside [`backend_matrix!`], which stamps a
+//! `mod postgres` and a `mod sqlite` from one body (see [`matrix`]). The fixtures ([`pg_pool`],
+//! [`sqlite_pool`]) and the helpers several files use ([`effect`], [`effects`], [`count`],
+//! [`inbox_row`], [`envelope`], [`outcome_kind`], [`outcome_kinds`]) live here.
 //!
 //! PostgreSQL tests need `DATABASE_URL` (set by `scripts/test.sh`, which starts a throwaway
 //! server); each test gets a database of its own, created here. A test that needs PostgreSQL and
 //! finds no `DATABASE_URL` fails: it never passes by skipping.
 
+pub mod matrix;
+
+pub use matrix::{Backend, TestBackend, count, effect, effects, inbox_row};
+
+#[doc(hidden)]
+pub use inbox_runtime as __inbox_runtime;
+#[doc(hidden)]
+pub use sqlx as __sqlx;
+
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use inbox_runtime::{ConsumerOutcome, Envelope, Error, Message, Outcome};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{Connection, PgPool, SqlitePool};
@@ -108,4 +125,24 @@ impl Drop for TempFile {
             let _ = std::fs::remove_file(path);
         }
     }
+}
+
+/// The envelope a source would deliver for `msg`: its name and its JSON.
+pub fn envelope<M: Message>(msg: &M) -> Envelope {
+    Envelope::new(
+        M::NAME,
+        serde_json::to_vec(msg).expect("a message serializes"),
+    )
+}
+
+/// An outcome's or an error's kind (`Ok("processed")`, `Err("conflict")`, …).
+pub fn outcome_kind<T, E>(
+    result: &Result<Outcome<T>, Error<E>>,
+) -> Result<&'static str, &'static str> {
+    result.as_ref().map(Outcome::kind).map_err(Error::kind)
+}
+
+/// [`outcome_kind`] of each consumer's outcome, in the dispatcher's order.
+pub fn outcome_kinds(outcomes: &[ConsumerOutcome]) -> Vec<Result<&'static str, &'static str>> {
+    outcomes.iter().map(|o| outcome_kind(&o.result)).collect()
 }

@@ -1,0 +1,209 @@
+//! The backend matrix: a test body written once, run on PostgreSQL and on SQLite.
+//!
+//! Two parts, after sqlx's `TestSupport` idea (one small description per backend, one runner):
+//!
+//! * [`TestBackend`], implemented for `sqlx::Postgres` and `sqlx::Sqlite`: a fresh database for
+//!   one test (with the guard that keeps it) and the few reads the tests check results with.
+//! * [`backend_matrix!`](crate::backend_matrix), which stamps a module body twice, as
+//!   `mod postgres` and `mod sqlite`, each with the aliases and the fixture of its backend.
+//!
+//! A macro, not a generic function: `#[idempotent]` handlers in the body take `&mut Conn`, and
+//! each backend's copy must be a handler of its own, registered (through `inventory`) for that
+//! backend's dispatchers.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+
+use sqlx::{PgPool, Pool, SqlitePool};
+
+pub use inbox_runtime::Backend;
+
+/// What a test needs to know of one backend.
+pub trait TestBackend: inbox_runtime::InboxDatabase {
+    /// Keeps the test's database for as long as it lives: nothing for PostgreSQL (a database of
+    /// its own on the shared server), the temporary file for SQLite.
+    type Guard: std::fmt::Debug + Send + Sync + 'static;
+
+    /// A fresh database (migrated, with the `effects` table) and a pool of at most
+    /// `max_connections` on it.
+    fn fixture(max_connections: u32) -> impl Future<Output = (Pool<Self>, Self::Guard)> + Send;
+
+    /// See [`effect`].
+    fn effect(pool: &Pool<Self>, key: &str) -> impl Future<Output = Option<(i64, i64)>> + Send;
+
+    /// See [`effects`].
+    fn effects(pool: &Pool<Self>) -> impl Future<Output = BTreeMap<String, (i64, i64)>> + Send;
+
+    /// See [`count`].
+    fn count(pool: &Pool<Self>, sql: &'static str) -> impl Future<Output = i64> + Send;
+
+    /// See [`inbox_row`].
+    fn inbox_row(
+        pool: &Pool<Self>,
+        consumer: &str,
+        key: &str,
+    ) -> impl Future<Output = Option<(String, i32)>> + Send;
+}
+
+/// The reads of [`TestBackend`], written once and implemented for each backend.
+macro_rules! reads {
+    ($pool:ty) => {
+        async fn effect(pool: &$pool, key: &str) -> Option<(i64, i64)> {
+            sqlx::query_as::<_, (i64, i64)>(
+                "SELECT applied, total FROM effects WHERE effect_key = $1",
+            )
+            .bind(key)
+            .fetch_optional(pool)
+            .await
+            .expect("read effects")
+        }
+
+        async fn effects(pool: &$pool) -> BTreeMap<String, (i64, i64)> {
+            sqlx::query_as::<_, (String, i64, i64)>(
+                "SELECT effect_key, applied, total FROM effects",
+            )
+            .fetch_all(pool)
+            .await
+            .expect("read effects")
+            .into_iter()
+            .map(|(key, applied, total)| (key, (applied, total)))
+            .collect()
+        }
+
+        async fn count(pool: &$pool, sql: &'static str) -> i64 {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(pool)
+                .await
+                .expect("count")
+        }
+
+        async fn inbox_row(pool: &$pool, consumer: &str, key: &str) -> Option<(String, i32)> {
+            sqlx::query_as::<_, (String, i32)>(
+                "SELECT status, attempts FROM inbox_messages \
+                 WHERE consumer = $1 AND message_key = $2",
+            )
+            .bind(consumer)
+            .bind(key)
+            .fetch_optional(pool)
+            .await
+            .expect("read inbox_messages")
+        }
+    };
+}
+
+impl TestBackend for sqlx::Postgres {
+    type Guard = ();
+
+    async fn fixture(max_connections: u32) -> (PgPool, ()) {
+        (crate::pg_pool(max_connections).await, ())
+    }
+
+    reads!(PgPool);
+}
+
+impl TestBackend for sqlx::Sqlite {
+    type Guard = crate::TempFile;
+
+    async fn fixture(max_connections: u32) -> (SqlitePool, crate::TempFile) {
+        crate::sqlite_pool(max_connections).await
+    }
+
+    reads!(SqlitePool);
+}
+
+/// The effect row of `key` in the `effects` table: `(applied, total)`, `None` if never applied.
+pub async fn effect<DB: TestBackend>(pool: &Pool<DB>, key: &str) -> Option<(i64, i64)> {
+    DB::effect(pool, key).await
+}
+
+/// Every effect row: key → `(applied, total)`.
+pub async fn effects<DB: TestBackend>(pool: &Pool<DB>) -> BTreeMap<String, (i64, i64)> {
+    DB::effects(pool).await
+}
+
+/// The single `BIGINT` a query returns (`SELECT COUNT(*) …`).
+pub async fn count<DB: TestBackend>(pool: &Pool<DB>, sql: &'static str) -> i64 {
+    DB::count(pool, sql).await
+}
+
+/// The `(status, attempts)` of a consumer's key in `inbox_messages`, `None` if it has no row.
+pub async fn inbox_row<DB: TestBackend>(
+    pool: &Pool<DB>,
+    consumer: &str,
+    key: &str,
+) -> Option<(String, i32)> {
+    DB::inbox_row(pool, consumer, key).await
+}
+
+/// Stamps a module body twice, once per backend: `mod postgres` and `mod sqlite`.
+///
+/// ```ignore
+/// inbox_tests::backend_matrix! {
+///     connections(postgres = 16, sqlite = 8);
+///
+///     #[inbox_runtime::idempotent(consumer = "effects")]
+///     async fn apply(conn: &mut Conn, msg: Note) -> Result<(), sqlx::Error> { … }
+///
+///     #[tokio::test]
+///     async fn processed_once() {
+///         let (pool, _guard) = fixture().await;
+///         …
+///         if BACKEND == Backend::Postgres { … } else { … }
+///     }
+/// }
+/// ```
+///
+/// Each module starts with `use super::*;` (the file's messages, imports and helpers: import
+/// the shared ones, e.g. `use inbox_tests::{effect, count};`, at the top of the file) and has:
+///
+/// * `Db`: `sqlx::Postgres` / `sqlx::Sqlite`; `Conn`: its connection (`sqlx::PgConnection` /
+///   `sqlx::SqliteConnection`), what the body's handlers take; `Pool`: `sqlx::Pool<Db>`;
+/// * `BACKEND`: the [`Backend`] (its `Display` is the module's name), and `Backend` itself, to
+///   branch where the backends genuinely differ;
+/// * `fixture()`: a fresh database and its pool of `CONNECTIONS` connections, plus the guard to
+///   keep while the pool is in use; `fixture_with(n)` for another pool size.
+///
+/// `connections(…)` is optional (default: 8 on PostgreSQL, 4 on SQLite, whose writers wait on
+/// one another anyway).
+#[macro_export]
+macro_rules! backend_matrix {
+    (connections(postgres = $pg:expr, sqlite = $lite:expr $(,)?); $($body:tt)*) => {
+        $crate::backend_matrix!(@module postgres, $crate::__sqlx::Postgres, $pg, $($body)*);
+        $crate::backend_matrix!(@module sqlite, $crate::__sqlx::Sqlite, $lite, $($body)*);
+    };
+    (@module $name:ident, $db:ty, $connections:expr, $($body:tt)*) => {
+        #[allow(dead_code, unused_imports)]
+        mod $name {
+            use super::*;
+            use $crate::Backend;
+
+            /// The backend's `sqlx::Database`.
+            type Db = $db;
+            /// The connection the body's handlers take.
+            type Conn = <Db as $crate::__sqlx::Database>::Connection;
+            /// A pool of the backend.
+            type Pool = $crate::__sqlx::Pool<Db>;
+            /// What keeps a fixture's database.
+            type Guard = <Db as $crate::TestBackend>::Guard;
+            /// This module's backend (`Display`: the module's name).
+            const BACKEND: Backend = <Db as $crate::__inbox_runtime::InboxDatabase>::BACKEND;
+            /// The pool size of `fixture()`.
+            const CONNECTIONS: u32 = $connections;
+
+            /// A fresh database, a pool of `CONNECTIONS` on it, and the guard to keep.
+            async fn fixture() -> (Pool, Guard) {
+                <Db as $crate::TestBackend>::fixture(CONNECTIONS).await
+            }
+
+            /// A fresh database, a pool of `max_connections` on it, and the guard to keep.
+            async fn fixture_with(max_connections: u32) -> (Pool, Guard) {
+                <Db as $crate::TestBackend>::fixture(max_connections).await
+            }
+
+            $($body)*
+        }
+    };
+    ($($body:tt)*) => {
+        $crate::backend_matrix!(connections(postgres = 8, sqlite = 4); $($body)*);
+    };
+}
