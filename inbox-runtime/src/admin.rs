@@ -7,7 +7,7 @@ use std::time::Duration;
 use sqlx::Pool;
 
 use crate::status::Status;
-use crate::store::{InboxDatabase, StatsRow, StoredMessage};
+use crate::store::{AdminStore as _, InboxDatabase, StatsRow, StoredMessage};
 
 /// Per consumer and status (every [`Status`] that has rows, `stale` included): how many rows
 /// and the oldest `received_at`; rejected deliveries (conflicts, malformed, unknown, bad keys)
@@ -17,7 +17,7 @@ use crate::store::{InboxDatabase, StatsRow, StoredMessage};
 /// The database's error.
 pub async fn stats<DB: InboxDatabase>(pool: &Pool<DB>) -> Result<Vec<StatsRow>, sqlx::Error> {
     let mut conn = pool.acquire().await?;
-    DB::any_connection(&mut conn).store().stats().await
+    conn.stats().await
 }
 
 /// Rows whose status is one of `statuses` (any number, e.g. `&[Status::Failed, Status::Dead]`,
@@ -33,9 +33,7 @@ pub async fn list<DB: InboxDatabase>(
     limit: u32,
 ) -> Result<Vec<StoredMessage>, sqlx::Error> {
     let mut conn = pool.acquire().await?;
-    DB::any_connection(&mut conn)
-        .store()
-        .list_messages(consumer, statuses, i64::from(limit))
+    conn.list_messages(consumer, statuses, i64::from(limit))
         .await
 }
 
@@ -49,10 +47,7 @@ pub async fn show<DB: InboxDatabase>(
     key: &str,
 ) -> Result<Option<StoredMessage>, sqlx::Error> {
     let mut conn = pool.acquire().await?;
-    DB::any_connection(&mut conn)
-        .store()
-        .fetch_message(consumer, key)
-        .await
+    conn.fetch_message(consumer, key).await
 }
 
 /// Marks a `failed` or `dead` message `discarded`: it will never run, its payload is dropped,
@@ -67,10 +62,7 @@ pub async fn discard<DB: InboxDatabase>(
     key: &str,
 ) -> Result<bool, sqlx::Error> {
     let mut conn = pool.acquire().await?;
-    DB::any_connection(&mut conn)
-        .store()
-        .discard_message(consumer, key)
-        .await
+    conn.discard_message(consumer, key).await
 }
 
 /// How long processed keys are kept, and so how long a redelivery is recognised.
@@ -196,7 +188,7 @@ pub async fn purge<DB: InboxDatabase>(
     };
     let mut report = PurgeReport::default();
     let mut conn = pool.acquire().await?;
-    let store = DB::any_connection(&mut conn).store();
+    let store = &mut *conn;
     // Two statements when failed and dead are included (the statement takes three statuses).
     for chunk in statuses.chunks(3) {
         loop {

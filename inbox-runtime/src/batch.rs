@@ -15,7 +15,7 @@ use crate::protocol::hooks::ClaimInfo;
 use crate::protocol::{Decision, decide, verify};
 use crate::slot::ConnectionSlot;
 use crate::status::ClaimMode;
-use crate::store::{ClaimRequest, ClaimResult, InboxConnection, InboxDatabase};
+use crate::store::{ClaimRequest, ClaimResult, ClaimStore as _, InboxConnection, InboxDatabase};
 
 /// Where one consumer's result comes from.
 enum Settle {

@@ -23,7 +23,10 @@ use crate::protocol::single::Delivery;
 use crate::registry::{HandlerInfo, Registration, info};
 use crate::slot::ConnectionSlot;
 use crate::status::{ClaimMode, Status};
-use crate::store::{InboxDatabase, Rejection, RejectionReason};
+use crate::store::{
+    AdminStore as _, ClaimStore as _, InboxConnection as _, InboxDatabase, OrderingStore as _,
+    Rejection, RejectionReason,
+};
 
 /// The result of one message for one consumer.
 #[derive(Debug)]
@@ -437,11 +440,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         delivery: &Delivery<'_>,
     ) -> Result<Outcome<()>, Error<BoxError>> {
         match slot.get(&self.pool).await {
-            Ok(conn) => {
-                handler
-                    .invoke(DB::any_connection(conn), msg, delivery)
-                    .await
-            }
+            Ok(conn) => handler.invoke(conn.as_any(), msg, delivery).await,
             Err(source) => Err(Error::Database(StoreError {
                 consumer: handler.consumer().to_owned(),
                 key: delivery.key.clone(),
@@ -512,10 +511,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         rejection: &Rejection<'_>,
     ) -> Result<(), sqlx::Error> {
         let conn = slot.get(&self.pool).await?;
-        DB::any_connection(conn)
-            .store()
-            .record_rejection(rejection)
-            .await
+        conn.record_rejection(rejection).await
     }
 
     /// Replays one `failed` or `dead` message: decodes its stored payload and runs its
@@ -530,10 +526,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     pub async fn replay(&self, consumer: &str, key: &str) -> Result<ConsumerOutcome, ReplayError> {
         let stored = {
             let mut conn = self.pool.acquire().await?;
-            DB::any_connection(&mut conn)
-                .store()
-                .fetch_message(consumer, key)
-                .await?
+            conn.fetch_message(consumer, key).await?
         }
         .ok_or_else(|| ReplayError::NotFound {
             consumer: consumer.to_owned(),
@@ -560,7 +553,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         let mut conn = self.pool.acquire().await?;
         let result = run_stored(
             handler,
-            DB::any_connection(&mut conn),
+            conn.as_any(),
             &stored,
             ClaimMode::Replay,
             &self.policy,
@@ -592,7 +585,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         match slot.get(&self.pool).await {
             Ok(conn) => {
                 apply_parked_successors(
-                    DB::any_connection(conn),
+                    &mut **conn,
                     self,
                     handler.consumer(),
                     ordering,
@@ -616,9 +609,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         let mut report = SweepReport::default();
         let expired = {
             let mut conn = self.pool.acquire().await?;
-            DB::any_connection(&mut conn)
-                .store()
-                .expired_parked(self.park.timeout.as_secs_f64(), 1000)
+            conn.expired_parked(self.park.timeout.as_secs_f64(), 1000)
                 .await?
         };
         for parked in expired {
@@ -631,8 +622,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
                         parked.sequence - 1,
                         parked.aggregate_id
                     );
-                    if DB::any_connection(&mut conn)
-                        .store()
+                    if conn
                         .dead_letter_parked(&parked.consumer, &parked.message_key, &reason)
                         .await?
                     {
@@ -643,8 +633,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
                     let Some(handler) = self.route(&parked.consumer, &parked.message_name) else {
                         continue;
                     };
-                    let Some(stored) = DB::any_connection(&mut conn)
-                        .store()
+                    let Some(stored) = conn
                         .fetch_message(&parked.consumer, &parked.message_key)
                         .await?
                     else {
@@ -652,7 +641,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
                     };
                     let result = run_stored(
                         handler,
-                        DB::any_connection(&mut conn),
+                        conn.as_any(),
                         &stored,
                         ClaimMode::Release,
                         &self.policy,

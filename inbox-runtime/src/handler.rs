@@ -40,7 +40,7 @@ pub async fn run<H: Handler>(
         && H::GAPS == GapPolicy::Park
     {
         let routes = GlobalRoutes(<H::Connection as InboxConnection>::BACKEND);
-        apply_parked_successors(conn.as_any(), &routes, H::CONSUMER, ordering, &policy, None).await;
+        apply_parked_successors(conn, &routes, H::CONSUMER, ordering, &policy, None).await;
     }
     result
 }

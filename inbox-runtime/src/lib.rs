@@ -126,10 +126,11 @@ pub use protocol::hooks::{ClaimInfo, TransactionHook};
 pub use protocol::session::{ClaimSession, ClaimState, ClaimedKey, Settled};
 pub use registry::{HandlerInfo, Registration, registered_handlers};
 pub use slot::ConnectionSlot;
-pub use status::{Status, UnknownStatus};
+pub use status::{ClaimMode, Status, UnknownStatus};
 pub use store::{
-    Backend, InboxConnection, InboxDatabase, MIGRATIONS_TABLE, RejectionReason, StatsRow,
-    StatsStatus, StoredMessage,
+    AdminStore, AnyConnection, Backend, ClaimRequest, ClaimResult, ClaimStore, Component,
+    ExistingRow, FailureRecord, InboxConnection, InboxDatabase, MIGRATIONS_TABLE, OrderingStore,
+    ParkedMessage, Rejection, RejectionReason, StatsRow, StatsStatus, StoredMessage,
 };
 
 pub use worker::{
@@ -154,8 +155,8 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 pub use sqlx::migrate::MigrateError;
 
 /// Creates or upgrades the inbox tables (`inbox_messages`, `inbox_aggregate_state`,
-/// `inbox_rejections`) in the
-/// database behind `pool` (a `PgPool` or a `SqlitePool`). Idempotent: run it at every start.
+/// `inbox_rejections`) in the database behind `pool` (a `PgPool` or a `SqlitePool`): the
+/// [`Component::Inbox`] migrations. Idempotent: run it at every start.
 ///
 /// Applied versions are recorded in [`MIGRATIONS_TABLE`], apart from the application's own
 /// `_sqlx_migrations`; on PostgreSQL concurrent callers are serialized by an advisory lock.
@@ -163,7 +164,23 @@ pub use sqlx::migrate::MigrateError;
 /// # Errors
 /// [`MigrateError`] if the database cannot be reached or a statement fails.
 pub async fn migrate<DB: InboxDatabase>(pool: &sqlx::Pool<DB>) -> Result<(), MigrateError> {
-    DB::migrate(pool).await
+    migrate_components(pool, &[Component::Inbox]).await
+}
+
+/// Creates or upgrades the tables of each of `components` (see [`Component`]), in order, each
+/// with its own version record: an application migrates only what it enabled. Idempotent.
+///
+/// # Errors
+/// [`MigrateError`] if the database cannot be reached or a statement fails; the components
+/// before it stay migrated.
+pub async fn migrate_components<DB: InboxDatabase>(
+    pool: &sqlx::Pool<DB>,
+    components: &[Component],
+) -> Result<(), MigrateError> {
+    for component in components {
+        store::migrator::<DB>(*component).run(pool).await?;
+    }
+    Ok(())
 }
 
 /// Support for the code `#[idempotent]` and `#[derive(Message)]` generate. Not public API: no
@@ -178,6 +195,5 @@ pub mod __private {
     pub use crate::protocol::erased::DynHandler;
     pub use crate::protocol::single::{Delivery, Handler, HandlerResult};
     pub use crate::registry::Registration;
-    pub use crate::store::{AnyConnection, ClaimRequest, ClaimResult};
     pub use inventory;
 }

@@ -89,7 +89,6 @@ impl PartialEq<str> for Status {
 ///
 /// This is the protocol's takeover rule; each backend's claim statement encodes the same rule
 /// in SQL, and [`ClaimMode::takes_over`] is what the Rust side checks.
-#[doc(hidden)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClaimMode {
     /// A delivery from a source (or a direct call).
@@ -103,8 +102,8 @@ pub enum ClaimMode {
 }
 
 impl ClaimMode {
-    /// The text bound into the claim statement.
-    pub(crate) fn as_str(self) -> &'static str {
+    /// The text bound into the claim statement: `deliver`, `replay`, `resume` or `release`.
+    pub fn as_str(self) -> &'static str {
         match self {
             ClaimMode::Deliver => "deliver",
             ClaimMode::Replay => "replay",
@@ -115,7 +114,7 @@ impl ClaimMode {
 
     /// Whether a claim in this mode takes over a row in `status` that has the request's
     /// fingerprint.
-    pub(crate) fn takes_over(self, status: Status) -> bool {
+    pub fn takes_over(self, status: Status) -> bool {
         match status {
             Status::Failed => true,
             Status::Dead => self == ClaimMode::Replay,

@@ -137,7 +137,7 @@ pub async fn inbox_row<DB: TestBackend>(
 
 /// Stamps a module body twice, once per backend: `mod postgres` and `mod sqlite`.
 ///
-/// ```ignore
+/// ```text
 /// inbox_tests::backend_matrix! {
 ///     connections(postgres = 16, sqlite = 8);
 ///

@@ -8,7 +8,7 @@ use crate::error::{Conflict, Disposition};
 use crate::ordering::Ordering;
 use crate::policy::RetryPolicy;
 use crate::status::Status;
-use crate::store::{FailureRecord, InboxConnection, Rejection, RejectionReason};
+use crate::store::{ClaimStore, FailureRecord, Rejection, RejectionReason};
 
 /// The message a failure or a conflict is recorded for.
 pub(crate) struct Subject<'a> {
@@ -90,7 +90,7 @@ impl Attempt {
 
     /// Records the attempt in its own statement (autocommit), after the claim's transaction
     /// was rolled back. A database error is logged and reported as not recorded.
-    pub(crate) async fn record_after_rollback<C: InboxConnection>(
+    pub(crate) async fn record_after_rollback<C: ClaimStore + ?Sized>(
         &self,
         conn: &mut C,
         subject: &Subject<'_>,
@@ -107,7 +107,7 @@ impl Attempt {
 
     /// Records the attempt in the batch transaction that claimed the key (after the handler's
     /// savepoint was rolled back).
-    pub(crate) async fn record_in_transaction<C: InboxConnection>(
+    pub(crate) async fn record_in_transaction<C: ClaimStore + ?Sized>(
         &self,
         conn: &mut C,
         subject: &Subject<'_>,
@@ -141,7 +141,7 @@ pub(crate) fn conflict_rejection<'a>(subject: &'a Subject<'a>, detail: &'a str) 
 
 /// Keeps a conflicting delivery in `inbox_rejections`, in its own statement; a database error
 /// is logged (the conflict itself is still reported to the caller).
-pub(crate) async fn record_conflict<C: InboxConnection>(
+pub(crate) async fn record_conflict<C: ClaimStore + ?Sized>(
     conn: &mut C,
     subject: &Subject<'_>,
     conflict: &Conflict,

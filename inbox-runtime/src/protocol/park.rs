@@ -10,7 +10,7 @@ use crate::ordering::Ordering;
 use crate::outcome::Outcome;
 use crate::policy::RetryPolicy;
 use crate::status::ClaimMode;
-use crate::store::{AnyConnection, StoredMessage};
+use crate::store::{AnyConnection, InboxConnection, StoredMessage};
 
 /// Which handler runs a stored message of a consumer: the dispatcher's own routes, or (for a
 /// handler called directly) every handler linked into the program.
@@ -69,8 +69,8 @@ pub(crate) async fn run_stored(
 /// After `ordering` was applied: applies, in order, each parked successor of its aggregate
 /// (sequence + 1, + 2, …), each in its own transaction, until one is missing or does not apply.
 /// Problems are logged, not returned: the message that triggered this was processed.
-pub(crate) async fn apply_parked_successors(
-    mut conn: AnyConnection<'_>,
+pub(crate) async fn apply_parked_successors<C: InboxConnection>(
+    conn: &mut C,
     routes: &dyn Routes,
     consumer: &str,
     ordering: &Ordering,
@@ -80,14 +80,13 @@ pub(crate) async fn apply_parked_successors(
     let mut sequence = ordering.sequence;
     loop {
         let next = async {
-            let store = conn.reborrow().store();
-            let Some(parked) = store
+            let Some(parked) = conn
                 .find_parked(consumer, &ordering.aggregate_id, sequence + 1)
                 .await?
             else {
                 return Ok(None);
             };
-            let stored = store.fetch_message(consumer, &parked.message_key).await?;
+            let stored = conn.fetch_message(consumer, &parked.message_key).await?;
             Ok::<_, sqlx::Error>(stored.map(|stored| (parked, stored)))
         }
         .await;
@@ -109,7 +108,7 @@ pub(crate) async fn apply_parked_successors(
         };
         match run_stored(
             handler,
-            conn.reborrow(),
+            conn.as_any(),
             &stored,
             ClaimMode::Resume,
             policy,

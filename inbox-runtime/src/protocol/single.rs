@@ -21,7 +21,9 @@ use crate::ordering::{GapPolicy, Ordering};
 use crate::outcome::Outcome;
 use crate::policy::RetryPolicy;
 use crate::status::{ClaimMode, Status};
-use crate::store::{ClaimRequest, ClaimResult, InboxConnection};
+use crate::store::{
+    ClaimRequest, ClaimResult, ClaimStore as _, InboxConnection, OrderingStore as _,
+};
 
 /// The `Ok` and `Err` types of a handler's declared return type (any alias of `Result`).
 #[doc(hidden)]

@@ -1,10 +1,8 @@
 //! PostgreSQL inbox store.
 
-use sqlx::migrate::MigrateError;
-use sqlx::{Connection, PgConnection, Pool, Postgres};
+use sqlx::{Connection, PgConnection, Postgres};
 
-use super::{AnyConnection, Backend, InboxDatabase};
-use crate::BoxFuture;
+use super::{Backend, Component, InboxDatabase};
 
 mod sql {
     /// No-wait claims: the `lock_timeout` set for the claim (returning the previous one), and
@@ -96,7 +94,8 @@ mod sql {
          LIMIT $5 FOR UPDATE SKIP LOCKED)";
 }
 
-const MIGRATIONS: &[(i64, &str, &str)] = &[
+/// The inbox component's migrations.
+const INBOX_MIGRATIONS: &[(i64, &str, &str)] = &[
     (
         1,
         "inbox",
@@ -126,11 +125,9 @@ impl_inbox_connection!(
 impl InboxDatabase for Postgres {
     const BACKEND: Backend = Backend::Postgres;
 
-    fn migrate(pool: &Pool<Self>) -> BoxFuture<'_, Result<(), MigrateError>> {
-        Box::pin(async move { super::migrator(MIGRATIONS).run(pool).await })
-    }
-
-    fn any_connection(conn: &mut PgConnection) -> AnyConnection<'_> {
-        AnyConnection::Postgres(conn)
+    fn migrations(component: Component) -> &'static [(i64, &'static str, &'static str)] {
+        match component {
+            Component::Inbox => INBOX_MIGRATIONS,
+        }
     }
 }

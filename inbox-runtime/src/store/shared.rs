@@ -4,57 +4,83 @@
 use crate::envelope::SourceMetadata;
 use crate::status::{ClaimMode, Status};
 
-/// What one claim asks the inbox for.
-#[doc(hidden)]
+/// What one claim asks the inbox for (see [`ClaimStore::claim`](super::ClaimStore::claim)).
+#[derive(Debug, Clone, Copy)]
 pub struct ClaimRequest<'a> {
+    /// The consumer (inbox scope).
     pub consumer: &'a str,
+    /// The idempotency key.
     pub message_key: &'a str,
+    /// The message's routing name (stored with the key).
     pub message_name: &'a str,
+    /// The delivery's fingerprint, lower-case hex SHA-256 (64 characters).
     pub payload_hash: &'a str,
+    /// Where the delivery came from, stored with the key.
     pub source: Option<&'a SourceMetadata>,
     /// Which existing rows the claim may take over.
     pub mode: ClaimMode,
 }
 
 /// What the claim statement found.
-#[doc(hidden)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClaimResult {
-    /// The key is now held by this transaction; `attempts` counts this one.
-    Claimed { attempts: u32 },
+    /// The key is now held by this transaction.
+    Claimed {
+        /// Attempts for the key, this one included (1 for a free key).
+        attempts: u32,
+    },
     /// A row for the key exists and was not taken.
     Existing {
+        /// Its status.
         status: Status,
+        /// Its stored fingerprint (hex).
         payload_hash: String,
+        /// Its attempts so far.
         attempts: u32,
     },
 }
 
-/// A failed attempt to record.
-#[doc(hidden)]
+/// A failed attempt to record (see [`ClaimStore::record_failure`](super::ClaimStore::record_failure)).
+#[derive(Debug, Clone, Copy)]
 pub struct FailureRecord<'a> {
+    /// The consumer.
     pub consumer: &'a str,
+    /// The idempotency key.
     pub message_key: &'a str,
+    /// The message's routing name.
     pub message_name: &'a str,
+    /// The delivery's fingerprint (hex); a row with another fingerprint is left alone.
     pub payload_hash: &'a str,
+    /// `dead` at once (a permanent error).
     pub permanent: bool,
+    /// `dead` once the attempts reach this many.
     pub max_attempts: u32,
+    /// The error text to keep, already bounded.
     pub last_error: &'a str,
+    /// The delay before the next attempt, in milliseconds, added to the database clock.
     pub retry_delay_ms: i64,
+    /// The payload to keep for the retry or a replay.
     pub payload: &'a [u8],
+    /// Where the delivery came from.
     pub source: Option<&'a SourceMetadata>,
+    /// The aggregate of an ordered message.
     pub aggregate_id: Option<&'a str>,
+    /// Its sequence.
     pub sequence: Option<i64>,
 }
 
 /// A parked (or failed) message of an aggregate, found by sequence.
-#[doc(hidden)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParkedMessage {
+    /// The consumer.
     pub consumer: String,
+    /// The idempotency key.
     pub message_key: String,
+    /// The routing name.
     pub message_name: String,
+    /// The aggregate.
     pub aggregate_id: String,
+    /// The message's sequence in it.
     pub sequence: i64,
 }
 
@@ -146,16 +172,24 @@ impl PartialEq<&str> for StatsStatus {
     }
 }
 
-/// A rejected delivery to record.
-#[doc(hidden)]
+/// A rejected delivery to record in `inbox_rejections`, payload included.
+#[derive(Debug, Clone, Copy)]
 pub struct Rejection<'a> {
+    /// The consumer, when one could be named.
     pub consumer: Option<&'a str>,
+    /// The key, when it could be read.
     pub message_key: Option<&'a str>,
+    /// The message name as delivered (may be empty).
     pub message_name: &'a str,
+    /// Why it was rejected.
     pub reason: RejectionReason,
+    /// The error, as text.
     pub detail: &'a str,
+    /// The delivery's fingerprint (hex), if computed.
     pub payload_hash: Option<&'a str>,
+    /// The payload bytes as delivered.
     pub payload: &'a [u8],
+    /// Where the delivery came from.
     pub source: Option<&'a SourceMetadata>,
 }
 
@@ -331,6 +365,9 @@ macro_rules! impl_inbox_connection {
                 &mut *tx
             }
 
+        }
+
+        impl $crate::store::ClaimStore for $conn {
             fn claim<'c>(
                 &'c mut self,
                 request: &'c $crate::store::ClaimRequest<'c>,
@@ -436,39 +473,6 @@ macro_rules! impl_inbox_connection {
                 })
             }
 
-            fn store_result<'c>(
-                &'c mut self,
-                consumer: &'c str,
-                key: &'c str,
-                result: &'c [u8],
-            ) -> $crate::BoxFuture<'c, Result<(), sqlx::Error>> {
-                Box::pin(async move {
-                    sqlx::query($crate::store::shared::STORE_RESULT)
-                        .bind(consumer)
-                        .bind(key)
-                        .bind(result)
-                        .execute(&mut *self)
-                        .await?;
-                    Ok(())
-                })
-            }
-
-            fn fetch_result<'c>(
-                &'c mut self,
-                consumer: &'c str,
-                key: &'c str,
-            ) -> $crate::BoxFuture<'c, Result<Option<Vec<u8>>, sqlx::Error>> {
-                Box::pin(async move {
-                    let found: Option<Option<Vec<u8>>> =
-                        sqlx::query_scalar($crate::store::shared::FETCH_RESULT)
-                            .bind(consumer)
-                            .bind(key)
-                            .fetch_optional(&mut *self)
-                            .await?;
-                    Ok(found.flatten())
-                })
-            }
-
             fn verify_claim<'c>(
                 &'c mut self,
                 consumer: &'c str,
@@ -567,238 +571,6 @@ macro_rules! impl_inbox_connection {
                         .execute(&mut *self)
                         .await?;
                     Ok(())
-                })
-            }
-
-            fn fetch_message<'c>(
-                &'c mut self,
-                consumer: &'c str,
-                key: &'c str,
-            ) -> $crate::BoxFuture<'c, Result<Option<$crate::store::StoredMessage>, sqlx::Error>>
-            {
-                Box::pin(async move {
-                    let row = sqlx::query($crate::store::shared::FETCH)
-                        .bind(consumer)
-                        .bind(key)
-                        .fetch_optional(&mut *self)
-                        .await?;
-                    row.as_ref()
-                        .map($crate::store::shared::stored_message)
-                        .transpose()
-                })
-            }
-
-            fn list_messages<'c>(
-                &'c mut self,
-                consumer: Option<&'c str>,
-                statuses: &'c [$crate::status::Status],
-                limit: i64,
-            ) -> $crate::BoxFuture<'c, Result<Vec<$crate::store::StoredMessage>, sqlx::Error>> {
-                Box::pin(async move {
-                    if statuses.is_empty() {
-                        return Ok(Vec::new());
-                    }
-                    let mut query = sqlx::QueryBuilder::<$db>::new(concat!(
-                        "SELECT ",
-                        message_columns!(),
-                        " FROM inbox_messages WHERE ("
-                    ));
-                    query.push_bind(consumer).push(" IS NULL OR consumer = ");
-                    query.push_bind(consumer).push(") AND status IN (");
-                    let mut each = query.separated(", ");
-                    for status in statuses {
-                        each.push_bind(status.as_str());
-                    }
-                    query
-                        .push(") ORDER BY received_at, consumer, message_key LIMIT ")
-                        .push_bind(limit);
-                    let rows = query.build().fetch_all(&mut *self).await?;
-                    rows.iter()
-                        .map($crate::store::shared::stored_message)
-                        .collect()
-                })
-            }
-
-            fn discard_message<'c>(
-                &'c mut self,
-                consumer: &'c str,
-                key: &'c str,
-            ) -> $crate::BoxFuture<'c, Result<bool, sqlx::Error>> {
-                use $sql as sql;
-                Box::pin(async move {
-                    let done = sqlx::query(sql::DISCARD)
-                        .bind(consumer)
-                        .bind(key)
-                        .execute(&mut *self)
-                        .await?;
-                    Ok(done.rows_affected() > 0)
-                })
-            }
-
-            fn stats(
-                &mut self,
-            ) -> $crate::BoxFuture<'_, Result<Vec<$crate::store::StatsRow>, sqlx::Error>> {
-                Box::pin(async move {
-                    let rows: Vec<(Option<String>, String, i64, Option<String>)> =
-                        sqlx::query_as($crate::store::shared::STATS)
-                            .fetch_all(&mut *self)
-                            .await?;
-                    rows.into_iter()
-                        .map(|(consumer, status, count, oldest)| {
-                            Ok($crate::store::StatsRow {
-                                consumer,
-                                status: $crate::store::shared::stats_status(&status)?,
-                                count,
-                                oldest,
-                            })
-                        })
-                        .collect()
-                })
-            }
-
-            fn purge_batch<'c>(
-                &'c mut self,
-                statuses: &'c [$crate::status::Status],
-                older_than_secs: f64,
-                batch: i64,
-            ) -> $crate::BoxFuture<'c, Result<u64, sqlx::Error>> {
-                use $sql as sql;
-                Box::pin(async move {
-                    let status = |i: usize| statuses.get(i).map(|s| s.as_str());
-                    let done = sqlx::query(sql::PURGE)
-                        .bind(status(0))
-                        .bind(status(1))
-                        .bind(status(2))
-                        .bind(older_than_secs)
-                        .bind(batch)
-                        .execute(&mut *self)
-                        .await?;
-                    Ok(done.rows_affected())
-                })
-            }
-
-            fn purge_rejections_batch(
-                &mut self,
-                older_than_secs: f64,
-                batch: i64,
-            ) -> $crate::BoxFuture<'_, Result<u64, sqlx::Error>> {
-                use $sql as sql;
-                Box::pin(async move {
-                    let done = sqlx::query(sql::PURGE_REJECTIONS)
-                        .bind(older_than_secs)
-                        .bind(batch)
-                        .execute(&mut *self)
-                        .await?;
-                    Ok(done.rows_affected())
-                })
-            }
-
-            fn lock_aggregate<'c>(
-                &'c mut self,
-                consumer: &'c str,
-                aggregate_id: &'c str,
-            ) -> $crate::BoxFuture<'c, Result<i64, sqlx::Error>> {
-                Box::pin(async move {
-                    sqlx::query_scalar($crate::store::shared::LOCK_AGGREGATE)
-                        .bind(consumer)
-                        .bind(aggregate_id)
-                        .fetch_one(&mut *self)
-                        .await
-                })
-            }
-
-            fn advance_aggregate<'c>(
-                &'c mut self,
-                consumer: &'c str,
-                aggregate_id: &'c str,
-                sequence: i64,
-            ) -> $crate::BoxFuture<'c, Result<(), sqlx::Error>> {
-                Box::pin(async move {
-                    sqlx::query($crate::store::shared::ADVANCE_AGGREGATE)
-                        .bind(consumer)
-                        .bind(aggregate_id)
-                        .bind(sequence)
-                        .execute(&mut *self)
-                        .await?;
-                    Ok(())
-                })
-            }
-
-            fn mark_message<'c>(
-                &'c mut self,
-                consumer: &'c str,
-                key: &'c str,
-                status: $crate::status::Status,
-                ordering: &'c $crate::Ordering,
-                payload: Option<&'c [u8]>,
-            ) -> $crate::BoxFuture<'c, Result<(), sqlx::Error>> {
-                Box::pin(async move {
-                    sqlx::query($crate::store::shared::MARK_MESSAGE)
-                        .bind(consumer)
-                        .bind(key)
-                        .bind(status.as_str())
-                        .bind(ordering.aggregate_id.as_str())
-                        .bind(ordering.sequence)
-                        .bind(payload)
-                        .execute(&mut *self)
-                        .await?;
-                    Ok(())
-                })
-            }
-
-            fn find_parked<'c>(
-                &'c mut self,
-                consumer: &'c str,
-                aggregate_id: &'c str,
-                sequence: i64,
-            ) -> $crate::BoxFuture<'c, Result<Option<$crate::store::ParkedMessage>, sqlx::Error>>
-            {
-                Box::pin(async move {
-                    let row: Option<(String, String, String, String, i64)> =
-                        sqlx::query_as($crate::store::shared::FIND_PARKED)
-                            .bind(consumer)
-                            .bind(aggregate_id)
-                            .bind(sequence)
-                            .fetch_optional(&mut *self)
-                            .await?;
-                    Ok(row.map($crate::store::shared::parked))
-                })
-            }
-
-            fn expired_parked<'c>(
-                &'c mut self,
-                older_than_secs: f64,
-                limit: i64,
-            ) -> $crate::BoxFuture<'c, Result<Vec<$crate::store::ParkedMessage>, sqlx::Error>> {
-                use $sql as sql;
-                Box::pin(async move {
-                    let rows: Vec<(String, String, String, String, i64)> =
-                        sqlx::query_as(sql::EXPIRED_PARKED)
-                            .bind(older_than_secs)
-                            .bind(limit)
-                            .fetch_all(&mut *self)
-                            .await?;
-                    Ok(rows
-                        .into_iter()
-                        .map($crate::store::shared::parked)
-                        .collect())
-                })
-            }
-
-            fn dead_letter_parked<'c>(
-                &'c mut self,
-                consumer: &'c str,
-                key: &'c str,
-                reason: &'c str,
-            ) -> $crate::BoxFuture<'c, Result<bool, sqlx::Error>> {
-                Box::pin(async move {
-                    let done = sqlx::query($crate::store::shared::DEAD_LETTER_PARKED)
-                        .bind(consumer)
-                        .bind(key)
-                        .bind(reason)
-                        .execute(&mut *self)
-                        .await?;
-                    Ok(done.rows_affected() > 0)
                 })
             }
 
@@ -927,17 +699,277 @@ macro_rules! impl_inbox_connection {
                 })
             }
 
-            fn as_any(&mut self) -> $crate::store::AnyConnection<'_> {
-                $crate::store::AnyConnection::$variant(self)
+            fn store_result<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                key: &'c str,
+                result: &'c [u8],
+            ) -> $crate::BoxFuture<'c, Result<(), sqlx::Error>> {
+                Box::pin(async move {
+                    sqlx::query($crate::store::shared::STORE_RESULT)
+                        .bind(consumer)
+                        .bind(key)
+                        .bind(result)
+                        .execute(&mut *self)
+                        .await?;
+                    Ok(())
+                })
             }
 
-            fn from_any(conn: $crate::store::AnyConnection<'_>) -> Option<&mut Self> {
-                match conn {
-                    $crate::store::AnyConnection::$variant(conn) => Some(conn),
-                    #[allow(unreachable_patterns)]
-                    _ => None,
-                }
+            fn fetch_result<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                key: &'c str,
+            ) -> $crate::BoxFuture<'c, Result<Option<Vec<u8>>, sqlx::Error>> {
+                Box::pin(async move {
+                    let found: Option<Option<Vec<u8>>> =
+                        sqlx::query_scalar($crate::store::shared::FETCH_RESULT)
+                            .bind(consumer)
+                            .bind(key)
+                            .fetch_optional(&mut *self)
+                            .await?;
+                    Ok(found.flatten())
+                })
             }
+
+        }
+
+        impl $crate::store::AdminStore for $conn {
+            fn fetch_message<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                key: &'c str,
+            ) -> $crate::BoxFuture<'c, Result<Option<$crate::store::StoredMessage>, sqlx::Error>>
+            {
+                Box::pin(async move {
+                    let row = sqlx::query($crate::store::shared::FETCH)
+                        .bind(consumer)
+                        .bind(key)
+                        .fetch_optional(&mut *self)
+                        .await?;
+                    row.as_ref()
+                        .map($crate::store::shared::stored_message)
+                        .transpose()
+                })
+            }
+
+            fn list_messages<'c>(
+                &'c mut self,
+                consumer: Option<&'c str>,
+                statuses: &'c [$crate::status::Status],
+                limit: i64,
+            ) -> $crate::BoxFuture<'c, Result<Vec<$crate::store::StoredMessage>, sqlx::Error>> {
+                Box::pin(async move {
+                    if statuses.is_empty() {
+                        return Ok(Vec::new());
+                    }
+                    let mut query = sqlx::QueryBuilder::<$db>::new(concat!(
+                        "SELECT ",
+                        message_columns!(),
+                        " FROM inbox_messages WHERE ("
+                    ));
+                    query.push_bind(consumer).push(" IS NULL OR consumer = ");
+                    query.push_bind(consumer).push(") AND status IN (");
+                    let mut each = query.separated(", ");
+                    for status in statuses {
+                        each.push_bind(status.as_str());
+                    }
+                    query
+                        .push(") ORDER BY received_at, consumer, message_key LIMIT ")
+                        .push_bind(limit);
+                    let rows = query.build().fetch_all(&mut *self).await?;
+                    rows.iter()
+                        .map($crate::store::shared::stored_message)
+                        .collect()
+                })
+            }
+
+            fn discard_message<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                key: &'c str,
+            ) -> $crate::BoxFuture<'c, Result<bool, sqlx::Error>> {
+                use $sql as sql;
+                Box::pin(async move {
+                    let done = sqlx::query(sql::DISCARD)
+                        .bind(consumer)
+                        .bind(key)
+                        .execute(&mut *self)
+                        .await?;
+                    Ok(done.rows_affected() > 0)
+                })
+            }
+
+            fn stats(
+                &mut self,
+            ) -> $crate::BoxFuture<'_, Result<Vec<$crate::store::StatsRow>, sqlx::Error>> {
+                Box::pin(async move {
+                    let rows: Vec<(Option<String>, String, i64, Option<String>)> =
+                        sqlx::query_as($crate::store::shared::STATS)
+                            .fetch_all(&mut *self)
+                            .await?;
+                    rows.into_iter()
+                        .map(|(consumer, status, count, oldest)| {
+                            Ok($crate::store::StatsRow {
+                                consumer,
+                                status: $crate::store::shared::stats_status(&status)?,
+                                count,
+                                oldest,
+                            })
+                        })
+                        .collect()
+                })
+            }
+
+            fn purge_batch<'c>(
+                &'c mut self,
+                statuses: &'c [$crate::status::Status],
+                older_than_secs: f64,
+                batch: i64,
+            ) -> $crate::BoxFuture<'c, Result<u64, sqlx::Error>> {
+                use $sql as sql;
+                Box::pin(async move {
+                    let status = |i: usize| statuses.get(i).map(|s| s.as_str());
+                    let done = sqlx::query(sql::PURGE)
+                        .bind(status(0))
+                        .bind(status(1))
+                        .bind(status(2))
+                        .bind(older_than_secs)
+                        .bind(batch)
+                        .execute(&mut *self)
+                        .await?;
+                    Ok(done.rows_affected())
+                })
+            }
+
+            fn purge_rejections_batch(
+                &mut self,
+                older_than_secs: f64,
+                batch: i64,
+            ) -> $crate::BoxFuture<'_, Result<u64, sqlx::Error>> {
+                use $sql as sql;
+                Box::pin(async move {
+                    let done = sqlx::query(sql::PURGE_REJECTIONS)
+                        .bind(older_than_secs)
+                        .bind(batch)
+                        .execute(&mut *self)
+                        .await?;
+                    Ok(done.rows_affected())
+                })
+            }
+
+        }
+
+        impl $crate::store::OrderingStore for $conn {
+            fn lock_aggregate<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                aggregate_id: &'c str,
+            ) -> $crate::BoxFuture<'c, Result<i64, sqlx::Error>> {
+                Box::pin(async move {
+                    sqlx::query_scalar($crate::store::shared::LOCK_AGGREGATE)
+                        .bind(consumer)
+                        .bind(aggregate_id)
+                        .fetch_one(&mut *self)
+                        .await
+                })
+            }
+
+            fn advance_aggregate<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                aggregate_id: &'c str,
+                sequence: i64,
+            ) -> $crate::BoxFuture<'c, Result<(), sqlx::Error>> {
+                Box::pin(async move {
+                    sqlx::query($crate::store::shared::ADVANCE_AGGREGATE)
+                        .bind(consumer)
+                        .bind(aggregate_id)
+                        .bind(sequence)
+                        .execute(&mut *self)
+                        .await?;
+                    Ok(())
+                })
+            }
+
+            fn mark_message<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                key: &'c str,
+                status: $crate::status::Status,
+                ordering: &'c $crate::Ordering,
+                payload: Option<&'c [u8]>,
+            ) -> $crate::BoxFuture<'c, Result<(), sqlx::Error>> {
+                Box::pin(async move {
+                    sqlx::query($crate::store::shared::MARK_MESSAGE)
+                        .bind(consumer)
+                        .bind(key)
+                        .bind(status.as_str())
+                        .bind(ordering.aggregate_id.as_str())
+                        .bind(ordering.sequence)
+                        .bind(payload)
+                        .execute(&mut *self)
+                        .await?;
+                    Ok(())
+                })
+            }
+
+            fn find_parked<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                aggregate_id: &'c str,
+                sequence: i64,
+            ) -> $crate::BoxFuture<'c, Result<Option<$crate::store::ParkedMessage>, sqlx::Error>>
+            {
+                Box::pin(async move {
+                    let row: Option<(String, String, String, String, i64)> =
+                        sqlx::query_as($crate::store::shared::FIND_PARKED)
+                            .bind(consumer)
+                            .bind(aggregate_id)
+                            .bind(sequence)
+                            .fetch_optional(&mut *self)
+                            .await?;
+                    Ok(row.map($crate::store::shared::parked))
+                })
+            }
+
+            fn expired_parked<'c>(
+                &'c mut self,
+                older_than_secs: f64,
+                limit: i64,
+            ) -> $crate::BoxFuture<'c, Result<Vec<$crate::store::ParkedMessage>, sqlx::Error>> {
+                use $sql as sql;
+                Box::pin(async move {
+                    let rows: Vec<(String, String, String, String, i64)> =
+                        sqlx::query_as(sql::EXPIRED_PARKED)
+                            .bind(older_than_secs)
+                            .bind(limit)
+                            .fetch_all(&mut *self)
+                            .await?;
+                    Ok(rows
+                        .into_iter()
+                        .map($crate::store::shared::parked)
+                        .collect())
+                })
+            }
+
+            fn dead_letter_parked<'c>(
+                &'c mut self,
+                consumer: &'c str,
+                key: &'c str,
+                reason: &'c str,
+            ) -> $crate::BoxFuture<'c, Result<bool, sqlx::Error>> {
+                Box::pin(async move {
+                    let done = sqlx::query($crate::store::shared::DEAD_LETTER_PARKED)
+                        .bind(consumer)
+                        .bind(key)
+                        .bind(reason)
+                        .execute(&mut *self)
+                        .await?;
+                    Ok(done.rows_affected() > 0)
+                })
+            }
+
         }
     };
 }

@@ -1,10 +1,8 @@
 //! SQLite inbox store.
 
-use sqlx::migrate::MigrateError;
-use sqlx::{Connection, Pool, Sqlite, SqliteConnection};
+use sqlx::{Connection, Sqlite, SqliteConnection};
 
-use super::{AnyConnection, Backend, InboxDatabase};
-use crate::BoxFuture;
+use super::{Backend, Component, InboxDatabase};
 
 mod sql {
     /// No lock timeout on SQLite: see `InboxConnection::claim_no_wait`.
@@ -85,7 +83,8 @@ mod sql {
          LIMIT $5)";
 }
 
-const MIGRATIONS: &[(i64, &str, &str)] = &[
+/// The inbox component's migrations.
+const INBOX_MIGRATIONS: &[(i64, &str, &str)] = &[
     (
         1,
         "inbox",
@@ -127,11 +126,9 @@ impl_inbox_connection!(
 impl InboxDatabase for Sqlite {
     const BACKEND: Backend = Backend::Sqlite;
 
-    fn migrate(pool: &Pool<Self>) -> BoxFuture<'_, Result<(), MigrateError>> {
-        Box::pin(async move { super::migrator(MIGRATIONS).run(pool).await })
-    }
-
-    fn any_connection(conn: &mut SqliteConnection) -> AnyConnection<'_> {
-        AnyConnection::Sqlite(conn)
+    fn migrations(component: Component) -> &'static [(i64, &'static str, &'static str)] {
+        match component {
+            Component::Inbox => INBOX_MIGRATIONS,
+        }
     }
 }
