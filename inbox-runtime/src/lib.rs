@@ -64,6 +64,30 @@
 //! # Ok(()) }
 //! ```
 //!
+//! ## How a delivery flows, and where each capability plugs in
+//!
+//! ```text
+//! source ──► worker ──► dispatcher ──► protocol ──► store (PostgreSQL | SQLite)
+//! HTTP request, relay, custom code ──► ClaimSession ──┘
+//! ```
+//!
+//! * A [`source`] yields deliveries ([`Envelope`]: message name, payload bytes, source metadata)
+//!   and settles each (ack, requeue, reject) only when told.
+//! * The [`Worker`] runs deliveries with bounded concurrency, one at a time per ordering key,
+//!   and settles each after its transaction committed ([`settlement_for`]).
+//! * The [`Dispatcher`] decodes a payload once, routes it to every consumer registered for its
+//!   name (`inventory`, or [`Dispatcher::from_handlers`]), and runs each through the protocol,
+//!   alone or in a batch; its [`TransactionHook`]s run inside each claim's transaction (before
+//!   `COMMIT`) and after it.
+//! * The protocol owns the rules: the claim as the first statement, one decision function for a
+//!   key already taken (duplicate, conflict, dead, stale, parked, or take it over), the check
+//!   before `COMMIT`, and the failure record after a rollback. `#[idempotent]` handlers,
+//!   batches, replays and parked successors are drivers of it; [`ClaimSession`] is its public
+//!   face for work that is not a message handler.
+//! * A store implements the statements behind small capability traits ([`ClaimStore`],
+//!   [`OrderingStore`], [`AdminStore`]) in its backend's SQL dialect; schema migrations come per
+//!   [`Component`].
+//!
 //! ## Calling a handler on a connection already inside a transaction
 //!
 //! The claim and the body then run in a **savepoint** of the caller's transaction (sqlx's nested
