@@ -604,6 +604,7 @@ inbox_tests::backend_matrix! {
         let msg = AdvFlaky { id: "r".into(), amount: 5 };
         assert_eq!(dispatcher.dispatch(&envelope(&msg)).await.unwrap()[0].result.as_ref().map_err(|e| e.kind()).err(), Some("handler"));
         sqlx::query("DELETE FROM effects WHERE effect_key = 'switch:r'").execute(&pool).await.unwrap();
+        inbox_tests::make_due(&pool).await;
         assert_eq!(dispatcher.dispatch(&redelivered(&msg)).await.unwrap()[0].result.as_ref().ok(), Some(&Outcome::Processed(())));
         assert_eq!(dispatcher.dispatch(&redelivered(&msg)).await.unwrap()[0].result.as_ref().ok(), Some(&Outcome::Duplicate));
         let other = AdvFlaky { id: "r".into(), amount: 6 };
@@ -623,6 +624,7 @@ inbox_tests::backend_matrix! {
         let msg = AdvFlaky { id: "c".into(), amount: 9 };
         assert!(dispatcher.dispatch(&envelope(&msg)).await.unwrap()[0].result.is_err());
         sqlx::query("DELETE FROM effects WHERE effect_key = 'switch:c'").execute(&pool).await.unwrap();
+        inbox_tests::make_due(&pool).await;
         let mut tasks = Vec::new();
         for i in 0..12 {
             let dispatcher = dispatcher.clone();

@@ -142,6 +142,7 @@ inbox_tests::backend_matrix! {
             matches!(first.disposition, Disposition::Retry { .. }),
             "{first:?}"
         );
+        inbox_tests::make_due(&pool).await;
         let second = strict(&mut conn, job()).await.unwrap_err();
         let second = second.as_handler_failure().unwrap();
         assert_eq!(
@@ -184,6 +185,7 @@ inbox_tests::backend_matrix! {
         let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
         fail_next(&id("twice"), 2, false);
         for attempt in 1..=2_u32 {
+            inbox_tests::make_due(&pool).await;
             let error = one(&dispatcher, &envelope("twice", 5)).await.unwrap_err();
             let Error::Handler(failure) = error else {
                 panic!("{error:?}")
@@ -206,6 +208,7 @@ inbox_tests::backend_matrix! {
             // The failed attempt's effect was rolled back with it.
             assert_eq!(applied(&pool, "twice").await, 0);
         }
+        inbox_tests::make_due(&pool).await;
         assert_eq!(
             one(&dispatcher, &envelope("twice", 5)).await.unwrap(),
             Outcome::Processed(())
@@ -254,6 +257,7 @@ inbox_tests::backend_matrix! {
         fail_next(&id("poison"), 3, false);
         let mut dispositions = Vec::new();
         for _ in 0..3 {
+            inbox_tests::make_due(&pool).await;
             let error = one(&dispatcher, &envelope("poison", 7)).await.unwrap_err();
             let Error::Handler(failure) = error else {
                 panic!("{error:?}")

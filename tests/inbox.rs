@@ -182,7 +182,8 @@ inbox_tests::backend_matrix! {
         assert_eq!(effect(&pool, "note:r").await, None);
         let status = "SELECT COUNT(*) FROM inbox_messages WHERE status = 'failed' AND payload IS NOT NULL";
         assert_eq!(count(&pool, status).await, 1);
-        // The failed key does not block its own retry: the handler runs again.
+        // The failed key does not block its own retry: once due, the handler runs again.
+        assert_eq!(inbox_tests::make_due(&pool).await, 1);
         let error = apply_note(&mut conn, rejected).await.unwrap_err();
         assert_eq!(error.as_handler_failure().map(|f| f.attempts), Some(2));
         // Another payload under that key is a conflict, not a retry.

@@ -321,6 +321,7 @@ async fn a_handler_that_swallows_a_database_error_is_not_reported_processed() {
         .unwrap();
     assert_eq!((row.status.as_str(), row.attempts), ("failed", 1));
     assert!(row.last_error.unwrap().contains("transaction was aborted"));
+    assert_eq!(inbox_tests::make_due(&pool).await, 1);
     assert_eq!(
         careless(&mut conn, msg()).await.unwrap_err().kind(),
         "database"

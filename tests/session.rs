@@ -165,7 +165,16 @@ inbox_tests::backend_matrix! {
             Some("retryable error: payment provider down")
         );
 
-        // The failed key is claimed again by the next session: attempt 2, the last.
+        // Before its next attempt is due, the failed key is not claimed: "not yet".
+        match session.open(&mut *conn).await.unwrap() {
+            ClaimState::NotYet { retry_in, attempts } => {
+                assert!(retry_in > Duration::ZERO && retry_in <= Duration::from_secs(2), "{retry_in:?}");
+                assert_eq!(attempts, 1);
+            }
+            other => panic!("expected not yet, got {other:?}"),
+        }
+        // Once due, the failed key is claimed again by the next session: attempt 2, the last.
+        assert_eq!(inbox_tests::make_due(&pool).await, 1);
         let ClaimState::Claimed(claim) = session.open(&mut *conn).await.unwrap() else {
             panic!("a failed key is claimed again");
         };

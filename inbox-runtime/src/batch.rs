@@ -282,8 +282,16 @@ where
                     Some(ClaimResult::Existing {
                         status,
                         payload_hash,
+                        retry_in,
                         ..
-                    }) => decide(*status, payload_hash, fingerprint, ClaimMode::Deliver).ok(),
+                    }) => decide(
+                        *status,
+                        payload_hash,
+                        fingerprint,
+                        ClaimMode::Deliver,
+                        *retry_in,
+                    )
+                    .ok(),
                     _ => None,
                 };
                 // A key freed or taken over since, or a stored fingerprint that does not parse

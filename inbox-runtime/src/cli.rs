@@ -676,6 +676,7 @@ fn write_stats(out: &mut dyn Write, rows: &[StatsRow]) -> io::Result<()> {
                     RejectionReason::Malformed => "malformed payload".into(),
                     RejectionReason::UnknownMessage => "unknown message name".into(),
                     RejectionReason::InvalidKey => "invalid key".into(),
+                    RejectionReason::TooLarge => "payload over the size limit".into(),
                 },
                 row.count.to_string(),
                 row.oldest.as_deref().map_or_else(|| "-".into(), short_time),

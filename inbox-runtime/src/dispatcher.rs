@@ -66,6 +66,14 @@ pub struct Dispatcher<DB: InboxDatabase> {
     pub(crate) policy: RetryPolicy,
     pub(crate) park: ParkPolicy,
     pub(crate) hooks: Hooks<DB>,
+    pub(crate) max_payload_bytes: usize,
+}
+
+/// The 1-based line and column (in bytes) just after `before`.
+fn position(before: &[u8]) -> (usize, usize) {
+    let line = 1 + before.iter().filter(|&&b| b == b'\n').count();
+    let column = 1 + before.iter().rev().take_while(|&&b| b != b'\n').count();
+    (line, column)
 }
 
 impl<DB: InboxDatabase> Routes for Dispatcher<DB> {
@@ -193,7 +201,29 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             policy: RetryPolicy::default(),
             park: ParkPolicy::default(),
             hooks: Hooks::default(),
+            max_payload_bytes: Self::DEFAULT_MAX_PAYLOAD_BYTES,
         })
+    }
+
+    /// The default payload limit: 1 MiB (1,048,576 bytes). About the largest message the common
+    /// brokers carry by default (SQS: 1 MiB; Kafka: `message.max.bytes` ≈ 1 MB; NATS: 1 MB
+    /// `max_payload`), so a payload over it would not survive a relay either; and a dispatch
+    /// holds a few copies of a payload at once (the bytes, the decoded message, its canonical
+    /// form for the fingerprint), so the limit bounds a worker's memory per delivery.
+    pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
+
+    /// Sets the largest payload this dispatcher decodes, in bytes (default
+    /// [`DEFAULT_MAX_PAYLOAD_BYTES`](Self::DEFAULT_MAX_PAYLOAD_BYTES)). A larger one is refused
+    /// before decoding with [`DispatchError::TooLarge`], and kept in `inbox_rejections` cut to
+    /// the limit, with its real size.
+    pub fn with_max_payload_bytes(mut self, limit: usize) -> Self {
+        self.max_payload_bytes = limit;
+        self
+    }
+
+    /// The payload limit in force, in bytes.
+    pub fn max_payload_bytes(&self) -> usize {
+        self.max_payload_bytes
     }
 
     /// Adds a [`TransactionHook`]: its `before_commit` runs on the claim's transaction after
@@ -261,9 +291,12 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     ///
     /// # Errors
     /// [`DispatchError::NoMessageName`] if the envelope's name is empty,
+    /// [`DispatchError::TooLarge`] if the payload is over the limit,
     /// [`DispatchError::UnknownMessage`] if no handler takes this name,
+    /// [`DispatchError::NotUtf8`] if the payload is not UTF-8 (anywhere in it),
     /// [`DispatchError::Decode`] (with line and column) if the payload is not valid JSON of the
-    /// message type, [`DispatchError::Key`] if a consumer's key is missing, null, empty or too
+    /// message type (as a whole: members the type does not declare and trailing characters
+    /// included), [`DispatchError::Key`] if a consumer's key is missing, null, empty or too
     /// long, [`DispatchError::Fingerprint`] if the message cannot be fingerprinted. Per-consumer
     /// failures (handler error, conflict, database) are in each [`ConsumerOutcome::result`].
     ///
@@ -307,12 +340,31 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         if envelope.message_name.is_empty() {
             return Err(DispatchError::NoMessageName);
         }
+        let size = envelope.payload.len();
+        if size > self.max_payload_bytes {
+            return Err(DispatchError::TooLarge {
+                message_name: envelope.message_name.clone(),
+                size,
+                limit: self.max_payload_bytes,
+            });
+        }
         let handlers = self
             .routes
             .get(envelope.message_name.as_str())
             .ok_or_else(|| DispatchError::UnknownMessage {
                 message_name: envelope.message_name.clone(),
             })?;
+
+        // JSON is UTF-8 as a whole: serde skips the members a message type does not declare
+        // without looking at their bytes, so check them all here (no copy).
+        let text = std::str::from_utf8(&envelope.payload).map_err(|error| {
+            let (line, column) = position(&envelope.payload[..error.valid_up_to()]);
+            DispatchError::NotUtf8 {
+                message_name: envelope.message_name.clone(),
+                line,
+                column,
+            }
+        })?;
 
         // Decode once per message type (consumers of one name almost always share one type).
         let mut decoded: Vec<(TypeId, Box<AnyMessage>, Fingerprint)> = Vec::with_capacity(1);
@@ -324,14 +376,14 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             {
                 Some(index) => index,
                 None => {
-                    let msg = handler.decode(&envelope.payload).map_err(|source| {
-                        DispatchError::Decode {
+                    let msg = handler
+                        .decode(text)
+                        .map_err(|source| DispatchError::Decode {
                             message_name: envelope.message_name.clone(),
                             line: source.line(),
                             column: source.column(),
                             source,
-                        }
-                    })?;
+                        })?;
                     let fingerprint = handler.fingerprint(&*msg).map_err(|source| {
                         DispatchError::Fingerprint {
                             message_name: envelope.message_name.clone(),
@@ -477,11 +529,16 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         let (reason, consumer) = match error {
             DispatchError::UnknownMessage { .. } => (RejectionReason::UnknownMessage, None),
             DispatchError::NoMessageName
+            | DispatchError::NotUtf8 { .. }
             | DispatchError::Decode { .. }
             | DispatchError::Fingerprint { .. } => (RejectionReason::Malformed, None),
+            DispatchError::TooLarge { .. } => (RejectionReason::TooLarge, None),
             DispatchError::Key { consumer, .. } => (RejectionReason::InvalidKey, Some(*consumer)),
         };
         let detail = error.to_string();
+        // An oversized payload is kept cut to the limit, with its real size: never whole.
+        let size = envelope.payload.len();
+        let kept = size.min(self.max_payload_bytes);
         let rejection = Rejection {
             consumer,
             message_key: None,
@@ -489,7 +546,8 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             reason,
             detail: &detail,
             payload_hash: None,
-            payload: &envelope.payload,
+            payload: &envelope.payload[..kept],
+            payload_size: (kept < size).then(|| i64::try_from(size).unwrap_or(i64::MAX)),
             source: envelope.source.as_ref(),
         };
         let mut slot = slot.guard();

@@ -189,6 +189,17 @@ pub struct StoreError {
     pub source: sqlx::Error,
 }
 
+/// A decoder error's text without the position serde_json appends to it (` at line L column
+/// C`), which [`DispatchError::Decode`] states itself.
+fn without_position(error: &serde_json::Error) -> String {
+    let text = error.to_string();
+    let suffix = format!(" at line {} column {}", error.line(), error.column());
+    match text.strip_suffix(&suffix) {
+        Some(message) if error.line() > 0 => message.to_owned(),
+        _ => text,
+    }
+}
+
 /// A before-commit hook failed; everything of the transaction was rolled back.
 #[derive(Debug, thiserror::Error)]
 #[error("before-commit hook failed for consumer `{consumer}`, key `{key}`: {source}")]
@@ -327,9 +338,37 @@ pub enum DispatchError {
         /// The envelope's message name.
         message_name: String,
     },
-    /// The payload is not a valid message of this name.
+    /// The payload is larger than the dispatcher's limit
+    /// ([`Dispatcher::with_max_payload_bytes`](crate::Dispatcher::with_max_payload_bytes)): refused
+    /// before it is decoded. Recorded as `too_large`, with the payload cut to the limit and its
+    /// real size.
+    #[error("payload of message `{message_name}` is {size} bytes, over the limit of {limit} bytes")]
+    TooLarge {
+        /// The message name.
+        message_name: String,
+        /// The payload's size, in bytes.
+        size: usize,
+        /// The limit, in bytes.
+        limit: usize,
+    },
+    /// The payload is not UTF-8 (JSON must be), anywhere in it, members the message type does
+    /// not declare included.
     #[error(
-        "malformed payload for message `{message_name}` at line {line}, column {column}: {source}"
+        "malformed payload for message `{message_name}` at line {line}, column {column}: invalid UTF-8"
+    )]
+    NotUtf8 {
+        /// The message name.
+        message_name: String,
+        /// 1-based line of the first invalid byte.
+        line: usize,
+        /// 1-based column (in bytes) of the first invalid byte.
+        column: usize,
+    },
+    /// The payload is not a valid message of this name: not JSON as a whole (trailing
+    /// characters included), or not of the message type.
+    #[error(
+        "malformed payload for message `{message_name}` at line {line}, column {column}: {}",
+        without_position(.source)
     )]
     Decode {
         /// The message name.

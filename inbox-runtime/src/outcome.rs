@@ -24,6 +24,14 @@ pub enum Outcome<T> {
     /// Per-aggregate ordering: the message's sequence is not newer than the last one applied
     /// to its aggregate. Recorded as consumed (`stale`), not applied. The source may ack.
     Stale,
+    /// The key's last attempt failed and its next attempt is not due yet (`next_attempt_at`,
+    /// database clock): nothing ran, and the attempt is not counted. Redeliver it after
+    /// `retry_in` (the [`Worker`](crate::Worker) requeues it with that delay). Replays do not
+    /// wait.
+    NotYet {
+        /// How long until the next attempt is due.
+        retry_in: std::time::Duration,
+    },
     /// Per-aggregate ordering with `gaps = "park"`: the message came before its predecessor.
     /// Stored durably (`parked`, payload kept) and applied, in order, once the gap fills. The
     /// source may ack.
@@ -58,11 +66,12 @@ impl<T> Outcome<T> {
             Outcome::Discarded => Outcome::Discarded,
             Outcome::Stale => Outcome::Stale,
             Outcome::Parked => Outcome::Parked,
+            Outcome::NotYet { retry_in } => Outcome::NotYet { retry_in },
         }
     }
 
     /// The outcome's name as used in logs and metrics: `"processed"`, `"duplicate"`, `"dead"`,
-    /// `"discarded"`, `"stale"` or `"parked"`.
+    /// `"discarded"`, `"stale"`, `"parked"` or `"not_yet"`.
     pub fn kind(&self) -> &'static str {
         match self {
             Outcome::Processed(_) => "processed",
@@ -71,6 +80,7 @@ impl<T> Outcome<T> {
             Outcome::Discarded => "discarded",
             Outcome::Stale => "stale",
             Outcome::Parked => "parked",
+            Outcome::NotYet { .. } => "not_yet",
         }
     }
 }

@@ -113,7 +113,7 @@ impl ClaimMode {
     }
 
     /// Whether a claim in this mode takes over a row in `status` that has the request's
-    /// fingerprint.
+    /// fingerprint, when the row is due (see [`ClaimMode::takes_over_now`]).
     pub fn takes_over(self, status: Status) -> bool {
         match status {
             Status::Failed => true,
@@ -121,6 +121,16 @@ impl ClaimMode {
             Status::Parked => matches!(self, ClaimMode::Resume | ClaimMode::Release),
             Status::Processed | Status::Stale | Status::Discarded => false,
         }
+    }
+}
+
+impl ClaimMode {
+    /// Whether a claim in this mode takes over such a row now: as [`ClaimMode::takes_over`],
+    /// except that a delivery leaves a `failed` row alone until its next attempt is due
+    /// (`retry_in` is the time left, `None` when due). Replays and parked releases do not wait.
+    pub fn takes_over_now(self, status: Status, retry_in: Option<std::time::Duration>) -> bool {
+        self.takes_over(status)
+            && !(status == Status::Failed && self == ClaimMode::Deliver && retry_in.is_some())
     }
 }
 

@@ -73,6 +73,9 @@ pub fn settlement_for(
                 | Outcome::Parked,
             ) => {}
             Err(Error::Handler(failure)) if failure.disposition.is_settled() => {}
+            Ok(Outcome::NotYet { retry_in }) => {
+                requeue = Some(requeue.map_or(*retry_in, |d| d.max(*retry_in)));
+            }
             Err(Error::Conflict(_) | Error::Key(_) | Error::Fingerprint(_)) => reject = true,
             Err(Error::Handler(failure)) => {
                 let delay = match failure.disposition {
@@ -122,6 +125,9 @@ pub struct WorkerReport {
     pub stale: u64,
     /// Consumer outcomes [`Outcome::Parked`] (ordering: held until their gap fills).
     pub parked: u64,
+    /// Consumer outcomes [`Outcome::NotYet`]: a failed key redelivered before its next attempt
+    /// was due (requeued with the time left).
+    pub not_yet: u64,
     /// Consumer results [`Error::Conflict`].
     pub conflicts: u64,
     /// Deliveries the dispatcher refused ([`DispatchError`]: unknown message, malformed payload,
@@ -153,6 +159,7 @@ impl Default for WorkerReport {
             deliveries: 0,
             stale: 0,
             parked: 0,
+            not_yet: 0,
             processed: 0,
             duplicates: 0,
             conflicts: 0,
@@ -788,6 +795,7 @@ async fn settle<DB: InboxDatabase>(
                     Ok(Outcome::Dead | Outcome::Discarded) => report.dead += 1,
                     Ok(Outcome::Stale) => report.stale += 1,
                     Ok(Outcome::Parked) => report.parked += 1,
+                    Ok(Outcome::NotYet { .. }) => report.not_yet += 1,
                     Err(Error::Handler(failure)) if failure.disposition.is_settled() => {
                         report.dead += 1;
                         tracing::error!(

@@ -18,7 +18,7 @@
 
 pub mod matrix;
 
-pub use matrix::{Backend, TestBackend, count, effect, effects, inbox_row};
+pub use matrix::{Backend, TestBackend, count, effect, effects, inbox_row, make_due};
 
 #[doc(hidden)]
 pub use inbox_runtime as __inbox_runtime;

@@ -36,6 +36,8 @@ pub trait TestBackend: inbox_runtime::InboxDatabase {
 
     /// See [`count`].
     fn count(pool: &Pool<Self>, sql: &'static str) -> impl Future<Output = i64> + Send;
+    /// See [`make_due`].
+    fn execute(pool: &Pool<Self>, sql: &'static str) -> impl Future<Output = u64> + Send;
 
     /// See [`inbox_row`].
     fn inbox_row(
@@ -68,6 +70,14 @@ macro_rules! reads {
             .into_iter()
             .map(|(key, applied, total)| (key, (applied, total)))
             .collect()
+        }
+
+        async fn execute(pool: &$pool, sql: &'static str) -> u64 {
+            sqlx::query(sql)
+                .execute(pool)
+                .await
+                .expect("execute")
+                .rows_affected()
         }
 
         async fn count(pool: &$pool, sql: &'static str) -> i64 {
@@ -119,6 +129,17 @@ pub async fn effect<DB: TestBackend>(pool: &Pool<DB>, key: &str) -> Option<(i64,
 /// Every effect row: key → `(applied, total)`.
 pub async fn effects<DB: TestBackend>(pool: &Pool<DB>) -> BTreeMap<String, (i64, i64)> {
     DB::effects(pool).await
+}
+
+/// Makes every `failed` key's next attempt due now, as if its retry delay had passed (a
+/// redelivery before it is due is [`Outcome::NotYet`](inbox_runtime::Outcome::NotYet)). Returns
+/// how many keys it changed.
+pub async fn make_due<DB: TestBackend>(pool: &Pool<DB>) -> u64 {
+    DB::execute(
+        pool,
+        "UPDATE inbox_messages SET next_attempt_at = NULL WHERE status = 'failed'",
+    )
+    .await
 }
 
 /// The single `BIGINT` a query returns (`SELECT COUNT(*) …`).

@@ -24,7 +24,7 @@ pub trait DynHandler: Send + Sync + 'static {
     fn function(&self) -> &'static str;
     fn backend(&self) -> Backend;
     fn message_type(&self) -> TypeId;
-    fn decode(&self, payload: &[u8]) -> Result<Box<AnyMessage>, serde_json::Error>;
+    fn decode(&self, payload: &str) -> Result<Box<AnyMessage>, serde_json::Error>;
     fn key(&self, msg: &AnyMessage) -> Result<IdempotencyKey, KeyError>;
     fn ordering(&self, msg: &AnyMessage) -> Result<Option<Ordering>, KeyError>;
     fn gaps(&self) -> GapPolicy;
@@ -77,8 +77,8 @@ where
     fn message_type(&self) -> TypeId {
         TypeId::of::<H::Message>()
     }
-    fn decode(&self, payload: &[u8]) -> Result<Box<AnyMessage>, serde_json::Error> {
-        Ok(Box::new(serde_json::from_slice::<H::Message>(payload)?))
+    fn decode(&self, payload: &str) -> Result<Box<AnyMessage>, serde_json::Error> {
+        Ok(Box::new(serde_json::from_str::<H::Message>(payload)?))
     }
     fn key(&self, msg: &AnyMessage) -> Result<IdempotencyKey, KeyError> {
         H::key(downcast::<H::Message>(msg))

@@ -135,6 +135,7 @@ pub(crate) fn conflict_rejection<'a>(subject: &'a Subject<'a>, detail: &'a str) 
         detail,
         payload_hash: Some(subject.payload_hash),
         payload: subject.payload,
+        payload_size: None,
         source: subject.source,
     }
 }

@@ -69,23 +69,30 @@ impl DamagedFingerprint {
 }
 
 /// The protocol's decision function: what a stored row in `status` with fingerprint
-/// `stored_hash` means for a delivery of fingerprint `received` claimed in `mode`.
+/// `stored_hash` (and, if `failed`, `retry_in` until its next attempt is due) means for a
+/// delivery of fingerprint `received` claimed in `mode`.
 ///
 /// A different fingerprint is a conflict whatever the status; the same fingerprint on a row the
-/// mode takes over is claimable; anything else is settled.
+/// mode takes over now is claimable; a `failed` row not due yet is "not yet"; anything else is
+/// settled.
 pub(crate) fn decide(
     status: Status,
     stored_hash: &str,
     received: &Fingerprint,
     mode: ClaimMode,
+    retry_in: Option<std::time::Duration>,
 ) -> Result<Decision, DamagedFingerprint> {
     let stored =
         Fingerprint::from_hex(stored_hash).ok_or_else(|| DamagedFingerprint(stored_hash.into()))?;
     if stored != *received {
         return Ok(Decision::Conflict { stored });
     }
-    if mode.takes_over(status) {
+    if mode.takes_over_now(status, retry_in) {
         return Ok(Decision::Claimable);
+    }
+    if let (Status::Failed, Some(retry_in)) = (status, retry_in) {
+        // A delivery before the failed key's next attempt is due: not run, not counted.
+        return Ok(Decision::Settled(Outcome::NotYet { retry_in }));
     }
     Ok(Decision::Settled(match status {
         Status::Dead => Outcome::Dead,
@@ -175,6 +182,7 @@ pub(crate) enum Begun {
         status: Status,
         payload_hash: String,
         attempts: u32,
+        retry_in: Option<std::time::Duration>,
     },
     /// Another transaction holds the key uncommitted ([`Wait::NoWait`] only); rolled back.
     InProgress,
@@ -200,6 +208,7 @@ pub(crate) async fn begin_claim<'c, C: InboxConnection>(
             status,
             payload_hash,
             attempts,
+            retry_in,
         })) => {
             tx.rollback()
                 .await
@@ -208,6 +217,7 @@ pub(crate) async fn begin_claim<'c, C: InboxConnection>(
                 status,
                 payload_hash,
                 attempts,
+                retry_in,
             };
             Ok((tx, begun))
         }
@@ -273,7 +283,7 @@ mod tests {
                 ClaimMode::Release,
             ] {
                 assert_eq!(
-                    decide(status, &hex_of(1), &fp(2), mode),
+                    decide(status, &hex_of(1), &fp(2), mode, None),
                     Ok(Decision::Conflict { stored: fp(1) }),
                     "{status} {mode:?}"
                 );
@@ -283,7 +293,7 @@ mod tests {
 
     #[test]
     fn the_same_fingerprint_settles_or_is_taken_over_by_mode() {
-        let d = |status, mode| decide(status, &hex_of(7), &fp(7), mode).unwrap();
+        let d = |status, mode| decide(status, &hex_of(7), &fp(7), mode, None).unwrap();
         use ClaimMode::*;
         use Outcome::*;
         assert_eq!(d(Status::Processed, Deliver), Decision::Settled(Duplicate));
@@ -300,9 +310,34 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_key_not_due_waits_for_deliveries_only() {
+        let later = Some(std::time::Duration::from_millis(1500));
+        let d = |status, mode| decide(status, &hex_of(7), &fp(7), mode, later).unwrap();
+        assert_eq!(
+            d(Status::Failed, ClaimMode::Deliver),
+            Decision::Settled(Outcome::NotYet {
+                retry_in: std::time::Duration::from_millis(1500)
+            })
+        );
+        assert_eq!(d(Status::Failed, ClaimMode::Replay), Decision::Claimable);
+        assert_eq!(d(Status::Failed, ClaimMode::Resume), Decision::Claimable);
+        // Another payload is still a conflict, due or not.
+        assert!(matches!(
+            decide(
+                Status::Failed,
+                &hex_of(1),
+                &fp(2),
+                ClaimMode::Deliver,
+                later
+            ),
+            Ok(Decision::Conflict { .. })
+        ));
+    }
+
+    #[test]
     fn a_damaged_stored_fingerprint_is_reported() {
         assert_eq!(
-            decide(Status::Processed, "zz", &fp(1), ClaimMode::Deliver),
+            decide(Status::Processed, "zz", &fp(1), ClaimMode::Deliver, None),
             Err(DamagedFingerprint("zz".into()))
         );
     }

@@ -36,12 +36,17 @@ pub(crate) async fn run_stored(
             key: stored.message_key.clone(),
             status: stored.status.to_string(),
         })?;
-    let msg = handler
-        .decode(payload)
-        .map_err(|source| ReplayError::Decode {
-            message_name: stored.message_name.clone(),
-            source,
-        })?;
+    let decode_error = |source| ReplayError::Decode {
+        message_name: stored.message_name.clone(),
+        source,
+    };
+    let text = std::str::from_utf8(payload).map_err(|error| {
+        decode_error(<serde_json::Error as serde::de::Error>::custom(format!(
+            "invalid UTF-8 at byte {}",
+            error.valid_up_to()
+        )))
+    })?;
+    let msg = handler.decode(text).map_err(decode_error)?;
     let message_key = handler.key(&*msg).map_err(ReplayError::Key)?;
     if message_key.as_str() != stored.message_key {
         return Err(ReplayError::KeyMismatch {

@@ -11,6 +11,7 @@ use crate::envelope::SourceMetadata;
 use crate::error::{Conflict, Disposition, StoreError, StoreOperation};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
+use crate::outcome::Outcome;
 use crate::policy::RetryPolicy;
 use crate::status::{ClaimMode, Status};
 use crate::store::{Backend, ClaimRequest, InboxConnection};
@@ -81,6 +82,14 @@ pub enum ClaimState<'c, C: InboxConnection> {
     /// Another transaction holds the key uncommitted right now ([`Wait::NoWait`] only): its
     /// outcome is not known yet. Nothing was written.
     InProgress,
+    /// The key's last attempt failed ([`ClaimedKey::fail`]) and its next attempt is not due
+    /// yet: try again after `retry_in`. Nothing was written.
+    NotYet {
+        /// How long until the next attempt is due (database clock).
+        retry_in: std::time::Duration,
+        /// Attempts so far.
+        attempts: u32,
+    },
 }
 
 /// A key settled by an earlier claim.
@@ -180,11 +189,18 @@ impl<'a> ClaimSession<'a> {
                 status,
                 payload_hash: stored_hash,
                 attempts,
+                retry_in,
             } => {
-                let decision = decide(status, &stored_hash, &self.fingerprint, ClaimMode::Deliver)
-                    .map_err(|damaged| {
-                        self.store_error((StoreOperation::Claim, damaged.into_sqlx()))
-                    })?;
+                let decision = decide(
+                    status,
+                    &stored_hash,
+                    &self.fingerprint,
+                    ClaimMode::Deliver,
+                    retry_in,
+                )
+                .map_err(|damaged| {
+                    self.store_error((StoreOperation::Claim, damaged.into_sqlx()))
+                })?;
                 match decision {
                     Decision::Conflict { stored } => Ok(ClaimState::Conflict(Conflict {
                         consumer: self.scope.to_owned(),
@@ -193,6 +209,9 @@ impl<'a> ClaimSession<'a> {
                         stored,
                         received: self.fingerprint,
                     })),
+                    Decision::Settled(Outcome::NotYet { retry_in }) => {
+                        Ok(ClaimState::NotYet { retry_in, attempts })
+                    }
                     Decision::Settled(_) => {
                         let result = if status == Status::Processed {
                             tx.conn()

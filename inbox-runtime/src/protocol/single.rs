@@ -295,11 +295,12 @@ async fn attempt<H: Handler>(
         if let Some(ClaimResult::Existing {
             status,
             payload_hash: stored_hash,
+            retry_in,
             ..
         }) = existing
-            && status != Status::Failed
+            && (status != Status::Failed || retry_in.is_some())
         {
-            return settle_existing::<H>(status, &stored_hash, delivery);
+            return settle_existing::<H>(status, &stored_hash, retry_in, delivery);
         }
     }
 
@@ -315,9 +316,10 @@ async fn attempt<H: Handler>(
             status,
             payload_hash,
             attempts,
+            retry_in,
         } => {
             tracing::Span::current().record("attempts", attempts);
-            return settle_existing::<H>(status, &payload_hash, delivery);
+            return settle_existing::<H>(status, &payload_hash, retry_in, delivery);
         }
         Begun::InProgress => unreachable!("a blocking claim waits"),
     };
@@ -387,17 +389,24 @@ async fn attempt<H: Handler>(
 fn settle_existing<H: Handler>(
     status: Status,
     stored_hash: &str,
+    retry_in: Option<std::time::Duration>,
     delivery: &Delivery<'_>,
 ) -> Result<Outcome<H::Output>, Failed<H::Error>> {
-    let decision =
-        decide(status, stored_hash, delivery.fingerprint, delivery.mode).map_err(|damaged| {
-            Failed::Report(Error::Database(StoreError {
-                consumer: H::CONSUMER.to_owned(),
-                key: delivery.key.clone(),
-                operation: StoreOperation::Claim,
-                source: damaged.into_sqlx(),
-            }))
-        })?;
+    let decision = decide(
+        status,
+        stored_hash,
+        delivery.fingerprint,
+        delivery.mode,
+        retry_in,
+    )
+    .map_err(|damaged| {
+        Failed::Report(Error::Database(StoreError {
+            consumer: H::CONSUMER.to_owned(),
+            key: delivery.key.clone(),
+            operation: StoreOperation::Claim,
+            source: damaged.into_sqlx(),
+        }))
+    })?;
     match decision {
         Decision::Settled(outcome) => Ok(outcome.map(|()| unreachable!("settled, not processed"))),
         Decision::Conflict { stored } => Err(Failed::Conflict(Conflict {

@@ -4,6 +4,22 @@ use sqlx::{Connection, PgConnection, Postgres};
 
 use super::{Backend, Component, InboxDatabase};
 
+/// A `failed` row's next attempt is due (on the database clock).
+macro_rules! due {
+    () => {
+        "(inbox_messages.next_attempt_at IS NULL OR inbox_messages.next_attempt_at <= now())"
+    };
+}
+
+/// Milliseconds until a `failed` row's next attempt is due, `NULL` if it is (or it is not
+/// `failed`).
+macro_rules! retry_in_ms {
+    () => {
+        "CASE WHEN status = 'failed' AND next_attempt_at > now() \
+         THEN CEIL(EXTRACT(EPOCH FROM (next_attempt_at - now())) * 1000)::bigint END"
+    };
+}
+
 mod sql {
     /// No-wait claims: the `lock_timeout` set for the claim (returning the previous one), and
     /// its reset after it.
@@ -36,7 +52,8 @@ mod sql {
     /// inserted; a `failed` key with the same fingerprint (or a `dead` one, on replay) is taken
     /// over, its row locked; any other row is left alone and read back by the second branch.
     /// When another transaction holds an uncommitted claim on the key, the INSERT waits for it.
-    pub(super) const CLAIM: &str = "WITH claim AS ( \
+    pub(super) const CLAIM: &str = concat!(
+        "WITH claim AS ( \
          INSERT INTO inbox_messages \
            (consumer, message_key, message_name, payload_hash, status, attempts, received_at, \
             processed_at, source, source_partition, source_offset) \
@@ -45,13 +62,37 @@ mod sql {
            status = 'processed', attempts = inbox_messages.attempts + 1, processed_at = now(), \
            next_attempt_at = NULL, payload = NULL \
          WHERE inbox_messages.payload_hash = excluded.payload_hash \
-           AND (inbox_messages.status = 'failed' OR (inbox_messages.status = 'dead' AND $8 = 'replay') \
+           AND ((inbox_messages.status = 'failed' AND ($8 <> 'deliver' OR ",
+        due!(),
+        ")) OR (inbox_messages.status = 'dead' AND $8 = 'replay') \
            OR (inbox_messages.status = 'parked' AND $8 IN ('resume', 'release'))) \
          RETURNING attempts) \
-       SELECT 'claimed' AS status, NULL::text AS payload_hash, attempts FROM claim \
+       SELECT 'claimed' AS status, NULL::text AS payload_hash, attempts, \
+         NULL::bigint AS retry_in_ms FROM claim \
        UNION ALL \
-       SELECT status, payload_hash, attempts FROM inbox_messages \
-       WHERE consumer = $1 AND message_key = $2 AND NOT EXISTS (SELECT 1 FROM claim)";
+       SELECT status, payload_hash, attempts, ",
+        retry_in_ms!(),
+        " FROM inbox_messages \
+       WHERE consumer = $1 AND message_key = $2 AND NOT EXISTS (SELECT 1 FROM claim)"
+    );
+
+    /// A row's status, fingerprint, attempts, and the milliseconds until a `failed` row is due.
+    pub(super) const EXISTING: &str = concat!(
+        "SELECT status, payload_hash, attempts, ",
+        retry_in_ms!(),
+        " FROM inbox_messages WHERE consumer = $1 AND message_key = $2"
+    );
+
+    /// [`EXISTING`] for many keys; `(consumer, message_key) IN (…)` follows.
+    pub(super) const EXISTING_BATCH: &str = concat!(
+        "SELECT consumer, message_key, status, payload_hash, attempts, ",
+        retry_in_ms!(),
+        " FROM inbox_messages WHERE (consumer, message_key) IN "
+    );
+
+    /// The batch claim's takeover condition: a `failed` row that is due.
+    pub(super) const BATCH_TAKEOVER: &str =
+        concat!("inbox_messages.status = 'failed' AND ", due!());
 
     /// One statement, autocommit: a first failure inserts the row; a later one (of the same
     /// payload, still `failed` or `dead`) counts another attempt. Dead when permanent or at
@@ -110,6 +151,11 @@ const INBOX_MIGRATIONS: &[(i64, &str, &str)] = &[
         3,
         "results",
         include_str!("../../migrations/postgres/0003_results.sql"),
+    ),
+    (
+        4,
+        "rejection sizes",
+        include_str!("../../migrations/postgres/0004_rejection_sizes.sql"),
     ),
 ];
 

@@ -37,6 +37,9 @@ pub enum ClaimResult {
         payload_hash: String,
         /// Its attempts so far.
         attempts: u32,
+        /// For a `failed` row whose next attempt is not due yet: how long until it is (database
+        /// clock); `None` otherwise.
+        retry_in: Option<std::time::Duration>,
     },
 }
 
@@ -96,16 +99,19 @@ pub enum RejectionReason {
     UnknownMessage,
     /// The message's idempotency key is missing, null, empty, too long or invalid.
     InvalidKey,
+    /// The payload is over the dispatcher's size limit (kept cut to the limit).
+    TooLarge,
 }
 
 impl RejectionReason {
-    /// The stored name: `conflict`, `malformed`, `unknown_message`, `invalid_key`.
+    /// The stored name: `conflict`, `malformed`, `unknown_message`, `invalid_key`, `too_large`.
     pub fn as_str(self) -> &'static str {
         match self {
             RejectionReason::Conflict => "conflict",
             RejectionReason::Malformed => "malformed",
             RejectionReason::UnknownMessage => "unknown_message",
             RejectionReason::InvalidKey => "invalid_key",
+            RejectionReason::TooLarge => "too_large",
         }
     }
 }
@@ -120,6 +126,7 @@ impl std::str::FromStr for RejectionReason {
             RejectionReason::Malformed,
             RejectionReason::UnknownMessage,
             RejectionReason::InvalidKey,
+            RejectionReason::TooLarge,
         ]
         .into_iter()
         .find(|reason| reason.as_str() == text)
@@ -146,6 +153,7 @@ impl StatsStatus {
             StatsStatus::Rejected(RejectionReason::Malformed) => "rejected:malformed",
             StatsStatus::Rejected(RejectionReason::UnknownMessage) => "rejected:unknown_message",
             StatsStatus::Rejected(RejectionReason::InvalidKey) => "rejected:invalid_key",
+            StatsStatus::Rejected(RejectionReason::TooLarge) => "rejected:too_large",
         }
     }
 
@@ -187,8 +195,10 @@ pub struct Rejection<'a> {
     pub detail: &'a str,
     /// The delivery's fingerprint (hex), if computed.
     pub payload_hash: Option<&'a str>,
-    /// The payload bytes as delivered.
+    /// The payload bytes as delivered (cut to the payload limit when too large).
     pub payload: &'a [u8],
+    /// The payload's real size in bytes when `payload` was cut (`None`: kept whole).
+    pub payload_size: Option<i64>,
     /// Where the delivery came from.
     pub source: Option<&'a SourceMetadata>,
 }
@@ -256,9 +266,6 @@ pub struct StatsRow {
     pub oldest: Option<String>,
 }
 
-pub(super) const EXISTING: &str = "SELECT status, payload_hash, attempts FROM inbox_messages \
-     WHERE consumer = $1 AND message_key = $2";
-
 pub(super) const STORE_RESULT: &str =
     "UPDATE inbox_messages SET result = $3 WHERE consumer = $1 AND message_key = $2";
 
@@ -267,8 +274,8 @@ pub(super) const FETCH_RESULT: &str =
 
 pub(super) const RECORD_REJECTION: &str = "INSERT INTO inbox_rejections \
      (consumer, message_key, message_name, reason, detail, payload_hash, payload, \
-      source, source_partition, source_offset) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
+      source, source_partition, source_offset, payload_size) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
 
 macro_rules! message_columns {
     () => {
@@ -326,6 +333,12 @@ pub(super) const FIND_PARKED: &str = "SELECT consumer, message_key, message_name
 pub(super) const DEAD_LETTER_PARKED: &str = "UPDATE inbox_messages \
      SET status = 'dead', last_error = $3 \
      WHERE consumer = $1 AND message_key = $2 AND status = 'parked'";
+
+/// A `retry_in_ms` column as a delay (`None`: due, or not `failed`).
+pub(super) fn retry_in(ms: Option<i64>) -> Option<std::time::Duration> {
+    ms.filter(|&ms| ms > 0)
+        .map(|ms| std::time::Duration::from_millis(ms.unsigned_abs()))
+}
 
 pub(super) fn stats_status(text: &str) -> Result<StatsStatus, sqlx::Error> {
     StatsStatus::parse(text)
@@ -386,10 +399,12 @@ macro_rules! impl_inbox_connection {
                     Ok(Some(if status == "claimed" {
                         ClaimResult::Claimed { attempts }
                     } else {
+                        let retry_in: Option<i64> = row.try_get(3)?;
                         ClaimResult::Existing {
                             status: status.parse().map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
                             payload_hash: row.try_get(1)?,
                             attempts,
+                            retry_in: $crate::store::shared::retry_in(retry_in),
                         }
                     }))
                 }
@@ -421,7 +436,7 @@ macro_rules! impl_inbox_connection {
                             .as_ref()
                             .is_none_or(|existing| claimable(existing, request))
                         {
-                            let row = sqlx::query($crate::store::shared::EXISTING)
+                            let row = sqlx::query(sql::EXISTING)
                                 .bind(request.consumer)
                                 .bind(request.message_key)
                                 .fetch_optional(&mut *self)
@@ -502,18 +517,20 @@ macro_rules! impl_inbox_connection {
                 consumer: &'c str,
                 key: &'c str,
             ) -> $crate::BoxFuture<'c, Result<Option<$crate::store::ClaimResult>, sqlx::Error>> {
+                use $sql as sql;
                 Box::pin(async move {
-                    let row: Option<($crate::status::Status, String, i32)> =
-                        sqlx::query_as($crate::store::shared::EXISTING)
+                    let row: Option<($crate::status::Status, String, i32, Option<i64>)> =
+                        sqlx::query_as(sql::EXISTING)
                             .bind(consumer)
                             .bind(key)
                             .fetch_optional(&mut *self)
                             .await?;
-                    Ok(row.map(|(status, payload_hash, attempts)| {
+                    Ok(row.map(|(status, payload_hash, attempts, retry_in)| {
                         $crate::store::ClaimResult::Existing {
                             status,
                             payload_hash,
                             attempts: u32::try_from(attempts).unwrap_or(0),
+                            retry_in: $crate::store::shared::retry_in(retry_in),
                         }
                     }))
                 })
@@ -568,6 +585,7 @@ macro_rules! impl_inbox_connection {
                         .bind(source)
                         .bind(partition)
                         .bind(offset)
+                        .bind(r.payload_size)
                         .execute(&mut *self)
                         .await?;
                     Ok(())
@@ -609,10 +627,10 @@ macro_rules! impl_inbox_connection {
                         "status = 'processed', attempts = inbox_messages.attempts + 1, ",
                         "processed_at = excluded.processed_at, next_attempt_at = NULL, ",
                         "payload = NULL ",
-                        "WHERE inbox_messages.payload_hash = excluded.payload_hash ",
-                        "AND inbox_messages.status = 'failed' ",
-                        "RETURNING consumer, message_key, attempts"
+                        "WHERE inbox_messages.payload_hash = excluded.payload_hash AND ",
                     ));
+                    query.push(sql::BATCH_TAKEOVER);
+                    query.push(" RETURNING consumer, message_key, attempts");
                     let rows: Vec<(String, String, i32)> =
                         query.build_query_as().fetch_all(&mut *self).await?;
                     let index = $crate::store::request_index(requests);
@@ -630,27 +648,26 @@ macro_rules! impl_inbox_connection {
                 keys: &'c [(&'c str, &'c str)],
             ) -> $crate::BoxFuture<'c, Result<Vec<(String, String, $crate::store::ClaimResult)>, sqlx::Error>>
             {
+                use $sql as sql;
                 Box::pin(async move {
                     if keys.is_empty() {
                         return Ok(Vec::new());
                     }
-                    let mut query = sqlx::QueryBuilder::<$db>::new(
-                        "SELECT consumer, message_key, status, payload_hash, attempts \
-                         FROM inbox_messages WHERE (consumer, message_key) IN ",
-                    );
+                    let mut query = sqlx::QueryBuilder::<$db>::new(sql::EXISTING_BATCH);
                     query.push_tuples(keys, |mut row, (consumer, key)| {
                         row.push_bind(*consumer).push_bind(*key);
                     });
-                    let rows: Vec<(String, String, $crate::status::Status, String, i32)> =
+                    let rows: Vec<(String, String, $crate::status::Status, String, i32, Option<i64>)> =
                         query.build_query_as().fetch_all(&mut *self).await?;
                     Ok(rows
                         .into_iter()
-                        .map(|(consumer, key, status, payload_hash, attempts)| {
+                        .map(|(consumer, key, status, payload_hash, attempts, retry_in)| {
                             let attempts = u32::try_from(attempts).unwrap_or(0);
                             (consumer, key, $crate::store::ClaimResult::Existing {
                                 status,
                                 payload_hash,
                                 attempts,
+                                retry_in: $crate::store::shared::retry_in(retry_in),
                             })
                         })
                         .collect())
@@ -982,8 +999,11 @@ pub(super) fn claimable(existing: &ClaimResult, request: &ClaimRequest<'_>) -> b
         ClaimResult::Existing {
             status,
             payload_hash,
+            retry_in,
             ..
-        } => payload_hash == request.payload_hash && request.mode.takes_over(*status),
+        } => {
+            payload_hash == request.payload_hash && request.mode.takes_over_now(*status, *retry_in)
+        }
     }
 }
 

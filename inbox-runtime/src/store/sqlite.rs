@@ -4,6 +4,17 @@ use sqlx::{Connection, Sqlite, SqliteConnection};
 
 use super::{Backend, Component, InboxDatabase};
 
+/// Milliseconds until a `failed` row's next attempt is due, `NULL` if it is (or it is not
+/// `failed`). Rounded up, so that a due time in the future never reads as 0.
+macro_rules! retry_in_ms {
+    () => {
+        "CASE WHEN status = 'failed' \
+           AND next_attempt_at > strftime('%Y-%m-%dT%H:%M:%fZ', 'now') \
+         THEN CAST((julianday(next_attempt_at) - julianday('now')) * 86400000.0 AS INTEGER) + 1 \
+         END"
+    };
+}
+
 mod sql {
     /// No lock timeout on SQLite: see `InboxConnection::claim_no_wait`.
     pub(super) const NO_WAIT: Option<(&str, &str)> = None;
@@ -39,9 +50,31 @@ mod sql {
          processed_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), next_attempt_at = NULL, \
          payload = NULL \
        WHERE inbox_messages.payload_hash = excluded.payload_hash \
-         AND (inbox_messages.status = 'failed' OR (inbox_messages.status = 'dead' AND $8 = 'replay') \
+         AND ((inbox_messages.status = 'failed' AND ($8 <> 'deliver' OR \
+               inbox_messages.next_attempt_at IS NULL \
+               OR inbox_messages.next_attempt_at <= strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))) \
+           OR (inbox_messages.status = 'dead' AND $8 = 'replay') \
            OR (inbox_messages.status = 'parked' AND $8 IN ('resume', 'release'))) \
-       RETURNING 'claimed', NULL, attempts";
+       RETURNING 'claimed', NULL, attempts, NULL";
+
+    /// A row's status, fingerprint, attempts, and the milliseconds until a `failed` row is due.
+    pub(super) const EXISTING: &str = concat!(
+        "SELECT status, payload_hash, attempts, ",
+        retry_in_ms!(),
+        " FROM inbox_messages WHERE consumer = $1 AND message_key = $2"
+    );
+
+    /// [`EXISTING`] for many keys; `(consumer, message_key) IN (…)` follows.
+    pub(super) const EXISTING_BATCH: &str = concat!(
+        "SELECT consumer, message_key, status, payload_hash, attempts, ",
+        retry_in_ms!(),
+        " FROM inbox_messages WHERE (consumer, message_key) IN "
+    );
+
+    /// The batch claim's takeover condition: a `failed` row that is due.
+    pub(super) const BATCH_TAKEOVER: &str = "inbox_messages.status = 'failed' \
+       AND (inbox_messages.next_attempt_at IS NULL \
+         OR inbox_messages.next_attempt_at <= strftime('%Y-%m-%dT%H:%M:%fZ', 'now'))";
 
     pub(super) const RECORD_FAILURE: &str = "INSERT INTO inbox_messages \
          (consumer, message_key, message_name, payload_hash, status, attempts, last_error, \
@@ -99,6 +132,11 @@ const INBOX_MIGRATIONS: &[(i64, &str, &str)] = &[
         3,
         "results",
         include_str!("../../migrations/sqlite/0003_results.sql"),
+    ),
+    (
+        4,
+        "rejection sizes",
+        include_str!("../../migrations/sqlite/0004_rejection_sizes.sql"),
     ),
 ];
 

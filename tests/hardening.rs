@@ -1,0 +1,247 @@
+//! Bad input and retry timing on both backends: the payload size limit (one byte over is
+//! refused and kept cut, at the limit is processed), payloads that are not UTF-8 or not JSON as
+//! a whole, and a failed key redelivered before its next attempt is due.
+
+#![allow(missing_docs)]
+
+use inbox_runtime::{Envelope, Message};
+use serde::{Deserialize, Serialize};
+
+/// A message with a free-form body, to size payloads exactly.
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[message(name = "hard.blob")]
+pub struct Blob {
+    #[message(key)]
+    pub id: String,
+    pub data: String,
+}
+
+/// A payload of exactly `size` bytes: `{"id":"<id>","data":"xxx…"}`.
+pub fn blob_of_size(id: &str, size: usize) -> Envelope {
+    let head = format!(r#"{{"id":"{id}","data":""#);
+    let tail = br#""}"#;
+    let mut payload = Vec::with_capacity(size);
+    payload.extend_from_slice(head.as_bytes());
+    payload.resize(size - tail.len(), b'x');
+    payload.extend_from_slice(tail);
+    assert_eq!(payload.len(), size);
+    Envelope::new(Blob::NAME, payload)
+}
+
+/// A job that fails while `FAIL` is set (per backend module).
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[message(name = "hard.job")]
+pub struct Job {
+    #[message(key)]
+    pub id: String,
+}
+
+pub fn job(id: &str) -> Envelope {
+    inbox_tests::envelope(&Job { id: id.into() })
+}
+
+inbox_tests::backend_matrix! {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    use std::time::Duration;
+
+    use inbox_runtime::{
+        DispatchError, Dispatcher, Disposition, Error, Outcome, RetryPolicy, Status, admin,
+        handler, settlement_for,
+    };
+    use inbox_runtime::source::Settlement;
+    use inbox_tests::APPLY_EFFECT;
+
+    const LIMIT: usize = 4096;
+
+    #[inbox_runtime::idempotent(consumer = "blobs")]
+    async fn keep_blob(conn: &mut Conn, msg: Blob) -> Result<(), sqlx::Error> {
+        sqlx::query(APPLY_EFFECT)
+            .bind(format!("blob:{}", msg.id))
+            .bind(i64::try_from(msg.data.len()).unwrap())
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+
+    static FAIL: AtomicBool = AtomicBool::new(true);
+    static CALLS: AtomicUsize = AtomicUsize::new(0);
+
+    #[inbox_runtime::idempotent(consumer = "jobs")]
+    async fn run_job(conn: &mut Conn, msg: Job) -> Result<(), String> {
+        CALLS.fetch_add(1, SeqCst);
+        if FAIL.load(SeqCst) {
+            return Err(format!("job {} is not ready", msg.id));
+        }
+        sqlx::query(APPLY_EFFECT)
+            .bind(format!("job:{}", msg.id))
+            .bind(1_i64)
+            .execute(conn)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
+    /// `(reason, kept bytes, real size)` of the rejections of a message name.
+    async fn rejections(pool: &Pool, name: &str) -> Vec<(String, i64, Option<i64>)> {
+        sqlx::query_as(
+            "SELECT reason, CAST(length(payload) AS BIGINT), payload_size FROM inbox_rejections \
+             WHERE message_name = $1 ORDER BY id",
+        )
+        .bind(name.to_owned())
+        .fetch_all(pool)
+        .await
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_payload_over_the_limit_is_refused_and_kept_cut_to_it() {
+        let (pool, _guard) = fixture().await;
+        let dispatcher = Dispatcher::from_handlers(pool.clone(), [handler!(keep_blob)])
+            .unwrap()
+            .with_max_payload_bytes(LIMIT);
+        assert_eq!(dispatcher.max_payload_bytes(), LIMIT);
+
+        // At the limit: processed.
+        let at_limit = blob_of_size("at", LIMIT);
+        let outcomes = dispatcher.dispatch(&at_limit).await.unwrap();
+        assert_eq!(outcomes[0].result.as_ref().unwrap(), &Outcome::Processed(()));
+        assert_eq!(inbox_tests::effect(&pool, "blob:at").await, Some((1, 4075)));
+
+        // One byte over: refused before decoding, with the sizes, and kept cut to the limit.
+        let over = blob_of_size("over", LIMIT + 1);
+        let error = dispatcher.dispatch(&over).await.unwrap_err();
+        assert!(
+            matches!(&error, DispatchError::TooLarge { size: 4097, limit: 4096, message_name } if message_name == "hard.blob"),
+            "{error:?}"
+        );
+        assert_eq!(
+            error.to_string(),
+            "payload of message `hard.blob` is 4097 bytes, over the limit of 4096 bytes"
+        );
+        dispatcher.record_rejection(&over, &error).await.unwrap();
+        assert_eq!(
+            rejections(&pool, "hard.blob").await,
+            [("too_large".to_owned(), 4096, Some(4097))]
+        );
+        assert_eq!(inbox_tests::effect(&pool, "blob:over").await, None);
+        let stats = admin::stats(&pool).await.unwrap();
+        assert!(
+            stats.iter().any(|s| s.status.as_str() == "rejected:too_large" && s.count == 1),
+            "{stats:?}"
+        );
+
+        // The default limit is 1 MiB.
+        let default = Dispatcher::from_handlers(pool.clone(), [handler!(keep_blob)]).unwrap();
+        assert_eq!(default.max_payload_bytes(), 1024 * 1024);
+        let big = blob_of_size("big", 1024 * 1024 + 1);
+        assert!(matches!(
+            default.dispatch(&big).await.unwrap_err(),
+            DispatchError::TooLarge { size: 1_048_577, limit: 1_048_576, .. }
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_payload_that_is_not_utf8_or_not_json_as_a_whole_is_malformed_and_kept() {
+        let (pool, _guard) = fixture().await;
+        let dispatcher = Dispatcher::from_handlers(pool.clone(), [handler!(keep_blob)]).unwrap();
+
+        // Invalid UTF-8 in a member the message type does not declare.
+        let mut bytes = br#"{"id":"u1","data":"ok","extra":""#.to_vec();
+        bytes.extend_from_slice(&[0xff, 0xfe]);
+        bytes.extend_from_slice(br#""}"#);
+        let not_utf8 = Envelope::new(Blob::NAME, bytes.clone());
+        let error = dispatcher.dispatch(&not_utf8).await.unwrap_err();
+        assert!(
+            matches!(error, DispatchError::NotUtf8 { line: 1, column: 33, .. }),
+            "{error:?}"
+        );
+        assert_eq!(
+            error.to_string(),
+            "malformed payload for message `hard.blob` at line 1, column 33: invalid UTF-8"
+        );
+        dispatcher.record_rejection(&not_utf8, &error).await.unwrap();
+
+        // Trailing characters after the JSON value.
+        let trailing = Envelope::new(Blob::NAME, br#"{"id":"t1","data":"ok"} garbage"#.to_vec());
+        let error = dispatcher.dispatch(&trailing).await.unwrap_err();
+        assert!(matches!(error, DispatchError::Decode { line: 1, column: 25, .. }), "{error:?}");
+        assert_eq!(
+            error.to_string(),
+            "malformed payload for message `hard.blob` at line 1, column 25: trailing characters"
+        );
+        dispatcher.record_rejection(&trailing, &error).await.unwrap();
+
+        // Both kept whole, as malformed; nothing applied.
+        assert_eq!(
+            rejections(&pool, "hard.blob").await,
+            [("malformed".to_owned(), 36, None), ("malformed".to_owned(), 31, None)]
+        );
+        let kept: Vec<Vec<u8>> =
+            sqlx::query_scalar("SELECT payload FROM inbox_rejections ORDER BY id")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert_eq!(kept[0], bytes);
+        assert_eq!(inbox_tests::effect(&pool, "blob:u1").await, None);
+        assert_eq!(inbox_tests::effect(&pool, "blob:t1").await, None);
+    }
+
+    #[tokio::test]
+    async fn a_failed_key_redelivered_before_its_time_is_not_run() {
+        let (pool, _guard) = fixture().await;
+        let dispatcher = Dispatcher::from_handlers(pool.clone(), [handler!(run_job)])
+            .unwrap()
+            .with_retry_policy(
+                RetryPolicy::default()
+                    .retry_delays(Duration::from_millis(400), Duration::from_millis(400)),
+            );
+        FAIL.store(true, SeqCst);
+        let first = dispatcher.dispatch(&job("j1")).await.unwrap();
+        let Err(Error::Handler(failure)) = &first[0].result else {
+            panic!("{first:?}")
+        };
+        let Disposition::Retry { after } = failure.disposition else {
+            panic!("{failure:?}")
+        };
+        assert_eq!(CALLS.load(SeqCst), 1);
+
+        // Redelivered at once (a broker that requeues immediately, a second consumer): not
+        // run, not counted, and told how long to wait.
+        FAIL.store(false, SeqCst);
+        let early = dispatcher.dispatch(&job("j1")).await.unwrap();
+        let Ok(Outcome::NotYet { retry_in }) = early[0].result else {
+            panic!("{early:?}")
+        };
+        assert!(retry_in > Duration::ZERO && retry_in <= after, "{retry_in:?} vs {after:?}");
+        assert_eq!(
+            settlement_for(&Ok(early), Duration::from_secs(5)),
+            Settlement::Requeue { delay: Some(retry_in) }
+        );
+        // The batch path says the same.
+        let batched = dispatcher.dispatch_batch(&[job("j1")]).await;
+        assert!(
+            matches!(batched[0].as_ref().unwrap()[0].result, Ok(Outcome::NotYet { .. })),
+            "{batched:?}"
+        );
+        assert_eq!(CALLS.load(SeqCst), 1);
+        let row = admin::show(&pool, "jobs", "j1").await.unwrap().unwrap();
+        assert_eq!((row.status, row.attempts), (Status::Failed, 1));
+
+        // Once due, it runs once.
+        tokio::time::sleep(retry_in + Duration::from_millis(50)).await;
+        let due = dispatcher.dispatch(&job("j1")).await.unwrap();
+        assert_eq!(due[0].result.as_ref().unwrap(), &Outcome::Processed(()));
+        assert_eq!(CALLS.load(SeqCst), 2);
+        let row = admin::show(&pool, "jobs", "j1").await.unwrap().unwrap();
+        assert_eq!((row.status, row.attempts), (Status::Processed, 2));
+        assert_eq!(inbox_tests::effect(&pool, "job:j1").await, Some((1, 1)));
+
+        // An operator's replay does not wait for the next attempt.
+        FAIL.store(true, SeqCst);
+        assert!(dispatcher.dispatch(&job("j2")).await.unwrap()[0].result.is_err());
+        FAIL.store(false, SeqCst);
+        let replayed = dispatcher.replay("jobs", "j2").await.unwrap();
+        assert_eq!(replayed.result.unwrap(), Outcome::Processed(()));
+        assert_eq!(CALLS.load(SeqCst), 4);
+    }
+}
