@@ -119,10 +119,12 @@ mod handler;
 mod key;
 mod message;
 mod ordering;
+pub mod outbox;
 mod outcome;
 mod policy;
 mod protocol;
 mod registry;
+pub mod sink;
 mod slot;
 pub mod source;
 mod status;
@@ -155,6 +157,10 @@ pub use store::{
     AdminStore, AnyConnection, Backend, ClaimRequest, ClaimResult, ClaimStore, Component,
     ExistingRow, FailureRecord, InboxConnection, InboxDatabase, MIGRATIONS_TABLE, OrderingStore,
     ParkedMessage, Rejection, RejectionReason, StatsRow, StatsStatus, StoredMessage,
+};
+pub use store::{
+    NOTIFY_CHANNEL, OUTBOX_MIGRATIONS_TABLE, OutboxDatabase, OutboxRecord, OutboxRow, OutboxStatus,
+    OutboxStore, Wakeups,
 };
 
 pub use worker::{
