@@ -504,7 +504,8 @@ inbox_tests::backend_matrix! {
         let sink = MemorySink::new().fail_when(|m| {
             (m.message_id == "s3").then(|| SinkError::retryable("down"))
         });
-        let relay = Relay::new(pool.clone(), sink).backoff(Duration::from_secs(60), Duration::from_secs(60));
+        let minute = Duration::from_secs(60);
+        let relay = Relay::new(pool.clone(), sink).backoff(minute, minute);
         assert_eq!(busy_round(&relay).await, round(3, 2, 1, 0));
         // Within the window: nothing goes.
         assert_eq!(

@@ -18,7 +18,46 @@
 //!   aggregate; many relays can run at once.
 //!
 //! Enable the table with [`migrate_components`](crate::migrate_components)`(&pool,
-//! &[Component::Inbox, Component::Outbox])` ([`Component::Outbox`](crate::Component::Outbox)).
+//! &[Component::Inbox, Component::Outbox])` ([`Component::Outbox`](crate::Component::Outbox);
+//! PostgreSQL 13 or newer, for `xid8`).
+//!
+//! ## No skips, and in what order
+//!
+//! A relay that remembers "the last id published" and reads `id > last` loses a row whose
+//! transaction took its id first and committed last. The [`Relay`] keeps no cursor: every round
+//! selects `pending` rows by status, so a row is found by the first round after its commit,
+//! whatever its id.
+//!
+//! On **PostgreSQL** a row is also held back until every transaction older than its own has
+//! ended: its `txid` (`pg_current_xact_id()` of the writing transaction) must be below
+//! `pg_snapshot_xmin(pg_current_snapshot())`, the oldest transaction still running. Why this is
+//! sound: every transaction with an id below that horizon has ended, so rows with a `txid` below
+//! it are final (committed and visible to the round, or rolled back and never visible); any row
+//! that becomes visible later belongs to a transaction at or above the horizon. The rows a round
+//! may publish are therefore a prefix, in (txid, id) order, of every row that will ever commit,
+//! and the prefix only grows. The price: a long-running *writing* transaction anywhere on the
+//! server (the horizon is server-wide) holds publication back until it ends; read-only
+//! transactions do not.
+//!
+//! On **SQLite** one connection writes at a time: a row's id is allocated inside its writing
+//! transaction, which holds the write lock until it commits, so rows commit in id order and a
+//! reader sees a prefix of the ids.
+//!
+//! Within an **aggregate** ([`OutboxMessage::aggregate`]), rows are published one at a time in
+//! id order: a row waits while an earlier row of its aggregate is `pending` or `dead`. Id order
+//! is the aggregate's commit order when its writers are serialized (they lock the aggregate's
+//! row before publishing, as they must for its state anyway); writers that are not serialized
+//! have no commit order to keep, and their rows go out in the order they became publishable.
+//!
+//! ## Where message ids come from
+//!
+//! The protocol sets the current claim (consumer, idempotency key) in a task-local around each
+//! run of an `#[idempotent]` handler's body, single or batched; [`Outbox::publish`] counts the
+//! publishes of the run. Code outside a handler body gets a UUIDv7 unless it sets its own id:
+//! a task the handler spawns (task-locals are not inherited), a
+//! [`TransactionHook`](crate::TransactionHook), a [`ClaimSession`](crate::ClaimSession) (wrap its
+//! work in [`scoped`] to derive ids). A publish on a connection outside any transaction commits
+//! at once.
 //!
 //! ```no_run
 //! use inbox_runtime::outbox::{Outbox, OutboxMessage};

@@ -224,7 +224,8 @@ impl<DB: OutboxDatabase> Relay<DB> {
         let ids: Vec<i64> = sent.iter().map(|r| r.id).collect();
         conn.mark_outbox_sent(&ids).await?;
         for record in &sent {
-            metrics::counter!("inbox_outbox_published_total", "destination" => record.destination.clone())
+            let destination = record.destination.clone();
+            metrics::counter!("inbox_outbox_published_total", "destination" => destination)
                 .increment(1);
         }
         report.published = sent.len();
@@ -245,12 +246,23 @@ impl<DB: OutboxDatabase> Relay<DB> {
                 report.dead += 1;
                 metrics::counter!("inbox_outbox_dead_total", "destination" => destination)
                     .increment(1);
-                tracing::error!(message_id = %record.message_id, attempts = record.attempts, error = %text, "outbox message dead");
+                tracing::error!(
+                    message_id = %record.message_id,
+                    attempts = record.attempts,
+                    error = %text,
+                    "outbox message dead"
+                );
             } else {
                 report.failed += 1;
                 metrics::counter!("inbox_outbox_failed_total", "destination" => destination)
                     .increment(1);
-                tracing::warn!(message_id = %record.message_id, attempts = record.attempts, retry_in_ms = retry_in.as_millis() as u64, error = %text, "outbox publish failed; will retry");
+                tracing::warn!(
+                    message_id = %record.message_id,
+                    attempts = record.attempts,
+                    retry_in_ms = retry_in.as_millis() as u64,
+                    error = %text,
+                    "outbox publish failed; will retry"
+                );
             }
         }
         let span = tracing::Span::current();
