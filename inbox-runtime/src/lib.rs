@@ -69,6 +69,7 @@
 //! ```text
 //! source ──► worker ──► dispatcher ──► protocol ──► store (PostgreSQL | SQLite)
 //! HTTP request, relay, custom code ──► ClaimSession ──┘
+//! handler ──► Outbox::publish (same transaction) ──► inbox_outbox ──► Relay ──► Sink (broker)
 //! ```
 //!
 //! * A [`source`] yields deliveries ([`Envelope`]: message name, payload bytes, source metadata)
@@ -84,9 +85,12 @@
 //!   before `COMMIT`, and the failure record after a rollback. `#[idempotent]` handlers,
 //!   batches, replays and parked successors are drivers of it; [`ClaimSession`] is its public
 //!   face for work that is not a message handler.
+//! * The [`outbox`] publishes from inside the handler's transaction: [`outbox::Outbox::publish`]
+//!   writes a row with a stable message id, and an [`outbox::Relay`] sends committed rows to a
+//!   [`sink::Sink`] (NATS JetStream, or memory) and marks them sent.
 //! * A store implements the statements behind small capability traits ([`ClaimStore`],
-//!   [`OrderingStore`], [`AdminStore`]) in its backend's SQL dialect; schema migrations come per
-//!   [`Component`].
+//!   [`OrderingStore`], [`AdminStore`], [`OutboxStore`]) in its backend's SQL dialect; schema
+//!   migrations come per [`Component`].
 //!
 //! ## Calling a handler on a connection already inside a transaction
 //!
@@ -100,7 +104,8 @@
 //! * `cli`: the module `cli`, the operator's command line (stats, dead letters, replay, purge),
 //!   to embed in a binary of yours.
 //! * `amqp`: `source::amqp`, the RabbitMQ source (lapin).
-//! * `nats`: `source::nats`, the NATS JetStream source (async-nats).
+//! * `nats`: `source::nats`, the NATS JetStream source, and `sink::nats`, the NATS JetStream
+//!   sink for the outbox relay (async-nats).
 //!
 //! Build these docs with `cargo doc --all-features` to see all three.
 
@@ -119,10 +124,12 @@ mod handler;
 mod key;
 mod message;
 mod ordering;
+pub mod outbox;
 mod outcome;
 mod policy;
 mod protocol;
 mod registry;
+pub mod sink;
 mod slot;
 pub mod source;
 mod status;
@@ -155,6 +162,10 @@ pub use store::{
     AdminStore, AnyConnection, Backend, ClaimRequest, ClaimResult, ClaimStore, Component,
     ExistingRow, FailureRecord, InboxConnection, InboxDatabase, MIGRATIONS_TABLE, OrderingStore,
     ParkedMessage, Rejection, RejectionReason, StatsRow, StatsStatus, StoredMessage,
+};
+pub use store::{
+    NOTIFY_CHANNEL, OUTBOX_MIGRATIONS_TABLE, OutboxDatabase, OutboxRecord, OutboxRow, OutboxStatus,
+    OutboxStore, Wakeups,
 };
 
 pub use worker::{

@@ -116,7 +116,11 @@ where
             let conn = H::Connection::from_any(conn)
                 .expect("dispatcher routes only handlers of its own backend");
             let msg = downcast::<H::Message>(msg).clone();
-            H::call(conn, msg)
+            // The claim as the outbox sees it (the batch driver claimed this key already).
+            let key = H::key(&msg)
+                .map(|key| key.as_str().to_owned())
+                .unwrap_or_default();
+            crate::outbox::scope(H::CONSUMER, &key, H::call(conn, msg))
                 .await
                 .map(|_| ())
                 .map_err(|error| BodyError {

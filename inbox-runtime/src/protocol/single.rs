@@ -340,7 +340,8 @@ async fn attempt<H: Handler>(
         }
     }
     let started = Instant::now();
-    let result = H::call(tx.conn(), msg).await;
+    // The claim as the outbox sees it: stable message ids for what the body publishes.
+    let result = crate::outbox::scope(H::CONSUMER, key.as_str(), H::call(tx.conn(), msg)).await;
     metrics::histogram!("inbox_handler_duration_seconds", "consumer" => H::CONSUMER)
         .record(started.elapsed().as_secs_f64());
     let value = match result {

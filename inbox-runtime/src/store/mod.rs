@@ -22,8 +22,13 @@ use crate::status::Status;
 
 #[macro_use]
 mod shared;
+mod outbox;
 mod postgres;
 mod sqlite;
+
+pub use outbox::{
+    NOTIFY_CHANNEL, OutboxDatabase, OutboxRecord, OutboxRow, OutboxStatus, OutboxStore, Wakeups,
+};
 
 pub use shared::{
     ClaimRequest, ClaimResult, FailureRecord, ParkedMessage, Rejection, RejectionReason, StatsRow,
@@ -35,6 +40,9 @@ pub use shared::{
 /// Kept apart from `_sqlx_migrations` so that the application's own `sqlx migrate` history and
 /// the inbox's never see each other's versions.
 pub const MIGRATIONS_TABLE: &str = "_inbox_migrations";
+
+/// Name of the table where the outbox's schema migrations ([`Component::Outbox`]) are recorded.
+pub const OUTBOX_MIGRATIONS_TABLE: &str = "_inbox_outbox_migrations";
 
 /// Which database an inbox lives in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -337,14 +345,17 @@ pub trait InboxDatabase:
 }
 
 /// A part of the inbox's schema with migrations (and a version record) of its own, so that an
-/// application gets only the tables of what it uses. The inbox itself is one; the transactional
-/// outbox and broker positions will be others.
+/// application gets only the tables of what it uses: the inbox itself, the transactional
+/// outbox (broker positions will be another).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Component {
     /// `inbox_messages`, `inbox_aggregate_state`, `inbox_rejections`; versions recorded in
     /// [`MIGRATIONS_TABLE`] (`_inbox_migrations`).
     Inbox,
+    /// The transactional outbox: `inbox_outbox` (see [`crate::outbox`]); versions recorded in
+    /// [`OUTBOX_MIGRATIONS_TABLE`] (`_inbox_outbox_migrations`). PostgreSQL 13 or newer.
+    Outbox,
 }
 
 impl Component {
@@ -352,6 +363,7 @@ impl Component {
     pub fn version_table(self) -> &'static str {
         match self {
             Component::Inbox => MIGRATIONS_TABLE,
+            Component::Outbox => OUTBOX_MIGRATIONS_TABLE,
         }
     }
 }

@@ -174,6 +174,7 @@ impl InboxDatabase for Postgres {
     fn migrations(component: Component) -> &'static [(i64, &'static str, &'static str)] {
         match component {
             Component::Inbox => INBOX_MIGRATIONS,
+            Component::Outbox => super::outbox::POSTGRES_MIGRATIONS,
         }
     }
 }

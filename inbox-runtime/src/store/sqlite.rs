@@ -167,6 +167,7 @@ impl InboxDatabase for Sqlite {
     fn migrations(component: Component) -> &'static [(i64, &'static str, &'static str)] {
         match component {
             Component::Inbox => INBOX_MIGRATIONS,
+            Component::Outbox => super::outbox::SQLITE_MIGRATIONS,
         }
     }
 }

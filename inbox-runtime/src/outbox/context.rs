@@ -1,0 +1,42 @@
+//! The claim a handler body runs for, as the outbox sees it: a task-local set by the protocol
+//! around each run of an `#[idempotent]` handler's body (and by [`super::scoped`]), so that
+//! [`super::Outbox::publish`] can derive stable message ids without the handler passing its
+//! consumer and key along.
+//!
+//! A leaf module: the protocol's drivers call [`scope`] and depend on nothing else here.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// One run of a handler body: its consumer, its idempotency key, and how many messages it
+/// published so far.
+pub(crate) struct Claim {
+    pub(crate) consumer: String,
+    pub(crate) key: String,
+    next: AtomicU32,
+}
+
+tokio::task_local! {
+    static CLAIM: Claim;
+}
+
+/// Runs `body` with `(consumer, key)` as the current claim; publish positions start at 0.
+pub(crate) async fn scope<F: Future>(consumer: &str, key: &str, body: F) -> F::Output {
+    let claim = Claim {
+        consumer: consumer.to_owned(),
+        key: key.to_owned(),
+        next: AtomicU32::new(0),
+    };
+    CLAIM.scope(claim, body).await
+}
+
+/// The current claim's consumer and key and the next publish position (counted), or `None`
+/// outside any claim.
+pub(crate) fn next_position() -> Option<(String, String, u32)> {
+    CLAIM
+        .try_with(|claim| {
+            let index = claim.next.fetch_add(1, Ordering::Relaxed);
+            (claim.consumer.clone(), claim.key.clone(), index)
+        })
+        .ok()
+}

@@ -1,0 +1,100 @@
+//! NATS JetStream as a sink, on [async-nats](https://docs.rs/async-nats). Cargo feature `nats`.
+//!
+//! Each message is published to the subject named by its destination, with headers:
+//! `Nats-Msg-Id` = the message id (JetStream drops a re-publish within the stream's duplicate
+//! window, `duplicate_window`, default 2 min: keep it longer than the relay's lease), the name
+//! header (default `message-name`, what [`NatsConfig`](crate::source::nats::NatsConfig) reads
+//! the message name from), and the publisher's headers. A batch is sent pipelined, then every
+//! JetStream ack is awaited: a message is `Ok` once its stream stored it (or reported it a
+//! duplicate).
+//!
+//! ```no_run
+//! # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! use inbox_runtime::outbox::Relay;
+//! use inbox_runtime::sink::nats::NatsSink;
+//!
+//! let sink = NatsSink::connect("nats://127.0.0.1:4222").await?;
+//! let report = Relay::new(pool, sink).run(tokio_util::sync::CancellationToken::new()).await;
+//! # Ok(()) }
+//! ```
+
+use async_nats::jetstream;
+
+use super::{OutgoingMessage, Sink, SinkError};
+use crate::BoxFuture;
+
+/// Publishes to NATS JetStream. Build with [`NatsSink::connect`] or [`NatsSink::new`].
+#[derive(Debug, Clone)]
+pub struct NatsSink {
+    context: jetstream::Context,
+    name_header: String,
+}
+
+impl NatsSink {
+    /// Connects to the server at `url` (`nats://host:port`).
+    ///
+    /// # Errors
+    /// The connection error.
+    pub async fn connect(url: &str) -> Result<Self, async_nats::ConnectError> {
+        Ok(Self::new(jetstream::new(async_nats::connect(url).await?)))
+    }
+
+    /// A sink on an existing JetStream context.
+    pub fn new(context: jetstream::Context) -> Self {
+        Self {
+            context,
+            name_header: "message-name".into(),
+        }
+    }
+
+    /// The header that carries the message name (default `message-name`, as the NATS source
+    /// reads it).
+    pub fn name_header(mut self, header: impl Into<String>) -> Self {
+        self.name_header = header.into();
+        self
+    }
+
+    fn headers(&self, message: &OutgoingMessage) -> async_nats::HeaderMap {
+        let mut headers = async_nats::HeaderMap::new();
+        for (name, value) in &message.headers {
+            headers.insert(name.as_str(), value.as_str());
+        }
+        headers.insert(self.name_header.as_str(), message.message_name.as_str());
+        headers.insert("Nats-Msg-Id", message.message_id.as_str());
+        headers
+    }
+}
+
+impl Sink for NatsSink {
+    fn publish_batch<'a>(
+        &'a self,
+        messages: &'a [OutgoingMessage],
+    ) -> BoxFuture<'a, Vec<Result<(), SinkError>>> {
+        Box::pin(async move {
+            // Send all, then await the acks: one round trip for the batch.
+            let mut pending = Vec::with_capacity(messages.len());
+            for message in messages {
+                let sent = self
+                    .context
+                    .publish_with_headers(
+                        message.destination.clone(),
+                        self.headers(message),
+                        message.payload.clone().into(),
+                    )
+                    .await;
+                pending.push(sent);
+            }
+            let mut results = Vec::with_capacity(messages.len());
+            for sent in pending {
+                results.push(match sent {
+                    Ok(ack) => match ack.await {
+                        Ok(_) => Ok(()),
+                        Err(error) => Err(SinkError::retryable(error)),
+                    },
+                    Err(error) => Err(SinkError::retryable(error)),
+                });
+            }
+            results
+        })
+    }
+}
