@@ -265,7 +265,7 @@ pub enum PurgeError {
          another process writing this database has a clock ahead of this one, so the rows' \
          ages cannot be trusted; fix the clocks, then purge again",
         utc_time(newest),
-        format_duration(*ahead),
+        format_skew(*ahead),
         utc_time(now),
         format_duration(CLOCK_TOLERANCE)
     )]
@@ -463,6 +463,26 @@ pub fn spawn_purger<DB: InboxDatabase>(
     })
 }
 
+/// A skew to the second, in every unit it spans: `2h`, `1h 56m 11s`, `3s`.
+fn format_skew(skew: Duration) -> String {
+    let secs = skew.as_secs();
+    let parts: Vec<String> = [
+        ("d", secs / 86_400),
+        ("h", secs / 3600 % 24),
+        ("m", secs / 60 % 60),
+        ("s", secs % 60),
+    ]
+    .into_iter()
+    .filter(|(_, n)| *n > 0)
+    .map(|(unit, n)| format!("{n}{unit}"))
+    .collect();
+    if parts.is_empty() {
+        "0s".to_owned()
+    } else {
+        parts.join(" ")
+    }
+}
+
 /// A database time as operators read it, to the second, with its zone: `2026-05-21 10:04:31
 /// UTC`. Takes SQLite's form (`2026-05-21T10:04:31.123Z`) and PostgreSQL's (`2026-05-21
 /// 10:04:31.123456+00`, or with another session time zone, `…+05:30`, converted to UTC); any
@@ -583,6 +603,20 @@ pub(crate) fn format_duration(duration: Duration) -> String {
 mod tests {
     use super::{format_duration, utc_time};
     use std::time::Duration;
+
+    #[test]
+    fn skews_in_every_unit() {
+        let cases = [
+            (7200, "2h"),
+            (6971, "1h 56m 11s"),
+            (90_061, "1d 1h 1m 1s"),
+            (6, "6s"),
+            (0, "0s"),
+        ];
+        for (secs, text) in cases {
+            assert_eq!(super::format_skew(Duration::from_secs(secs)), text);
+        }
+    }
 
     #[test]
     fn times_in_utc_to_the_second() {
