@@ -394,6 +394,21 @@ inbox_tests::backend_matrix! {
         assert_eq!(effect(&pool, "measure:z").await, Some((1, 1)));
     }
 
+    /// Makes the key's row (its first delivery and, if settled, its settling) two hours older:
+    /// retention refuses windows below an hour, so the tests age rows rather than sleep.
+    async fn age_by_two_hours(pool: &Pool, key: &str) {
+        let sql = if BACKEND == Backend::Postgres {
+            "UPDATE inbox_messages SET received_at = received_at - interval '2 hours', \
+             processed_at = processed_at - interval '2 hours' WHERE message_key = $1"
+        } else {
+            "UPDATE inbox_messages \
+             SET received_at = strftime('%Y-%m-%dT%H:%M:%fZ', received_at, '-2 hours'), \
+             processed_at = strftime('%Y-%m-%dT%H:%M:%fZ', processed_at, '-2 hours') \
+             WHERE message_key = $1"
+        };
+        sqlx::query(sql).bind(key).execute(pool).await.unwrap();
+    }
+
     /// FOUND BUG, FIXED: the purge measures age from `received_at` (first delivery), not from
     /// when the key was settled. A message that kept failing for longer than the window
     /// and is then processed is purged at the next purge, right after its processing;
@@ -409,14 +424,15 @@ inbox_tests::backend_matrix! {
         let failed = dispatcher.dispatch(&envelope(&msg)).await.unwrap();
         assert_eq!(failed[0].result.as_ref().map_err(|e| e.kind()).err(), Some("handler"));
         assert_eq!(inbox_row(&pool, "adv-flaky", "late").await, Some(("failed".into(), 1)));
-        // The failure lasts longer than the window; then the message is processed.
-        tokio::time::sleep(Duration::from_millis(2500)).await;
+        // The failure lasts longer than the window (its first delivery made 2 h older); then
+        // the message is processed.
+        age_by_two_hours(&pool, "late").await;
         sqlx::query("DELETE FROM effects WHERE effect_key = 'switch:late'")
             .execute(&pool).await.unwrap();
         let processed = dispatcher.dispatch(&envelope(&msg)).await.unwrap();
         assert_eq!(processed[0].result.as_ref().map_err(|e| e.kind()).ok(), Some(&Outcome::Processed(())));
-        // A purge with a 2 s window right after: the key was settled 0 s ago.
-        let retention = Retention::new(Duration::from_secs(2), Duration::from_secs(2)).unwrap();
+        // A purge with a 1 h window right after: the key was settled 0 s ago.
+        let retention = Retention::new(Duration::from_secs(3600), Duration::from_secs(3600)).unwrap();
         let report = admin::purge(&pool, &retention, |_| {}).await.unwrap();
         // The redelivery (its ack was lost) must be a duplicate.
         let again = dispatcher.dispatch(&envelope(&msg)).await.unwrap();
@@ -436,10 +452,10 @@ inbox_tests::backend_matrix! {
         let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
         let old = AdvNote { id: "old".into(), amount: 1 };
         assert!(dispatcher.dispatch(&envelope(&old)).await.unwrap()[0].result.as_ref().unwrap().is_processed());
-        tokio::time::sleep(Duration::from_millis(2200)).await;
+        age_by_two_hours(&pool, "old").await;
         let fresh = AdvNote { id: "fresh".into(), amount: 1 };
         assert!(dispatcher.dispatch(&envelope(&fresh)).await.unwrap()[0].result.as_ref().unwrap().is_processed());
-        let retention = Retention::new(Duration::from_secs(2), Duration::from_secs(1)).unwrap();
+        let retention = Retention::new(Duration::from_secs(3600), Duration::from_secs(3600)).unwrap();
         assert_eq!(admin::purge(&pool, &retention, |_| {}).await.unwrap().deleted, 1);
         assert_eq!(inbox_row(&pool, "adv-note", "old").await, None);
         assert_eq!(inbox_row(&pool, "adv-note", "fresh").await, Some(("processed".into(), 1)));

@@ -294,7 +294,9 @@ pub(crate) async fn consume<DB: InboxDatabase>(
         duplicates: report.duplicates,
         conflicts: report.conflicts,
         rejected: report.invalid,
+        // The Worker's report counts discarded keys as dead.
         dead: report.dead,
+        discarded: 0,
     };
     Ok((counts, report.stop == StopReason::Shutdown))
 }

@@ -21,8 +21,11 @@ pub(crate) struct Counts {
     /// Not a message: malformed line, unknown message name, undecodable payload, bad key.
     pub(crate) rejected: u64,
     /// Refused by the handler for good (a permanent error, e.g. an unknown account), or already
-    /// dead-lettered or discarded: kept in the inbox as `dead` with its payload, not applied.
+    /// dead-lettered: kept in the inbox as `dead` with its payload, not applied. (Through a
+    /// broker, the Worker's report counts discarded keys here too.)
     pub(crate) dead: u64,
+    /// Redeliveries of a key an operator discarded (`ledger admin dead discard`): not applied.
+    pub(crate) discarded: u64,
 }
 
 /// One line of the stream: `{"message": NAME, "payload": {…}}`. The payload is kept as raw
@@ -169,10 +172,17 @@ pub(crate) async fn feed<DB: InboxDatabase>(
                         outcome.consumer
                     ));
                 }
-                Ok(Outcome::Dead | Outcome::Discarded) => {
+                Ok(Outcome::Dead) => {
                     counts.dead += 1;
                     crate::observe::note(format_args!(
                         "line {number}: already dead-lettered for consumer `{}`: not applied",
+                        outcome.consumer
+                    ));
+                }
+                Ok(Outcome::Discarded) => {
+                    counts.discarded += 1;
+                    crate::observe::note(format_args!(
+                        "line {number}: discarded by an operator for consumer `{}`: not applied",
                         outcome.consumer
                     ));
                 }

@@ -40,7 +40,8 @@
 //!   kept in `inbox_rejections` with its bytes);
 //! * an event for an account id that is not `acct-<digits>` is **dead**: the handler refuses it
 //!   with a permanent error, and the inbox keeps it as `dead` with its payload for an operator
-//!   (`ledger admin dead list`). The summary line then ends with `dead=N`.
+//!   (`ledger admin dead list`). The summary line then ends with `dead=N` (and, for
+//!   redeliveries of keys an operator discarded with `ledger admin dead discard`, `discarded=N`).
 //!
 //! The bundled sample (`examples/ledger/data/payments.jsonl`, ~30,000 lines over 300 accounts,
 //! written by `cargo run --example ledger-gen`) holds thousands of redeliveries, 16 conflicts and
@@ -336,11 +337,11 @@ fn check_and_summarize(
             Verdict::Unchecked => "unchecked",
         },
         // Only when there are some: the summary of a stream without them is unchanged.
-        if counts.dead > 0 {
-            format!(" dead={}", counts.dead)
-        } else {
-            String::new()
-        }
+        [("dead", counts.dead), ("discarded", counts.discarded)]
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(name, n)| format!(" {name}={n}"))
+            .collect::<String>()
     );
     verdict
 }
@@ -564,6 +565,7 @@ mod tests {
             conflicts: 1,
             rejected: 4,
             dead: 0,
+            discarded: 0,
         };
         assert_eq!(first, expected);
         let balances = db.balances().await.unwrap();
@@ -669,6 +671,20 @@ mod tests {
         let (result, list) = admin("dead list --status dead").await;
         result.unwrap();
         assert!(list.contains(K1) && !list.contains(K2), "{list}");
+        // Redelivered: K1 (two lines) is still dead, K2 is discarded, and counted as such.
+        let again = process(&db, input(&unknown), "test").await.unwrap();
+        assert_eq!(
+            (again.processed, again.dead, again.discarded),
+            (0, 2, 1),
+            "{again:?}"
+        );
+        // A consumer that does not exist is refused, naming the ones that do.
+        let (result, replayed) = admin("dead replay --all --consumer nobody").await;
+        assert_eq!(
+            result.unwrap_err().to_string(),
+            "unknown consumer `nobody`; known consumers: ledger"
+        );
+        assert_eq!(replayed, "");
 
         let (result, _) = admin("purge --window 1d --redelivery-horizon 3d").await;
         let error = result.unwrap_err();

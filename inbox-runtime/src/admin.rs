@@ -7,7 +7,7 @@ use std::time::Duration;
 use sqlx::Pool;
 
 use crate::status::Status;
-use crate::store::{AdminStore as _, InboxDatabase, StatsRow, StoredMessage};
+use crate::store::{AdminStore as _, InboxDatabase, StatsRow, StatsStatus, StoredMessage};
 
 /// Per consumer and status (every [`Status`] that has rows, `stale` included): how many rows
 /// and the oldest `received_at`; rejected deliveries (conflicts, malformed, unknown, bad keys)
@@ -65,12 +65,59 @@ pub async fn discard<DB: InboxDatabase>(
     conn.discard_message(consumer, key).await
 }
 
+/// The shortest redelivery horizon [`Retention::new`] accepts: one hour.
+///
+/// Every broker can deliver a message again some time after its first delivery, and that time
+/// is never zero: an ack deadline or visibility timeout that lapses while a consumer is slow
+/// (RabbitMQ closes a consumer that holds a delivery unacknowledged for 30 minutes by default,
+/// and requeues what it held), a consumer that restarts or loses its partitions in a rebalance
+/// and leaves its unacknowledged messages to another, a producer that retries a send. A horizon
+/// below an hour is then a typo (`0s`, `5m`), not a broker: refused, so that a slip of the
+/// fingers cannot purge keys that can still come again. It is a floor, not a recommendation:
+/// real horizons are usually days (SQS keeps an unacknowledged message up to 14 days, Kafka
+/// keeps a topic 7 days by default, and consumers can rewind within it).
+pub const MIN_REDELIVERY_HORIZON: Duration = Duration::from_secs(3600);
+
+/// How far ahead of the purging process's clock the newest time in the inbox may lie before a
+/// purge on SQLite refuses to run: 5 seconds (clocks kept by NTP agree far better; more than
+/// this is a clock that is wrong, or faked). See [`Retention`].
+pub const CLOCK_TOLERANCE: Duration = Duration::from_secs(5);
+
 /// How long processed keys are kept, and so how long a redelivery is recognised.
 ///
 /// The retention window *is* the deduplication guarantee: a redelivery that arrives after its
 /// key was purged is processed again. It must cover the broker's redelivery horizon (the longest
 /// time after a first delivery that the same message can come again: the queue's message TTL,
-/// Kafka's topic retention if consumers may rewind, the producer's retry window).
+/// Kafka's topic retention if consumers may rewind, the producer's retry window), and the
+/// horizon is at least [`MIN_REDELIVERY_HORIZON`] (one hour).
+///
+/// # Clocks
+///
+/// A row's age is measured on the database clock. On PostgreSQL that is one clock, the
+/// server's: every row is stamped with it and the purge measures with it. **On SQLite, "the
+/// database clock" is each process's own clock**: SQLite is a library, so every process that
+/// opens the file stamps `received_at`, `processed_at` and `next_attempt_at` with its own
+/// system clock. Processes on one host share that clock; one whose time is skewed or faked
+/// (`faketime`, a container with a shifted clock, a test) does not. Two rules keep a purge on
+/// SQLite from deleting what another process has just written:
+///
+/// * The window is measured back from the **earlier** of the purging process's clock and the
+///   newest time written into the inbox (the latest `processed_at`/`received_at` of any row,
+///   or the latest rejection): a row goes only when it is older than the window by the purging
+///   process's clock *and* by the newest write. A purging process whose clock is ahead, by any
+///   amount, therefore cannot delete rows that a process with a correct clock wrote within the
+///   window. (When nothing has been written for a while, the purge deletes correspondingly
+///   less: it catches up as soon as messages flow again.)
+/// * A purge **refuses to run** ([`PurgeError::ClockSkew`]) when the newest time in the inbox
+///   lies more than [`CLOCK_TOLERANCE`] (5 s) ahead of the purging process's clock: another
+///   process writing the file has a clock ahead of this one, and ages cannot be trusted until
+///   the clocks agree.
+///
+/// What this does not cover: processes that *write* with clocks that disagree. A process whose
+/// clock is ahead stamps its own rows ahead, so when it purges, its own newest write looks
+/// recent, and rows a correct-clock process wrote can go up to the skew early; and a retry's
+/// `next_attempt_at` comes from whichever process recorded the failure. Run every process that
+/// opens one SQLite file on the host's clock.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Retention {
@@ -88,29 +135,72 @@ pub struct Retention {
     pub include_rejections: bool,
 }
 
-/// A retention window shorter than the redelivery horizon it must cover.
+/// A retention [`Retention::new`] refuses.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "retention window of {} is shorter than the redelivery horizon of {}: \
-     redeliveries after the window would be processed again",
-    format_duration(*window),
-    format_duration(*horizon)
-)]
-pub struct RetentionError {
-    /// The window asked for.
-    pub window: Duration,
-    /// The horizon it must cover.
-    pub horizon: Duration,
+#[non_exhaustive]
+pub enum RetentionError {
+    /// The redelivery horizon is below [`MIN_REDELIVERY_HORIZON`].
+    #[error(
+        "redelivery horizon of {} is below the minimum of {}: every broker can deliver a \
+         message again at least that long after the first delivery (ack deadlines and \
+         visibility timeouts that lapse, consumer restarts and rebalances, producer retries), \
+         so a purge this short would forget keys that can still come again",
+        format_duration(*horizon),
+        format_duration(*minimum)
+    )]
+    HorizonBelowMinimum {
+        /// The horizon asked for.
+        horizon: Duration,
+        /// [`MIN_REDELIVERY_HORIZON`].
+        minimum: Duration,
+    },
+    /// The window is shorter than the redelivery horizon it must cover.
+    #[error(
+        "retention window of {} is shorter than the redelivery horizon of {}: \
+         redeliveries after the window would be processed again",
+        format_duration(*window),
+        format_duration(*horizon)
+    )]
+    WindowBelowHorizon {
+        /// The window asked for.
+        window: Duration,
+        /// The horizon it must cover.
+        horizon: Duration,
+    },
 }
 
 impl Retention {
     /// A retention of `window`, checked against the broker's `redelivery_horizon`.
     ///
+    /// ```
+    /// use std::time::Duration;
+    /// use inbox_runtime::admin::{Retention, RetentionError};
+    ///
+    /// let day = Duration::from_secs(86_400);
+    /// assert!(Retention::new(7 * day, 3 * day).is_ok());
+    /// assert!(matches!(
+    ///     Retention::new(Duration::ZERO, Duration::ZERO),
+    ///     Err(RetentionError::HorizonBelowMinimum { .. })
+    /// ));
+    /// assert!(matches!(
+    ///     Retention::new(day, 3 * day),
+    ///     Err(RetentionError::WindowBelowHorizon { .. })
+    /// ));
+    /// ```
+    ///
     /// # Errors
-    /// [`RetentionError`] if `window < redelivery_horizon`.
+    /// [`RetentionError::HorizonBelowMinimum`] if `redelivery_horizon` is below
+    /// [`MIN_REDELIVERY_HORIZON`] (checked first), [`RetentionError::WindowBelowHorizon`] if
+    /// `window < redelivery_horizon`.
     pub fn new(window: Duration, redelivery_horizon: Duration) -> Result<Self, RetentionError> {
+        if redelivery_horizon < MIN_REDELIVERY_HORIZON {
+            return Err(RetentionError::HorizonBelowMinimum {
+                horizon: redelivery_horizon,
+                minimum: MIN_REDELIVERY_HORIZON,
+            });
+        }
         if window < redelivery_horizon {
-            return Err(RetentionError {
+            return Err(RetentionError::WindowBelowHorizon {
                 window,
                 horizon: redelivery_horizon,
             });
@@ -142,6 +232,138 @@ impl Retention {
         self.include_rejections = include;
         self
     }
+
+    /// The statuses a purge deletes: settled rows, and failed and dead ones when asked. Parked
+    /// ones never: they wait for their gap (see `Dispatcher::sweep_parked`).
+    fn statuses(&self) -> &'static [Status] {
+        if self.include_failed_and_dead {
+            &[
+                Status::Processed,
+                Status::Discarded,
+                Status::Stale,
+                Status::Failed,
+                Status::Dead,
+            ]
+        } else {
+            &[Status::Processed, Status::Discarded, Status::Stale]
+        }
+    }
+}
+
+/// Why [`purge`] or [`purge_preview`] did not run (or stopped).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PurgeError {
+    /// The database failed; rows deleted before it stay deleted.
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    /// The inbox holds a time more than [`CLOCK_TOLERANCE`] ahead of the purging process's
+    /// clock (SQLite: see [`Retention`]'s clocks). Nothing was deleted.
+    #[error(
+        "refusing to purge: the newest time in the inbox, {}, is {} ahead of this process's \
+         clock, {} (tolerance {}): on SQLite every process stamps rows with its own clock, and \
+         another process writing this database has a clock ahead of this one, so the rows' \
+         ages cannot be trusted; fix the clocks, then purge again",
+        utc_time(newest),
+        format_skew(*ahead),
+        utc_time(now),
+        format_duration(CLOCK_TOLERANCE)
+    )]
+    ClockSkew {
+        /// The purging process's clock (database text form, UTC).
+        now: String,
+        /// The newest time written into the inbox (database text form, UTC).
+        newest: String,
+        /// How far `newest` lies ahead of `now`, to the second.
+        ahead: Duration,
+    },
+}
+
+/// The clocks a purge goes by, as [`AdminStore::purge_clock`](crate::AdminStore::purge_clock)
+/// reads them. Times are the database's text form (UTC; [`utc_time`] shows them).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PurgeClock {
+    /// The purging connection's clock: the server's on PostgreSQL, this process's on SQLite.
+    pub now: String,
+    /// Rows settled before this go: `now` minus the window on PostgreSQL; on SQLite the
+    /// earlier of `now` and `newest`, minus the window.
+    pub cutoff: String,
+    /// SQLite: the newest time written into the inbox tables by any process (`None` when they
+    /// are empty). `None` on PostgreSQL, where one clock stamps every row.
+    pub newest: Option<String>,
+    /// How many seconds `newest` lies ahead of `now` (negative: behind).
+    pub newest_ahead_secs: Option<f64>,
+}
+
+impl PurgeClock {
+    /// [`PurgeError::ClockSkew`] if `newest` lies more than [`CLOCK_TOLERANCE`] ahead of `now`.
+    fn check(self) -> Result<Self, PurgeError> {
+        match (&self.newest, self.newest_ahead_secs) {
+            (Some(newest), Some(ahead)) if ahead > CLOCK_TOLERANCE.as_secs_f64() => {
+                Err(PurgeError::ClockSkew {
+                    now: self.now.clone(),
+                    newest: newest.clone(),
+                    ahead: Duration::from_secs(ahead.round() as u64),
+                })
+            }
+            _ => Ok(self),
+        }
+    }
+}
+
+/// What a [`purge`] with the same retention would delete now ([`purge_preview`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PurgePreview {
+    /// Per consumer and status (rejections: per consumer and reason), the rows that would go
+    /// and the oldest settled time among them (`processed_at`, else `received_at`), in the
+    /// order of [`stats`].
+    pub rows: Vec<StatsRow>,
+    /// Rows settled before this would go (database text form, UTC; see
+    /// [`PurgeClock::cutoff`]).
+    pub cutoff: String,
+}
+
+impl PurgePreview {
+    /// Rows of `inbox_messages` that would go.
+    pub fn messages(&self) -> u64 {
+        self.count(|status| matches!(status, StatsStatus::Message(_)))
+    }
+
+    /// Rows of `inbox_rejections` that would go.
+    pub fn rejections(&self) -> u64 {
+        self.count(|status| matches!(status, StatsStatus::Rejected(_)))
+    }
+
+    fn count(&self, which: impl Fn(StatsStatus) -> bool) -> u64 {
+        self.rows
+            .iter()
+            .filter(|row| which(row.status))
+            .map(|row| u64::try_from(row.count).unwrap_or(0))
+            .sum()
+    }
+}
+
+/// What [`purge`] would delete with `retention` now, per consumer and status (and rejection
+/// reason, with [`Retention::include_rejections`]), deleting nothing: a dry run.
+///
+/// # Errors
+/// As [`purge`]: the database's error, or [`PurgeError::ClockSkew`].
+pub async fn purge_preview<DB: InboxDatabase>(
+    pool: &Pool<DB>,
+    retention: &Retention,
+) -> Result<PurgePreview, PurgeError> {
+    let mut conn = pool.acquire().await?;
+    let store = &mut *conn;
+    let window = retention.window.as_secs_f64();
+    let clock = store.purge_clock(window).await?.check()?;
+    let rows = store
+        .purge_preview(retention.statuses(), window, retention.include_rejections)
+        .await?;
+    Ok(PurgePreview {
+        rows,
+        cutoff: clock.cutoff,
+    })
 }
 
 /// What one [`purge`] did.
@@ -166,38 +388,31 @@ pub struct PurgeReport {
 /// the window go too, after the messages. `progress` is called after each batch with the running
 /// total of rows deleted (messages and rejections).
 ///
+/// On SQLite, where each process stamps rows with its own clock, the window is measured back
+/// from the earlier of this process's clock and the newest time written into the inbox, and a
+/// purge refuses to run when the inbox holds times more than [`CLOCK_TOLERANCE`] ahead of this
+/// process's clock: see [`Retention`]'s clocks for what that guarantees. [`purge_preview`] shows
+/// what a purge would delete, without deleting.
+///
 /// # Errors
-/// The database's error; rows deleted before it stay deleted.
+/// [`PurgeError::ClockSkew`] before anything is deleted; the database's error (rows deleted
+/// before it stay deleted).
 pub async fn purge<DB: InboxDatabase>(
     pool: &Pool<DB>,
     retention: &Retention,
     mut progress: impl FnMut(u64),
-) -> Result<PurgeReport, sqlx::Error> {
-    // Settled rows; failed and dead ones only when asked. Parked ones never: they wait for
-    // their gap (see `Dispatcher::sweep_parked`).
-    let statuses: &[Status] = if retention.include_failed_and_dead {
-        &[
-            Status::Processed,
-            Status::Discarded,
-            Status::Stale,
-            Status::Failed,
-            Status::Dead,
-        ][..]
-    } else {
-        &[Status::Processed, Status::Discarded, Status::Stale][..]
-    };
+) -> Result<PurgeReport, PurgeError> {
+    let statuses = retention.statuses();
+    let window = retention.window.as_secs_f64();
     let mut report = PurgeReport::default();
     let mut conn = pool.acquire().await?;
     let store = &mut *conn;
+    store.purge_clock(window).await?.check()?;
     // Two statements when failed and dead are included (the statement takes three statuses).
     for chunk in statuses.chunks(3) {
         loop {
             let deleted = store
-                .purge_batch(
-                    chunk,
-                    retention.window.as_secs_f64(),
-                    i64::from(retention.batch_size),
-                )
+                .purge_batch(chunk, window, i64::from(retention.batch_size))
                 .await?;
             report.deleted += deleted;
             report.batches += 1;
@@ -211,10 +426,7 @@ pub async fn purge<DB: InboxDatabase>(
     if retention.include_rejections {
         loop {
             let deleted = store
-                .purge_rejections_batch(
-                    retention.window.as_secs_f64(),
-                    i64::from(retention.batch_size),
-                )
+                .purge_rejections_batch(window, i64::from(retention.batch_size))
                 .await?;
             report.rejections_deleted += deleted;
             report.batches += 1;
@@ -228,7 +440,8 @@ pub async fn purge<DB: InboxDatabase>(
     Ok(report)
 }
 
-/// Runs [`purge`] every `every` until the task is aborted, logging each run's result.
+/// Runs [`purge`] every `every` until the task is aborted, logging each run's result (a
+/// refused purge, [`PurgeError::ClockSkew`], is logged as an error and tried again next time).
 pub fn spawn_purger<DB: InboxDatabase>(
     pool: Pool<DB>,
     retention: Retention,
@@ -250,10 +463,129 @@ pub fn spawn_purger<DB: InboxDatabase>(
     })
 }
 
+/// A skew to the second, in every unit it spans: `2h`, `1h 56m 11s`, `3s`.
+fn format_skew(skew: Duration) -> String {
+    let secs = skew.as_secs();
+    let parts: Vec<String> = [
+        ("d", secs / 86_400),
+        ("h", secs / 3600 % 24),
+        ("m", secs / 60 % 60),
+        ("s", secs % 60),
+    ]
+    .into_iter()
+    .filter(|(_, n)| *n > 0)
+    .map(|(unit, n)| format!("{n}{unit}"))
+    .collect();
+    if parts.is_empty() {
+        "0s".to_owned()
+    } else {
+        parts.join(" ")
+    }
+}
+
+/// A database time as operators read it, to the second, with its zone: `2026-05-21 10:04:31
+/// UTC`. Takes SQLite's form (`2026-05-21T10:04:31.123Z`) and PostgreSQL's (`2026-05-21
+/// 10:04:31.123456+00`, or with another session time zone, `…+05:30`, converted to UTC); any
+/// other text comes back unchanged.
+pub fn utc_time(text: &str) -> String {
+    match parse_time(text) {
+        Some(secs) => {
+            let (days, secs) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+            let (year, month, day) = civil_from_days(days);
+            format!(
+                "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
+                secs / 3600,
+                secs / 60 % 60,
+                secs % 60
+            )
+        }
+        None => text.to_owned(),
+    }
+}
+
+/// Seconds since 1970-01-01 00:00:00 UTC of `YYYY-MM-DD[T ]HH:MM:SS[.frac][Z|±HH[[:]MM]]` (no
+/// zone: UTC). Fractions of a second are cut.
+fn parse_time(text: &str) -> Option<i64> {
+    let digits = |from: usize, to: usize| -> Option<i64> {
+        let part = text.get(from..to)?;
+        part.bytes()
+            .all(|b| b.is_ascii_digit())
+            .then(|| part.parse().ok())?
+    };
+    let at = |index: usize, allowed: &[u8]| {
+        text.as_bytes()
+            .get(index)
+            .is_some_and(|b| allowed.contains(b))
+    };
+    if !(at(4, b"-") && at(7, b"-") && at(10, b" T") && at(13, b":") && at(16, b":")) {
+        return None;
+    }
+    let (year, month, day) = (digits(0, 4)?, digits(5, 7)?, digits(8, 10)?);
+    let (hour, minute, second) = (digits(11, 13)?, digits(14, 16)?, digits(17, 19)?);
+    if !(1..=12).contains(&month) || !(1..=31).contains(&day) || hour > 23 || minute > 59 {
+        return None;
+    }
+    let mut rest = text.get(19..)?;
+    if let Some(fraction) = rest.strip_prefix('.') {
+        let end = fraction
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(fraction.len());
+        rest = &fraction[end..];
+    }
+    let offset = match rest.as_bytes().first() {
+        None => 0,
+        Some(b'Z') if rest.len() == 1 => 0,
+        Some(&sign @ (b'+' | b'-')) => {
+            let zone = rest[1..].replace(':', "");
+            if zone.len() != 2 && zone.len() != 4 || !zone.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            let hours: i64 = zone[..2].parse().ok()?;
+            let minutes: i64 = zone
+                .get(2..)
+                .filter(|m| !m.is_empty())
+                .map_or(Some(0), |m| m.parse().ok())?;
+            let offset = hours * 3600 + minutes * 60;
+            if sign == b'-' { -offset } else { offset }
+        }
+        Some(_) => return None,
+    };
+    let days = days_from_civil(year, month, day);
+    Some(days * 86_400 + hour * 3600 + minute * 60 + second - offset)
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's `days_from_civil`).
+fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
+    let year = if month <= 2 { year - 1 } else { year };
+    let era = year.div_euclid(400);
+    let year_of_era = year - era * 400;
+    let day_of_year = (153 * ((month + 9) % 12) + 2) / 5 + day - 1;
+    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
+    era * 146_097 + day_of_era - 719_468
+}
+
+/// The date of a day since 1970-01-01 (H. Hinnant's `civil_from_days`).
+fn civil_from_days(days: i64) -> (i64, i64, i64) {
+    let days = days + 719_468;
+    let era = days.div_euclid(146_097);
+    let day_of_era = days - era * 146_097;
+    let year_of_era =
+        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let mp = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = year_of_era + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
 /// A duration the way operators write it: `7d`, `36h`, `90m`, `45s`, `1500ms` (the largest unit
-/// that divides it exactly).
+/// that divides it exactly; zero is `0s`).
 pub(crate) fn format_duration(duration: Duration) -> String {
     let millis = duration.as_millis();
+    if millis == 0 {
+        return "0s".to_owned();
+    }
     for (unit, per) in [
         ("d", 86_400_000),
         ("h", 3_600_000),
@@ -269,8 +601,44 @@ pub(crate) fn format_duration(duration: Duration) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::format_duration;
+    use super::{format_duration, utc_time};
     use std::time::Duration;
+
+    #[test]
+    fn skews_in_every_unit() {
+        let cases = [
+            (7200, "2h"),
+            (6971, "1h 56m 11s"),
+            (90_061, "1d 1h 1m 1s"),
+            (6, "6s"),
+            (0, "0s"),
+        ];
+        for (secs, text) in cases {
+            assert_eq!(super::format_skew(Duration::from_secs(secs)), text);
+        }
+    }
+
+    #[test]
+    fn times_in_utc_to_the_second() {
+        let cases = [
+            ("2026-05-21T10:04:31.123Z", "2026-05-21 10:04:31 UTC"),
+            ("2026-05-21 10:04:31.123456+00", "2026-05-21 10:04:31 UTC"),
+            ("2026-05-21 10:04:31+00", "2026-05-21 10:04:31 UTC"),
+            ("2026-05-21 10:04:31", "2026-05-21 10:04:31 UTC"),
+            ("2026-05-21 12:04:31.5+02", "2026-05-21 10:04:31 UTC"),
+            ("2026-05-21 02:34:31+05:30", "2026-05-20 21:04:31 UTC"),
+            ("2026-12-31 22:00:00-03", "2027-01-01 01:00:00 UTC"),
+            ("2024-02-29 23:59:59Z", "2024-02-29 23:59:59 UTC"),
+            ("1970-01-01 00:00:00Z", "1970-01-01 00:00:00 UTC"),
+            ("infinity", "infinity"),
+            ("2026-05-21 10:04", "2026-05-21 10:04"),
+            ("2026-13-21 10:04:31Z", "2026-13-21 10:04:31Z"),
+            ("2026-05-21 10:04:31 garbage", "2026-05-21 10:04:31 garbage"),
+        ];
+        for (text, shown) in cases {
+            assert_eq!(utc_time(text), shown, "{text}");
+        }
+    }
 
     #[test]
     fn durations_in_operators_units() {
@@ -280,7 +648,7 @@ mod tests {
             (Duration::from_secs(90 * 60), "90m"),
             (Duration::from_secs(45), "45s"),
             (Duration::from_millis(1500), "1500ms"),
-            (Duration::ZERO, "0ms"),
+            (Duration::ZERO, "0s"),
         ];
         for (duration, text) in cases {
             assert_eq!(format_duration(duration), text);

@@ -35,8 +35,17 @@
 //! ```
 //!
 //! Results go to standard output (tables aligned for reading; `dead show` prints the payload as
-//! pretty JSON). Long operations (`dead replay --all`, `purge`) show a progress bar on standard
-//! error when it is a terminal, and nothing when it is not (piped, redirected, in CI).
+//! pretty JSON; times in UTC, to the second: `2026-11-29 15:04:14 UTC`). Long operations
+//! (`dead replay --all`, `purge`) show a progress bar on standard error when it is a terminal,
+//! and nothing when it is not (piped, redirected, in CI).
+//!
+//! A command that names a consumer (`dead list --consumer`, `dead show`, `dead replay`,
+//! `dead discard`) refuses one that neither has rows in the inbox nor a registered handler
+//! ([`CliError::UnknownConsumer`], listing the consumers that exist), so that a typo is not
+//! answered with "nothing found". `purge` refuses a redelivery horizon below
+//! [`admin::MIN_REDELIVERY_HORIZON`] and a window below the horizon, shows what it would delete
+//! with `--dry-run`, and asks before deleting rows settled less than a day ago when standard
+//! input is a terminal (`--yes` does not ask).
 
 use std::ffi::OsString;
 use std::io::{self, IsTerminal as _, Write};
@@ -47,11 +56,12 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sqlx::Pool;
 
-use crate::admin::{self, Retention, RetentionError};
+use crate::admin::{self, PurgeError, PurgePreview, Retention, RetentionError, utc_time};
 use crate::dispatcher::{ConsumerOutcome, Dispatcher};
 use crate::error::ReplayError;
 use crate::error::{Error, RegistryError};
 use crate::outcome::Outcome;
+use crate::registry::registered_handlers;
 use crate::status::Status;
 use crate::store::{InboxDatabase, StatsRow, StoredMessage};
 use crate::store::{RejectionReason, StatsStatus};
@@ -81,6 +91,7 @@ pub enum AdminCommand {
     #[command(subcommand)]
     Dead(DeadCommand),
     /// Deletes processed (and discarded, stale) rows older than the retention window, in batches
+    /// (`--dry-run`: shows what it would delete)
     Purge(PurgeArgs),
 }
 
@@ -172,9 +183,16 @@ pub struct PurgeArgs {
     /// Keep processed rows this long: the deduplication guarantee
     #[arg(long, value_parser = parse_duration)]
     pub window: Duration,
-    /// The broker's redelivery horizon; a window shorter than it is refused
+    /// The broker's redelivery horizon (at least 1h); a window shorter than it is refused
     #[arg(long, value_parser = parse_duration)]
     pub redelivery_horizon: Duration,
+    /// Show what would be deleted, per consumer and status, and delete nothing
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Do not ask before deleting rows settled less than a day ago (asked only when standard
+    /// input is a terminal)
+    #[arg(long, short = 'y')]
+    pub yes: bool,
     /// Also delete failed and dead rows older than the window (with their payloads)
     #[arg(long)]
     pub include_failed_and_dead: bool,
@@ -206,9 +224,33 @@ pub enum CliError {
     /// A single replay could not run.
     #[error(transparent)]
     Replay(#[from] ReplayError),
-    /// The retention window is shorter than the redelivery horizon.
+    /// The retention is refused: a redelivery horizon below the minimum, or a window shorter
+    /// than the horizon.
     #[error(transparent)]
     Retention(#[from] RetentionError),
+    /// The purge refused to run (clocks: [`PurgeError::ClockSkew`]) or failed.
+    #[error(transparent)]
+    Purge(#[from] PurgeError),
+    /// The purge was not confirmed at the terminal.
+    #[error("purge cancelled: nothing deleted")]
+    Cancelled,
+    /// The command names a consumer that has no rows in the inbox (messages or rejections) and
+    /// no registered handler: a typo, most likely.
+    #[error(
+        "unknown consumer `{consumer}`; {}",
+        if known.is_empty() {
+            "no consumer is known (the inbox has no rows and no handler is registered)".to_owned()
+        } else {
+            format!("known consumers: {}", known.join(", "))
+        }
+    )]
+    UnknownConsumer {
+        /// The consumer named.
+        consumer: String,
+        /// The consumers that exist: those with rows, and those with registered handlers
+        /// (sorted).
+        known: Vec<String>,
+    },
     /// No failed or dead message with this consumer and key (`show`, `discard`).
     #[error("consumer `{consumer}` has no {what} message with key `{key}`")]
     NotFound {
@@ -262,22 +304,24 @@ where
 
 /// Runs `command` on `pool`, printing on standard output. `dead replay` builds a
 /// [`Dispatcher::from_registry`] over `pool` (use [`execute_with`] to replay with a dispatcher
-/// of yours, e.g. with another retry policy).
+/// of yours, e.g. with another retry policy). A `purge` that would delete rows settled less than
+/// a day ago asks first on standard error when standard input is a terminal (not with `--yes`).
 ///
 /// # Errors
-/// [`CliError`]: the database's error, an unknown message, a refused retention, replays that did
-/// not succeed.
+/// [`CliError`]: the database's error, an unknown consumer or message, a refused retention or
+/// purge, a purge not confirmed, replays that did not succeed.
 pub async fn execute<DB: InboxDatabase>(
     command: &AdminCommand,
     pool: &Pool<DB>,
 ) -> Result<(), CliError> {
     let stdout = io::stdout();
     let mut out = stdout.lock();
-    execute_on(command, Target::Pool(pool), &mut out).await
+    execute_on(command, Target::Pool(pool), &mut out, Ask::Terminal).await
 }
 
 /// Runs `command` with `dispatcher` (its pool for everything, its handlers and retry policy for
-/// `dead replay`), writing the results to `out`.
+/// `dead replay`, its handlers' consumers as known ones), writing the results to `out`. Asks
+/// before a purge as [`execute`] does.
 ///
 /// # Errors
 /// As [`execute`].
@@ -286,19 +330,29 @@ pub async fn execute_with<DB: InboxDatabase>(
     dispatcher: &Dispatcher<DB>,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
-    execute_on(command, Target::Dispatcher(dispatcher), out).await
+    execute_on(command, Target::Dispatcher(dispatcher), out, Ask::Terminal).await
 }
 
-/// Runs `command` on `pool`, writing the results to `out` (for tests and for embedding).
+/// Runs `command` on `pool`, writing the results to `out` (for tests and for embedding). Never
+/// asks before a purge: the caller decides (see [`admin::purge_preview`]).
 ///
 /// # Errors
-/// As [`execute`].
+/// As [`execute`], but never [`CliError::Cancelled`].
 pub async fn execute_to<DB: InboxDatabase>(
     command: &AdminCommand,
     pool: &Pool<DB>,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
-    execute_on(command, Target::Pool(pool), out).await
+    execute_on(command, Target::Pool(pool), out, Ask::Never).await
+}
+
+/// Whether a purge of young rows asks for confirmation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ask {
+    /// When standard input is a terminal (and `--yes` is not given).
+    Terminal,
+    /// Never.
+    Never,
 }
 
 enum Target<'a, DB: InboxDatabase> {
@@ -313,14 +367,72 @@ impl<DB: InboxDatabase> Target<'_, DB> {
             Target::Dispatcher(dispatcher) => dispatcher.pool(),
         }
     }
+
+    /// The consumers of the handlers at hand: the dispatcher's, or the registered ones of
+    /// this backend.
+    fn handler_consumers(&self) -> Vec<&'static str> {
+        match self {
+            Target::Pool(_) => registered_handlers()
+                .into_iter()
+                .filter(|handler| handler.backend == DB::BACKEND)
+                .map(|handler| handler.consumer)
+                .collect(),
+            Target::Dispatcher(dispatcher) => dispatcher
+                .handlers()
+                .into_iter()
+                .map(|handler| handler.consumer)
+                .collect(),
+        }
+    }
+
+    /// [`CliError::UnknownConsumer`] unless `consumer` has a handler at hand or rows in the
+    /// inbox (messages or rejections). Reads the statistics only when no handler serves it.
+    async fn check_consumer(&self, consumer: &str) -> Result<(), CliError> {
+        let handlers = self.handler_consumers();
+        if handlers.contains(&consumer) {
+            return Ok(());
+        }
+        let rows = admin::stats(self.pool()).await?;
+        if rows
+            .iter()
+            .any(|row| row.consumer.as_deref() == Some(consumer))
+        {
+            return Ok(());
+        }
+        let mut known: Vec<String> = handlers
+            .into_iter()
+            .map(str::to_owned)
+            .chain(rows.into_iter().filter_map(|row| row.consumer))
+            .collect();
+        known.sort_unstable();
+        known.dedup();
+        Err(CliError::UnknownConsumer {
+            consumer: consumer.to_owned(),
+            known,
+        })
+    }
 }
 
 async fn execute_on<DB: InboxDatabase>(
     command: &AdminCommand,
     target: Target<'_, DB>,
     out: &mut dyn Write,
+    ask: Ask,
 ) -> Result<(), CliError> {
     let pool = target.pool();
+    let consumer = match command {
+        AdminCommand::Dead(DeadCommand::List(args)) => args.consumer.as_deref(),
+        AdminCommand::Dead(DeadCommand::Show(message) | DeadCommand::Discard(message)) => {
+            Some(message.consumer.as_str())
+        }
+        AdminCommand::Dead(DeadCommand::Replay(args)) => {
+            args.consumer.as_deref().or(args.only_consumer.as_deref())
+        }
+        AdminCommand::Migrate | AdminCommand::Stats | AdminCommand::Purge(_) => None,
+    };
+    if let Some(consumer) = consumer {
+        target.check_consumer(consumer).await?;
+    }
     match command {
         AdminCommand::Migrate => {
             crate::migrate(pool).await?;
@@ -380,6 +492,23 @@ async fn execute_on<DB: InboxDatabase>(
                 .batch_size(args.batch_size)
                 .include_failed_and_dead(args.include_failed_and_dead)
                 .include_rejections(args.include_rejections);
+            if args.dry_run {
+                let preview = admin::purge_preview(pool, &retention).await?;
+                return write_preview(out, args, &preview).map_err(CliError::from);
+            }
+            if ask == Ask::Terminal && !args.yes && io::stdin().is_terminal() {
+                let young = settled_within_a_day(pool, &retention).await?;
+                if young > 0
+                    && !confirm(
+                        young,
+                        args.window,
+                        &mut io::stdin().lock(),
+                        &mut io::stderr(),
+                    )?
+                {
+                    return Err(CliError::Cancelled);
+                }
+            }
             let bar = progress_bar(None, "{spinner} purging: {pos} rows deleted ({elapsed})");
             let report = admin::purge(pool, &retention, |deleted| bar.set_position(deleted)).await;
             bar.finish_and_clear();
@@ -414,6 +543,90 @@ async fn execute_on<DB: InboxDatabase>(
     Ok(())
 }
 
+/// One day: a purge that would delete rows settled more recently asks first.
+const DAY: Duration = Duration::from_secs(86_400);
+
+/// How many inbox rows a purge with `retention` would delete that were settled less than a day
+/// ago (none when the window is a day or more).
+async fn settled_within_a_day<DB: InboxDatabase>(
+    pool: &Pool<DB>,
+    retention: &Retention,
+) -> Result<u64, CliError> {
+    if retention.window >= DAY {
+        return Ok(0);
+    }
+    let all = admin::purge_preview(pool, retention).await?.messages();
+    let mut a_day = retention.clone();
+    a_day.window = DAY;
+    let older = admin::purge_preview(pool, &a_day).await?.messages();
+    Ok(all.saturating_sub(older))
+}
+
+/// Asks on `prompt` whether to delete `young` rows settled less than a day ago, and reads the
+/// answer from `input`: `y` or `yes` (any case) confirms; anything else, or nothing, does not.
+fn confirm(
+    young: u64,
+    window: Duration,
+    input: &mut dyn io::BufRead,
+    prompt: &mut dyn Write,
+) -> io::Result<bool> {
+    write!(
+        prompt,
+        "this purge would delete {young} inbox row{} settled less than a day ago (window {}): \
+         a redelivery of one of their keys would be processed again.\ndelete them? [y/N] ",
+        if young == 1 { "" } else { "s" },
+        admin::format_duration(window)
+    )?;
+    prompt.flush()?;
+    let mut answer = String::new();
+    input.read_line(&mut answer)?;
+    Ok(matches!(
+        answer.trim().to_ascii_lowercase().as_str(),
+        "y" | "yes"
+    ))
+}
+
+/// `purge --dry-run`: what would go, per consumer and status, and that nothing went.
+fn write_preview(out: &mut dyn Write, args: &PurgeArgs, preview: &PurgePreview) -> io::Result<()> {
+    let window = admin::format_duration(args.window);
+    let cutoff = utc_time(&preview.cutoff);
+    writeln!(
+        out,
+        "would purge {} inbox rows settled before {cutoff} (window {window}){}",
+        preview.messages(),
+        if args.include_failed_and_dead {
+            ", failed and dead included"
+        } else {
+            ""
+        }
+    )?;
+    if args.include_rejections {
+        writeln!(
+            out,
+            "would purge {} rejected deliveries received before {cutoff}",
+            preview.rejections()
+        )?;
+    }
+    if !preview.rows.is_empty() {
+        let mut table = Table::new(&[
+            ("CONSUMER", false),
+            ("STATUS", false),
+            ("ROWS", true),
+            ("OLDEST", false),
+        ]);
+        for row in &preview.rows {
+            table.row(vec![
+                row.consumer.clone().unwrap_or_else(|| "-".into()),
+                row.status.to_string(),
+                row.count.to_string(),
+                row.oldest.as_deref().map_or_else(|| "-".into(), utc_time),
+            ]);
+        }
+        table.write(out)?;
+    }
+    writeln!(out, "dry run: nothing deleted")
+}
+
 /// A progress bar on standard error, hidden unless standard error is a terminal. `len`: the
 /// total, if known (else a spinner).
 fn progress_bar(len: Option<u64>, template: &str) -> ProgressBar {
@@ -422,16 +635,13 @@ fn progress_bar(len: Option<u64>, template: &str) -> ProgressBar {
     } else {
         ProgressDrawTarget::hidden()
     };
-    let bar = match len {
-        Some(len) => ProgressBar::with_draw_target(Some(len), target),
-        None => {
-            let bar = ProgressBar::with_draw_target(None, target);
-            bar.enable_steady_tick(Duration::from_millis(120));
-            bar
-        }
-    };
+    let bar = ProgressBar::with_draw_target(len, target);
+    // The style first: a ticking bar draws at once, and would draw indicatif's default style.
     if let Ok(style) = ProgressStyle::with_template(template) {
         bar.set_style(style);
+    }
+    if len.is_none() {
+        bar.enable_steady_tick(Duration::from_millis(120));
     }
     bar
 }
@@ -567,21 +777,6 @@ impl Table {
     }
 }
 
-/// A database timestamp to the second: `2026-05-21 10:04:31.123456+00` → `2026-05-21 10:04:31`
-/// (SQLite's and PostgreSQL's text forms are both UTC).
-fn short_time(text: &str) -> String {
-    let text = text.replace('T', " ");
-    let cut = text
-        .find('.')
-        .or_else(|| text[10.min(text.len())..].find(['+', 'Z']).map(|i| i + 10));
-    let mut short = match cut {
-        Some(at) => text[..at].to_owned(),
-        None => text,
-    };
-    short.truncate(19);
-    short
-}
-
 fn write_stats(out: &mut dyn Write, rows: &[StatsRow]) -> io::Result<()> {
     // Every status, in the table's column order.
     const STATUSES: [Status; 6] = [
@@ -609,7 +804,7 @@ fn write_stats(out: &mut dyn Write, rows: &[StatsRow]) -> io::Result<()> {
     let oldest = |consumer: &str, status: Status| {
         find(Some(consumer), StatsStatus::Message(status))
             .and_then(|row| row.oldest.as_deref())
-            .map_or_else(|| "-".to_owned(), short_time)
+            .map_or_else(|| "-".to_owned(), utc_time)
     };
 
     let mut inbox = Table::new(&[
@@ -679,7 +874,7 @@ fn write_stats(out: &mut dyn Write, rows: &[StatsRow]) -> io::Result<()> {
                     RejectionReason::TooLarge => "payload over the size limit".into(),
                 },
                 row.count.to_string(),
-                row.oldest.as_deref().map_or_else(|| "-".into(), short_time),
+                row.oldest.as_deref().map_or_else(|| "-".into(), utc_time),
             ]);
         }
         table.write(out)?;
@@ -719,7 +914,7 @@ fn write_list(out: &mut dyn Write, rows: &[StoredMessage]) -> io::Result<()> {
             row.message_name.clone(),
             row.status.to_string(),
             row.attempts.to_string(),
-            short_time(&row.received_at),
+            utc_time(&row.received_at),
             first_line(row.last_error.as_deref().unwrap_or("-"), 72),
         ]);
     }
@@ -728,19 +923,20 @@ fn write_list(out: &mut dyn Write, rows: &[StoredMessage]) -> io::Result<()> {
 
 fn write_show(out: &mut dyn Write, row: &StoredMessage) -> io::Result<()> {
     let optional = |value: &Option<String>| value.clone().unwrap_or_else(|| "-".into());
+    let time = |value: &Option<String>| value.as_deref().map_or_else(|| "-".into(), utc_time);
     let fields = [
         ("consumer", row.consumer.clone()),
         ("key", row.message_key.clone()),
         ("message", row.message_name.clone()),
         ("status", row.status.to_string()),
         ("attempts", row.attempts.to_string()),
-        ("received", row.received_at.clone()),
-        ("processed", optional(&row.processed_at)),
+        ("received", utc_time(&row.received_at)),
+        ("processed", time(&row.processed_at)),
         // Only a failed message is retried; a dead one waits for an operator.
         (
             "next attempt",
             if row.status == Status::Failed {
-                optional(&row.next_attempt_at)
+                time(&row.next_attempt_at)
             } else {
                 "-".into()
             },
@@ -774,14 +970,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn times_are_cut_to_the_second() {
-        assert_eq!(
-            short_time("2026-05-21 10:04:31.123456+00"),
-            "2026-05-21 10:04:31"
-        );
-        assert_eq!(short_time("2026-05-21 10:04:31"), "2026-05-21 10:04:31");
-        assert_eq!(short_time("2026-05-21T10:04:31Z"), "2026-05-21 10:04:31");
-        assert_eq!(short_time("2026-05-21 10:04:31+00"), "2026-05-21 10:04:31");
+    fn a_purge_of_young_rows_asks() {
+        let ask = |answer: &str| {
+            let mut prompt = Vec::new();
+            let yes = confirm(
+                3,
+                Duration::from_secs(7200),
+                &mut answer.as_bytes(),
+                &mut prompt,
+            )
+            .unwrap();
+            (yes, String::from_utf8(prompt).unwrap())
+        };
+        let question = "this purge would delete 3 inbox rows settled less than a day ago \
+                        (window 2h): a redelivery of one of their keys would be processed \
+                        again.\ndelete them? [y/N] ";
+        assert_eq!(ask("y\n"), (true, question.to_owned()));
+        assert_eq!(ask(" YES \n"), (true, question.to_owned()));
+        assert_eq!(ask("n\n"), (false, question.to_owned()));
+        assert_eq!(ask("\n"), (false, question.to_owned()));
+        assert_eq!(ask(""), (false, question.to_owned()), "end of input");
+        assert_eq!(ask("yep\n"), (false, question.to_owned()));
     }
 
     #[test]

@@ -292,6 +292,26 @@ pub trait AdminStore: Send {
         older_than_secs: f64,
         batch: i64,
     ) -> BoxFuture<'_, Result<u64, sqlx::Error>>;
+
+    /// The clocks a purge of `older_than_secs` goes by (see [`crate::admin::PurgeClock`]): the
+    /// connection's clock, the cutoff [`AdminStore::purge_batch`] would use now, and, where
+    /// each process stamps rows with its own clock (SQLite), the newest time written into the
+    /// inbox tables and how far it lies ahead of this connection's clock.
+    fn purge_clock(
+        &mut self,
+        older_than_secs: f64,
+    ) -> BoxFuture<'_, Result<crate::admin::PurgeClock, sqlx::Error>>;
+
+    /// What [`AdminStore::purge_batch`] (and, with `rejections`,
+    /// [`AdminStore::purge_rejections_batch`]) would delete now, without deleting: per consumer
+    /// and status (or rejection reason), the count and the oldest settled time (`processed_at`,
+    /// else `received_at`).
+    fn purge_preview<'c>(
+        &'c mut self,
+        statuses: &'c [Status],
+        older_than_secs: f64,
+        rejections: bool,
+    ) -> BoxFuture<'c, Result<Vec<StatsRow>, sqlx::Error>>;
 }
 
 /// A connection type an `#[idempotent]` handler can take as its first parameter: the backend's

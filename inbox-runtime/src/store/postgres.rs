@@ -133,6 +133,24 @@ mod sql {
          WHERE status IN ($1, $2, $3) \
            AND COALESCE(processed_at, received_at) < now() - $4 * interval '1 second' \
          LIMIT $5 FOR UPDATE SKIP LOCKED)";
+
+    /// The purge's clock: one clock, the server's, stamps every row, so there is no newest
+    /// write to compare with (`NULL`s).
+    pub(super) const PURGE_CLOCK: &str = "SELECT CAST(now() AS TEXT), \
+         CAST(now() - $1 * interval '1 second' AS TEXT), CAST(NULL AS TEXT), \
+         CAST(NULL AS DOUBLE PRECISION)";
+
+    /// What `PURGE` (with up to five statuses) and, when `$7`, `PURGE_REJECTIONS` would delete.
+    pub(super) const PURGE_PREVIEW: &str = "SELECT consumer, status, COUNT(*), \
+         CAST(MIN(COALESCE(processed_at, received_at)) AS TEXT) FROM inbox_messages \
+       WHERE status IN ($1, $2, $3, $4, $5) \
+         AND COALESCE(processed_at, received_at) < now() - $6 * interval '1 second' \
+       GROUP BY consumer, status \
+       UNION ALL \
+       SELECT consumer, 'rejected:' || reason, COUNT(*), CAST(MIN(received_at) AS TEXT) \
+       FROM inbox_rejections WHERE $7 AND received_at < now() - $6 * interval '1 second' \
+       GROUP BY consumer, reason \
+       ORDER BY 1 NULLS FIRST, 2";
 }
 
 /// The inbox component's migrations.

@@ -875,6 +875,63 @@ macro_rules! impl_inbox_connection {
                 })
             }
 
+            fn purge_clock(
+                &mut self,
+                older_than_secs: f64,
+            ) -> $crate::BoxFuture<'_, Result<$crate::admin::PurgeClock, sqlx::Error>> {
+                use $sql as sql;
+                Box::pin(async move {
+                    let (now, cutoff, newest, newest_ahead_secs): (
+                        String,
+                        String,
+                        Option<String>,
+                        Option<f64>,
+                    ) = sqlx::query_as(sql::PURGE_CLOCK)
+                        .bind(older_than_secs)
+                        .fetch_one(&mut *self)
+                        .await?;
+                    Ok($crate::admin::PurgeClock {
+                        now,
+                        cutoff,
+                        newest,
+                        newest_ahead_secs,
+                    })
+                })
+            }
+
+            fn purge_preview<'c>(
+                &'c mut self,
+                statuses: &'c [$crate::status::Status],
+                older_than_secs: f64,
+                rejections: bool,
+            ) -> $crate::BoxFuture<'c, Result<Vec<$crate::store::StatsRow>, sqlx::Error>> {
+                use $sql as sql;
+                Box::pin(async move {
+                    let status = |i: usize| statuses.get(i).map(|s| s.as_str());
+                    let rows: Vec<(Option<String>, String, i64, Option<String>)> =
+                        sqlx::query_as(sql::PURGE_PREVIEW)
+                            .bind(status(0))
+                            .bind(status(1))
+                            .bind(status(2))
+                            .bind(status(3))
+                            .bind(status(4))
+                            .bind(older_than_secs)
+                            .bind(rejections)
+                            .fetch_all(&mut *self)
+                            .await?;
+                    rows.into_iter()
+                        .map(|(consumer, status, count, oldest)| {
+                            Ok($crate::store::StatsRow {
+                                consumer,
+                                status: $crate::store::shared::stats_status(&status)?,
+                                count,
+                                oldest,
+                            })
+                        })
+                        .collect()
+                })
+            }
+
         }
 
         impl $crate::store::OrderingStore for $conn {

@@ -102,18 +102,98 @@ mod sql {
            processed_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') \
        WHERE consumer = $1 AND message_key = $2 AND status IN ('failed', 'dead')";
 
-    /// One bounded batch of rejections received before the window, oldest first.
-    pub(super) const PURGE_REJECTIONS: &str = "DELETE FROM inbox_rejections WHERE id IN ( \
-         SELECT id FROM inbox_rejections \
-         WHERE received_at < strftime('%Y-%m-%dT%H:%M:%fZ', 'now', printf('-%.3f seconds', $1)) \
-         ORDER BY id LIMIT $2)";
+    /// This process's clock, in the form SQLite rows are stamped with (it sorts as text).
+    macro_rules! now {
+        () => {
+            "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')"
+        };
+    }
 
-    pub(super) const PURGE: &str = "DELETE FROM inbox_messages WHERE (consumer, message_key) IN ( \
+    /// The newest time any process wrote into the inbox tables: the latest settled time (or
+    /// first delivery) of each status, one seek each on `inbox_messages_status_age`, and the
+    /// received time of the latest rejection. NULL when both tables are empty.
+    macro_rules! newest {
+        () => {
+            "(SELECT max(t) FROM ( \
+               SELECT max(COALESCE(processed_at, received_at)) AS t FROM inbox_messages \
+                 WHERE status = 'processed' \
+               UNION ALL SELECT max(COALESCE(processed_at, received_at)) FROM inbox_messages \
+                 WHERE status = 'discarded' \
+               UNION ALL SELECT max(COALESCE(processed_at, received_at)) FROM inbox_messages \
+                 WHERE status = 'stale' \
+               UNION ALL SELECT max(COALESCE(processed_at, received_at)) FROM inbox_messages \
+                 WHERE status = 'failed' \
+               UNION ALL SELECT max(COALESCE(processed_at, received_at)) FROM inbox_messages \
+                 WHERE status = 'dead' \
+               UNION ALL SELECT max(COALESCE(processed_at, received_at)) FROM inbox_messages \
+                 WHERE status = 'parked' \
+               UNION ALL SELECT received_at FROM \
+                 (SELECT received_at FROM inbox_rejections ORDER BY id DESC LIMIT 1)))"
+        };
+    }
+
+    /// The purge's cutoff for a window of `$secs` seconds. On SQLite every process stamps rows
+    /// with its own clock, so the window is measured back from the *earlier* of this process's
+    /// clock and the newest time written into the inbox: a purging process whose clock is ahead
+    /// cannot reach rows that a process with a correct clock wrote within the window.
+    macro_rules! cutoff {
+        ($secs:literal) => {
+            concat!(
+                "strftime('%Y-%m-%dT%H:%M:%fZ', min(",
+                now!(),
+                ", COALESCE(",
+                newest!(),
+                ", ",
+                now!(),
+                ")), printf('-%.3f seconds', ",
+                $secs,
+                "))"
+            )
+        };
+    }
+
+    /// One bounded batch of rejections received before the cutoff, oldest first.
+    pub(super) const PURGE_REJECTIONS: &str = concat!(
+        "DELETE FROM inbox_rejections WHERE id IN ( \
+         SELECT id FROM inbox_rejections WHERE received_at < ",
+        cutoff!("$1"),
+        " ORDER BY id LIMIT $2)"
+    );
+
+    /// One bounded batch of rows settled before the cutoff.
+    pub(super) const PURGE: &str = concat!(
+        "DELETE FROM inbox_messages WHERE (consumer, message_key) IN ( \
          SELECT consumer, message_key FROM inbox_messages \
-         WHERE status IN ($1, $2, $3) \
-           AND COALESCE(processed_at, received_at) \
-               < strftime('%Y-%m-%dT%H:%M:%fZ', 'now', printf('-%.3f seconds', $4)) \
-         LIMIT $5)";
+         WHERE status IN ($1, $2, $3) AND COALESCE(processed_at, received_at) < ",
+        cutoff!("$4"),
+        " LIMIT $5)"
+    );
+
+    /// This process's clock, the cutoff for a window of `$1` seconds, the newest time written
+    /// into the inbox, and how many seconds that lies ahead of this process's clock.
+    pub(super) const PURGE_CLOCK: &str = concat!(
+        "SELECT ",
+        now!(),
+        ", ",
+        cutoff!("$1"),
+        ", n.newest, (julianday(n.newest) - julianday('now')) * 86400.0 FROM (SELECT ",
+        newest!(),
+        " AS newest) AS n"
+    );
+
+    /// What `PURGE` (with up to five statuses) and, when `$7`, `PURGE_REJECTIONS` would delete.
+    pub(super) const PURGE_PREVIEW: &str = concat!(
+        "SELECT consumer, status, COUNT(*), MIN(COALESCE(processed_at, received_at)) \
+         FROM inbox_messages WHERE status IN ($1, $2, $3, $4, $5) \
+         AND COALESCE(processed_at, received_at) < ",
+        cutoff!("$6"),
+        " GROUP BY consumer, status \
+         UNION ALL \
+         SELECT consumer, 'rejected:' || reason, COUNT(*), MIN(received_at) \
+         FROM inbox_rejections WHERE $7 AND received_at < ",
+        cutoff!("$6"),
+        " GROUP BY consumer, reason ORDER BY 1 NULLS FIRST, 2"
+    );
 }
 
 /// The inbox component's migrations.
