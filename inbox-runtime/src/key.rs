@@ -348,7 +348,9 @@ mod tests {
             message: "m",
             field: "f",
         });
-        for value in [" ", "   ", "\t", "\n", " \r\n ", "\u{a0}", "\u{2003}", "\u{3000}"] {
+        for value in [
+            " ", "   ", "\t", "\n", " \r\n ", "\u{a0}", "\u{2003}", "\u{3000}",
+        ] {
             assert_eq!(key_from_field(&value, "m", "f"), blank, "{value:?}");
             assert_eq!(IdempotencyKey::new(value, "m", "f"), blank, "{value:?}");
         }
@@ -409,7 +411,10 @@ mod tests {
             key_from_template(
                 "m",
                 "pay:{region}",
-                &[KeySegment::Lit("pay:"), KeySegment::Field("region", &padded)]
+                &[
+                    KeySegment::Lit("pay:"),
+                    KeySegment::Field("region", &padded)
+                ]
             )
             .unwrap()
             .as_str(),
