@@ -344,10 +344,11 @@ mod tests {
 
     #[test]
     fn whitespace_only_keys_are_blank() {
-        let blank = Err(KeyError::Blank {
+        let error = KeyError::Blank {
             message: "m",
             field: "f",
-        });
+        };
+        let blank = Err(error.clone());
         for value in [
             " ", "   ", "\t", "\n", " \r\n ", "\u{a0}", "\u{2003}", "\u{3000}",
         ] {
@@ -355,7 +356,7 @@ mod tests {
             assert_eq!(IdempotencyKey::new(value, "m", "f"), blank, "{value:?}");
         }
         assert_eq!(
-            blank.unwrap_err().to_string(),
+            error.to_string(),
             "message `m`: idempotency key field `f` is blank (whitespace only)"
         );
         // Whitespace around other characters is part of the key, kept as it is.
