@@ -288,6 +288,9 @@ pub(crate) async fn consume<DB: InboxDatabase>(
         report.abandoned,
         report.stop
     );
+    // The worker's refused deliveries, counted once the run is over (the worker reports no
+    // single rejection to its caller).
+    crate::observe::rejected_many(report.invalid);
     let counts = Counts {
         lines: report.deliveries,
         processed: report.processed,
@@ -297,6 +300,8 @@ pub(crate) async fn consume<DB: InboxDatabase>(
         // The Worker's report counts discarded keys as dead.
         dead: report.dead,
         discarded: 0,
+        // Failed deliveries were requeued and retried by the worker, not given up.
+        failed: 0,
     };
     Ok((counts, report.stop == StopReason::Shutdown))
 }

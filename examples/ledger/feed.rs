@@ -1,7 +1,8 @@
 //! Feeding a JSON-lines stream through the dispatcher, one line after the other.
 
 use inbox_runtime::{
-    DispatchError, Dispatcher, Envelope, Error, InboxDatabase, Outcome, SourceMetadata,
+    ClaimStore as _, DispatchError, Dispatcher, Envelope, Error, InboxDatabase, Outcome, Rejection,
+    RejectionReason, SourceMetadata,
 };
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -26,6 +27,10 @@ pub(crate) struct Counts {
     pub(crate) dead: u64,
     /// Redeliveries of a key an operator discarded (`ledger admin dead discard`): not applied.
     pub(crate) discarded: u64,
+    /// Not applied because a handler or the database failed (a retryable error: recorded
+    /// `failed` in the inbox with its payload), or its rejection could not be kept: reported on
+    /// stderr, and the stream goes on with the next line.
+    pub(crate) failed: u64,
 }
 
 /// One line of the stream: `{"message": NAME, "payload": {…}}`. The payload is kept as raw
@@ -37,30 +42,16 @@ struct Line<'a> {
     payload: &'a RawValue,
 }
 
-/// Why feeding stopped before the end of the stream.
+/// Why feeding stopped before the end of the stream: the input could not be read.
 #[derive(Debug)]
-pub(crate) enum FeedError {
-    /// The input could not be read.
-    Read { line: u64, error: std::io::Error },
-    /// A handler or the database failed, or the runtime gave an outcome this demo does not
-    /// know: the message was not applied, so going on would make the balances meaningless.
-    Failed {
-        line: u64,
-        consumer: &'static str,
-        error: String,
-    },
+pub(crate) struct ReadError {
+    line: u64,
+    error: std::io::Error,
 }
 
-impl std::fmt::Display for FeedError {
+impl std::fmt::Display for ReadError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            FeedError::Read { line, error } => write!(f, "cannot read line {line}: {error}"),
-            FeedError::Failed {
-                line,
-                consumer,
-                error,
-            } => write!(f, "line {line}: consumer `{consumer}` failed: {error}"),
-        }
+        write!(f, "cannot read line {}: {}", self.line, self.error)
     }
 }
 
@@ -73,17 +64,51 @@ fn trim_newline(mut line: &[u8]) -> &[u8] {
 
 fn reject(counts: &mut Counts, line: u64, reason: &dyn std::fmt::Display) {
     counts.rejected += 1;
+    crate::observe::rejected();
     crate::observe::note(format_args!("line {line}: rejected: {reason}"));
 }
 
-/// Dispatches every line of `input` in order, counting the outcomes. Rejections and conflicts
-/// are reported on stderr with their line numbers. Blank lines are skipped. `source` names the
-/// input in the inbox rows (with the line number as offset).
+/// A line that was not applied because something failed: counted, reported, and the stream
+/// goes on (the line's event is `failed` in the inbox, for a later run or a replay).
+fn fail(counts: &mut Counts, line: u64, consumer: &str, error: &dyn std::fmt::Display) {
+    counts.failed += 1;
+    crate::observe::note(format_args!(
+        "line {line}: failed: consumer `{consumer}`: {error}"
+    ));
+}
+
+/// Keeps a line that is not a message envelope in `inbox_rejections` as `malformed`, bytes as
+/// read, with the parse error as its reason.
+async fn keep_non_envelope<DB: InboxDatabase>(
+    dispatcher: &Dispatcher<DB>,
+    line: &[u8],
+    detail: &str,
+    metadata: &SourceMetadata,
+) -> Result<(), sqlx::Error> {
+    let mut conn = dispatcher.pool().acquire().await?;
+    let rejection = Rejection {
+        consumer: None,
+        message_key: None,
+        message_name: "",
+        reason: RejectionReason::Malformed,
+        detail,
+        payload_hash: None,
+        payload: line,
+        payload_size: None,
+        source: Some(metadata),
+    };
+    conn.record_rejection(&rejection).await
+}
+
+/// Dispatches every line of `input` in order, counting the outcomes. Rejections, conflicts and
+/// failures are reported on stderr with their line numbers; a failed line does not stop the
+/// stream. Blank lines are skipped. `source` names the input in the inbox rows (with the line
+/// number as offset).
 pub(crate) async fn feed<DB: InboxDatabase>(
     dispatcher: &Dispatcher<DB>,
     mut input: impl AsyncBufRead + Unpin,
     source: &str,
-) -> Result<Counts, FeedError> {
+) -> Result<Counts, ReadError> {
     let mut counts = Counts::default();
     let mut buf = Vec::with_capacity(256);
     let mut number = 0_u64;
@@ -95,7 +120,7 @@ pub(crate) async fn feed<DB: InboxDatabase>(
             Ok(0) => break,
             Ok(_) => {}
             Err(error) => {
-                return Err(FeedError::Read {
+                return Err(ReadError {
                     line: number,
                     error,
                 });
@@ -109,11 +134,22 @@ pub(crate) async fn feed<DB: InboxDatabase>(
 
         let metadata =
             SourceMetadata::new(source).offset(i64::try_from(number).unwrap_or(i64::MAX));
-        // A line that is not an envelope goes on with no message name: the dispatcher refuses
-        // it (`NoMessageName`) and it is kept, bytes as read, like any other rejected line.
-        let (envelope, not_an_envelope) = match serde_json::from_slice::<Line<'_>>(line) {
-            Ok(Line { message, payload }) => (Envelope::new(message, payload.get()), None),
-            Err(error) => (Envelope::new("", line), Some(error)),
+        let envelope = match serde_json::from_slice::<Line<'_>>(line) {
+            Ok(Line { message, payload }) => Envelope::new(message, payload.get()),
+            Err(parse) => {
+                // Not an envelope: kept, bytes as read, with the parse error as its reason.
+                let detail = format!("not a message envelope: {parse}");
+                match keep_non_envelope(dispatcher, line, &detail, &metadata).await {
+                    Ok(()) => reject(&mut counts, number, &detail),
+                    Err(db) => fail(
+                        &mut counts,
+                        number,
+                        "-",
+                        &format_args!("cannot keep the rejected line: {db}"),
+                    ),
+                }
+                continue;
+            }
         };
         let envelope = envelope.with_source(metadata);
         let outcomes = match dispatcher.dispatch(&envelope).await {
@@ -121,17 +157,11 @@ pub(crate) async fn feed<DB: InboxDatabase>(
             Err(error) => {
                 // Kept in `inbox_rejections` with its payload (see `ledger admin stats`).
                 if let Err(db) = dispatcher.record_rejection(&envelope, &error).await {
-                    return Err(FeedError::Failed {
-                        line: number,
-                        consumer: "-",
-                        error: format!("cannot record the rejected delivery: {db}"),
-                    });
-                }
-                if let Some(parse) = not_an_envelope {
-                    reject(
+                    fail(
                         &mut counts,
                         number,
-                        &format_args!("not a message envelope: {parse}"),
+                        "-",
+                        &format_args!("cannot keep the rejected line ({error}): {db}"),
                     );
                     continue;
                 }
@@ -187,22 +217,17 @@ pub(crate) async fn feed<DB: InboxDatabase>(
                     ));
                 }
                 Err(Error::Key(error)) => reject(&mut counts, number, &error),
-                Err(error) => {
-                    return Err(FeedError::Failed {
-                        line: number,
-                        consumer: outcome.consumer,
-                        error: error.to_string(),
-                    });
-                }
+                // A handler that failed (recorded `failed`), the database: this line is not
+                // applied; the next ones may well be.
+                Err(error) => fail(&mut counts, number, outcome.consumer, &error),
                 // A newer outcome this demo does not know.
                 #[allow(unreachable_patterns)]
-                Ok(other) => {
-                    return Err(FeedError::Failed {
-                        line: number,
-                        consumer: outcome.consumer,
-                        error: format!("unexpected outcome `{}`", other.kind()),
-                    });
-                }
+                Ok(other) => fail(
+                    &mut counts,
+                    number,
+                    outcome.consumer,
+                    &format_args!("unexpected outcome `{}`", other.kind()),
+                ),
             }
         }
     }

@@ -37,7 +37,7 @@
 //! * an event id seen before with a *different* payload is a **conflict**: not applied;
 //! * a line that is not a message (bad JSON, unknown message name, payload that does not decode,
 //!   missing or empty event id) is **rejected**, reported on stderr with its line number (and
-//!   kept in `inbox_rejections` with its bytes);
+//!   kept in `inbox_rejections` with its bytes and the reason, the parse error included);
 //! * an event for an account id that is not `acct-<digits>` is **dead**: the handler refuses it
 //!   with a permanent error, and the inbox keeps it as `dead` with its payload for an operator
 //!   (`ledger admin dead list`). The summary line then ends with `dead=N` (and, for
@@ -59,9 +59,13 @@
 //! differ by design: everything is a duplicate).
 //!
 //! The last line of stdout is
-//! `summary: processed=N duplicates=N conflicts=N rejected=N balances=ok|MISMATCH|unchecked`.
+//! `summary: processed=N duplicates=N conflicts=N rejected=N balances=ok|MISMATCH|unchecked`,
+//! followed by ` dead=N` and ` failed=N` when there are some. A line whose handler or database
+//! fails (a retryable error: its event is recorded `failed` in the inbox) is reported on stderr
+//! and the stream goes on; the run then ends with exit status 2, after the summary.
 //! Exit status: 0 when the check passed or there was none, 1 on a mismatch (the differences
-//! are listed on stderr), 2 on bad usage, unreadable input, or a database or handler failure.
+//! are listed on stderr), 2 on bad usage, unreadable input, a database that cannot be used, or
+//! any failed line.
 //!
 //! ## Brokers
 //!
@@ -99,8 +103,9 @@
 //! ## Observability
 //!
 //! Logs go to stderr, filtered by `RUST_LOG` (default: off in file mode, `warn` with
-//! `--source`). `--metrics` records the runtime's metrics and prints a table of them on stderr
-//! at exit; `--metrics-listen ADDR` serves them at `http://ADDR/metrics` while running. On a
+//! `--source`). `--metrics` records the runtime's metrics, and the demo's own
+//! `ledger_rejected_total` (the summary's `rejected`), and prints a table of them on stderr at
+//! exit; `--metrics-listen ADDR` serves them at `http://ADDR/metrics` while running. On a
 //! terminal a progress bar shows how far the input is read; piped or redirected, stderr gets
 //! none.
 
@@ -276,12 +281,22 @@ async fn run(args: Args) -> Result<Verdict, String> {
         metrics.finish();
     }
 
-    Ok(check_and_summarize(
+    let verdict = check_and_summarize(
         expected.as_ref().zip(expected_path.as_deref()),
         &balances,
         &counts,
         fresh,
-    ))
+    );
+    if counts.failed > 0 {
+        // After the summary: every other line was processed; these were not.
+        return Err(format!(
+            "{} line{} failed (handler or database error, reported above); their events are \
+             `failed` in the inbox, for a later run or `ledger admin dead replay`",
+            counts.failed,
+            if counts.failed == 1 { "" } else { "s" }
+        ));
+    }
+    Ok(verdict)
 }
 
 /// Compares the balances (and, on a fresh database, the counts) with the ground truth, reports
@@ -337,11 +352,15 @@ fn check_and_summarize(
             Verdict::Unchecked => "unchecked",
         },
         // Only when there are some: the summary of a stream without them is unchanged.
-        [("dead", counts.dead), ("discarded", counts.discarded)]
-            .into_iter()
-            .filter(|(_, n)| *n > 0)
-            .map(|(name, n)| format!(" {name}={n}"))
-            .collect::<String>()
+        [
+            ("dead", counts.dead),
+            ("discarded", counts.discarded),
+            ("failed", counts.failed),
+        ]
+        .into_iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(name, n)| format!(" {name}={n}"))
+        .collect::<String>()
     );
     verdict
 }
@@ -566,6 +585,7 @@ mod tests {
             rejected: 4,
             dead: 0,
             discarded: 0,
+            failed: 0,
         };
         assert_eq!(first, expected);
         let balances = db.balances().await.unwrap();
@@ -584,6 +604,84 @@ mod tests {
             }
         );
         assert_eq!(db.balances().await.unwrap()["acct-1"], 300);
+        db.close().await;
+    }
+
+    /// A line whose handler fails (here: a CHECK constraint the test adds to the accounts
+    /// table, a retryable database error) is counted as failed and recorded `failed` in the
+    /// inbox, and the lines after it are processed; a line that is not an envelope is kept in
+    /// `inbox_rejections` with its parse error.
+    #[tokio::test]
+    async fn a_failed_line_does_not_stop_the_stream() {
+        const B: &str = "00000000-0000-4000-8000-00000000000b";
+        let stream = [
+            format!(
+                r#"{{"message":"payments.captured","payload":{{"event_id":"{A}","account_id":"acct-1","amount_cents":500}}}}"#
+            ),
+            format!(
+                r#"{{"message":"payments.captured","payload":{{"event_id":"{B}","account_id":"acct-13","amount_cents":100}}}}"#
+            ),
+            r#"{"message":"payments.captured","payload":{"event_id":"00000000-0000-4000-8000-00000000000c","account_id":"acct-2","amount_cents":200}}"#.into(),
+            "not json".to_owned(),
+        ]
+        .join("\n");
+        let tmp = TempDb::new("failed");
+        let (db, _) = Db::connect(Some(&tmp.url())).await.unwrap();
+        let Db::Sqlite(pool) = &db else {
+            unreachable!()
+        };
+        sqlx::query(
+            "CREATE TABLE accounts (id TEXT PRIMARY KEY, balance_cents BIGINT NOT NULL \
+             CHECK (id <> 'acct-13'))",
+        )
+        .execute(pool)
+        .await
+        .unwrap();
+        db.setup().await.unwrap();
+
+        let counts = process(&db, input(&stream), "test").await.unwrap();
+        assert_eq!(
+            counts,
+            Counts {
+                lines: 4,
+                processed: 2,
+                duplicates: 0,
+                conflicts: 0,
+                rejected: 1,
+                dead: 0,
+                discarded: 0,
+                failed: 1,
+            }
+        );
+        let balances = db.balances().await.unwrap();
+        assert_eq!(
+            balances.into_iter().collect::<Vec<_>>(),
+            [("acct-1".to_owned(), 500), ("acct-2".to_owned(), 200)]
+        );
+        let row: (String, i64) = sqlx::query_as(
+            "SELECT status, attempts FROM inbox_messages WHERE consumer = 'ledger' AND message_key = ?",
+        )
+        .bind(B)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        assert_eq!(row, ("failed".to_owned(), 1));
+        let rejection: (String, String, String, Vec<u8>, i64) = sqlx::query_as(
+            "SELECT message_name, reason, detail, payload, source_offset FROM inbox_rejections",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            rejection,
+            (
+                String::new(),
+                "malformed".to_owned(),
+                "not a message envelope: expected ident at line 1 column 2".to_owned(),
+                b"not json".to_vec(),
+                4
+            )
+        );
         db.close().await;
     }
 

@@ -13,7 +13,7 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct ObserveArgs {
     /// Record the inbox metrics and print a table of them on stderr at exit (outcomes by
-    /// consumer, claim and handler latencies)
+    /// consumer, rejected deliveries, claim and handler latencies)
     #[arg(long)]
     pub(crate) metrics: bool,
     /// Serve the inbox metrics in Prometheus' text format at http://ADDR/metrics while running
@@ -65,6 +65,13 @@ impl Metrics {
                 .install_recorder()
                 .map_err(|e| format!("cannot install the metrics recorder: {e}"))?,
         };
+        metrics::describe_counter!(
+            REJECTED,
+            "Deliveries refused before any consumer ran (malformed, unknown message, bad key), \
+             each kept in inbox_rejections"
+        );
+        // Registered at 0, so that the endpoint shows it before the first rejection.
+        rejected_many(0);
         Ok(Some(Metrics {
             handle,
             print: args.metrics,
@@ -77,6 +84,22 @@ impl Metrics {
             eprint!("{}", table(&self.handle.render()));
         }
     }
+}
+
+/// The demo's own counter of rejected deliveries (malformed lines, unknown message names, bad
+/// keys: the summary's `rejected`, each kept in `inbox_rejections`). The runtime counts what
+/// reaches a consumer (`inbox_messages_total`, conflicts included), not deliveries refused
+/// before any consumer runs.
+pub(crate) const REJECTED: &str = "ledger_rejected_total";
+
+/// Counts one rejected delivery in [`REJECTED`] (a no-op without a recorder).
+pub(crate) fn rejected() {
+    metrics::counter!(REJECTED).increment(1);
+}
+
+/// Counts `n` rejected deliveries in [`REJECTED`].
+pub(crate) fn rejected_many(n: u64) {
+    metrics::counter!(REJECTED).increment(n);
 }
 
 /// One sample of the Prometheus text format: name, labels, value.
@@ -100,7 +123,8 @@ fn parse_sample(line: &str) -> Option<(&str, BTreeMap<&str, &str>, f64)> {
     Some((name, labels, value))
 }
 
-/// The compact table `--metrics` prints: outcomes by consumer, then latency quantiles.
+/// The compact table `--metrics` prints: outcomes by consumer, rejected deliveries, then latency
+/// quantiles.
 fn table(rendered: &str) -> String {
     const OUTCOMES: [&str; 6] = [
         "processed",
@@ -114,6 +138,7 @@ fn table(rendered: &str) -> String {
     // (metric, consumer) → quantile → seconds
     let mut latencies: BTreeMap<(String, String), BTreeMap<String, f64>> = BTreeMap::new();
     let mut purged = None;
+    let mut rejected = 0.0;
     for (name, labels, value) in rendered.lines().filter_map(parse_sample) {
         let consumer = labels.get("consumer").copied().unwrap_or("-").to_owned();
         match name {
@@ -136,6 +161,7 @@ fn table(rendered: &str) -> String {
                 }
             }
             "inbox_purged_total" => purged = Some(value),
+            REJECTED => rejected += value,
             _ => {}
         }
     }
@@ -164,6 +190,10 @@ fn table(rendered: &str) -> String {
     if outcomes.is_empty() {
         out.push_str("  (no messages)\n");
     }
+    out.push_str(&format!(
+        "metrics: {REJECTED} {rejected} (deliveries refused before any consumer: malformed, \
+         unknown message, bad key)\n"
+    ));
     if !latencies.is_empty() {
         out.push_str("metrics: latencies in ms (p50 / p99 / max)\n");
         for ((name, consumer), quantiles) in &latencies {
@@ -238,8 +268,21 @@ mod tests {
         let rendered = "# TYPE inbox_messages_total counter\n\
             inbox_messages_total{consumer=\"ledger\",outcome=\"processed\"} 3\n\
             inbox_messages_total{consumer=\"ledger\",outcome=\"duplicate\"} 2\n\
-            inbox_handler_duration_seconds{consumer=\"ledger\",quantile=\"0.5\"} 0.002\n";
+            inbox_handler_duration_seconds{consumer=\"ledger\",quantile=\"0.5\"} 0.002\n\
+            # TYPE ledger_rejected_total counter\n\
+            ledger_rejected_total 18\n";
         let text = table(rendered);
+        assert!(
+            text.contains(
+                "metrics: ledger_rejected_total 18 (deliveries refused before any consumer: \
+                 malformed, unknown message, bad key)\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            table("").contains("metrics: ledger_rejected_total 0 ("),
+            "the counter is shown when nothing was rejected"
+        );
         assert!(
             text.contains("  ledger             3         2         0"),
             "{text}"

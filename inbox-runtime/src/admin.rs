@@ -279,35 +279,19 @@ pub enum PurgeError {
     },
 }
 
-/// The clocks a purge goes by, as [`AdminStore::purge_clock`](crate::AdminStore::purge_clock)
-/// reads them. Times are the database's text form (UTC; [`utc_time`] shows them).
-#[derive(Debug, Clone, PartialEq)]
-pub struct PurgeClock {
-    /// The purging connection's clock: the server's on PostgreSQL, this process's on SQLite.
-    pub now: String,
-    /// Rows settled before this go: `now` minus the window on PostgreSQL; on SQLite the
-    /// earlier of `now` and `newest`, minus the window.
-    pub cutoff: String,
-    /// SQLite: the newest time written into the inbox tables by any process (`None` when they
-    /// are empty). `None` on PostgreSQL, where one clock stamps every row.
-    pub newest: Option<String>,
-    /// How many seconds `newest` lies ahead of `now` (negative: behind).
-    pub newest_ahead_secs: Option<f64>,
-}
+pub use crate::store::PurgeClock;
 
-impl PurgeClock {
-    /// [`PurgeError::ClockSkew`] if `newest` lies more than [`CLOCK_TOLERANCE`] ahead of `now`.
-    fn check(self) -> Result<Self, PurgeError> {
-        match (&self.newest, self.newest_ahead_secs) {
-            (Some(newest), Some(ahead)) if ahead > CLOCK_TOLERANCE.as_secs_f64() => {
-                Err(PurgeError::ClockSkew {
-                    now: self.now.clone(),
-                    newest: newest.clone(),
-                    ahead: Duration::from_secs(ahead.round() as u64),
-                })
-            }
-            _ => Ok(self),
+/// [`PurgeError::ClockSkew`] if `newest` lies more than [`CLOCK_TOLERANCE`] ahead of `now`.
+fn check_clock(clock: PurgeClock) -> Result<PurgeClock, PurgeError> {
+    match (&clock.newest, clock.newest_ahead_secs) {
+        (Some(newest), Some(ahead)) if ahead > CLOCK_TOLERANCE.as_secs_f64() => {
+            Err(PurgeError::ClockSkew {
+                now: clock.now.clone(),
+                newest: newest.clone(),
+                ahead: Duration::from_secs(ahead.round() as u64),
+            })
         }
+        _ => Ok(clock),
     }
 }
 
@@ -356,7 +340,7 @@ pub async fn purge_preview<DB: InboxDatabase>(
     let mut conn = pool.acquire().await?;
     let store = &mut *conn;
     let window = retention.window.as_secs_f64();
-    let clock = store.purge_clock(window).await?.check()?;
+    let clock = check_clock(store.purge_clock(window).await?)?;
     let rows = store
         .purge_preview(retention.statuses(), window, retention.include_rejections)
         .await?;
@@ -407,7 +391,7 @@ pub async fn purge<DB: InboxDatabase>(
     let mut report = PurgeReport::default();
     let mut conn = pool.acquire().await?;
     let store = &mut *conn;
-    store.purge_clock(window).await?.check()?;
+    check_clock(store.purge_clock(window).await?)?;
     // Two statements when failed and dead are included (the statement takes three statuses).
     for chunk in statuses.chunks(3) {
         loop {

@@ -17,11 +17,75 @@ use sha2::{Digest, Sha256};
 /// insignificant whitespace, strings and non-integer numbers in RFC 8785's normal form — with one
 /// deliberate difference: integers are written exactly, in decimal, rather than through an IEEE
 /// double (RFC 8785 targets I-JSON, where integers above 2^53 do not exist; amounts in minor
-/// units and 64-bit ids do, and two of them must never share a fingerprint). So the same event
-/// redelivered with its fields reordered, its whitespace changed or its numbers spelled another
-/// way (`1` for `1.0`, `1e2` for `100`) has the same fingerprint, while any change of a value
-/// changes it. Fields the message type does not declare are not part of the message and do not
-/// count.
+/// units and 64-bit ids do, and two of them must never share a fingerprint).
+///
+/// # Which payloads fingerprint the same
+///
+/// What counts is the value the message type decodes, not the bytes that arrived. Two payloads
+/// that decode to equal values have the same fingerprint, whatever their member order,
+/// whitespace or string escapes; members the type does not declare are dropped by the decode
+/// and do not count; numbers count as the field's type reads them. In each row a message is
+/// delivered with the first spelling, then again under the same key with the second; the
+/// result is what the second delivery gets from the dispatcher (a duplicate when the
+/// fingerprints are equal, a conflict when they differ, or a malformed payload refused before
+/// any fingerprint is computed). The message type of the rows:
+///
+/// ```
+/// # use serde::{Deserialize, Serialize};
+/// #[derive(Clone, Serialize, Deserialize, inbox_runtime::Message)]
+/// #[message(name = "fp.sample")]
+/// struct Sample {
+///     #[message(key)]
+///     id: String,
+///     int: i64,
+///     float: f64,
+///     value: serde_json::Value,
+///     text: String,
+///     opt: Option<String>,
+///     #[serde(default)]
+///     count: u32,
+///     list: Vec<i64>,
+///     uuid: uuid::Uuid,
+/// }
+/// ```
+///
+/// | what differs | first | second | result |
+/// |---|---|---|---|
+/// | member order | `{"id":…,"int":1,…}` | `{…,"int":1,"id":…}` | same: duplicate |
+/// | whitespace between tokens | `{"id":"k","int":1,…}` | `{ "id" : "k" ,\n\t"int" : 1 , … }` | same: duplicate |
+/// | `String`: an escape for a character | `"café"` | `"caf\u00e9"` | same: duplicate |
+/// | `String`: escaped `/`, a surrogate pair | `"a/b 😀"` | `"a\/b \ud83d\ude00"` | same: duplicate |
+/// | `String`: composed vs decomposed (no Unicode normalisation) | `"café"` | `"cafe\u0301"` | different: **conflict** |
+/// | `i64`: another spelling of 1 | `1` | `1.0` | second is **malformed** |
+/// | `i64`: an exponent | `1` | `1e0` | second is **malformed** |
+/// | `i64`: minus zero (JSON parses `-0` as a float) | `0` | `-0` | second is **malformed** |
+/// | `i64`: integers are exact, also above 2^53 | `9007199254740993` | `9007199254740992` | different: **conflict** |
+/// | `f64`: an integer spelling | `1` | `1.0` | same: duplicate |
+/// | `f64`: an exponent | `1` | `1e0` | same: duplicate |
+/// | `f64`: digits beyond a double's precision | `0.1` | `0.10000000000000001` | same: duplicate |
+/// | `f64`: integers above 2^53 round to the same double | `9007199254740993` | `9007199254740992` | same: duplicate |
+/// | `f64`: minus zero | `0` | `-0.0` | same: duplicate |
+/// | `serde_json::Value`: an integer and a float of the same value | `1` | `1.0` | same: duplicate |
+/// | `serde_json::Value`: an exponent | `100` | `1e2` | same: duplicate |
+/// | `serde_json::Value`: a fraction makes a big integer a double | `9007199254740993` | `9007199254740993.0` | different: **conflict** |
+/// | `serde_json::Value`: integers beyond 64 bits become doubles | `18446744073709551616` | `18446744073709551617` | same: duplicate |
+/// | `serde_json::Value`: member order inside | `{"a":1,"b":2}` | `{"b":2,"a":1}` | same: duplicate |
+/// | `serde_json::Value`: a repeated member (the last one counts) | `{"a":2}` | `{"a":1,"a":2}` | same: duplicate |
+/// | `serde_json::Value`: `null` vs missing | `"value":null` | `(no member)` | second is **malformed** |
+/// | `Vec<i64>`: element order | `[1,2]` | `[2,1]` | different: **conflict** |
+/// | `Option<String>`: `null` vs missing | `"opt":null` | `(no member)` | same: duplicate |
+/// | `Option<String>`: a value vs `null` | `"opt":"x"` | `"opt":null` | different: **conflict** |
+/// | `#[serde(default)] u32`: the default vs missing | `"count":0` | `(no member)` | same: duplicate |
+/// | `uuid::Uuid`: upper case, no hyphens | `"0190c0de-0000-7000-8000-00000000abcd"` | `"0190C0DE00007000800000000000ABCD"` | same: duplicate |
+/// | a member the type does not declare | `(none)` | `"note":"hi"` | same: duplicate |
+/// | an undeclared member's value | `"note":1` | `"note":2` | same: duplicate |
+/// | a declared member twice | `"int":1` | `"int":1,"int":1` | second is **malformed** |
+/// | any value changed | `"int":1` | `"int":2` | different: **conflict** |
+///
+/// The table is checked, row by row, by the workspace's `tests/fingerprints.rs` (through this
+/// function and through the dispatcher on PostgreSQL and SQLite). The number rows hold for
+/// serde_json as this crate builds it (`float_roundtrip` on: decimal numbers are parsed to the
+/// nearest double); a build that enables serde_json's `arbitrary_precision` may differ.
 ///
 /// Stored in the inbox as 64 lower-case hex digits; shown the same way.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]

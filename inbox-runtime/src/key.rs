@@ -11,12 +11,15 @@ use std::sync::Arc;
 /// would then collide) and never hashed silently.
 pub const MAX_KEY_BYTES: usize = 512;
 
-/// A validated idempotency key: non-empty, at most [`MAX_KEY_BYTES`] bytes, no NUL byte.
+/// A validated idempotency key: not empty, not only whitespace, at most [`MAX_KEY_BYTES`] bytes,
+/// no NUL byte.
 ///
 /// The key names the *intent* of a message (a producer's event id, a command id, a business key
 /// such as `payment:42`), never a delivery (a broker offset or delivery tag changes on every
 /// redelivery and would defeat deduplication). Keys compare byte-exactly: no case folding, no
-/// Unicode normalisation, no trimming.
+/// Unicode normalisation, no trimming (`" a"` and `"a"` are two keys). A key made only of
+/// whitespace is refused like an empty one: it is what a blank field looks like, never a
+/// producer's id.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct IdempotencyKey(String);
 
@@ -24,8 +27,10 @@ impl IdempotencyKey {
     /// Validates `value` as the key of `message`, read from `field` (used in errors only).
     ///
     /// # Errors
-    /// [`KeyError::Empty`] for `""`, [`KeyError::TooLong`] above [`MAX_KEY_BYTES`] bytes,
-    /// [`KeyError::Invalid`] if it contains a NUL byte (PostgreSQL `text` cannot store one).
+    /// [`KeyError::Empty`] for `""`, [`KeyError::Blank`] for a key of whitespace only (as
+    /// [`char::is_whitespace`] says: spaces, tabs, line breaks, no-break and other Unicode
+    /// spaces), [`KeyError::TooLong`] above [`MAX_KEY_BYTES`] bytes, [`KeyError::Invalid`] if it
+    /// contains a NUL byte (PostgreSQL `text` cannot store one).
     pub fn new(
         value: impl Into<String>,
         message: &'static str,
@@ -34,6 +39,9 @@ impl IdempotencyKey {
         let value = value.into();
         if value.is_empty() {
             return Err(KeyError::Empty { message, field });
+        }
+        if value.chars().all(char::is_whitespace) {
+            return Err(KeyError::Blank { message, field });
         }
         if value.len() > MAX_KEY_BYTES {
             return Err(KeyError::TooLong {
@@ -89,7 +97,14 @@ impl AsRef<str> for IdempotencyKey {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum KeyError {
-    /// The key field (or a field named in the key template) is null (`None`).
+    /// The key field (or a field named in the key template) is null: its [`KeyPart`] says so,
+    /// as `None` of an `Option` field does (a `null` or missing member decodes to `None`).
+    ///
+    /// A key field of a type that is *not* an `Option` cannot be null here: a payload whose
+    /// key member is missing or `null` does not decode as the message at all, and the
+    /// dispatcher refuses it as a malformed payload
+    /// ([`DispatchError::Decode`](crate::DispatchError::Decode), serde's `missing field` or
+    /// `invalid type: null` in its text), before any key is read.
     #[error("message `{message}`: idempotency key field `{field}` is null")]
     Null {
         /// Routing name of the message.
@@ -100,6 +115,15 @@ pub enum KeyError {
     /// The key (or one field of a key template) is the empty string.
     #[error("message `{message}`: idempotency key field `{field}` is empty")]
     Empty {
+        /// Routing name of the message.
+        message: &'static str,
+        /// Field or template the key comes from.
+        field: &'static str,
+    },
+    /// The key (or one field of a key template) is made of whitespace only (spaces, tabs, line
+    /// breaks, Unicode spaces): refused like an empty key.
+    #[error("message `{message}`: idempotency key field `{field}` is blank (whitespace only)")]
+    Blank {
         /// Routing name of the message.
         message: &'static str,
         /// Field or template the key comes from.
@@ -224,8 +248,9 @@ pub fn key_from_field(
     }
 }
 
-/// The key of `message` built from a template: every field must be non-null and non-empty (a
-/// composite key with an empty part would be shared by unrelated messages).
+/// The key of `message` built from a template: every field must be non-null, non-empty and not
+/// only whitespace (a composite key with an empty or blank part would be shared by unrelated
+/// messages).
 ///
 /// Field values are escaped so that the key stays unambiguous: in each value, `%` and the first
 /// character of the literal text that follows the field are written as `%XX` (the UTF-8 bytes in
@@ -249,6 +274,9 @@ pub fn key_from_template(
             KeySegment::Field(field, value) => match value.key_part() {
                 None => return Err(KeyError::Null { message, field }),
                 Some(text) if text.is_empty() => return Err(KeyError::Empty { message, field }),
+                Some(text) if text.chars().all(char::is_whitespace) => {
+                    return Err(KeyError::Blank { message, field });
+                }
                 Some(text) => {
                     for ch in text.chars() {
                         if literal(ch) {
@@ -312,6 +340,87 @@ mod tests {
             Err(KeyError::Invalid { .. })
         ));
         assert_eq!(key_from_field(&42_u64, "m", "f").unwrap().as_str(), "42");
+    }
+
+    #[test]
+    fn whitespace_only_keys_are_blank() {
+        let error = KeyError::Blank {
+            message: "m",
+            field: "f",
+        };
+        let blank = Err(error.clone());
+        for value in [
+            " ", "   ", "\t", "\n", " \r\n ", "\u{a0}", "\u{2003}", "\u{3000}",
+        ] {
+            assert_eq!(key_from_field(&value, "m", "f"), blank, "{value:?}");
+            assert_eq!(IdempotencyKey::new(value, "m", "f"), blank, "{value:?}");
+        }
+        assert_eq!(
+            error.to_string(),
+            "message `m`: idempotency key field `f` is blank (whitespace only)"
+        );
+        // Whitespace around other characters is part of the key, kept as it is.
+        assert_eq!(key_from_field(&" a ", "m", "f").unwrap().as_str(), " a ");
+        // A zero-width space is not whitespace (`char::is_whitespace`): a key, if a strange one.
+        assert_eq!(
+            key_from_field(&"\u{200b}", "m", "f").unwrap().as_str(),
+            "\u{200b}"
+        );
+        // The empty key keeps its own error.
+        assert_eq!(
+            key_from_field(&"", "m", "f"),
+            Err(KeyError::Empty {
+                message: "m",
+                field: "f"
+            })
+        );
+    }
+
+    #[test]
+    fn template_keys_refuse_blank_parts() {
+        let region = String::from(" ");
+        let id = 7_i64;
+        assert_eq!(
+            key_from_template(
+                "m",
+                "pay:{region}:{id}",
+                &[
+                    KeySegment::Lit("pay:"),
+                    KeySegment::Field("region", &region),
+                    KeySegment::Lit(":"),
+                    KeySegment::Field("id", &id),
+                ]
+            ),
+            Err(KeyError::Blank {
+                message: "m",
+                field: "region"
+            })
+        );
+        // A template of one field: the whole key would be blank.
+        let tab = String::from("\t");
+        assert_eq!(
+            key_from_template("m", "{id}", &[KeySegment::Field("id", &tab)]),
+            Err(KeyError::Blank {
+                message: "m",
+                field: "id"
+            })
+        );
+        // Literal text alone never makes a blank key (templates need a field), but a part with
+        // whitespace around text is kept as it is.
+        let padded = String::from(" eu ");
+        assert_eq!(
+            key_from_template(
+                "m",
+                "pay:{region}",
+                &[
+                    KeySegment::Lit("pay:"),
+                    KeySegment::Field("region", &padded)
+                ]
+            )
+            .unwrap()
+            .as_str(),
+            "pay: eu "
+        );
     }
 
     #[test]

@@ -173,6 +173,11 @@ pub use worker::{
     shutdown_signal,
 };
 
+/// The shutdown token [`Worker::run`] takes (`tokio-util`'s, re-exported so that a worker needs
+/// no dependency of its own on `tokio-util`): cancel it to stop the worker gracefully, or get
+/// one that SIGINT and SIGTERM cancel from [`cancel_on_signal`].
+pub use tokio_util::sync::CancellationToken;
+
 // The macros' own documentation is their page (re-exported inline, with nothing prepended).
 #[doc(inline)]
 pub use inbox_macros::idempotent;

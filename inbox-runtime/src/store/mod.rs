@@ -31,8 +31,8 @@ pub use outbox::{
 };
 
 pub use shared::{
-    ClaimRequest, ClaimResult, FailureRecord, ParkedMessage, Rejection, RejectionReason, StatsRow,
-    StatsStatus, StoredMessage,
+    ClaimRequest, ClaimResult, FailureRecord, ParkedMessage, PurgeClock, Rejection,
+    RejectionReason, StatsRow, StatsStatus, StoredMessage,
 };
 
 /// Name of the table where the inbox's own schema migrations are recorded.
@@ -293,14 +293,14 @@ pub trait AdminStore: Send {
         batch: i64,
     ) -> BoxFuture<'_, Result<u64, sqlx::Error>>;
 
-    /// The clocks a purge of `older_than_secs` goes by (see [`crate::admin::PurgeClock`]): the
+    /// The clocks a purge of `older_than_secs` goes by (see [`PurgeClock`]): the
     /// connection's clock, the cutoff [`AdminStore::purge_batch`] would use now, and, where
     /// each process stamps rows with its own clock (SQLite), the newest time written into the
     /// inbox tables and how far it lies ahead of this connection's clock.
     fn purge_clock(
         &mut self,
         older_than_secs: f64,
-    ) -> BoxFuture<'_, Result<crate::admin::PurgeClock, sqlx::Error>>;
+    ) -> BoxFuture<'_, Result<PurgeClock, sqlx::Error>>;
 
     /// What [`AdminStore::purge_batch`] (and, with `rejections`,
     /// [`AdminStore::purge_rejections_batch`]) would delete now, without deleting: per consumer

@@ -97,7 +97,8 @@ pub enum RejectionReason {
     Malformed,
     /// No handler is registered for the message name.
     UnknownMessage,
-    /// The message's idempotency key is missing, null, empty, too long or invalid.
+    /// The message's idempotency key is null (an `Option` key field), empty, blank, too long
+    /// or invalid. (A missing or null key field of another type fails to decode: `Malformed`.)
     InvalidKey,
     /// The payload is over the dispatcher's size limit (kept cut to the limit).
     TooLarge,
@@ -249,6 +250,22 @@ impl StoredMessage {
             sequence: self.sequence?,
         })
     }
+}
+
+/// The clocks a purge goes by, as [`AdminStore::purge_clock`](crate::AdminStore::purge_clock)
+/// reads them. Times are the database's text form (UTC; [`crate::admin::utc_time`] shows them).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PurgeClock {
+    /// The purging connection's clock: the server's on PostgreSQL, this process's on SQLite.
+    pub now: String,
+    /// Rows settled before this go: `now` minus the window on PostgreSQL; on SQLite the
+    /// earlier of `now` and `newest`, minus the window.
+    pub cutoff: String,
+    /// SQLite: the newest time written into the inbox tables by any process (`None` when they
+    /// are empty). `None` on PostgreSQL, where one clock stamps every row.
+    pub newest: Option<String>,
+    /// How many seconds `newest` lies ahead of `now` (negative: behind).
+    pub newest_ahead_secs: Option<f64>,
 }
 
 /// One line of [`crate::admin::stats`]: a count per consumer and status (or rejection reason).
@@ -878,7 +895,7 @@ macro_rules! impl_inbox_connection {
             fn purge_clock(
                 &mut self,
                 older_than_secs: f64,
-            ) -> $crate::BoxFuture<'_, Result<$crate::admin::PurgeClock, sqlx::Error>> {
+            ) -> $crate::BoxFuture<'_, Result<$crate::store::PurgeClock, sqlx::Error>> {
                 use $sql as sql;
                 Box::pin(async move {
                     let (now, cutoff, newest, newest_ahead_secs): (
@@ -890,7 +907,7 @@ macro_rules! impl_inbox_connection {
                         .bind(older_than_secs)
                         .fetch_one(&mut *self)
                         .await?;
-                    Ok($crate::admin::PurgeClock {
+                    Ok($crate::store::PurgeClock {
                         now,
                         cutoff,
                         newest,

@@ -1,0 +1,188 @@
+//! The ledger demo's plain file mode, run as a user runs it: the summary lines the README shows
+//! for the bundled sample, a failed line that does not stop the stream (`failed=N`, exit
+//! status 2), a rejected line kept with its parse error, and the `--metrics` counter of
+//! rejected deliveries. On SQLite files in a temporary directory; everything the test writes,
+//! the private copy of the demo's executable included, is removed afterwards, also on failure.
+//! One test function, so that the copy is removed only once every run is over.
+
+#![allow(missing_docs)]
+
+#[path = "ledger_support.rs"]
+mod support;
+
+use std::path::Path;
+use std::process::ExitStatus;
+use std::time::Duration;
+
+use sqlx::Connection as _;
+use support::{ledger_bin, root, spawn_ledger, tail, wait_ledger};
+
+/// Removes the private copy of the demo's executable (see `ledger_bin`) when dropped.
+struct RemoveCopy;
+
+impl Drop for RemoveCopy {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(ledger_bin());
+    }
+}
+
+#[tokio::test]
+async fn file_mode() {
+    let _copy = RemoveCopy;
+    the_sample_twice_prints_the_readme_summaries();
+    a_failed_line_is_counted_and_the_stream_goes_on().await;
+}
+
+/// Runs `ledger ARGS` on the SQLite file `db`; its exit status, stdout and stderr.
+fn run(args: &[&str], db: &Path, dir: &Path, name: &str) -> (ExitStatus, String, String) {
+    let log = dir.join(format!("{name}.log"));
+    let url = format!("sqlite:{}", db.display());
+    let child = spawn_ledger(args, &url, &log);
+    let (status, stdout) = wait_ledger(child, &log, Duration::from_secs(300));
+    let stderr = std::fs::read_to_string(&log).unwrap();
+    (status, stdout, stderr)
+}
+
+fn last_line(stdout: &str) -> &str {
+    stdout.lines().last().unwrap_or_default()
+}
+
+/// The sample twice, as the README shows it: the same two summary lines, word for word; and
+/// `--metrics` counts the 18 rejected lines.
+fn the_sample_twice_prints_the_readme_summaries() {
+    const FIRST: &str =
+        "summary: processed=26000 duplicates=3600 conflicts=16 rejected=18 balances=ok";
+    const SECOND: &str =
+        "summary: processed=0 duplicates=29600 conflicts=16 rejected=18 balances=ok";
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    for line in [FIRST, SECOND] {
+        assert!(
+            readme.lines().any(|l| l == line),
+            "README.md shows `{line}`"
+        );
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("ledger.db");
+    let (status, stdout, stderr) = run(&["--metrics"], &db, dir.path(), "first");
+    assert!(status.success(), "{status}\n{stdout}\n{stderr}");
+    assert_eq!(last_line(&stdout), FIRST, "{stdout}");
+    assert!(
+        stderr.contains(
+            "metrics: ledger_rejected_total 18 (deliveries refused before any consumer: \
+             malformed, unknown message, bad key)\n"
+        ),
+        "{stderr}"
+    );
+    let (status, stdout, stderr) = run(&[], &db, dir.path(), "second");
+    assert!(status.success(), "{status}\n{stdout}\n{stderr}");
+    assert_eq!(last_line(&stdout), SECOND, "{stdout}");
+}
+
+/// A line whose handler fails does not stop the stream: the later lines are processed, the
+/// summary ends with `failed=1`, and the demo exits with status 2 after it. A line that is not
+/// an envelope is kept in `inbox_rejections` with its parse error.
+async fn a_failed_line_is_counted_and_the_stream_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("ledger.db");
+    // The demo creates its accounts table only if it is missing: this one refuses `acct-13`
+    // (a CHECK constraint: a database error, retryable, so the event is recorded `failed`).
+    let mut conn = sqlx::SqliteConnection::connect(&format!("sqlite:{}?mode=rwc", db.display()))
+        .await
+        .unwrap();
+    sqlx::query(
+        "CREATE TABLE accounts (id TEXT PRIMARY KEY, balance_cents BIGINT NOT NULL \
+         CHECK (id <> 'acct-13'))",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    conn.close().await.unwrap();
+
+    let events = dir.path().join("events.jsonl");
+    std::fs::write(
+        &events,
+        "{\"message\":\"payments.captured\",\"payload\":{\"event_id\":\"00000000-0000-4000-8000-00000000000a\",\"account_id\":\"acct-1\",\"amount_cents\":500}}\n\
+         {\"message\":\"payments.captured\",\"payload\":{\"event_id\":\"00000000-0000-4000-8000-00000000000b\",\"account_id\":\"acct-13\",\"amount_cents\":100}}\n\
+         {\"message\":\"payments.captured\",\"payload\":{\"event_id\":\"00000000-0000-4000-8000-00000000000c\",\"account_id\":\"acct-2\",\"amount_cents\":200}}\n\
+         not json\n",
+    )
+    .unwrap();
+    let events = events.display().to_string();
+    let (status, stdout, stderr) = run(&["--metrics", &events], &db, dir.path(), "failed");
+    let log = dir.path().join("failed.log");
+    assert_eq!(status.code(), Some(2), "{}", tail(&log));
+    assert_eq!(
+        last_line(&stdout),
+        "summary: processed=2 duplicates=0 conflicts=0 rejected=1 balances=unchecked failed=1",
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains(
+            "line 2: failed: consumer `ledger`: handler failed (retryable error, attempt 1, retry in "
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(
+            "line 4: rejected: not a message envelope: expected ident at line 1 column 2\n"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("metrics: ledger_rejected_total 1 ("),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(
+            "ledger: 1 line failed (handler or database error, reported above); their events \
+             are `failed` in the inbox, for a later run or `ledger admin dead replay`\n"
+        ),
+        "{stderr}"
+    );
+
+    let mut conn = sqlx::SqliteConnection::connect(&format!("sqlite:{}", db.display()))
+        .await
+        .unwrap();
+    let balances: Vec<(String, i64)> =
+        sqlx::query_as("SELECT id, balance_cents FROM accounts ORDER BY id")
+            .fetch_all(&mut conn)
+            .await
+            .unwrap();
+    assert_eq!(
+        balances,
+        [("acct-1".to_owned(), 500), ("acct-2".to_owned(), 200)]
+    );
+    let statuses: Vec<(String, String)> = sqlx::query_as(
+        "SELECT message_key, status FROM inbox_messages WHERE consumer = 'ledger' ORDER BY message_key",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        statuses,
+        [
+            (
+                "00000000-0000-4000-8000-00000000000a".to_owned(),
+                "processed".to_owned()
+            ),
+            (
+                "00000000-0000-4000-8000-00000000000b".to_owned(),
+                "failed".to_owned()
+            ),
+            (
+                "00000000-0000-4000-8000-00000000000c".to_owned(),
+                "processed".to_owned()
+            ),
+        ]
+    );
+    let detail: String = sqlx::query_scalar("SELECT detail FROM inbox_rejections")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(
+        detail,
+        "not a message envelope: expected ident at line 1 column 2"
+    );
+    conn.close().await.unwrap();
+}

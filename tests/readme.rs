@@ -1,0 +1,453 @@
+//! What the README tells a new user, checked: its code compiles and runs as shown (the blocks
+//! between the `README block` markers below are in README.md word for word), the handler error
+//! bound it states, what becomes of a missing, null, empty or blank key, and how the `Worker`
+//! settles refused deliveries and conflicts.
+
+#![allow(missing_docs, dead_code)]
+
+use serde::{Deserialize, Serialize};
+
+// ---- README block: intro ----
+use inbox_runtime::{Message, idempotent};
+
+#[rustfmt::skip]
+#[derive(Clone, serde::Serialize, serde::Deserialize, Message)]
+#[message(name = "payments.captured")]           // routing name (default: the type name)
+struct PaymentCaptured {
+    #[message(key)] event_id: uuid::Uuid,         // the idempotency key
+    account_id: String,
+    amount_cents: i64,
+}
+
+#[rustfmt::skip]
+/// Credits the captured amount to the account.
+#[idempotent(consumer = "ledger")]
+async fn credit(conn: &mut sqlx::PgConnection, msg: PaymentCaptured) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
+        .bind(msg.amount_cents).bind(&msg.account_id)
+        .execute(conn).await?;
+    Ok(())
+}
+// ---- end README block ----
+
+// ---- README block: worker ----
+use inbox_runtime::source::memory::MemorySource;
+use inbox_runtime::{CancellationToken, Dispatcher, Envelope, Worker, WorkerReport};
+
+/// Runs a worker over an in-memory source holding one event, delivered twice.
+async fn consume(pool: sqlx::PgPool) -> Result<WorkerReport, Box<dyn std::error::Error>> {
+    inbox_runtime::migrate(&pool).await?;
+
+    let source = MemorySource::new("payments"); // or FileSource, AmqpSource, NatsSource
+    let queue = source.handle(); // cheap to clone; push from any task
+    let event = PaymentCaptured {
+        event_id: uuid::Uuid::now_v7(),
+        account_id: "acct-1".into(),
+        amount_cents: 500,
+    };
+    // An envelope carries the payload as JSON bytes: serialize the message (or a
+    // serde_json::Value) with serde_json::to_vec.
+    let payload: Vec<u8> = serde_json::to_vec(&event)?;
+    queue.push(Envelope::new(PaymentCaptured::NAME, payload.clone()));
+    queue.push(Envelope::new(PaymentCaptured::NAME, payload)); // a redelivery
+    queue.close(); // no more pushes: the run ends once both are settled
+
+    let worker = Worker::new(Dispatcher::from_registry(pool)?).concurrency(4);
+    // A service passes `inbox_runtime::cancel_on_signal()?` (SIGINT/SIGTERM) instead.
+    let report = worker.run(source, CancellationToken::new()).await?;
+    assert_eq!(
+        (report.processed, report.duplicates, report.acked),
+        (1, 1, 2)
+    );
+    Ok(report)
+}
+// ---- end README block ----
+
+/// The blocks of this file marked `README block`, without `#[rustfmt::skip]` lines.
+fn blocks() -> Vec<(String, String)> {
+    let source = include_str!("readme.rs");
+    let mut blocks = Vec::new();
+    let mut current: Option<(String, Vec<&str>)> = None;
+    for line in source.lines() {
+        if let Some(name) = line.strip_prefix("// ---- README block: ") {
+            current = Some((name.trim_end_matches(" ----").to_owned(), Vec::new()));
+        } else if line == "// ---- end README block ----" {
+            let (name, lines) = current.take().expect("a block was open");
+            blocks.push((name, lines.join("\n") + "\n"));
+        } else if let Some((_, lines)) = &mut current
+            && line != "#[rustfmt::skip]"
+        {
+            lines.push(line);
+        }
+    }
+    blocks
+}
+
+#[test]
+fn the_readme_shows_these_blocks_word_for_word() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
+        .expect("read README.md");
+    let blocks = blocks();
+    assert_eq!(blocks.len(), 2);
+    for (name, text) in blocks {
+        let fenced = format!("```rust\n{text}```\n");
+        assert!(
+            readme.contains(&fenced),
+            "README.md lacks the block `{name}`, word for word:\n{fenced}"
+        );
+    }
+}
+
+/// The README's worker, run on PostgreSQL: the event credits the account once.
+#[tokio::test]
+async fn the_readme_worker_runs() {
+    let pool = inbox_tests::pg_pool(5).await;
+    sqlx::raw_sql(
+        "CREATE TABLE accounts (id TEXT PRIMARY KEY, balance BIGINT NOT NULL);\
+         INSERT INTO accounts VALUES ('acct-1', 0)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let report = consume(pool.clone()).await.unwrap();
+    assert_eq!(report.deliveries, 2);
+    let balance: i64 = sqlx::query_scalar("SELECT balance FROM accounts WHERE id = 'acct-1'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(balance, 500);
+}
+
+/// A message keyed by a string field.
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[message(name = "nu.field")]
+pub struct FieldKey {
+    #[message(key)]
+    pub id: String,
+    pub amount: i64,
+}
+
+/// A message keyed by a template of two fields.
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[message(name = "nu.template", key = "pay:{region}:{seq}")]
+pub struct TemplateKey {
+    pub region: String,
+    pub seq: u64,
+}
+
+/// A message keyed by a UUID field (not an `Option`).
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[message(name = "orders.placed")]
+pub struct UuidKey {
+    #[message(key)]
+    pub event_id: uuid::Uuid,
+}
+
+/// A message keyed by an optional field.
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[message(name = "orders.tagged")]
+pub struct OptionKey {
+    #[message(key)]
+    pub id: Option<String>,
+}
+
+/// A message whose handlers fail with plain strings when asked to.
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[message(name = "nu.plain")]
+pub struct Plain {
+    #[message(key)]
+    pub id: String,
+    pub fail: bool,
+}
+
+fn raw(name: &str, json: &str) -> Envelope {
+    Envelope::new(name, json.as_bytes().to_vec())
+}
+
+/// Through the derive, without a database: whitespace-only keys are refused like empty ones.
+#[test]
+fn blank_keys_through_the_derive() {
+    use inbox_runtime::KeyError;
+    for blank in [" ", "\t", "\u{a0}", " \n "] {
+        let field = FieldKey {
+            id: blank.into(),
+            amount: 1,
+        };
+        assert_eq!(
+            field.idempotency_key(),
+            Err(KeyError::Blank {
+                message: "nu.field",
+                field: "id"
+            })
+        );
+        let template = TemplateKey {
+            region: blank.into(),
+            seq: 1,
+        };
+        assert_eq!(
+            template.idempotency_key(),
+            Err(KeyError::Blank {
+                message: "nu.template",
+                field: "region"
+            })
+        );
+    }
+    let padded = TemplateKey {
+        region: " eu".into(),
+        seq: 7,
+    };
+    assert_eq!(padded.idempotency_key().unwrap().as_str(), "pay: eu:7");
+    assert_eq!(
+        FieldKey {
+            id: "".into(),
+            amount: 1
+        }
+        .idempotency_key(),
+        Err(KeyError::Empty {
+            message: "nu.field",
+            field: "id"
+        })
+    );
+}
+
+inbox_tests::backend_matrix! {
+    use std::time::Duration;
+
+    use inbox_runtime::source::Settlement;
+    use inbox_runtime::{
+        DispatchError, Disposition, Error, ErrorClass, KeyError, Outcome, handler,
+    };
+    use inbox_tests::{count, inbox_row};
+
+    #[inbox_runtime::idempotent(consumer = "keys")]
+    async fn by_field(_conn: &mut Conn, _msg: FieldKey) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
+
+    #[inbox_runtime::idempotent(consumer = "keys")]
+    async fn by_template(_conn: &mut Conn, _msg: TemplateKey) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
+
+    #[inbox_runtime::idempotent(consumer = "keys")]
+    async fn by_uuid(_conn: &mut Conn, _msg: UuidKey) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
+
+    #[inbox_runtime::idempotent(consumer = "keys")]
+    async fn by_option(_conn: &mut Conn, _msg: OptionKey) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
+
+    /// A handler whose error type is a plain `String`.
+    #[inbox_runtime::idempotent(consumer = "strings")]
+    async fn fails_with_string(_conn: &mut Conn, msg: Plain) -> Result<(), String> {
+        if msg.fail {
+            return Err(format!("account {} is closed", msg.id));
+        }
+        Ok(())
+    }
+
+    /// A handler whose error type is `&'static str`.
+    #[inbox_runtime::idempotent(consumer = "strs")]
+    async fn fails_with_str(_conn: &mut Conn, msg: Plain) -> Result<(), &'static str> {
+        if msg.fail {
+            return Err("account closed");
+        }
+        Ok(())
+    }
+
+    fn dispatcher(pool: Pool) -> Dispatcher<Db> {
+        Dispatcher::from_handlers(
+            pool,
+            [
+                handler!(by_field),
+                handler!(by_template),
+                handler!(by_uuid),
+                handler!(by_option),
+                handler!(fails_with_string),
+                handler!(fails_with_str),
+            ],
+        )
+        .expect("handlers")
+    }
+
+    /// The text of the dispatcher's refusal of `envelope`.
+    async fn refusal(dispatcher: &Dispatcher<Db>, envelope: &Envelope) -> DispatchError {
+        match dispatcher.dispatch(envelope).await {
+            Err(error) => error,
+            Ok(outcomes) => panic!("not refused: {:?}", outcomes[0].result),
+        }
+    }
+
+    /// Missing and null keys: a malformed payload for a key field that is not an `Option`, a
+    /// key error for one that is; empty and blank keys are key errors. Exact texts.
+    #[tokio::test]
+    async fn missing_null_empty_and_blank_keys() {
+        let (pool, _guard) = fixture().await;
+        let dispatcher = dispatcher(pool);
+
+        let missing = refusal(&dispatcher, &raw("orders.placed", "{}")).await;
+        assert!(matches!(missing, DispatchError::Decode { line: 1, column: 2, .. }), "{missing:?}");
+        // (serde_json's own text may repeat the position after this; not asserted.)
+        let text = missing.to_string();
+        assert!(
+            text.starts_with(
+                "malformed payload for message `orders.placed` at line 1, column 2: \
+                 missing field `event_id`"
+            ),
+            "{text}"
+        );
+        let null = refusal(&dispatcher, &raw("orders.placed", r#"{"event_id":null}"#)).await;
+        assert!(matches!(null, DispatchError::Decode { .. }), "{null:?}");
+        let text = null.to_string();
+        assert!(
+            text.starts_with(
+                "malformed payload for message `orders.placed` at line 1, column 16: \
+                 invalid type: null, expected a formatted UUID string"
+            ),
+            "{text}"
+        );
+
+        for json in [r#"{"id":null}"#, "{}"] {
+            let error = refusal(&dispatcher, &raw("orders.tagged", json)).await;
+            assert!(
+                matches!(
+                    error,
+                    DispatchError::Key {
+                        consumer: "keys",
+                        source: KeyError::Null { message: "orders.tagged", field: "id" }
+                    }
+                ),
+                "{json}: {error:?}"
+            );
+            assert_eq!(
+                error.to_string(),
+                "consumer `keys`: message `orders.tagged`: idempotency key field `id` is null"
+            );
+        }
+
+        let empty = refusal(&dispatcher, &raw("nu.field", r#"{"id":"","amount":1}"#)).await;
+        assert_eq!(
+            empty.to_string(),
+            "consumer `keys`: message `nu.field`: idempotency key field `id` is empty"
+        );
+        for json in [r#"{"id":" ","amount":1}"#, r#"{"id":"\t\n\u00a0","amount":1}"#] {
+            let blank = refusal(&dispatcher, &raw("nu.field", json)).await;
+            assert!(
+                matches!(
+                    blank,
+                    DispatchError::Key {
+                        consumer: "keys",
+                        source: KeyError::Blank { message: "nu.field", field: "id" }
+                    }
+                ),
+                "{json}: {blank:?}"
+            );
+            assert_eq!(
+                blank.to_string(),
+                "consumer `keys`: message `nu.field`: idempotency key field `id` is blank \
+                 (whitespace only)"
+            );
+        }
+        let blank = refusal(&dispatcher, &raw("nu.template", r#"{"region":"  ","seq":1}"#)).await;
+        assert_eq!(
+            blank.to_string(),
+            "consumer `keys`: message `nu.template`: idempotency key field `region` is blank \
+             (whitespace only)"
+        );
+        // Whitespace around other characters is part of the key.
+        let padded = dispatcher.dispatch(&raw("nu.field", r#"{"id":" a ","amount":1}"#)).await;
+        assert!(matches!(padded.unwrap()[0].result, Ok(Outcome::Processed(()))));
+    }
+
+    /// The handler's error type needs `Display + Send + 'static` and a conversion into
+    /// `BoxError`: a `String` or a `&'static str` does. Such errors have no class of their own:
+    /// retryable, recorded `failed` with their text.
+    #[tokio::test]
+    async fn string_errors_are_handler_errors() {
+        let (pool, _guard) = fixture().await;
+        let dispatcher = dispatcher(pool.clone());
+        let outcomes = dispatcher
+            .dispatch(&raw("nu.plain", r#"{"id":"p-1","fail":true}"#))
+            .await
+            .unwrap();
+        assert_eq!(outcomes.len(), 2);
+        for outcome in &outcomes {
+            let Err(Error::Handler(failure)) = &outcome.result else {
+                panic!("{}: {:?}", outcome.consumer, outcome.result);
+            };
+            assert_eq!(failure.class, ErrorClass::Retryable);
+            assert!(matches!(failure.disposition, Disposition::Retry { .. }));
+            let text = match outcome.consumer {
+                "strings" => "account p-1 is closed",
+                _ => "account closed",
+            };
+            assert_eq!(failure.error.to_string(), text);
+            assert_eq!(
+                inbox_row(&pool, outcome.consumer, "p-1").await,
+                Some(("failed".to_owned(), 1))
+            );
+        }
+        // The text is what the inbox keeps as the last error.
+        let last_error: String = sqlx::query_scalar(
+            "SELECT last_error FROM inbox_messages WHERE consumer = 'strings' AND message_key = 'p-1'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(last_error, "retryable error: account p-1 is closed");
+        let ok = dispatcher.dispatch(&raw("nu.plain", r#"{"id":"p-2","fail":false}"#)).await;
+        assert!(ok.unwrap().iter().all(|o| matches!(o.result, Ok(Outcome::Processed(())))));
+    }
+
+    /// The Worker keeps every refused delivery in `inbox_rejections` and then **acks** it (it is
+    /// kept: nothing is lost, and a broker would only redeliver it in vain); a conflict is kept
+    /// there too, by the dispatcher, and the delivery **rejected** (nack without requeue).
+    #[tokio::test]
+    async fn the_worker_acks_refused_deliveries_and_rejects_conflicts() {
+        let (pool, _guard) = fixture().await;
+        let worker = Worker::new(dispatcher(pool.clone()))
+            .concurrency(1)
+            .requeue_delay(Duration::from_millis(10));
+        let source = MemorySource::new("test");
+        let queue = source.handle();
+        let deliveries = [
+            raw("nu.field", r#"{"id":"a","amount":1}"#),  // 0 processed: ack
+            raw("nu.field", r#"{"id":"a","amount":2}"#),  // 1 conflict: reject
+            raw("nu.field", r#"{"id":"a","amount":1}"#),  // 2 duplicate: ack
+            raw("orders.placed", "{}"),                          // 3 malformed: ack
+            raw("nu.field", r#"{"id":" ","amount":1}"#),  // 4 blank key: ack
+            raw("orders.tagged", r#"{"id":null}"#),            // 5 null key: ack
+            raw("nu.unknown", "{}"),                       // 6 unknown message: ack
+            raw("", "not json"),                           // 7 no message name: ack
+        ];
+        for envelope in deliveries {
+            queue.push(envelope);
+        }
+        queue.close();
+        let report = worker.run(source, CancellationToken::new()).await.unwrap();
+        let mut settled = queue.settlements();
+        settled.sort_by_key(|(id, _)| *id);
+        let reject = Settlement::Reject;
+        let ack = Settlement::Ack;
+        assert_eq!(
+            settled,
+            [(0, ack), (1, reject), (2, ack), (3, ack), (4, ack), (5, ack), (6, ack), (7, ack)]
+        );
+        assert_eq!(
+            (report.processed, report.duplicates, report.conflicts, report.invalid),
+            (1, 1, 1, 5)
+        );
+        assert_eq!((report.acked, report.rejected), (7, 1));
+        let reasons = [
+            ("SELECT COUNT(*) FROM inbox_rejections WHERE reason = 'conflict'", 1),
+            ("SELECT COUNT(*) FROM inbox_rejections WHERE reason = 'malformed'", 2),
+            ("SELECT COUNT(*) FROM inbox_rejections WHERE reason = 'invalid_key'", 2),
+            ("SELECT COUNT(*) FROM inbox_rejections WHERE reason = 'unknown_message'", 1),
+        ];
+        for (sql, expected) in reasons {
+            assert_eq!(count(&pool, sql).await, expected, "{sql}");
+        }
+    }
+}
