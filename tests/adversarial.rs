@@ -429,6 +429,7 @@ inbox_tests::backend_matrix! {
         age_by_two_hours(&pool, "late").await;
         sqlx::query("DELETE FROM effects WHERE effect_key = 'switch:late'")
             .execute(&pool).await.unwrap();
+        inbox_tests::make_due(&pool).await;
         let processed = dispatcher.dispatch(&envelope(&msg)).await.unwrap();
         assert_eq!(processed[0].result.as_ref().map_err(|e| e.kind()).ok(), Some(&Outcome::Processed(())));
         // A purge with a 1 h window right after: the key was settled 0 s ago.
