@@ -1,7 +1,7 @@
 //! Workspace-level tests of `inbox`, and the support they share.
 //!
-//! * `ui.rs` + `ui/`: compile-fail (trybuild) cases for every macro error; `macros.rs`: the
-//!   generated code.
+//! * `macros.rs`: the generated code (the compile-fail cases of every macro error are in
+//!   `macro-ui/`, a package of its own).
 //! * `inbox.rs`: the claim-then-act core on both backends; `postgres.rs`: PostgreSQL-only
 //!   concurrency and connection loss; `registry.rs`: registry checks at start.
 //! * `batch.rs`, `failures.rs`, `ordering.rs`, `adversarial.rs`: batches, failures, ordering and
