@@ -17,8 +17,10 @@
 //! finds no `DATABASE_URL` fails: it never passes by skipping.
 
 pub mod matrix;
+pub mod process;
 
 pub use matrix::{Backend, TestBackend, count, effect, effects, inbox_row};
+pub use process::{ChildGuard, scratch_dir};
 
 #[doc(hidden)]
 pub use inbox_runtime as __inbox_runtime;
@@ -80,9 +82,9 @@ pub async fn pg_pool(max_connections: u32) -> PgPool {
 }
 
 /// A fresh SQLite database file (WAL, busy timeout 30 s), migrated, with the `effects` table.
-/// The file lives in the system temp directory and is removed when the guard drops.
+/// The file lives in [`scratch_dir`] and is removed when the guard drops.
 pub async fn sqlite_pool(max_connections: u32) -> (SqlitePool, TempFile) {
-    let path = std::env::temp_dir().join(format!("{}.db", unique_name("inbox_test")));
+    let path = scratch_dir().join(format!("{}.db", unique_name("inbox_test")));
     let options = SqliteConnectOptions::new()
         .filename(&path)
         .create_if_missing(true)
