@@ -8,6 +8,13 @@
 #                         # same data and options; for tests of a database that goes away
 #   scripts/pg.sh url     # print the DATABASE_URL
 #
+# A loaded machine can take minutes to shut down (the shutdown checkpoint writes every dirty
+# buffer): `restart` gives a fast shutdown 120 seconds, then shuts down immediately (no
+# checkpoint: the start recovers from the WAL, and loses no committed transaction), and waits up
+# to $INBOX_PG_TIMEOUT seconds (default 600) for the server to stop and to accept connections
+# again. `stop`, which deletes the data anyway, gives a fast shutdown 30 seconds before the
+# immediate one, and kills the server if even that does not end it.
+#
 # PostgreSQL refuses to run as root, so as root the server runs as the `postgres` user.
 # Installs the Debian package if no PostgreSQL binaries are found.
 set -euo pipefail
@@ -15,6 +22,7 @@ set -euo pipefail
 PG_DIR=${INBOX_PG_DIR:-/tmp/inbox-pg}
 PG_PORT=${INBOX_PG_PORT:-54329}
 URL="postgres://postgres@127.0.0.1:${PG_PORT}/inbox"
+PG_TIMEOUT=${INBOX_PG_TIMEOUT:-600}
 PG_OPTS="-c listen_addresses=127.0.0.1 -c port=$PG_PORT -c unix_socket_directories=$PG_DIR -c max_connections=200 -c fsync=on"
 
 pg_bin() {
@@ -29,6 +37,34 @@ as_pg() {
   if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
 }
 
+running() {
+  [ -f "$PG_DIR/data/postmaster.pid" ] && as_pg "$1/pg_ctl" -D "$PG_DIR/data" status >/dev/null 2>&1
+}
+
+# Starts the server on the existing data directory, waiting up to $PG_TIMEOUT s until it accepts
+# connections (after an immediate shutdown, that includes the recovery).
+start_server() {
+  as_pg "$1/pg_ctl" -D "$PG_DIR/data" -l "$PG_DIR/server.log" -w -t "$PG_TIMEOUT" start \
+    -o "$PG_OPTS" >/dev/null \
+    || { tail -n 50 "$PG_DIR/server.log" >&2; exit 1; }
+}
+
+# Stops the running server: a fast shutdown, given $2 seconds; then an immediate one (up to
+# $PG_TIMEOUT s); then, if the postmaster is still there, SIGKILL (its backends exit when they see
+# it gone).
+stop_server() {
+  local bin=$1 timeout=$2 pid
+  as_pg "$bin/pg_ctl" -D "$PG_DIR/data" -m fast -w -t "$timeout" stop >/dev/null 2>&1 && return
+  running "$bin" || return 0
+  echo "pg.sh: fast shutdown not done within ${timeout}s, shutting down immediately" >&2
+  as_pg "$bin/pg_ctl" -D "$PG_DIR/data" -m immediate -w -t "$PG_TIMEOUT" stop >/dev/null 2>&1 && return
+  running "$bin" || return 0
+  pid=$(head -n 1 "$PG_DIR/data/postmaster.pid" 2>/dev/null || true)
+  echo "pg.sh: immediate shutdown failed, killing the postmaster ($pid)" >&2
+  if [ -n "$pid" ]; then kill -9 "$pid" 2>/dev/null || true; fi
+  for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+}
+
 start() {
   local bin
   if ! bin=$(pg_bin); then
@@ -37,7 +73,7 @@ start() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >&2
     bin=$(pg_bin)
   fi
-  if [ -f "$PG_DIR/data/postmaster.pid" ] && as_pg "$bin/pg_ctl" -D "$PG_DIR/data" status >/dev/null 2>&1; then
+  if running "$bin"; then
     echo "$URL"
     return
   fi
@@ -46,9 +82,7 @@ start() {
   if [ "$(id -u)" = 0 ]; then chown postgres: "$PG_DIR"; fi
   as_pg "$bin/initdb" -D "$PG_DIR/data" -U postgres -A trust -E UTF8 --no-locale >"$PG_DIR/initdb.log" 2>&1 \
     || { cat "$PG_DIR/initdb.log" >&2; exit 1; }
-  as_pg "$bin/pg_ctl" -D "$PG_DIR/data" -l "$PG_DIR/server.log" -w -t 60 start \
-    -o "$PG_OPTS" >/dev/null \
-    || { cat "$PG_DIR/server.log" >&2; exit 1; }
+  start_server "$bin"
   as_pg "$bin/psql" -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -qAt \
     -c "CREATE DATABASE inbox" >/dev/null
   echo "$URL"
@@ -57,20 +91,19 @@ start() {
 restart() {
   local bin
   bin=$(pg_bin) || { echo "pg.sh: no PostgreSQL binaries" >&2; exit 1; }
-  if ! [ -f "$PG_DIR/data/postmaster.pid" ]; then
+  if ! running "$bin"; then
     echo "pg.sh: no server running in $PG_DIR (start it first)" >&2
     exit 1
   fi
-  as_pg "$bin/pg_ctl" -D "$PG_DIR/data" -l "$PG_DIR/server.log" -m fast -w -t 60 restart \
-    -o "$PG_OPTS" >/dev/null \
-    || { tail -n 20 "$PG_DIR/server.log" >&2; exit 1; }
+  stop_server "$bin" 120
+  start_server "$bin"
 }
 
 stop() {
   local bin
   bin=$(pg_bin) || return 0
-  if [ -d "$PG_DIR/data" ]; then
-    as_pg "$bin/pg_ctl" -D "$PG_DIR/data" -m fast -w stop >/dev/null 2>&1 || true
+  if running "$bin"; then
+    stop_server "$bin" 30
   fi
   rm -rf "$PG_DIR"
 }

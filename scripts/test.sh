@@ -4,15 +4,181 @@
 # them (and against SQLite), then stops them.
 #
 #   scripts/test.sh [extra cargo test args]
+#
+# By default: `cargo test --workspace --all-targets`, then the doctests. Arguments that pick
+# packages (-p, --exclude) or targets (--test NAME, --lib, …) replace the defaults they stand for
+# (targets picked: no doctest run), e.g. `scripts/test.sh -p inbox-tests --test amqp`; arguments
+# after `--` go to the test binaries.
+#
+# Every test binary and the doctests run even when some fail (`--no-fail-fast`). At the end it
+# names each failing binary with its failing tests (`test.sh: FAILED binaries: …`) and closes with
+# `test.sh: N passed, N failed, N ignored …`; the exit status is 1 if anything failed.
+#
+# Nothing is left behind, also after a failure or Ctrl-C: the servers are stopped and their data
+# directories deleted; the tests' temporary files go to a directory of this run ($TMPDIR for
+# cargo), deleted at the end — files the tests did not remove themselves, and processes of theirs
+# still running (a demo copied to that directory), are named and removed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-trap 'scripts/brokers.sh stop; scripts/pg.sh stop' EXIT
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/inbox-test.XXXXXX")
+LOG=$WORK/cargo.log
+mkdir "$WORK/tmp"
+STARTED=$SECONDS
+INTERRUPTED=
+
+# The processes under $1 (children first, then theirs).
+descendants() {
+  local child
+  for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do
+    echo "$child"
+    descendants "$child"
+  done
+}
+
+# Ends $1 and everything under it: SIGTERM, then SIGKILL to what is left after 5 s.
+stop_tree() {
+  local pids
+  pids="$(descendants "$1") $1"
+  # shellcheck disable=SC2086
+  kill -TERM $pids 2>/dev/null || true
+  for _ in $(seq 50); do
+    # shellcheck disable=SC2086
+    kill -0 $pids 2>/dev/null || break
+    sleep 0.1
+  done
+  # shellcheck disable=SC2086
+  kill -KILL $pids 2>/dev/null || true
+}
+
+# Processes still running a program from this run's directory (the tests copy the ledger demo
+# there): a test that did not stop its child.
+left_behind_processes() {
+  local proc exe
+  for proc in /proc/[0-9]*; do
+    exe=$(readlink "$proc/exe" 2>/dev/null) || continue
+    case "$exe" in "$WORK"/*) echo "${proc#/proc/}" ;; esac
+  done
+}
+
+cleanup() {
+  local status=$? pids files
+  trap - EXIT INT TERM HUP
+  set +e
+  if [ -f "$WORK/cargo.pid" ]; then
+    stop_tree "$(cat "$WORK/cargo.pid")"
+  fi
+  pids=$(left_behind_processes)
+  if [ -n "$pids" ]; then
+    echo "test.sh: killing processes the tests left running:" >&2
+    # shellcheck disable=SC2086
+    ps -o pid=,args= -p $pids >&2
+    # shellcheck disable=SC2086
+    kill -KILL $pids 2>/dev/null
+  fi
+  files=$(find "$WORK/tmp" -mindepth 1 -maxdepth 2 2>/dev/null | head -n 20)
+  if [ -n "$files" ] && [ -z "$INTERRUPTED" ]; then
+    echo "test.sh: removing files the tests left behind in \$TMPDIR:" >&2
+    echo "$files" | sed "s|^$WORK/tmp/|  |" >&2
+  fi
+  scripts/brokers.sh stop
+  scripts/pg.sh stop
+  rm -rf "$WORK"
+  exit "$status"
+}
+trap cleanup EXIT
+interrupted() {
+  INTERRUPTED=1
+  echo "test.sh: interrupted, stopping the tests and the servers" >&2
+  exit "$1"
+}
+trap 'interrupted 130' INT
+trap 'interrupted 143' TERM
+trap 'interrupted 129' HUP
+
 DATABASE_URL=$(scripts/pg.sh start)
 export DATABASE_URL
 echo "test.sh: PostgreSQL at $DATABASE_URL"
 eval "$(scripts/brokers.sh start)"
 echo "test.sh: RabbitMQ at $AMQP_URL, NATS at $NATS_URL"
 
-cargo test --workspace --all-targets "$@"
-cargo test --workspace --doc "$@"
+# Runs `cargo ARGS` with the tests' temp dir, its output shown and appended to $LOG; returns its
+# exit status. In the background, so that a signal reaches the traps above at once.
+run_cargo() {
+  local rc
+  if [ -t 1 ]; then export CARGO_TERM_COLOR=always; fi
+  rm -f "$WORK/rc"
+  {
+    TMPDIR=$WORK/tmp cargo "$@" 2>&1 &
+    echo $! >"$WORK/cargo.pid"
+    wait $! && echo 0 >"$WORK/rc" || echo $? >"$WORK/rc"
+  } | tee -a "$LOG" &
+  wait $!
+  rm -f "$WORK/cargo.pid"
+  rc=$(cat "$WORK/rc" 2>/dev/null || echo 1)
+  return "$rc"
+}
+
+scope=(--workspace)
+targets=(--all-targets)
+doctests=yes
+for arg in "$@"; do
+  case $arg in
+    --) break ;;
+    -p | -p* | --package | --package=* | --workspace | --all | --exclude | --exclude=*) scope=() ;;
+    --lib | --bins | --bin | --bin=* | --tests | --test | --test=* | --examples | --example | \
+      --example=* | --benches | --bench | --bench=* | --all-targets | --doc)
+      targets=()
+      doctests=
+      ;;
+  esac
+done
+status=0
+run_cargo test "${scope[@]}" "${targets[@]}" --no-fail-fast "$@" || status=1
+# The doctests: not part of --all-targets.
+if [ -n "$doctests" ]; then
+  run_cargo test "${scope[@]}" --doc --no-fail-fast "$@" || status=1
+fi
+
+# The summary, from cargo's output: the binary each `Running`/`Doc-tests` line starts, its
+# `test … FAILED` lines, its `test result:` line (a binary without one crashed).
+sed 's/\x1b\[[0-9;]*[A-Za-z]//g' "$LOG" | awk -v status="$status" -v elapsed=$((SECONDS - STARTED)) '
+  function close_binary() {
+    if (binary != "" && !has_result) { failed_bins[++nfailed] = binary ": no test result (crashed?)" }
+    else if (binary != "" && bad) { failed_bins[++nfailed] = binary ": " (names == "" ? "(see above)" : names) }
+    binary = ""; names = ""; bad = 0; has_result = 0
+  }
+  /^ *Running / {
+    close_binary(); bins++
+    src = $2; if (src == "unittests") src = $3
+    exe = $NF; sub(/\)$/, "", exe); sub(/.*\//, "", exe); sub(/-[0-9a-f]+$/, "", exe)
+    binary = src " (" exe ")"; next
+  }
+  /^ *Doc-tests / { close_binary(); docs++; binary = "doctests of " $2; next }
+  /^test .* \.\.\. FAILED$/ {
+    name = $0; sub(/^test /, "", name); sub(/ \.\.\. FAILED$/, "", name)
+    names = names (names == "" ? "" : ", ") name; next
+  }
+  /^test result: / {
+    has_result = 1
+    for (i = 1; i <= NF; i++) {
+      n = $(i - 1) + 0
+      if ($i ~ /^passed/) passed += n
+      else if ($i ~ /^failed/) { failed += n; if (n > 0) bad = 1 }
+      else if ($i ~ /^ignored/) ignored += n
+    }
+    if ($3 == "FAILED.") bad = 1
+    next
+  }
+  END {
+    close_binary()
+    if (nfailed > 0) {
+      printf "test.sh: FAILED binaries:\n"
+      for (i = 1; i <= nfailed; i++) printf "  %s\n", failed_bins[i]
+    } else if (status != 0) {
+      printf "test.sh: cargo failed before or between the test binaries (see its errors above)\n"
+    }
+    printf "test.sh: %d passed, %d failed, %d ignored (%d test binaries, %d doctest runs; %dm %02ds)\n", \
+      passed, failed, ignored, bins, docs, elapsed / 60, elapsed % 60
+  }'
+exit "$status"

@@ -1,17 +1,23 @@
 //! What the broker tests share: the ledger demo binary, fresh PostgreSQL databases, the sample's
 //! ground truth, child processes that are killed at random moments.
+//!
+//! Nothing is left behind: every demo process is a [`ChildGuard`] (killed and reaped when it
+//! drops, also while a failed test unwinds), and the demo's copy, its logs and offsets live in
+//! [`inbox_tests::scratch_dir`], removed when the test process exits.
 
 #![allow(dead_code, unreachable_pub)]
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::str::FromStr as _;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use sqlx::Connection as _;
 use sqlx::postgres::PgConnectOptions;
+
+pub use inbox_tests::{ChildGuard, scratch_dir};
 
 /// The workspace root.
 pub fn root() -> PathBuf {
@@ -27,7 +33,7 @@ pub fn sample() -> PathBuf {
 }
 
 /// The `ledger` example, built once per test binary (a no-op when `cargo test --workspace
-/// --all-targets` built it already) and copied to the temp directory.
+/// --all-targets` built it already) and copied to the [`scratch_dir`].
 pub fn ledger_bin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
@@ -80,7 +86,7 @@ pub fn ledger_bin() -> &'static Path {
             .expect("cargo reported the ledger executable");
         // A private copy: the target directory may be shared with other checkouts, whose builds
         // of the same example would replace it under the running tests.
-        let copy = std::env::temp_dir().join(format!("inbox-ledger-{}", std::process::id()));
+        let copy = scratch_dir().join("ledger");
         std::fs::copy(&built, &copy).expect("copy the ledger executable");
         copy
     })
@@ -210,15 +216,15 @@ pub fn run_ledger(args: &[&str], database_url: &str, log: &Path) -> String {
     stdout
 }
 
-/// Starts `ledger ARGS` with stdout to `<log>.out` and stderr to `log`.
-pub fn spawn_ledger(args: &[&str], database_url: &str, log: &Path) -> Child {
+/// Starts `ledger ARGS` with stdout to `<log>.out` and stderr to `log`; killed when dropped.
+pub fn spawn_ledger(args: &[&str], database_url: &str, log: &Path) -> ChildGuard {
     let stderr = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(log)
         .unwrap();
     let stdout = std::fs::File::create(log.with_extension("out")).unwrap();
-    Command::new(ledger_bin())
+    let child = Command::new(ledger_bin())
         .args(args)
         .env("DATABASE_URL", database_url)
         .env("RUST_LOG", "warn")
@@ -226,11 +232,13 @@ pub fn spawn_ledger(args: &[&str], database_url: &str, log: &Path) -> Child {
         .stdout(stdout)
         .stderr(stderr)
         .spawn()
-        .expect("start the ledger")
+        .expect("start the ledger");
+    ChildGuard::new(child)
 }
 
-/// Waits for `child` (at most `timeout`, then kills it and panics); its exit status and stdout.
-pub fn wait_ledger(mut child: Child, log: &Path, timeout: Duration) -> (ExitStatus, String) {
+/// Waits for `child` (at most `timeout`, then kills it — SIGKILL, whatever signal it was sent
+/// before — and panics); its exit status and stdout.
+pub fn wait_ledger(mut child: ChildGuard, log: &Path, timeout: Duration) -> (ExitStatus, String) {
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(status) = child.try_wait().unwrap() {
@@ -238,7 +246,7 @@ pub fn wait_ledger(mut child: Child, log: &Path, timeout: Duration) -> (ExitStat
             return (status, stdout);
         }
         if Instant::now() > deadline {
-            child.kill().ok();
+            drop(child); // SIGKILL, and reaped
             panic!("ledger did not exit within {timeout:?}\n{}", tail(log));
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -281,7 +289,7 @@ pub fn summary(stdout: &str) -> BTreeMap<String, String> {
 }
 
 /// Sends SIGTERM to `child`.
-pub fn sigterm(child: &Child) {
+pub fn sigterm(child: &std::process::Child) {
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -321,9 +329,9 @@ pub fn kill_and_restart(
     run_ledger(args, database_url, log)
 }
 
-/// A log file in the temp directory for this test.
+/// A log file in the [`scratch_dir`] for this test.
 pub fn log_file(name: &str) -> PathBuf {
-    let path = std::env::temp_dir().join(format!("{}.log", unique(name)));
+    let path = scratch_dir().join(format!("{}.log", unique(name)));
     let _ = std::fs::remove_file(&path);
     path
 }

@@ -354,12 +354,15 @@ async fn parked_messages_survive_a_kill() {
     inbox_runtime::migrate(&pool).await.unwrap();
     sqlx::raw_sql(ORDERS_TABLE).execute(&pool).await.unwrap();
 
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "restart_child", "--ignored", "--nocapture"])
-        .env("INBOX_RESTART_PARENT", &id)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    // Killed when dropped: also if the child never parks (it would wait 600 s).
+    let mut child = inbox_tests::ChildGuard::new(
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "restart_child", "--ignored", "--nocapture"])
+            .env("INBOX_RESTART_PARENT", &id)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
     let parked_line = stdout
         .lines()

@@ -1,7 +1,7 @@
 //! Workspace-level tests of `inbox`, and the support they share.
 //!
-//! * `ui.rs` + `ui/`: compile-fail (trybuild) cases for every macro error; `macros.rs`: the
-//!   generated code.
+//! * `macros.rs`: the generated code (the compile-fail cases of every macro error are in
+//!   `macro-ui/`, a package of its own).
 //! * `inbox.rs`: the claim-then-act core on both backends; `postgres.rs`: PostgreSQL-only
 //!   concurrency and connection loss; `registry.rs`: registry checks at start.
 //! * `batch.rs`, `failures.rs`, `ordering.rs`, `adversarial.rs`: batches, failures, ordering and
@@ -17,8 +17,10 @@
 //! finds no `DATABASE_URL` fails: it never passes by skipping.
 
 pub mod matrix;
+pub mod process;
 
 pub use matrix::{Backend, TestBackend, count, effect, effects, inbox_row, make_due};
+pub use process::{ChildGuard, scratch_dir};
 
 #[doc(hidden)]
 pub use inbox_runtime as __inbox_runtime;
@@ -80,9 +82,9 @@ pub async fn pg_pool(max_connections: u32) -> PgPool {
 }
 
 /// A fresh SQLite database file (WAL, busy timeout 30 s), migrated, with the `effects` table.
-/// The file lives in the system temp directory and is removed when the guard drops.
+/// The file lives in [`scratch_dir`] and is removed when the guard drops.
 pub async fn sqlite_pool(max_connections: u32) -> (SqlitePool, TempFile) {
-    let path = std::env::temp_dir().join(format!("{}.db", unique_name("inbox_test")));
+    let path = scratch_dir().join(format!("{}.db", unique_name("inbox_test")));
     let options = SqliteConnectOptions::new()
         .filename(&path)
         .create_if_missing(true)
