@@ -40,6 +40,24 @@ pub fn job(id: &str) -> Envelope {
     inbox_tests::envelope(&Job { id: id.into() })
 }
 
+/// A task that takes `slow_ms` and fails when asked to.
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[message(name = "hard.task")]
+pub struct Task {
+    #[message(key)]
+    pub id: String,
+    pub slow_ms: u64,
+    pub fail: bool,
+}
+
+pub fn task(id: &str, slow_ms: u64, fail: bool) -> Envelope {
+    inbox_tests::envelope(&Task {
+        id: id.into(),
+        slow_ms,
+        fail,
+    })
+}
+
 inbox_tests::backend_matrix! {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
     use std::time::Duration;
@@ -79,6 +97,51 @@ inbox_tests::backend_matrix! {
             .await
             .map_err(|e| e.to_string())?;
         Ok(())
+    }
+
+    static TASK_CALLS: AtomicUsize = AtomicUsize::new(0);
+
+    #[inbox_runtime::idempotent(consumer = "tasks")]
+    async fn run_task(conn: &mut Conn, msg: Task) -> Result<(), String> {
+        TASK_CALLS.fetch_add(1, SeqCst);
+        let _ = &conn;
+        tokio::time::sleep(Duration::from_millis(msg.slow_ms)).await;
+        if msg.fail {
+            return Err(format!("task {} is not ready", msg.id));
+        }
+        Ok(())
+    }
+
+    /// A failure recorded inside a batch is due its delay after the failure, not after the
+    /// batch transaction began (found by review: PostgreSQL's `now()` is the transaction's
+    /// start, and this batch runs longer than the delay).
+    #[tokio::test]
+    async fn a_failure_in_a_slow_batch_waits_its_whole_delay() {
+        let (pool, _guard) = fixture().await;
+        let dispatcher = Dispatcher::from_handlers(pool.clone(), [handler!(run_task)])
+            .unwrap()
+            .with_retry_policy(
+                RetryPolicy::default()
+                    .retry_delays(Duration::from_millis(1000), Duration::from_millis(1000)),
+            );
+        // "a" is slow and succeeds; "b", after it in the batch, fails at once.
+        let out = dispatcher
+            .dispatch_batch(&[task("a", 1300, false), task("b", 0, true)])
+            .await;
+        let Err(Error::Handler(failure)) = &out[1].as_ref().unwrap()[0].result else {
+            panic!("{out:?}")
+        };
+        assert!(matches!(failure.disposition, Disposition::Retry { .. }), "{failure:?}");
+        let calls = TASK_CALLS.load(SeqCst);
+        let again = dispatcher.dispatch(&task("b", 0, true)).await.unwrap();
+        assert!(
+            matches!(again[0].result, Ok(Outcome::NotYet { retry_in }) if retry_in > Duration::from_millis(500)),
+            "ran early: {:?}",
+            again[0].result
+        );
+        assert_eq!(TASK_CALLS.load(SeqCst), calls);
+        let row = admin::show(&pool, "tasks", "b").await.unwrap().unwrap();
+        assert_eq!((row.status, row.attempts), (Status::Failed, 1));
     }
 
     /// `(reason, kept bytes, real size)` of the rejections of a message name.

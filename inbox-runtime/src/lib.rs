@@ -94,6 +94,10 @@
 //!
 //! ## Calling a handler on a connection already inside a transaction
 //!
+//! (A transaction opened through sqlx: `conn.begin()`, `pool.begin()`. One opened by sending
+//! `BEGIN` as a statement is invisible to sqlx: the handler would then send its own `BEGIN`, and
+//! its `COMMIT` would commit yours. Use sqlx's transactions.)
+//!
 //! The claim and the body then run in a **savepoint** of the caller's transaction (sqlx's nested
 //! `begin`), and [`Outcome::Processed`] means "processed inside your transaction": nothing is
 //! durable, and the delivery must not be acked, until *your* transaction commits. If it rolls

@@ -146,8 +146,14 @@ impl<'a> ClaimSession<'a> {
     }
 
     /// Opens the claim on `conn`: `BEGIN` (a savepoint if `conn` is already inside a
-    /// transaction), then the claim statement. A `failed` key with the same fingerprint is
-    /// claimed again (its retry).
+    /// transaction opened through sqlx, `conn.begin()` / `pool.begin()`), then the claim
+    /// statement. A `failed` key with the same fingerprint is claimed again (its retry) once its
+    /// next attempt is due.
+    ///
+    /// Do not open a session on a connection where you sent `BEGIN` yourself as a statement:
+    /// sqlx does not see such a transaction, so the session would send its own `BEGIN`
+    /// (PostgreSQL only warns) and its `COMMIT` would commit yours; SQLite refuses it
+    /// ([`StoreOperation::Begin`]). The same holds for `#[idempotent]` functions called directly.
     ///
     /// # Errors
     /// [`StoreError`] if the database fails ([`StoreOperation::Begin`],

@@ -40,9 +40,11 @@ mod sql {
 
     /// Turns a row claimed in this (batch) transaction into a failed attempt, after the
     /// handler's savepoint was rolled back. `attempts` already counts this attempt.
+    /// The next attempt is timed from the failure (`clock_timestamp()`), not from the start of
+    /// the batch transaction (`now()`), which may have run for longer than the delay.
     pub(super) const FAIL_CLAIMED: &str = "UPDATE inbox_messages SET \
          status = CASE WHEN $3 OR attempts >= $4 THEN 'dead' ELSE 'failed' END, \
-         last_error = $5, next_attempt_at = now() + $6 * interval '1 millisecond', \
+         last_error = $5, next_attempt_at = clock_timestamp() + $6 * interval '1 millisecond', \
          payload = $7, processed_at = NULL \
        WHERE consumer = $1 AND message_key = $2 \
        RETURNING status, attempts";
