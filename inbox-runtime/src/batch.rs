@@ -164,11 +164,7 @@ where
                 outcomes.push(match settled {
                     Settle::Done(result) => {
                         crate::protocol::single::observe(item.handler.consumer(), &result);
-                        ConsumerOutcome {
-                            consumer: item.handler.consumer(),
-                            function: item.handler.function(),
-                            result,
-                        }
+                        ConsumerOutcome::of(item.handler, result)
                     }
                     Settle::Single => self.run_item(&mut slot, &p, item).await,
                 });

@@ -40,6 +40,20 @@ pub struct ConsumerOutcome {
     pub result: Result<Outcome<()>, Error<BoxError>>,
 }
 
+impl ConsumerOutcome {
+    /// The result of `handler`.
+    pub(crate) fn of(
+        handler: &dyn DynHandler,
+        result: Result<Outcome<()>, Error<BoxError>>,
+    ) -> Self {
+        Self {
+            consumer: handler.consumer(),
+            function: handler.function(),
+            result,
+        }
+    }
+}
+
 /// Routes envelopes to every consumer registered for their message name.
 ///
 /// Built from the `inventory` registry of `#[idempotent]` handlers whose connection type belongs
@@ -452,11 +466,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         if let (Ok(Outcome::Processed(())), Some(ordering)) = (&result, &item.ordering) {
             self.apply_parked_successors(slot, handler, ordering).await;
         }
-        ConsumerOutcome {
-            consumer: handler.consumer(),
-            function: handler.function(),
-            result,
-        }
+        ConsumerOutcome::of(handler, result)
     }
 
     /// Runs one handler on the slot's connection; a connection lost on the way (the attempt's
@@ -602,11 +612,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             } else {
                 Outcome::Discarded
             };
-            return Ok(ConsumerOutcome {
-                consumer: handler.consumer(),
-                function: handler.function(),
-                result: Ok(outcome),
-            });
+            return Ok(ConsumerOutcome::of(handler, Ok(outcome)));
         }
         let mut conn = self.pool.acquire().await?;
         let result = run_stored(
@@ -623,11 +629,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             self.apply_parked_successors(&mut ConnectionSlot::new(), handler, ordering)
                 .await;
         }
-        Ok(ConsumerOutcome {
-            consumer: handler.consumer(),
-            function: handler.function(),
-            result,
-        })
+        Ok(ConsumerOutcome::of(handler, result))
     }
 
     /// Applies the parked successors of `ordering` that its processing made applicable.
