@@ -307,4 +307,28 @@ inbox_tests::backend_matrix! {
         assert_eq!(replayed.result.unwrap(), Outcome::Processed(()));
         assert_eq!(CALLS.load(SeqCst), 4);
     }
+
+    /// A stored payload that is no longer UTF-8 (damaged in the database) is refused by the
+    /// replay with a clear error; the handler does not run and the row is kept as it was.
+    #[tokio::test]
+    async fn a_replay_of_a_damaged_stored_payload_is_a_decode_error() {
+        let (pool, _guard) = fixture().await;
+        let dispatcher = Dispatcher::from_handlers(pool.clone(), [handler!(run_job)]).unwrap();
+        FAIL.store(true, SeqCst);
+        assert!(dispatcher.dispatch(&job("j3")).await.unwrap()[0].result.is_err());
+        let calls = CALLS.load(SeqCst);
+        sqlx::query("UPDATE inbox_messages SET payload = $1 WHERE message_key = 'j3'")
+            .bind(vec![b'{', 0xff, b'}'])
+            .execute(&pool)
+            .await
+            .unwrap();
+        let error = dispatcher.replay("jobs", "j3").await.unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "stored payload of `hard.job` does not decode: invalid UTF-8 at byte 1"
+        );
+        assert_eq!(CALLS.load(SeqCst), calls);
+        let row = admin::show(&pool, "jobs", "j3").await.unwrap().unwrap();
+        assert_eq!((row.status, row.attempts), (Status::Failed, 1));
+    }
 }

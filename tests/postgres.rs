@@ -394,3 +394,61 @@ async fn a_held_connection_is_reused_and_replaced_when_killed() {
     slot.release();
     assert!(!slot.is_held());
 }
+
+/// A claim session whose transaction the caller's own writes left aborted: `complete` does not
+/// report it completed (PostgreSQL's COMMIT would roll back silently); the attempt is recorded
+/// as failed, and nothing of it is committed.
+#[tokio::test]
+async fn a_session_completed_on_an_aborted_transaction_is_a_verify_error() {
+    use inbox_runtime::{ClaimSession, ClaimState, Fingerprint, IdempotencyKey, StoreOperation};
+    let pool = inbox_tests::pg_pool(2).await;
+    let mut conn = pool.acquire().await.unwrap();
+    let key = IdempotencyKey::new("k-aborted", "POST /x", "Idempotency-Key").unwrap();
+    let fingerprint = Fingerprint::of("POST /x", &serde_json::json!({"a": 1})).unwrap();
+    let session = ClaimSession::new("tenant", &key, "POST /x", fingerprint);
+    let ClaimState::Claimed(mut claim) = session.open(&mut *conn).await.unwrap() else {
+        panic!("a free key is claimed");
+    };
+    sqlx::query(inbox_tests::APPLY_EFFECT)
+        .bind("aborted")
+        .bind(1_i64)
+        .execute(claim.connection())
+        .await
+        .unwrap();
+    // An error the caller swallows: the transaction is now aborted.
+    assert!(
+        sqlx::query("SELECT 1 / 0")
+            .execute(claim.connection())
+            .await
+            .is_err()
+    );
+    let error = claim.complete(Some(b"never")).await.unwrap_err();
+    assert_eq!(error.operation, StoreOperation::Complete);
+    assert_eq!(inbox_tests::effect(&pool, "aborted").await, None);
+    // Nothing stored with the key: it is free again (storing the result failed first).
+    assert_eq!(
+        inbox_runtime::admin::show(&pool, "tenant", "k-aborted")
+            .await
+            .unwrap(),
+        None
+    );
+
+    // Without a result to store, the check before COMMIT catches it and records the attempt.
+    let ClaimState::Claimed(mut claim) = session.open(&mut *conn).await.unwrap() else {
+        panic!("the key is still free");
+    };
+    assert!(
+        sqlx::query("SELECT 1 / 0")
+            .execute(claim.connection())
+            .await
+            .is_err()
+    );
+    let error = claim.complete(None).await.unwrap_err();
+    assert_eq!(error.operation, StoreOperation::Verify);
+    let row = inbox_runtime::admin::show(&pool, "tenant", "k-aborted")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((row.status.as_str(), row.attempts), ("failed", 1));
+    assert!(row.last_error.unwrap().contains("transaction was aborted"));
+}
