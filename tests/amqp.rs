@@ -223,10 +223,13 @@ async fn amqp_ledger_survives_five_sigkills() {
         "16",
         "--idle-exit",
         "1.5",
+        // A requeued original can come back after its conflicting variant: which one applies is
+        // a race, checked below against what the inbox applied, not against expected.json.
+        "--no-check",
     ];
     let stdout = kill_and_restart(&args, &db, &log, 5, 0xA11CE);
     let summary = summary(&stdout);
-    assert_eq!(summary["balances"], "ok", "{}", tail(&log));
+    assert_eq!(summary["balances"], "unchecked", "{}", tail(&log));
 
     assert_ledger_exact(&db_state(&db).await);
     assert_eq!(
