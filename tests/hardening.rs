@@ -99,6 +99,25 @@ inbox_tests::backend_matrix! {
         Ok(())
     }
 
+    static CHORE_FAILS: AtomicBool = AtomicBool::new(true);
+    static CHORE_CALLS: AtomicUsize = AtomicUsize::new(0);
+
+    /// [`run_job`]'s twin with its own switches, for the Worker test (tests run in parallel).
+    #[inbox_runtime::idempotent(consumer = "chores")]
+    async fn run_chore(conn: &mut Conn, msg: Job) -> Result<(), String> {
+        CHORE_CALLS.fetch_add(1, SeqCst);
+        if CHORE_FAILS.load(SeqCst) {
+            return Err(format!("chore {} is not ready", msg.id));
+        }
+        sqlx::query(APPLY_EFFECT)
+            .bind(format!("chore:{}", msg.id))
+            .bind(1_i64)
+            .execute(conn)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
     static TASK_CALLS: AtomicUsize = AtomicUsize::new(0);
 
     #[inbox_runtime::idempotent(consumer = "tasks")]
@@ -306,6 +325,51 @@ inbox_tests::backend_matrix! {
         let replayed = dispatcher.replay("jobs", "j2").await.unwrap();
         assert_eq!(replayed.result.unwrap(), Outcome::Processed(()));
         assert_eq!(CALLS.load(SeqCst), 4);
+    }
+
+    /// Through the Worker: a failed key redelivered early is counted `not_yet` and requeued
+    /// with the time left (then runs once due), and a discarded key is counted `discarded`,
+    /// not `dead`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_worker_reports_not_yet_and_discarded_keys_as_such() {
+        use inbox_runtime::source::memory::MemorySource;
+        use inbox_runtime::{CancellationToken, Worker};
+
+        let (pool, _guard) = fixture().await;
+        let dispatcher = Dispatcher::from_handlers(pool.clone(), [handler!(run_chore)])
+            .unwrap()
+            .with_retry_policy(
+                RetryPolicy::default()
+                    .retry_delays(Duration::from_secs(2), Duration::from_secs(2)),
+            );
+        CHORE_FAILS.store(true, SeqCst);
+        for id in ["w-early", "w-discarded"] {
+            assert!(dispatcher.dispatch(&job(id)).await.unwrap()[0].result.is_err());
+        }
+        assert!(admin::discard(&pool, "chores", "w-discarded").await.unwrap());
+        CHORE_FAILS.store(false, SeqCst);
+        let calls = CHORE_CALLS.load(SeqCst);
+
+        let source = MemorySource::new("mem");
+        let handle = source.handle();
+        handle.push(job("w-early"));
+        handle.push(job("w-discarded"));
+        handle.close();
+        let report = Worker::new(dispatcher)
+            .concurrency(1)
+            .run(source, CancellationToken::new())
+            .await
+            .unwrap();
+        assert_eq!(
+            (report.not_yet, report.processed, report.discarded, report.dead),
+            (1, 1, 1, 0),
+            "{report:?}"
+        );
+        assert_eq!((report.deliveries, report.acked, report.requeued), (3, 2, 1), "{report:?}");
+        assert_eq!(CHORE_CALLS.load(SeqCst), calls + 1, "the early key ran once, when due");
+        assert_eq!(inbox_tests::effect(&pool, "chore:w-early").await, Some((1, 1)));
+        let row = admin::show(&pool, "chores", "w-discarded").await.unwrap().unwrap();
+        assert_eq!(row.status, Status::Discarded);
     }
 
     /// A stored payload that is no longer UTF-8 (damaged in the database) is refused by the

@@ -297,9 +297,8 @@ pub(crate) async fn consume<DB: InboxDatabase>(
         duplicates: report.duplicates,
         conflicts: report.conflicts,
         rejected: report.invalid,
-        // The Worker's report counts discarded keys as dead.
         dead: report.dead,
-        discarded: 0,
+        discarded: report.discarded,
         // Failed deliveries were requeued and retried by the worker, not given up.
         failed: 0,
     };

@@ -133,9 +133,11 @@ pub struct WorkerReport {
     /// Deliveries the dispatcher refused ([`DispatchError`]: unknown message, malformed payload,
     /// bad key), plus consumer key or fingerprint errors.
     pub invalid: u64,
-    /// Consumer outcomes [`Outcome::Dead`] and [`Outcome::Discarded`], and handler failures
+    /// Consumer outcomes [`Outcome::Dead`] (dead-lettered earlier), and handler failures
     /// recorded as dead now: acked, the payload kept in the inbox.
     pub dead: u64,
+    /// Consumer outcomes [`Outcome::Discarded`]: keys an operator discarded, acked, not run.
+    pub discarded: u64,
     /// Consumer handler failures to retry, database errors (and unknown outcomes): requeued.
     pub failed: u64,
     /// Deliveries acked.
@@ -165,6 +167,7 @@ impl Default for WorkerReport {
             conflicts: 0,
             invalid: 0,
             dead: 0,
+            discarded: 0,
             failed: 0,
             acked: 0,
             rejected: 0,
@@ -676,8 +679,10 @@ fn add(total: &mut WorkerReport, one: &WorkerReport) {
     total.conflicts += one.conflicts;
     total.stale += one.stale;
     total.parked += one.parked;
+    total.not_yet += one.not_yet;
     total.invalid += one.invalid;
     total.dead += one.dead;
+    total.discarded += one.discarded;
     total.failed += one.failed;
     total.acked += one.acked;
     total.rejected += one.rejected;
@@ -792,7 +797,8 @@ async fn settle<DB: InboxDatabase>(
                 match &outcome.result {
                     Ok(Outcome::Processed(())) => report.processed += 1,
                     Ok(Outcome::Duplicate) => report.duplicates += 1,
-                    Ok(Outcome::Dead | Outcome::Discarded) => report.dead += 1,
+                    Ok(Outcome::Dead) => report.dead += 1,
+                    Ok(Outcome::Discarded) => report.discarded += 1,
                     Ok(Outcome::Stale) => report.stale += 1,
                     Ok(Outcome::Parked) => report.parked += 1,
                     Ok(Outcome::NotYet { .. }) => report.not_yet += 1,
