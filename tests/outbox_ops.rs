@@ -1,9 +1,10 @@
 //! Operating the transactional outbox, on both backends: the relay's metrics through a real
 //! `metrics` recorder, a row that crashes (or hangs) every relay that publishes it and ends dead
 //! without taking its batchmates along, the operators' functions (`outbox::admin`) and `outbox`
-//! commands of the CLI, and the shared retention purge. On PostgreSQL: change data capture as
-//! Debezium reads it, with the README's publication and connector settings, from a `pgoutput`
-//! logical replication slot.
+//! commands of the CLI (`outbox discard` asking on a terminal, through the ledger demo's `ledger
+//! admin`), and the shared retention purge. On PostgreSQL: change data capture as Debezium reads
+//! it, with the README's publication and connector settings, from a `pgoutput` logical
+//! replication slot.
 
 #![allow(missing_docs)]
 
@@ -1328,5 +1329,137 @@ mod debezium {
 
     fn hex(bytes: &[u8]) -> String {
         bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+/// `outbox discard` asks first on a terminal, as `purge` does: through the ledger demo's
+/// `ledger admin` on a pseudo-terminal (util-linux's `script`) and without one.
+#[path = "ledger_support.rs"]
+mod support;
+
+mod terminal {
+    use std::io::Write as _;
+    use std::process::{Command, Stdio};
+
+    use super::*;
+
+    const QUESTION: &str = "discard outbox message m-1 (orders.paid to orders, dead after 1 \
+        attempt)? it will never be sent, and the rows after it of aggregate a go out next.\r\n\
+        discard it? [y/N] ";
+
+    /// Runs `ledger admin --database-url URL ARGS` with `input` on standard input, on a terminal
+    /// or through a pipe: the exit code and everything printed.
+    fn admin(url: &str, args: &str, input: &str, tty: bool) -> (i32, String) {
+        let bin = super::support::ledger_bin().display().to_string();
+        let command = format!("{bin} admin --database-url {url} {args}");
+        let mut child = if tty {
+            Command::new("script")
+                .args(["-qec", &command, "/dev/null"])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("run util-linux's script")
+        } else {
+            Command::new("sh")
+                .args(["-c", &format!("{command} 2>&1")])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap()
+        };
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        let output = child.wait_with_output().unwrap();
+        (
+            output.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+        )
+    }
+
+    /// Removes the private copy of the demo binary.
+    struct RemoveCopy;
+
+    impl Drop for RemoveCopy {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(super::support::ledger_bin());
+        }
+    }
+
+    #[tokio::test]
+    async fn a_discard_asks_on_a_terminal() {
+        let _remove = RemoveCopy;
+        let (pool, file) = inbox_tests::sqlite_pool(1).await;
+        inbox_runtime::migrate_components(&pool, &[Component::Outbox])
+            .await
+            .unwrap();
+        let mut tx = pool.begin().await.unwrap();
+        for id in ["m-1", "m-2", "m-3"] {
+            OUTBOX
+                .publish(&mut *tx, raw("orders", id, Some("a")).message_id(id))
+                .await
+                .unwrap();
+        }
+        tx.commit().await.unwrap();
+        // m-1 refused for good: dead; m-2 and m-3 wait behind it.
+        let relay = Relay::new(
+            pool.clone(),
+            MemorySink::new().fail_when(|_| Some(SinkError::permanent("refused"))),
+        );
+        assert_eq!(relay.run_once().await.unwrap(), report(1, 0, 0, 1, 0, 0));
+        let url = format!("sqlite:{}", file.0.display());
+        let rows = || inbox_tests::count(&pool, "SELECT COUNT(*) FROM inbox_outbox");
+
+        // On a terminal: asked; "n" (or nothing) keeps the row.
+        for answer in ["n\n", "\n"] {
+            let (code, printed) = admin(&url, "outbox discard m-1", answer, true);
+            assert_eq!(code, 1, "{printed}");
+            assert!(printed.contains(QUESTION), "{printed:?}");
+            assert!(
+                printed.ends_with("ledger admin: discard cancelled: outbox message `m-1` kept\r\n"),
+                "{printed:?}"
+            );
+            assert_eq!(rows().await, 3);
+        }
+        // "y" discards it.
+        let (code, printed) = admin(&url, "outbox discard m-1", "y\n", true);
+        assert_eq!(code, 0, "{printed}");
+        assert!(printed.contains(QUESTION), "{printed:?}");
+        assert!(
+            printed.ends_with(
+                "m-1: discarded (deleted; it will never be sent); the rows after it of aggregate \
+                 a go out next\r\n"
+            ),
+            "{printed:?}"
+        );
+        assert_eq!(rows().await, 2);
+
+        // `--yes` on a terminal, and no terminal at all: no question.
+        assert_eq!(relay.run_once().await.unwrap(), report(1, 0, 0, 1, 0, 0));
+        let (code, printed) = admin(&url, "outbox discard m-2 --yes", "", true);
+        assert_eq!(code, 0, "{printed}");
+        assert!(!printed.contains("discard it?"), "{printed:?}");
+        assert_eq!(rows().await, 1);
+        assert_eq!(relay.run_once().await.unwrap(), report(1, 0, 0, 1, 0, 0));
+        let (code, printed) = admin(&url, "outbox discard m-3", "n\n", false);
+        assert_eq!(
+            (code, printed.as_str()),
+            (
+                0,
+                "m-3: discarded (deleted; it will never be sent); the rows after it of aggregate \
+                 a go out next\n"
+            )
+        );
+        assert_eq!(rows().await, 0);
+        let (code, printed) = admin(&url, "outbox discard m-3", "", false);
+        assert_eq!(
+            (code, printed.as_str()),
+            (1, "ledger admin: no outbox message with id `m-3`\n")
+        );
+        pool.close().await;
     }
 }
