@@ -382,18 +382,32 @@ pub trait OutboxDatabase: InboxDatabase<Connection: OutboxStore + OutboxAdminSto
 pub const NOTIFY_CHANNEL: &str = "inbox_outbox";
 
 /// The outbox component's migrations on PostgreSQL.
-pub(super) const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "outbox",
-    include_str!("../../migrations/postgres/outbox/0001_outbox.sql"),
-)];
+pub(super) const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "outbox",
+        include_str!("../../migrations/postgres/outbox/0001_outbox.sql"),
+    ),
+    (
+        2,
+        "outbox leases",
+        include_str!("../../migrations/postgres/outbox/0002_outbox_leases.sql"),
+    ),
+];
 
 /// The outbox component's migrations on SQLite.
-pub(super) const SQLITE_MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "outbox",
-    include_str!("../../migrations/sqlite/outbox/0001_outbox.sql"),
-)];
+pub(super) const SQLITE_MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "outbox",
+        include_str!("../../migrations/sqlite/outbox/0001_outbox.sql"),
+    ),
+    (
+        2,
+        "outbox leases",
+        include_str!("../../migrations/sqlite/outbox/0002_outbox_leases.sql"),
+    ),
+];
 
 /// The columns a lease returns, in [`record`]'s order, each prefixed with `$t` (`"t."`, or
 /// `""`: SQLite's `RETURNING` takes them unqualified): the row's parts, its attempts, and its
