@@ -449,11 +449,14 @@ where
 /// Runs `command` on `pool`, printing on standard output. `dead replay` builds a
 /// [`Dispatcher::from_registry`] over `pool` (use [`execute_with`] to replay with a dispatcher
 /// of yours, e.g. with another retry policy). A `purge` that would delete rows settled less than
-/// a day ago asks first on standard error when standard input is a terminal (not with `--yes`).
+/// a day ago, and an `outbox discard`, ask first on standard error when standard input is a
+/// terminal (not with `--yes`).
 ///
 /// # Errors
 /// [`CliError`]: the database's error, an unknown consumer or message, a refused retention or
-/// purge, a purge not confirmed, replays that did not succeed.
+/// purge, a purge or discard not confirmed ([`CliError::Cancelled`],
+/// [`CliError::DiscardCancelled`]), replays that did not succeed; for the outbox commands, an
+/// outbox not migrated, an unknown message id or destination, a row that is not dead.
 pub async fn execute<DB: OutboxDatabase>(
     command: &AdminCommand,
     pool: &Pool<DB>,
@@ -465,7 +468,7 @@ pub async fn execute<DB: OutboxDatabase>(
 
 /// Runs `command` with `dispatcher` (its pool for everything, its handlers and retry policy for
 /// `dead replay`, its handlers' consumers as known ones), writing the results to `out`. Asks
-/// before a purge as [`execute`] does.
+/// before a purge or a discard as [`execute`] does.
 ///
 /// # Errors
 /// As [`execute`].
@@ -478,10 +481,11 @@ pub async fn execute_with<DB: OutboxDatabase>(
 }
 
 /// Runs `command` on `pool`, writing the results to `out` (for tests and for embedding). Never
-/// asks before a purge: the caller decides (see [`admin::purge_preview`]).
+/// asks before a purge or a discard: the caller decides (see [`admin::purge_preview`],
+/// [`crate::outbox::admin::show`]).
 ///
 /// # Errors
-/// As [`execute`], but never [`CliError::Cancelled`].
+/// As [`execute`], but never [`CliError::Cancelled`] nor [`CliError::DiscardCancelled`].
 pub async fn execute_to<DB: OutboxDatabase>(
     command: &AdminCommand,
     pool: &Pool<DB>,
@@ -490,7 +494,7 @@ pub async fn execute_to<DB: OutboxDatabase>(
     execute_on(command, Target::Pool(pool), out, Ask::Never).await
 }
 
-/// Whether a purge of young rows asks for confirmation.
+/// Whether a purge of young rows, or an outbox discard, asks for confirmation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Ask {
     /// When standard input is a terminal (and `--yes` is not given).
