@@ -407,6 +407,42 @@ inbox_tests::backend_matrix! {
         assert_eq!(recorded.counter("inbox_outbox_relay_errors_total"), 0);
     }
 
+    /// Item 1, a running relay: `run` sets the backlog gauges itself (one snapshot, at the end:
+    /// nothing but the relay wrote them) and reports what its rounds did.
+    #[tokio::test]
+    async fn a_running_relay_sets_the_backlog_gauges() {
+        let recorder = DebuggingRecorder::new();
+        let mut recorded = Recorded::new(&recorder);
+        let _local = metrics::set_default_local_recorder(&recorder);
+        let (pool, _guard) = outbox_fixture().await;
+        enqueue(&pool, vec![raw("orders", "f1", None), raw("orders", "f2", None)]).await;
+        let hour = Duration::from_secs(3600);
+        let relay = Relay::new(
+            pool.clone(),
+            MemorySink::new().fail_when(|_| Some(SinkError::retryable("broker down"))),
+        )
+        .backoff(hour, hour)
+        .poll_interval(Duration::from_millis(20));
+        let shutdown = inbox_runtime::CancellationToken::new();
+        let running = tokio::spawn(relay.run(shutdown.clone()));
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while count(&pool, "SELECT COUNT(*) FROM inbox_outbox WHERE attempts = 1").await < 2 {
+            assert!(std::time::Instant::now() < deadline, "the relay never leased the rows");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        shutdown.cancel();
+        let report = running.await.unwrap();
+        assert_eq!(
+            (report.rounds, report.published, report.failed, report.dead, report.errors),
+            (1, 0, 2, 0, 0)
+        );
+        let gauges = recorded.gauges();
+        assert_eq!(gauges.get("inbox_outbox_pending{destination=orders}"), Some(&2.0));
+        let oldest = gauges["inbox_outbox_oldest_pending_seconds{destination=orders}"];
+        assert!((0.0..600.0).contains(&oldest), "{oldest}");
+        assert_eq!(recorded.counter("inbox_outbox_failed_total{destination=orders}"), 2);
+    }
+
     /// Item 4: a row whose publish kills the relay every time. Each lease counts an attempt
     /// before the publish; a row whose lease ran out unmarked is leased again alone (fewest
     /// attempts first), so its batchmates go out; after `max_attempts` leases it is dead with
