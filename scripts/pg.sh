@@ -15,6 +15,9 @@
 # again. `stop`, which deletes the data anyway, gives a fast shutdown 30 seconds before the
 # immediate one, and kills the server if even that does not end it.
 #
+# wal_level=logical: tests/outbox.rs decodes the outbox's changes from the WAL with pgoutput, as
+# Debezium does (a logical replication slot needs it; otherwise the server runs as before).
+#
 # PostgreSQL refuses to run as root, so as root the server runs as the `postgres` user.
 # Installs the Debian package if no PostgreSQL binaries are found.
 set -euo pipefail
@@ -23,7 +26,7 @@ PG_DIR=${INBOX_PG_DIR:-/tmp/inbox-pg}
 PG_PORT=${INBOX_PG_PORT:-54329}
 URL="postgres://postgres@127.0.0.1:${PG_PORT}/inbox"
 PG_TIMEOUT=${INBOX_PG_TIMEOUT:-600}
-PG_OPTS="-c listen_addresses=127.0.0.1 -c port=$PG_PORT -c unix_socket_directories=$PG_DIR -c max_connections=200 -c fsync=on"
+PG_OPTS="-c listen_addresses=127.0.0.1 -c port=$PG_PORT -c unix_socket_directories=$PG_DIR -c max_connections=200 -c fsync=on -c wal_level=logical"
 
 pg_bin() {
   local dir

@@ -229,6 +229,24 @@ inbox_tests::backend_matrix! {
             "unserializable" => {
                 OutboxMessage::new("orders", &Unserializable { id: msg.id.clone(), value: 1 })
             }
+            "empty header name" => OutboxMessage::new("orders", &paid).header("", "x"),
+            "header name with a colon" => OutboxMessage::new("orders", &paid).header("a:b", "x"),
+            "header name with a newline" => {
+                OutboxMessage::new("orders", &paid).header("a\nb", "x")
+            }
+            "control id" => OutboxMessage::new("orders", &paid).message_id("id\u{7}"),
+            "empty message name" => OutboxMessage::raw("orders", "", "{}"),
+            "empty aggregate" => OutboxMessage::new("orders", &paid).aggregate(""),
+            "no destinations" => {
+                Outbox::new(&[])
+                    .publish(&mut *conn, OutboxMessage::new("orders", &paid))
+                    .await?;
+                unreachable!("an outbox without destinations refuses every publish")
+            }
+            "good then bad" => {
+                OUTBOX.publish(&mut *conn, OutboxMessage::new("orders", &paid)).await?;
+                OutboxMessage::new("audit", &paid).header("", "x")
+            }
             "duplicate id" => {
                 OUTBOX
                     .publish(&mut *conn, OutboxMessage::new("orders", &paid).message_id("dup"))
@@ -255,13 +273,13 @@ inbox_tests::backend_matrix! {
         assert_eq!(count(&pool, query).await, 1);
         assert_eq!(
             count(&pool, "SELECT COUNT(*) FROM _inbox_outbox_migrations").await,
-            1
+            2
         );
         // Idempotent.
         inbox_runtime::migrate_components(&pool, &[Component::Outbox]).await.unwrap();
         assert_eq!(
             count(&pool, "SELECT COUNT(*) FROM _inbox_outbox_migrations").await,
-            1
+            2
         );
     }
 
@@ -359,6 +377,44 @@ inbox_tests::backend_matrix! {
                     .to_owned(),
             ),
             (
+                "empty header name",
+                r#"invalid outbox header "": a header name must be non-empty, without ':' or control characters"#
+                    .to_owned(),
+            ),
+            (
+                "header name with a colon",
+                r#"invalid outbox header "a:b": a header name must be non-empty, without ':' or control characters"#
+                    .to_owned(),
+            ),
+            (
+                "header name with a newline",
+                r#"invalid outbox header "a\nb": a header name must be non-empty, without ':' or control characters"#
+                    .to_owned(),
+            ),
+            (
+                "control id",
+                r#"invalid outbox message id "id\u{7}" (3 bytes): it contains control characters"#
+                    .to_owned(),
+            ),
+            (
+                "empty message name",
+                r#"outbox message to "orders" has an empty message name"#.to_owned(),
+            ),
+            (
+                "empty aggregate",
+                "invalid outbox aggregate: the aggregate id is empty".to_owned(),
+            ),
+            (
+                "no destinations",
+                r#"unknown outbox destination "orders" (this outbox has no destinations: list them in Outbox::new)"#
+                    .to_owned(),
+            ),
+            (
+                "good then bad",
+                r#"invalid outbox header "": a header name must be non-empty, without ':' or control characters"#
+                    .to_owned(),
+            ),
+            (
                 "duplicate id",
                 r#"outbox message id "dup" was published before"#.to_owned(),
             ),
@@ -378,7 +434,14 @@ inbox_tests::backend_matrix! {
             }
             assert_eq!(effect(&pool, &msg.id).await, None, "{case}: no effect");
         }
+        // Nothing of any handler committed: no outbox row (not even the good message published
+        // before the bad one), no effect; each key settled by its failure alone.
         assert_eq!(count(&pool, "SELECT COUNT(*) FROM inbox_outbox").await, 0);
+        assert_eq!(count(&pool, "SELECT COUNT(*) FROM effects").await, 0);
+        assert_eq!(
+            count(&pool, "SELECT COUNT(*) FROM inbox_messages WHERE status = 'processed'").await,
+            0
+        );
     }
 
     #[tokio::test]
@@ -496,9 +559,13 @@ inbox_tests::backend_matrix! {
         let after = MemorySink::new();
         let relay = Relay::new(pool.clone(), after.clone());
         assert_eq!(relay.run_once().await.unwrap(), round(0, 0, 0, 0));
-        // After it, the rows go again, with the same message ids.
+        // After it, the rows go again, with the same message ids; each alone (an orphan of a
+        // crashed relay is leased by itself, so that a row that crashes relays takes no other
+        // row down with it), the one with fewer attempts first, then by id.
         tokio::time::sleep(Duration::from_millis(600)).await;
-        assert_eq!(relay.run_once().await.unwrap(), round(2, 2, 0, 0));
+        assert_eq!(relay.run_once().await.unwrap(), round(1, 1, 0, 0));
+        assert_eq!(relay.run_once().await.unwrap(), round(1, 1, 0, 0));
+        assert_eq!(relay.run_once().await.unwrap(), round(0, 0, 0, 0));
         let again = after.published();
         assert_eq!(ids(&again), ["c1", "d1"]);
         assert_eq!(again[0].attempt, 2);

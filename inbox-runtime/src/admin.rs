@@ -1,13 +1,18 @@
 //! Operations on the inbox for operators: statistics, listing, inspecting and discarding failed
-//! and dead messages, and the retention purge. Replaying needs the registered handlers and lives
-//! on [`crate::Dispatcher::replay`]. The `inbox_runtime::cli` entry point wraps all of them.
+//! and dead messages, and the retention purge (of the inbox, and of the outbox's `sent` rows
+//! when the outbox is migrated). Replaying needs the registered handlers and lives on
+//! [`crate::Dispatcher::replay`]; the outbox's own operations are in [`crate::outbox::admin`].
+//! The `inbox_runtime::cli` entry point wraps all of them.
 
 use std::time::Duration;
 
 use sqlx::Pool;
 
 use crate::status::Status;
-use crate::store::{AdminStore as _, InboxDatabase, StatsRow, StatsStatus, StoredMessage};
+use crate::store::{
+    AdminStore as _, InboxDatabase, OutboxAdminStore as _, OutboxDatabase, OutboxStatsRow,
+    StatsRow, StatsStatus, StoredMessage,
+};
 
 /// Per consumer and status (every [`Status`] that has rows, `stale` included): how many rows
 /// and the oldest `received_at`; rejected deliveries (conflicts, malformed, unknown, bad keys)
@@ -303,6 +308,9 @@ pub struct PurgePreview {
     /// and the oldest settled time among them (`processed_at`, else `received_at`), in the
     /// order of [`stats`].
     pub rows: Vec<StatsRow>,
+    /// Per destination, the outbox's `sent` rows that would go (sent before the cutoff) and the
+    /// oldest `sent_at` among them; empty when the outbox is not migrated.
+    pub outbox: Vec<OutboxStatsRow>,
     /// Rows settled before this would go (database text form, UTC; see
     /// [`PurgeClock::cutoff`]).
     pub cutoff: String,
@@ -319,6 +327,14 @@ impl PurgePreview {
         self.count(|status| matches!(status, StatsStatus::Rejected(_)))
     }
 
+    /// `sent` rows of the outbox that would go.
+    pub fn outbox_sent(&self) -> u64 {
+        self.outbox
+            .iter()
+            .map(|row| u64::try_from(row.count).unwrap_or(0))
+            .sum()
+    }
+
     fn count(&self, which: impl Fn(StatsStatus) -> bool) -> u64 {
         self.rows
             .iter()
@@ -329,11 +345,12 @@ impl PurgePreview {
 }
 
 /// What [`purge`] would delete with `retention` now, per consumer and status (and rejection
-/// reason, with [`Retention::include_rejections`]), deleting nothing: a dry run.
+/// reason, with [`Retention::include_rejections`]), and per outbox destination, deleting
+/// nothing: a dry run.
 ///
 /// # Errors
 /// As [`purge`]: the database's error, or [`PurgeError::ClockSkew`].
-pub async fn purge_preview<DB: InboxDatabase>(
+pub async fn purge_preview<DB: OutboxDatabase>(
     pool: &Pool<DB>,
     retention: &Retention,
 ) -> Result<PurgePreview, PurgeError> {
@@ -344,8 +361,14 @@ pub async fn purge_preview<DB: InboxDatabase>(
     let rows = store
         .purge_preview(retention.statuses(), window, retention.include_rejections)
         .await?;
+    let outbox = if store.outbox_installed().await? {
+        store.outbox_purge_preview(&clock.cutoff).await?
+    } else {
+        Vec::new()
+    };
     Ok(PurgePreview {
         rows,
+        outbox,
         cutoff: clock.cutoff,
     })
 }
@@ -358,6 +381,8 @@ pub struct PurgeReport {
     pub deleted: u64,
     /// Rows of `inbox_rejections` deleted (with [`Retention::include_rejections`]).
     pub rejections_deleted: u64,
+    /// `sent` rows of the outbox deleted (0 when the outbox is not migrated).
+    pub outbox_deleted: u64,
     /// Statements (batches) run.
     pub batches: u32,
 }
@@ -369,8 +394,10 @@ pub struct PurgeReport {
 /// first delivery (`received_at`: failed, dead). `processed`, `discarded` and `stale` rows go;
 /// `failed` and `dead` ones only with [`Retention::include_failed_and_dead`]; `parked` ones
 /// never. With [`Retention::include_rejections`], rejected deliveries received longer ago than
-/// the window go too, after the messages. `progress` is called after each batch with the running
-/// total of rows deleted (messages and rejections).
+/// the window go too, after the messages. When the outbox is migrated
+/// ([`Component::Outbox`](crate::Component::Outbox)), its `sent` rows sent before the same cutoff
+/// go last (`pending` and `dead` rows never: they are not delivered yet). `progress` is called
+/// after each batch with the running total of rows deleted (messages, rejections, outbox rows).
 ///
 /// On SQLite, where each process stamps rows with its own clock, the window is measured back
 /// from the earlier of this process's clock and the newest time written into the inbox, and a
@@ -381,7 +408,7 @@ pub struct PurgeReport {
 /// # Errors
 /// [`PurgeError::ClockSkew`] before anything is deleted; the database's error (rows deleted
 /// before it stay deleted).
-pub async fn purge<DB: InboxDatabase>(
+pub async fn purge<DB: OutboxDatabase>(
     pool: &Pool<DB>,
     retention: &Retention,
     mut progress: impl FnMut(u64),
@@ -391,7 +418,7 @@ pub async fn purge<DB: InboxDatabase>(
     let mut report = PurgeReport::default();
     let mut conn = pool.acquire().await?;
     let store = &mut *conn;
-    check_clock(store.purge_clock(window).await?)?;
+    let clock = check_clock(store.purge_clock(window).await?)?;
     // Two statements when failed and dead are included (the statement takes three statuses).
     for chunk in statuses.chunks(3) {
         loop {
@@ -421,12 +448,26 @@ pub async fn purge<DB: InboxDatabase>(
             }
         }
     }
+    if store.outbox_installed().await? {
+        loop {
+            let deleted = store
+                .purge_outbox_before(&clock.cutoff, i64::from(retention.batch_size))
+                .await?;
+            report.outbox_deleted += deleted;
+            report.batches += 1;
+            progress(report.deleted + report.rejections_deleted + report.outbox_deleted);
+            metrics::counter!("inbox_outbox_purged_total").increment(deleted);
+            if deleted < u64::from(retention.batch_size) {
+                break;
+            }
+        }
+    }
     Ok(report)
 }
 
 /// Runs [`purge`] every `every` until the task is aborted, logging each run's result (a
 /// refused purge, [`PurgeError::ClockSkew`], is logged as an error and tried again next time).
-pub fn spawn_purger<DB: InboxDatabase>(
+pub fn spawn_purger<DB: OutboxDatabase>(
     pool: Pool<DB>,
     retention: Retention,
     every: Duration,
@@ -439,6 +480,7 @@ pub fn spawn_purger<DB: InboxDatabase>(
                 Ok(report) => tracing::info!(
                     deleted = report.deleted,
                     rejections_deleted = report.rejections_deleted,
+                    outbox_deleted = report.outbox_deleted,
                     "inbox retention purge"
                 ),
                 Err(error) => tracing::error!(%error, "inbox retention purge failed"),

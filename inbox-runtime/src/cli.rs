@@ -1,4 +1,5 @@
-//! The operator's command line: `migrate`, `stats`, `dead list|show|replay|discard`, `purge`.
+//! The operator's command line: `migrate`, `stats`, `dead list|show|replay|discard`,
+//! `outbox list|show|retry|discard`, `purge`.
 //!
 //! Behind the cargo feature `cli`. It is a library entry point, not a binary of its own: replaying
 //! a dead message runs its registered `#[idempotent]` handler, so the CLI must run inside *your*
@@ -46,6 +47,14 @@
 //! [`admin::MIN_REDELIVERY_HORIZON`] and a window below the horizon, shows what it would delete
 //! with `--dry-run`, and asks before deleting rows settled less than a day ago when standard
 //! input is a terminal (`--yes` does not ask).
+//!
+//! The outbox commands (`outbox …`, and the outbox part of `stats` and `purge`) work on a
+//! database where the outbox component is migrated ([`crate::Component::Outbox`]): `stats` and
+//! `purge` leave the outbox out when it is not, and `outbox …` refuses with
+//! [`CliError::OutboxNotInstalled`]. Outbox rows are named by their message id; `outbox retry`
+//! and `outbox discard` take `dead` rows only, and `outbox discard` asks first when standard
+//! input is a terminal (`--yes` does not ask). `outbox list --destination` and `outbox retry
+//! --dead --destination` refuse a destination the outbox has no rows for.
 
 use std::ffi::OsString;
 use std::io::{self, IsTerminal as _, Write};
@@ -60,18 +69,21 @@ use crate::admin::{self, PurgeError, PurgePreview, Retention, RetentionError, ut
 use crate::dispatcher::{ConsumerOutcome, Dispatcher};
 use crate::error::ReplayError;
 use crate::error::{Error, RegistryError};
+use crate::outbox::admin as outbox_admin;
 use crate::outcome::Outcome;
 use crate::registry::registered_handlers;
 use crate::status::Status;
-use crate::store::{InboxDatabase, StatsRow, StoredMessage};
+use crate::store::{InboxDatabase, OutboxDatabase, OutboxEntry, OutboxStatsRow, OutboxStatus};
 use crate::store::{RejectionReason, StatsStatus};
+use crate::store::{StatsRow, StoredMessage};
 
 /// A parser for the admin commands alone, as [`run`] uses it: the first argument is the program
 /// name (clap's convention), the rest is an [`AdminCommand`].
 #[derive(Debug, Clone, Parser)]
 #[command(
     name = "admin",
-    about = "Inspects and repairs the inbox: statistics, dead letters, replay, retention purge"
+    about = "Inspects and repairs the inbox and the outbox: statistics, dead letters, replay, \
+             retention purge"
 )]
 pub struct AdminCli {
     /// The command.
@@ -85,14 +97,100 @@ pub struct AdminCli {
 pub enum AdminCommand {
     /// Creates or upgrades the inbox tables
     Migrate,
-    /// Counts per consumer and status, oldest failed and dead, rejected deliveries by reason
+    /// Counts per consumer and status, oldest failed and dead, rejected deliveries by reason;
+    /// the outbox's counts per destination and status
     Stats,
     /// Failed and dead messages: list, show, replay, discard
     #[command(subcommand)]
     Dead(DeadCommand),
-    /// Deletes processed (and discarded, stale) rows older than the retention window, in batches
-    /// (`--dry-run`: shows what it would delete)
+    /// The transactional outbox's rows: list, show, retry dead ones, discard dead ones
+    #[command(subcommand)]
+    Outbox(OutboxCommand),
+    /// Deletes processed (and discarded, stale) rows, and the outbox's sent rows, older than the
+    /// retention window, in batches (`--dry-run`: shows what it would delete)
     Purge(PurgeArgs),
+}
+
+/// `outbox …`: the transactional outbox's rows, named by message id.
+#[derive(Debug, Clone, Subcommand)]
+#[non_exhaustive]
+pub enum OutboxCommand {
+    /// Lists outbox rows, oldest first (default: pending and dead ones)
+    List(OutboxListArgs),
+    /// Shows one row: every column, its headers, last error and payload
+    Show(OutboxRef),
+    /// Sends a dead row again (pending, attempts reset, same message id), or every dead row
+    /// with --dead
+    Retry(OutboxRetryArgs),
+    /// Deletes a dead row: it is never sent, and the rows after it of its aggregate go out
+    Discard(OutboxDiscardArgs),
+}
+
+/// An outbox row status, as `outbox list --status` takes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OutboxStatusArg {
+    /// `pending`: waiting for a relay (or out with one, or failed and waiting for a retry).
+    Pending,
+    /// `sent`: confirmed by the sink (kept until the retention purge).
+    Sent,
+    /// `dead`: failed permanently or too often; blocks the rows after it of its aggregate.
+    Dead,
+}
+
+impl OutboxStatusArg {
+    fn statuses(status: Option<OutboxStatusArg>) -> &'static [OutboxStatus] {
+        match status {
+            None => &[OutboxStatus::Pending, OutboxStatus::Dead],
+            Some(OutboxStatusArg::Pending) => &[OutboxStatus::Pending],
+            Some(OutboxStatusArg::Sent) => &[OutboxStatus::Sent],
+            Some(OutboxStatusArg::Dead) => &[OutboxStatus::Dead],
+        }
+    }
+}
+
+/// `outbox list` arguments.
+#[derive(Debug, Clone, Args)]
+pub struct OutboxListArgs {
+    /// Only rows in this status [default: pending and dead]
+    #[arg(long, value_enum)]
+    pub status: Option<OutboxStatusArg>,
+    /// Only rows to this destination
+    #[arg(long)]
+    pub destination: Option<String>,
+    /// At most this many
+    #[arg(long, default_value_t = 50)]
+    pub limit: u32,
+}
+
+/// One outbox row: its message id.
+#[derive(Debug, Clone, Args)]
+pub struct OutboxRef {
+    /// The message id (as `outbox list` shows it)
+    pub message_id: String,
+}
+
+/// `outbox retry` arguments: `MESSAGE_ID`, or `--dead [--destination D]`.
+#[derive(Debug, Clone, Args)]
+pub struct OutboxRetryArgs {
+    /// The dead row's message id
+    #[arg(required_unless_present = "dead", conflicts_with = "dead")]
+    pub message_id: Option<String>,
+    /// Retry every dead row (of --destination, if given)
+    #[arg(long)]
+    pub dead: bool,
+    /// With --dead: only rows to this destination
+    #[arg(long, requires = "dead")]
+    pub destination: Option<String>,
+}
+
+/// `outbox discard` arguments.
+#[derive(Debug, Clone, Args)]
+pub struct OutboxDiscardArgs {
+    /// The dead row's message id
+    pub message_id: String,
+    /// Do not ask before discarding (asked only when standard input is a terminal)
+    #[arg(long, short = 'y')]
+    pub yes: bool,
 }
 
 /// `dead …`: failed and dead messages.
@@ -261,6 +359,52 @@ pub enum CliError {
         /// What was looked for: `"stored"` or `"failed or dead"`.
         what: &'static str,
     },
+    /// An `outbox …` command on a database where the outbox component is not migrated.
+    #[error(
+        "the outbox is not migrated in this database (no inbox_outbox table): migrate it with \
+         inbox_runtime::migrate_components(&pool, &[Component::Outbox])"
+    )]
+    OutboxNotInstalled,
+    /// No outbox row has this message id.
+    #[error("no outbox message with id `{message_id}`")]
+    OutboxNotFound {
+        /// The message id.
+        message_id: String,
+    },
+    /// `outbox retry` or `outbox discard` of a row that is not `dead`.
+    #[error(
+        "outbox message `{message_id}` is {status}, not dead: only dead messages can be {what}"
+    )]
+    OutboxNotDead {
+        /// The message id.
+        message_id: String,
+        /// Its status.
+        status: OutboxStatus,
+        /// `"retried"` or `"discarded"`.
+        what: &'static str,
+    },
+    /// A destination the outbox has no rows for (`outbox list --destination`, `outbox retry
+    /// --dead --destination`): a typo, most likely.
+    #[error(
+        "unknown outbox destination `{destination}`; {}",
+        if known.is_empty() {
+            "the outbox has no rows".to_owned()
+        } else {
+            format!("destinations with rows: {}", known.join(", "))
+        }
+    )]
+    UnknownDestination {
+        /// The destination named.
+        destination: String,
+        /// The destinations that have rows (sorted).
+        known: Vec<String>,
+    },
+    /// `outbox discard` was not confirmed at the terminal.
+    #[error("discard cancelled: outbox message `{message_id}` kept")]
+    DiscardCancelled {
+        /// The message id.
+        message_id: String,
+    },
     /// Some replays did not end processed (or duplicate): they failed again, or could not run.
     #[error("{failed} of {total} replays did not succeed")]
     ReplayFailed {
@@ -281,7 +425,7 @@ pub enum CliError {
 /// message is printed; `--help` exits 0).
 pub async fn run<DB, I, T>(pool: &Pool<DB>, args: I) -> ExitCode
 where
-    DB: InboxDatabase,
+    DB: OutboxDatabase,
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
@@ -305,12 +449,15 @@ where
 /// Runs `command` on `pool`, printing on standard output. `dead replay` builds a
 /// [`Dispatcher::from_registry`] over `pool` (use [`execute_with`] to replay with a dispatcher
 /// of yours, e.g. with another retry policy). A `purge` that would delete rows settled less than
-/// a day ago asks first on standard error when standard input is a terminal (not with `--yes`).
+/// a day ago, and an `outbox discard`, ask first on standard error when standard input is a
+/// terminal (not with `--yes`).
 ///
 /// # Errors
 /// [`CliError`]: the database's error, an unknown consumer or message, a refused retention or
-/// purge, a purge not confirmed, replays that did not succeed.
-pub async fn execute<DB: InboxDatabase>(
+/// purge, a purge or discard not confirmed ([`CliError::Cancelled`],
+/// [`CliError::DiscardCancelled`]), replays that did not succeed; for the outbox commands, an
+/// outbox not migrated, an unknown message id or destination, a row that is not dead.
+pub async fn execute<DB: OutboxDatabase>(
     command: &AdminCommand,
     pool: &Pool<DB>,
 ) -> Result<(), CliError> {
@@ -321,11 +468,11 @@ pub async fn execute<DB: InboxDatabase>(
 
 /// Runs `command` with `dispatcher` (its pool for everything, its handlers and retry policy for
 /// `dead replay`, its handlers' consumers as known ones), writing the results to `out`. Asks
-/// before a purge as [`execute`] does.
+/// before a purge or a discard as [`execute`] does.
 ///
 /// # Errors
 /// As [`execute`].
-pub async fn execute_with<DB: InboxDatabase>(
+pub async fn execute_with<DB: OutboxDatabase>(
     command: &AdminCommand,
     dispatcher: &Dispatcher<DB>,
     out: &mut dyn Write,
@@ -334,11 +481,12 @@ pub async fn execute_with<DB: InboxDatabase>(
 }
 
 /// Runs `command` on `pool`, writing the results to `out` (for tests and for embedding). Never
-/// asks before a purge: the caller decides (see [`admin::purge_preview`]).
+/// asks before a purge or a discard: the caller decides (see [`admin::purge_preview`],
+/// [`crate::outbox::admin::show`]).
 ///
 /// # Errors
-/// As [`execute`], but never [`CliError::Cancelled`].
-pub async fn execute_to<DB: InboxDatabase>(
+/// As [`execute`], but never [`CliError::Cancelled`] nor [`CliError::DiscardCancelled`].
+pub async fn execute_to<DB: OutboxDatabase>(
     command: &AdminCommand,
     pool: &Pool<DB>,
     out: &mut dyn Write,
@@ -346,7 +494,7 @@ pub async fn execute_to<DB: InboxDatabase>(
     execute_on(command, Target::Pool(pool), out, Ask::Never).await
 }
 
-/// Whether a purge of young rows asks for confirmation.
+/// Whether a purge of young rows, or an outbox discard, asks for confirmation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Ask {
     /// When standard input is a terminal (and `--yes` is not given).
@@ -355,12 +503,12 @@ enum Ask {
     Never,
 }
 
-enum Target<'a, DB: InboxDatabase> {
+enum Target<'a, DB: OutboxDatabase> {
     Pool(&'a Pool<DB>),
     Dispatcher(&'a Dispatcher<DB>),
 }
 
-impl<DB: InboxDatabase> Target<'_, DB> {
+impl<DB: OutboxDatabase> Target<'_, DB> {
     fn pool(&self) -> &Pool<DB> {
         match self {
             Target::Pool(pool) => pool,
@@ -413,7 +561,7 @@ impl<DB: InboxDatabase> Target<'_, DB> {
     }
 }
 
-async fn execute_on<DB: InboxDatabase>(
+async fn execute_on<DB: OutboxDatabase>(
     command: &AdminCommand,
     target: Target<'_, DB>,
     out: &mut dyn Write,
@@ -428,7 +576,10 @@ async fn execute_on<DB: InboxDatabase>(
         AdminCommand::Dead(DeadCommand::Replay(args)) => {
             args.consumer.as_deref().or(args.only_consumer.as_deref())
         }
-        AdminCommand::Migrate | AdminCommand::Stats | AdminCommand::Purge(_) => None,
+        AdminCommand::Migrate
+        | AdminCommand::Stats
+        | AdminCommand::Outbox(_)
+        | AdminCommand::Purge(_) => None,
     };
     if let Some(consumer) = consumer {
         target.check_consumer(consumer).await?;
@@ -441,7 +592,13 @@ async fn execute_on<DB: InboxDatabase>(
         AdminCommand::Stats => {
             let rows = admin::stats(pool).await?;
             write_stats(out, &rows)?;
+            if outbox_admin::installed(pool).await? {
+                let rows = outbox_admin::stats(pool).await?;
+                writeln!(out)?;
+                write_outbox_stats(out, &rows)?;
+            }
         }
+        AdminCommand::Outbox(command) => outbox(command, pool, out, ask).await?,
         AdminCommand::Dead(DeadCommand::List(args)) => {
             let rows = admin::list(
                 pool,
@@ -494,7 +651,8 @@ async fn execute_on<DB: InboxDatabase>(
                 .include_rejections(args.include_rejections);
             if args.dry_run {
                 let preview = admin::purge_preview(pool, &retention).await?;
-                return write_preview(out, args, &preview).map_err(CliError::from);
+                let with_outbox = outbox_admin::installed(pool).await?;
+                return write_preview(out, args, &preview, with_outbox).map_err(CliError::from);
             }
             if ask == Ask::Terminal && !args.yes && io::stdin().is_terminal() {
                 let young = settled_within_a_day(pool, &retention).await?;
@@ -514,6 +672,7 @@ async fn execute_on<DB: InboxDatabase>(
             bar.finish_and_clear();
             let report = report?;
             let window = admin::format_duration(args.window);
+            let with_outbox = outbox_admin::installed(pool).await?;
             writeln!(
                 out,
                 "purged {} inbox rows older than {window}{}",
@@ -531,6 +690,13 @@ async fn execute_on<DB: InboxDatabase>(
                     report.rejections_deleted,
                 )?;
             }
+            if with_outbox {
+                writeln!(
+                    out,
+                    "purged {} sent outbox rows older than {window} (pending and dead rows kept)",
+                    report.outbox_deleted,
+                )?;
+            }
             writeln!(
                 out,
                 "{} statement{} of at most {} rows each",
@@ -543,12 +709,174 @@ async fn execute_on<DB: InboxDatabase>(
     Ok(())
 }
 
+/// Runs an `outbox …` command.
+async fn outbox<DB: OutboxDatabase>(
+    command: &OutboxCommand,
+    pool: &Pool<DB>,
+    out: &mut dyn Write,
+    ask: Ask,
+) -> Result<(), CliError> {
+    if !outbox_admin::installed(pool).await? {
+        return Err(CliError::OutboxNotInstalled);
+    }
+    match command {
+        OutboxCommand::List(args) => {
+            if let Some(destination) = &args.destination {
+                check_destination(pool, destination).await?;
+            }
+            let statuses = OutboxStatusArg::statuses(args.status);
+            let rows =
+                outbox_admin::list(pool, statuses, args.destination.as_deref(), args.limit).await?;
+            write_outbox_list(out, &rows, statuses)?;
+        }
+        OutboxCommand::Show(row) => {
+            let entry = outbox_admin::show(pool, &row.message_id)
+                .await?
+                .ok_or_else(|| CliError::OutboxNotFound {
+                    message_id: row.message_id.clone(),
+                })?;
+            write_outbox_show(out, &entry)?;
+        }
+        OutboxCommand::Retry(args) => match &args.message_id {
+            Some(message_id) => {
+                if !outbox_admin::retry(pool, message_id).await? {
+                    return Err(not_dead(pool, message_id, "retried").await);
+                }
+                writeln!(
+                    out,
+                    "{message_id}: pending again (attempts reset); relays send it with the same \
+                     message id"
+                )?;
+            }
+            None => {
+                if let Some(destination) = &args.destination {
+                    check_destination(pool, destination).await?;
+                }
+                let retried = outbox_admin::retry_dead(pool, args.destination.as_deref()).await?;
+                writeln!(
+                    out,
+                    "{retried} dead outbox message{} pending again{}",
+                    if retried == 1 { "" } else { "s" },
+                    args.destination
+                        .as_deref()
+                        .map(|d| format!(" (destination {d})"))
+                        .unwrap_or_default()
+                )?;
+            }
+        },
+        OutboxCommand::Discard(args) => {
+            let entry = outbox_admin::show(pool, &args.message_id)
+                .await?
+                .ok_or_else(|| CliError::OutboxNotFound {
+                    message_id: args.message_id.clone(),
+                })?;
+            if entry.status != OutboxStatus::Dead {
+                return Err(CliError::OutboxNotDead {
+                    message_id: entry.message_id,
+                    status: entry.status,
+                    what: "discarded",
+                });
+            }
+            if ask == Ask::Terminal
+                && !args.yes
+                && io::stdin().is_terminal()
+                && !confirm_discard(&entry, &mut io::stdin().lock(), &mut io::stderr())?
+            {
+                return Err(CliError::DiscardCancelled {
+                    message_id: entry.message_id,
+                });
+            }
+            if !outbox_admin::discard(pool, &args.message_id).await? {
+                return Err(not_dead(pool, &args.message_id, "discarded").await);
+            }
+            writeln!(
+                out,
+                "{}: discarded (deleted; it will never be sent){}",
+                args.message_id,
+                entry
+                    .aggregate_id
+                    .as_deref()
+                    .map(|a| format!("; the rows after it of aggregate {a} go out next"))
+                    .unwrap_or_default()
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Why a retry or discard of `message_id` changed nothing: no such row, or not dead.
+async fn not_dead<DB: OutboxDatabase>(
+    pool: &Pool<DB>,
+    message_id: &str,
+    what: &'static str,
+) -> CliError {
+    match outbox_admin::show(pool, message_id).await {
+        Ok(Some(entry)) => CliError::OutboxNotDead {
+            message_id: message_id.to_owned(),
+            status: entry.status,
+            what,
+        },
+        Ok(None) => CliError::OutboxNotFound {
+            message_id: message_id.to_owned(),
+        },
+        Err(error) => CliError::Database(error),
+    }
+}
+
+/// [`CliError::UnknownDestination`] unless the outbox has rows for `destination`.
+async fn check_destination<DB: OutboxDatabase>(
+    pool: &Pool<DB>,
+    destination: &str,
+) -> Result<(), CliError> {
+    let rows = outbox_admin::stats(pool).await?;
+    if rows.iter().any(|row| row.destination == destination) {
+        return Ok(());
+    }
+    let mut known: Vec<String> = rows.into_iter().map(|row| row.destination).collect();
+    known.dedup();
+    Err(CliError::UnknownDestination {
+        destination: destination.to_owned(),
+        known,
+    })
+}
+
+/// Asks on `prompt` whether to discard the dead row `entry`, and reads the answer from `input`:
+/// `y` or `yes` (any case) confirms; anything else, or nothing, does not.
+fn confirm_discard(
+    entry: &OutboxEntry,
+    input: &mut dyn io::BufRead,
+    prompt: &mut dyn Write,
+) -> io::Result<bool> {
+    write!(
+        prompt,
+        "discard outbox message {} ({} to {}, dead after {} attempt{})? it will never be sent{}.\n\
+         discard it? [y/N] ",
+        entry.message_id,
+        entry.message_name,
+        entry.destination,
+        entry.attempts,
+        if entry.attempts == 1 { "" } else { "s" },
+        entry
+            .aggregate_id
+            .as_deref()
+            .map(|a| format!(", and the rows after it of aggregate {a} go out next"))
+            .unwrap_or_default()
+    )?;
+    prompt.flush()?;
+    let mut answer = String::new();
+    input.read_line(&mut answer)?;
+    Ok(matches!(
+        answer.trim().to_ascii_lowercase().as_str(),
+        "y" | "yes"
+    ))
+}
+
 /// One day: a purge that would delete rows settled more recently asks first.
 const DAY: Duration = Duration::from_secs(86_400);
 
 /// How many inbox rows a purge with `retention` would delete that were settled less than a day
 /// ago (none when the window is a day or more).
-async fn settled_within_a_day<DB: InboxDatabase>(
+async fn settled_within_a_day<DB: OutboxDatabase>(
     pool: &Pool<DB>,
     retention: &Retention,
 ) -> Result<u64, CliError> {
@@ -586,8 +914,14 @@ fn confirm(
     ))
 }
 
-/// `purge --dry-run`: what would go, per consumer and status, and that nothing went.
-fn write_preview(out: &mut dyn Write, args: &PurgeArgs, preview: &PurgePreview) -> io::Result<()> {
+/// `purge --dry-run`: what would go, per consumer and status (and outbox destination), and that
+/// nothing went.
+fn write_preview(
+    out: &mut dyn Write,
+    args: &PurgeArgs,
+    preview: &PurgePreview,
+    with_outbox: bool,
+) -> io::Result<()> {
     let window = admin::format_duration(args.window);
     let cutoff = utc_time(&preview.cutoff);
     writeln!(
@@ -623,6 +957,28 @@ fn write_preview(out: &mut dyn Write, args: &PurgeArgs, preview: &PurgePreview) 
             ]);
         }
         table.write(out)?;
+    }
+    if with_outbox {
+        writeln!(
+            out,
+            "would purge {} sent outbox rows sent before {cutoff} (pending and dead rows kept)",
+            preview.outbox_sent()
+        )?;
+        if !preview.outbox.is_empty() {
+            let mut table = Table::new(&[
+                ("DESTINATION", false),
+                ("ROWS", true),
+                ("OLDEST SENT", false),
+            ]);
+            for row in &preview.outbox {
+                table.row(vec![
+                    row.destination.clone(),
+                    row.count.to_string(),
+                    row.oldest.as_deref().map_or_else(|| "-".into(), utc_time),
+                ]);
+            }
+            table.write(out)?;
+        }
     }
     writeln!(out, "dry run: nothing deleted")
 }
@@ -965,6 +1321,160 @@ fn write_show(out: &mut dyn Write, row: &StoredMessage) -> io::Result<()> {
     }
 }
 
+/// The outbox part of `stats`: per destination, the rows in each status and the oldest pending
+/// and dead ones.
+fn write_outbox_stats(out: &mut dyn Write, rows: &[OutboxStatsRow]) -> io::Result<()> {
+    if rows.is_empty() {
+        return writeln!(out, "outbox: empty");
+    }
+    writeln!(out, "outbox:")?;
+    let mut destinations: Vec<&str> = rows.iter().map(|row| row.destination.as_str()).collect();
+    destinations.dedup();
+    let find = |destination: &str, status: OutboxStatus| {
+        rows.iter()
+            .find(|row| row.destination == destination && row.status == status)
+    };
+    let mut table = Table::new(&[
+        ("DESTINATION", false),
+        ("PENDING", true),
+        ("SENT", true),
+        ("DEAD", true),
+        ("OLDEST PENDING", false),
+        ("OLDEST DEAD", false),
+    ]);
+    let statuses = [
+        OutboxStatus::Pending,
+        OutboxStatus::Sent,
+        OutboxStatus::Dead,
+    ];
+    let mut total = [0_i64; 3];
+    for destination in &destinations {
+        let mut cells = vec![(*destination).to_owned()];
+        for (index, status) in statuses.into_iter().enumerate() {
+            let n = find(destination, status).map_or(0, |row| row.count);
+            total[index] += n;
+            cells.push(n.to_string());
+        }
+        for status in [OutboxStatus::Pending, OutboxStatus::Dead] {
+            cells.push(
+                find(destination, status)
+                    .and_then(|row| row.oldest.as_deref())
+                    .map_or_else(|| "-".to_owned(), utc_time),
+            );
+        }
+        table.row(cells);
+    }
+    if destinations.len() > 1 {
+        let mut cells = vec!["(all)".to_owned()];
+        cells.extend(total.iter().map(i64::to_string));
+        table.row(cells);
+    }
+    table.write(out)
+}
+
+/// `outbox list`.
+fn write_outbox_list(
+    out: &mut dyn Write,
+    rows: &[OutboxEntry],
+    statuses: &[OutboxStatus],
+) -> io::Result<()> {
+    if rows.is_empty() {
+        let names: Vec<&str> = statuses.iter().map(|s| s.as_str()).collect();
+        return writeln!(out, "no {} outbox messages", names.join(" or "));
+    }
+    let mut table = Table::new(&[
+        ("MESSAGE ID", false),
+        ("DESTINATION", false),
+        ("MESSAGE", false),
+        ("AGGREGATE", false),
+        ("STATUS", false),
+        ("ATTEMPTS", true),
+        ("CREATED", false),
+        ("LAST ERROR", false),
+    ]);
+    for row in rows {
+        table.row(vec![
+            row.message_id.clone(),
+            row.destination.clone(),
+            row.message_name.clone(),
+            row.aggregate_id.clone().unwrap_or_else(|| "-".into()),
+            row.status.to_string(),
+            row.attempts.to_string(),
+            utc_time(&row.created_at),
+            first_line(row.last_error.as_deref().unwrap_or("-"), 72),
+        ]);
+    }
+    table.write(out)
+}
+
+/// `outbox show`: every column, the headers one per line, the payload as pretty JSON.
+fn write_outbox_show(out: &mut dyn Write, row: &OutboxEntry) -> io::Result<()> {
+    let optional = |value: &Option<String>| value.clone().unwrap_or_else(|| "-".into());
+    let time = |value: &Option<String>| value.as_deref().map_or_else(|| "-".into(), utc_time);
+    let fields = [
+        ("message id", row.message_id.clone()),
+        ("row id", row.id.to_string()),
+        ("destination", row.destination.clone()),
+        ("message", row.message_name.clone()),
+        ("aggregate", optional(&row.aggregate_id)),
+        ("status", row.status.to_string()),
+        ("attempts", row.attempts.to_string()),
+        ("created", utc_time(&row.created_at)),
+        // Only a pending row waits for a retry or a lease; a dead one waits for an operator.
+        (
+            "next attempt",
+            if row.status == OutboxStatus::Pending {
+                time(&row.next_attempt_at)
+            } else {
+                "-".into()
+            },
+        ),
+        (
+            "leased until",
+            if row.status == OutboxStatus::Pending {
+                time(&row.leased_until)
+            } else {
+                "-".into()
+            },
+        ),
+        ("sent", time(&row.sent_at)),
+        ("transaction", optional(&row.txid)),
+        ("last error", optional(&row.last_error)),
+    ];
+    for (name, value) in fields {
+        writeln!(out, "{:<13} {value}", format!("{name}:"))?;
+    }
+    match serde_json::from_str::<std::collections::BTreeMap<String, String>>(&row.headers_json) {
+        Ok(headers) if headers.is_empty() => writeln!(out, "headers:      -")?,
+        Ok(headers) => {
+            writeln!(out, "headers:")?;
+            for (name, value) in headers {
+                writeln!(out, "  {name}: {value}")?;
+            }
+        }
+        Err(_) => writeln!(
+            out,
+            "headers:      {} (not a JSON object of strings)",
+            row.headers_json
+        )?,
+    }
+    match &row.payload {
+        None => writeln!(
+            out,
+            "payload:      - ({} bytes, not loaded)",
+            row.payload_size
+        ),
+        Some(bytes) => {
+            writeln!(out, "payload ({} bytes):", bytes.len())?;
+            let pretty = serde_json::from_slice::<serde_json::Value>(bytes)
+                .ok()
+                .and_then(|value| serde_json::to_string_pretty(&value).ok())
+                .unwrap_or_else(|| String::from_utf8_lossy(bytes).into_owned());
+            writeln!(out, "{pretty}")
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -991,6 +1501,101 @@ mod tests {
         assert_eq!(ask("\n"), (false, question.to_owned()));
         assert_eq!(ask(""), (false, question.to_owned()), "end of input");
         assert_eq!(ask("yep\n"), (false, question.to_owned()));
+    }
+
+    #[test]
+    fn a_discard_asks() {
+        let entry = OutboxEntry {
+            id: 7,
+            message_id: "m-1".into(),
+            destination: "orders".into(),
+            message_name: "orders.paid".into(),
+            payload: None,
+            payload_size: 2,
+            headers_json: "{}".into(),
+            aggregate_id: Some("order-1".into()),
+            txid: None,
+            created_at: "2026-01-02T03:04:05.000Z".into(),
+            status: OutboxStatus::Dead,
+            attempts: 3,
+            next_attempt_at: None,
+            leased_until: None,
+            last_error: Some("permanent: refused".into()),
+            sent_at: None,
+        };
+        let ask = |entry: &OutboxEntry, answer: &str| {
+            let mut prompt = Vec::new();
+            let yes = confirm_discard(entry, &mut answer.as_bytes(), &mut prompt).unwrap();
+            (yes, String::from_utf8(prompt).unwrap())
+        };
+        let question = "discard outbox message m-1 (orders.paid to orders, dead after 3 \
+                        attempts)? it will never be sent, and the rows after it of aggregate \
+                        order-1 go out next.\ndiscard it? [y/N] ";
+        assert_eq!(ask(&entry, "y\n"), (true, question.to_owned()));
+        assert_eq!(ask(&entry, "Yes\n"), (true, question.to_owned()));
+        assert_eq!(ask(&entry, "n\n"), (false, question.to_owned()));
+        assert_eq!(
+            ask(&entry, ""),
+            (false, question.to_owned()),
+            "end of input"
+        );
+        let mut alone = entry.clone();
+        alone.aggregate_id = None;
+        alone.attempts = 1;
+        assert_eq!(
+            ask(&alone, "\n").1,
+            "discard outbox message m-1 (orders.paid to orders, dead after 1 attempt)? it will \
+             never be sent.\ndiscard it? [y/N] "
+        );
+    }
+
+    #[test]
+    fn outbox_arguments_parse() {
+        let parse = |args: &[&str]| AdminCli::try_parse_from(args.iter().copied());
+        let cli = parse(&[
+            "admin",
+            "outbox",
+            "list",
+            "--status",
+            "sent",
+            "--destination",
+            "orders",
+        ])
+        .unwrap();
+        let AdminCommand::Outbox(OutboxCommand::List(list)) = cli.command else {
+            panic!("outbox list")
+        };
+        assert_eq!(
+            (list.status, list.destination.as_deref(), list.limit),
+            (Some(OutboxStatusArg::Sent), Some("orders"), 50)
+        );
+        assert_eq!(
+            OutboxStatusArg::statuses(None),
+            [OutboxStatus::Pending, OutboxStatus::Dead]
+        );
+        assert!(parse(&["admin", "outbox", "show", "m-1"]).is_ok());
+        assert!(parse(&["admin", "outbox", "show"]).is_err());
+        assert!(parse(&["admin", "outbox", "retry", "m-1"]).is_ok());
+        assert!(
+            parse(&[
+                "admin",
+                "outbox",
+                "retry",
+                "--dead",
+                "--destination",
+                "orders"
+            ])
+            .is_ok()
+        );
+        assert!(
+            parse(&["admin", "outbox", "retry"]).is_err(),
+            "nothing to retry"
+        );
+        assert!(parse(&["admin", "outbox", "retry", "m-1", "--dead"]).is_err());
+        assert!(parse(&["admin", "outbox", "retry", "--destination", "orders"]).is_err());
+        assert!(parse(&["admin", "outbox", "discard", "m-1", "-y"]).is_ok());
+        assert!(parse(&["admin", "outbox", "discard"]).is_err());
+        assert!(parse(&["admin", "outbox", "list", "--status", "failed"]).is_err());
     }
 
     #[test]

@@ -168,7 +168,8 @@ pub use store::{
     ParkedMessage, Rejection, RejectionReason, StatsRow, StatsStatus, StoredMessage,
 };
 pub use store::{
-    NOTIFY_CHANNEL, OUTBOX_MIGRATIONS_TABLE, OutboxDatabase, OutboxRecord, OutboxRow, OutboxStatus,
+    Lease, NOTIFY_CHANNEL, OUTBOX_MIGRATIONS_TABLE, OutboxAdminStore, OutboxBacklog,
+    OutboxDatabase, OutboxEntry, OutboxRecord, OutboxRow, OutboxStatsRow, OutboxStatus,
     OutboxStore, Wakeups,
 };
 

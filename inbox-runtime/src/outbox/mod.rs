@@ -15,7 +15,12 @@
 //! * **Relay**: [`Relay`] leases committed rows (never skipping one that committed late),
 //!   publishes them, and marks them sent; rows of one aggregate go out one at a time in id
 //!   order; a failing row is retried with backoff and then dead-lettered, blocking only its own
-//!   aggregate; many relays can run at once.
+//!   aggregate; many relays can run at once; a row whose publish kills (or hangs) every relay is
+//!   dead-lettered after its attempts instead of looping.
+//! * **Change data capture**: with [`Delivery::ChangeDataCapture`] rows are written already
+//!   settled, for Debezium's outbox event router to read from the WAL instead of a relay.
+//! * **Operating it**: [`admin`] (statistics, list, show, retry, discard), the CLI's `outbox`
+//!   commands, and the shared retention purge ([`crate::admin::purge`]) for `sent` rows.
 //!
 //! Enable the table with [`migrate_components`](crate::migrate_components)`(&pool,
 //! &[Component::Inbox, Component::Outbox])` ([`Component::Outbox`](crate::Component::Outbox);
@@ -87,6 +92,7 @@
 //! }
 //! ```
 
+pub mod admin;
 mod context;
 mod relay;
 
@@ -100,6 +106,24 @@ use crate::store::{OutboxRow, OutboxStore};
 
 pub(crate) use context::scope;
 pub use relay::{Relay, RelayReport, RoundReport};
+
+/// How an [`Outbox`]'s rows reach the broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Delivery {
+    /// A [`Relay`] leases `pending` rows, publishes them to its sink and marks them `sent`
+    /// (the default).
+    Relay,
+    /// Change data capture reads the rows from the database's log (on PostgreSQL, Debezium's
+    /// outbox event router over logical decoding: see the README's "Debezium" section). Rows
+    /// are written already `sent` (`sent_at` = their creation), so that no relay leases them
+    /// and no backlog gauge counts them while they wait for a relay that never runs; the
+    /// table only ever sees inserts (what the event router expects) until the retention
+    /// purge ([`crate::admin::purge`]) deletes them, deletes the event router ignores. The
+    /// commit is the publish: Debezium emits exactly the committed rows, in commit order, and
+    /// a rolled-back publish never reaches the log's decoded stream.
+    ChangeDataCapture,
+}
 
 /// The longest message id [`Outbox::publish`] accepts, in bytes (an AMQP `message-id` is a short
 /// string of at most 255 bytes).
@@ -116,6 +140,7 @@ pub const MAX_MESSAGE_ID_BYTES: usize = 255;
 pub struct Outbox {
     destinations: &'static [&'static str],
     notify: bool,
+    delivery: Delivery,
 }
 
 impl Outbox {
@@ -124,7 +149,17 @@ impl Outbox {
         Self {
             destinations,
             notify: true,
+            delivery: Delivery::Relay,
         }
+    }
+
+    /// How rows reach the broker: a [`Relay`] (the default) or change data capture
+    /// ([`Delivery::ChangeDataCapture`]: rows written already `sent`, no notification). Pick one
+    /// per table: a relay running beside a CDC connector would publish nothing (the rows are
+    /// `sent`), while a CDC connector reading rows a relay also publishes would send each twice.
+    pub const fn delivery(mut self, delivery: Delivery) -> Self {
+        self.delivery = delivery;
+        self
     }
 
     /// Whether [`publish`](Self::publish) queues a PostgreSQL `NOTIFY inbox_outbox` in the
@@ -220,8 +255,11 @@ impl Outbox {
             &message.payload,
             &headers_json,
             message.aggregate_id.as_deref(),
-        );
-        let written = conn.enqueue_outbox(&row, self.notify).await?;
+        )
+        .settled(self.delivery == Delivery::ChangeDataCapture);
+        let written = conn
+            .enqueue_outbox(&row, self.notify && self.delivery == Delivery::Relay)
+            .await?;
         if !written {
             return Err(OutboxError::DuplicateMessageId { message_id });
         }
@@ -372,7 +410,14 @@ pub enum OutboxError {
     #[error("outbox destination is empty")]
     EmptyDestination,
     /// The destination is not one of the [`Outbox`]'s.
-    #[error("unknown outbox destination {destination:?} (known: {})", known.join(", "))]
+    #[error(
+        "unknown outbox destination {destination:?} ({})",
+        if known.is_empty() {
+            "this outbox has no destinations: list them in Outbox::new".to_owned()
+        } else {
+            format!("known: {}", known.join(", "))
+        }
+    )]
     UnknownDestination {
         /// The destination asked for.
         destination: String,

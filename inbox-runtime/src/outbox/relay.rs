@@ -1,6 +1,7 @@
 //! The relay: leases committed outbox rows, publishes them to a sink, marks them sent.
 
-use std::sync::Arc;
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt as _;
@@ -8,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
 use crate::sink::{OutgoingMessage, Sink, SinkError};
-use crate::store::{OutboxDatabase, OutboxRecord, OutboxStatus, OutboxStore as _};
+use crate::store::{OutboxBacklog, OutboxDatabase, OutboxRecord, OutboxStatus, OutboxStore as _};
 
 /// Publishes committed outbox rows to a [`Sink`] and marks them sent.
 ///
@@ -34,10 +35,19 @@ use crate::store::{OutboxDatabase, OutboxRecord, OutboxStatus, OutboxStore as _}
 ///   PostgreSQL notification (a hint, see [`Outbox::notify`](super::Outbox::notify)) or the
 ///   [`poll_interval`](Self::poll_interval), whichever comes first: latency stays bounded by the
 ///   poll interval even if every notification is lost.
-/// * **Observability**: counters `inbox_outbox_published_total`, `inbox_outbox_failed_total`,
-///   `inbox_outbox_dead_total` (label `destination`), histogram
-///   `inbox_outbox_publish_seconds` (one batch's publish), gauges `inbox_outbox_pending` and
-///   `inbox_outbox_oldest_pending_seconds` (refreshed when idle); span `inbox.outbox.round`.
+/// * **Crashes and hangs**: each lease counts an attempt before the publish. A row whose lease
+///   runs out unmarked (its relay crashed, hung or was stopped) is leased again alone, and goes
+///   `dead` once it has used [`max_attempts`](Self::max_attempts) leases ("the relay never
+///   finished publishing it"), so a row that kills every relay cannot loop forever. A round
+///   waits for the sink at most the lease ([`RoundReport::timed_out`]).
+/// * **Observability**: the metrics and spans are listed in the README ("Observability"):
+///   counters `inbox_outbox_published_total`, `inbox_outbox_failed_total`,
+///   `inbox_outbox_dead_total` (labels `destination`, `reason`),
+///   `inbox_outbox_timed_out_total`, `inbox_outbox_relay_errors_total`; histograms
+///   `inbox_outbox_publish_latency_seconds` (from the row's creation to the sink's
+///   confirmation) and `inbox_outbox_sink_batch_seconds`; gauges `inbox_outbox_pending` and
+///   `inbox_outbox_oldest_pending_seconds` (per destination, [`backlog`](Self::backlog)); spans
+///   `inbox.outbox.round`, `inbox.outbox.sink`, `inbox.outbox.publish`.
 ///
 /// ```no_run
 /// # async fn demo(pool: sqlx::PgPool) -> Result<(), sqlx::Error> {
@@ -61,6 +71,9 @@ pub struct Relay<DB: OutboxDatabase> {
     max_attempts: u32,
     backoff: Duration,
     max_backoff: Duration,
+    backlog_interval: Duration,
+    /// The destinations whose backlog gauges this relay has set (to zero them when emptied).
+    gauged: Mutex<BTreeSet<String>>,
 }
 
 impl<DB: OutboxDatabase> std::fmt::Debug for Relay<DB> {
@@ -72,6 +85,7 @@ impl<DB: OutboxDatabase> std::fmt::Debug for Relay<DB> {
             .field("max_attempts", &self.max_attempts)
             .field("backoff", &self.backoff)
             .field("max_backoff", &self.max_backoff)
+            .field("backlog_interval", &self.backlog_interval)
             .finish_non_exhaustive()
     }
 }
@@ -88,6 +102,14 @@ pub struct RoundReport {
     pub failed: usize,
     /// Rows whose publish failed and that went `dead`.
     pub dead: usize,
+    /// Rows this round's lease turned `dead` because their leases had run out
+    /// [`max_attempts`](Relay::max_attempts) times unmarked (relays crashed, hung or were stopped
+    /// while publishing them): see [`OutboxStore::lease_outbox`](crate::OutboxStore::lease_outbox).
+    pub abandoned: usize,
+    /// Rows whose publish did not answer within the lease: the relay stopped waiting and left
+    /// them unmarked (their lease has run out; the next lease takes them as orphans, counting
+    /// the attempt).
+    pub timed_out: usize,
 }
 
 /// What [`Relay::run`] did until it stopped.
@@ -100,15 +122,20 @@ pub struct RelayReport {
     pub published: u64,
     /// Failed publishes to be retried.
     pub failed: u64,
-    /// Rows that went `dead`.
+    /// Rows that went `dead` after a failed publish.
     pub dead: u64,
+    /// Rows dead-lettered because their leases ran out too often ([`RoundReport::abandoned`]).
+    pub abandoned: u64,
+    /// Rows whose publish did not answer within the lease ([`RoundReport::timed_out`]).
+    pub timed_out: u64,
     /// Rounds that failed on a database error (logged, retried after the poll interval).
     pub errors: u64,
 }
 
 impl<DB: OutboxDatabase> Relay<DB> {
     /// A relay from the outbox behind `pool` to `sink`, with the defaults: batches of 100,
-    /// leases of 30 s, a poll every 500 ms, 10 attempts, backoff from 1 s doubling to 5 min.
+    /// leases of 30 s, a poll every 500 ms, 10 attempts, backoff from 1 s doubling to 5 min,
+    /// backlog gauges refreshed every 5 s.
     pub fn new(pool: sqlx::Pool<DB>, sink: impl Sink) -> Self {
         Self {
             pool,
@@ -119,6 +146,8 @@ impl<DB: OutboxDatabase> Relay<DB> {
             max_attempts: 10,
             backoff: Duration::from_secs(1),
             max_backoff: Duration::from_secs(300),
+            backlog_interval: Duration::from_secs(5),
+            gauged: Mutex::new(BTreeSet::new()),
         }
     }
 
@@ -128,7 +157,10 @@ impl<DB: OutboxDatabase> Relay<DB> {
         self
     }
 
-    /// How long a leased row stays with this relay before another may publish it again.
+    /// How long a leased row stays with this relay before another may publish it again, and how
+    /// long a round waits for the sink to answer: a publish that takes longer is abandoned
+    /// ([`RoundReport::timed_out`]; the future is dropped) and its rows are leased again as
+    /// orphans, each lease an attempt. Keep it well above the sink's worst publish time.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self
@@ -140,7 +172,9 @@ impl<DB: OutboxDatabase> Relay<DB> {
         self
     }
 
-    /// Publish attempts after which a failing row goes `dead` (at least 1).
+    /// Leases (publish attempts) after which a row goes `dead` (at least 1): a row whose
+    /// publish failed that often, or whose lease ran out unmarked that often (the relay
+    /// publishing it crashed, hung or was stopped each time).
     pub fn max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts.max(1);
         self
@@ -150,6 +184,15 @@ impl<DB: OutboxDatabase> Relay<DB> {
     pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
         self.backoff = first;
         self.max_backoff = max.max(first);
+        self
+    }
+
+    /// How often [`run`](Self::run) refreshes the backlog gauges (`inbox_outbox_pending`,
+    /// `inbox_outbox_oldest_pending_seconds`) with one `GROUP BY` over the pending rows: at most
+    /// this often, busy or idle, and once more each time the relay runs out of work. Default
+    /// 5 s.
+    pub fn backlog_interval(mut self, interval: Duration) -> Self {
+        self.backlog_interval = interval;
         self
     }
 
@@ -163,6 +206,12 @@ impl<DB: OutboxDatabase> Relay<DB> {
 
     /// One round: lease, publish, mark. Returns what it did (`leased == 0`: nothing to do).
     ///
+    /// Runs in the span `inbox.outbox.round` (fields `leased`, `published`, `failed`, `dead`,
+    /// `abandoned`, `timed_out`), the sink's call in `inbox.outbox.sink` (`messages`), and each
+    /// leased row in `inbox.outbox.publish` (`message_id`, `destination`, `message_name`,
+    /// `aggregate`, `attempt`, `outcome`: `sent`, `failed`, `dead` or `timed_out`), where its
+    /// warnings and errors are logged.
+    ///
     /// # Errors
     /// A database error while leasing or marking. Rows published but not marked stay leased
     /// and are published again, with the same message ids, after their lease.
@@ -173,31 +222,101 @@ impl<DB: OutboxDatabase> Relay<DB> {
             published = tracing::field::Empty,
             failed = tracing::field::Empty,
             dead = tracing::field::Empty,
+            abandoned = tracing::field::Empty,
+            timed_out = tracing::field::Empty,
         );
-        self.round().instrument(span).await
+        let report = self.round().instrument(span.clone()).await?;
+        span.record("leased", report.leased);
+        span.record("published", report.published);
+        span.record("failed", report.failed);
+        span.record("dead", report.dead);
+        span.record("abandoned", report.abandoned);
+        span.record("timed_out", report.timed_out);
+        Ok(report)
     }
 
     async fn round(&self) -> Result<RoundReport, sqlx::Error> {
         let mut conn = self.pool.acquire().await?;
         let lease_ms = i64::try_from(self.lease.as_millis()).unwrap_or(i64::MAX);
-        let records = conn
-            .lease_outbox(i64::from(self.batch_size), lease_ms)
+        let abandoned_error = format!(
+            "the relay never finished publishing it: its lease ran out unmarked {} times (each \
+             relay that leased it crashed, hung or was stopped before the sink answered)",
+            self.max_attempts
+        );
+        let lease = conn
+            .lease_outbox(
+                i64::from(self.batch_size),
+                lease_ms,
+                self.max_attempts,
+                &abandoned_error,
+            )
             .await?;
+        let leased_at = Instant::now();
+        for record in &lease.abandoned {
+            metrics::counter!(
+                "inbox_outbox_dead_total",
+                "destination" => record.destination.clone(),
+                "reason" => "abandoned"
+            )
+            .increment(1);
+            message_span(record, "dead").in_scope(|| {
+                tracing::error!(
+                    attempts = record.attempts,
+                    error = %abandoned_error,
+                    "outbox message dead"
+                )
+            });
+        }
+        let records = lease.records;
         let mut report = RoundReport {
             leased: records.len(),
+            abandoned: lease.abandoned.len(),
             ..RoundReport::default()
         };
         if records.is_empty() {
             return Ok(report);
         }
-        let (messages, unreadable) = outgoing(&records);
-        let started = Instant::now();
-        let mut results = if messages.is_empty() {
-            Vec::new()
+        let spans: Vec<tracing::Span> = records.iter().map(|r| message_span(r, "")).collect();
+        let (indices, messages, mut failures) = outgoing(&records);
+        let results = if messages.is_empty() {
+            Some(Vec::new())
         } else {
-            self.sink.publish_batch(&messages).await
+            let started = Instant::now();
+            let publish = self
+                .sink
+                .publish_batch(&messages)
+                .instrument(tracing::info_span!(
+                    "inbox.outbox.sink",
+                    messages = messages.len()
+                ));
+            let results = tokio::time::timeout(self.lease, publish).await.ok();
+            metrics::histogram!("inbox_outbox_sink_batch_seconds")
+                .record(started.elapsed().as_secs_f64());
+            results
         };
-        metrics::histogram!("inbox_outbox_publish_seconds").record(started.elapsed().as_secs_f64());
+        let confirmed_at = Instant::now();
+        let Some(mut results) = results else {
+            // The lease ran out while the sink said nothing: stop waiting and leave the rows as
+            // they are. They are orphans now; the next lease counts another attempt on each.
+            for index in &indices {
+                let record = &records[*index];
+                report.timed_out += 1;
+                metrics::counter!(
+                    "inbox_outbox_timed_out_total",
+                    "destination" => record.destination.clone()
+                )
+                .increment(1);
+                spans[*index].record("outcome", "timed_out");
+                spans[*index].in_scope(|| {
+                    tracing::warn!(
+                        attempts = record.attempts,
+                        lease_ms,
+                        "outbox publish did not answer within the lease; leaving it unmarked"
+                    )
+                });
+            }
+            return Ok(report);
+        };
         if results.len() != messages.len() {
             let text = format!(
                 "the sink answered {} results for {} messages",
@@ -210,26 +329,38 @@ impl<DB: OutboxDatabase> Relay<DB> {
                 .collect();
         }
         let mut sent = Vec::new();
-        let mut failures: Vec<(&OutboxRecord, SinkError)> = unreadable;
-        let mut by_id = records.iter();
-        for (message, result) in messages.iter().zip(results) {
-            let record = by_id
-                .find(|r| r.message_id == message.message_id)
-                .expect("messages follow their records");
+        for (index, result) in indices.iter().zip(results) {
             match result {
-                Ok(()) => sent.push(record),
-                Err(error) => failures.push((record, error)),
+                Ok(()) => sent.push(*index),
+                Err(error) => failures.push((*index, error)),
             }
         }
-        let ids: Vec<i64> = sent.iter().map(|r| r.id).collect();
+        let ids: Vec<i64> = sent.iter().map(|index| records[*index].id).collect();
         conn.mark_outbox_sent(&ids).await?;
-        for record in &sent {
+        let since_lease = confirmed_at.saturating_duration_since(leased_at);
+        for index in &sent {
+            let record = &records[*index];
             let destination = record.destination.clone();
-            metrics::counter!("inbox_outbox_published_total", "destination" => destination)
+            let latency = record.age + since_lease;
+            metrics::counter!("inbox_outbox_published_total", "destination" => destination.clone())
                 .increment(1);
+            metrics::histogram!(
+                "inbox_outbox_publish_latency_seconds",
+                "destination" => destination
+            )
+            .record(latency.as_secs_f64());
+            spans[*index].record("outcome", "sent");
+            spans[*index].in_scope(|| {
+                tracing::debug!(
+                    latency_ms = latency.as_millis() as u64,
+                    "outbox message published"
+                )
+            });
         }
         report.published = sent.len();
-        for (record, error) in failures {
+        failures.sort_by_key(|(index, _)| *index);
+        for (index, error) in failures {
+            let record = &records[index];
             let text = error.to_string();
             let retry_in = self.retry_in(record.attempts);
             let status = conn
@@ -242,58 +373,86 @@ impl<DB: OutboxDatabase> Relay<DB> {
                 )
                 .await?;
             let destination = record.destination.clone();
+            let span = &spans[index];
             if status == Some(OutboxStatus::Dead) {
                 report.dead += 1;
-                metrics::counter!("inbox_outbox_dead_total", "destination" => destination)
-                    .increment(1);
-                tracing::error!(
-                    message_id = %record.message_id,
-                    attempts = record.attempts,
-                    error = %text,
-                    "outbox message dead"
-                );
+                let reason = if error.is_permanent() {
+                    "permanent"
+                } else {
+                    "exhausted"
+                };
+                metrics::counter!(
+                    "inbox_outbox_dead_total",
+                    "destination" => destination,
+                    "reason" => reason
+                )
+                .increment(1);
+                span.record("outcome", "dead");
+                span.in_scope(|| {
+                    tracing::error!(
+                        attempts = record.attempts,
+                        error = %text,
+                        "outbox message dead"
+                    )
+                });
             } else {
                 report.failed += 1;
                 metrics::counter!("inbox_outbox_failed_total", "destination" => destination)
                     .increment(1);
-                tracing::warn!(
-                    message_id = %record.message_id,
-                    attempts = record.attempts,
-                    retry_in_ms = retry_in.as_millis() as u64,
-                    error = %text,
-                    "outbox publish failed; will retry"
-                );
+                span.record("outcome", "failed");
+                span.in_scope(|| {
+                    tracing::warn!(
+                        attempts = record.attempts,
+                        retry_in_ms = retry_in.as_millis() as u64,
+                        error = %text,
+                        "outbox publish failed; will retry"
+                    )
+                });
             }
         }
-        let span = tracing::Span::current();
-        span.record("leased", report.leased);
-        span.record("published", report.published);
-        span.record("failed", report.failed);
-        span.record("dead", report.dead);
         Ok(report)
     }
 
     /// Runs rounds until `shutdown` is cancelled (a round under way is finished first), then
     /// returns what it did. Rounds follow each other at once while they find rows; when idle
-    /// the relay waits for a wake-up or the poll interval. A database error is logged and the
-    /// round retried after the poll interval.
+    /// the relay waits for a wake-up or the poll interval. A database error is logged, counted
+    /// (`inbox_outbox_relay_errors_total`) and the round retried after the poll interval. The
+    /// backlog gauges are refreshed as [`backlog_interval`](Self::backlog_interval) says.
     pub async fn run(self, shutdown: CancellationToken) -> RelayReport {
         let mut wakeups = DB::wakeups(&self.pool).await;
         let mut report = RelayReport::default();
+        let mut gauged_at: Option<Instant> = None;
+        let mut busy = false;
         while !shutdown.is_cancelled() {
+            let was_busy = busy;
+            busy = false;
             match self.run_once().await {
-                Ok(round) if round.leased > 0 => {
-                    report.rounds += 1;
-                    report.published += round.published as u64;
-                    report.failed += round.failed as u64;
-                    report.dead += round.dead as u64;
-                    continue;
+                Ok(round) => {
+                    report.abandoned += round.abandoned as u64;
+                    report.timed_out += round.timed_out as u64;
+                    if round.leased > 0 {
+                        report.rounds += 1;
+                        report.published += round.published as u64;
+                        report.failed += round.failed as u64;
+                        report.dead += round.dead as u64;
+                        busy = true;
+                    }
                 }
-                Ok(_) => self.observe_backlog().await,
                 Err(error) => {
                     report.errors += 1;
+                    metrics::counter!("inbox_outbox_relay_errors_total").increment(1);
                     tracing::warn!(%error, "outbox relay round failed; retrying");
                 }
+            }
+            let due = gauged_at.is_none_or(|at| at.elapsed() >= self.backlog_interval);
+            if due || (was_busy && !busy) {
+                gauged_at = Some(Instant::now());
+                if let Err(error) = self.backlog().await {
+                    tracing::debug!(%error, "outbox relay: backlog gauges not refreshed");
+                }
+            }
+            if busy {
+                continue;
             }
             let poll = tokio::time::sleep(self.poll_interval);
             match wakeups.as_mut() {
@@ -314,40 +473,83 @@ impl<DB: OutboxDatabase> Relay<DB> {
         report
     }
 
-    /// Sets the backlog gauges.
-    async fn observe_backlog(&self) {
-        let backlog = async {
-            let mut conn = self.pool.acquire().await?;
-            conn.outbox_backlog().await
-        };
-        if let Ok((pending, oldest)) = backlog.await {
-            metrics::gauge!("inbox_outbox_pending").set(pending as f64);
-            metrics::gauge!("inbox_outbox_oldest_pending_seconds").set(oldest);
+    /// Reads the backlog per destination and sets the gauges `inbox_outbox_pending` and
+    /// `inbox_outbox_oldest_pending_seconds` (label `destination`) to it; a destination this
+    /// relay reported before and that has no pending row left is set to 0. [`run`](Self::run)
+    /// calls it on its own; call it yourself to read the backlog.
+    ///
+    /// # Errors
+    /// The database's error (the gauges keep their values).
+    pub async fn backlog(&self) -> Result<Vec<OutboxBacklog>, sqlx::Error> {
+        let mut conn = self.pool.acquire().await?;
+        let backlog = conn.outbox_backlog().await?;
+        let mut gauged = self.gauged.lock().unwrap_or_else(|e| e.into_inner());
+        for line in &backlog {
+            let destination = line.destination.clone();
+            metrics::gauge!("inbox_outbox_pending", "destination" => destination.clone())
+                .set(line.pending as f64);
+            metrics::gauge!(
+                "inbox_outbox_oldest_pending_seconds",
+                "destination" => destination
+            )
+            .set(line.oldest_pending_secs);
         }
+        let now: BTreeSet<String> = backlog.iter().map(|l| l.destination.clone()).collect();
+        for gone in gauged.difference(&now) {
+            metrics::gauge!("inbox_outbox_pending", "destination" => gone.clone()).set(0.0);
+            metrics::gauge!("inbox_outbox_oldest_pending_seconds", "destination" => gone.clone())
+                .set(0.0);
+        }
+        *gauged = now;
+        Ok(backlog)
     }
 }
 
-/// The sink's messages for `records`, and the records whose stored headers do not parse (a
-/// damaged row: dead at once).
-fn outgoing(records: &[OutboxRecord]) -> (Vec<OutgoingMessage>, Vec<(&OutboxRecord, SinkError)>) {
+/// The span of one leased row (`outcome` recorded when known).
+fn message_span(record: &OutboxRecord, outcome: &str) -> tracing::Span {
+    let span = tracing::info_span!(
+        "inbox.outbox.publish",
+        message_id = %record.message_id,
+        destination = %record.destination,
+        message_name = %record.message_name,
+        aggregate = record.aggregate_id.as_deref().unwrap_or(""),
+        attempt = record.attempts,
+        outcome = tracing::field::Empty,
+    );
+    if !outcome.is_empty() {
+        span.record("outcome", outcome);
+    }
+    span
+}
+
+/// The sink's messages for `records`, with their records' indices, and the records whose
+/// stored headers do not parse (a damaged row: dead at once), by index.
+fn outgoing(records: &[OutboxRecord]) -> Outgoing {
+    let mut indices = Vec::with_capacity(records.len());
     let mut messages = Vec::with_capacity(records.len());
     let mut unreadable = Vec::new();
-    for record in records {
+    for (index, record) in records.iter().enumerate() {
         match serde_json::from_str(&record.headers_json) {
-            Ok(headers) => messages.push(OutgoingMessage {
-                message_id: record.message_id.clone(),
-                destination: record.destination.clone(),
-                message_name: record.message_name.clone(),
-                payload: record.payload.clone(),
-                headers,
-                aggregate_id: record.aggregate_id.clone(),
-                attempt: record.attempts,
-            }),
+            Ok(headers) => {
+                indices.push(index);
+                messages.push(OutgoingMessage {
+                    message_id: record.message_id.clone(),
+                    destination: record.destination.clone(),
+                    message_name: record.message_name.clone(),
+                    payload: record.payload.clone(),
+                    headers,
+                    aggregate_id: record.aggregate_id.clone(),
+                    attempt: record.attempts,
+                });
+            }
             Err(error) => unreadable.push((
-                record,
+                index,
                 SinkError::permanent(format!("stored headers are not a JSON object: {error}")),
             )),
         }
     }
-    (messages, unreadable)
+    (indices, messages, unreadable)
 }
+
+/// [`outgoing`]'s answer: the records' indices and their messages, and the unreadable ones.
+type Outgoing = (Vec<usize>, Vec<OutgoingMessage>, Vec<(usize, SinkError)>);

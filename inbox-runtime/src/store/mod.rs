@@ -27,7 +27,8 @@ mod postgres;
 mod sqlite;
 
 pub use outbox::{
-    NOTIFY_CHANNEL, OutboxDatabase, OutboxRecord, OutboxRow, OutboxStatus, OutboxStore, Wakeups,
+    Lease, NOTIFY_CHANNEL, OutboxAdminStore, OutboxBacklog, OutboxDatabase, OutboxEntry,
+    OutboxRecord, OutboxRow, OutboxStatsRow, OutboxStatus, OutboxStore, Wakeups,
 };
 
 pub use shared::{

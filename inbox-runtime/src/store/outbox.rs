@@ -38,10 +38,15 @@ pub struct OutboxRow<'a> {
     pub headers_json: &'a str,
     /// The aggregate whose rows are published in order, if any.
     pub aggregate_id: Option<&'a str>,
+    /// Write the row already `sent` (its `sent_at` its creation time), for an outbox that change
+    /// data capture reads ([`Delivery::ChangeDataCapture`](crate::outbox::Delivery)): no relay
+    /// ever leases it, and only the retention purge removes it. `false` ([`OutboxRow::new`]):
+    /// `pending`, for the relay.
+    pub sent: bool,
 }
 
 impl<'a> OutboxRow<'a> {
-    /// A row of these parts.
+    /// A `pending` row of these parts.
     pub fn new(
         message_id: &'a str,
         destination: &'a str,
@@ -57,7 +62,14 @@ impl<'a> OutboxRow<'a> {
             payload,
             headers_json,
             aggregate_id,
+            sent: false,
         }
+    }
+
+    /// The same row, written already `sent` if `sent` (see [`OutboxRow::sent`]).
+    pub fn settled(mut self, sent: bool) -> Self {
+        self.sent = sent;
+        self
     }
 }
 
@@ -79,8 +91,38 @@ pub struct OutboxRecord {
     pub headers_json: String,
     /// The aggregate, if any.
     pub aggregate_id: Option<String>,
-    /// Publish attempts so far, this one included (≥ 1).
+    /// Leases so far, this one included (≥ 1): each lease counts as an attempt, whether its
+    /// publish then succeeded, failed, or never finished.
     pub attempts: u32,
+    /// How old the row was when it was leased: the database clock's now minus `created_at`
+    /// (PostgreSQL: the start of the writing transaction). Zero if the clocks disagree.
+    pub age: std::time::Duration,
+}
+
+/// What one [`OutboxStore::lease_outbox`] did: the rows leased, and the rows it dead-lettered
+/// because their leases ran out too often.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Lease {
+    /// The rows leased to the caller, in id order.
+    pub records: Vec<OutboxRecord>,
+    /// Rows turned `dead` by this call: `pending` rows whose lease had run out (leased, never
+    /// marked sent or failed: the relay that held them crashed, hung or was stopped
+    /// mid-publish) after `max_attempts` leases. Their `attempts` is the number of leases.
+    pub abandoned: Vec<OutboxRecord>,
+}
+
+/// The backlog of one destination: what the relay's gauges show
+/// ([`OutboxStore::outbox_backlog`]).
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct OutboxBacklog {
+    /// The destination.
+    pub destination: String,
+    /// Rows `pending` for it.
+    pub pending: i64,
+    /// Age of the oldest of them, in seconds on the database clock (from `created_at`).
+    pub oldest_pending_secs: f64,
 }
 
 /// The status of an outbox row.
@@ -98,6 +140,13 @@ pub enum OutboxStatus {
 }
 
 impl OutboxStatus {
+    /// Every status, in the order rows pass through them.
+    pub const ALL: [OutboxStatus; 3] = [
+        OutboxStatus::Pending,
+        OutboxStatus::Sent,
+        OutboxStatus::Dead,
+    ];
+
     /// The stored text: `pending`, `sent` or `dead`.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -140,19 +189,32 @@ pub trait OutboxStore: Send {
         notify: bool,
     ) -> BoxFuture<'c, Result<bool, sqlx::Error>>;
 
-    /// Leases at most `limit` publishable rows for `lease_ms` milliseconds, counting an attempt
-    /// on each, and returns them in id order. Publishable: `pending`, committed (see the module
-    /// docs for each backend's rule), due (`next_attempt_at` passed), not leased by another
-    /// relay, and without an earlier `pending` or `dead` row of the same aggregate, so that at
-    /// most one row per aggregate is out at a time. Concurrent relays never lease the same row
-    /// while its lease runs.
-    fn lease_outbox(
-        &mut self,
+    /// Leases publishable rows for `lease_ms` milliseconds, counting an attempt on each, and
+    /// returns them in id order. Publishable: `pending`, committed (see the module docs for each
+    /// backend's rule), due (`next_attempt_at` passed), not leased by another relay, and without
+    /// an earlier `pending` or `dead` row of the same aggregate, so that at most one row per
+    /// aggregate is out at a time. Concurrent relays never lease the same row while its lease
+    /// runs.
+    ///
+    /// Rows whose last lease ran out without a mark (**orphans**: a relay crashed, hung or was
+    /// stopped while publishing them) come first, and **alone**: when one is publishable, only
+    /// it is leased (the one with the fewest attempts, then the lowest id), so that a row that
+    /// crashes every relay publishing it takes no other row down with it. Otherwise up to
+    /// `limit` rows are leased. Before leasing, every orphan that already has `max_attempts`
+    /// leases goes `dead` with `abandoned_error` as its last error
+    /// ([`Lease::abandoned`]): a row that kills the relay every time ends dead instead of
+    /// looping forever.
+    fn lease_outbox<'c>(
+        &'c mut self,
         limit: i64,
         lease_ms: i64,
-    ) -> BoxFuture<'_, Result<Vec<OutboxRecord>, sqlx::Error>>;
+        max_attempts: u32,
+        abandoned_error: &'c str,
+    ) -> BoxFuture<'c, Result<Lease, sqlx::Error>>;
 
-    /// Marks the rows with these ids `sent` (only `pending` ones). Returns how many changed.
+    /// Marks the rows with these ids `sent`: the sink confirmed them. `pending` rows, and
+    /// `dead` ones too (a row dead-lettered while a relay that had lost its lease was still
+    /// publishing it, and then confirmed: it *was* sent). Returns how many changed.
     fn mark_outbox_sent<'c>(
         &'c mut self,
         ids: &'c [i64],
@@ -179,9 +241,131 @@ pub trait OutboxStore: Send {
         batch: i64,
     ) -> BoxFuture<'_, Result<u64, sqlx::Error>>;
 
-    /// The backlog: how many rows are `pending`, and the age in seconds of the oldest (0 if
-    /// none).
-    fn outbox_backlog(&mut self) -> BoxFuture<'_, Result<(i64, f64), sqlx::Error>>;
+    /// The backlog per destination that has `pending` rows: how many, and the age of the
+    /// oldest, by destination.
+    fn outbox_backlog(&mut self) -> BoxFuture<'_, Result<Vec<OutboxBacklog>, sqlx::Error>>;
+}
+
+/// One outbox row as operators see it ([`OutboxAdminStore`]): every column, times in the
+/// database's text form (UTC on SQLite; the session's time zone on PostgreSQL:
+/// [`crate::admin::utc_time`] shows either in UTC).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OutboxEntry {
+    /// The row's id (its position in publication order).
+    pub id: i64,
+    /// The stable message id.
+    pub message_id: String,
+    /// The destination.
+    pub destination: String,
+    /// The message's routing name.
+    pub message_name: String,
+    /// The payload bytes; `None` in listings ([`OutboxAdminStore::list_outbox`]), which do not
+    /// load them.
+    pub payload: Option<Vec<u8>>,
+    /// The payload's size in bytes.
+    pub payload_size: i64,
+    /// The headers as stored: a JSON object of strings.
+    pub headers_json: String,
+    /// The aggregate, if any.
+    pub aggregate_id: Option<String>,
+    /// PostgreSQL: the id of the transaction that wrote the row (`xid8`, as text); `None` on
+    /// SQLite.
+    pub txid: Option<String>,
+    /// When the row was written (PostgreSQL: when its transaction began).
+    pub created_at: String,
+    /// `pending`, `sent` or `dead`.
+    pub status: OutboxStatus,
+    /// Leases so far (each lease is an attempt).
+    pub attempts: u32,
+    /// When a failed row may be leased again, if it failed.
+    pub next_attempt_at: Option<String>,
+    /// Until when the row is leased to a relay, if it is (or was, and the lease ran out unmarked).
+    pub leased_until: Option<String>,
+    /// The last failed publish's error (kept after a retry, cleared when sent).
+    pub last_error: Option<String>,
+    /// When the sink confirmed it (or, for change data capture, when it was written).
+    pub sent_at: Option<String>,
+}
+
+/// One line of the outbox's statistics ([`OutboxAdminStore::outbox_stats`]): the rows of one
+/// destination in one status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OutboxStatsRow {
+    /// The destination.
+    pub destination: String,
+    /// The status.
+    pub status: OutboxStatus,
+    /// How many rows.
+    pub count: i64,
+    /// The oldest time among them (database text form): `created_at` in
+    /// [`OutboxAdminStore::outbox_stats`], `sent_at` in
+    /// [`OutboxAdminStore::outbox_purge_preview`].
+    pub oldest: Option<String>,
+}
+
+/// Operators' reads and writes on the outbox: statistics, listing, inspection, retry, discard,
+/// the retention purge. Implemented for `sqlx::PgConnection` and `sqlx::SqliteConnection`; each
+/// method runs its own short statement (call them outside a transaction). Every method but
+/// [`outbox_installed`](Self::outbox_installed) fails with the database's "no such table" error
+/// when the outbox component is not migrated.
+pub trait OutboxAdminStore: Send {
+    /// Whether the outbox table exists (the [`Component::Outbox`](super::Component::Outbox)
+    /// migrations ran).
+    fn outbox_installed(&mut self) -> BoxFuture<'_, Result<bool, sqlx::Error>>;
+
+    /// Per destination and status: how many rows, and the oldest `created_at`; by destination,
+    /// then status.
+    fn outbox_stats(&mut self) -> BoxFuture<'_, Result<Vec<OutboxStatsRow>, sqlx::Error>>;
+
+    /// Rows whose status is one of `statuses` (at most three; empty lists nothing), of one
+    /// destination or all, by id (oldest first), at most `limit`, without their payloads.
+    fn list_outbox<'c>(
+        &'c mut self,
+        statuses: &'c [OutboxStatus],
+        destination: Option<&'c str>,
+        limit: i64,
+    ) -> BoxFuture<'c, Result<Vec<OutboxEntry>, sqlx::Error>>;
+
+    /// The row with this message id, payload included, or `None`.
+    fn fetch_outbox<'c>(
+        &'c mut self,
+        message_id: &'c str,
+    ) -> BoxFuture<'c, Result<Option<OutboxEntry>, sqlx::Error>>;
+
+    /// Turns `dead` rows `pending` again, their attempts reset to 0, lease and retry time
+    /// cleared (the last error stays until they are sent): the row with `message_id`, or, with
+    /// `None`, every dead row (of `destination`, if given). PostgreSQL then notifies relays.
+    /// Returns how many rows changed.
+    fn retry_outbox<'c>(
+        &'c mut self,
+        message_id: Option<&'c str>,
+        destination: Option<&'c str>,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
+
+    /// Deletes the `dead` row with `message_id`: it is never sent, and the rows after it of its
+    /// aggregate are no longer held back. Returns whether a row went.
+    fn discard_outbox<'c>(
+        &'c mut self,
+        message_id: &'c str,
+    ) -> BoxFuture<'c, Result<bool, sqlx::Error>>;
+
+    /// Deletes at most `batch` `sent` rows whose `sent_at` is before `cutoff` (a time in the
+    /// database's text form, as [`PurgeClock::cutoff`](super::PurgeClock::cutoff) gives it).
+    /// Returns how many went.
+    fn purge_outbox_before<'c>(
+        &'c mut self,
+        cutoff: &'c str,
+        batch: i64,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
+
+    /// What [`purge_outbox_before`](Self::purge_outbox_before) would delete, per destination:
+    /// `sent` rows with `sent_at` before `cutoff`, their count and oldest `sent_at`.
+    fn outbox_purge_preview<'c>(
+        &'c mut self,
+        cutoff: &'c str,
+    ) -> BoxFuture<'c, Result<Vec<OutboxStatsRow>, sqlx::Error>>;
 }
 
 /// Wake-ups for a relay: each item is a hint that rows may have been committed.
@@ -189,7 +373,7 @@ pub type Wakeups = Pin<Box<dyn futures_util::Stream<Item = ()> + Send>>;
 
 /// A database an outbox can live in: its connections implement [`OutboxStore`], and it may
 /// offer wake-ups (PostgreSQL: `LISTEN inbox_outbox`).
-pub trait OutboxDatabase: InboxDatabase<Connection: OutboxStore> {
+pub trait OutboxDatabase: InboxDatabase<Connection: OutboxStore + OutboxAdminStore> {
     /// A stream of wake-up hints, or `None` if the backend has none (the relay then polls).
     fn wakeups(pool: &Pool<Self>) -> impl Future<Output = Option<Wakeups>> + Send;
 }
@@ -198,83 +382,163 @@ pub trait OutboxDatabase: InboxDatabase<Connection: OutboxStore> {
 pub const NOTIFY_CHANNEL: &str = "inbox_outbox";
 
 /// The outbox component's migrations on PostgreSQL.
-pub(super) const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "outbox",
-    include_str!("../../migrations/postgres/outbox/0001_outbox.sql"),
-)];
+pub(super) const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "outbox",
+        include_str!("../../migrations/postgres/outbox/0001_outbox.sql"),
+    ),
+    (
+        2,
+        "outbox leases",
+        include_str!("../../migrations/postgres/outbox/0002_outbox_leases.sql"),
+    ),
+];
 
 /// The outbox component's migrations on SQLite.
-pub(super) const SQLITE_MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "outbox",
-    include_str!("../../migrations/sqlite/outbox/0001_outbox.sql"),
-)];
+pub(super) const SQLITE_MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "outbox",
+        include_str!("../../migrations/sqlite/outbox/0001_outbox.sql"),
+    ),
+    (
+        2,
+        "outbox leases",
+        include_str!("../../migrations/sqlite/outbox/0002_outbox_leases.sql"),
+    ),
+];
 
-/// The columns a lease returns, in [`record`]'s order (SQLite's `RETURNING` takes them
-/// unqualified).
+/// The columns a lease returns, in [`record`]'s order, each prefixed with `$t` (`"t."`, or
+/// `""`: SQLite's `RETURNING` takes them unqualified): the row's parts, its attempts, and its
+/// age in milliseconds on the database clock (`$age`: the dialect's expression).
 macro_rules! leased_columns {
-    ($t:literal) => {
+    ($t:literal, $age:expr) => {
         concat!(
             $t,
-            ".id, ",
+            "id, ",
             $t,
-            ".message_id, ",
+            "message_id, ",
             $t,
-            ".destination, ",
+            "destination, ",
             $t,
-            ".message_name, ",
+            "message_name, ",
             $t,
-            ".payload, ",
+            "payload, ",
             $t,
-            ".headers, ",
+            "headers, ",
             $t,
-            ".aggregate_id, ",
+            "aggregate_id, ",
             $t,
-            ".attempts"
+            "attempts, ",
+            $age
+        )
+    };
+}
+
+/// The columns of an [`OutboxEntry`], in [`entry`]'s order, with the dialect's payload (or a
+/// `NULL` of its type), transaction id and text cast.
+macro_rules! entry_columns {
+    ($payload:literal, $size:literal, $txid:literal) => {
+        concat!(
+            "id, message_id, destination, message_name, ",
+            $payload,
+            ", ",
+            $size,
+            ", headers, aggregate_id, ",
+            $txid,
+            ", CAST(created_at AS TEXT), status, attempts, CAST(next_attempt_at AS TEXT), \
+             CAST(leased_until AS TEXT), last_error, CAST(sent_at AS TEXT)"
         )
     };
 }
 
 mod postgres {
+    /// A leased row's age in milliseconds.
+    macro_rules! age {
+        ($t:literal) => {
+            concat!(
+                "CAST(EXTRACT(EPOCH FROM (now() - ",
+                $t,
+                ".created_at)) * 1000 AS BIGINT)"
+            )
+        };
+    }
+
     /// The insert; with `$7`, a notification queued in the same statement (the `note` CTE runs
-    /// because the final SELECT reads it).
+    /// because the final SELECT reads it). With `$8`, the row is written `sent` (change data
+    /// capture).
     pub(super) const ENQUEUE: &str = "WITH ins AS ( \
          INSERT INTO inbox_outbox \
-           (message_id, destination, message_name, payload, headers, aggregate_id) \
-         VALUES ($1, $2, $3, $4, $5, $6) \
+           (message_id, destination, message_name, payload, headers, aggregate_id, status, \
+            sent_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, CASE WHEN $8 THEN 'sent' ELSE 'pending' END, \
+           CASE WHEN $8 THEN now() END) \
          ON CONFLICT (message_id) DO NOTHING RETURNING id), \
-       note AS (SELECT pg_notify('inbox_outbox', '') FROM ins WHERE $7) \
+       note AS (SELECT pg_notify('inbox_outbox', '') FROM ins WHERE $7 AND NOT $8) \
        SELECT id, (SELECT count(*) FROM note) AS notified FROM ins";
 
-    /// The lease. `horizon`: the oldest transaction still running, as of this statement's
-    /// snapshot; rows of older transactions are final (committed and visible, or rolled back
-    /// and gone). `FOR UPDATE … SKIP LOCKED` and the re-checked lease keep two relays off the
-    /// same row.
-    pub(super) const LEASE: &str = concat!(
-        "WITH horizon AS MATERIALIZED (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin), \
-         picked AS ( \
-           SELECT o.id FROM inbox_outbox o \
-           WHERE o.status = 'pending' \
+    /// Whether a row may be leased now (alias `o`): pending, due, not under a running lease
+    /// (an orphan whose lease ran out may be, if it has attempts left: `$3`), its transaction
+    /// older than every running one (`horizon`), first of its aggregate.
+    macro_rules! leasable {
+        () => {
+            "o.status = 'pending' \
              AND o.txid < (SELECT xmin FROM horizon) \
              AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= now()) \
-             AND (o.leased_until IS NULL OR o.leased_until <= now()) \
+             AND (o.leased_until IS NULL OR (o.leased_until <= now() AND o.attempts < $3)) \
              AND (o.aggregate_id IS NULL OR NOT EXISTS ( \
                    SELECT 1 FROM inbox_outbox e \
                    WHERE e.aggregate_id = o.aggregate_id AND e.id < o.id \
-                     AND e.status IN ('pending', 'dead'))) \
-           ORDER BY o.id LIMIT $1 \
-           FOR UPDATE OF o SKIP LOCKED) \
-         UPDATE inbox_outbox t SET attempts = t.attempts + 1, \
-           leased_until = now() + $2 * interval '1 millisecond' \
-         FROM picked WHERE t.id = picked.id \
-         RETURNING ",
-        leased_columns!("t")
+                     AND e.status IN ('pending', 'dead')))"
+        };
+    }
+
+    /// The lease, in one statement. `horizon`: the oldest transaction still running, as of this
+    /// statement's snapshot; rows of older transactions are final (committed and visible, or
+    /// rolled back and gone). `abandoned`: orphans out of attempts go dead (`$4`: the error).
+    /// `orphan`: one orphan with attempts left, alone; `fresh`: otherwise up to `$1` rows never
+    /// leased or settled since. `FOR UPDATE … SKIP LOCKED` and the re-checked lease keep two
+    /// relays off the same row. The result: `kind` ('leased' or 'abandoned'), then the
+    /// [`leased_columns`].
+    pub(super) const LEASE: &str = concat!(
+        "WITH horizon AS MATERIALIZED (SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin), \
+         abandoned AS ( \
+           UPDATE inbox_outbox t SET status = 'dead', last_error = $4, leased_until = NULL, \
+             next_attempt_at = NULL \
+           WHERE t.id IN ( \
+             SELECT o.id FROM inbox_outbox o \
+             WHERE o.status = 'pending' AND o.leased_until <= now() AND o.attempts >= $3 \
+             ORDER BY o.id FOR UPDATE SKIP LOCKED) \
+           RETURNING ",
+        leased_columns!("t.", age!("t")),
+        " AS age_ms), \
+         orphan AS ( \
+           SELECT o.id FROM inbox_outbox o \
+           WHERE o.leased_until IS NOT NULL AND ",
+        leasable!(),
+        " ORDER BY o.attempts, o.id LIMIT 1 \
+           FOR UPDATE OF o SKIP LOCKED), \
+         fresh AS ( \
+           SELECT o.id FROM inbox_outbox o \
+           WHERE o.leased_until IS NULL AND NOT EXISTS (SELECT 1 FROM orphan) AND ",
+        leasable!(),
+        " ORDER BY o.id LIMIT $1 \
+           FOR UPDATE OF o SKIP LOCKED), \
+         leased AS ( \
+           UPDATE inbox_outbox t SET attempts = t.attempts + 1, \
+             leased_until = now() + $2 * interval '1 millisecond' \
+           WHERE t.id IN (SELECT id FROM orphan UNION ALL SELECT id FROM fresh) \
+           RETURNING ",
+        leased_columns!("t.", age!("t")),
+        " AS age_ms) \
+         SELECT 'leased' AS kind, * FROM leased \
+         UNION ALL SELECT 'abandoned', * FROM abandoned"
     );
 
     pub(super) const MARK_SENT: &str = "UPDATE inbox_outbox SET status = 'sent', sent_at = now(), \
          leased_until = NULL, next_attempt_at = NULL, last_error = NULL \
-       WHERE id = ANY($1) AND status = 'pending'";
+       WHERE id = ANY($1) AND status IN ('pending', 'dead')";
 
     pub(super) const MARK_FAILED: &str = "UPDATE inbox_outbox SET \
          status = CASE WHEN $1 OR attempts >= $2 THEN 'dead' ELSE 'pending' END, \
@@ -287,9 +551,56 @@ mod postgres {
          WHERE status = 'sent' AND sent_at < now() - $1 * interval '1 second' \
          ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED)";
 
-    pub(super) const BACKLOG: &str = "SELECT COUNT(*), \
+    pub(super) const BACKLOG: &str = "SELECT destination, COUNT(*), \
          COALESCE(EXTRACT(EPOCH FROM now() - MIN(created_at)), 0)::float8 \
-       FROM inbox_outbox WHERE status = 'pending'";
+       FROM inbox_outbox WHERE status = 'pending' GROUP BY destination ORDER BY destination";
+
+    pub(super) const INSTALLED: &str = "SELECT to_regclass('inbox_outbox') IS NOT NULL";
+
+    pub(super) const STATS: &str = "SELECT destination, status, COUNT(*), \
+         CAST(MIN(created_at) AS TEXT) FROM inbox_outbox \
+       GROUP BY destination, status ORDER BY destination, status";
+
+    pub(super) const LIST: &str = concat!(
+        "SELECT ",
+        entry_columns!(
+            "CAST(NULL AS BYTEA)",
+            "CAST(octet_length(payload) AS BIGINT)",
+            "CAST(txid AS TEXT)"
+        ),
+        " FROM inbox_outbox WHERE status IN ($1, $2, $3) \
+           AND ($4::text IS NULL OR destination = $4) ORDER BY id LIMIT $5"
+    );
+
+    pub(super) const FETCH: &str = concat!(
+        "SELECT ",
+        entry_columns!(
+            "payload",
+            "CAST(octet_length(payload) AS BIGINT)",
+            "CAST(txid AS TEXT)"
+        ),
+        " FROM inbox_outbox WHERE message_id = $1"
+    );
+
+    pub(super) const RETRY: &str = "UPDATE inbox_outbox SET status = 'pending', attempts = 0, \
+         leased_until = NULL, next_attempt_at = NULL \
+       WHERE status = 'dead' AND ($1::text IS NULL OR message_id = $1) \
+         AND ($2::text IS NULL OR destination = $2)";
+
+    pub(super) const NOTIFY: &str = "SELECT pg_notify('inbox_outbox', '')";
+
+    pub(super) const DISCARD: &str =
+        "DELETE FROM inbox_outbox WHERE message_id = $1 AND status = 'dead'";
+
+    pub(super) const PURGE_BEFORE: &str = "DELETE FROM inbox_outbox WHERE id IN ( \
+         SELECT id FROM inbox_outbox \
+         WHERE status = 'sent' AND sent_at < CAST($1 AS TIMESTAMPTZ) \
+         ORDER BY sent_at LIMIT $2 FOR UPDATE SKIP LOCKED)";
+
+    pub(super) const PURGE_PREVIEW: &str = "SELECT destination, 'sent', COUNT(*), \
+         CAST(MIN(sent_at) AS TEXT) FROM inbox_outbox \
+       WHERE status = 'sent' AND sent_at < CAST($1 AS TIMESTAMPTZ) \
+       GROUP BY destination ORDER BY destination";
 }
 
 mod sqlite {
@@ -300,37 +611,77 @@ mod sqlite {
         };
     }
 
-    pub(super) const ENQUEUE: &str = "INSERT INTO inbox_outbox \
-         (message_id, destination, message_name, payload, headers, aggregate_id) \
-       VALUES ($1, $2, $3, $4, $5, $6) \
-       ON CONFLICT (message_id) DO NOTHING RETURNING id";
+    /// A leased row's age in milliseconds.
+    macro_rules! age {
+        () => {
+            "CAST((julianday('now') - julianday(created_at)) * 86400000.0 AS INTEGER)"
+        };
+    }
 
-    /// The lease, in a `BEGIN IMMEDIATE` transaction (the write lock held from the first read).
-    /// SQLite numbers `$N` parameters in order of appearance: the lease (ms) is `$1` here.
-    pub(super) const LEASE: &str = concat!(
-        "UPDATE inbox_outbox AS t SET attempts = t.attempts + 1, \
-           leased_until = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', printf('+%.3f seconds', $1 / 1000.0)) \
-         WHERE t.id IN ( \
-           SELECT o.id FROM inbox_outbox o \
-           WHERE o.status = 'pending' \
-             AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= ",
+    /// With `$7`, the row is written `sent` (change data capture).
+    pub(super) const ENQUEUE: &str = concat!(
+        "INSERT INTO inbox_outbox \
+         (message_id, destination, message_name, payload, headers, aggregate_id, status, sent_at) \
+       VALUES ($1, $2, $3, $4, $5, $6, CASE WHEN $7 THEN 'sent' ELSE 'pending' END, \
+         CASE WHEN $7 THEN ",
         now!(),
-        ") AND (o.leased_until IS NULL OR o.leased_until <= ",
-        now!(),
-        ") AND (o.aggregate_id IS NULL OR NOT EXISTS ( \
-                   SELECT 1 FROM inbox_outbox e \
-                   WHERE e.aggregate_id = o.aggregate_id AND e.id < o.id \
-                     AND e.status IN ('pending', 'dead'))) \
-           ORDER BY o.id LIMIT $2) \
-         RETURNING id, message_id, destination, message_name, payload, headers, aggregate_id, \
-           attempts"
+        " END) \
+       ON CONFLICT (message_id) DO NOTHING RETURNING id"
     );
+
+    /// Orphans out of attempts go dead (the first statement of the lease's `BEGIN IMMEDIATE`
+    /// transaction). `$1`: the error, `$2`: the maximum attempts.
+    pub(super) const ABANDON: &str = concat!(
+        "UPDATE inbox_outbox SET status = 'dead', last_error = $1, leased_until = NULL, \
+           next_attempt_at = NULL \
+         WHERE status = 'pending' AND leased_until IS NOT NULL AND leased_until <= ",
+        now!(),
+        " AND attempts >= $2 RETURNING ",
+        leased_columns!("", age!())
+    );
+
+    /// Leases the rows of the inner SELECT (its `o.leased_until` condition and LIMIT follow).
+    /// SQLite numbers `$N` parameters in order of appearance: the lease (ms) is `$1` here, the
+    /// maximum attempts `$2` (an orphan out of attempts was dead-lettered just before, in the
+    /// same transaction).
+    macro_rules! lease {
+        ($which:literal, $order:literal) => {
+            concat!(
+                "UPDATE inbox_outbox SET attempts = attempts + 1, \
+                   leased_until = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', \
+                     printf('+%.3f seconds', $1 / 1000.0)) \
+                 WHERE id IN ( \
+                   SELECT o.id FROM inbox_outbox o \
+                   WHERE o.status = 'pending' AND ",
+                $which,
+                " AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= ",
+                now!(),
+                ") AND (o.leased_until IS NULL OR (o.leased_until <= ",
+                now!(),
+                " AND o.attempts < $2)) \
+                   AND (o.aggregate_id IS NULL OR NOT EXISTS ( \
+                     SELECT 1 FROM inbox_outbox e \
+                     WHERE e.aggregate_id = o.aggregate_id AND e.id < o.id \
+                       AND e.status IN ('pending', 'dead'))) \
+                   ORDER BY ",
+                $order,
+                " LIMIT $3) RETURNING ",
+                leased_columns!("", age!())
+            )
+        };
+    }
+
+    /// One orphan, alone (`$3` is 1).
+    pub(super) const LEASE_ORPHAN: &str = lease!("o.leased_until IS NOT NULL", "o.attempts, o.id");
+
+    /// Up to `$3` rows never leased or settled since.
+    pub(super) const LEASE_FRESH: &str = lease!("o.leased_until IS NULL", "o.id");
 
     pub(super) const MARK_SENT: &str = concat!(
         "UPDATE inbox_outbox SET status = 'sent', sent_at = ",
         now!(),
         ", leased_until = NULL, next_attempt_at = NULL, last_error = NULL \
-         WHERE id IN (SELECT value FROM json_each($1)) AND status = 'pending'"
+         WHERE id IN (SELECT value FROM json_each($1)) AND status IN ('pending', 'dead')"
     );
 
     pub(super) const MARK_FAILED: &str = "UPDATE inbox_outbox SET \
@@ -346,15 +697,54 @@ mod sqlite {
          ORDER BY id LIMIT $2)";
 
     pub(super) const BACKLOG: &str = concat!(
-        "SELECT COUNT(*), COALESCE((julianday(",
+        "SELECT destination, COUNT(*), COALESCE((julianday(",
         now!(),
         ") - julianday(MIN(created_at))) * 86400.0, 0.0) \
-         FROM inbox_outbox WHERE status = 'pending'"
+         FROM inbox_outbox WHERE status = 'pending' GROUP BY destination ORDER BY destination"
     );
+
+    pub(super) const INSTALLED: &str = "SELECT COUNT(*) FROM sqlite_master \
+       WHERE type = 'table' AND name = 'inbox_outbox'";
+
+    pub(super) const STATS: &str = "SELECT destination, status, COUNT(*), MIN(created_at) \
+       FROM inbox_outbox GROUP BY destination, status ORDER BY destination, status";
+
+    pub(super) const LIST: &str = concat!(
+        "SELECT ",
+        entry_columns!(
+            "CAST(NULL AS BLOB)",
+            "length(payload)",
+            "CAST(NULL AS TEXT)"
+        ),
+        " FROM inbox_outbox WHERE status IN ($1, $2, $3) \
+           AND ($4 IS NULL OR destination = $4) ORDER BY id LIMIT $5"
+    );
+
+    pub(super) const FETCH: &str = concat!(
+        "SELECT ",
+        entry_columns!("payload", "length(payload)", "CAST(NULL AS TEXT)"),
+        " FROM inbox_outbox WHERE message_id = $1"
+    );
+
+    pub(super) const RETRY: &str = "UPDATE inbox_outbox SET status = 'pending', attempts = 0, \
+         leased_until = NULL, next_attempt_at = NULL \
+       WHERE status = 'dead' AND ($1 IS NULL OR message_id = $1) \
+         AND ($2 IS NULL OR destination = $2)";
+
+    pub(super) const DISCARD: &str =
+        "DELETE FROM inbox_outbox WHERE message_id = $1 AND status = 'dead'";
+
+    pub(super) const PURGE_BEFORE: &str = "DELETE FROM inbox_outbox WHERE id IN ( \
+         SELECT id FROM inbox_outbox WHERE status = 'sent' AND sent_at < $1 \
+         ORDER BY sent_at LIMIT $2)";
+
+    pub(super) const PURGE_PREVIEW: &str = "SELECT destination, 'sent', COUNT(*), MIN(sent_at) \
+       FROM inbox_outbox WHERE status = 'sent' AND sent_at < $1 \
+       GROUP BY destination ORDER BY destination";
 }
 
-/// A leased row, from [`leased_columns`].
-fn record<R>(row: &R) -> Result<OutboxRecord, sqlx::Error>
+/// A leased row, from the [`leased_columns`] starting at column `from`.
+fn record<R>(row: &R, from: usize) -> Result<OutboxRecord, sqlx::Error>
 where
     R: sqlx::Row,
     for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
@@ -363,17 +753,96 @@ where
     for<'r> Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     usize: sqlx::ColumnIndex<R>,
 {
-    let attempts: i32 = row.try_get(7)?;
+    let attempts: i32 = row.try_get(from + 7)?;
+    let age_ms: Option<i64> = row.try_get(from + 8)?;
     Ok(OutboxRecord {
+        id: row.try_get(from)?,
+        message_id: row.try_get(from + 1)?,
+        destination: row.try_get(from + 2)?,
+        message_name: row.try_get(from + 3)?,
+        payload: row.try_get(from + 4)?,
+        headers_json: row.try_get(from + 5)?,
+        aggregate_id: row.try_get(from + 6)?,
+        attempts: u32::try_from(attempts).unwrap_or(0),
+        age: std::time::Duration::from_millis(u64::try_from(age_ms.unwrap_or(0)).unwrap_or(0)),
+    })
+}
+
+/// An [`OutboxEntry`], from the [`entry_columns`].
+fn entry<R>(row: &R) -> Result<OutboxEntry, sqlx::Error>
+where
+    R: sqlx::Row,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    usize: sqlx::ColumnIndex<R>,
+{
+    let status: String = row.try_get(10)?;
+    let attempts: i32 = row.try_get(11)?;
+    Ok(OutboxEntry {
         id: row.try_get(0)?,
         message_id: row.try_get(1)?,
         destination: row.try_get(2)?,
         message_name: row.try_get(3)?,
         payload: row.try_get(4)?,
-        headers_json: row.try_get(5)?,
-        aggregate_id: row.try_get(6)?,
+        payload_size: row.try_get::<Option<i64>, _>(5)?.unwrap_or(0),
+        headers_json: row.try_get(6)?,
+        aggregate_id: row.try_get(7)?,
+        txid: row.try_get(8)?,
+        created_at: row.try_get(9)?,
+        status: OutboxStatus::parse(&status)?,
         attempts: u32::try_from(attempts).unwrap_or(0),
+        next_attempt_at: row.try_get(12)?,
+        leased_until: row.try_get(13)?,
+        last_error: row.try_get(14)?,
+        sent_at: row.try_get(15)?,
     })
+}
+
+/// A line of statistics: destination, status, count, oldest.
+fn stats_row<R>(row: &R) -> Result<OutboxStatsRow, sqlx::Error>
+where
+    R: sqlx::Row,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    usize: sqlx::ColumnIndex<R>,
+{
+    let status: String = row.try_get(1)?;
+    Ok(OutboxStatsRow {
+        destination: row.try_get(0)?,
+        status: OutboxStatus::parse(&status)?,
+        count: row.try_get(2)?,
+        oldest: row.try_get(3)?,
+    })
+}
+
+/// A line of the backlog: destination, pending, oldest age.
+fn backlog_row<R>(row: &R) -> Result<OutboxBacklog, sqlx::Error>
+where
+    R: sqlx::Row,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> f64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    usize: sqlx::ColumnIndex<R>,
+{
+    Ok(OutboxBacklog {
+        destination: row.try_get(0)?,
+        pending: row.try_get(1)?,
+        oldest_pending_secs: row.try_get(2)?,
+    })
+}
+
+/// The statuses of a listing as three binds (repeating the last; `None` binds nothing).
+fn three_statuses(statuses: &[OutboxStatus]) -> [Option<&'static str>; 3] {
+    let mut out = [None; 3];
+    for (slot, index) in out.iter_mut().zip(0..) {
+        *slot = statuses
+            .get(index)
+            .or(statuses.last())
+            .map(|status| status.as_str());
+    }
+    out
 }
 
 fn sorted(mut records: Vec<OutboxRecord>) -> Vec<OutboxRecord> {
@@ -396,27 +865,41 @@ impl OutboxStore for PgConnection {
                 .bind(row.headers_json)
                 .bind(row.aggregate_id)
                 .bind(notify)
+                .bind(row.sent)
                 .fetch_optional(&mut *self)
                 .await?;
             Ok(written.is_some())
         })
     }
 
-    fn lease_outbox(
-        &mut self,
+    fn lease_outbox<'c>(
+        &'c mut self,
         limit: i64,
         lease_ms: i64,
-    ) -> BoxFuture<'_, Result<Vec<OutboxRecord>, sqlx::Error>> {
+        max_attempts: u32,
+        abandoned_error: &'c str,
+    ) -> BoxFuture<'c, Result<Lease, sqlx::Error>> {
         Box::pin(async move {
             let rows = sqlx::query(postgres::LEASE)
                 .bind(limit)
                 .bind(lease_ms)
+                .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX))
+                .bind(abandoned_error)
                 .fetch_all(&mut *self)
                 .await?;
-            rows.iter()
-                .map(record)
-                .collect::<Result<_, _>>()
-                .map(sorted)
+            let mut lease = Lease::default();
+            for row in &rows {
+                let kind: String = row.try_get(0)?;
+                let record = record(row, 1)?;
+                if kind == "abandoned" {
+                    lease.abandoned.push(record);
+                } else {
+                    lease.records.push(record);
+                }
+            }
+            lease.records = sorted(lease.records);
+            lease.abandoned = sorted(lease.abandoned);
+            Ok(lease)
         })
     }
 
@@ -469,10 +952,119 @@ impl OutboxStore for PgConnection {
         })
     }
 
-    fn outbox_backlog(&mut self) -> BoxFuture<'_, Result<(i64, f64), sqlx::Error>> {
+    fn outbox_backlog(&mut self) -> BoxFuture<'_, Result<Vec<OutboxBacklog>, sqlx::Error>> {
         Box::pin(async move {
-            let row = sqlx::query(postgres::BACKLOG).fetch_one(&mut *self).await?;
-            Ok((row.try_get(0)?, row.try_get(1)?))
+            let rows = sqlx::query(postgres::BACKLOG).fetch_all(&mut *self).await?;
+            rows.iter().map(backlog_row).collect()
+        })
+    }
+}
+
+impl OutboxAdminStore for PgConnection {
+    fn outbox_installed(&mut self) -> BoxFuture<'_, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query_scalar(postgres::INSTALLED)
+                .fetch_one(&mut *self)
+                .await
+        })
+    }
+
+    fn outbox_stats(&mut self) -> BoxFuture<'_, Result<Vec<OutboxStatsRow>, sqlx::Error>> {
+        Box::pin(async move {
+            let rows = sqlx::query(postgres::STATS).fetch_all(&mut *self).await?;
+            rows.iter().map(stats_row).collect()
+        })
+    }
+
+    fn list_outbox<'c>(
+        &'c mut self,
+        statuses: &'c [OutboxStatus],
+        destination: Option<&'c str>,
+        limit: i64,
+    ) -> BoxFuture<'c, Result<Vec<OutboxEntry>, sqlx::Error>> {
+        Box::pin(async move {
+            let [a, b, c] = three_statuses(statuses);
+            let rows = sqlx::query(postgres::LIST)
+                .bind(a)
+                .bind(b)
+                .bind(c)
+                .bind(destination)
+                .bind(limit)
+                .fetch_all(&mut *self)
+                .await?;
+            rows.iter().map(entry).collect()
+        })
+    }
+
+    fn fetch_outbox<'c>(
+        &'c mut self,
+        message_id: &'c str,
+    ) -> BoxFuture<'c, Result<Option<OutboxEntry>, sqlx::Error>> {
+        Box::pin(async move {
+            let row = sqlx::query(postgres::FETCH)
+                .bind(message_id)
+                .fetch_optional(&mut *self)
+                .await?;
+            row.as_ref().map(entry).transpose()
+        })
+    }
+
+    fn retry_outbox<'c>(
+        &'c mut self,
+        message_id: Option<&'c str>,
+        destination: Option<&'c str>,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let done = sqlx::query(postgres::RETRY)
+                .bind(message_id)
+                .bind(destination)
+                .execute(&mut *self)
+                .await?;
+            if done.rows_affected() > 0 {
+                sqlx::query(postgres::NOTIFY).execute(&mut *self).await?;
+            }
+            Ok(done.rows_affected())
+        })
+    }
+
+    fn discard_outbox<'c>(
+        &'c mut self,
+        message_id: &'c str,
+    ) -> BoxFuture<'c, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let done = sqlx::query(postgres::DISCARD)
+                .bind(message_id)
+                .execute(&mut *self)
+                .await?;
+            Ok(done.rows_affected() > 0)
+        })
+    }
+
+    fn purge_outbox_before<'c>(
+        &'c mut self,
+        cutoff: &'c str,
+        batch: i64,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let done = sqlx::query(postgres::PURGE_BEFORE)
+                .bind(cutoff)
+                .bind(batch)
+                .execute(&mut *self)
+                .await?;
+            Ok(done.rows_affected())
+        })
+    }
+
+    fn outbox_purge_preview<'c>(
+        &'c mut self,
+        cutoff: &'c str,
+    ) -> BoxFuture<'c, Result<Vec<OutboxStatsRow>, sqlx::Error>> {
+        Box::pin(async move {
+            let rows = sqlx::query(postgres::PURGE_PREVIEW)
+                .bind(cutoff)
+                .fetch_all(&mut *self)
+                .await?;
+            rows.iter().map(stats_row).collect()
         })
     }
 }
@@ -491,27 +1083,57 @@ impl OutboxStore for SqliteConnection {
                 .bind(row.payload)
                 .bind(row.headers_json)
                 .bind(row.aggregate_id)
+                .bind(row.sent)
                 .fetch_optional(&mut *self)
                 .await?;
             Ok(written.is_some())
         })
     }
 
-    fn lease_outbox(
-        &mut self,
+    fn lease_outbox<'c>(
+        &'c mut self,
         limit: i64,
         lease_ms: i64,
-    ) -> BoxFuture<'_, Result<Vec<OutboxRecord>, sqlx::Error>> {
+        max_attempts: u32,
+        abandoned_error: &'c str,
+    ) -> BoxFuture<'c, Result<Lease, sqlx::Error>> {
         Box::pin(async move {
+            let max_attempts = i64::from(max_attempts);
             let mut tx = self.begin_with("BEGIN IMMEDIATE").await?;
-            let rows = sqlx::query(sqlite::LEASE)
-                .bind(lease_ms)
-                .bind(limit)
+            let abandoned = sqlx::query(sqlite::ABANDON)
+                .bind(abandoned_error)
+                .bind(max_attempts)
                 .fetch_all(&mut *tx)
                 .await?;
-            let records = rows.iter().map(record).collect::<Result<_, _>>()?;
+            let mut rows = sqlx::query(sqlite::LEASE_ORPHAN)
+                .bind(lease_ms)
+                .bind(max_attempts)
+                .bind(1_i64)
+                .fetch_all(&mut *tx)
+                .await?;
+            if rows.is_empty() {
+                rows = sqlx::query(sqlite::LEASE_FRESH)
+                    .bind(lease_ms)
+                    .bind(max_attempts)
+                    .bind(limit)
+                    .fetch_all(&mut *tx)
+                    .await?;
+            }
+            let lease = Lease {
+                records: sorted(
+                    rows.iter()
+                        .map(|row| record(row, 0))
+                        .collect::<Result<_, _>>()?,
+                ),
+                abandoned: sorted(
+                    abandoned
+                        .iter()
+                        .map(|row| record(row, 0))
+                        .collect::<Result<_, _>>()?,
+                ),
+            };
             tx.commit().await?;
-            Ok(sorted(records))
+            Ok(lease)
         })
     }
 
@@ -571,10 +1193,123 @@ impl OutboxStore for SqliteConnection {
         })
     }
 
-    fn outbox_backlog(&mut self) -> BoxFuture<'_, Result<(i64, f64), sqlx::Error>> {
+    fn outbox_backlog(&mut self) -> BoxFuture<'_, Result<Vec<OutboxBacklog>, sqlx::Error>> {
         Box::pin(async move {
-            let row = sqlx::query(sqlite::BACKLOG).fetch_one(&mut *self).await?;
-            Ok((row.try_get(0)?, row.try_get(1)?))
+            let rows = sqlx::query(sqlite::BACKLOG).fetch_all(&mut *self).await?;
+            rows.iter().map(backlog_row).collect()
+        })
+    }
+}
+
+impl OutboxAdminStore for SqliteConnection {
+    fn outbox_installed(&mut self) -> BoxFuture<'_, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let tables: i64 = sqlx::query_scalar(sqlite::INSTALLED)
+                .fetch_one(&mut *self)
+                .await?;
+            Ok(tables > 0)
+        })
+    }
+
+    fn outbox_stats(&mut self) -> BoxFuture<'_, Result<Vec<OutboxStatsRow>, sqlx::Error>> {
+        Box::pin(async move {
+            let rows = sqlx::query(sqlite::STATS).fetch_all(&mut *self).await?;
+            rows.iter().map(stats_row).collect()
+        })
+    }
+
+    fn list_outbox<'c>(
+        &'c mut self,
+        statuses: &'c [OutboxStatus],
+        destination: Option<&'c str>,
+        limit: i64,
+    ) -> BoxFuture<'c, Result<Vec<OutboxEntry>, sqlx::Error>> {
+        Box::pin(async move {
+            let [a, b, c] = three_statuses(statuses);
+            let rows = sqlx::query(sqlite::LIST)
+                .bind(a)
+                .bind(b)
+                .bind(c)
+                .bind(destination)
+                .bind(limit)
+                .fetch_all(&mut *self)
+                .await?;
+            rows.iter().map(entry).collect()
+        })
+    }
+
+    fn fetch_outbox<'c>(
+        &'c mut self,
+        message_id: &'c str,
+    ) -> BoxFuture<'c, Result<Option<OutboxEntry>, sqlx::Error>> {
+        Box::pin(async move {
+            let row = sqlx::query(sqlite::FETCH)
+                .bind(message_id)
+                .fetch_optional(&mut *self)
+                .await?;
+            row.as_ref().map(entry).transpose()
+        })
+    }
+
+    fn retry_outbox<'c>(
+        &'c mut self,
+        message_id: Option<&'c str>,
+        destination: Option<&'c str>,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let mut tx = self.begin_with("BEGIN IMMEDIATE").await?;
+            let done = sqlx::query(sqlite::RETRY)
+                .bind(message_id)
+                .bind(destination)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            Ok(done.rows_affected())
+        })
+    }
+
+    fn discard_outbox<'c>(
+        &'c mut self,
+        message_id: &'c str,
+    ) -> BoxFuture<'c, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let mut tx = self.begin_with("BEGIN IMMEDIATE").await?;
+            let done = sqlx::query(sqlite::DISCARD)
+                .bind(message_id)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            Ok(done.rows_affected() > 0)
+        })
+    }
+
+    fn purge_outbox_before<'c>(
+        &'c mut self,
+        cutoff: &'c str,
+        batch: i64,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let mut tx = self.begin_with("BEGIN IMMEDIATE").await?;
+            let done = sqlx::query(sqlite::PURGE_BEFORE)
+                .bind(cutoff)
+                .bind(batch)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            Ok(done.rows_affected())
+        })
+    }
+
+    fn outbox_purge_preview<'c>(
+        &'c mut self,
+        cutoff: &'c str,
+    ) -> BoxFuture<'c, Result<Vec<OutboxStatsRow>, sqlx::Error>> {
+        Box::pin(async move {
+            let rows = sqlx::query(sqlite::PURGE_PREVIEW)
+                .bind(cutoff)
+                .fetch_all(&mut *self)
+                .await?;
+            rows.iter().map(stats_row).collect()
         })
     }
 }
