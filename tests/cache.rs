@@ -310,3 +310,162 @@ inbox_tests::backend_matrix! {
         }
     }
 }
+
+/// Redis drills on PostgreSQL: the cache server killed mid-stream, and two workers sharing one
+/// Redis through a duplicate storm.
+mod redis_drills {
+    use std::process::{Command, Stdio};
+    use std::time::Duration;
+
+    use inbox_runtime::cache::redis::RedisCache;
+    use inbox_runtime::source::memory::MemorySource;
+    use inbox_runtime::{CancellationToken, Dispatcher, Worker, admin::Retention, handler};
+    use inbox_tests::{APPLY_EFFECT, ChildGuard, envelope, outcome_kinds};
+    use sqlx::{PgConnection, PgPool};
+
+    use super::{Pay, pay};
+
+    #[inbox_runtime::idempotent(consumer = "storm")]
+    async fn storm(conn: &mut PgConnection, msg: Pay) -> Result<(), sqlx::Error> {
+        sqlx::query(APPLY_EFFECT)
+            .bind(format!("storm:{}", msg.id))
+            .bind(msg.cents)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+
+    fn retention() -> Retention {
+        Retention::new(Duration::from_secs(86_400), Duration::from_secs(3600)).unwrap()
+    }
+
+    fn dispatcher(pool: &PgPool, cache: RedisCache) -> Dispatcher<sqlx::Postgres> {
+        Dispatcher::from_handlers(pool.clone(), [handler!(storm)])
+            .unwrap()
+            .with_cache(cache, &retention())
+            .unwrap()
+    }
+
+    /// Every key applied exactly once, with its amount: (rows, applied, sum).
+    async fn effects(pool: &PgPool) -> (i64, i64, i64) {
+        sqlx::query_as(
+            "SELECT count(*), sum(applied)::BIGINT, sum(total)::BIGINT FROM effects \
+             WHERE effect_key LIKE 'storm:%'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    }
+
+    /// A Redis server of this test's own on a free loopback port.
+    fn start_redis() -> (ChildGuard, String) {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-server (scripts/redis.sh install)");
+        let guard = ChildGuard::new(child);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "redis-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        (guard, format!("redis://127.0.0.1:{port}/"))
+    }
+
+    /// Redis killed halfway through a stream of deliveries (each payment delivered three
+    /// times): every outcome stays right, the database answering what the cache no longer can.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_killed_mid_stream_processing_goes_on_on_the_database() {
+        let pool = inbox_tests::pg_pool(4).await;
+        let (mut redis, url) = start_redis();
+        let cache = RedisCache::connect(&url, Duration::from_secs(600))
+            .await
+            .unwrap();
+        let dispatcher = dispatcher(&pool, cache);
+        let payments: Vec<Pay> = (0..60).map(|i| pay(&format!("k{i}"), 100 + i)).collect();
+        let mut kinds = std::collections::BTreeMap::<String, u32>::new();
+        let mut deliver = async |msg: &Pay| {
+            let outcomes = dispatcher.dispatch(&envelope(msg)).await.unwrap();
+            let kind = match outcome_kinds(&outcomes)[0] {
+                Ok(kind) | Err(kind) => kind,
+            };
+            *kinds.entry(kind.to_owned()).or_default() += 1;
+        };
+        // The first half, each delivered twice: the second answered by Redis.
+        for msg in &payments[..30] {
+            deliver(msg).await;
+            deliver(msg).await;
+        }
+        redis.kill().unwrap();
+        redis.wait().unwrap();
+        // The second half twice, then every payment once more, with Redis gone.
+        for msg in &payments[30..] {
+            deliver(msg).await;
+            deliver(msg).await;
+        }
+        for msg in &payments {
+            deliver(msg).await;
+        }
+        assert_eq!(
+            kinds.into_iter().collect::<Vec<_>>(),
+            [("duplicate".to_owned(), 120), ("processed".to_owned(), 60)]
+        );
+        let sum: i64 = payments.iter().map(|p| p.cents).sum();
+        assert_eq!(effects(&pool).await, (60, 60, sum));
+    }
+
+    /// Two workers, 16 deliveries at a time each, sharing one Redis, both fed every payment
+    /// twice (four deliveries of each in all, concurrently): each applied once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_workers_sharing_redis_through_a_duplicate_storm() {
+        let pool = inbox_tests::pg_pool(40).await;
+        let payments: Vec<Pay> = (0..300).map(|i| pay(&format!("s{i}"), 1 + i)).collect();
+        let prefix = format!("test:storm:{}:", uuid::Uuid::new_v4());
+        let url = std::env::var("REDIS_URL").expect("REDIS_URL");
+        let mut runs = Vec::new();
+        for _ in 0..2 {
+            let cache = RedisCache::connect(&url, Duration::from_secs(600))
+                .await
+                .unwrap()
+                .prefix(prefix.clone());
+            let source = MemorySource::new("storm");
+            let handle = source.handle();
+            for _ in 0..2 {
+                for msg in &payments {
+                    handle.push(envelope(msg));
+                }
+            }
+            handle.close();
+            let worker = Worker::new(dispatcher(&pool, cache)).concurrency(16);
+            runs.push(tokio::spawn(async move {
+                worker.run(source, CancellationToken::new()).await.unwrap()
+            }));
+        }
+        let mut processed = 0;
+        let mut duplicates = 0;
+        for run in runs {
+            let report = run.await.unwrap();
+            assert_eq!(
+                (report.acked, report.failed, report.conflicts),
+                (600, 0, 0),
+                "{report:?}"
+            );
+            processed += report.processed;
+            duplicates += report.duplicates;
+        }
+        assert_eq!((processed, duplicates), (300, 900));
+        let sum: i64 = payments.iter().map(|p| p.cents).sum();
+        assert_eq!(effects(&pool).await, (300, 300, sum));
+    }
+}
