@@ -865,12 +865,12 @@ mod tests {
         db.setup().await.unwrap();
         assert!(db.balances().await.unwrap().is_empty());
 
-        let first = process(db, sample().await, "sample").await.unwrap();
+        let first = process(db, sample().await, "sample", None).await.unwrap();
         assert_eq!(expected.count_mismatches(&first), Vec::<String>::new());
         let balances = db.balances().await.unwrap();
         assert_eq!(expected.balance_mismatches(&balances), Vec::<String>::new());
 
-        let second = process(db, sample().await, "sample").await.unwrap();
+        let second = process(db, sample().await, "sample", None).await.unwrap();
         assert_eq!(
             second,
             Counts {
