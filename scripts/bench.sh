@@ -40,5 +40,14 @@ elif [ "$given" != given ]; then
   args+=(--database-url "$given")
 fi
 
+# The dedupe cache's Redis rows: a throwaway Redis on its own port unless REDIS_URL names one.
+if [ -z "${REDIS_URL:-}" ]; then
+  export INBOX_REDIS_DIR=${INBOX_BENCH_REDIS_DIR:-/tmp/inbox-bench-redis}
+  export INBOX_REDIS_PORT=${INBOX_BENCH_REDIS_PORT:-6390}
+  trap 'scripts/redis.sh stop; [ -z "$given" ] && scripts/pg.sh stop' EXIT
+  eval "$(scripts/redis.sh start)"
+  export REDIS_URL
+fi
+
 mkdir -p target
 cargo run --quiet --release -p inbox-examples --example bench -- "${args[@]}" | tee target/bench-report.md

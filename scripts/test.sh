@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: starts a throwaway PostgreSQL, RabbitMQ and NATS (JetStream) on loopback
+# The test command: starts a throwaway PostgreSQL, RabbitMQ, NATS (JetStream) and Redis on loopback
 # (installing them from Debian's packages if needed), runs every test of the workspace against
 # them (and against SQLite), then stops them.
 #
@@ -82,6 +82,7 @@ cleanup() {
     echo "test.sh: removing files the tests left behind in \$TMPDIR:" >&2
     echo "$files" | sed "s|^$WORK/tmp/|  |" >&2
   fi
+  scripts/redis.sh stop
   scripts/brokers.sh stop
   scripts/pg.sh stop
   rm -rf "$WORK"
@@ -102,6 +103,8 @@ export DATABASE_URL
 echo "test.sh: PostgreSQL at $DATABASE_URL"
 eval "$(scripts/brokers.sh start)"
 echo "test.sh: RabbitMQ at $AMQP_URL, NATS at $NATS_URL"
+eval "$(scripts/redis.sh start)"
+echo "test.sh: Redis at $REDIS_URL"
 
 # Runs `cargo ARGS` with the tests' temp dir, its output shown and appended to $LOG; returns its
 # exit status. In the background, so that a signal reaches the traps above at once.

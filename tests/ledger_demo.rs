@@ -31,6 +31,7 @@ async fn file_mode() {
     let _copy = RemoveCopy;
     the_sample_twice_prints_the_readme_summaries();
     a_failed_line_is_counted_and_the_stream_goes_on().await;
+    the_dedupe_caches_change_no_summary();
 }
 
 /// Runs `ledger ARGS` on the SQLite file `db`; its exit status, stdout and stderr.
@@ -77,6 +78,37 @@ fn the_sample_twice_prints_the_readme_summaries() {
     let (status, stdout, stderr) = run(&[], &db, dir.path(), "second");
     assert!(status.success(), "{status}\n{stdout}\n{stderr}");
     assert_eq!(last_line(&stdout), SECOND, "{stdout}");
+}
+
+/// `--cache redis://…` (the test command's Redis) and `--cache memory`: the same summary lines
+/// as without a cache, the second run answered from the inbox or the cache alike.
+fn the_dedupe_caches_change_no_summary() {
+    const FIRST: &str =
+        "summary: processed=26000 duplicates=3600 conflicts=16 rejected=18 balances=ok";
+    const SECOND: &str =
+        "summary: processed=0 duplicates=29600 conflicts=16 rejected=18 balances=ok";
+    let redis = std::env::var("REDIS_URL").expect("REDIS_URL (run the tests with scripts/test.sh)");
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("ledger.db");
+    for (run_name, cache, expected) in [
+        ("redis-first", redis.as_str(), FIRST),
+        ("redis-second", redis.as_str(), SECOND),
+        ("memory", "memory", SECOND),
+    ] {
+        let (status, stdout, stderr) = run(&["--cache", cache], &db, dir.path(), run_name);
+        assert!(status.success(), "{run_name}: {status}\n{stdout}\n{stderr}");
+        assert!(
+            stdout.contains(&format!("cache: {cache}\n")),
+            "{run_name}: {stdout}"
+        );
+        assert_eq!(last_line(&stdout), expected, "{run_name}: {stdout}");
+    }
+    let (status, stdout, _) = run(&["--cache", "memcached://x"], &db, dir.path(), "unknown");
+    assert_eq!(
+        status.code(),
+        Some(2),
+        "an unknown cache is refused: {stdout}"
+    );
 }
 
 /// A line whose handler fails does not stop the stream: the later lines are processed, the

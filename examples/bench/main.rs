@@ -137,6 +137,8 @@ enum Section {
     Memory,
     /// Retention purge throughput.
     Purge,
+    /// 100 % duplicates with the dedupe cache off, in process and on Redis (`REDIS_URL`).
+    Cache,
 }
 
 /// Sizes and durations of one run.
@@ -345,8 +347,35 @@ enum Kind {
     DupDirect,
     DupDispatch,
     DupRedelivered,
+    /// Duplicates through `dispatch_on` with a dedupe cache filled beforehand.
+    DupCached(CacheKind),
     Batch(usize),
     Pgb(Script),
+}
+
+/// The dedupe caches the `cache` section compares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum CacheKind {
+    /// `MemoryCache`, in process.
+    Memory,
+    /// `RedisCache` on `REDIS_URL`.
+    Redis,
+}
+
+/// The Redis server of the `cache` section (`REDIS_URL`), if any.
+fn redis_url() -> Option<String> {
+    std::env::var("REDIS_URL")
+        .ok()
+        .filter(|url| !url.is_empty())
+}
+
+/// The cache kinds measurable in this run: in process always, Redis with `REDIS_URL`.
+fn cache_kinds() -> Vec<Kind> {
+    let mut kinds = vec![Kind::DupCached(CacheKind::Memory)];
+    if redis_url().is_some() {
+        kinds.push(Kind::DupCached(CacheKind::Redis));
+    }
+    kinds
 }
 
 impl Kind {
@@ -361,6 +390,12 @@ impl Kind {
             Kind::DupDispatch => "duplicate, Dispatcher::dispatch_on (held connection)".into(),
             Kind::DupRedelivered => {
                 "duplicate marked redelivered, Dispatcher::dispatch_on (held connection)".into()
+            }
+            Kind::DupCached(CacheKind::Memory) => {
+                "duplicate, Dispatcher::dispatch_on, in-process cache (MemoryCache)".into()
+            }
+            Kind::DupCached(CacheKind::Redis) => {
+                "duplicate, Dispatcher::dispatch_on, Redis cache (RedisCache)".into()
             }
             Kind::Batch(n) => format!("Dispatcher::dispatch_batch_on, {n} per transaction"),
             Kind::Pgb(script) => script.label().into(),
@@ -598,7 +633,11 @@ async fn run(args: &Args) -> Result<String, BoxError> {
     let dups = Arc::new(DupSet::new(p.dup_keys, seed()));
     if let Some(pg) = &mut pg {
         // The round trips come first: they record the claim statement pgbench runs.
-        if wanted(Section::Rt) || wanted(Section::Main) || wanted(Section::Dup) {
+        if wanted(Section::Rt)
+            || wanted(Section::Main)
+            || wanted(Section::Dup)
+            || wanted(Section::Cache)
+        {
             round_trips(&mut out, pg, &p, &dups).await?;
         }
         if wanted(Section::Main) {
@@ -609,6 +648,9 @@ async fn run(args: &Args) -> Result<String, BoxError> {
         }
         if wanted(Section::Batch) {
             batch_section(&mut out, pg, &p).await?;
+        }
+        if wanted(Section::Cache) {
+            cache_section(&mut out, pg, &p, &dups).await?;
         }
     }
     if wanted(Section::Cpu) {
@@ -856,7 +898,7 @@ async fn pg_ops(
 ) -> Result<(PgPool, Vec<Box<dyn Op>>), BoxError> {
     let stream = |worker: usize| -> Result<Stream, BoxError> {
         Ok(match kind {
-            Kind::DupDirect | Kind::DupDispatch | Kind::DupRedelivered => {
+            Kind::DupDirect | Kind::DupDispatch | Kind::DupRedelivered | Kind::DupCached(_) => {
                 Stream::redelivered(dups.ok_or("no duplicate set")?.clone(), worker, workers)
             }
             _ => Stream::fresh(seed(), keys, worker, workers),
@@ -884,9 +926,15 @@ async fn pg_ops(
         | Kind::DispatchOn
         | Kind::DupDispatch
         | Kind::DupRedelivered
+        | Kind::DupCached(_)
         | Kind::Batch(_) => {
             let pool = pg_pool(opts, workers).await?;
-            let dispatcher = Arc::new(Dispatcher::from_registry(pool.clone())?);
+            let mut dispatcher = Dispatcher::from_registry(pool.clone())?;
+            if let Kind::DupCached(cache) = kind {
+                dispatcher =
+                    with_filled_cache(dispatcher, cache, dups.ok_or("no duplicate set")?).await?;
+            }
+            let dispatcher = Arc::new(dispatcher);
             for worker in 0..workers {
                 if let Kind::Batch(size) = kind {
                     ops.push(
@@ -1183,6 +1231,7 @@ async fn round_trips(
         Kind::DupDispatch,
         Kind::DupRedelivered,
     ];
+    kinds.extend(cache_kinds());
     if batch_op_available(pg).await {
         kinds.extend([Kind::Batch(10), Kind::Batch(100)]);
     }
@@ -1395,6 +1444,83 @@ async fn dup_section(
     ));
     out.line("");
     out.table(&HEADER, &rows);
+    Ok(())
+}
+
+/// `dispatcher` with a dedupe cache of `kind` (entries kept an hour), filled by one pass over
+/// the duplicate set (every key processed already: each pass fills its entry).
+async fn with_filled_cache(
+    dispatcher: Dispatcher<sqlx::Postgres>,
+    kind: CacheKind,
+    dups: &Arc<DupSet>,
+) -> Result<Dispatcher<sqlx::Postgres>, BoxError> {
+    use inbox_runtime::cache::{MemoryCache, redis::RedisCache};
+    let ttl = Duration::from_secs(3600);
+    let retention = inbox_runtime::admin::Retention::new(
+        Duration::from_secs(86_400),
+        Duration::from_secs(3600),
+    )?;
+    let dispatcher = match kind {
+        CacheKind::Memory => dispatcher.with_cache(MemoryCache::new(1_000_000, ttl), &retention)?,
+        CacheKind::Redis => {
+            let url = redis_url().ok_or("REDIS_URL is not set")?;
+            let cache = RedisCache::connect(&url, ttl)
+                .await?
+                .prefix(format!("bench:{}:", uuid::Uuid::new_v4()));
+            dispatcher.with_cache(cache, &retention)?
+        }
+    };
+    let mut slot = inbox_runtime::ConnectionSlot::new();
+    for (_, payload) in &dups.messages {
+        let envelope = inbox_runtime::Envelope::new(paths::MESSAGE, payload.clone());
+        for outcome in dispatcher.dispatch_on(&mut slot, &envelope).await? {
+            paths::check(outcome.result, true)?;
+        }
+    }
+    Ok(dispatcher)
+}
+
+/// 100 % duplicates with the dedupe cache off, in process and on Redis, side by side.
+async fn cache_section(
+    out: &mut Out,
+    pg: &mut Pg,
+    p: &Profile,
+    dups: &Arc<DupSet>,
+) -> Result<(), BoxError> {
+    scale::truncate(&pg.admin).await?;
+    paths::insert_processed_pg(&pg.admin, dups).await?;
+    scale::settle(&pg.admin).await;
+    let mut kinds = vec![Kind::DupDispatch];
+    kinds.extend(cache_kinds());
+    let mut rows = Vec::new();
+    for &workers in &p.workers {
+        let acc = rounds(pg, &kinds, workers, p, Some(dups)).await?;
+        let bare = pg.rates.get(&(Kind::Bare, workers)).copied();
+        let off = acc.get(&Kind::DupDispatch).map(Acc::rate);
+        for kind in &kinds {
+            if let Some(a) = acc.get(kind) {
+                rows.push(row(pg, *kind, workers, a, bare, off));
+            }
+        }
+    }
+    let mut header = HEADER;
+    header[6] = "× cache off";
+    out.line("## Dedupe cache: a stream of 100 % duplicates (PostgreSQL)");
+    out.line("");
+    out.line(format!(
+        "Every delivery's key is already processed with the same payload ({} keys cycled), and \
+         the cache holds every key (filled by one pass before measuring). `× cache off`: ÷ the \
+         same stream through `Dispatcher::dispatch_on` without a cache. Round trips are \
+         counted on the wire to PostgreSQL (Redis's own are not in them). {}",
+        dups.messages.len(),
+        if redis_url().is_some() {
+            "Redis: `REDIS_URL`, on this machine."
+        } else {
+            "Redis rows: not measured (no `REDIS_URL`)."
+        }
+    ));
+    out.line("");
+    out.table(&header, &rows);
     Ok(())
 }
 

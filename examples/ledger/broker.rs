@@ -78,6 +78,10 @@ pub(crate) struct ConsumeArgs {
     /// consumer that does not exist yet)
     #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
     pub(crate) ack_wait: f64,
+    /// A fast-path dedupe cache in front of the inbox: `memory` (in-process) or
+    /// `redis://HOST:PORT/` (shared by every consumer); entries live one hour [default: none]
+    #[arg(long, value_name = "memory|redis://…")]
+    pub(crate) cache: Option<String>,
 }
 
 /// One line of the input.
@@ -272,6 +276,7 @@ pub(crate) async fn consume<DB: InboxDatabase>(
     for handler in dispatcher.handlers() {
         println!("handler: {handler}");
     }
+    let dispatcher = crate::with_cache(dispatcher, args.cache.as_deref()).await?;
     let worker = Worker::new(dispatcher)
         .concurrency(usize::from(args.concurrency))
         .stop_when_idle(Duration::from_secs_f64(args.idle_exit));

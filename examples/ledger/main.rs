@@ -120,7 +120,7 @@ mod observe;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::Parser;
 use inbox_runtime::source::file::FileSource;
@@ -198,24 +198,72 @@ enum Verdict {
 
 type Input = Box<dyn AsyncBufRead + Unpin + Send>;
 
-/// Feeds `input` through a dispatcher over `db`'s pool.
-async fn process(db: &Db, input: Input, source: &str) -> Result<Counts, String> {
+/// Puts the dedupe cache `spec` names (`memory`, `redis://…`, or none) in front of
+/// `dispatcher`'s inbox, with entries kept one hour (within the demo's seven-day retention).
+pub(crate) async fn with_cache<DB: InboxDatabase>(
+    dispatcher: Dispatcher<DB>,
+    spec: Option<&str>,
+) -> Result<Dispatcher<DB>, String> {
+    const TTL: Duration = Duration::from_secs(3600);
+    let retention = inbox_runtime::admin::Retention::new(
+        Duration::from_secs(7 * 86_400),
+        Duration::from_secs(3600),
+    )
+    .map_err(|e| e.to_string())?;
+    let dispatcher = match spec {
+        None => return Ok(dispatcher),
+        Some("memory") => dispatcher.with_cache(
+            inbox_runtime::cache::MemoryCache::new(1_000_000, TTL),
+            &retention,
+        ),
+        Some(url) if url.starts_with("redis://") || url.starts_with("rediss://") => {
+            // One prefix per database: two inboxes sharing one Redis must not see each other's
+            // keys (a key processed in one is not processed in the other).
+            use std::hash::{Hash as _, Hasher as _};
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            format!("{:?}", dispatcher.pool().connect_options()).hash(&mut hasher);
+            let cache = inbox_runtime::cache::redis::RedisCache::connect(url, TTL)
+                .await
+                .map_err(|e| e.to_string())?
+                .prefix(format!("ledger:{:016x}:", hasher.finish()));
+            dispatcher.with_cache(cache, &retention)
+        }
+        Some(other) => {
+            return Err(format!(
+                "unsupported cache `{other}`: expected memory or redis://HOST:PORT/"
+            ));
+        }
+    }
+    .map_err(|e| e.to_string())?;
+    println!("cache: {}", spec.unwrap_or_default());
+    Ok(dispatcher)
+}
+
+/// Feeds `input` through a dispatcher over `db`'s pool (with the dedupe cache `cache` names).
+async fn process(
+    db: &Db,
+    input: Input,
+    source: &str,
+    cache: Option<&str>,
+) -> Result<Counts, String> {
     async fn with<DB: InboxDatabase>(
         pool: sqlx::Pool<DB>,
         input: Input,
         source: &str,
+        cache: Option<&str>,
     ) -> Result<Counts, String> {
         let dispatcher = Dispatcher::from_registry(pool).map_err(|e| e.to_string())?;
         for handler in dispatcher.handlers() {
             println!("handler: {handler}");
         }
+        let dispatcher = with_cache(dispatcher, cache).await?;
         feed(&dispatcher, input, source)
             .await
             .map_err(|e| e.to_string())
     }
     match db {
-        Db::Postgres(pool) => with(pool.clone(), input, source).await,
-        Db::Sqlite(pool) => with(pool.clone(), input, source).await,
+        Db::Postgres(pool) => with(pool.clone(), input, source, cache).await,
+        Db::Sqlite(pool) => with(pool.clone(), input, source, cache).await,
     }
 }
 
@@ -257,7 +305,7 @@ async fn run(args: Args) -> Result<Verdict, String> {
     let fresh = db.balances().await.map_err(|e| e.to_string())?.is_empty();
 
     let started = Instant::now();
-    let counts = process(&db, reader, &source).await;
+    let counts = process(&db, reader, &source, args.consume.cache.as_deref()).await;
     observe::finish_progress();
     let elapsed = started.elapsed();
     let counts = match counts {
@@ -576,7 +624,7 @@ mod tests {
         let (db, _) = Db::connect(Some(&tmp.url())).await.unwrap();
         db.setup().await.unwrap();
 
-        let first = process(&db, input(&stream), "test").await.unwrap();
+        let first = process(&db, input(&stream), "test", None).await.unwrap();
         let expected = Counts {
             lines: 8,
             processed: 2,
@@ -594,7 +642,7 @@ mod tests {
             [("acct-1".to_owned(), 300)]
         );
 
-        let second = process(&db, input(&stream), "test").await.unwrap();
+        let second = process(&db, input(&stream), "test", None).await.unwrap();
         assert_eq!(
             second,
             Counts {
@@ -639,7 +687,7 @@ mod tests {
         .unwrap();
         db.setup().await.unwrap();
 
-        let counts = process(&db, input(&stream), "test").await.unwrap();
+        let counts = process(&db, input(&stream), "test", None).await.unwrap();
         assert_eq!(
             counts,
             Counts {
@@ -706,7 +754,7 @@ mod tests {
         let tmp = TempDb::new("admin");
         let (db, _) = Db::connect(Some(&tmp.url())).await.unwrap();
         db.setup().await.unwrap();
-        let counts = process(&db, input(&stream), "test").await.unwrap();
+        let counts = process(&db, input(&stream), "test", None).await.unwrap();
         assert_eq!((counts.processed, counts.dead), (1, 3));
         let Db::Sqlite(pool) = &db else {
             unreachable!()
@@ -770,7 +818,7 @@ mod tests {
         result.unwrap();
         assert!(list.contains(K1) && !list.contains(K2), "{list}");
         // Redelivered: K1 (two lines) is still dead, K2 is discarded, and counted as such.
-        let again = process(&db, input(&unknown), "test").await.unwrap();
+        let again = process(&db, input(&unknown), "test", None).await.unwrap();
         assert_eq!(
             (again.processed, again.dead, again.discarded),
             (0, 2, 1),
@@ -817,12 +865,12 @@ mod tests {
         db.setup().await.unwrap();
         assert!(db.balances().await.unwrap().is_empty());
 
-        let first = process(db, sample().await, "sample").await.unwrap();
+        let first = process(db, sample().await, "sample", None).await.unwrap();
         assert_eq!(expected.count_mismatches(&first), Vec::<String>::new());
         let balances = db.balances().await.unwrap();
         assert_eq!(expected.balance_mismatches(&balances), Vec::<String>::new());
 
-        let second = process(db, sample().await, "sample").await.unwrap();
+        let second = process(db, sample().await, "sample", None).await.unwrap();
         assert_eq!(
             second,
             Counts {

@@ -25,6 +25,10 @@ enum Settle {
     /// batch, keys found `failed` meanwhile, transient failures, or everything if the batch
     /// transaction itself failed.
     Single,
+    /// As [`Settle::Single`], after a dedupe cache miss (the single path does not ask again).
+    SingleMissed,
+    /// Answered by the dedupe cache, without the database.
+    Cached(Result<Outcome<()>, Error<BoxError>>),
 }
 
 impl<DB> Dispatcher<DB>
@@ -88,15 +92,26 @@ where
         let mut batch: Vec<(usize, usize)> = Vec::new();
         let mut seen = HashSet::new();
         let mut settles: Vec<Vec<Settle>> = Vec::with_capacity(prepared.len());
+        let cached = self.cached_batch(&prepared).await;
+        let mut cached = cached.into_iter();
         for (e, p) in prepared.iter().enumerate() {
             let mut env_settles = Vec::new();
             if let Ok(p) = p {
                 for (i, item) in p.items.iter().enumerate() {
+                    let settle = match cached.next().flatten() {
+                        Some(Some(result)) => Settle::Cached(result),
+                        Some(None) => Settle::SingleMissed,
+                        None => Settle::Single,
+                    };
+                    if matches!(settle, Settle::Cached(_)) {
+                        env_settles.push(settle);
+                        continue;
+                    }
                     let unique = seen.insert((item.handler.consumer(), item.key.as_str()));
                     if unique && item.ordering.is_none() {
                         batch.push((e, i));
                     }
-                    env_settles.push(Settle::Single);
+                    env_settles.push(settle);
                 }
             }
             settles.push(env_settles);
@@ -164,15 +179,60 @@ where
                 outcomes.push(match settled {
                     Settle::Done(result) => {
                         crate::protocol::single::observe(item.handler.consumer(), &result);
+                        let fingerprint = &p.decoded[item.message].2;
+                        self.fill_cache(
+                            item.handler.consumer(),
+                            item.key.as_str(),
+                            fingerprint,
+                            &result,
+                            crate::cache::Fill::IfAbsent,
+                        )
+                        .await;
+                        ConsumerOutcome::of(item.handler, result)
+                    }
+                    Settle::Cached(result) => {
+                        crate::protocol::single::observe(item.handler.consumer(), &result);
                         ConsumerOutcome::of(item.handler, result)
                     }
                     Settle::Single => self.run_item(&mut slot, &p, item).await,
+                    Settle::SingleMissed => {
+                        self.run_item_looked_up(&mut slot, &p, item, false).await
+                    }
                 });
             }
             results.push(Ok(outcomes));
         }
         slot.done();
         results
+    }
+
+    /// The dedupe cache's answers for every consumer item of the prepared envelopes, in order:
+    /// `Some(Some(result))` answered, `Some(None)` a miss (or another fingerprint: the database
+    /// decides), `None` not asked (no cache). One lookup round trip for the whole batch.
+    async fn cached_batch(
+        &self,
+        prepared: &[Result<Prepared<'_>, DispatchError>],
+    ) -> Vec<Option<Option<Result<Outcome<()>, Error<BoxError>>>>> {
+        let mut items: Vec<(&Prepared<'_>, &PreparedItem)> = Vec::new();
+        for p in prepared.iter().flatten() {
+            items.extend(p.items.iter().map(|item| (p, item)));
+        }
+        let Some(cache) = &self.cache else {
+            return items.iter().map(|_| None).collect();
+        };
+        let keys: Vec<(&str, &str)> = items
+            .iter()
+            .map(|(_, item)| (item.handler.consumer(), item.key.as_str()))
+            .collect();
+        let entries = cache.get_many(&keys).await;
+        let mut answers = Vec::with_capacity(items.len());
+        for ((p, item), entry) in items.into_iter().zip(entries) {
+            let fingerprint = &p.decoded[item.message].2;
+            answers.push(Some(entry.and_then(|entry| {
+                crate::dispatcher::answer(cache, item.handler, entry, fingerprint)
+            })));
+        }
+        answers
     }
 
     /// The batch transaction, optimistic (handlers run directly in it) or with a savepoint per

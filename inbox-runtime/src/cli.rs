@@ -467,8 +467,9 @@ pub async fn execute<DB: OutboxDatabase>(
 }
 
 /// Runs `command` with `dispatcher` (its pool for everything, its handlers and retry policy for
-/// `dead replay`, its handlers' consumers as known ones), writing the results to `out`. Asks
-/// before a purge or a discard as [`execute`] does.
+/// `dead replay`, its handlers' consumers as known ones, its [dedupe cache](crate::cache) for
+/// `dead replay` and `dead discard`, which invalidate the keys they change), writing the results
+/// to `out`. Asks before a purge or a discard as [`execute`] does.
 ///
 /// # Errors
 /// As [`execute`].
@@ -620,7 +621,14 @@ async fn execute_on<DB: OutboxDatabase>(
             write_show(out, &row)?;
         }
         AdminCommand::Dead(DeadCommand::Discard(message)) => {
-            if !admin::discard(pool, &message.consumer, &message.key).await? {
+            // With a dispatcher, through it: its dedupe cache forgets the key too.
+            let discarded = match target {
+                Target::Dispatcher(dispatcher) => {
+                    dispatcher.discard(&message.consumer, &message.key).await?
+                }
+                Target::Pool(pool) => admin::discard(pool, &message.consumer, &message.key).await?,
+            };
+            if !discarded {
                 return Err(CliError::NotFound {
                     consumer: message.consumer.clone(),
                     key: message.key.clone(),

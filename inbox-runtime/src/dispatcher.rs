@@ -8,9 +8,13 @@ use std::sync::Arc;
 
 use sqlx::Pool;
 
+use crate::admin::Retention;
+use crate::cache::{CacheLayer, DedupeCache, Fill};
 use crate::classify::BoxError;
 use crate::envelope::Envelope;
-use crate::error::{DispatchError, Error, RegistryError, ReplayError, StoreError, StoreOperation};
+use crate::error::{
+    DispatchError, Disposition, Error, RegistryError, ReplayError, StoreError, StoreOperation,
+};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::ordering::{GapPolicy, Ordering, ParkPolicy, ParkTimeout};
@@ -81,6 +85,28 @@ pub struct Dispatcher<DB: InboxDatabase> {
     pub(crate) park: ParkPolicy,
     pub(crate) hooks: Hooks<DB>,
     pub(crate) max_payload_bytes: usize,
+    pub(crate) cache: Option<CacheLayer>,
+}
+
+/// What a cache hit means for a delivery of `received`: the settled outcome when the cached
+/// fingerprint is the same; `None` (ask the database, which reports the conflict as it always
+/// does) when it is not.
+pub(crate) fn answer(
+    cache: &CacheLayer,
+    handler: &dyn DynHandler,
+    entry: crate::cache::CacheEntry,
+    received: &Fingerprint,
+) -> Option<Result<Outcome<()>, Error<BoxError>>> {
+    if entry.fingerprint != *received {
+        cache.hit(handler.consumer(), true);
+        return None;
+    }
+    cache.hit(handler.consumer(), false);
+    Some(Ok(match entry.status {
+        Status::Dead => Outcome::Dead,
+        Status::Discarded => Outcome::Discarded,
+        _ => Outcome::Duplicate,
+    }))
 }
 
 /// The 1-based line and column (in bytes) just after `before`.
@@ -216,6 +242,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             park: ParkPolicy::default(),
             hooks: Hooks::default(),
             max_payload_bytes: Self::DEFAULT_MAX_PAYLOAD_BYTES,
+            cache: None,
         })
     }
 
@@ -256,6 +283,37 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         } else {
             Some(&self.hooks)
         }
+    }
+
+    /// Puts a fast-path [dedupe cache](crate::cache) in front of the inbox: a delivery whose
+    /// key the cache knows as settled with the same fingerprint is answered without a database
+    /// round trip (`Duplicate`, `Dead` or `Discarded`); everything else — a miss, another
+    /// fingerprint, a cache error or timeout — takes the claim as without a cache. The cache is
+    /// filled after commit with final states only. Used by the single path, batches and the
+    /// [`Worker`](crate::Worker) alike; [`replay`](Self::replay) and
+    /// [`discard`](Self::discard) invalidate the keys they change. Off by default.
+    ///
+    /// `retention` is the inbox's retention (what [`admin::purge`](crate::admin::purge) runs
+    /// with): the cache's time to live must not be longer than its window, so that no entry
+    /// outlives the inbox row it stands for by more than the window.
+    ///
+    /// # Errors
+    /// [`CacheTtlError`](crate::cache::CacheTtlError) if `cache.ttl()` is longer than
+    /// `retention.window`, or zero.
+    pub fn with_cache(
+        mut self,
+        cache: impl DedupeCache,
+        retention: &Retention,
+    ) -> Result<Self, crate::cache::CacheTtlError> {
+        let ttl = cache.ttl();
+        if ttl.is_zero() || ttl > retention.window {
+            return Err(crate::cache::CacheTtlError {
+                ttl,
+                window: retention.window,
+            });
+        }
+        self.cache = Some(CacheLayer::new(Arc::new(cache)));
+        Ok(self)
     }
 
     /// Replaces the default [`ParkPolicy`] used by [`Dispatcher::sweep_parked`].
@@ -446,12 +504,33 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         prepared: &Prepared<'_>,
         item: &PreparedItem,
     ) -> ConsumerOutcome {
+        self.run_item_looked_up(slot, prepared, item, true).await
+    }
+
+    /// [`run_item`](Self::run_item), asking the dedupe cache first only if `lookup` (a batch
+    /// asked it already).
+    pub(crate) async fn run_item_looked_up(
+        &self,
+        slot: &mut ConnectionSlot<DB>,
+        prepared: &Prepared<'_>,
+        item: &PreparedItem,
+        lookup: bool,
+    ) -> ConsumerOutcome {
         let handler = item.handler;
         if let Some(lag) = prepared.lag {
             metrics::histogram!("inbox_lag_seconds", "consumer" => handler.consumer())
                 .record(lag.as_secs_f64());
         }
         let (_, msg, fingerprint) = &prepared.decoded[item.message];
+        if let Some(cache) = self.cache.as_ref().filter(|_| lookup) {
+            let cached = cache.get(handler.consumer(), item.key.as_str()).await;
+            if let Some(result) =
+                cached.and_then(|entry| answer(cache, handler, entry, fingerprint))
+            {
+                crate::protocol::single::observe(handler.consumer(), &result);
+                return ConsumerOutcome::of(handler, result);
+            }
+        }
         let delivery = Delivery {
             key: &item.key,
             fingerprint,
@@ -463,10 +542,42 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             hooks: self.hook_runner(),
         };
         let result = self.invoke(slot, handler, &**msg, &delivery).await;
+        self.fill_cache(
+            handler.consumer(),
+            item.key.as_str(),
+            fingerprint,
+            &result,
+            Fill::IfAbsent,
+        )
+        .await;
         if let (Ok(Outcome::Processed(())), Some(ordering)) = (&result, &item.ordering) {
             self.apply_parked_successors(slot, handler, ordering).await;
         }
         ConsumerOutcome::of(handler, result)
+    }
+
+    /// After a delivery or replay: caches the key's state if the result is final and
+    /// committed (processed, a duplicate of a processed key, dead, discarded).
+    pub(crate) async fn fill_cache(
+        &self,
+        consumer: &str,
+        key: &str,
+        fingerprint: &Fingerprint,
+        result: &Result<Outcome<()>, Error<BoxError>>,
+        mode: Fill,
+    ) {
+        let Some(cache) = &self.cache else { return };
+        let status = match result {
+            Ok(Outcome::Processed(()) | Outcome::Duplicate) => Status::Processed,
+            Ok(Outcome::Dead) => Status::Dead,
+            Ok(Outcome::Discarded) => Status::Discarded,
+            Err(Error::Handler(failure)) if failure.disposition == Disposition::Dead => {
+                Status::Dead
+            }
+            Err(Error::Hook(error)) if error.disposition == Disposition::Dead => Status::Dead,
+            _ => return,
+        };
+        cache.fill(consumer, key, status, *fingerprint, mode).await;
     }
 
     /// Runs one handler on the slot's connection; a connection lost on the way (the attempt's
@@ -614,6 +725,10 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             };
             return Ok(ConsumerOutcome::of(handler, Ok(outcome)));
         }
+        // The key's state changes under the cache: forget it first, then cache what committed.
+        if let Some(cache) = &self.cache {
+            cache.invalidate(consumer, key).await;
+        }
         let mut conn = self.pool.acquire().await?;
         let result = run_stored(
             handler,
@@ -625,11 +740,30 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         )
         .await?;
         drop(conn);
+        if let Some(fingerprint) = Fingerprint::from_hex(&stored.payload_hash) {
+            self.fill_cache(consumer, key, &fingerprint, &result, Fill::Replace)
+                .await;
+        }
         if let (Ok(Outcome::Processed(())), Some(ordering)) = (&result, &stored.ordering()) {
             self.apply_parked_successors(&mut ConnectionSlot::new(), handler, ordering)
                 .await;
         }
         Ok(ConsumerOutcome::of(handler, result))
+    }
+
+    /// Discards one `failed` or `dead` key, as [`admin::discard`](crate::admin::discard) does,
+    /// and forgets it in this dispatcher's [dedupe cache](Self::with_cache), if any (the next
+    /// delivery of the key reads `discarded` from the inbox and caches that). Returns `false` if
+    /// no failed or dead row matched.
+    ///
+    /// # Errors
+    /// The database's error.
+    pub async fn discard(&self, consumer: &str, key: &str) -> Result<bool, sqlx::Error> {
+        let discarded = crate::admin::discard(&self.pool, consumer, key).await?;
+        if let Some(cache) = &self.cache {
+            cache.invalidate(consumer, key).await;
+        }
+        Ok(discarded)
     }
 
     /// Applies the parked successors of `ordering` that its processing made applicable.

@@ -117,6 +117,7 @@
 
 pub mod admin;
 mod batch;
+pub mod cache;
 mod classify;
 #[cfg(feature = "cli")]
 pub mod cli;
