@@ -92,6 +92,33 @@ pub fn ledger_bin() -> &'static Path {
     })
 }
 
+/// `scripts/brokers.sh rabbitmqctl ARGS` against the test node; panics unless it succeeds.
+/// Returns its stdout.
+pub fn rabbitmqctl(args: &[&str]) -> String {
+    let output = Command::new(root().join("scripts/brokers.sh"))
+        .arg("rabbitmqctl")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "rabbitmqctl {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).unwrap()
+}
+
+/// Restarts RabbitMQ's application on the test node (`rabbitmqctl stop_app`, `start_app`,
+/// `await_startup`): every client connection is cut, durable queues and persistent messages are
+/// kept, and the port is closed until it is back. Returns how long it was down.
+pub fn restart_rabbitmq() -> Duration {
+    let started = Instant::now();
+    rabbitmqctl(&["-q", "stop_app"]);
+    rabbitmqctl(&["-q", "start_app"]);
+    rabbitmqctl(&["-q", "await_startup", "--timeout", "120"]);
+    started.elapsed()
+}
+
 /// An environment variable that `scripts/test.sh` sets; panics with how to get it.
 pub fn env(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| {
