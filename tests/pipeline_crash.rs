@@ -256,6 +256,15 @@ async fn leased_since(pool: &PgPool, since: f64) -> i64 {
         .unwrap()
 }
 
+/// The server's connections of `application_name` (the demo names its services' connections).
+async fn connections(pool: &PgPool, application_name: &str) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1")
+        .bind(application_name)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 /// Waits (at most `limit`) until the relay holds rows it leased within the last 250 ms: it is
 /// between a lease and its mark.
 async fn relay_busy(pool: &PgPool, limit: Duration) {
@@ -326,8 +335,20 @@ async fn kill_repeatedly(
             "kill {kill} of {}",
             service.name()
         );
-        if service == Service::Relay && leased_since(&pool, ready).await > 0 {
-            left_leases += 1;
+        if service == Service::Relay {
+            // PostgreSQL finishes a statement the relay sent before it died: wait until its
+            // connections are gone, then look at what it left.
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while connections(&pool, "pipeline relay").await > 0 {
+                assert!(
+                    Instant::now() < deadline,
+                    "the killed relay's connections stay"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            if leased_since(&pool, ready).await > 0 {
+                left_leases += 1;
+            }
         }
         kill += 1;
     }

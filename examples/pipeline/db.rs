@@ -121,10 +121,13 @@ macro_rules! fetch_all {
 impl Db {
     /// Connects to `url` (`postgres://…`, `postgresql://…` or `sqlite:…`), or to
     /// [`DEFAULT_SQLITE_FILE`] in the current directory if there is none, with at most
-    /// `connections` connections. Returns the pool and a description without credentials.
+    /// `connections` connections; on PostgreSQL as `application_name` `role` (what
+    /// `pg_stat_activity` shows: `pipeline orders`, `pipeline relay`, …). Returns the pool and a
+    /// description without credentials.
     pub(crate) async fn connect(
         url: Option<&str>,
         connections: u32,
+        role: &str,
     ) -> Result<(Db, String), String> {
         let connect_error = sql_error("cannot connect to the database");
         match url {
@@ -149,7 +152,9 @@ impl Db {
                 Ok((Db::Sqlite(pool), description))
             }
             Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
-                let options = PgConnectOptions::from_str(url).map_err(&connect_error)?;
+                let options = PgConnectOptions::from_str(url)
+                    .map_err(&connect_error)?
+                    .application_name(role);
                 let description = format!(
                     "postgres {}:{}/{}",
                     options.get_host(),

@@ -412,7 +412,8 @@ async fn run_all(common: &Common, shutdown: CancellationToken) -> Result<Summary
     let concurrency = concurrency(common);
     // Two workers keeping a connection per slot, the relay (and its listener), the progress.
     let connections = 2 * (u32::from(concurrency) + 1) + 4;
-    let (db, description) = Db::connect(common.database.as_deref(), connections).await?;
+    let (db, description) =
+        Db::connect(common.database.as_deref(), connections, "pipeline").await?;
     println!("database: {description}");
     println!("broker: {}", broker.describe());
     let result = async {
@@ -537,8 +538,13 @@ async fn run_service(
 ) -> Result<Verdict, String> {
     let broker = real_broker(common)?;
     let concurrency = concurrency(common);
-    let (db, description) =
-        Db::connect(common.database.as_deref(), u32::from(concurrency) + 2).await?;
+    let role = format!("pipeline {}", service.name());
+    let (db, description) = Db::connect(
+        common.database.as_deref(),
+        u32::from(concurrency) + 2,
+        &role,
+    )
+    .await?;
     println!("database: {description}");
     println!("broker: {}", broker.describe());
     let result = async {
@@ -630,7 +636,7 @@ async fn run_relay(
     shutdown: CancellationToken,
 ) -> Result<Verdict, String> {
     let broker = real_broker(common)?;
-    let (db, description) = Db::connect(common.database.as_deref(), 4).await?;
+    let (db, description) = Db::connect(common.database.as_deref(), 4, "pipeline relay").await?;
     println!("database: {description}");
     println!("broker: {}", broker.describe());
     let result = async {
@@ -698,7 +704,7 @@ async fn run_produce(common: &Common) -> Result<Verdict, String> {
 /// `pipeline check`: the summary of the database as it is (totals over every run).
 async fn run_check(common: &Common) -> Result<Verdict, String> {
     let stream = Stream::generate(common.payments, common.seed);
-    let (db, description) = Db::connect(common.database.as_deref(), 2).await?;
+    let (db, description) = Db::connect(common.database.as_deref(), 2, "pipeline check").await?;
     println!("database: {description}");
     let result = async {
         db.setup().await?;
@@ -846,7 +852,9 @@ mod tests {
         );
 
         let stream = Stream::generate(300, 11);
-        let (db, _) = Db::connect(common.database.as_deref(), 2).await.unwrap();
+        let (db, _) = Db::connect(common.database.as_deref(), 2, "pipeline test")
+            .await
+            .unwrap();
         let tamper = [
             "UPDATE pipeline_shipments SET payments = payments + 1 \
              WHERE order_id = (SELECT MIN(order_id) FROM pipeline_shipments)",
