@@ -1,5 +1,6 @@
-//! What the broker tests share: the ledger demo binary, fresh PostgreSQL databases, the sample's
-//! ground truth, child processes that are killed at random moments.
+//! What the broker tests share: the ledger and pipeline demo binaries, fresh PostgreSQL databases,
+//! the sample's ground truth, child processes that are killed at random moments, RabbitMQ's
+//! control tool.
 //!
 //! Nothing is left behind: every demo process is a [`ChildGuard`] (killed and reaped when it
 //! drops, also while a failed test unwinds), and the demo's copy, its logs and offsets live in
@@ -36,60 +37,104 @@ pub fn sample() -> PathBuf {
 /// --all-targets` built it already) and copied to the [`scratch_dir`].
 pub fn ledger_bin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut command = Command::new(cargo);
-        // Not the variables cargo set for this test: build scripts that watch one of them (ring
-        // watches CARGO_MANIFEST_DIR) would run again and rebuild half the dependency tree.
-        for (name, _) in std::env::vars_os() {
-            let name = name.to_string_lossy();
-            if name.starts_with("CARGO_PKG_")
-                || [
-                    "CARGO_MANIFEST_DIR",
-                    "CARGO_MANIFEST_PATH",
-                    "CARGO_CRATE_NAME",
-                    "CARGO_BIN_NAME",
-                    "CARGO_PRIMARY_PACKAGE",
-                    "CARGO_TARGET_TMPDIR",
-                    "CARGO_RUSTC_CURRENT_DIR",
-                    "OUT_DIR",
-                ]
-                .contains(&&*name)
-            {
-                command.env_remove(&*name);
-            }
+    BIN.get_or_init(|| build_example("ledger"))
+}
+
+/// The `pipeline` example, built and copied as [`ledger_bin`] is.
+pub fn pipeline_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| build_example("pipeline"))
+}
+
+/// Builds the example `name` and copies it to the [`scratch_dir`]; its path there.
+fn build_example(name: &str) -> PathBuf {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut command = Command::new(cargo);
+    // Not the variables cargo set for this test: build scripts that watch one of them (ring
+    // watches CARGO_MANIFEST_DIR) would run again and rebuild half the dependency tree.
+    for (variable, _) in std::env::vars_os() {
+        let variable = variable.to_string_lossy();
+        if variable.starts_with("CARGO_PKG_")
+            || [
+                "CARGO_MANIFEST_DIR",
+                "CARGO_MANIFEST_PATH",
+                "CARGO_CRATE_NAME",
+                "CARGO_BIN_NAME",
+                "CARGO_PRIMARY_PACKAGE",
+                "CARGO_TARGET_TMPDIR",
+                "CARGO_RUSTC_CURRENT_DIR",
+                "OUT_DIR",
+            ]
+            .contains(&&*variable)
+        {
+            command.env_remove(&*variable);
         }
-        let output = command
-            .current_dir(root())
-            // `--workspace`: the same feature resolution as `cargo test --workspace`, so that
-            // after scripts/test.sh's build this is a no-op rather than a rebuild.
-            .args([
-                "build",
-                "--workspace",
-                "--example",
-                "ledger",
-                "--message-format=json-render-diagnostics",
-            ])
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("run cargo build");
-        assert!(
-            output.status.success(),
-            "cargo build --example ledger failed"
-        );
-        let stdout = String::from_utf8(output.stdout).unwrap();
-        let built = stdout
-            .lines()
-            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-            .filter(|message| message["target"]["name"] == "ledger")
-            .find_map(|message| message["executable"].as_str().map(PathBuf::from))
-            .expect("cargo reported the ledger executable");
-        // A private copy: the target directory may be shared with other checkouts, whose builds
-        // of the same example would replace it under the running tests.
-        let copy = scratch_dir().join("ledger");
-        std::fs::copy(&built, &copy).expect("copy the ledger executable");
-        copy
-    })
+    }
+    let output = command
+        .current_dir(root())
+        // `--workspace`: the same feature resolution as `cargo test --workspace`, so that
+        // after scripts/test.sh's build this is a no-op rather than a rebuild.
+        .args([
+            "build",
+            "--workspace",
+            "--example",
+            name,
+            "--message-format=json-render-diagnostics",
+        ])
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run cargo build");
+    assert!(
+        output.status.success(),
+        "cargo build --example {name} failed"
+    );
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    let built = stdout
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|message| message["target"]["name"] == name)
+        .find_map(|message| message["executable"].as_str().map(PathBuf::from))
+        .unwrap_or_else(|| panic!("cargo reported the {name} executable"));
+    // A private copy: the target directory may be shared with other checkouts, whose builds
+    // of the same example would replace it under the running tests.
+    let copy = scratch_dir().join(name);
+    std::fs::copy(&built, &copy).unwrap_or_else(|e| panic!("copy the {name} executable: {e}"));
+    copy
+}
+
+/// `scripts/brokers.sh rabbitmqctl ARGS` against the test node; panics unless it succeeds.
+/// Returns its stdout.
+pub fn rabbitmqctl(args: &[&str]) -> String {
+    let mut command = Command::new(root().join("scripts/brokers.sh"));
+    // The node of the broker the tests use: brokers.sh names it by INBOX_AMQP_PORT; without
+    // that variable, by AMQP_URL's port (never a default that may be another checkout's node).
+    if std::env::var_os("INBOX_AMQP_PORT").is_none() {
+        let url = env("AMQP_URL");
+        let port = url
+            .rsplit_once(':')
+            .and_then(|(_, rest)| rest.split('/').next())
+            .filter(|port| port.parse::<u16>().is_ok())
+            .unwrap_or_else(|| panic!("no port in AMQP_URL {url}"));
+        command.env("INBOX_AMQP_PORT", port);
+    }
+    let output = command.arg("rabbitmqctl").args(args).output().unwrap();
+    assert!(
+        output.status.success(),
+        "rabbitmqctl {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).unwrap()
+}
+
+/// Restarts RabbitMQ's application on the test node (`rabbitmqctl stop_app`, `start_app`,
+/// `await_startup`): every client connection is cut, durable queues and persistent messages are
+/// kept, and the port is closed until it is back. Returns how long it was down.
+pub fn restart_rabbitmq() -> Duration {
+    let started = Instant::now();
+    rabbitmqctl(&["-q", "stop_app"]);
+    rabbitmqctl(&["-q", "start_app"]);
+    rabbitmqctl(&["-q", "await_startup", "--timeout", "120"]);
+    started.elapsed()
 }
 
 /// An environment variable that `scripts/test.sh` sets; panics with how to get it.

@@ -89,6 +89,30 @@ pub fn apply_newer(events: &[OrderEvent]) -> BTreeMap<String, String> {
         .collect()
 }
 
+/// An order was opened (sequence 1), for the consumer `orders-resume`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Message)]
+#[message(name = "order.opened")]
+pub struct OrderOpened {
+    #[message(key)]
+    pub event_id: String,
+    #[message(aggregate)]
+    pub order_id: String,
+    #[message(sequence)]
+    pub seq: i64,
+}
+
+/// A note on an order (sequence 2 and later), for the consumer `orders-resume`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Message)]
+#[message(name = "order.note")]
+pub struct OrderNote {
+    #[message(key)]
+    pub event_id: String,
+    #[message(aggregate)]
+    pub order_id: String,
+    #[message(sequence)]
+    pub seq: i64,
+}
+
 pub const ORDERS_TABLE: &str = "CREATE TABLE orders (consumer TEXT NOT NULL, order_id TEXT NOT NULL, \
      history TEXT NOT NULL, PRIMARY KEY (consumer, order_id))";
 
@@ -121,6 +145,18 @@ inbox_tests::backend_matrix! {
             .bind(&msg.kind)
             .execute(conn)
             .await?;
+        Ok(())
+    }
+
+    #[inbox_runtime::idempotent(consumer = "orders-resume", gaps = "park")]
+    async fn resume_opened(conn: &mut Conn, msg: OrderOpened) -> Result<(), sqlx::Error> {
+        sqlx::query(APPEND).bind("orders-resume").bind(&msg.order_id).bind("opened").execute(conn).await?;
+        Ok(())
+    }
+
+    #[inbox_runtime::idempotent(consumer = "orders-resume", gaps = "park")]
+    async fn resume_note(conn: &mut Conn, msg: OrderNote) -> Result<(), sqlx::Error> {
+        sqlx::query(APPEND).bind("orders-resume").bind(&msg.order_id).bind(format!("note{}", msg.seq)).execute(conn).await?;
         Ok(())
     }
 
@@ -264,6 +300,40 @@ inbox_tests::backend_matrix! {
             statuses,
             [("g/1", "processed"), ("g/2", "processed"), ("g/2-late", "stale"), ("g/3", "processed"), ("g/9", "parked")]
         );
+    }
+
+    /// A process that stopped between a message's commit and the release of its parked
+    /// successors (here: a dispatcher without a route to the successors' message, which cannot
+    /// release them) leaves them parked; the redelivery of that message, never acked, is a
+    /// duplicate, and releases them in order.
+    #[tokio::test]
+    async fn a_redelivered_predecessor_releases_successors_left_parked() {
+        let (pool, _guard) = setup().await;
+        let full = Dispatcher::from_registry(pool.clone()).unwrap();
+        let stopped = Dispatcher::from_handlers(pool.clone(), [inbox_runtime::handler!(resume_opened)]).unwrap();
+        let outcome = |outcomes: Vec<inbox_runtime::ConsumerOutcome>| {
+            assert_eq!(outcomes.len(), 1);
+            outcomes.into_iter().next().unwrap().result.unwrap()
+        };
+        let opened = OrderOpened { event_id: "r/1".into(), order_id: "r".into(), seq: 1 };
+        let note = |seq: i64| OrderNote { event_id: format!("r/{seq}"), order_id: "r".into(), seq };
+        for seq in [3, 2] {
+            assert_eq!(outcome(full.dispatch(&envelope(&note(seq))).await.unwrap()), Outcome::Parked);
+        }
+        assert_eq!(outcome(stopped.dispatch(&envelope(&opened)).await.unwrap()), Outcome::Processed(()));
+        assert_eq!(histories(&pool, "orders-resume", "r").await["r"], "opened");
+        assert_eq!(parked(&pool).await, 2);
+        assert_eq!(outcome(full.dispatch(&envelope(&opened)).await.unwrap()), Outcome::Duplicate);
+        assert_eq!(histories(&pool, "orders-resume", "r").await["r"], "opened,note2,note3");
+        assert_eq!(parked(&pool).await, 0);
+        // The same through a direct call of the handler.
+        let mut conn = pool.acquire().await.unwrap();
+        assert_eq!(resume_note(&mut conn, OrderNote { event_id: "s/2".into(), order_id: "s".into(), seq: 2 }).await.unwrap(), Outcome::Parked);
+        assert_eq!(outcome(stopped.dispatch(&envelope(&OrderOpened { event_id: "s/1".into(), order_id: "s".into(), seq: 1 })).await.unwrap()), Outcome::Processed(()));
+        assert_eq!(parked(&pool).await, 1);
+        assert_eq!(resume_opened(&mut conn, OrderOpened { event_id: "s/1".into(), order_id: "s".into(), seq: 1 }).await.unwrap(), Outcome::Duplicate);
+        assert_eq!(histories(&pool, "orders-resume", "s").await["s"], "opened,note2");
+        assert_eq!(parked(&pool).await, 0);
     }
 
     #[tokio::test]

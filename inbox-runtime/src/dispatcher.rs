@@ -550,7 +550,12 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             Fill::IfAbsent,
         )
         .await;
-        if let (Ok(Outcome::Processed(())), Some(ordering)) = (&result, &item.ordering) {
+        // After a duplicate too: a process that stopped between a message's commit and the
+        // release of its parked successors left them parked, and the message, never acked, is
+        // delivered again: its duplicate releases them (one lookup when there are none).
+        if let (Ok(Outcome::Processed(()) | Outcome::Duplicate), Some(ordering)) =
+            (&result, &item.ordering)
+        {
             self.apply_parked_successors(slot, handler, ordering).await;
         }
         ConsumerOutcome::of(handler, result)

@@ -36,7 +36,9 @@ pub async fn run<H: Handler>(
         hooks: None,
     };
     let result = run_delivery::<H>(conn, &msg, &delivery).await;
-    if let (Ok(Outcome::Processed(_)), Some(ordering)) = (&result, &ordering)
+    // After a duplicate too: it releases successors left parked by a run that stopped between
+    // its commit and their release (see `Dispatcher::run_item`).
+    if let (Ok(Outcome::Processed(_) | Outcome::Duplicate), Some(ordering)) = (&result, &ordering)
         && H::GAPS == GapPolicy::Park
     {
         let routes = GlobalRoutes(<H::Connection as InboxConnection>::BACKEND);

@@ -1,14 +1,16 @@
 //! Sinks: where the outbox [`Relay`](crate::outbox::Relay) sends messages. One trait, [`Sink`];
 //! [`MemorySink`] for tests and demos; one module per broker, each behind its cargo feature
-//! (`nats`: [`nats::NatsSink`]).
+//! (`amqp`: [`amqp::AmqpSink`], RabbitMQ with publisher confirms; `nats`: [`nats::NatsSink`]).
 //!
 //! Every [`OutgoingMessage`] carries its stable message id; a sink must send it where the
 //! broker's duplicate detection and this crate's sources read it (for NATS: the `Nats-Msg-Id`
-//! header, which the NATS source reads back as
+//! header; for RabbitMQ: the `message_id` property; the sources read either back as
 //! [`SourceMetadata::message_id`](crate::SourceMetadata::message_id)), together with the
 //! message name and the headers, so that a consumer's [`Envelope`](crate::Envelope) has the
 //! same name, payload and headers.
 
+#[cfg(feature = "amqp")]
+pub mod amqp;
 #[cfg(feature = "nats")]
 pub mod nats;
 
