@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{LazyLock, Mutex};
 
 use super::failure::{Attempt, Subject, aborted_transaction_text};
-use super::{Begun, ClaimTx, Decision, Wait, begin_claim, decide, finish};
+use super::{Begun, ClaimTx, Decision, Hold, Wait, begin_claim, decide, finish};
 use crate::classify::ErrorClass;
 use crate::envelope::SourceMetadata;
 use crate::error::{Conflict, Disposition, StoreError, StoreOperation};
@@ -162,6 +162,50 @@ impl<'a> ClaimSession<'a> {
         &self,
         conn: &'c mut C,
     ) -> Result<ClaimState<'c, C>, StoreError> {
+        self.open_with(Hold::Borrowed(conn)).await
+    }
+
+    /// [`open`](Self::open) on a connection the claim takes ownership of — a pooled connection
+    /// (`pool.acquire().await?`), or any owned handle that derefs to one — so that a
+    /// [`ClaimedKey`] is `'static`: it can be moved into another task, or into a request's
+    /// extensions (what the HTTP layer does). The connection goes with the claim state: dropped
+    /// (a pooled one back to its pool) when the [`ClaimedKey`] or the state is dropped, after
+    /// its transaction ended.
+    ///
+    /// ```no_run
+    /// use inbox_runtime::{ClaimSession, ClaimState, Fingerprint, IdempotencyKey};
+    ///
+    /// # async fn demo(pool: sqlx::SqlitePool) -> Result<(), Box<dyn std::error::Error>> {
+    /// let key = IdempotencyKey::new("export-7", "exports", "job id")?;
+    /// let fingerprint = Fingerprint::of("exports", &serde_json::json!({"job": 7}))?;
+    /// let session = ClaimSession::new("exports", &key, "exports", fingerprint);
+    /// if let ClaimState::Claimed(mut claim) = session.open_owned(pool.acquire().await?).await? {
+    ///     // A `ClaimedKey<'static, SqliteConnection>`: it may outlive this scope.
+    ///     tokio::spawn(async move {
+    ///         sqlx::query("INSERT INTO exports (job) VALUES (7)")
+    ///             .execute(claim.connection())
+    ///             .await?;
+    ///         claim.complete(None).await?;
+    ///         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    ///     });
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`open`](Self::open).
+    pub async fn open_owned<C, H>(&self, conn: H) -> Result<ClaimState<'static, C>, StoreError>
+    where
+        C: InboxConnection,
+        H: std::ops::DerefMut<Target = C> + Send + 'static,
+    {
+        self.open_with(Hold::Owned(Box::new(conn))).await
+    }
+
+    async fn open_with<'c, C: InboxConnection>(
+        &self,
+        conn: Hold<'c, C>,
+    ) -> Result<ClaimState<'c, C>, StoreError> {
         let in_flight = match InFlight::enter(C::BACKEND, self.scope, self.key.as_str(), self.wait)
         {
             Some(in_flight) => in_flight,
@@ -281,6 +325,12 @@ impl<C: InboxConnection> ClaimedKey<'_, C> {
     /// with the claim.
     pub fn connection(&mut self) -> &mut C {
         self.tx.conn()
+    }
+
+    /// The connection, shared (for `Deref` impls of types that hold a claim).
+    #[cfg_attr(not(feature = "http"), allow(dead_code))]
+    pub(crate) fn connection_ref(&self) -> &C {
+        self.tx.conn_ref()
     }
 
     /// Attempts for this key so far, this one included (1 for a first claim).
