@@ -28,6 +28,29 @@ struct Pay {
     fail: Option<String>,
 }
 
+/// An order the billing consumer charges through the HTTP API (its `#[idempotent]` handler's
+/// external call).
+#[derive(Debug, Clone, Deserialize, serde::Serialize, inbox_runtime::Message)]
+#[message(name = "orders.placed")]
+struct OrderPlaced {
+    #[message(key)]
+    order_id: String,
+    amount: i64,
+}
+
+/// Why the billing handler failed.
+#[derive(Debug, thiserror::Error)]
+enum BillError {
+    #[error("the API call failed: {0}")]
+    Call(#[from] reqwest::Error),
+    #[error("the API answered {0}")]
+    Status(u16),
+    #[error("failed after the API call (as a crash before COMMIT would)")]
+    AfterCall,
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
 /// What the handlers share with the test: how often each ran, and the gate.
 #[derive(Clone)]
 struct AppState {
@@ -223,6 +246,82 @@ inbox_tests::backend_matrix! {
             open_gate,
             task,
         }
+    }
+
+    /// Where the billing handler sends its charges, whether its next run fails after the call,
+    /// and the step keys it sent.
+    static API: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    static FAIL_AFTER_CALL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    static SENT: std::sync::Mutex<Vec<(String, u16, bool)>> = std::sync::Mutex::new(Vec::new());
+
+    /// Charges the order through `POST /pay` with the step key of this run, then records it.
+    #[inbox_runtime::idempotent(consumer = "billing")]
+    async fn bill(conn: &mut Conn, msg: OrderPlaced) -> Result<Vec<u8>, BillError> {
+        let key = StepKey::current("charge").expect("inside a handler").to_string();
+        let response = reqwest::Client::new()
+            .post(format!("{}/pay", API.get().unwrap()))
+            .header("idempotency-key", format!("\"{key}\""))
+            .header("content-type", "application/json")
+            .body(pay_body(&msg.order_id, msg.amount))
+            .send()
+            .await?;
+        let status = response.status().as_u16();
+        let replayed = response.headers().contains_key("idempotent-replayed");
+        SENT.lock().unwrap().push((key, status, replayed));
+        let body = response.bytes().await?.to_vec();
+        if status != 201 {
+            return Err(BillError::Status(status));
+        }
+        if FAIL_AFTER_CALL.swap(false, Ordering::SeqCst) {
+            return Err(BillError::AfterCall);
+        }
+        sqlx::query(APPLY_EFFECT)
+            .bind(format!("billed:{}", msg.order_id))
+            .bind(msg.amount)
+            .execute(&mut *conn)
+            .await?;
+        Ok(body)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_step_key_makes_a_handlers_external_call_take_effect_once() {
+        // The API and the consumer have databases of their own (on SQLite, one database would
+        // make the API wait for the consumer's write lock, held across the call).
+        let (api_pool, _api_guard) = fixture().await;
+        let (pool, _guard) = fixture().await;
+        let server = serve(&api_pool, |layer| layer).await;
+        API.set(server.base.clone()).unwrap();
+        let order = OrderPlaced { order_id: "order-7".into(), amount: 1500 };
+        let expected_key = StepKey::new("billing", "order-7", "charge").to_string();
+        let mut conn = pool.acquire().await.unwrap();
+
+        // The first run calls the API (a payment is made), then fails: its transaction rolls
+        // back, and the message is delivered again.
+        FAIL_AFTER_CALL.store(true, Ordering::SeqCst);
+        let failed = bill(&mut conn, order.clone()).await;
+        assert!(matches!(failed, Err(inbox_runtime::Error::Handler(_))), "{failed:?}");
+        assert_eq!(effect(&api_pool, "order-7").await, Some((1, 1500)));
+        assert_eq!(effect(&pool, "billed:order-7").await, None);
+
+        // The redelivery (once the failed key is due) calls again with the same key: the API
+        // replays its payment.
+        assert_eq!(inbox_tests::make_due(&pool).await, 1);
+        let processed = bill(&mut conn, order.clone()).await.unwrap();
+        let inbox_runtime::Outcome::Processed(body) = processed else {
+            panic!("expected processed, got {processed:?}");
+        };
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["scope"], "http POST /pay");
+        assert_eq!(effect(&api_pool, "order-7").await, Some((1, 1500)));
+        assert_eq!(effect(&pool, "billed:order-7").await, Some((1, 1500)));
+
+        // Another redelivery is a duplicate in the consumer's inbox: no call at all.
+        assert!(bill(&mut conn, order).await.unwrap().is_duplicate());
+        assert_eq!(
+            *SENT.lock().unwrap(),
+            vec![(expected_key.clone(), 201, false), (expected_key, 201, true)]
+        );
+        assert_eq!(server.runs(), 1);
     }
 
     async fn inbox_rows(pool: &Pool) -> i64 {
