@@ -36,60 +36,69 @@ pub fn sample() -> PathBuf {
 /// --all-targets` built it already) and copied to the [`scratch_dir`].
 pub fn ledger_bin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let mut command = Command::new(cargo);
-        // Not the variables cargo set for this test: build scripts that watch one of them (ring
-        // watches CARGO_MANIFEST_DIR) would run again and rebuild half the dependency tree.
-        for (name, _) in std::env::vars_os() {
-            let name = name.to_string_lossy();
-            if name.starts_with("CARGO_PKG_")
-                || [
-                    "CARGO_MANIFEST_DIR",
-                    "CARGO_MANIFEST_PATH",
-                    "CARGO_CRATE_NAME",
-                    "CARGO_BIN_NAME",
-                    "CARGO_PRIMARY_PACKAGE",
-                    "CARGO_TARGET_TMPDIR",
-                    "CARGO_RUSTC_CURRENT_DIR",
-                    "OUT_DIR",
-                ]
-                .contains(&&*name)
-            {
-                command.env_remove(&*name);
-            }
+    BIN.get_or_init(|| example_bin("ledger"))
+}
+
+/// The `payments` example (the HTTP API with `Idempotency-Key`), as [`ledger_bin`].
+pub fn payments_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| example_bin("payments"))
+}
+
+/// Builds the example `name` and copies it to the [`scratch_dir`].
+fn example_bin(name: &str) -> PathBuf {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut command = Command::new(cargo);
+    // Not the variables cargo set for this test: build scripts that watch one of them (ring
+    // watches CARGO_MANIFEST_DIR) would run again and rebuild half the dependency tree.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if name.starts_with("CARGO_PKG_")
+            || [
+                "CARGO_MANIFEST_DIR",
+                "CARGO_MANIFEST_PATH",
+                "CARGO_CRATE_NAME",
+                "CARGO_BIN_NAME",
+                "CARGO_PRIMARY_PACKAGE",
+                "CARGO_TARGET_TMPDIR",
+                "CARGO_RUSTC_CURRENT_DIR",
+                "OUT_DIR",
+            ]
+            .contains(&&*name)
+        {
+            command.env_remove(&*name);
         }
-        let output = command
-            .current_dir(root())
-            // `--workspace`: the same feature resolution as `cargo test --workspace`, so that
-            // after scripts/test.sh's build this is a no-op rather than a rebuild.
-            .args([
-                "build",
-                "--workspace",
-                "--example",
-                "ledger",
-                "--message-format=json-render-diagnostics",
-            ])
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("run cargo build");
-        assert!(
-            output.status.success(),
-            "cargo build --example ledger failed"
-        );
-        let stdout = String::from_utf8(output.stdout).unwrap();
-        let built = stdout
-            .lines()
-            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-            .filter(|message| message["target"]["name"] == "ledger")
-            .find_map(|message| message["executable"].as_str().map(PathBuf::from))
-            .expect("cargo reported the ledger executable");
-        // A private copy: the target directory may be shared with other checkouts, whose builds
-        // of the same example would replace it under the running tests.
-        let copy = scratch_dir().join("ledger");
-        std::fs::copy(&built, &copy).expect("copy the ledger executable");
-        copy
-    })
+    }
+    let output = command
+        .current_dir(root())
+        // `--workspace`: the same feature resolution as `cargo test --workspace`, so that
+        // after scripts/test.sh's build this is a no-op rather than a rebuild.
+        .args([
+            "build",
+            "--workspace",
+            "--example",
+            name,
+            "--message-format=json-render-diagnostics",
+        ])
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run cargo build");
+    assert!(
+        output.status.success(),
+        "cargo build --example {name} failed"
+    );
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    let built = stdout
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|message| message["target"]["name"] == name)
+        .find_map(|message| message["executable"].as_str().map(PathBuf::from))
+        .unwrap_or_else(|| panic!("cargo reported the {name} executable"));
+    // A private copy: the target directory may be shared with other checkouts, whose builds
+    // of the same example would replace it under the running tests.
+    let copy = scratch_dir().join(name);
+    std::fs::copy(&built, &copy).expect("copy the example's executable");
+    copy
 }
 
 /// An environment variable that `scripts/test.sh` sets; panics with how to get it.
