@@ -59,6 +59,21 @@ enum Command {
     Serve(ServeArgs),
     /// Process order events with a billing consumer that calls the API.
     Consume(ConsumeArgs),
+    /// Measure `POST /payments` with and without the idempotency layer, side by side.
+    Bench(BenchArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct BenchArgs {
+    /// Requests per variant and round.
+    #[arg(long, default_value_t = 4000)]
+    requests: usize,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Rounds (each runs every variant once, in turn).
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
 }
 
 #[derive(clap::Args, Debug)]
@@ -461,6 +476,213 @@ async fn consume(args: ConsumeArgs) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+// ---------------------------------------------------------------------------------------------
+// The benchmark
+
+/// `POST /payments` without the layer: the same writes in a plain transaction of the pool.
+async fn create_payment_plain(
+    State(pool): State<SqlitePool>,
+    Json(new): Json<NewPayment>,
+) -> Response {
+    let payment = Payment {
+        id: uuid::Uuid::now_v7().to_string(),
+        account: new.account,
+        amount_cents: new.amount_cents,
+        reference: new.reference,
+    };
+    let written = async {
+        let mut tx = pool.begin().await?;
+        sqlx::query("INSERT INTO payments (id, account, amount_cents, reference) VALUES ($1, $2, $3, $4)")
+            .bind(&payment.id)
+            .bind(&payment.account)
+            .bind(payment.amount_cents)
+            .bind(&payment.reference)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(
+            "INSERT INTO balances (account, balance_cents) VALUES ($1, $2) \
+             ON CONFLICT (account) DO UPDATE SET balance_cents = balances.balance_cents + excluded.balance_cents",
+        )
+        .bind(&payment.account)
+        .bind(payment.amount_cents)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await
+    }
+    .await;
+    match written {
+        Ok(()) => (
+            StatusCode::CREATED,
+            [(header::LOCATION, format!("/payments/{}", payment.id))],
+            Json(payment),
+        )
+            .into_response(),
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
+    }
+}
+
+/// One measured variant: requests/s and latency percentiles (µs).
+struct Measured {
+    name: &'static str,
+    requests: usize,
+    elapsed: Duration,
+    latency: hdrhistogram::Histogram<u64>,
+}
+
+/// Serves `router` on 127.0.0.1, an ephemeral port; returns its base URL.
+async fn serve_on_ephemeral(router: Router) -> Result<String, Box<dyn std::error::Error>> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let base = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    Ok(base)
+}
+
+/// `requests` POSTs from `concurrency` clients; `key(n)` gives request n's key (or none).
+async fn load(
+    name: &'static str,
+    url: &str,
+    requests: usize,
+    concurrency: usize,
+    key: impl Fn(usize) -> Option<String> + Send + Sync + 'static,
+) -> Result<Measured, Box<dyn std::error::Error>> {
+    let http = reqwest::Client::new();
+    let next = std::sync::Arc::new(AtomicUsize::new(0));
+    let key = std::sync::Arc::new(key);
+    let started = std::time::Instant::now();
+    let mut workers = Vec::new();
+    for _ in 0..concurrency {
+        let (http, next, key, url) = (http.clone(), next.clone(), key.clone(), url.to_owned());
+        workers.push(tokio::spawn(async move {
+            let mut latency =
+                hdrhistogram::Histogram::<u64>::new(3).expect("3 significant figures");
+            loop {
+                let n = next.fetch_add(1, Ordering::Relaxed);
+                if n >= requests {
+                    return Ok::<_, String>(latency);
+                }
+                let mut request = http
+                    .post(&url)
+                    .header("content-type", "application/json")
+                    .body(format!(
+                        r#"{{"account":"acc-{}","amount_cents":{}}}"#,
+                        n % 50,
+                        100 + n % 7
+                    ));
+                if let Some(key) = key(n) {
+                    request = request.header("idempotency-key", format!("\"{key}\""));
+                }
+                let sent = std::time::Instant::now();
+                let response = request.send().await.map_err(|e| e.to_string())?;
+                let status = response.status();
+                response.bytes().await.map_err(|e| e.to_string())?;
+                if status != reqwest::StatusCode::CREATED {
+                    return Err(format!("{name}: unexpected {status}"));
+                }
+                latency
+                    .record(sent.elapsed().as_micros() as u64)
+                    .map_err(|e| e.to_string())?;
+            }
+        }));
+    }
+    let mut latency = hdrhistogram::Histogram::<u64>::new(3).expect("3 significant figures");
+    for worker in workers {
+        latency.add(worker.await??)?;
+    }
+    Ok(Measured {
+        name,
+        requests,
+        elapsed: started.elapsed(),
+        latency,
+    })
+}
+
+async fn bench(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let dir = tempfile::tempdir()?;
+    let mut bases = Vec::new();
+    for variant in ["plain", "layer"] {
+        let pool = open_sqlite(&dir.path().join(format!("{variant}.db"))).await?;
+        inbox_runtime::migrate(&pool).await?;
+        sqlx::raw_sql(API_SCHEMA).execute(&pool).await?;
+        let router = if variant == "plain" {
+            Router::new()
+                .route("/payments", post(create_payment_plain))
+                .with_state(pool)
+        } else {
+            api(pool)
+        };
+        bases.push(serve_on_ephemeral(router).await?);
+    }
+    let (plain, layer) = (
+        format!("{}/payments", bases[0]),
+        format!("{}/payments", bases[1]),
+    );
+    println!(
+        "POST /payments on SQLite (WAL), {} requests per variant and round, {} clients, {} rounds, \
+         client and servers in this process",
+        args.requests, args.concurrency, args.rounds
+    );
+    // Warm-up: connections, caches, the replayed key.
+    load("warm-up", &plain, 200, args.concurrency, |_| None).await?;
+    load("warm-up", &layer, 200, args.concurrency, |n| {
+        Some(format!("warm-{n}"))
+    })
+    .await?;
+    load("warm-up", &layer, 1, 1, |_| Some("replayed".into())).await?;
+    let mut totals: Vec<Measured> = Vec::new();
+    for round in 0..args.rounds {
+        let runs = [
+            load(
+                "without the layer",
+                &plain,
+                args.requests,
+                args.concurrency,
+                |_| None,
+            )
+            .await?,
+            load(
+                "with the layer, first requests",
+                &layer,
+                args.requests,
+                args.concurrency,
+                move |n| Some(format!("r{round}-{n}")),
+            )
+            .await?,
+            load(
+                "with the layer, replays",
+                &layer,
+                args.requests,
+                args.concurrency,
+                |_| Some("replayed".into()),
+            )
+            .await?,
+        ];
+        for run in runs {
+            match totals.iter_mut().find(|t| t.name == run.name) {
+                Some(total) => {
+                    total.requests += run.requests;
+                    total.elapsed += run.elapsed;
+                    total.latency.add(&run.latency)?;
+                }
+                None => totals.push(run),
+            }
+        }
+    }
+    let base_rate = totals[0].requests as f64 / totals[0].elapsed.as_secs_f64();
+    println!("| variant | requests/s | ratio | p50 ms | p99 ms |");
+    println!("|---|---:|---:|---:|---:|");
+    for total in &totals {
+        let rate = total.requests as f64 / total.elapsed.as_secs_f64();
+        println!(
+            "| {} | {rate:.0} | {:.2} | {:.2} | {:.2} |",
+            total.name,
+            rate / base_rate,
+            total.latency.value_at_quantile(0.5) as f64 / 1000.0,
+            total.latency.value_at_quantile(0.99) as f64 / 1000.0,
+        );
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
@@ -468,6 +690,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         None => serve(args.serve).await,
         Some(Command::Serve(serve_args)) => serve(serve_args).await,
         Some(Command::Consume(consume_args)) => consume(consume_args).await,
+        Some(Command::Bench(bench_args)) => bench(bench_args).await,
     }
 }
 

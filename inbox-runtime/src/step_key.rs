@@ -92,8 +92,8 @@ impl StepKey {
 
     /// The key of step `step` of the claim this code runs for: inside the body of an
     /// `#[idempotent]` handler (called directly or through a `Dispatcher`, in a batch or a
-    /// replay), inside a handler behind [`IdempotencyLayer`](crate::http::IdempotencyLayer)
-    /// (the request's scope and `Idempotency-Key`), or inside
+    /// replay), inside a handler behind the HTTP layer (`http::IdempotencyLayer`, feature
+    /// `http`: the request's scope and `Idempotency-Key`), or inside
     /// [`outbox::scoped`](crate::outbox::scoped). `None` anywhere else — including tasks
     /// spawned from a handler, which do not inherit its claim (derive the key before spawning,
     /// or use [`StepKey::new`]).

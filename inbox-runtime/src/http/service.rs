@@ -370,6 +370,7 @@ where
         count(route, "not_stored");
         return Ok(Response::from_parts(head, Body::from(body)));
     }
+    let claimed = matches!(held, Held::Claimed(_));
     let committed = match held {
         Held::Claimed(claim) => {
             let stored = StoredResponse::select(
@@ -390,7 +391,10 @@ where
     };
     match committed {
         Ok(()) => {
-            count(route, "first");
+            if claimed {
+                // (A request without a key was counted as `no_key` already.)
+                count(route, "first");
+            }
             Ok(Response::from_parts(head, Body::from(body)))
         }
         Err((StoreOperation::Commit, error)) => {
