@@ -402,6 +402,17 @@ inbox_tests::backend_matrix! {
         );
         assert_eq!(server.runs(), 1);
         assert_eq!(inbox_rows(&pool).await, 1);
+
+        // Once settled, concurrent repeats are all replays: none is told "in progress".
+        let mut pending = futures_util::stream::FuturesUnordered::new();
+        for _ in 0..20 {
+            pending.push(send(server.post(Some(quoted("one-key")), Some("alice"), body.clone())));
+        }
+        while let Some(answer) = pending.next().await {
+            assert_eq!((answer.status, answer.replayed), (201, true), "{answer:?}");
+            assert_eq!(answer.body, original.body);
+        }
+        assert_eq!(server.runs(), 1);
     }
 
     #[tokio::test]

@@ -537,12 +537,14 @@ async fn serve_on_ephemeral(router: Router) -> Result<String, Box<dyn std::error
     Ok(base)
 }
 
-/// `requests` POSTs from `concurrency` clients; `key(n)` gives request n's key (or none).
+/// `requests` POSTs from `concurrency` clients; `key(n)` gives request n's key (or none); with
+/// `same_body`, every request has the body of request 0 (replays of one key must).
 async fn load(
     name: &'static str,
     url: &str,
     requests: usize,
     concurrency: usize,
+    same_body: bool,
     key: impl Fn(usize) -> Option<String> + Send + Sync + 'static,
 ) -> Result<Measured, Box<dyn std::error::Error>> {
     let http = reqwest::Client::new();
@@ -560,13 +562,14 @@ async fn load(
                 if n >= requests {
                     return Ok::<_, String>(latency);
                 }
+                let b = if same_body { 0 } else { n };
                 let mut request = http
                     .post(&url)
                     .header("content-type", "application/json")
                     .body(format!(
                         r#"{{"account":"acc-{}","amount_cents":{}}}"#,
-                        n % 50,
-                        100 + n % 7
+                        b % 50,
+                        100 + b % 7
                     ));
                 if let Some(key) = key(n) {
                     request = request.header("idempotency-key", format!("\"{key}\""));
@@ -622,12 +625,12 @@ async fn bench(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
         args.requests, args.concurrency, args.rounds
     );
     // Warm-up: connections, caches, the replayed key.
-    load("warm-up", &plain, 200, args.concurrency, |_| None).await?;
-    load("warm-up", &layer, 200, args.concurrency, |n| {
+    load("warm-up", &plain, 200, args.concurrency, false, |_| None).await?;
+    load("warm-up", &layer, 200, args.concurrency, false, |n| {
         Some(format!("warm-{n}"))
     })
     .await?;
-    load("warm-up", &layer, 1, 1, |_| Some("replayed".into())).await?;
+    load("warm-up", &layer, 1, 1, true, |_| Some("replayed".into())).await?;
     let mut totals: Vec<Measured> = Vec::new();
     for round in 0..args.rounds {
         let runs = [
@@ -636,6 +639,7 @@ async fn bench(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
                 &plain,
                 args.requests,
                 args.concurrency,
+                false,
                 |_| None,
             )
             .await?,
@@ -644,6 +648,7 @@ async fn bench(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
                 &layer,
                 args.requests,
                 args.concurrency,
+                false,
                 move |n| Some(format!("r{round}-{n}")),
             )
             .await?,
@@ -652,6 +657,7 @@ async fn bench(args: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
                 &layer,
                 args.requests,
                 args.concurrency,
+                true,
                 |_| Some("replayed".into()),
             )
             .await?,

@@ -116,10 +116,12 @@ pub enum Wait {
     Block,
     /// Do not wait: report [`ClaimState::InProgress`](crate::ClaimState::InProgress) at once.
     /// On PostgreSQL the claim gives up after [`Wait::NO_WAIT_GRACE`] (10 ms) of waiting for
-    /// the key's lock; on SQLite when a claim session of this process holds the key (SQLite
-    /// serializes writers, so a claim held by *another process* is waited for, up to the
-    /// connection's busy timeout). For HTTP requests: a duplicate request while the first one
-    /// still runs gets "in progress" (409) instead of a blocked worker.
+    /// the key's lock, on SQLite when a claim session of this process holds the key; in both
+    /// cases the key's committed row is then read once, and settles the claim if it can (a
+    /// repeat of a completed request is a replay, not "in progress", even while other repeats
+    /// read the same row). SQLite serializes writers, so a claim held by *another process* is
+    /// waited for, up to the connection's busy timeout. For HTTP requests: a duplicate request
+    /// while the first one still runs gets "in progress" (409) instead of a blocked worker.
     NoWait,
 }
 

@@ -14,7 +14,7 @@ use crate::key::IdempotencyKey;
 use crate::outcome::Outcome;
 use crate::policy::RetryPolicy;
 use crate::status::{ClaimMode, Status};
-use crate::store::{Backend, ClaimRequest, InboxConnection};
+use crate::store::{Backend, ClaimRequest, ClaimResult, InboxConnection};
 
 /// A claim to open: an idempotency key in a scope, with the fingerprint of what is being done
 /// under it. The same protocol `#[idempotent]` handlers run on, without the macro.
@@ -206,10 +206,11 @@ impl<'a> ClaimSession<'a> {
         &self,
         conn: Hold<'c, C>,
     ) -> Result<ClaimState<'c, C>, StoreError> {
+        let mut conn = conn;
         let in_flight = match InFlight::enter(C::BACKEND, self.scope, self.key.as_str(), self.wait)
         {
             Some(in_flight) => in_flight,
-            None => return Ok(ClaimState::InProgress),
+            None => return self.seen_while_held(conn.conn()).await,
         };
         let payload_hash = self.fingerprint.to_hex();
         let request = ClaimRequest {
@@ -234,7 +235,9 @@ impl<'a> ClaimSession<'a> {
                 policy: self.policy.cloned().unwrap_or_default(),
                 _in_flight: in_flight,
             })),
-            Begun::InProgress => Ok(ClaimState::InProgress),
+            // The key's row is locked (PostgreSQL, no wait): by the request that claims it (then
+            // no committed row settles it), or by another session that only reads it.
+            Begun::InProgress => self.seen_while_held(tx.conn()).await,
             Begun::Existing {
                 status,
                 payload_hash: stored_hash,
@@ -283,6 +286,62 @@ impl<'a> ClaimSession<'a> {
                     Decision::Claimable => Ok(ClaimState::InProgress),
                 }
             }
+        }
+    }
+
+    /// What a [`Wait::NoWait`] session reports when another session holds the key (SQLite: a
+    /// claim session of this process; PostgreSQL: the row's lock): the committed row if it
+    /// settles the request — a replay read while
+    /// another replay of the same key reads too, or a conflict — else "in progress". One read
+    /// outside any transaction; nothing is written.
+    async fn seen_while_held<'c, C: InboxConnection>(
+        &self,
+        conn: &mut C,
+    ) -> Result<ClaimState<'c, C>, StoreError> {
+        let existing = conn
+            .existing(self.scope, self.key.as_str())
+            .await
+            .map_err(|e| self.store_error((StoreOperation::Claim, e)))?;
+        let Some(ClaimResult::Existing {
+            status,
+            payload_hash,
+            attempts,
+            retry_in,
+        }) = existing
+        else {
+            return Ok(ClaimState::InProgress);
+        };
+        match decide(
+            status,
+            &payload_hash,
+            &self.fingerprint,
+            ClaimMode::Deliver,
+            retry_in,
+        ) {
+            Ok(Decision::Conflict { stored }) => Ok(ClaimState::Conflict(Conflict {
+                consumer: self.scope.to_owned(),
+                message_name: self.name.to_owned(),
+                key: self.key.clone(),
+                stored,
+                received: self.fingerprint,
+            })),
+            Ok(Decision::Settled(outcome)) if !matches!(outcome, Outcome::NotYet { .. }) => {
+                let result = if status == Status::Processed {
+                    conn.fetch_result(self.scope, self.key.as_str())
+                        .await
+                        .map_err(|e| self.store_error((StoreOperation::Claim, e)))?
+                } else {
+                    None
+                };
+                Ok(ClaimState::Settled(Settled {
+                    status,
+                    fingerprint: self.fingerprint,
+                    attempts,
+                    result,
+                }))
+            }
+            // A failed key (its holder is retrying it now), or a damaged row the claim reports.
+            _ => Ok(ClaimState::InProgress),
         }
     }
 
