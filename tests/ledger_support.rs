@@ -46,6 +46,12 @@ pub fn pipeline_bin() -> &'static Path {
     BIN.get_or_init(|| build_example("pipeline"))
 }
 
+/// The `payments` example (the HTTP API with `Idempotency-Key`), as [`ledger_bin`].
+pub fn payments_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| build_example("payments"))
+}
+
 /// Builds the example `name` and copies it to the [`scratch_dir`]; its path there.
 fn build_example(name: &str) -> PathBuf {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());

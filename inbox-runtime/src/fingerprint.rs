@@ -109,6 +109,27 @@ impl Fingerprint {
         Ok(Self(hasher.finalize().into()))
     }
 
+    /// The fingerprint of a payload that is not JSON (an HTTP request body of another media
+    /// type): SHA-256 over `name`, a newline, a `0xFF` byte, and `bytes` as they are.
+    ///
+    /// The `0xFF` byte never occurs in UTF-8 text, so no byte payload shares a fingerprint with
+    /// a JSON one ([`Fingerprint::of`]) under the same name; two byte payloads share one only if
+    /// they are equal byte for byte.
+    ///
+    /// ```
+    /// use inbox_runtime::Fingerprint;
+    /// let a = Fingerprint::of_bytes("POST /upload", b"<xml/>");
+    /// assert_eq!(a, Fingerprint::of_bytes("POST /upload", b"<xml/>"));
+    /// assert_ne!(a, Fingerprint::of_bytes("POST /upload", b"<xml />"));
+    /// ```
+    pub fn of_bytes(name: &str, bytes: &[u8]) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(name.as_bytes());
+        hasher.update(b"\n\xff");
+        hasher.update(bytes);
+        Self(hasher.finalize().into())
+    }
+
     /// Parses the 64-hex-digit form stored in the inbox.
     pub fn from_hex(hex_text: &str) -> Option<Self> {
         let mut bytes = [0_u8; 32];
@@ -244,6 +265,20 @@ mod tests {
         assert_ne!(
             Fingerprint::of("payments.captured", &payload).unwrap(),
             Fingerprint::of("payments.refunded", &payload).unwrap()
+        );
+    }
+
+    #[test]
+    fn byte_payloads_never_share_a_json_fingerprint() {
+        let json = serde_json::json!({"a": 1});
+        let canonical = br#"{"a":1}"#;
+        assert_ne!(
+            Fingerprint::of("m", &json).unwrap(),
+            Fingerprint::of_bytes("m", canonical)
+        );
+        assert_ne!(
+            Fingerprint::of_bytes("m", b""),
+            Fingerprint::of_bytes("n", b"")
         );
     }
 

@@ -110,8 +110,10 @@
 //! * `amqp`: `source::amqp`, the RabbitMQ source (lapin).
 //! * `nats`: `source::nats`, the NATS JetStream source, and `sink::nats`, the NATS JetStream
 //!   sink for the outbox relay (async-nats).
+//! * `http`: the module `http`, the HTTP `Idempotency-Key` layer for axum and tower, whose
+//!   handlers run on the claim's transaction (axum, tower, http, sfv).
 //!
-//! Build these docs with `cargo doc --all-features` to see all three.
+//! Build these docs with `cargo doc --all-features` to see all four.
 
 #![warn(missing_docs, unreachable_pub, rust_2018_idioms)]
 
@@ -126,6 +128,8 @@ mod envelope;
 mod error;
 mod fingerprint;
 mod handler;
+#[cfg(feature = "http")]
+pub mod http;
 mod key;
 mod message;
 mod ordering;
@@ -138,6 +142,7 @@ pub mod sink;
 mod slot;
 pub mod source;
 mod status;
+mod step_key;
 mod store;
 mod worker;
 
@@ -163,6 +168,7 @@ pub use protocol::session::{ClaimSession, ClaimState, ClaimedKey, Settled};
 pub use registry::{HandlerInfo, Registration, registered_handlers};
 pub use slot::ConnectionSlot;
 pub use status::{ClaimMode, Status, UnknownStatus};
+pub use step_key::{StepKey, step_key};
 pub use store::{
     AdminStore, AnyConnection, Backend, ClaimRequest, ClaimResult, ClaimStore, Component,
     ExistingRow, FailureRecord, InboxConnection, InboxDatabase, MIGRATIONS_TABLE, OrderingStore,

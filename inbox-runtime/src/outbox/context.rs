@@ -40,3 +40,10 @@ pub(crate) fn next_position() -> Option<(String, String, u32)> {
         })
         .ok()
 }
+
+/// The current claim's consumer (scope) and key, or `None` outside any claim.
+pub(crate) fn current() -> Option<(String, String)> {
+    CLAIM
+        .try_with(|claim| (claim.consumer.clone(), claim.key.clone()))
+        .ok()
+}

@@ -104,6 +104,7 @@ use crate::classify::{Classify, ErrorClass};
 use crate::message::Message;
 use crate::store::{OutboxRow, OutboxStore};
 
+pub(crate) use context::current as current_claim;
 pub(crate) use context::scope;
 pub use relay::{Relay, RelayReport, RoundReport};
 

@@ -28,6 +28,8 @@ pub(crate) mod park;
 pub(crate) mod session;
 pub(crate) mod single;
 
+use std::ops::DerefMut;
+
 use sqlx_core::transaction::TransactionManager as _;
 
 use crate::error::StoreOperation;
@@ -114,10 +116,12 @@ pub enum Wait {
     Block,
     /// Do not wait: report [`ClaimState::InProgress`](crate::ClaimState::InProgress) at once.
     /// On PostgreSQL the claim gives up after [`Wait::NO_WAIT_GRACE`] (10 ms) of waiting for
-    /// the key's lock; on SQLite when a claim session of this process holds the key (SQLite
-    /// serializes writers, so a claim held by *another process* is waited for, up to the
-    /// connection's busy timeout). For HTTP requests: a duplicate request while the first one
-    /// still runs gets "in progress" (409) instead of a blocked worker.
+    /// the key's lock, on SQLite when a claim session of this process holds the key; in both
+    /// cases the key's committed row is then read once, and settles the claim if it can (a
+    /// repeat of a completed request is a replay, not "in progress", even while other repeats
+    /// read the same row). SQLite serializes writers, so a claim held by *another process* is
+    /// waited for, up to the connection's busy timeout. For HTTP requests: a duplicate request
+    /// while the first one still runs gets "in progress" (409) instead of a blocked worker.
     NoWait,
 }
 
@@ -127,32 +131,64 @@ impl Wait {
     pub const NO_WAIT_GRACE: std::time::Duration = std::time::Duration::from_millis(10);
 }
 
-/// The transaction of one claim, on a borrowed connection: `BEGIN` (a savepoint if the
-/// connection is already inside a transaction) to `COMMIT` or `ROLLBACK`, rolled back if dropped
-/// open (as sqlx's own transactions are). Unlike a `sqlx::Transaction`, it gives the connection
-/// back after the rollback, for the failure record that follows it.
+/// The connection a claim's transaction runs on: borrowed from the caller (every driver), or
+/// owned by the claim ([`ClaimSession::open_owned`](crate::ClaimSession::open_owned): a pooled
+/// connection that travels with the claimed key, as the HTTP layer's does).
+pub(crate) enum Hold<'c, C: InboxConnection> {
+    /// The caller's connection.
+    Borrowed(&'c mut C),
+    /// A connection the claim owns (a `PoolConnection`, say), dropped with it.
+    Owned(Box<dyn DerefMut<Target = C> + Send + 'c>),
+}
+
+impl<C: InboxConnection> Hold<'_, C> {
+    fn conn(&mut self) -> &mut C {
+        match self {
+            Hold::Borrowed(conn) => conn,
+            Hold::Owned(conn) => conn,
+        }
+    }
+
+    fn conn_ref(&self) -> &C {
+        match self {
+            Hold::Borrowed(conn) => conn,
+            Hold::Owned(conn) => conn,
+        }
+    }
+}
+
+/// The transaction of one claim, on a borrowed (or owned, see [`Hold`]) connection: `BEGIN` (a
+/// savepoint if the connection is already inside a transaction) to `COMMIT` or `ROLLBACK`,
+/// rolled back if dropped open (as sqlx's own transactions are). Unlike a `sqlx::Transaction`,
+/// it gives the connection back after the rollback, for the failure record that follows it.
 pub(crate) struct ClaimTx<'c, C: InboxConnection> {
-    conn: &'c mut C,
+    conn: Hold<'c, C>,
     open: bool,
 }
 
 impl<'c, C: InboxConnection> ClaimTx<'c, C> {
     /// `BEGIN` on `conn`.
-    pub(crate) async fn begin(conn: &'c mut C) -> Result<Self, sqlx::Error> {
-        let statement = conn.begin_statement();
-        <C::Database as sqlx::Database>::TransactionManager::begin(conn, statement).await?;
+    pub(crate) async fn begin(mut conn: Hold<'c, C>) -> Result<Self, sqlx::Error> {
+        let statement = conn.conn().begin_statement();
+        <C::Database as sqlx::Database>::TransactionManager::begin(conn.conn(), statement).await?;
         Ok(Self { conn, open: true })
     }
 
     /// The transaction's connection.
     pub(crate) fn conn(&mut self) -> &mut C {
-        self.conn
+        self.conn.conn()
+    }
+
+    /// The transaction's connection, shared.
+    #[cfg_attr(not(feature = "http"), allow(dead_code))]
+    pub(crate) fn conn_ref(&self) -> &C {
+        self.conn.conn_ref()
     }
 
     /// `COMMIT`. On an error the outcome is unknown and the transaction is rolled back when
     /// this is dropped.
     pub(crate) async fn commit(&mut self) -> Result<(), sqlx::Error> {
-        <C::Database as sqlx::Database>::TransactionManager::commit(self.conn).await?;
+        <C::Database as sqlx::Database>::TransactionManager::commit(self.conn.conn()).await?;
         self.open = false;
         Ok(())
     }
@@ -160,14 +196,14 @@ impl<'c, C: InboxConnection> ClaimTx<'c, C> {
     /// `ROLLBACK`; the connection stays usable through [`ClaimTx::conn`].
     pub(crate) async fn rollback(&mut self) -> Result<(), sqlx::Error> {
         self.open = false;
-        <C::Database as sqlx::Database>::TransactionManager::rollback(self.conn).await
+        <C::Database as sqlx::Database>::TransactionManager::rollback(self.conn.conn()).await
     }
 }
 
 impl<C: InboxConnection> Drop for ClaimTx<'_, C> {
     fn drop(&mut self) {
         if self.open {
-            <C::Database as sqlx::Database>::TransactionManager::start_rollback(self.conn);
+            <C::Database as sqlx::Database>::TransactionManager::start_rollback(self.conn.conn());
         }
     }
 }
@@ -191,7 +227,7 @@ pub(crate) enum Begun {
 /// `BEGIN` and the claim (see [`Begun`]). On an error the transaction is rolled back and the
 /// failing step named.
 pub(crate) async fn begin_claim<'c, C: InboxConnection>(
-    conn: &'c mut C,
+    conn: Hold<'c, C>,
     request: &ClaimRequest<'_>,
     wait: Wait,
 ) -> Result<(ClaimTx<'c, C>, Begun), (StoreOperation, sqlx::Error)> {

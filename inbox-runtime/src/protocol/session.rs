@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{LazyLock, Mutex};
 
 use super::failure::{Attempt, Subject, aborted_transaction_text};
-use super::{Begun, ClaimTx, Decision, Wait, begin_claim, decide, finish};
+use super::{Begun, ClaimTx, Decision, Hold, Wait, begin_claim, decide, finish};
 use crate::classify::ErrorClass;
 use crate::envelope::SourceMetadata;
 use crate::error::{Conflict, Disposition, StoreError, StoreOperation};
@@ -14,7 +14,7 @@ use crate::key::IdempotencyKey;
 use crate::outcome::Outcome;
 use crate::policy::RetryPolicy;
 use crate::status::{ClaimMode, Status};
-use crate::store::{Backend, ClaimRequest, InboxConnection};
+use crate::store::{Backend, ClaimRequest, ClaimResult, InboxConnection};
 
 /// A claim to open: an idempotency key in a scope, with the fingerprint of what is being done
 /// under it. The same protocol `#[idempotent]` handlers run on, without the macro.
@@ -162,10 +162,55 @@ impl<'a> ClaimSession<'a> {
         &self,
         conn: &'c mut C,
     ) -> Result<ClaimState<'c, C>, StoreError> {
+        self.open_with(Hold::Borrowed(conn)).await
+    }
+
+    /// [`open`](Self::open) on a connection the claim takes ownership of — a pooled connection
+    /// (`pool.acquire().await?`), or any owned handle that derefs to one — so that a
+    /// [`ClaimedKey`] is `'static`: it can be moved into another task, or into a request's
+    /// extensions (what the HTTP layer does). The connection goes with the claim state: dropped
+    /// (a pooled one back to its pool) when the [`ClaimedKey`] or the state is dropped, after
+    /// its transaction ended.
+    ///
+    /// ```no_run
+    /// use inbox_runtime::{ClaimSession, ClaimState, Fingerprint, IdempotencyKey};
+    ///
+    /// # async fn demo(pool: sqlx::SqlitePool) -> Result<(), Box<dyn std::error::Error>> {
+    /// let key = IdempotencyKey::new("export-7", "exports", "job id")?;
+    /// let fingerprint = Fingerprint::of("exports", &serde_json::json!({"job": 7}))?;
+    /// let session = ClaimSession::new("exports", &key, "exports", fingerprint);
+    /// if let ClaimState::Claimed(mut claim) = session.open_owned(pool.acquire().await?).await? {
+    ///     // A `ClaimedKey<'static, SqliteConnection>`: it may outlive this scope.
+    ///     tokio::spawn(async move {
+    ///         sqlx::query("INSERT INTO exports (job) VALUES (7)")
+    ///             .execute(claim.connection())
+    ///             .await?;
+    ///         claim.complete(None).await?;
+    ///         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    ///     });
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`open`](Self::open).
+    pub async fn open_owned<C, H>(&self, conn: H) -> Result<ClaimState<'static, C>, StoreError>
+    where
+        C: InboxConnection,
+        H: std::ops::DerefMut<Target = C> + Send + 'static,
+    {
+        self.open_with(Hold::Owned(Box::new(conn))).await
+    }
+
+    async fn open_with<'c, C: InboxConnection>(
+        &self,
+        conn: Hold<'c, C>,
+    ) -> Result<ClaimState<'c, C>, StoreError> {
+        let mut conn = conn;
         let in_flight = match InFlight::enter(C::BACKEND, self.scope, self.key.as_str(), self.wait)
         {
             Some(in_flight) => in_flight,
-            None => return Ok(ClaimState::InProgress),
+            None => return self.seen_while_held(conn.conn()).await,
         };
         let payload_hash = self.fingerprint.to_hex();
         let request = ClaimRequest {
@@ -190,7 +235,9 @@ impl<'a> ClaimSession<'a> {
                 policy: self.policy.cloned().unwrap_or_default(),
                 _in_flight: in_flight,
             })),
-            Begun::InProgress => Ok(ClaimState::InProgress),
+            // The key's row is locked (PostgreSQL, no wait): by the request that claims it (then
+            // no committed row settles it), or by another session that only reads it.
+            Begun::InProgress => self.seen_while_held(tx.conn()).await,
             Begun::Existing {
                 status,
                 payload_hash: stored_hash,
@@ -242,6 +289,62 @@ impl<'a> ClaimSession<'a> {
         }
     }
 
+    /// What a [`Wait::NoWait`] session reports when another session holds the key (SQLite: a
+    /// claim session of this process; PostgreSQL: the row's lock): the committed row if it
+    /// settles the request — a replay read while
+    /// another replay of the same key reads too, or a conflict — else "in progress". One read
+    /// outside any transaction; nothing is written.
+    async fn seen_while_held<'c, C: InboxConnection>(
+        &self,
+        conn: &mut C,
+    ) -> Result<ClaimState<'c, C>, StoreError> {
+        let existing = conn
+            .existing(self.scope, self.key.as_str())
+            .await
+            .map_err(|e| self.store_error((StoreOperation::Claim, e)))?;
+        let Some(ClaimResult::Existing {
+            status,
+            payload_hash,
+            attempts,
+            retry_in,
+        }) = existing
+        else {
+            return Ok(ClaimState::InProgress);
+        };
+        match decide(
+            status,
+            &payload_hash,
+            &self.fingerprint,
+            ClaimMode::Deliver,
+            retry_in,
+        ) {
+            Ok(Decision::Conflict { stored }) => Ok(ClaimState::Conflict(Conflict {
+                consumer: self.scope.to_owned(),
+                message_name: self.name.to_owned(),
+                key: self.key.clone(),
+                stored,
+                received: self.fingerprint,
+            })),
+            Ok(Decision::Settled(outcome)) if !matches!(outcome, Outcome::NotYet { .. }) => {
+                let result = if status == Status::Processed {
+                    conn.fetch_result(self.scope, self.key.as_str())
+                        .await
+                        .map_err(|e| self.store_error((StoreOperation::Claim, e)))?
+                } else {
+                    None
+                };
+                Ok(ClaimState::Settled(Settled {
+                    status,
+                    fingerprint: self.fingerprint,
+                    attempts,
+                    result,
+                }))
+            }
+            // A failed key (its holder is retrying it now), or a damaged row the claim reports.
+            _ => Ok(ClaimState::InProgress),
+        }
+    }
+
     fn store_error(&self, (operation, source): (StoreOperation, sqlx::Error)) -> StoreError {
         StoreError {
             consumer: self.scope.to_owned(),
@@ -281,6 +384,12 @@ impl<C: InboxConnection> ClaimedKey<'_, C> {
     /// with the claim.
     pub fn connection(&mut self) -> &mut C {
         self.tx.conn()
+    }
+
+    /// The connection, shared (for `Deref` impls of types that hold a claim).
+    #[cfg_attr(not(feature = "http"), allow(dead_code))]
+    pub(crate) fn connection_ref(&self) -> &C {
+        self.tx.conn_ref()
     }
 
     /// Attempts for this key so far, this one included (1 for a first claim).

@@ -8,7 +8,7 @@ use tracing::Instrument as _;
 
 use super::failure::{Attempt, Subject, aborted_transaction_text, record_conflict};
 use super::hooks::{ClaimInfo, HookRunner};
-use super::{Begun, Decision, Wait, begin_claim, decide, finish};
+use super::{Begun, Decision, Hold, Wait, begin_claim, decide, finish};
 use crate::BoxFuture;
 use crate::classify::{BoxError, Classify as _, ErrorClass};
 use crate::envelope::SourceMetadata;
@@ -305,7 +305,7 @@ async fn attempt<H: Handler>(
     }
 
     let started = Instant::now();
-    let (mut tx, begun) = begin_claim(conn, &request, Wait::Block)
+    let (mut tx, begun) = begin_claim(Hold::Borrowed(conn), &request, Wait::Block)
         .await
         .map_err(report)?;
     metrics::histogram!("inbox_claim_duration_seconds", "consumer" => H::CONSUMER)

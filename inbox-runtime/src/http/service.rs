@@ -1,0 +1,617 @@
+//! The layer's service: one request through key, body, fingerprint, claim, handler and the
+//! stored response.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use axum::extract::MatchedPath;
+use bytes::Bytes;
+use futures_util::FutureExt as _;
+use http::{HeaderValue, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt as _, LengthLimitError, Limited};
+
+use crate::error::StoreOperation;
+use crate::fingerprint::Fingerprint;
+use crate::key::IdempotencyKey;
+use crate::protocol::session::{ClaimSession, ClaimState};
+use crate::protocol::{ClaimTx, Hold, Wait};
+use crate::status::Status;
+use crate::store::InboxDatabase;
+
+use super::extract::{Held, TxSlot};
+use super::key::{self, KeyProblem};
+use super::problem::Problem;
+use super::stored::StoredResponse;
+use super::{Config, IDEMPOTENT_REPLAYED};
+
+/// The service [`IdempotencyLayer`](super::IdempotencyLayer) wraps around `S`. It takes any
+/// request body (`http_body::Body` with `Bytes` data, as hyper and axum give), hands `S` an
+/// `axum::body::Body`, and answers with one. Its errors are `S`'s (for axum routes:
+/// `Infallible`); the layer's own failures are responses (see the module documentation).
+pub struct IdempotencyService<S, DB: InboxDatabase> {
+    inner: S,
+    config: Arc<Config<DB>>,
+}
+
+impl<S, DB: InboxDatabase> IdempotencyService<S, DB> {
+    pub(crate) fn new(inner: S, config: Arc<Config<DB>>) -> Self {
+        Self { inner, config }
+    }
+}
+
+impl<S: Clone, DB: InboxDatabase> Clone for IdempotencyService<S, DB> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            config: Arc::clone(&self.config),
+        }
+    }
+}
+
+impl<S: std::fmt::Debug, DB: InboxDatabase> std::fmt::Debug for IdempotencyService<S, DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, DB, ReqBody, ResBody> tower::Service<Request<ReqBody>> for IdempotencyService<S, DB>
+where
+    S: tower::Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    DB: InboxDatabase,
+    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    type Response = Response<Body>;
+    type Error = S::Error;
+    type Future = crate::BoxFuture<'static, Result<Response<Body>, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        // The service that was polled ready goes with the request; a clone stays for the next.
+        let ready = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, ready);
+        let config = Arc::clone(&self.config);
+        Box::pin(handle(config, inner, request))
+    }
+}
+
+/// The label of the `route` in metrics and logs, and the scope's first part.
+struct Route {
+    /// `POST /payments/{id}`.
+    label: String,
+}
+
+async fn handle<S, DB, ReqBody, ResBody>(
+    config: Arc<Config<DB>>,
+    mut inner: S,
+    request: Request<ReqBody>,
+) -> Result<Response<Body>, S::Error>
+where
+    S: tower::Service<Request<Body>, Response = Response<ResBody>>,
+    DB: InboxDatabase,
+    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    if !config.methods.contains(request.method()) {
+        return call(&mut inner, request.map(Body::new))
+            .await
+            .map(|r| r.map(Body::new));
+    }
+    let (mut parts, body) = request.into_parts();
+    let route_text = parts
+        .extensions
+        .get::<MatchedPath>()
+        .map_or_else(|| parts.uri.path().to_owned(), |m| m.as_str().to_owned());
+    let route = Route {
+        label: format!("{} {route_text}", parts.method),
+    };
+    let problem = |p: Problem| Ok(p.into_response(&config.problem_base));
+
+    let key = match key::parse(&parts.headers, config.max_key_len, config.accept_unquoted) {
+        Ok(Some(key)) => Some(key),
+        Ok(None) if config.require_key => {
+            count(&route, "bad_request");
+            return problem(key_problem(KeyProblem::Missing));
+        }
+        Ok(None) => None,
+        Err(bad) => {
+            count(&route, "bad_request");
+            return problem(key_problem(bad));
+        }
+    };
+    let bytes = match read_body(&parts.headers, body, config.max_body_bytes).await {
+        Ok(bytes) => bytes,
+        Err(bad) => {
+            count(&route, "bad_request");
+            return problem(bad);
+        }
+    };
+    let principal = config
+        .principal
+        .as_ref()
+        .and_then(|principal| principal(&parts))
+        .filter(|p| !p.is_empty());
+    let scope = match &principal {
+        Some(principal) => format!("http {} {principal}", route.label),
+        None => format!("http {}", route.label),
+    };
+    let target = parts
+        .uri
+        .path_and_query()
+        .map_or_else(|| parts.uri.path().to_owned(), |pq| pq.as_str().to_owned());
+    let name = format!("{} {target}", parts.method);
+
+    let Some(key) = key else {
+        // An optional key, absent: a plain transaction, nothing claimed or stored.
+        count(&route, "no_key");
+        let conn = match config.pool.acquire().await {
+            Ok(conn) => conn,
+            Err(error) => return problem(store_unavailable(&config, &error)),
+        };
+        let tx = match ClaimTx::begin(Hold::Owned(Box::new(conn))).await {
+            Ok(tx) => tx,
+            Err(error) => return problem(store_unavailable(&config, &error)),
+        };
+        let slot = TxSlot::<DB>::new(Held::Plain(tx), scope, None);
+        parts.extensions.insert(slot.clone());
+        let request = Request::from_parts(parts, Body::from(bytes));
+        return run(&config, &route, &mut inner, request, slot).await;
+    };
+
+    let fingerprint = match fingerprint(&parts.headers, &name, &bytes) {
+        Ok(fingerprint) => fingerprint,
+        Err(bad) => {
+            count(&route, "bad_request");
+            return problem(bad);
+        }
+    };
+    let key = match IdempotencyKey::new(key, "http request", "Idempotency-Key") {
+        Ok(key) => key,
+        Err(error) => {
+            // Blank or NUL keys: refused by the inbox's own rules (the header parser already
+            // refuses both; kept for any future relaxation of it).
+            count(&route, "bad_request");
+            return problem(Problem::new(
+                StatusCode::BAD_REQUEST,
+                "idempotency-key-malformed",
+                "Idempotency-Key is malformed",
+                error.to_string(),
+            ));
+        }
+    };
+    let conn = match config.pool.acquire().await {
+        Ok(conn) => conn,
+        Err(error) => {
+            count(&route, "failed");
+            return problem(store_unavailable(&config, &error));
+        }
+    };
+    let session = ClaimSession::new(&scope, &key, &name, fingerprint).wait(Wait::NoWait);
+    let state = match session.open_owned(conn).await {
+        Ok(state) => state,
+        Err(error) => {
+            count(&route, "failed");
+            tracing::warn!(scope = %scope, key = %key, error = %error, "idempotency claim failed");
+            return problem(
+                Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "store-unavailable",
+                    "The idempotency store is unavailable",
+                    "the request could not be checked against its Idempotency-Key; \
+                     nothing was done: retry with the same key",
+                )
+                .retry_after(config.retry_after),
+            );
+        }
+    };
+    match state {
+        ClaimState::Claimed(claim) => {
+            let slot = TxSlot::<DB>::new(
+                Held::Claimed(Box::new(claim)),
+                scope.clone(),
+                Some(key.clone()),
+            );
+            parts.extensions.insert(slot.clone());
+            let request = Request::from_parts(parts, Body::from(bytes));
+            crate::outbox::scope(
+                &scope,
+                key.as_str(),
+                run(&config, &route, &mut inner, request, slot),
+            )
+            .await
+        }
+        ClaimState::Settled(settled) => {
+            let replay = match (settled.status, settled.result) {
+                (Status::Processed, Some(result)) => {
+                    StoredResponse::decode(&result).map_err(|damaged| damaged.to_string())
+                }
+                (status, _) => Err(format!(
+                    "the key is settled as `{status}` without a stored response"
+                )),
+            };
+            match replay {
+                Ok(stored) => {
+                    count(&route, "replayed");
+                    Ok(replayed(stored))
+                }
+                Err(reason) => {
+                    count(&route, "failed");
+                    tracing::error!(scope = %scope, key = %key, reason = %reason, "stored response unreadable");
+                    problem(Problem::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "stored-response-unreadable",
+                        "The stored response cannot be replayed",
+                        reason,
+                    ))
+                }
+            }
+        }
+        ClaimState::Conflict(_) => {
+            count(&route, "mismatch");
+            problem(Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "idempotency-key-reused",
+                "Idempotency-Key is already used",
+                "this Idempotency-Key was used for a different request (another method, path, \
+                 query or body); a key must not be reused across different requests: send \
+                 the original request to get its response, or use a new key",
+            ))
+        }
+        ClaimState::InProgress => {
+            count(&route, "in_flight");
+            problem(in_flight(config.retry_after))
+        }
+        ClaimState::NotYet { retry_in, .. } => {
+            // Keys of HTTP requests are never recorded as failed; a scope shared with a claim
+            // session of your own could be.
+            count(&route, "in_flight");
+            problem(in_flight(retry_in.max(config.retry_after)))
+        }
+    }
+}
+
+/// Runs the handler with the transaction in `slot`, then commits it with the stored response
+/// (or rolls it back) and answers.
+async fn run<S, DB, ResBody>(
+    config: &Config<DB>,
+    route: &Route,
+    inner: &mut S,
+    request: Request<Body>,
+    slot: TxSlot<DB>,
+) -> Result<Response<Body>, S::Error>
+where
+    S: tower::Service<Request<Body>, Response = Response<ResBody>>,
+    DB: InboxDatabase,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let problem = |p: Problem| Ok(p.into_response(&config.problem_base));
+    let outcome = AssertUnwindSafe(call(inner, request)).catch_unwind().await;
+    let response = match outcome {
+        Ok(Ok(response)) => response,
+        Ok(Err(error)) => {
+            rollback(slot.take()).await;
+            count(route, "failed");
+            return Err(error);
+        }
+        Err(_panic) => {
+            rollback(slot.take()).await;
+            count(route, "failed");
+            tracing::error!(route = %route.label, "handler panicked; rolled back");
+            return problem(Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "handler-panicked",
+                "The handler failed",
+                "the handler panicked; nothing was stored, and a retry with the same key runs \
+                 it again",
+            ));
+        }
+    };
+    let (head, body) = response.into_parts();
+    let body = match Limited::new(body, config.max_response_bytes)
+        .collect()
+        .await
+    {
+        Ok(collected) => collected.to_bytes(),
+        Err(error) => {
+            rollback(slot.take()).await;
+            count(route, "failed");
+            let too_large = error.downcast_ref::<LengthLimitError>().is_some();
+            tracing::error!(route = %route.label, too_large, "response body not stored; rolled back");
+            return problem(if too_large {
+                Problem::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "response-too-large",
+                    "The response is too large to store",
+                    format!(
+                        "the handler's response body is larger than the {} bytes an idempotent \
+                         response may have; nothing was stored",
+                        config.max_response_bytes
+                    ),
+                )
+            } else {
+                Problem::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "handler-panicked",
+                    "The handler failed",
+                    "the handler's response body failed; nothing was stored",
+                )
+            });
+        }
+    };
+    let Some(held) = slot.take() else {
+        // The handler kept the transaction (moved it into a spawned task, say): it can be
+        // neither committed nor stored here. Dropping it elsewhere rolls it back.
+        count(route, "failed");
+        tracing::error!(route = %route.label, "the idempotency transaction outlived the handler");
+        return problem(Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "transaction-unavailable",
+            "The transaction outlived the handler",
+            "the handler kept the request's transaction beyond its return; it is rolled back \
+             and nothing was stored",
+        ));
+    };
+    if !(config.stores)(head.status) {
+        rollback(Some(held)).await;
+        count(route, "not_stored");
+        return Ok(Response::from_parts(head, Body::from(body)));
+    }
+    let claimed = matches!(held, Held::Claimed(_));
+    let committed = match held {
+        Held::Claimed(claim) => {
+            let stored = StoredResponse::select(
+                head.status,
+                &head.headers,
+                &config.stored_headers,
+                body.clone(),
+            );
+            claim
+                .complete(Some(&stored.encode()))
+                .await
+                .map_err(|e| (e.operation, e.to_string()))
+        }
+        Held::Plain(mut tx) => tx
+            .commit()
+            .await
+            .map_err(|e| (StoreOperation::Commit, e.to_string())),
+    };
+    match committed {
+        Ok(()) => {
+            if claimed {
+                // (A request without a key was counted as `no_key` already.)
+                count(route, "first");
+            }
+            Ok(Response::from_parts(head, Body::from(body)))
+        }
+        Err((StoreOperation::Commit, error)) => {
+            count(route, "failed");
+            tracing::error!(route = %route.label, error = %error, "commit outcome unknown");
+            problem(
+                Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "outcome-unknown",
+                    "The outcome is unknown",
+                    "the database did not confirm the commit; retry with the same \
+                     Idempotency-Key to learn whether the request took effect (the retry \
+                     replays its response if it did, and runs it if it did not)",
+                )
+                .retry_after(config.retry_after),
+            )
+        }
+        Err((_, error)) => {
+            count(route, "failed");
+            tracing::error!(route = %route.label, error = %error, "transaction failed; rolled back");
+            problem(Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "transaction-failed",
+                "The transaction failed",
+                "the request's transaction could not be committed (a database error the \
+                 handler did not return, or storing the response failed); nothing was stored",
+            ))
+        }
+    }
+}
+
+/// Ends a transaction the layer does not commit: rolls it back, recording nothing (the key
+/// stays free).
+async fn rollback<DB: InboxDatabase>(held: Option<Held<DB>>) {
+    match held {
+        Some(Held::Claimed(claim)) => {
+            if let Err(error) = (*claim).abandon().await {
+                tracing::warn!(error = %error, "rollback failed (the server rolls back when the connection closes)");
+            }
+        }
+        Some(Held::Plain(mut tx)) => {
+            let _ = tx.rollback().await;
+        }
+        // Kept by the handler beyond its return: rolled back wherever it is dropped.
+        None => {}
+    }
+}
+
+async fn call<S, B>(inner: &mut S, request: Request<B>) -> Result<S::Response, S::Error>
+where
+    S: tower::Service<Request<B>>,
+{
+    std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
+    inner.call(request).await
+}
+
+/// Reads the body whole, up to `limit` bytes.
+async fn read_body<B>(headers: &http::HeaderMap, body: B, limit: usize) -> Result<Bytes, Problem>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let too_large = |size: Option<u64>| {
+        let size = size.map_or_else(
+            || "more than".to_owned(),
+            |s| format!("{s} bytes, more than"),
+        );
+        Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request-body-too-large",
+            "The request body is too large",
+            format!("the request body is {size} the {limit} bytes this operation accepts"),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(size) = declared
+        && size > limit as u64
+    {
+        return Err(too_large(Some(size)));
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => Err(too_large(None)),
+        Err(error) => Err(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "request-body-invalid",
+            "The request body could not be read",
+            format!("reading the request body failed: {error}"),
+        )),
+    }
+}
+
+/// The request's fingerprint: `name` (method, path and query) and the body, canonical JSON
+/// when the body is declared JSON, else its bytes.
+fn fingerprint(headers: &http::HeaderMap, name: &str, body: &[u8]) -> Result<Fingerprint, Problem> {
+    if !is_json(headers) {
+        return Ok(Fingerprint::of_bytes(name, body));
+    }
+    let invalid = |reason: String| {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "request-body-invalid",
+            "The request body is not valid JSON",
+            format!("the body is declared JSON (Content-Type) but does not parse: {reason}"),
+        )
+    };
+    let value: serde_json::Value =
+        serde_json::from_slice(body).map_err(|error| invalid(error.to_string()))?;
+    Fingerprint::of(name, &value).map_err(|error| invalid(error.to_string()))
+}
+
+/// Whether `Content-Type` is `application/json` or a `+json` type (RFC 6839), whatever its
+/// parameters and case.
+fn is_json(headers: &http::HeaderMap) -> bool {
+    let Some(value) = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let essence = value
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    essence == "application/json" || (essence.ends_with("+json") && essence.contains('/'))
+}
+
+fn replayed(stored: StoredResponse) -> Response<Body> {
+    let mut response = Response::new(Body::from(stored.body));
+    *response.status_mut() = stored.status;
+    let headers = response.headers_mut();
+    for (name, value) in stored.headers {
+        headers.append(name, value);
+    }
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    response
+}
+
+fn key_problem(problem: KeyProblem) -> Problem {
+    let (slug, title, detail) = problem.describe();
+    Problem::new(StatusCode::BAD_REQUEST, slug, title, detail)
+}
+
+fn in_flight(retry_after: std::time::Duration) -> Problem {
+    Problem::new(
+        StatusCode::CONFLICT,
+        "idempotency-key-in-use",
+        "A request is outstanding for this Idempotency-Key",
+        "a request with the same Idempotency-Key is being processed; retry after the \
+         Retry-After delay with the same key to get its response",
+    )
+    .retry_after(retry_after)
+}
+
+fn store_unavailable<DB: InboxDatabase>(config: &Config<DB>, error: &sqlx::Error) -> Problem {
+    tracing::warn!(error = %error, "idempotency store unavailable");
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "store-unavailable",
+        "The idempotency store is unavailable",
+        "the database could not be reached; nothing was done: retry with the same key",
+    )
+    .retry_after(config.retry_after)
+}
+
+fn count(route: &Route, outcome: &'static str) {
+    metrics::counter!("inbox_http_requests_total", "route" => route.label.clone(), "outcome" => outcome)
+        .increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_media_types() {
+        let with = |ct: &'static str| {
+            let mut headers = http::HeaderMap::new();
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(ct));
+            is_json(&headers)
+        };
+        assert!(with("application/json"));
+        assert!(with("Application/JSON; charset=utf-8"));
+        assert!(with("application/merge-patch+json"));
+        assert!(!with("text/plain"));
+        assert!(!with("application/jsonl"));
+        assert!(!is_json(&http::HeaderMap::new()));
+    }
+
+    #[test]
+    fn the_fingerprint_ignores_json_formatting_but_not_the_target() {
+        let mut json = http::HeaderMap::new();
+        json.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        let a = fingerprint(&json, "POST /p", br#"{"a":1,"b":[1,2]}"#).unwrap();
+        let b = fingerprint(&json, "POST /p", b"{ \"b\": [1, 2],\n \"a\": 1 }").unwrap();
+        assert_eq!(a, b);
+        assert_ne!(
+            a,
+            fingerprint(&json, "POST /q", br#"{"a":1,"b":[1,2]}"#).unwrap()
+        );
+        assert_ne!(
+            a,
+            fingerprint(&json, "POST /p", br#"{"a":1,"b":[2,1]}"#).unwrap()
+        );
+        assert!(fingerprint(&json, "POST /p", b"{not json").is_err());
+        let plain = http::HeaderMap::new();
+        assert_ne!(
+            fingerprint(&plain, "POST /p", br#"{"a":1}"#).unwrap(),
+            fingerprint(&plain, "POST /p", br#"{ "a":1}"#).unwrap()
+        );
+    }
+}
