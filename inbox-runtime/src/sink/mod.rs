@@ -1,6 +1,6 @@
 //! Sinks: where the outbox [`Relay`](crate::outbox::Relay) sends messages. One trait, [`Sink`];
 //! [`MemorySink`] for tests and demos; one module per broker, each behind its cargo feature
-//! (`nats`: [`nats::NatsSink`]).
+//! (`nats`: `nats::NatsSink`; `kafka`: `kafka::KafkaSink`).
 //!
 //! Every [`OutgoingMessage`] carries its stable message id; a sink must send it where the
 //! broker's duplicate detection and this crate's sources read it (for NATS: the `Nats-Msg-Id`
@@ -9,6 +9,8 @@
 //! message name and the headers, so that a consumer's [`Envelope`](crate::Envelope) has the
 //! same name, payload and headers.
 
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
 

@@ -268,6 +268,9 @@ struct Part {
     in_flight: BTreeMap<i64, Option<Vec<u8>>>,
     /// The offset after the last record fetched, once known.
     fetched_next: Option<i64>,
+    /// The lowest offset given up without being done (dropped at revocation, or a fenced
+    /// delivery): the position never passes it.
+    given_up: Option<i64>,
     /// The last position written (by a hook or a flush) or found at assignment.
     written: Option<i64>,
     /// The last offset committed to Kafka.
@@ -286,6 +289,7 @@ impl Part {
             buffer: VecDeque::new(),
             in_flight: BTreeMap::new(),
             fetched_next: next_offset,
+            given_up: None,
             written: next_offset,
             committed: None,
             paused: false,
@@ -298,10 +302,15 @@ impl Part {
     fn watermark(&self, done: Option<i64>) -> Option<i64> {
         let in_flight = self.in_flight.keys().copied().find(|&o| Some(o) != done);
         let buffered = self.buffer.iter().map(|r| r.offset).min();
-        [in_flight, buffered, self.fetched_next]
+        [in_flight, buffered, self.fetched_next, self.given_up]
             .into_iter()
             .flatten()
             .min()
+    }
+
+    /// Gives up `offset` without it being done: the position stays at or below it.
+    fn give_up(&mut self, offset: i64) {
+        self.given_up = Some(self.given_up.map_or(offset, |o| o.min(offset)));
     }
 
     /// Whether records are handed out from it.
@@ -320,6 +329,9 @@ struct State {
     /// A failure the worker is told at its next fetch.
     failure: Option<SourceError>,
 }
+
+/// What [`Shared::take`] found: a record with its epoch, or when one may be ready.
+type Taken = (Option<(Record, i64)>, Option<Instant>);
 
 /// What the poll thread, the source, its settlers and its hook share.
 struct Shared {
@@ -356,8 +368,9 @@ impl Shared {
         self.wake.notify_one();
     }
 
-    /// The next record to hand out, marked in flight; and, if none, when one may be ready.
-    fn take(&self) -> Result<(Option<Record>, Option<Instant>), SourceError> {
+    /// The next record to hand out, marked in flight, with its partition's epoch; and, if none,
+    /// when one may be ready.
+    fn take(&self) -> Result<Taken, SourceError> {
         let mut guard = self.lock();
         let state = &mut *guard;
         if let Some(error) = state.failure.take() {
@@ -415,7 +428,7 @@ impl Shared {
         let mut record = part.buffer.remove(index).expect("found above");
         record.not_before = None;
         part.in_flight.insert(record.offset, record.key.clone());
-        Ok((Some(record), None))
+        Ok((Some((record, part.epoch)), None))
     }
 
     fn envelope(&self, record: &Record, epoch: i64) -> Envelope {
@@ -622,6 +635,9 @@ impl Context {
             for key in &keys {
                 if let Some(part) = state.parts.get_mut(key) {
                     part.revoking = true;
+                    if let Some(first) = part.buffer.front().map(|r| r.offset) {
+                        part.give_up(first);
+                    }
                     part.buffer.clear();
                 }
             }
@@ -771,12 +787,17 @@ impl KafkaSettler {
             && part.epoch == self.epoch
             && part.in_flight.remove(&self.record.offset).is_some()
             && let Some(at) = retry_at
-            && part.live()
         {
-            let mut record = self.record.clone();
-            record.not_before = Some(at);
-            let index = part.buffer.partition_point(|r| r.offset < record.offset);
-            part.buffer.insert(index, record);
+            if part.live() {
+                let mut record = self.record.clone();
+                record.not_before = Some(at);
+                let index = part.buffer.partition_point(|r| r.offset < record.offset);
+                part.buffer.insert(index, record);
+            } else {
+                // Not done, and not delivered again by this consumer: the partition's next
+                // owner starts at or before it.
+                part.give_up(self.record.offset);
+            }
         }
         drop(state);
         self.shared.wake.notify_one();
@@ -984,14 +1005,7 @@ impl Source for KafkaSource {
             loop {
                 let notified = self.shared.wake.notified();
                 let (record, wake_at) = self.shared.take()?;
-                if let Some(record) = record {
-                    let epoch = {
-                        let state = self.shared.lock();
-                        state
-                            .parts
-                            .get(&(record.topic.clone(), record.partition))
-                            .map_or(0, |part| part.epoch)
-                    };
+                if let Some((record, epoch)) = record {
                     let envelope = self.shared.envelope(&record, epoch);
                     let ordering_key = match (self.shared.ordering, &record.key) {
                         (KafkaOrdering::RecordKey, Some(key)) => {
@@ -1197,5 +1211,66 @@ impl Poller {
                 tracing::debug!(source = %self.shared.name, %error, "advisory offset commit failed")
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(offset: i64) -> Record {
+        Record {
+            topic: Arc::from("t"),
+            partition: 0,
+            offset,
+            key: None,
+            payload: None,
+            timestamp_ms: None,
+            headers: Vec::new(),
+            not_before: None,
+        }
+    }
+
+    #[test]
+    fn the_watermark_is_the_lowest_offset_not_done() {
+        let mut part = Part::new(1, Some(10));
+        assert_eq!(
+            part.watermark(None),
+            Some(10),
+            "nothing fetched: the stored position"
+        );
+        for offset in 10..15 {
+            part.buffer.push_back(record(offset));
+        }
+        part.fetched_next = Some(15);
+        assert_eq!(part.watermark(None), Some(10));
+        // 10 and 11 in flight: done with 10 (its transaction), 11 still holds it back.
+        part.buffer.pop_front();
+        part.buffer.pop_front();
+        part.in_flight.insert(10, None);
+        part.in_flight.insert(11, None);
+        assert_eq!(part.watermark(Some(10)), Some(11));
+        part.in_flight.remove(&10);
+        part.in_flight.remove(&11);
+        assert_eq!(part.watermark(None), Some(12), "the buffer holds it back");
+        part.buffer.clear();
+        assert_eq!(part.watermark(None), Some(15), "all fetched records done");
+    }
+
+    #[test]
+    fn records_given_up_hold_the_position_back() {
+        // Revocation drops the buffer and deliveries that have not run: none of them may be
+        // passed by the position the next owner starts from.
+        let mut part = Part::new(3, Some(20));
+        for offset in 20..26 {
+            part.buffer.push_back(record(offset));
+        }
+        part.fetched_next = Some(26);
+        let first = part.buffer.front().map(|r| r.offset).unwrap();
+        part.give_up(first);
+        part.buffer.clear();
+        assert_eq!(part.watermark(None), Some(20));
+        part.give_up(23);
+        assert_eq!(part.watermark(None), Some(20), "the lowest given up counts");
     }
 }
