@@ -98,6 +98,9 @@ trap 'interrupted 130' INT
 trap 'interrupted 143' TERM
 trap 'interrupted 129' HUP
 
+# The system packages the build needs (librdkafka's: cmake, zlib, OpenSSL, libcurl headers).
+scripts/deps.sh
+
 DATABASE_URL=$(scripts/pg.sh start)
 export DATABASE_URL
 echo "test.sh: PostgreSQL at $DATABASE_URL"

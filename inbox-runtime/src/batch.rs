@@ -436,6 +436,20 @@ where
                     settles.push(Settle::Done(Ok(Outcome::Processed(()))));
                     processed.push(at);
                 }
+                (Ok(()), Err(source)) if crate::Fenced::is_in(&*source) => {
+                    // A zombie's delivery: the claim is given back and nothing recorded (the
+                    // partition's new owner processes the key).
+                    savepoint.rollback().await?;
+                    DB::Connection::in_transaction(&mut tx)
+                        .unclaim(it.handler.consumer(), it.key.as_str(), &p.envelope.payload)
+                        .await?;
+                    settles.push(Settle::Done(Err(Error::Hook(HookError {
+                        consumer: it.handler.consumer().to_owned(),
+                        key: it.key.clone(),
+                        disposition: crate::Disposition::NotRecorded,
+                        source,
+                    }))));
+                }
                 (Ok(()), Err(source)) => {
                     savepoint.rollback().await?;
                     let text = format!("before-commit hook failed: {source}");

@@ -76,6 +76,16 @@ pub struct SourceMetadata {
     /// dispatcher records `now − published_at` as the histogram `inbox_lag_seconds{consumer}`
     /// (in seconds; 0 if the time lies in the future, i.e. clock skew).
     pub published_at: Option<std::time::SystemTime>,
+    /// The broker's record key as it carried it (Kafka's record key, raw bytes), if any.
+    /// Informational, like [`message_id`](Self::message_id): the idempotency key comes from the
+    /// message itself.
+    pub record_key: Option<Vec<u8>>,
+    /// The fencing epoch under which the source held [`partition`](Self::partition) when it
+    /// fetched this delivery (Kafka: the epoch of the consumer group's position row, see
+    /// [`PositionStore`](crate::PositionStore)), if the source fences. A before-commit hook
+    /// writes the position with it, so that a consumer that lost the partition since cannot
+    /// commit.
+    pub epoch: Option<i64>,
 }
 
 impl SourceMetadata {
@@ -114,6 +124,18 @@ impl SourceMetadata {
     /// Sets the delivery count (1 for a first delivery).
     pub fn delivery_count(mut self, delivery_count: u64) -> Self {
         self.delivery_count = Some(delivery_count);
+        self
+    }
+
+    /// Sets the broker's record key.
+    pub fn record_key(mut self, key: impl Into<Vec<u8>>) -> Self {
+        self.record_key = Some(key.into());
+        self
+    }
+
+    /// Sets the fencing epoch (see [`SourceMetadata::epoch`]).
+    pub fn epoch(mut self, epoch: i64) -> Self {
+        self.epoch = Some(epoch);
         self
     }
 

@@ -216,6 +216,14 @@ pub struct HookError {
     pub source: BoxError,
 }
 
+impl HookError {
+    /// Whether the hook fenced the claim ([`Fenced`](crate::Fenced)): the delivery belongs to
+    /// another consumer now; nothing was recorded and it must not be settled.
+    pub fn is_fenced(&self) -> bool {
+        crate::Fenced::is_in(&*self.source)
+    }
+}
+
 /// The step of the claim protocol during which the database failed (see [`StoreError`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]

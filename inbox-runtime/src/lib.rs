@@ -163,12 +163,16 @@ pub use ordering::{GapPolicy, Ordering, ParkPolicy, ParkTimeout, SequencePart};
 pub use outcome::Outcome;
 pub use policy::RetryPolicy;
 pub use protocol::Wait;
-pub use protocol::hooks::{ClaimInfo, TransactionHook};
+pub use protocol::hooks::{ClaimInfo, Fenced, TransactionHook};
 pub use protocol::session::{ClaimSession, ClaimState, ClaimedKey, Settled};
 pub use registry::{HandlerInfo, Registration, registered_handlers};
 pub use slot::ConnectionSlot;
 pub use status::{ClaimMode, Status, UnknownStatus};
 pub use step_key::{StepKey, step_key};
+pub use store::{
+    Acquired, POSITIONS_MIGRATIONS_TABLE, PositionKey, PositionRow, PositionStore,
+    PositionsDatabase,
+};
 pub use store::{
     AdminStore, AnyConnection, Backend, ClaimRequest, ClaimResult, ClaimStore, Component,
     ExistingRow, FailureRecord, InboxConnection, InboxDatabase, MIGRATIONS_TABLE, OrderingStore,

@@ -151,6 +151,13 @@ pub struct WorkerReport {
     pub abandoned: u64,
     /// Settlements the source could not carry out (the broker redelivers those messages).
     pub settle_errors: u64,
+    /// Deliveries dropped unsettled because a hook fenced their transaction
+    /// ([`Fenced`](crate::Fenced): their partition belongs to another consumer now): rolled
+    /// back, nothing recorded, not acked; the partition's new owner processes them.
+    pub fenced: u64,
+    /// Deliveries dropped unsettled before they ran because their source gave them up
+    /// ([`Delivery::is_current`] false: a Kafka partition revoked since they were fetched).
+    pub revoked: u64,
     /// Why the run ended.
     pub stop: StopReason,
 }
@@ -174,6 +181,8 @@ impl Default for WorkerReport {
             requeued: 0,
             abandoned: 0,
             settle_errors: 0,
+            fenced: 0,
+            revoked: 0,
             stop: StopReason::SourceExhausted,
         }
     }
@@ -688,6 +697,8 @@ fn add(total: &mut WorkerReport, one: &WorkerReport) {
     total.rejected += one.rejected;
     total.requeued += one.requeued;
     total.settle_errors += one.settle_errors;
+    total.fenced += one.fenced;
+    total.revoked += one.revoked;
 }
 
 /// One delivery (its own transaction) or a batch (one transaction): dispatch, then settle each,
@@ -711,6 +722,20 @@ async fn process<DB: InboxDatabase>(
         add(&mut progress.report, one);
         progress.done += 1;
     };
+    // Deliveries their source gave up since they were fetched (a revoked partition) never run.
+    let (deliveries, gone): (Vec<Delivery>, Vec<Delivery>) =
+        deliveries.into_iter().partition(Delivery::is_current);
+    for delivery in gone {
+        tracing::debug!(
+            message_name = delivery.envelope().message_name.as_str(),
+            "delivery no longer current (partition revoked); dropped before it ran"
+        );
+        drop(delivery);
+        record(&WorkerReport {
+            revoked: 1,
+            ..WorkerReport::default()
+        });
+    }
     if deliveries.len() > 1 {
         let envelopes: Vec<&crate::Envelope> = deliveries.iter().map(Delivery::envelope).collect();
         let dispatched = AssertUnwindSafe(dispatcher.dispatch_batch_on(slot, &envelopes))
@@ -764,6 +789,22 @@ async fn settle<DB: InboxDatabase>(
 ) -> WorkerReport {
     let mut report = WorkerReport::default();
     let envelope = delivery.envelope();
+    // A transaction fenced by a hook belongs to another consumer now: not settled at all.
+    if let Ok(outcomes) = &result
+        && let Some(fenced) = outcomes.iter().find_map(|outcome| match &outcome.result {
+            Err(Error::Hook(hook)) if hook.is_fenced() => Some(hook),
+            _ => None,
+        })
+    {
+        tracing::warn!(
+            message_name = envelope.message_name.as_str(),
+            reason = %fenced.source,
+            "fenced: the partition belongs to another consumer now; delivery dropped unsettled"
+        );
+        report.fenced += 1;
+        drop(delivery);
+        return report;
+    }
     let mut settlement = settlement_for(&result, requeue_delay);
     // A delivery the dispatcher refuses is kept in `inbox_rejections` (payload included); once
     // it is, acking it loses nothing. If it cannot be kept, it is rejected to the broker.

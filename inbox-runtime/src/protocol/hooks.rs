@@ -26,6 +26,57 @@ pub struct ClaimInfo<'a> {
     pub source: Option<&'a SourceMetadata>,
 }
 
+/// The error a [`TransactionHook::before_commit`] returns when the claim's transaction must not
+/// commit because the delivery no longer belongs to this consumer: its source partition was
+/// assigned to another consumer since it was fetched (this one is a **zombie**), as a fenced
+/// position write ([`PositionStore::advance_position`](crate::PositionStore::advance_position))
+/// found.
+///
+/// Unlike any other hook error, nothing is recorded for it: the transaction (claim, handler
+/// writes, hook writes) rolls back, the attempt does not count, and the key stays as it was
+/// (free, or `failed` as before) for the partition's new owner, which delivers the record again.
+/// The consumer's result is [`Error::Hook`](crate::Error::Hook) with
+/// [`Disposition::NotRecorded`](crate::Disposition::NotRecorded) and this error as its source
+/// ([`HookError::is_fenced`](crate::HookError::is_fenced)); the [`Worker`](crate::Worker)
+/// drops such a delivery unsettled (not acked, not dead-lettered, not requeued) and counts it in
+/// [`WorkerReport::fenced`](crate::WorkerReport::fenced).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "fenced: {source_name} partition {partition} is now owned by another consumer (this one held epoch {epoch}); rolled back"
+)]
+#[non_exhaustive]
+pub struct Fenced {
+    /// The source the delivery came from (a topic).
+    pub source_name: String,
+    /// The partition.
+    pub partition: String,
+    /// The epoch this consumer held when it fetched the delivery.
+    pub epoch: i64,
+}
+
+impl Fenced {
+    /// A fenced delivery of `source_name`'s `partition`, fetched under `epoch`.
+    pub fn new(source_name: impl Into<String>, partition: impl Into<String>, epoch: i64) -> Self {
+        Self {
+            source_name: source_name.into(),
+            partition: partition.into(),
+            epoch,
+        }
+    }
+
+    /// Whether `error` is (or wraps, anywhere in its source chain) a [`Fenced`].
+    pub fn is_in(error: &(dyn std::error::Error + 'static)) -> bool {
+        let mut next = Some(error);
+        while let Some(error) = next {
+            if error.is::<Fenced>() {
+                return true;
+            }
+            next = error.source();
+        }
+        false
+    }
+}
+
 /// Code that runs inside the claim's transaction, after the handler body and before `COMMIT`,
 /// and after the commit. Configure it on a [`Dispatcher`](crate::Dispatcher) with
 /// [`with_hook`](crate::Dispatcher::with_hook); it runs for every message the dispatcher
@@ -35,7 +86,8 @@ pub struct ClaimInfo<'a> {
 /// * [`before_commit`](Self::before_commit) writes on the claim's connection: its writes commit
 ///   or roll back with the claim and the handler's. An error rolls the whole transaction back;
 ///   the attempt is recorded as failed (retryable) and reported as
-///   [`Error::Hook`](crate::Error::Hook).
+///   [`Error::Hook`](crate::Error::Hook) — except a [`Fenced`] error, for which nothing is
+///   recorded.
 /// * [`after_commit`](Self::after_commit) runs after the transaction committed, never before:
 ///   nothing is announced that could still roll back. It must not fail or block (spawn what
 ///   takes time).

@@ -7,7 +7,7 @@ use serde::Serialize;
 use tracing::Instrument as _;
 
 use super::failure::{Attempt, Subject, aborted_transaction_text, record_conflict};
-use super::hooks::{ClaimInfo, HookRunner};
+use super::hooks::{ClaimInfo, Fenced, HookRunner};
 use super::{Begun, Decision, Hold, Wait, begin_claim, decide, finish};
 use crate::BoxFuture;
 use crate::classify::{BoxError, Classify as _, ErrorClass};
@@ -183,6 +183,16 @@ async fn record<H: Handler>(
             failure.disposition = disposition;
             failure.attempts = attempts;
             Error::Handler(failure)
+        }
+        Failed::Hook { source, .. } if Fenced::is_in(&*source) => {
+            // A zombie's transaction: nothing of it may stay, not even a failed attempt (the
+            // partition's new owner processes the key).
+            Error::Hook(HookError {
+                consumer: H::CONSUMER.to_owned(),
+                key: delivery.key.clone(),
+                disposition: Disposition::NotRecorded,
+                source,
+            })
         }
         Failed::Hook { source, attempts } => {
             let text = format!("before-commit hook failed: {source}");

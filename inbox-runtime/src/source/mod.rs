@@ -29,6 +29,8 @@ use crate::envelope::Envelope;
 #[cfg(feature = "amqp")]
 pub mod amqp;
 pub mod file;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 pub mod memory;
 #[cfg(feature = "nats")]
 pub mod nats;
@@ -113,6 +115,14 @@ pub trait Settle: Send + 'static {
     /// The delivery was dropped without being settled. The default does nothing (the broker
     /// redelivers on its own: RabbitMQ when the channel closes, JetStream after `AckWait`).
     fn abandon(self: Box<Self>) {}
+
+    /// Whether the source still wants the delivery processed. `false` once the source gave it
+    /// up after handing it out (Kafka: its partition was revoked, or rewound for a retry of an
+    /// earlier record): the [`Worker`](crate::Worker) then drops it unsettled before it runs.
+    /// The default is always `true`.
+    fn is_current(&self) -> bool {
+        true
+    }
 }
 
 /// One delivery from a [`Source`]: an envelope and the means to settle it.
@@ -161,6 +171,14 @@ impl Delivery {
     /// The ordering key, if the source provides one.
     pub fn ordering_key(&self) -> Option<&str> {
         self.ordering_key.as_deref()
+    }
+
+    /// Whether its source still wants it processed (see [`Settle::is_current`]); `false` for a
+    /// settled delivery.
+    pub fn is_current(&self) -> bool {
+        self.settler
+            .as_ref()
+            .is_some_and(|settler| settler.is_current())
     }
 
     /// Settles the delivery.

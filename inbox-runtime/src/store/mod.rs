@@ -23,6 +23,7 @@ use crate::status::Status;
 #[macro_use]
 mod shared;
 mod outbox;
+mod positions;
 mod postgres;
 mod sqlite;
 
@@ -30,6 +31,8 @@ pub use outbox::{
     Lease, NOTIFY_CHANNEL, OutboxAdminStore, OutboxBacklog, OutboxDatabase, OutboxEntry,
     OutboxRecord, OutboxRow, OutboxStatsRow, OutboxStatus, OutboxStore, Wakeups,
 };
+
+pub use positions::{Acquired, PositionKey, PositionRow, PositionStore, PositionsDatabase};
 
 pub use shared::{
     ClaimRequest, ClaimResult, FailureRecord, ParkedMessage, PurgeClock, Rejection,
@@ -44,6 +47,10 @@ pub const MIGRATIONS_TABLE: &str = "_inbox_migrations";
 
 /// Name of the table where the outbox's schema migrations ([`Component::Outbox`]) are recorded.
 pub const OUTBOX_MIGRATIONS_TABLE: &str = "_inbox_outbox_migrations";
+
+/// Name of the table where the broker positions' schema migrations ([`Component::Positions`])
+/// are recorded.
+pub const POSITIONS_MIGRATIONS_TABLE: &str = "_inbox_positions_migrations";
 
 /// Which database an inbox lives in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -367,7 +374,7 @@ pub trait InboxDatabase:
 
 /// A part of the inbox's schema with migrations (and a version record) of its own, so that an
 /// application gets only the tables of what it uses: the inbox itself, the transactional
-/// outbox (broker positions will be another).
+/// outbox, broker positions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Component {
@@ -377,6 +384,11 @@ pub enum Component {
     /// The transactional outbox: `inbox_outbox` (see [`crate::outbox`]); versions recorded in
     /// [`OUTBOX_MIGRATIONS_TABLE`] (`_inbox_outbox_migrations`). PostgreSQL 13 or newer.
     Outbox,
+    /// Broker positions: `inbox_positions`, a consumer group's next offset per topic partition
+    /// with its fencing epoch (see [`PositionStore`]; the Kafka source keeps its offsets
+    /// there); versions recorded in [`POSITIONS_MIGRATIONS_TABLE`]
+    /// (`_inbox_positions_migrations`).
+    Positions,
 }
 
 impl Component {
@@ -385,6 +397,7 @@ impl Component {
         match self {
             Component::Inbox => MIGRATIONS_TABLE,
             Component::Outbox => OUTBOX_MIGRATIONS_TABLE,
+            Component::Positions => POSITIONS_MIGRATIONS_TABLE,
         }
     }
 }

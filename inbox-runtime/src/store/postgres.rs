@@ -195,6 +195,7 @@ impl InboxDatabase for Postgres {
         match component {
             Component::Inbox => INBOX_MIGRATIONS,
             Component::Outbox => super::outbox::POSTGRES_MIGRATIONS,
+            Component::Positions => super::positions::POSTGRES_MIGRATIONS,
         }
     }
 }

@@ -248,6 +248,7 @@ impl InboxDatabase for Sqlite {
         match component {
             Component::Inbox => INBOX_MIGRATIONS,
             Component::Outbox => super::outbox::SQLITE_MIGRATIONS,
+            Component::Positions => super::positions::SQLITE_MIGRATIONS,
         }
     }
 }

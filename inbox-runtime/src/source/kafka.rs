@@ -1,0 +1,1276 @@
+//! Kafka as a source, on [rdkafka](https://docs.rs/rdkafka) (librdkafka): a consumer group whose
+//! offsets live **in the database**, written in the same transaction as each record's effect and
+//! fenced against zombies. Cargo feature `kafka`.
+//!
+//! ```no_run
+//! # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! use inbox_runtime::{Component, Dispatcher, Worker};
+//! use inbox_runtime::source::kafka::{KafkaConfig, KafkaSource};
+//!
+//! inbox_runtime::migrate_components(&pool, &[Component::Inbox, Component::Positions]).await?;
+//! let config = KafkaConfig::new("kafka-1:9092,kafka-2:9092", "ledger", ["payments"]);
+//! // The source installs its position hook on the dispatcher: use the one it gives back.
+//! let (source, dispatcher) = KafkaSource::connect(config, Dispatcher::from_registry(pool)?).await?;
+//! Worker::new(dispatcher).concurrency(16).run_until_signal(source).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! ## The database is the offset authority
+//!
+//! Positions are kept in `inbox_positions` ([`Component::Positions`](crate::Component::Positions),
+//! see [`PositionStore`](crate::PositionStore)): `(group, topic, partition) → next offset`, with
+//! a fencing **epoch**. As the seeds of this pattern prescribe: commit the business transaction
+//! and the offset in the same database transaction, then commit the Kafka offset separately.
+//!
+//! * **Assignment**: in the rebalance callback, *before* `assign`/`incremental_assign`, the source
+//!   takes each new partition in the database (its epoch incremented, the stored next offset read
+//!   in one statement) and sets that offset on the assignment itself. Consumption starts there;
+//!   there is no seek afterwards. A partition without a stored offset starts at the group's
+//!   committed offset in Kafka, else at `auto.offset.reset` (default here: `earliest`).
+//! * **Processing**: the source's [`TransactionHook`] runs in each record's claim transaction,
+//!   after the handler: it writes the partition's next offset *if the epoch is still the one the
+//!   record was fetched under* (a compare-and-set). A consumer that lost the partition since (a
+//!   zombie: paused, partitioned away, its session expired) updates no row; its hook returns
+//!   [`Fenced`], its transaction rolls back (claim and effect included), nothing
+//!   is recorded, and the [`Worker`](crate::Worker) drops the delivery unsettled
+//!   ([`WorkerReport::fenced`](crate::WorkerReport::fenced)). The new owner, which started from
+//!   the position the zombie could not move, processes the record once.
+//! * **Kafka's commit is advisory** (for lag tooling): every
+//!   [`commit_interval`](KafkaConfig::commit_interval), and when partitions are revoked, the
+//!   source commits the positions of the partitions it still holds, from the thread that also
+//!   runs the rebalance callback (so never for a partition already handed over).
+//! * **Revocation**: deliveries of revoked partitions that have not started are dropped; running
+//!   ones get up to [`revoke_wait`](KafkaConfig::revoke_wait) to finish and commit (the
+//!   rebalance waits for them); then the partition's position is written and it is handed over.
+//!   One still running after that is fenced at its commit.
+//!
+//! ## How each outcome moves the position
+//!
+//! The position is the partition's **low watermark**: the lowest offset not done yet (in flight,
+//! buffered, or waiting for a retry), else the offset after the last record fetched. It never
+//! passes a record that is not done, so after a crash or a rebalance nothing is skipped; records
+//! above it that were done are delivered again and are duplicates in the inbox.
+//!
+//! | outcome | settlement | position |
+//! | --- | --- | --- |
+//! | processed (one consumer of the message) | ack | written **in the effect's transaction** (fenced) |
+//! | processed (several consumers) | ack | fenced in each consumer's transaction; moved past the record by the next write |
+//! | duplicate, dead (now or before), discarded, stale, parked | ack | done: moved past by the next write (the record's state is already in the inbox) |
+//! | bad input: no name, unknown name, malformed payload, tombstone, oversized, bad key | kept in `inbox_rejections` (topic, partition, offset), ack | done, as above: a poison record never stalls its partition |
+//! | conflict | reject (kept in `inbox_rejections` by the dispatcher) | done, as above |
+//! | handler failure to retry, "not yet", database error | requeue | **not** done: the record is delivered again after the delay, before any later record of its partition (or of its key); the partition waits. The retry policy's attempts end in `dead`, so it never waits forever |
+//! | fenced (zombie) | none (dropped) | untouched: rolled back |
+//!
+//! "The next write" is the next record's transaction, or the source's own fenced write every
+//! [`commit_interval`](KafkaConfig::commit_interval), at revocation and at close.
+//!
+//! ## Order, concurrency, backpressure
+//!
+//! With [`KafkaOrdering::Partition`] (the default) a partition has at most one record in flight:
+//! its records are processed one at a time, in offset order; partitions run in parallel up to
+//! the worker's concurrency. With [`KafkaOrdering::RecordKey`], records of one partition with
+//! different keys run in parallel, records with the same key (or no key) in offset order. Each
+//! partition buffers at most [`max_buffered`](KafkaConfig::max_buffered) records; a fuller one is
+//! paused at the broker and resumed when half drained.
+//!
+//! ## Envelope
+//!
+//! **Message name**, first found of: the header named by
+//! [`name_header`](KafkaConfig::name_header) (default `message-name`, what this crate's sinks
+//! write); the name configured for the topic ([`KafkaConfig::topic_name`]). Otherwise the empty
+//! name, which the worker rejects (kept in `inbox_rejections`).
+//!
+//! **Metadata**: `source` = the topic, `partition`, `offset`, `record_key`, `published_at` = the
+//! record's timestamp, `message_id` = the `message-id` header, `epoch` = the position epoch.
+//! Headers whose value is UTF-8 are copied into [`Envelope::headers`] (others are skipped, with
+//! a debug log). A tombstone (null value) has an empty payload, which no message decodes.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime};
+
+use rdkafka::ClientConfig;
+use rdkafka::client::ClientContext;
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer as _, ConsumerContext, RebalanceProtocol,
+};
+use rdkafka::error::KafkaResult;
+use rdkafka::message::{Headers as _, Message as _};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::types::RDKafkaRespErr;
+use sqlx::Pool;
+
+use crate::BoxFuture;
+use crate::classify::BoxError;
+use crate::dispatcher::Dispatcher;
+use crate::envelope::{Envelope, SourceMetadata};
+use crate::protocol::hooks::{ClaimInfo, Fenced, TransactionHook};
+use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::store::{Acquired, PositionKey, PositionStore as _, PositionsDatabase};
+
+/// Which records of a partition may run at the same time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum KafkaOrdering {
+    /// One record of a partition at a time, in offset order (the default): Kafka's own order.
+    #[default]
+    Partition,
+    /// Records of a partition with different record keys in parallel; records with the same key
+    /// (records without a key count as one key) one at a time, in offset order.
+    RecordKey,
+}
+
+/// How to connect and consume. Build with [`KafkaConfig::new`] and the setters.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct KafkaConfig {
+    /// The bootstrap brokers: `host:port[,host:port…]` (librdkafka's `bootstrap.servers`).
+    pub brokers: String,
+    /// The consumer group (`group.id`); also the group of the positions in the database.
+    pub group: String,
+    /// The topics to consume (subscribed as a group).
+    pub topics: Vec<String>,
+    /// Header carrying the message name. Default `Some("message-name")`.
+    pub name_header: Option<String>,
+    /// Message name per topic, for records without the header. Default: none.
+    pub topic_names: BTreeMap<String, String>,
+    /// Which records may run at the same time. Default [`KafkaOrdering::Partition`].
+    pub ordering: KafkaOrdering,
+    /// Records buffered per partition before it is paused at the broker. Default 256.
+    pub max_buffered: usize,
+    /// How often the source writes the positions of records done without a transaction of
+    /// their own (duplicates, rejections) and commits Kafka's advisory offsets. Default 1 s.
+    pub commit_interval: Duration,
+    /// On revocation, how long running deliveries of the revoked partitions may take to finish
+    /// before the partitions are handed over (the rebalance waits that long at most). Default
+    /// 10 s; keep it under `max.poll.interval.ms`.
+    pub revoke_wait: Duration,
+    /// On an assignment, how long the source keeps trying to read the positions from the
+    /// database before it gives up (and fails: the worker stops). Default 30 s.
+    pub assign_timeout: Duration,
+    /// Further librdkafka consumer properties (`security.protocol`, `sasl.*`, `ssl.*`,
+    /// `session.timeout.ms`, `auto.offset.reset`, `client.id`, …), applied over this source's
+    /// defaults: `enable.auto.commit=false`, `enable.auto.offset.store=false`,
+    /// `auto.offset.reset=earliest`, `partition.assignment.strategy=cooperative-sticky`.
+    pub properties: BTreeMap<String, String>,
+}
+
+impl KafkaConfig {
+    /// Consume `topics` as consumer group `group` from the cluster at `brokers`, with the
+    /// defaults listed on the fields.
+    pub fn new(
+        brokers: impl Into<String>,
+        group: impl Into<String>,
+        topics: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self {
+        Self {
+            brokers: brokers.into(),
+            group: group.into(),
+            topics: topics.into_iter().map(Into::into).collect(),
+            name_header: Some("message-name".into()),
+            topic_names: BTreeMap::new(),
+            ordering: KafkaOrdering::Partition,
+            max_buffered: 256,
+            commit_interval: Duration::from_secs(1),
+            revoke_wait: Duration::from_secs(10),
+            assign_timeout: Duration::from_secs(30),
+            properties: BTreeMap::new(),
+        }
+    }
+
+    /// Sets [`name_header`](Self::name_header) (`None`: ignore headers).
+    pub fn name_header(mut self, header: Option<String>) -> Self {
+        self.name_header = header;
+        self
+    }
+
+    /// Names the messages of `topic` that carry no name header `message_name`.
+    pub fn topic_name(mut self, topic: impl Into<String>, message_name: impl Into<String>) -> Self {
+        self.topic_names.insert(topic.into(), message_name.into());
+        self
+    }
+
+    /// Sets [`ordering`](Self::ordering).
+    pub fn ordering(mut self, ordering: KafkaOrdering) -> Self {
+        self.ordering = ordering;
+        self
+    }
+
+    /// Sets [`max_buffered`](Self::max_buffered) (at least 1).
+    pub fn max_buffered(mut self, records: usize) -> Self {
+        self.max_buffered = records.max(1);
+        self
+    }
+
+    /// Sets [`commit_interval`](Self::commit_interval).
+    pub fn commit_interval(mut self, interval: Duration) -> Self {
+        self.commit_interval = interval;
+        self
+    }
+
+    /// Sets [`revoke_wait`](Self::revoke_wait).
+    pub fn revoke_wait(mut self, wait: Duration) -> Self {
+        self.revoke_wait = wait;
+        self
+    }
+
+    /// Sets [`assign_timeout`](Self::assign_timeout).
+    pub fn assign_timeout(mut self, timeout: Duration) -> Self {
+        self.assign_timeout = timeout;
+        self
+    }
+
+    /// Sets a librdkafka consumer property (see [`properties`](Self::properties)).
+    pub fn property(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.properties.insert(name.into(), value.into());
+        self
+    }
+
+    fn client_config(&self) -> ClientConfig {
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", &self.brokers)
+            .set("group.id", &self.group)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("enable.partition.eof", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("partition.assignment.strategy", "cooperative-sticky");
+        for (name, value) in &self.properties {
+            config.set(name, value);
+        }
+        config
+    }
+}
+
+/// A fetched record, as the source keeps it until it is done.
+#[derive(Debug, Clone)]
+struct Record {
+    topic: Arc<str>,
+    partition: i32,
+    offset: i64,
+    key: Option<Vec<u8>>,
+    payload: Option<Vec<u8>>,
+    timestamp_ms: Option<i64>,
+    headers: Vec<(String, Option<Vec<u8>>)>,
+    /// Not to be handed out before (a retry's delay).
+    not_before: Option<Instant>,
+}
+
+/// One assigned partition.
+#[derive(Debug)]
+struct Part {
+    epoch: i64,
+    /// Fetched, not handed out (or handed back for a retry), in offset order.
+    buffer: VecDeque<Record>,
+    /// Handed out, not settled: offset → record key.
+    in_flight: BTreeMap<i64, Option<Vec<u8>>>,
+    /// The offset after the last record fetched, once known.
+    fetched_next: Option<i64>,
+    /// The lowest offset given up without being done (dropped at revocation, or a fenced
+    /// delivery): the position never passes it.
+    given_up: Option<i64>,
+    /// The last position written (by a hook or a flush) or found at assignment.
+    written: Option<i64>,
+    /// The last offset committed to Kafka.
+    committed: Option<i64>,
+    paused: bool,
+    /// Being revoked: nothing more is handed out.
+    revoking: bool,
+    /// A fenced write found the partition owned by another consumer.
+    fenced: bool,
+}
+
+impl Part {
+    fn new(epoch: i64, next_offset: Option<i64>) -> Self {
+        Self {
+            epoch,
+            buffer: VecDeque::new(),
+            in_flight: BTreeMap::new(),
+            fetched_next: next_offset,
+            given_up: None,
+            written: next_offset,
+            committed: None,
+            paused: false,
+            revoking: false,
+            fenced: false,
+        }
+    }
+
+    /// The low watermark, counting `done` as done too.
+    fn watermark(&self, done: Option<i64>) -> Option<i64> {
+        let in_flight = self.in_flight.keys().copied().find(|&o| Some(o) != done);
+        let buffered = self.buffer.iter().map(|r| r.offset).min();
+        [in_flight, buffered, self.fetched_next, self.given_up]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// Gives up `offset` without it being done: the position stays at or below it.
+    fn give_up(&mut self, offset: i64) {
+        self.given_up = Some(self.given_up.map_or(offset, |o| o.min(offset)));
+    }
+
+    /// Whether records are handed out from it.
+    fn live(&self) -> bool {
+        !self.revoking && !self.fenced
+    }
+}
+
+type PartKey = (Arc<str>, i32);
+
+#[derive(Default)]
+struct State {
+    parts: HashMap<PartKey, Part>,
+    /// Round-robin cursor over partitions.
+    turn: usize,
+    /// A failure the worker is told at its next fetch.
+    failure: Option<SourceError>,
+}
+
+/// What [`Shared::take`] found: a record with its epoch, or when one may be ready.
+type Taken = (Option<(Record, i64)>, Option<Instant>);
+
+/// What the poll thread, the source, its settlers and its hook share.
+struct Shared {
+    name: String,
+    group: String,
+    owner: String,
+    topics: HashSet<String>,
+    name_header: Option<String>,
+    topic_names: BTreeMap<String, String>,
+    ordering: KafkaOrdering,
+    max_buffered: usize,
+    revoke_wait: Duration,
+    assign_timeout: Duration,
+    /// Per message name, how many consumers the dispatcher runs (one: the position moves in the
+    /// effect's transaction).
+    consumers: HashMap<String, usize>,
+    state: Mutex<State>,
+    /// Something may be ready for `next`.
+    wake: tokio::sync::Notify,
+    stop: AtomicBool,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn fail(&self, operation: &'static str, error: impl Into<BoxError>) {
+        let error = SourceError::new(&self.name, operation, error);
+        tracing::error!(source = %self.name, %error, "Kafka source failed");
+        self.lock().failure.get_or_insert(error);
+        self.wake.notify_one();
+    }
+
+    /// The next record to hand out, marked in flight, with its partition's epoch; and, if none,
+    /// when one may be ready.
+    fn take(&self) -> Result<Taken, SourceError> {
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        if let Some(error) = state.failure.take() {
+            return Err(error);
+        }
+        let now = Instant::now();
+        let mut keys: Vec<&PartKey> = state.parts.keys().collect();
+        keys.sort();
+        let count = keys.len();
+        let mut wake_at: Option<Instant> = None;
+        let mut found: Option<(PartKey, usize)> = None;
+        for step in 0..count {
+            let key = keys[(state.turn + step) % count];
+            let part = &state.parts[key];
+            if !part.live() {
+                continue;
+            }
+            let mut busy: HashSet<Option<&[u8]>> =
+                part.in_flight.values().map(|key| key.as_deref()).collect();
+            for (index, record) in part.buffer.iter().enumerate() {
+                let record_key = match self.ordering {
+                    KafkaOrdering::Partition => None,
+                    KafkaOrdering::RecordKey => record.key.as_deref(),
+                };
+                if busy.contains(&record_key) {
+                    if self.ordering == KafkaOrdering::Partition {
+                        break;
+                    }
+                    continue;
+                }
+                match record.not_before {
+                    Some(at) if at > now => {
+                        wake_at = Some(wake_at.map_or(at, |w| w.min(at)));
+                        // Later records of its key (its partition) wait for it.
+                        busy.insert(record_key);
+                        if self.ordering == KafkaOrdering::Partition {
+                            break;
+                        }
+                    }
+                    _ => {
+                        found = Some((key.clone(), index));
+                        break;
+                    }
+                }
+            }
+            if found.is_some() {
+                state.turn = (state.turn + step + 1) % count.max(1);
+                break;
+            }
+        }
+        let Some((key, index)) = found else {
+            return Ok((None, wake_at));
+        };
+        let part = state.parts.get_mut(&key).expect("found above");
+        let mut record = part.buffer.remove(index).expect("found above");
+        record.not_before = None;
+        part.in_flight.insert(record.offset, record.key.clone());
+        Ok((Some((record, part.epoch)), None))
+    }
+
+    fn envelope(&self, record: &Record, epoch: i64) -> Envelope {
+        let mut headers = BTreeMap::new();
+        for (name, value) in &record.headers {
+            match value.as_deref().map(std::str::from_utf8) {
+                Some(Ok(text)) => {
+                    headers.insert(name.clone(), text.to_owned());
+                }
+                Some(Err(_)) => {
+                    tracing::debug!(header = name.as_str(), "header value not UTF-8; skipped")
+                }
+                None => {}
+            }
+        }
+        let message_name = self
+            .name_header
+            .as_ref()
+            .and_then(|header| headers.get(header).cloned())
+            .or_else(|| self.topic_names.get(&*record.topic).cloned())
+            .unwrap_or_default();
+        let mut metadata = SourceMetadata::new(&*record.topic)
+            .partition(record.partition.to_string())
+            .offset(record.offset)
+            .epoch(epoch);
+        if let Some(key) = &record.key {
+            metadata = metadata.record_key(key.clone());
+        }
+        if let Some(id) = headers.get("message-id") {
+            metadata = metadata.message_id(id.clone());
+        }
+        if let Some(ms) = record.timestamp_ms.and_then(|ms| u64::try_from(ms).ok()) {
+            metadata = metadata.published_at(SystemTime::UNIX_EPOCH + Duration::from_millis(ms));
+        }
+        let mut envelope = Envelope::new(message_name, record.payload.clone().unwrap_or_default())
+            .with_source(metadata);
+        envelope.headers = headers;
+        envelope
+    }
+}
+
+/// Reads and writes positions in the source's database, whatever its backend.
+trait Positions: Send + Sync {
+    fn acquire<'a>(
+        &'a self,
+        key: PositionKey<'a>,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<Acquired, sqlx::Error>>;
+
+    fn advance<'a>(
+        &'a self,
+        key: PositionKey<'a>,
+        epoch: i64,
+        next_offset: i64,
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>>;
+}
+
+struct PoolPositions<DB: PositionsDatabase>(Pool<DB>);
+
+impl<DB: PositionsDatabase> Positions for PoolPositions<DB> {
+    fn acquire<'a>(
+        &'a self,
+        key: PositionKey<'a>,
+        owner: &'a str,
+    ) -> BoxFuture<'a, Result<Acquired, sqlx::Error>> {
+        Box::pin(async move {
+            let mut conn = self.0.acquire().await?;
+            (*conn).acquire_position(&key, owner).await
+        })
+    }
+
+    fn advance<'a>(
+        &'a self,
+        key: PositionKey<'a>,
+        epoch: i64,
+        next_offset: i64,
+    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let mut conn = self.0.acquire().await?;
+            (*conn).advance_position(&key, epoch, next_offset).await
+        })
+    }
+}
+
+/// The consumer's context: the rebalance callback.
+struct Context {
+    shared: Arc<Shared>,
+    positions: Arc<dyn Positions>,
+    runtime: tokio::runtime::Handle,
+}
+
+impl ClientContext for Context {}
+
+impl ConsumerContext for Context {
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        let cooperative = matches!(
+            consumer.rebalance_protocol(),
+            RebalanceProtocol::Cooperative
+        );
+        match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+                let acquired = self.assign(tpl);
+                metrics::counter!("inbox_kafka_rebalances_total", "kind" => "assign").increment(1);
+                let assigned = if cooperative {
+                    consumer.incremental_assign(tpl)
+                } else {
+                    consumer.assign(tpl)
+                };
+                if let Err(error) = assigned {
+                    self.shared.fail("assign", error);
+                } else if let Err(error) = acquired {
+                    // Assigned (the group protocol requires it) but never consumed: the worker
+                    // stops and the consumer leaves the group.
+                    let _ = consumer.pause(tpl);
+                    self.shared.fail("read positions", error);
+                }
+            }
+            _ => {
+                let lost = err != RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS
+                    || consumer.assignment_lost();
+                metrics::counter!("inbox_kafka_rebalances_total", "kind" => if lost { "lost" } else { "revoke" }).increment(1);
+                self.revoke(consumer, tpl, lost);
+                let unassigned = if cooperative {
+                    consumer.incremental_unassign(tpl)
+                } else {
+                    consumer.unassign()
+                };
+                if let Err(error) = unassigned {
+                    tracing::warn!(source = %self.shared.name, %error, "unassign failed");
+                }
+            }
+        }
+    }
+
+    fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
+        if let Err(error) = result {
+            // Advisory only: the database holds the positions.
+            tracing::debug!(source = %self.shared.name, %error, partitions = offsets.count(), "advisory offset commit failed");
+        }
+    }
+}
+
+impl Context {
+    /// Takes each partition of `tpl` in the database and sets its stored position on `tpl`.
+    fn assign(&self, tpl: &mut TopicPartitionList) -> Result<(), sqlx::Error> {
+        let partitions: Vec<(String, i32)> = tpl
+            .elements()
+            .iter()
+            .map(|e| (e.topic().to_owned(), e.partition()))
+            .collect();
+        let shared = &self.shared;
+        let deadline = Instant::now() + shared.assign_timeout;
+        for (topic, partition) in partitions {
+            let key = PositionKey::new(&shared.group, &topic, partition);
+            let mut delay = Duration::from_millis(100);
+            let acquired = loop {
+                match self
+                    .runtime
+                    .block_on(self.positions.acquire(key, &shared.owner))
+                {
+                    Ok(acquired) => break acquired,
+                    Err(error) if Instant::now() + delay < deadline => {
+                        tracing::warn!(source = %shared.name, topic, partition, %error, "cannot read the position; retrying");
+                        std::thread::sleep(delay);
+                        delay = (delay * 2).min(Duration::from_secs(2));
+                    }
+                    Err(error) => return Err(error),
+                }
+            };
+            if let Some(next) = acquired.next_offset {
+                // Consumption starts exactly here: set on the assignment, never sought later.
+                if let Err(error) =
+                    tpl.set_partition_offset(&topic, partition, Offset::Offset(next))
+                {
+                    tracing::error!(%error, "cannot set the offset on the assignment");
+                }
+            }
+            tracing::info!(source = %shared.name, topic, partition, epoch = acquired.epoch, next_offset = acquired.next_offset, "partition assigned");
+            shared.lock().parts.insert(
+                (Arc::from(topic.as_str()), partition),
+                Part::new(acquired.epoch, acquired.next_offset),
+            );
+        }
+        shared.wake.notify_one();
+        Ok(())
+    }
+
+    /// Gives up the partitions of `tpl`: drops what has not started, waits for what runs, writes
+    /// the final positions and commits them to Kafka (unless `lost`).
+    fn revoke(&self, consumer: &BaseConsumer<Self>, tpl: &TopicPartitionList, lost: bool) {
+        let shared = &self.shared;
+        let keys: Vec<PartKey> = tpl
+            .elements()
+            .iter()
+            .map(|e| (Arc::from(e.topic()), e.partition()))
+            .collect();
+        {
+            let mut state = shared.lock();
+            for key in &keys {
+                if let Some(part) = state.parts.get_mut(key) {
+                    part.revoking = true;
+                    if let Some(first) = part.buffer.front().map(|r| r.offset) {
+                        part.give_up(first);
+                    }
+                    part.buffer.clear();
+                }
+            }
+        }
+        let deadline = Instant::now() + shared.revoke_wait;
+        loop {
+            let running: usize = {
+                let state = shared.lock();
+                keys.iter()
+                    .filter_map(|key| state.parts.get(key))
+                    .map(|part| part.in_flight.len())
+                    .sum()
+            };
+            if running == 0 || Instant::now() >= deadline {
+                if running > 0 {
+                    tracing::warn!(source = %shared.name, running, "revoked partitions still have running deliveries; they will be fenced");
+                }
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let removed: Vec<(PartKey, Part)> = {
+            let mut state = shared.lock();
+            keys.iter()
+                .filter_map(|key| state.parts.remove(key).map(|part| (key.clone(), part)))
+                .collect()
+        };
+        if lost {
+            tracing::warn!(source = %shared.name, partitions = removed.len(), "partitions lost (another consumer may own them already)");
+            return;
+        }
+        let mut commit = TopicPartitionList::new();
+        for ((topic, partition), part) in &removed {
+            let Some(next) = part.watermark(None) else {
+                continue;
+            };
+            if !part.fenced && part.written.is_none_or(|w| w < next) {
+                let key = PositionKey::new(&shared.group, topic, *partition);
+                match self
+                    .runtime
+                    .block_on(self.positions.advance(key, part.epoch, next))
+                {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        tracing::warn!(source = %shared.name, topic = &**topic, partition, "position fenced at revocation")
+                    }
+                    Err(error) => {
+                        tracing::warn!(source = %shared.name, %error, "cannot write the position at revocation")
+                    }
+                }
+            }
+            let _ = commit.add_partition_offset(topic, *partition, Offset::Offset(next));
+        }
+        if commit.count() > 0
+            && let Err(error) = consumer.commit(&commit, CommitMode::Async)
+        {
+            tracing::debug!(source = %shared.name, %error, "advisory offset commit at revocation failed");
+        }
+        tracing::info!(source = %shared.name, partitions = removed.len(), "partitions revoked");
+    }
+}
+
+/// The position hook the source installs on its dispatcher (see the module documentation).
+struct KafkaFence {
+    shared: Arc<Shared>,
+}
+
+impl<DB: PositionsDatabase> TransactionHook<DB> for KafkaFence {
+    fn before_commit<'c>(
+        &'c self,
+        conn: &'c mut DB::Connection,
+        claim: &'c ClaimInfo<'c>,
+    ) -> BoxFuture<'c, Result<(), BoxError>> {
+        Box::pin(async move {
+            let shared = &self.shared;
+            let Some(source) = claim.source else {
+                return Ok(());
+            };
+            let (Some(epoch), Some(partition_text), Some(offset)) =
+                (source.epoch, source.partition.as_deref(), source.offset)
+            else {
+                return Ok(());
+            };
+            if !shared.topics.contains(&source.source) {
+                return Ok(());
+            }
+            let Ok(partition) = partition_text.parse::<i32>() else {
+                return Ok(());
+            };
+            let fenced = || Fenced::new(source.source.clone(), partition_text, epoch);
+            let sole = shared.consumers.get(claim.message_name).copied() == Some(1);
+            let next = {
+                let state = shared.lock();
+                match state
+                    .parts
+                    .get(&(Arc::from(source.source.as_str()), partition))
+                {
+                    Some(part) if part.epoch == epoch && !part.fenced => {
+                        // With one consumer, this transaction finishes the record: the position
+                        // moves past it. With several, only once all are done (a later write).
+                        part.watermark(sole.then_some(offset)).unwrap_or(offset)
+                    }
+                    _ => return Err(fenced().into()),
+                }
+            };
+            let key = PositionKey::new(&shared.group, &source.source, partition);
+            if conn.advance_position(&key, epoch, next).await? {
+                let mut state = shared.lock();
+                if let Some(part) = state
+                    .parts
+                    .get_mut(&(Arc::from(source.source.as_str()), partition))
+                    && part.epoch == epoch
+                {
+                    part.written = Some(part.written.map_or(next, |w| w.max(next)));
+                }
+                Ok(())
+            } else {
+                metrics::counter!("inbox_kafka_fenced_total").increment(1);
+                let mut state = shared.lock();
+                if let Some(part) = state
+                    .parts
+                    .get_mut(&(Arc::from(source.source.as_str()), partition))
+                    && part.epoch == epoch
+                {
+                    part.fenced = true;
+                }
+                Err(fenced().into())
+            }
+        })
+    }
+}
+
+/// Settles one record: done (ack, reject), back for a retry (requeue, abandon).
+struct KafkaSettler {
+    shared: Arc<Shared>,
+    record: Record,
+    epoch: i64,
+}
+
+impl KafkaSettler {
+    /// Takes the record out of flight if its partition is still held under its epoch; with
+    /// `retry_at`, hands it back for a retry at that time.
+    fn finish(&self, retry_at: Option<Instant>) {
+        let mut state = self.shared.lock();
+        let key = (self.record.topic.clone(), self.record.partition);
+        if let Some(part) = state.parts.get_mut(&key)
+            && part.epoch == self.epoch
+            && part.in_flight.remove(&self.record.offset).is_some()
+            && let Some(at) = retry_at
+        {
+            if part.live() {
+                let mut record = self.record.clone();
+                record.not_before = Some(at);
+                let index = part.buffer.partition_point(|r| r.offset < record.offset);
+                part.buffer.insert(index, record);
+            } else {
+                // Not done, and not delivered again by this consumer: the partition's next
+                // owner starts at or before it.
+                part.give_up(self.record.offset);
+            }
+        }
+        drop(state);
+        self.shared.wake.notify_one();
+    }
+}
+
+impl Settle for KafkaSettler {
+    fn settle(
+        self: Box<Self>,
+        settlement: Settlement,
+    ) -> BoxFuture<'static, Result<(), SourceError>> {
+        let retry_at = match settlement {
+            Settlement::Ack | Settlement::Reject => None,
+            Settlement::Requeue { delay } => Some(Instant::now() + delay.unwrap_or_default()),
+        };
+        self.finish(retry_at);
+        Box::pin(async { Ok(()) })
+    }
+
+    fn abandon(self: Box<Self>) {
+        // Dropped unsettled (a panicking handler, the drain timeout, a fenced or revoked
+        // delivery): delivered again after a second if the partition is still held.
+        self.finish(Some(Instant::now() + Duration::from_secs(1)));
+    }
+
+    fn is_current(&self) -> bool {
+        let state = self.shared.lock();
+        state
+            .parts
+            .get(&(self.record.topic.clone(), self.record.partition))
+            .is_some_and(|part| {
+                part.epoch == self.epoch
+                    && part.live()
+                    && part.in_flight.contains_key(&self.record.offset)
+            })
+    }
+}
+
+/// A Kafka consumer-group member whose positions live in the database. See the [module
+/// documentation](self).
+pub struct KafkaSource {
+    shared: Arc<Shared>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for KafkaSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSource")
+            .field("name", &self.shared.name)
+            .field("group", &self.shared.group)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaSource {
+    /// Creates the consumer, subscribes to the topics, checks that the cluster answers, and
+    /// installs the source's position hook on `dispatcher`, which it returns: run the
+    /// [`Worker`](crate::Worker) with that dispatcher. The positions live in the dispatcher's
+    /// database: migrate [`Component::Positions`](crate::Component::Positions) first. Needs a
+    /// multi-threaded Tokio runtime (the consumer's thread reads positions through it).
+    ///
+    /// # Errors
+    /// A [`SourceError`] with operation `"connect"` if the configuration is refused (an unknown
+    /// property, no topic) or the cluster does not answer within 10 s, `"subscribe"` if the
+    /// subscription fails.
+    pub async fn connect<DB: PositionsDatabase>(
+        config: KafkaConfig,
+        dispatcher: Dispatcher<DB>,
+    ) -> Result<(Self, Dispatcher<DB>), SourceError> {
+        let name = format!("{}/{}", config.group, config.topics.join(","));
+        if config.topics.is_empty() {
+            return Err(SourceError::new(&name, "connect", "no topic to consume"));
+        }
+        let mut consumers: HashMap<String, usize> = HashMap::new();
+        for handler in dispatcher.handlers() {
+            *consumers
+                .entry(handler.message_name.to_owned())
+                .or_default() += 1;
+        }
+        let client_id = config
+            .properties
+            .get("client.id")
+            .cloned()
+            .unwrap_or_else(|| "rdkafka".to_owned());
+        let host = std::env::var("HOSTNAME").unwrap_or_default();
+        let shared = Arc::new(Shared {
+            name: name.clone(),
+            group: config.group.clone(),
+            owner: format!("{client_id}@{host}/{}", std::process::id()),
+            topics: config.topics.iter().cloned().collect(),
+            name_header: config.name_header.clone(),
+            topic_names: config.topic_names.clone(),
+            ordering: config.ordering,
+            max_buffered: config.max_buffered,
+            revoke_wait: config.revoke_wait,
+            assign_timeout: config.assign_timeout,
+            consumers,
+            state: Mutex::new(State::default()),
+            wake: tokio::sync::Notify::new(),
+            stop: AtomicBool::new(false),
+        });
+        let context = Context {
+            shared: Arc::clone(&shared),
+            positions: Arc::new(PoolPositions(dispatcher.pool().clone())),
+            runtime: tokio::runtime::Handle::current(),
+        };
+        let consumer: BaseConsumer<Context> = config
+            .client_config()
+            .create_with_context(context)
+            .map_err(|e| SourceError::new(&name, "connect", e))?;
+        let consumer = tokio::task::spawn_blocking(move || {
+            consumer
+                .fetch_metadata(None, Duration::from_secs(10))
+                .map(|_| consumer)
+        })
+        .await
+        .map_err(|e| SourceError::new(&name, "connect", e))?
+        .map_err(|e| SourceError::new(&name, "connect", e))?;
+        let topics: Vec<&str> = config.topics.iter().map(String::as_str).collect();
+        consumer
+            .subscribe(&topics)
+            .map_err(|e| SourceError::new(&name, "subscribe", e))?;
+        let poller = Poller {
+            shared: Arc::clone(&shared),
+            consumer,
+            commit_interval: config.commit_interval,
+        };
+        let thread = std::thread::Builder::new()
+            .name("inbox-kafka".into())
+            .spawn(move || poller.run())
+            .map_err(|e| SourceError::new(&name, "connect", e))?;
+        let dispatcher = dispatcher.with_hook(KafkaFence {
+            shared: Arc::clone(&shared),
+        });
+        Ok((
+            Self {
+                shared,
+                thread: Some(thread),
+            },
+            dispatcher,
+        ))
+    }
+
+    /// The partitions this consumer holds now, as `(topic, partition, epoch)`, sorted.
+    pub fn assignment(&self) -> Vec<(String, i32, i64)> {
+        assignment_of(&self.shared)
+    }
+
+    /// A cheap handle that reads this source's assignment from anywhere (tests, health checks),
+    /// also while a worker runs the source.
+    pub fn assignment_handle(&self) -> AssignmentHandle {
+        AssignmentHandle {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+fn assignment_of(shared: &Shared) -> Vec<(String, i32, i64)> {
+    let mut all: Vec<(String, i32, i64)> = shared
+        .lock()
+        .parts
+        .iter()
+        .filter(|(_, part)| part.live())
+        .map(|((topic, partition), part)| (topic.to_string(), *partition, part.epoch))
+        .collect();
+    all.sort();
+    all
+}
+
+/// Reads a [`KafkaSource`]'s assignment ([`KafkaSource::assignment_handle`]).
+#[derive(Clone)]
+pub struct AssignmentHandle {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for AssignmentHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AssignmentHandle")
+            .field("source", &self.shared.name)
+            .finish()
+    }
+}
+
+impl AssignmentHandle {
+    /// The partitions the source holds now, as `(topic, partition, epoch)`, sorted.
+    pub fn assignment(&self) -> Vec<(String, i32, i64)> {
+        assignment_of(&self.shared)
+    }
+}
+
+impl Drop for KafkaSource {
+    fn drop(&mut self) {
+        // Not closed (the worker closes it): the thread still leaves the group.
+        self.shared.stop.store(true, AtomicOrdering::SeqCst);
+    }
+}
+
+impl Source for KafkaSource {
+    fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    fn next(&mut self) -> BoxFuture<'_, Result<Option<Delivery>, SourceError>> {
+        Box::pin(async move {
+            loop {
+                let notified = self.shared.wake.notified();
+                let (record, wake_at) = self.shared.take()?;
+                if let Some((record, epoch)) = record {
+                    let envelope = self.shared.envelope(&record, epoch);
+                    let ordering_key = match (self.shared.ordering, &record.key) {
+                        (KafkaOrdering::RecordKey, Some(key)) => {
+                            format!("{}/{}/{}", record.topic, record.partition, hex::encode(key))
+                        }
+                        _ => format!("{}/{}", record.topic, record.partition),
+                    };
+                    let settler = KafkaSettler {
+                        shared: Arc::clone(&self.shared),
+                        record,
+                        epoch,
+                    };
+                    return Ok(Some(
+                        Delivery::new(envelope, settler).with_ordering_key(ordering_key),
+                    ));
+                }
+                let wait = wake_at.map_or(Duration::from_secs(1), |at| {
+                    at.saturating_duration_since(Instant::now())
+                });
+                let _ = tokio::time::timeout(wait, notified).await;
+            }
+        })
+    }
+
+    fn close(&mut self) -> BoxFuture<'_, Result<(), SourceError>> {
+        Box::pin(async move {
+            self.shared.stop.store(true, AtomicOrdering::SeqCst);
+            if let Some(thread) = self.thread.take() {
+                tokio::task::spawn_blocking(move || thread.join())
+                    .await
+                    .map_err(|e| SourceError::new(&self.shared.name, "close", e))?
+                    .map_err(|_| {
+                        SourceError::new(&self.shared.name, "close", "the consumer thread panicked")
+                    })?;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// The consumer's thread: polls, buffers, pauses and resumes, flushes positions, commits.
+struct Poller {
+    shared: Arc<Shared>,
+    consumer: BaseConsumer<Context>,
+    commit_interval: Duration,
+}
+
+impl Poller {
+    fn run(self) {
+        let mut last_commit = Instant::now();
+        while !self.shared.stop.load(AtomicOrdering::SeqCst) {
+            match self.consumer.poll(Duration::from_millis(100)) {
+                Some(Ok(message)) => self.buffer(&message),
+                Some(Err(error)) => {
+                    tracing::warn!(source = %self.shared.name, %error, "Kafka consumer error (librdkafka retries)");
+                }
+                None => {}
+            }
+            self.flow();
+            if last_commit.elapsed() >= self.commit_interval {
+                self.commit();
+                last_commit = Instant::now();
+            }
+        }
+        // Closing: write the final positions, then leave the group (dropping the consumer
+        // serves the last revocation, on this thread).
+        self.commit();
+        drop(self.consumer);
+        tracing::info!(source = %self.shared.name, "Kafka consumer closed");
+    }
+
+    fn buffer(&self, message: &rdkafka::message::BorrowedMessage<'_>) {
+        let mut state = self.shared.lock();
+        let Some(((topic, _), part)) = state.parts.iter_mut().find(|((topic, partition), _)| {
+            **topic == *message.topic() && *partition == message.partition()
+        }) else {
+            return; // a partition no longer held
+        };
+        let topic = topic.clone();
+        if !part.live()
+            || part
+                .fetched_next
+                .is_some_and(|next| message.offset() < next)
+        {
+            return;
+        }
+        let headers = message
+            .headers()
+            .map(|headers| {
+                headers
+                    .iter()
+                    .map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        part.fetched_next = Some(message.offset() + 1);
+        part.buffer.push_back(Record {
+            topic,
+            partition: message.partition(),
+            offset: message.offset(),
+            key: message.key().map(<[u8]>::to_vec),
+            payload: message.payload().map(<[u8]>::to_vec),
+            timestamp_ms: message.timestamp().to_millis(),
+            headers,
+            not_before: None,
+        });
+        drop(state);
+        self.shared.wake.notify_one();
+    }
+
+    /// Pauses full partitions, resumes half-drained ones.
+    fn flow(&self) {
+        let mut pause = TopicPartitionList::new();
+        let mut resume = TopicPartitionList::new();
+        {
+            let mut state = self.shared.lock();
+            for ((topic, partition), part) in state.parts.iter_mut() {
+                let buffered = part.buffer.len();
+                if !part.paused && buffered >= self.shared.max_buffered {
+                    part.paused = true;
+                    pause.add_partition(topic, *partition);
+                } else if part.paused && buffered <= self.shared.max_buffered / 2 {
+                    part.paused = false;
+                    resume.add_partition(topic, *partition);
+                }
+            }
+        }
+        if pause.count() > 0
+            && let Err(error) = self.consumer.pause(&pause)
+        {
+            tracing::warn!(source = %self.shared.name, %error, "cannot pause partitions");
+        }
+        if resume.count() > 0
+            && let Err(error) = self.consumer.resume(&resume)
+        {
+            tracing::warn!(source = %self.shared.name, %error, "cannot resume partitions");
+        }
+    }
+
+    /// Writes the positions that moved without a transaction of their own, then commits every
+    /// held partition's position to Kafka (advisory).
+    fn commit(&self) {
+        let mut flush: Vec<(PartKey, i64, i64)> = Vec::new();
+        let mut commit = TopicPartitionList::new();
+        {
+            let state = self.shared.lock();
+            for ((topic, partition), part) in &state.parts {
+                if !part.live() {
+                    continue;
+                }
+                let Some(next) = part.watermark(None) else {
+                    continue;
+                };
+                if part.written.is_none_or(|w| w < next) {
+                    flush.push(((topic.clone(), *partition), part.epoch, next));
+                }
+                if part.committed.is_none_or(|c| c < next) {
+                    let _ = commit.add_partition_offset(topic, *partition, Offset::Offset(next));
+                }
+            }
+        }
+        let positions = &self.consumer.context().positions;
+        let runtime = &self.consumer.context().runtime;
+        for ((topic, partition), epoch, next) in flush {
+            let key = PositionKey::new(&self.shared.group, &topic, partition);
+            let written = runtime.block_on(positions.advance(key, epoch, next));
+            let mut state = self.shared.lock();
+            let Some(part) = state.parts.get_mut(&(topic.clone(), partition)) else {
+                continue;
+            };
+            if part.epoch != epoch {
+                continue;
+            }
+            match written {
+                Ok(true) => part.written = Some(part.written.map_or(next, |w| w.max(next))),
+                Ok(false) => {
+                    tracing::warn!(source = %self.shared.name, topic = &*topic, partition, "position fenced: another consumer owns the partition");
+                    part.fenced = true;
+                }
+                Err(error) => {
+                    tracing::warn!(source = %self.shared.name, %error, "cannot write the position (retried later)")
+                }
+            }
+        }
+        if commit.count() == 0 {
+            return;
+        }
+        match self.consumer.commit(&commit, CommitMode::Async) {
+            Ok(()) => {
+                let mut state = self.shared.lock();
+                for element in commit.elements() {
+                    if let (Some(part), Offset::Offset(next)) = (
+                        state
+                            .parts
+                            .get_mut(&(Arc::from(element.topic()), element.partition())),
+                        element.offset(),
+                    ) {
+                        part.committed = Some(next);
+                    }
+                }
+            }
+            Err(error) => {
+                tracing::debug!(source = %self.shared.name, %error, "advisory offset commit failed")
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(offset: i64) -> Record {
+        Record {
+            topic: Arc::from("t"),
+            partition: 0,
+            offset,
+            key: None,
+            payload: None,
+            timestamp_ms: None,
+            headers: Vec::new(),
+            not_before: None,
+        }
+    }
+
+    #[test]
+    fn the_watermark_is_the_lowest_offset_not_done() {
+        let mut part = Part::new(1, Some(10));
+        assert_eq!(
+            part.watermark(None),
+            Some(10),
+            "nothing fetched: the stored position"
+        );
+        for offset in 10..15 {
+            part.buffer.push_back(record(offset));
+        }
+        part.fetched_next = Some(15);
+        assert_eq!(part.watermark(None), Some(10));
+        // 10 and 11 in flight: done with 10 (its transaction), 11 still holds it back.
+        part.buffer.pop_front();
+        part.buffer.pop_front();
+        part.in_flight.insert(10, None);
+        part.in_flight.insert(11, None);
+        assert_eq!(part.watermark(Some(10)), Some(11));
+        part.in_flight.remove(&10);
+        part.in_flight.remove(&11);
+        assert_eq!(part.watermark(None), Some(12), "the buffer holds it back");
+        part.buffer.clear();
+        assert_eq!(part.watermark(None), Some(15), "all fetched records done");
+    }
+
+    #[test]
+    fn records_given_up_hold_the_position_back() {
+        // Revocation drops the buffer and deliveries that have not run: none of them may be
+        // passed by the position the next owner starts from.
+        let mut part = Part::new(3, Some(20));
+        for offset in 20..26 {
+            part.buffer.push_back(record(offset));
+        }
+        part.fetched_next = Some(26);
+        let first = part.buffer.front().map(|r| r.offset).unwrap();
+        part.give_up(first);
+        part.buffer.clear();
+        assert_eq!(part.watermark(None), Some(20));
+        part.give_up(23);
+        assert_eq!(part.watermark(None), Some(20), "the lowest given up counts");
+    }
+}

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs the system packages the workspace's full build needs, from Debian's packages; quiet
+# and quick when everything is present (run by scripts/test.sh and .ci/run before cargo).
+#
+#   scripts/deps.sh
+#
+# What needs them: the `kafka` feature of inbox-runtime (enabled by the tests package) builds
+# librdkafka from source through rdkafka-sys's `cmake-build` feature: cmake and a C/C++
+# toolchain, zlib (compression), OpenSSL (TLS, SASL/SCRAM) and libcurl (SASL/OAUTHBEARER with
+# OIDC) headers. The default build (`cargo build`, `cargo run --example ledger`) needs none.
+#
+# Idempotent: `apt-get update` once, then `apt-get install -y` of the missing packages only;
+# nothing at all is done (and nothing printed) when every package is installed. Needs root (or
+# sudo-less root as in CI) only when something is missing.
+set -euo pipefail
+
+PACKAGES=(cmake make gcc g++ pkg-config zlib1g-dev libssl-dev libcurl4-openssl-dev)
+
+missing=()
+for package in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q '^install ok installed$'; then
+    missing+=("$package")
+  fi
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+echo "deps.sh: installing ${missing[*]} from Debian's packages" >&2
+if [ "$(id -u)" != 0 ]; then
+  echo "deps.sh: not root: install them yourself (apt-get install ${missing[*]})" >&2
+  exit 1
+fi
+apt-get update -qq >&2
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
