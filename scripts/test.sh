@@ -5,9 +5,9 @@
 #
 #   scripts/test.sh [extra cargo test args]
 #
-# By default: `cargo test --workspace --all-targets`, then the doctests. Arguments that pick
-# packages (-p, --exclude) or targets (--test NAME, --lib, …) replace the defaults they stand for
-# (targets picked: no doctest run), e.g. `scripts/test.sh --test amqp --test nats`; arguments
+# By default: `cargo test --workspace --all-targets` (the UI tests of tests/macro-ui run beside
+# the rest), then the doctests. Arguments that pick packages (-p, --exclude) or targets (--test
+# NAME, --lib, …) replace the defaults they stand for (targets picked: no doctest run), e.g. `scripts/test.sh --test amqp --test nats`; arguments
 # after `--` go to the test binaries. Prefer picking targets to picking packages: `-p` changes
 # cargo's feature resolution, which rebuilds the dependencies the workspace shares.
 #
@@ -66,9 +66,11 @@ cleanup() {
   local status=$? pids files
   trap - EXIT INT TERM HUP
   set +e
-  if [ -f "$WORK/cargo.pid" ]; then
-    stop_tree "$(cat "$WORK/cargo.pid")"
-  fi
+  for pidfile in "$WORK/cargo.pid" "$WORK/ui.pid"; do
+    if [ -f "$pidfile" ]; then
+      stop_tree "$(cat "$pidfile")"
+    fi
+  done
   pids=$(left_behind_processes)
   if [ -n "$pids" ]; then
     echo "test.sh: killing processes the tests left running:" >&2
@@ -141,7 +143,25 @@ for arg in "$@"; do
   esac
 done
 status=0
-run_cargo test "${scope[@]}" "${targets[@]}" --no-fail-fast "$@" || status=1
+if [ $# -eq 0 ]; then
+  # The whole suite. The UI tests (trybuild: about 4 minutes of compiling, no server touched) run
+  # beside the others, whose time goes mostly to waiting on servers and killed demos: build
+  # everything once, start the UI tests in the background, run the rest, then add the UI tests'
+  # output to the log. `--exclude` of the UI package changes no feature of the others (it
+  # enables none of its own), so nothing is built twice.
+  run_cargo test --workspace --all-targets --no-run || status=1
+  if [ "$status" -eq 0 ]; then
+    (TMPDIR=$WORK/tmp exec cargo test --workspace --test ui --no-fail-fast >"$WORK/ui.log" 2>&1) &
+    echo $! >"$WORK/ui.pid"
+    run_cargo test --workspace --all-targets --exclude inbox-macro-ui --no-fail-fast || status=1
+    echo "test.sh: waiting for the UI tests (tests/macro-ui), run beside the others"
+    wait "$(cat "$WORK/ui.pid")" || status=1
+    rm -f "$WORK/ui.pid"
+    tee -a "$LOG" <"$WORK/ui.log"
+  fi
+else
+  run_cargo test "${scope[@]}" "${targets[@]}" --no-fail-fast "$@" || status=1
+fi
 # The doctests: not part of --all-targets.
 if [ -n "$doctests" ]; then
   run_cargo test "${scope[@]}" --doc --no-fail-fast "$@" || status=1
