@@ -8,8 +8,9 @@
 # By default: `cargo test --workspace --all-targets` (the UI tests of tests/macro-ui run beside
 # the rest), then the doctests. Arguments that pick packages (-p, --exclude) or targets (--test
 # NAME, --lib, …) replace the defaults they stand for (targets picked: no doctest run), e.g.
-# `scripts/test.sh --test amqp --test nats`; arguments after `--` go to the test binaries. Prefer picking targets to picking packages: `-p` changes
-# cargo's feature resolution, which rebuilds the dependencies the workspace shares.
+# `scripts/test.sh --test amqp --test nats`; arguments after `--` go to the test binaries.
+# Prefer picking targets to picking packages: `-p` changes cargo's feature resolution, which
+# rebuilds the dependencies the workspace shares.
 #
 # Every test binary and the doctests run even when some fail (`--no-fail-fast`). At the end it
 # names each failing binary with its failing tests (`test.sh: FAILED binaries: …`) and closes with
