@@ -15,8 +15,26 @@
 # not disturb it, and stopped afterwards. That server keeps durability on (fsync=on,
 # synchronous_commit=on) and gets shared_buffers=1GB and max_wal_size=4GB (the 10 M-row inbox
 # does not fit the 128 MB default).
+#
+# Redis (the dedupe cache's rows): REDIS_URL, else a throwaway one ($INBOX_BENCH_REDIS_PORT,
+# default 6390; $INBOX_BENCH_REDIS_DIR, default /tmp/inbox-bench-redis). Brokers (the outbox
+# section's relays): AMQP_URL and NATS_URL if either is set, else, when the outbox section runs
+# (the default set, or `--only …,outbox`), a throwaway RabbitMQ and NATS started with
+# scripts/brokers.sh ($INBOX_BENCH_AMQP_PORT, default 5673; $INBOX_BENCH_NATS_PORT, default
+# 4223; $INBOX_BENCH_BROKERS_DIR, default /tmp/inbox-bench-brokers). Whatever is started here is
+# stopped at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# The servers started here, stopped on exit (last started, first stopped).
+started=()
+stop_started() {
+  local i
+  for ((i = ${#started[@]} - 1; i >= 0; i--)); do
+    "scripts/${started[$i]}.sh" stop || true
+  done
+}
+trap stop_started EXIT
 
 args=("$@")
 given=${BENCH_DATABASE_URL:-}
@@ -27,7 +45,7 @@ done
 if [ -z "$given" ]; then
   export INBOX_PG_DIR=${INBOX_BENCH_PG_DIR:-/tmp/inbox-bench-pg}
   export INBOX_PG_PORT=${INBOX_BENCH_PG_PORT:-54330}
-  trap 'scripts/pg.sh stop' EXIT
+  started+=(pg)
   url=$(scripts/pg.sh start)
   bin=$(dirname "$(ls -d /usr/lib/postgresql/*/bin/pg_ctl | sort -V | tail -n 1)")
   as_pg() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
@@ -44,9 +62,31 @@ fi
 if [ -z "${REDIS_URL:-}" ]; then
   export INBOX_REDIS_DIR=${INBOX_BENCH_REDIS_DIR:-/tmp/inbox-bench-redis}
   export INBOX_REDIS_PORT=${INBOX_BENCH_REDIS_PORT:-6390}
-  trap 'scripts/redis.sh stop; [ -z "$given" ] && scripts/pg.sh stop' EXIT
+  started+=(redis)
   eval "$(scripts/redis.sh start)"
   export REDIS_URL
+fi
+
+# The outbox section's brokers: only when that section runs and no broker URL is given.
+outbox=yes
+previous=
+for arg in "$@"; do
+  only=
+  case "$previous" in --only) only=$arg ;; esac
+  case "$arg" in --only=*) only=${arg#--only=} ;; -h | --help | -V | --version) outbox= ;; esac
+  if [ -n "$only" ]; then
+    case ",$only," in *,outbox,*) outbox=yes ;; *) outbox= ;; esac
+  fi
+  previous=$arg
+done
+if [ -n "$outbox" ] && [ -z "${AMQP_URL:-}${NATS_URL:-}" ]; then
+  export INBOX_BROKERS_DIR=${INBOX_BENCH_BROKERS_DIR:-/tmp/inbox-bench-brokers}
+  export INBOX_AMQP_PORT=${INBOX_BENCH_AMQP_PORT:-5673}
+  export INBOX_NATS_PORT=${INBOX_BENCH_NATS_PORT:-4223}
+  started+=(brokers)
+  eval "$(scripts/brokers.sh start)"
+  export AMQP_URL NATS_URL
+  echo "bench.sh: throwaway RabbitMQ at $AMQP_URL, NATS at $NATS_URL" >&2
 fi
 
 mkdir -p target

@@ -23,7 +23,11 @@
 //!   runs exactly the statements the runtime sends, recorded on the wire (`pgbench.rs`);
 //! * the **cost of scale**: claim latency and throughput with the inbox pre-filled with 0, 1 M
 //!   (and 10 M with `--full`) rows of time-ordered (UUIDv7) or random (UUIDv4) keys; a worker's
-//!   memory over a long run; retention purge throughput.
+//!   memory over a long run; retention purge throughput;
+//! * the **transactional outbox** (`outbox.rs`): the same handler with and without one
+//!   `Outbox::publish` (rates and round trips side by side), and 1 and 4 relays draining a
+//!   pre-filled backlog into RabbitMQ (`AMQP_URL`) and NATS JetStream (`NATS_URL`) against the
+//!   broker's own publish rate through the same sink in the same run.
 //!
 //! Round trips per message are counted on the wire (a counting proxy between client and server,
 //! see `proxy.rs`), as are the statements each path sends. The harness works in its own
@@ -36,6 +40,7 @@
 //! method and the figures.
 
 mod measure;
+mod outbox;
 mod paths;
 mod pgbench;
 mod proxy;
@@ -102,6 +107,9 @@ struct Args {
     /// Rows the purge deletes.
     #[arg(long)]
     purge_rows: Option<u64>,
+    /// Pending rows the outbox relays drain (and the raw publishers send), per run.
+    #[arg(long)]
+    outbox_rows: Option<u64>,
     /// Sections to run (comma-separated); default all.
     #[arg(long, value_delimiter = ',', value_enum)]
     only: Option<Vec<Section>>,
@@ -139,6 +147,10 @@ enum Section {
     Purge,
     /// 100 % duplicates with the dedupe cache off, in process and on Redis (`REDIS_URL`).
     Cache,
+    /// The transactional outbox: a handler with and without one `Outbox::publish`; relays
+    /// draining a backlog into RabbitMQ (`AMQP_URL`) and NATS JetStream (`NATS_URL`) against
+    /// the broker's own publish rate.
+    Outbox,
 }
 
 /// Sizes and durations of one run.
@@ -161,6 +173,10 @@ struct Profile {
     /// Worker counts of the batch section.
     batch_workers: Vec<usize>,
     pgbench: Length,
+    /// Pending outbox rows per relay run.
+    outbox_rows: u64,
+    /// Relay counts of the outbox section.
+    relays: Vec<usize>,
 }
 
 impl Profile {
@@ -181,6 +197,8 @@ impl Profile {
                 settle: Duration::from_millis(10),
                 batch_workers: vec![1],
                 pgbench: Length::Transactions(10),
+                outbox_rows: 200,
+                relays: vec![1, 4],
             }
         } else if args.quick {
             Profile {
@@ -198,6 +216,8 @@ impl Profile {
                 settle: Duration::from_millis(150),
                 batch_workers: vec![1, 4, 16],
                 pgbench: Length::Time(1),
+                outbox_rows: 20_000,
+                relays: vec![1, 4],
             }
         } else if args.full {
             Profile {
@@ -215,6 +235,8 @@ impl Profile {
                 settle: Duration::from_millis(150),
                 batch_workers: vec![1, 4, 16],
                 pgbench: Length::Time(5),
+                outbox_rows: 200_000,
+                relays: vec![1, 4],
             }
         } else {
             Profile {
@@ -232,6 +254,8 @@ impl Profile {
                 settle: Duration::from_millis(150),
                 batch_workers: vec![1, 4, 16],
                 pgbench: Length::Time(1),
+                outbox_rows: 50_000,
+                relays: vec![1, 4],
             }
         };
         if let Some(secs) = args.duration {
@@ -257,6 +281,9 @@ impl Profile {
         }
         if let Some(rows) = args.purge_rows {
             p.purge_rows = rows;
+        }
+        if let Some(rows) = args.outbox_rows {
+            p.outbox_rows = rows.max(1);
         }
         p
     }
@@ -342,6 +369,10 @@ enum Kind {
     Bare,
     BareTx,
     Direct,
+    /// `#[idempotent]` called directly, with one outbox publish in its transaction.
+    DirectOutbox,
+    /// [`Kind::DirectOutbox`] with `Outbox::notify(false)`.
+    DirectOutboxQuiet,
     Dispatch,
     DispatchOn,
     DupDirect,
@@ -384,6 +415,13 @@ impl Kind {
             Kind::Bare => "bare effect (autocommit) — baseline".into(),
             Kind::BareTx => "bare effect in BEGIN … COMMIT".into(),
             Kind::Direct => "#[idempotent] called directly".into(),
+            Kind::DirectOutbox => {
+                "#[idempotent] called directly + one Outbox::publish (NOTIFY on, the default)"
+                    .into()
+            }
+            Kind::DirectOutboxQuiet => {
+                "#[idempotent] called directly + one Outbox::publish, notify(false)".into()
+            }
             Kind::Dispatch => "Dispatcher::dispatch (a pooled connection per message)".into(),
             Kind::DispatchOn => "Dispatcher::dispatch_on (held connection, as the Worker)".into(),
             Kind::DupDirect => "duplicate, #[idempotent] called directly".into(),
@@ -669,6 +707,9 @@ async fn run(args: &Args) -> Result<String, BoxError> {
         if wanted(Section::Purge) {
             purge_section(&mut out, pg, &p).await?;
         }
+        if wanted(Section::Outbox) {
+            outbox_section(&mut out, pg, &p).await?;
+        }
         targets(&mut out, pg, &p);
     }
     if let Some(pg) = pg {
@@ -906,12 +947,19 @@ async fn pg_ops(
     };
     let mut ops: Vec<Box<dyn Op>> = Vec::with_capacity(workers);
     match kind {
-        Kind::Bare | Kind::BareTx | Kind::Direct | Kind::DupDirect => {
+        Kind::Bare
+        | Kind::BareTx
+        | Kind::Direct
+        | Kind::DirectOutbox
+        | Kind::DirectOutboxQuiet
+        | Kind::DupDirect => {
             let pool = pg_pool(opts, workers).await?;
             for worker in 0..workers {
                 let path = match kind {
                     Kind::Bare => Path::Bare,
                     Kind::BareTx => Path::BareTx,
+                    Kind::DirectOutbox => Path::DirectOutbox,
+                    Kind::DirectOutboxQuiet => Path::DirectOutboxQuiet,
                     _ => Path::Direct,
                 };
                 ops.push(Box::new(ConnOp {
@@ -1163,17 +1211,7 @@ async fn round_trips(
     progress("counting round trips");
     scale::truncate(&pg.admin).await?;
     paths::insert_processed_pg(&pg.admin, dups).await?;
-    let upstream = tokio::net::lookup_host((pg.opts.get_host(), pg.opts.get_port()))
-        .await?
-        .next()
-        .ok_or("cannot resolve the server's address")?;
-    let proxy = proxy::Proxy::start(upstream).await?;
-    let popts = pg
-        .opts
-        .clone()
-        .host("127.0.0.1")
-        .port(proxy.addr().port())
-        .ssl_mode(PgSslMode::Disable);
+    let (proxy, popts) = start_proxy(pg).await?;
 
     // Record what the runtime sends for one message, and for its redelivery, with values we
     // know (an account and an amount no constant of the runtime's is likely to equal).
@@ -1236,39 +1274,7 @@ async fn round_trips(
         kinds.extend([Kind::Batch(10), Kind::Batch(100)]);
     }
     for kind in kinds {
-        let (pool, mut ops) = pg_ops(&popts, kind, 1, Some(dups), KeyKind::Random).await?;
-        let op = &mut ops[0];
-        let mut warm = 0;
-        while warm < n.min(20) {
-            warm += op.call().await?;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let before = proxy.counts();
-        let mut msgs = 0;
-        while msgs < n {
-            msgs += op.call().await?;
-        }
-        // Pooled connections are pinged when returned, in a spawned task.
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let counts = proxy.counts().since(&before);
-        proxy.record();
-        op.call().await?;
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let mut sequence = proxy::describe(&proxy.take_log());
-        if sequence.chars().count() > 400 {
-            sequence = sequence.chars().take(400).collect::<String>() + " …";
-        }
-        drop(ops);
-        pool.close().await;
-        let per = |x: u64| x as f64 / msgs as f64;
-        pg.rt.insert(kind, per(counts.round_trips()));
-        rows.push(vec![
-            kind.label(),
-            format!("{:.2}", per(counts.round_trips())),
-            format!("{:.2}", per(counts.statements())),
-            format!("{:.2}", per(counts.parses)),
-            sequence,
-        ]);
+        rows.push(count_round_trips(pg, &proxy, &popts, kind, n, Some(dups)).await?);
     }
     if let Some(bench) = pg.pgbench.clone() {
         let scripts = [
@@ -1354,6 +1360,68 @@ async fn round_trips(
         out.line("");
     }
     Ok(())
+}
+
+/// A counting proxy in front of the server, and connection options that go through it.
+async fn start_proxy(pg: &Pg) -> Result<(proxy::Proxy, PgConnectOptions), BoxError> {
+    let upstream = tokio::net::lookup_host((pg.opts.get_host(), pg.opts.get_port()))
+        .await?
+        .next()
+        .ok_or("cannot resolve the server's address")?;
+    let proxy = proxy::Proxy::start(upstream).await?;
+    let popts = pg
+        .opts
+        .clone()
+        .host("127.0.0.1")
+        .port(proxy.addr().port())
+        .ssl_mode(PgSslMode::Disable);
+    Ok((proxy, popts))
+}
+
+/// Runs `n` messages of row `kind` on one warm connection through `proxy` (`popts` points at
+/// it), records its round trips per message in `pg.rt`, and returns the round-trip table's row:
+/// label, round trips, statements and parses per message, the sequence of one message.
+async fn count_round_trips(
+    pg: &mut Pg,
+    proxy: &proxy::Proxy,
+    popts: &PgConnectOptions,
+    kind: Kind,
+    n: u64,
+    dups: Option<&Arc<DupSet>>,
+) -> Result<Vec<String>, BoxError> {
+    let (pool, mut ops) = pg_ops(popts, kind, 1, dups, KeyKind::Random).await?;
+    let op = &mut ops[0];
+    let mut warm = 0;
+    while warm < n.min(20) {
+        warm += op.call().await?;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let before = proxy.counts();
+    let mut msgs = 0;
+    while msgs < n {
+        msgs += op.call().await?;
+    }
+    // Pooled connections are pinged when returned, in a spawned task.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let counts = proxy.counts().since(&before);
+    proxy.record();
+    op.call().await?;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut sequence = proxy::describe(&proxy.take_log());
+    if sequence.chars().count() > 400 {
+        sequence = sequence.chars().take(400).collect::<String>() + " …";
+    }
+    drop(ops);
+    pool.close().await;
+    let per = |x: u64| x as f64 / msgs as f64;
+    pg.rt.insert(kind, per(counts.round_trips()));
+    Ok(vec![
+        kind.label(),
+        format!("{:.2}", per(counts.round_trips())),
+        format!("{:.2}", per(counts.statements())),
+        format!("{:.2}", per(counts.parses)),
+        sequence,
+    ])
 }
 
 /// Keys '1' … [`PGBENCH_DUP_KEYS`] as processed, with the recorded duplicate's fingerprint:
@@ -1787,6 +1855,7 @@ async fn sqlite_ops(
                 let path = match kind {
                     Kind::Bare => Path::Bare,
                     Kind::BareTx => Path::BareTx,
+                    Kind::DirectOutbox | Kind::DirectOutboxQuiet => Path::DirectOutbox,
                     _ => Path::Direct,
                 };
                 ops.push(Box::new(ConnOp {
@@ -1998,6 +2067,275 @@ async fn purge_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), Bo
     Ok(())
 }
 
+/// The rows of the outbox section's publish-cost tables.
+const OUTBOX_KINDS: [Kind; 3] = [Kind::Direct, Kind::DirectOutbox, Kind::DirectOutboxQuiet];
+
+/// The transactional outbox: what one publish costs a handler (PostgreSQL, SQLite), and how fast
+/// relays drain a backlog into each broker of the run against that broker's own publish rate.
+async fn outbox_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), BoxError> {
+    inbox_runtime::migrate_components(&pg.admin, &[inbox_runtime::Component::Outbox]).await?;
+    let clear = "TRUNCATE inbox_outbox";
+
+    progress("outbox: counting round trips");
+    scale::truncate(&pg.admin).await?;
+    sqlx::query(clear).execute(&pg.admin).await?;
+    let (proxy, popts) = start_proxy(pg).await?;
+    let mut rt_rows = Vec::new();
+    for kind in OUTBOX_KINDS {
+        rt_rows.push(count_round_trips(pg, &proxy, &popts, kind, p.rt_messages, None).await?);
+    }
+    drop(proxy);
+
+    let mut rows = Vec::new();
+    for &workers in &p.workers {
+        scale::truncate(&pg.admin).await?;
+        sqlx::query(clear).execute(&pg.admin).await?;
+        scale::settle(&pg.admin).await;
+        let acc = rounds(pg, &OUTBOX_KINDS, workers, p, None).await?;
+        let bare = pg.rates.get(&(Kind::Bare, workers)).copied();
+        let without = acc.get(&Kind::Direct).map(Acc::rate);
+        for kind in OUTBOX_KINDS {
+            if let Some(a) = acc.get(&kind) {
+                rows.push(row(pg, kind, workers, a, bare, without));
+            }
+        }
+    }
+    sqlx::query(clear).execute(&pg.admin).await?;
+    out.line("## Outbox: the cost of one publish inside a handler (PostgreSQL)");
+    out.line("");
+    out.line(format!(
+        "The same `#[idempotent]` handler (one upsert of the account) without and with one \
+         `Outbox::publish` of a ~90-byte event (aggregate: the account) in its transaction, \
+         called directly on a held connection. Round trips counted on the wire as above \
+         ({} messages per path):",
+        p.rt_messages
+    ));
+    out.line("");
+    out.table(
+        &[
+            "path",
+            "round trips/msg",
+            "statements/msg",
+            "parses/msg",
+            "sequence",
+        ],
+        &rt_rows,
+    );
+    out.line(
+        "`× without publish`: rate ÷ the handler without the publish at the same worker count, \
+         measured side by side (rounds interleaved). `× bare`: ÷ the main table's bare effect \
+         (— when that section did not run).",
+    );
+    out.line("");
+    let mut header = HEADER;
+    header[6] = "× without publish";
+    out.table(&header, &rows);
+
+    outbox_sqlite(out, p).await?;
+
+    let brokers = outbox::Broker::from_env();
+    let mut rows = Vec::new();
+    for broker in &brokers {
+        for &relays in &p.relays {
+            progress(format!(
+                "outbox: {relays} relay(s) draining {} rows into {}",
+                p.outbox_rows,
+                broker.label()
+            ));
+            let fill = outbox::fill(&pg.admin, p.outbox_rows).await?;
+            progress(format!("outbox: filled in {:.1} s", fill.as_secs_f64()));
+            let relay =
+                outbox::relay(&pg.opts, &pg.admin, &pg.cpu, broker, relays, p.outbox_rows).await?;
+            let sample = relay
+                .sample
+                .clone()
+                .ok_or("the relay published no message")?;
+            progress(format!(
+                "outbox: {relays} raw publisher(s), {} messages into {}",
+                p.outbox_rows,
+                broker.label()
+            ));
+            let raw = outbox::raw(&pg.cpu, broker, relays, p.outbox_rows, 100, &sample).await?;
+            sqlx::query(clear).execute(&pg.admin).await?;
+            for (what, run, reference) in [
+                (format!("{relays} relay(s)"), &relay, Some(raw.rate())),
+                (
+                    format!("raw: {relays} publisher(s), no database"),
+                    &raw,
+                    None,
+                ),
+            ] {
+                let per_row = |seconds: f64| format!("{:.0}", seconds * 1e6 / run.rows as f64);
+                let rest = run.cpu.machine - run.cpu.client - run.cpu.server.unwrap_or(0.0);
+                rows.push(vec![
+                    broker.label().into(),
+                    what,
+                    run.rows.to_string(),
+                    format!("{:.2}", run.elapsed.as_secs_f64()),
+                    format!("{:.0}", run.rate()),
+                    ratio(run.rate(), reference),
+                    run.round.as_ref().map_or("—".into(), |h| ms(h, 0.5)),
+                    run.round.as_ref().map_or("—".into(), |h| ms(h, 0.99)),
+                    ms(&run.sink, 0.5),
+                    ms(&run.sink, 0.99),
+                    format!("{:.1}", run.rows as f64 / run.batches.max(1) as f64),
+                    per_row(run.cpu.client),
+                    run.cpu.server.map_or("—".into(), per_row),
+                    per_row(rest.max(0.0)),
+                    if run.cpu.wall > 0.0 {
+                        format!("{:.2}", run.cpu.machine / run.cpu.wall)
+                    } else {
+                        "—".into()
+                    },
+                ]);
+            }
+        }
+    }
+    out.line("## Outbox: relay throughput against the broker's own publish rate");
+    out.line("");
+    out.line(format!(
+        "Each run starts from {rows} pending rows (one transaction, ~90-byte JSON payloads, \
+         {agg} aggregates in turn, then `ANALYZE` and `CHECKPOINT`) and an empty destination \
+         (`{EVENTS}`: a durable RabbitMQ queue with persistent messages; a file-backed \
+         JetStream stream). `relay(s)`: that many `Relay`s with the default settings (batches \
+         of 100), each with its own database connection and its own sink connection, running \
+         rounds (`Relay::run_once`: lease, publish, mark) back to back until every row is sent; \
+         rows/s over the whole drain. `raw`: the broker's ceiling in the same run — as many \
+         tasks, each with its own sink of the same kind, publishing the same number of copies \
+         of a message the relay sent (fresh message ids) in batches of 100 through \
+         `Sink::publish_batch`, same client, same confirms, no database. `× raw`: relay rate ÷ \
+         raw rate at the same concurrency. Latency per row: `round` from the start of the \
+         relay's lease statement to its `mark sent` committed (what a row waits once a relay \
+         picks it); `publish` the sink call that carried it, first publish to last confirm. \
+         CPU per row over the run: this process (relays or publishers), the PostgreSQL \
+         cluster, and the rest of the machine (the broker, mostly). After each run the broker \
+         holds exactly the rows (checked), and every row is marked sent.",
+        rows = p.outbox_rows,
+        agg = (p.outbox_rows / 5).max(1_000),
+        EVENTS = paths::EVENTS,
+    ));
+    out.line("");
+    if brokers.is_empty() {
+        out.line("Relay rows: not measured (neither `AMQP_URL` nor `NATS_URL` is set).");
+        out.line("");
+    } else {
+        out.table(
+            &[
+                "broker",
+                "run",
+                "rows",
+                "seconds",
+                "rows/s",
+                "× raw",
+                "round p50 ms",
+                "round p99 ms",
+                "publish p50 ms",
+                "publish p99 ms",
+                "rows per round",
+                "client CPU µs/row",
+                "server CPU µs/row",
+                "broker and rest CPU µs/row",
+                "CPU busy (cores)",
+            ],
+            &rows,
+        );
+    }
+    Ok(())
+}
+
+/// The outbox publish's cost on SQLite: the handler with and without it, side by side.
+async fn outbox_sqlite(out: &mut Out, p: &Profile) -> Result<(), BoxError> {
+    let dir = std::env::temp_dir().join(format!("inbox-bench-outbox-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let opts = SqliteConnectOptions::new()
+        .filename(dir.join("bench.db"))
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Full)
+        .busy_timeout(Duration::from_secs(60));
+    let setup = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(opts.clone())
+        .await?;
+    paths::setup_sqlite(&setup).await?;
+    inbox_runtime::migrate_components(&setup, &[inbox_runtime::Component::Outbox]).await?;
+    setup.close().await;
+    let kinds = [Kind::Direct, Kind::DirectOutbox];
+    let dups = Arc::new(DupSet::new(1, seed()));
+    let cpu = CpuProbe::default();
+    let mut rows = Vec::new();
+    for &workers in &p.sqlite_workers {
+        let mut acc: HashMap<Kind, Acc> = HashMap::new();
+        for round in 0..p.rounds {
+            let mut order = kinds.to_vec();
+            order.rotate_left(round % kinds.len());
+            for kind in order {
+                progress(format!(
+                    "outbox, SQLite, {workers} workers, round {}: {}",
+                    round + 1,
+                    kind.label()
+                ));
+                let pool = SqlitePoolOptions::new()
+                    .max_connections(workers as u32)
+                    .min_connections(workers as u32)
+                    .acquire_timeout(Duration::from_secs(60))
+                    .connect_with(opts.clone())
+                    .await?;
+                let ops = sqlite_ops(&pool, kind, workers, &dups).await?;
+                let sample = run_ops(ops, p.warmup, p.duration, &cpu, &|| {}).await;
+                pool.close().await;
+                acc.entry(kind).or_default().add(Measured {
+                    sample,
+                    wal: None,
+                    claim: None,
+                });
+            }
+        }
+        let without = acc.get(&Kind::Direct).map(Acc::rate);
+        for kind in kinds {
+            let Some(a) = acc.get(&kind) else { continue };
+            let mut label = kind.label().replace(" (NOTIFY on, the default)", "");
+            if a.errors > 0 {
+                label.push_str(&format!(
+                    " (**{} errors**: {})",
+                    a.errors,
+                    a.first_error.as_deref().unwrap_or("?")
+                ));
+            }
+            rows.push(vec![
+                label,
+                workers.to_string(),
+                format!("{:.0}", a.rate()),
+                ms(&a.hist, 0.5),
+                ms(&a.hist, 0.99),
+                ratio(a.rate(), without),
+                a.per_msg_us(a.cpu.client),
+            ]);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    out.line("## Outbox: the cost of one publish inside a handler (SQLite)");
+    out.line("");
+    out.line(
+        "The same two handlers on SQLite (WAL, synchronous=FULL; no notifications there): one \
+         more statement in the same write transaction, no network round trip.",
+    );
+    out.line("");
+    out.table(
+        &[
+            "path",
+            "workers",
+            "msgs/s",
+            "p50 ms",
+            "p99 ms",
+            "× without publish",
+            "client CPU µs/msg (incl. SQLite)",
+        ],
+        &rows,
+    );
+    Ok(())
+}
+
 /// The issue's targets against this run's figures.
 fn targets(out: &mut Out, pg: &Pg, p: &Profile) {
     let mut lines = Vec::new();
@@ -2085,7 +2423,8 @@ mod tests {
     use super::*;
 
     /// The harness runs end to end and prints every row: SQLite always, PostgreSQL (with
-    /// pgbench) when DATABASE_URL is set, as `scripts/test.sh` does.
+    /// pgbench) when DATABASE_URL is set, as `scripts/test.sh` does, and the outbox relays
+    /// on the brokers of AMQP_URL and NATS_URL when they are set (`scripts/test.sh` sets both).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn smoke_prints_every_row() {
         let mut argv = vec![
@@ -2125,9 +2464,23 @@ mod tests {
                 "UUIDv4 (random)",
                 "## Worker memory",
                 "## Retention purge",
+                "## Outbox: the cost of one publish inside a handler (PostgreSQL)",
+                "## Outbox: the cost of one publish inside a handler (SQLite)",
+                "## Outbox: relay throughput",
                 "## Targets",
             ] {
                 expected.push(heading.into());
+            }
+            for kind in OUTBOX_KINDS {
+                expected.push(kind.label());
+            }
+            // The relay rows, on the brokers `scripts/test.sh` starts.
+            for broker in outbox::Broker::from_env() {
+                expected.push(broker.label().into());
+                for relays in [1, 4] {
+                    expected.push(format!("| {relays} relay(s) |"));
+                    expected.push(format!("| raw: {relays} publisher(s), no database |"));
+                }
             }
         }
         for label in &expected {

@@ -1,9 +1,10 @@
 //! The measured paths: the business effect alone, and the same effect through a real
 //! `#[idempotent]` handler (called directly, or through `Dispatcher::dispatch`), on PostgreSQL and
-//! SQLite; and the schema they run on.
+//! SQLite, with and without one transactional-outbox publish; and the schema they run on.
 
 use std::sync::Arc;
 
+use inbox_runtime::outbox::{Outbox, OutboxError, OutboxMessage};
 use inbox_runtime::{
     ConnectionSlot, Dispatcher, Envelope, Fingerprint, Outcome, SourceMetadata, idempotent,
 };
@@ -68,6 +69,103 @@ pub(crate) async fn credit_sqlite(
         .bind(msg.amount_cents)
         .execute(conn)
         .await?;
+    Ok(())
+}
+
+/// The same payment as [`Credit`], for the handlers that also publish through the outbox: a
+/// message of its own, so that the registry's dispatcher still finds one consumer per message.
+#[derive(Debug, Clone, Serialize, Deserialize, inbox_runtime::Message)]
+#[message(name = "bench.credit.outbox")]
+pub(crate) struct OutboxCredit {
+    /// The producer's event id: the idempotency key.
+    #[message(key)]
+    pub(crate) event_id: Uuid,
+    pub(crate) account_id: String,
+    pub(crate) amount_cents: i64,
+}
+
+impl From<Credit> for OutboxCredit {
+    fn from(msg: Credit) -> Self {
+        OutboxCredit {
+            event_id: msg.event_id,
+            account_id: msg.account_id,
+            amount_cents: msg.amount_cents,
+        }
+    }
+}
+
+/// The event the outbox handlers publish (about 90 bytes of JSON), its aggregate the account.
+#[derive(Debug, Clone, Serialize, Deserialize, inbox_runtime::Message)]
+#[message(name = "bench.credited")]
+pub(crate) struct Credited {
+    #[message(key)]
+    pub(crate) event_id: Uuid,
+    pub(crate) account_id: String,
+    pub(crate) amount_cents: i64,
+}
+
+/// The outbox destination of [`Credited`]: an AMQP queue on the default exchange, a NATS subject.
+pub(crate) const EVENTS: &str = "bench.events";
+
+/// The handlers' outbox, notifying relays at commit (the default).
+pub(crate) const OUTBOX: Outbox = Outbox::new(&[EVENTS]);
+
+/// The same outbox without the `NOTIFY` (`Outbox::notify(false)`).
+pub(crate) const OUTBOX_QUIET: Outbox = Outbox::new(&[EVENTS]).notify(false);
+
+/// The outbox message a credit publishes.
+fn credited(msg: &OutboxCredit) -> OutboxMessage {
+    let event = Credited {
+        event_id: msg.event_id,
+        account_id: msg.account_id.clone(),
+        amount_cents: msg.amount_cents,
+    };
+    OutboxMessage::new(EVENTS, &event).aggregate(&msg.account_id)
+}
+
+/// Credits the amount and publishes [`Credited`] through [`OUTBOX`], in the handler's
+/// transaction (PostgreSQL).
+#[idempotent(consumer = "bench")]
+pub(crate) async fn credit_outbox_pg(
+    conn: &mut PgConnection,
+    msg: OutboxCredit,
+) -> Result<(), OutboxError> {
+    sqlx::query(UPSERT_PG)
+        .bind(&msg.account_id)
+        .bind(msg.amount_cents)
+        .execute(&mut *conn)
+        .await?;
+    OUTBOX.publish(conn, credited(&msg)).await?;
+    Ok(())
+}
+
+/// [`credit_outbox_pg`] through [`OUTBOX_QUIET`] (no `NOTIFY`).
+#[idempotent(consumer = "bench_quiet")]
+pub(crate) async fn credit_outbox_quiet_pg(
+    conn: &mut PgConnection,
+    msg: OutboxCredit,
+) -> Result<(), OutboxError> {
+    sqlx::query(UPSERT_PG)
+        .bind(&msg.account_id)
+        .bind(msg.amount_cents)
+        .execute(&mut *conn)
+        .await?;
+    OUTBOX_QUIET.publish(conn, credited(&msg)).await?;
+    Ok(())
+}
+
+/// [`credit_outbox_pg`] for SQLite (no notifications there).
+#[idempotent(consumer = "bench")]
+pub(crate) async fn credit_outbox_sqlite(
+    conn: &mut SqliteConnection,
+    msg: OutboxCredit,
+) -> Result<(), OutboxError> {
+    sqlx::query(UPSERT_SQLITE)
+        .bind(&msg.account_id)
+        .bind(msg.amount_cents)
+        .execute(&mut *conn)
+        .await?;
+    OUTBOX.publish(conn, credited(&msg)).await?;
     Ok(())
 }
 
@@ -249,6 +347,10 @@ pub(crate) enum Path {
     BareTx,
     /// The `#[idempotent]` function called on the task's connection.
     Direct,
+    /// The same with one outbox publish in its transaction (`credit_outbox_*`).
+    DirectOutbox,
+    /// [`Path::DirectOutbox`] without the `NOTIFY` (PostgreSQL; SQLite has none).
+    DirectOutboxQuiet,
 }
 
 /// One task's loop body on a held connection.
@@ -312,6 +414,12 @@ impl Op for ConnOp {
                 (Conn::Pg(conn), Path::Direct) => {
                     return check(credit_pg(conn, msg).await, redelivery);
                 }
+                (Conn::Pg(conn), Path::DirectOutbox) => {
+                    return check(credit_outbox_pg(conn, msg.into()).await, redelivery);
+                }
+                (Conn::Pg(conn), Path::DirectOutboxQuiet) => {
+                    return check(credit_outbox_quiet_pg(conn, msg.into()).await, redelivery);
+                }
                 (Conn::Lite(conn), Path::Bare) => {
                     effect_sqlite(conn, &msg).await?;
                 }
@@ -324,6 +432,9 @@ impl Op for ConnOp {
                 }
                 (Conn::Lite(conn), Path::Direct) => {
                     return check(credit_sqlite(conn, msg).await, redelivery);
+                }
+                (Conn::Lite(conn), Path::DirectOutbox | Path::DirectOutboxQuiet) => {
+                    return check(credit_outbox_sqlite(conn, msg.into()).await, redelivery);
                 }
             }
             Ok(1)
