@@ -103,8 +103,11 @@ struct Line<'a> {
 /// One message to publish: its name (if the line is an envelope) and its body.
 type Message = (Option<String>, Vec<u8>);
 
-/// The messages to publish: line number (1-based, blank lines not counted), name, body.
-pub(crate) type Messages = [(usize, Option<String>, Vec<u8>)];
+/// One message to publish: line number (1-based, blank lines not counted), name, body.
+pub(crate) type Numbered = (usize, Option<String>, Vec<u8>);
+
+/// The messages to publish.
+pub(crate) type Messages = [Numbered];
 
 /// The messages of `input`. Blank lines are skipped.
 fn messages(input: &Path) -> Result<Vec<Message>, String> {
@@ -122,11 +125,7 @@ fn messages(input: &Path) -> Result<Vec<Message>, String> {
 
 /// The messages of `input`, each line once more with probability `duplicate` % (seeded by
 /// `seed`), like a retrying producer.
-pub(crate) fn lines(
-    input: &Path,
-    duplicate: f64,
-    seed: u64,
-) -> Result<Vec<(usize, Option<String>, Vec<u8>)>, String> {
+pub(crate) fn lines(input: &Path, duplicate: f64, seed: u64) -> Result<Vec<Numbered>, String> {
     let mut rng = {
         let mut bytes = [0_u8; 32];
         bytes[..8].copy_from_slice(&seed.to_le_bytes());
