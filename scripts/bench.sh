@@ -7,6 +7,11 @@
 #   scripts/bench.sh --quick          # about a minute
 #   scripts/bench.sh --full           # full sizes (10 M-row inbox, 5-minute memory run)
 #   scripts/bench.sh --help           # every option of the harness
+#   scripts/bench.sh --only kafka     # Kafka scale-out: 1, 2, 4 consumer processes in one group
+#
+# Asking for the `kafka` section (`--only kafka`, alone or in a list) builds the harness with the
+# examples feature `kafka` (librdkafka, built with cmake: scripts/deps.sh installs what it needs);
+# otherwise the harness needs nothing but cargo and reports that section as not built.
 #
 # PostgreSQL: the server of BENCH_DATABASE_URL or of --database-url if given (the harness works
 # in its own database there, `inbox_bench`); otherwise a throwaway PostgreSQL started here with
@@ -38,9 +43,18 @@ trap stop_started EXIT
 
 args=("$@")
 given=${BENCH_DATABASE_URL:-}
+features=()
+previous=
 for arg in "$@"; do
   case "$arg" in --database-url | --database-url=*) given=given ;; esac
+  case "$previous $arg" in
+    "--only "*kafka* | *" --only="*kafka*) features=(--features kafka) ;;
+  esac
+  previous=$arg
 done
+if [ ${#features[@]} -gt 0 ]; then
+  scripts/deps.sh
+fi
 
 if [ -z "$given" ]; then
   export INBOX_PG_DIR=${INBOX_BENCH_PG_DIR:-/tmp/inbox-bench-pg}
@@ -90,4 +104,5 @@ if [ -n "$outbox" ] && [ -z "${AMQP_URL:-}${NATS_URL:-}" ]; then
 fi
 
 mkdir -p target
-cargo run --quiet --release -p inbox-examples --example bench -- "${args[@]}" | tee target/bench-report.md
+cargo run --quiet --release -p inbox-examples "${features[@]}" --example bench -- "${args[@]}" |
+  tee target/bench-report.md

@@ -40,6 +40,19 @@ pub fn ledger_bin() -> &'static Path {
     BIN.get_or_init(|| build_example("ledger"))
 }
 
+/// The `ledger` example with the examples feature `kafka` (its Kafka source and publisher), built
+/// and copied as [`ledger_bin`] is, as `ledger-kafka`.
+pub fn ledger_kafka_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        build_example_with(
+            "ledger",
+            &["--features", "inbox-examples/kafka"],
+            "ledger-kafka",
+        )
+    })
+}
+
 /// The `pipeline` example, built and copied as [`ledger_bin`] is.
 pub fn pipeline_bin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
@@ -54,6 +67,12 @@ pub fn payments_bin() -> &'static Path {
 
 /// Builds the example `name` and copies it to the [`scratch_dir`]; its path there.
 fn build_example(name: &str) -> PathBuf {
+    build_example_with(name, &[], name)
+}
+
+/// Builds the example `name` with the cargo arguments `extra` (features) and copies it to the
+/// [`scratch_dir`] as `copy_name`; its path there.
+fn build_example_with(name: &str, extra: &[&str], copy_name: &str) -> PathBuf {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut command = Command::new(cargo);
     // Not the variables cargo set for this test: build scripts that watch one of them (ring
@@ -87,6 +106,7 @@ fn build_example(name: &str) -> PathBuf {
             name,
             "--message-format=json-render-diagnostics",
         ])
+        .args(extra)
         .stderr(Stdio::inherit())
         .output()
         .expect("run cargo build");
@@ -103,7 +123,7 @@ fn build_example(name: &str) -> PathBuf {
         .unwrap_or_else(|| panic!("cargo reported the {name} executable"));
     // A private copy: the target directory may be shared with other checkouts, whose builds
     // of the same example would replace it under the running tests.
-    let copy = scratch_dir().join(name);
+    let copy = scratch_dir().join(copy_name);
     std::fs::copy(&built, &copy).unwrap_or_else(|e| panic!("copy the {name} executable: {e}"));
     copy
 }
@@ -353,7 +373,12 @@ pub fn assert_ledger_exact(state: &DbState) {
 
 /// Runs `ledger ARGS` to completion; panics unless it exits 0. Returns its stdout.
 pub fn run_ledger(args: &[&str], database_url: &str, log: &Path) -> String {
-    let child = spawn_ledger(args, database_url, log);
+    run_program(ledger_bin(), args, database_url, log)
+}
+
+/// [`run_ledger`] with the program `bin` (a build of the ledger).
+pub fn run_program(bin: &Path, args: &[&str], database_url: &str, log: &Path) -> String {
+    let child = spawn_program(bin, args, database_url, log);
     let (status, stdout) = wait_ledger(child, log, Duration::from_secs(120));
     assert!(status.success(), "ledger {args:?}: {status}\n{}", tail(log));
     stdout
@@ -361,13 +386,18 @@ pub fn run_ledger(args: &[&str], database_url: &str, log: &Path) -> String {
 
 /// Starts `ledger ARGS` with stdout to `<log>.out` and stderr to `log`; killed when dropped.
 pub fn spawn_ledger(args: &[&str], database_url: &str, log: &Path) -> ChildGuard {
+    spawn_program(ledger_bin(), args, database_url, log)
+}
+
+/// [`spawn_ledger`] with the program `bin` (a build of the ledger).
+pub fn spawn_program(bin: &Path, args: &[&str], database_url: &str, log: &Path) -> ChildGuard {
     let stderr = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(log)
         .unwrap();
     let stdout = std::fs::File::create(log.with_extension("out")).unwrap();
-    let child = Command::new(ledger_bin())
+    let child = Command::new(bin)
         .args(args)
         .env("DATABASE_URL", database_url)
         .env("RUST_LOG", "warn")

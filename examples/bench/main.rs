@@ -28,6 +28,9 @@
 //!   `Outbox::publish` (rates and round trips side by side), and 1 and 4 relays draining a
 //!   pre-filled backlog into RabbitMQ (`AMQP_URL`) and NATS JetStream (`NATS_URL`) against the
 //!   broker's own publish rate through the same sink in the same run.
+//! * **Kafka scale-out** (`--only kafka`, examples feature `kafka`; `scripts/bench.sh --only
+//!   kafka` adds it): 1, 2 and 4 consumer processes in one group over a 16-partition topic of
+//!   librdkafka's mock cluster, on one PostgreSQL (`kafka.rs`).
 //!
 //! Round trips per message are counted on the wire (a counting proxy between client and server,
 //! see `proxy.rs`), as are the statements each path sends. The harness works in its own
@@ -39,6 +42,8 @@
 //! Output: a Markdown report on stdout (progress on stderr). `BENCHMARKS.md` explains the
 //! method and the figures.
 
+#[cfg(feature = "kafka")]
+mod kafka;
 mod measure;
 mod outbox;
 mod paths;
@@ -123,6 +128,18 @@ struct Args {
     /// (`current_thread` runtime). Default: one per CPU.
     #[arg(long)]
     runtime_threads: Option<usize>,
+    /// Kafka section: consumer process counts (comma-separated) [default: 1,2,4]
+    #[arg(long, value_delimiter = ',')]
+    kafka_processes: Option<Vec<usize>>,
+    /// Kafka section: deliveries in flight per consumer process
+    #[arg(long, default_value_t = 4)]
+    kafka_concurrency: usize,
+    /// Internal: run as one consumer process of the Kafka section, on these bootstrap servers
+    #[arg(long, hide = true)]
+    kafka_consumer: Option<String>,
+    /// Internal: the consumer group of `--kafka-consumer`
+    #[arg(long, hide = true, default_value = "bench")]
+    kafka_group: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -151,6 +168,8 @@ enum Section {
     /// draining a backlog into RabbitMQ (`AMQP_URL`) and NATS JetStream (`NATS_URL`) against
     /// the broker's own publish rate.
     Outbox,
+    /// Kafka scale-out: 1, 2, 4 consumer processes in one group (examples feature `kafka`).
+    Kafka,
 }
 
 /// Sizes and durations of one run.
@@ -304,6 +323,15 @@ fn main() -> ExitCode {
             .build(),
     }
     .expect("tokio runtime");
+    if let Some(brokers) = &args.kafka_consumer {
+        return match runtime.block_on(kafka_consumer(&args, brokers)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                eprintln!("bench consumer: {error}");
+                ExitCode::from(2)
+            }
+        };
+    }
     match runtime.block_on(run(&args)) {
         Ok(_) => ExitCode::SUCCESS,
         Err(error) => {
@@ -709,6 +737,9 @@ async fn run(args: &Args) -> Result<String, BoxError> {
         }
         if wanted(Section::Outbox) {
             outbox_section(&mut out, pg, &p).await?;
+        }
+        if wanted(Section::Kafka) {
+            kafka_section(&mut out, pg, &p, args).await?;
         }
         targets(&mut out, pg, &p);
     }
@@ -2333,6 +2364,177 @@ async fn outbox_sqlite(out: &mut Out, p: &Profile) -> Result<(), BoxError> {
         ],
         &rows,
     );
+    Ok(())
+}
+
+/// `bench --kafka-consumer BROKERS`: one consumer process of the Kafka section.
+#[cfg(feature = "kafka")]
+async fn kafka_consumer(args: &Args, brokers: &str) -> Result<(), BoxError> {
+    let url = args
+        .database_url
+        .as_deref()
+        .ok_or("--kafka-consumer needs --database-url")?;
+    kafka::consumer_main(
+        brokers,
+        url,
+        &args.db_name,
+        &args.kafka_group,
+        args.kafka_concurrency,
+    )
+    .await
+}
+
+/// `bench --kafka-consumer BROKERS` in a build without the examples feature `kafka`.
+#[cfg(not(feature = "kafka"))]
+async fn kafka_consumer(_: &Args, brokers: &str) -> Result<(), BoxError> {
+    Err(format!("--kafka-consumer {brokers}: built without the examples feature `kafka`").into())
+}
+
+/// Kafka scale-out: consumer processes in one group (see `kafka.rs`).
+#[cfg(not(feature = "kafka"))]
+async fn kafka_section(out: &mut Out, _: &mut Pg, _: &Profile, _: &Args) -> Result<(), BoxError> {
+    out.line("## Kafka scale-out (PostgreSQL)");
+    out.line("");
+    out.line(
+        "Not measured: the harness was built without the examples feature `kafka` \
+         (`scripts/bench.sh --only kafka` builds it with the feature).",
+    );
+    out.line("");
+    Ok(())
+}
+
+/// Kafka scale-out: consumer processes in one group (see `kafka.rs`).
+#[cfg(feature = "kafka")]
+async fn kafka_section(
+    out: &mut Out,
+    pg: &mut Pg,
+    p: &Profile,
+    args: &Args,
+) -> Result<(), BoxError> {
+    let records: u64 = match p.name {
+        "smoke" => 400,
+        "quick" => 6_000,
+        "full" => 60_000,
+        _ => 10_000,
+    };
+    let concurrency = args.kafka_concurrency.max(1);
+    let processes = args
+        .kafka_processes
+        .clone()
+        .unwrap_or_else(|| vec![1, 2, 4]);
+    let url = args
+        .database_url
+        .as_deref()
+        .ok_or("the Kafka section needs --database-url")?;
+    progress(format!(
+        "kafka: mock cluster, {records} records into {} partitions",
+        kafka::PARTITIONS
+    ));
+    let cluster = kafka::prepare(&pg.admin, url, &args.db_name, records).await?;
+    // The runs: each process count at `concurrency` per process; then one process with as
+    // many deliveries in flight as the most processes have together (scale up, not out).
+    let mut plan: Vec<(usize, usize)> =
+        processes.iter().map(|&n| (n.max(1), concurrency)).collect();
+    let widest = processes.iter().copied().max().unwrap_or(1);
+    if widest > 1 {
+        plan.push((1, concurrency * widest));
+    }
+    let mut rates: std::collections::BTreeMap<(usize, usize), Vec<kafka::Run>> =
+        std::collections::BTreeMap::new();
+    let mut group = 0;
+    for round in 0..p.rounds {
+        for &(n, c) in &plan {
+            group += 1;
+            progress(format!(
+                "kafka: round {}/{}: {n} process(es) × concurrency {c}",
+                round + 1,
+                p.rounds
+            ));
+            let run = kafka::run(
+                &cluster,
+                &pg.admin,
+                &pg.cpu,
+                &format!("bench-{group}"),
+                n,
+                c,
+            )
+            .await?;
+            if run.processed != run.records {
+                return Err(format!(
+                    "kafka: {} processed over {n} processes, {} records",
+                    run.processed, run.records
+                )
+                .into());
+            }
+            rates.entry((n, c)).or_default().push(run);
+        }
+    }
+    scale::truncate(&pg.admin).await?;
+    let median_run = |runs: &[kafka::Run]| -> usize {
+        let mut order: Vec<usize> = (0..runs.len()).collect();
+        order.sort_by(|&a, &b| runs[a].rate().total_cmp(&runs[b].rate()));
+        order[order.len() / 2]
+    };
+    let base = rates
+        .get(&(1, concurrency))
+        .map(|runs| runs[median_run(runs)].rate());
+    let mut rows = Vec::new();
+    for &(n, c) in &plan {
+        let Some(runs) = rates.get(&(n, c)) else {
+            continue;
+        };
+        let run = &runs[median_run(runs)];
+        let wall = run.cpu.wall.max(1e-9);
+        rows.push(vec![
+            n.to_string(),
+            c.to_string(),
+            (n * c).to_string(),
+            format!("{}", kafka::PARTITIONS as usize / n),
+            run.records.to_string(),
+            format!("{:.2}", run.elapsed.as_secs_f64()),
+            format!("{:.0}", run.rate()),
+            ratio(run.rate(), base),
+            format!("{} / {}", run.processed, run.duplicates),
+            format!("{:.1}", run.join.as_secs_f64()),
+            opt(run.cpu.server.map(|s| s / wall), 2),
+            format!("{:.2}", run.cpu.client / wall),
+            format!("{:.2}", run.cpu.machine / wall),
+        ]);
+    }
+    out.line("## Kafka scale-out (PostgreSQL)");
+    out.line("");
+    out.line(format!(
+        "Consumer processes (this harness, `--kafka-consumer`) in one consumer group over a \
+         {}-partition topic of librdkafka's mock cluster, which runs in the harness's process; \
+         each a `KafkaSource` + `Worker`, positions in the database in each effect's \
+         transaction, one PostgreSQL. {records} records (`bench.credit`, UUIDv7 keys) timed \
+         from `go` (the group has spread the partitions evenly) to the last one processed, \
+         median of {} round(s); `× 1 process` ÷ one process at the same concurrency. CPU \
+         columns are cores busy during the window: PostgreSQL, the harness (mock cluster and \
+         the row count it polls), the whole machine.",
+        kafka::PARTITIONS,
+        p.rounds
+    ));
+    out.line("");
+    out.table(
+        &[
+            "processes",
+            "concurrency each",
+            "in flight",
+            "partitions each",
+            "records",
+            "seconds",
+            "deliveries/s",
+            "× 1 process",
+            "processed / duplicates",
+            "join s",
+            "PostgreSQL cores",
+            "harness cores",
+            "machine cores",
+        ],
+        &rows,
+    );
+    out.line("");
     Ok(())
 }
 

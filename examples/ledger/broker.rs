@@ -1,5 +1,6 @@
-//! The demo on a broker: `publish` loads a JSON-lines stream into RabbitMQ or NATS JetStream,
-//! `--source` consumes it with an [`inbox_runtime::Worker`].
+//! The demo on a broker: `publish` loads a JSON-lines stream into RabbitMQ, NATS JetStream or
+//! Kafka (examples feature `kafka`, see `kafka.rs`), `--source` consumes it with an
+//! [`inbox_runtime::Worker`].
 //!
 //! Each line becomes one broker message: its `payload` is the body, its `message` the message
 //! name (RabbitMQ: the `type` property; NATS: the `message-name` header). A line that is not a
@@ -13,7 +14,7 @@ use std::time::Duration;
 use inbox_runtime::source::Source;
 use inbox_runtime::source::amqp::{AmqpConfig, AmqpSource};
 use inbox_runtime::source::nats::{NatsConfig, NatsSource};
-use inbox_runtime::{Dispatcher, InboxDatabase, StopReason, Worker};
+use inbox_runtime::{Dispatcher, PositionsDatabase, StopReason, Worker};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, ConnectionProperties};
@@ -45,11 +46,15 @@ pub(crate) struct PublishArgs {
     /// JSON-lines input file [default: the bundled sample]
     #[arg(value_name = "PATH")]
     pub(crate) input: Option<std::path::PathBuf>,
-    /// Broker: amqp://user:password@host:port/vhost or nats://host:port
+    /// Broker: amqp://user:password@host:port/vhost, nats://host:port or
+    /// kafka://host:port[,host:port…] (examples feature `kafka`)
     #[arg(long, value_name = "URL")]
     pub(crate) to: String,
     #[command(flatten)]
     pub(crate) names: BrokerNames,
+    #[cfg(feature = "kafka")]
+    #[command(flatten)]
+    pub(crate) kafka: crate::kafka::KafkaArgs,
     /// Publish each line once more with this probability (0-100): duplicates from a "producer
     /// retry", on top of those in the file
     #[arg(long, value_name = "PERCENT", default_value_t = 0.0)]
@@ -82,6 +87,9 @@ pub(crate) struct ConsumeArgs {
     /// `redis://HOST:PORT/` (shared by every consumer); entries live one hour [default: none]
     #[arg(long, value_name = "memory|redis://…")]
     pub(crate) cache: Option<String>,
+    #[cfg(feature = "kafka")]
+    #[command(flatten)]
+    pub(crate) kafka: crate::kafka::KafkaArgs,
 }
 
 /// One line of the input.
@@ -94,6 +102,12 @@ struct Line<'a> {
 
 /// One message to publish: its name (if the line is an envelope) and its body.
 type Message = (Option<String>, Vec<u8>);
+
+/// One message to publish: line number (1-based, blank lines not counted), name, body.
+pub(crate) type Numbered = (usize, Option<String>, Vec<u8>);
+
+/// The messages to publish.
+pub(crate) type Messages = [Numbered];
 
 /// The messages of `input`. Blank lines are skipped.
 fn messages(input: &Path) -> Result<Vec<Message>, String> {
@@ -109,17 +123,17 @@ fn messages(input: &Path) -> Result<Vec<Message>, String> {
         .collect())
 }
 
-/// Publishes every line of `input` (plus random duplicates) to the broker; returns how many
-/// messages were published.
-pub(crate) async fn publish(args: &PublishArgs, input: &Path) -> Result<u64, String> {
+/// The messages of `input`, each line once more with probability `duplicate` % (seeded by
+/// `seed`), like a retrying producer.
+pub(crate) fn lines(input: &Path, duplicate: f64, seed: u64) -> Result<Vec<Numbered>, String> {
     let mut rng = {
         let mut bytes = [0_u8; 32];
-        bytes[..8].copy_from_slice(&args.seed.to_le_bytes());
+        bytes[..8].copy_from_slice(&seed.to_le_bytes());
         ChaCha8Rng::from_seed(bytes)
     };
     let mut out = Vec::new();
     for (number, (name, body)) in messages(input)?.into_iter().enumerate() {
-        let copies = if (rng.next_u64() as f64 / u64::MAX as f64) * 100.0 < args.duplicate {
+        let copies = if (rng.next_u64() as f64 / u64::MAX as f64) * 100.0 < duplicate {
             2
         } else {
             1
@@ -128,20 +142,59 @@ pub(crate) async fn publish(args: &PublishArgs, input: &Path) -> Result<u64, Str
             out.push((number + 1, name.clone(), body.clone()));
         }
     }
+    Ok(out)
+}
+
+/// The error for a `kafka://` URL in a build without the examples feature `kafka`.
+#[cfg(not(feature = "kafka"))]
+fn kafka_disabled(url: &str) -> String {
+    format!(
+        "`{url}`: Kafka needs the examples feature `kafka` (it builds librdkafka with cmake, \
+         see scripts/deps.sh): cargo run --example ledger --features kafka -- …"
+    )
+}
+
+#[cfg(feature = "kafka")]
+async fn publish_kafka(args: &PublishArgs, messages: &Messages) -> Result<(), String> {
+    crate::kafka::publish(&args.to, &args.kafka, messages).await
+}
+
+#[cfg(not(feature = "kafka"))]
+async fn publish_kafka(args: &PublishArgs, _: &Messages) -> Result<(), String> {
+    Err(kafka_disabled(&args.to))
+}
+
+#[cfg(feature = "kafka")]
+async fn prepare_kafka(url: &str, args: &ConsumeArgs, input: &Path) -> Result<Pending, String> {
+    let consumer =
+        crate::kafka::Consumer::prepare(url, &args.consumer, &args.kafka, args.concurrency, input)
+            .await?;
+    Ok(Pending::Kafka(consumer))
+}
+
+#[cfg(not(feature = "kafka"))]
+async fn prepare_kafka(url: &str, _: &ConsumeArgs, _: &Path) -> Result<Pending, String> {
+    Err(kafka_disabled(url))
+}
+
+/// Publishes every line of `input` (plus random duplicates) to the broker; returns how many
+/// messages were published.
+pub(crate) async fn publish(args: &PublishArgs, input: &Path) -> Result<u64, String> {
+    let out = lines(input, args.duplicate, args.seed)?;
     if args.to.starts_with("amqp://") || args.to.starts_with("amqps://") {
         publish_amqp(args, &out).await?;
     } else if args.to.starts_with("nats://") || args.to.starts_with("tls://") {
         publish_nats(args, &out).await?;
+    } else if args.to.starts_with("kafka://") {
+        publish_kafka(args, &out).await?;
     } else {
         return Err(format!(
-            "unsupported broker URL `{}`: expected amqp://… or nats://…",
+            "unsupported broker URL `{}`: expected amqp://…, nats://… or kafka://…",
             args.to
         ));
     }
     Ok(out.len() as u64)
 }
-
-type Messages = [(usize, Option<String>, Vec<u8>)];
 
 async fn publish_amqp(args: &PublishArgs, messages: &Messages) -> Result<(), String> {
     let error = |what: &str| {
@@ -239,36 +292,52 @@ async fn publish_nats(args: &PublishArgs, messages: &Messages) -> Result<(), Str
     Ok(())
 }
 
-/// A connected source for `url`.
-pub(crate) async fn connect(url: &str, args: &ConsumeArgs) -> Result<Box<dyn Source>, String> {
+/// A source to consume: connected, or (Kafka) to connect once the dispatcher is ready.
+pub(crate) enum Pending {
+    /// A connected source.
+    Ready(Box<dyn Source>),
+    /// A Kafka consumer: it installs its position hook on the dispatcher as it connects.
+    #[cfg(feature = "kafka")]
+    Kafka(crate::kafka::Consumer),
+}
+
+/// A source for `url`: connected for RabbitMQ and NATS; for Kafka, prepared (with
+/// `kafka://mock`, the mock cluster started and `input` published into it).
+pub(crate) async fn connect(
+    url: &str,
+    args: &ConsumeArgs,
+    input: &Path,
+) -> Result<Pending, String> {
     if url.starts_with("amqp://") || url.starts_with("amqps://") {
         let config = AmqpConfig::new(url, &args.names.queue).prefetch(args.concurrency);
-        Ok(Box::new(
+        Ok(Pending::Ready(Box::new(
             AmqpSource::connect(config)
                 .await
                 .map_err(|e| e.to_string())?,
-        ))
+        )))
     } else if url.starts_with("nats://") || url.starts_with("tls://") {
         let config = NatsConfig::new(url, &args.names.stream, &args.consumer)
             .ack_wait(Duration::from_secs_f64(args.ack_wait))
             .max_ack_pending(i64::from(args.concurrency));
-        Ok(Box::new(
+        Ok(Pending::Ready(Box::new(
             NatsSource::connect(config)
                 .await
                 .map_err(|e| e.to_string())?,
-        ))
+        )))
+    } else if url.starts_with("kafka://") {
+        prepare_kafka(url, args, input).await
     } else {
         Err(format!(
-            "unsupported source `{url}`: expected amqp://… or nats://…"
+            "unsupported source `{url}`: expected amqp://…, nats://…, kafka://… or file:PATH"
         ))
     }
 }
 
 /// Consumes `source` with a worker over `pool` until idle or `shutdown`; the counts of this run
 /// and whether it was stopped by a signal.
-pub(crate) async fn consume<DB: InboxDatabase>(
+pub(crate) async fn consume<DB: PositionsDatabase>(
     pool: sqlx::Pool<DB>,
-    source: Box<dyn Source>,
+    source: Pending,
     args: &ConsumeArgs,
     shutdown: CancellationToken,
 ) -> Result<(Counts, bool), String> {
@@ -277,6 +346,18 @@ pub(crate) async fn consume<DB: InboxDatabase>(
         println!("handler: {handler}");
     }
     let dispatcher = crate::with_cache(dispatcher, args.cache.as_deref()).await?;
+    // A Kafka consumer (and its mock cluster) lives until the worker is done.
+    #[cfg(feature = "kafka")]
+    let mut kafka = None;
+    let (source, dispatcher) = match source {
+        Pending::Ready(source) => (source, dispatcher),
+        #[cfg(feature = "kafka")]
+        Pending::Kafka(consumer) => {
+            let connected = consumer.connect(dispatcher).await?;
+            kafka = Some(consumer);
+            connected
+        }
+    };
     let worker = Worker::new(dispatcher)
         .concurrency(usize::from(args.concurrency))
         .stop_when_idle(Duration::from_secs_f64(args.idle_exit));
@@ -284,6 +365,8 @@ pub(crate) async fn consume<DB: InboxDatabase>(
         .run(source, shutdown)
         .await
         .map_err(|e| e.to_string())?;
+    #[cfg(feature = "kafka")]
+    drop(kafka);
     println!(
         "deliveries: {} (acked {}, rejected {}, requeued {}, abandoned {}); stopped: {:?}",
         report.deliveries,

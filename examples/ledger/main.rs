@@ -12,6 +12,9 @@
 //! cargo run --example ledger -- --source amqp://127.0.0.1:5672/%2f
 //! cargo run --example ledger -- publish --to nats://127.0.0.1:4222
 //! cargo run --example ledger -- --source nats://127.0.0.1:4222
+//! cargo run --example ledger --features kafka -- publish --to kafka://127.0.0.1:9092
+//! cargo run --example ledger --features kafka -- --source kafka://127.0.0.1:9092
+//! cargo run --example ledger --features kafka -- --source kafka://mock   # all in this process
 //!
 //! # The same stream through a worker over a file that resumes at its last acked line
 //! cargo run --example ledger -- --source file:examples/ledger/data/payments.jsonl --offset-file /tmp/ledger.offset
@@ -74,7 +77,11 @@
 //! publisher confirms; the message name in the `type` property, `message_id` = `line-N`) or
 //! NATS JetStream (`nats://…`: the stream `--stream`, default `LEDGER`, created on subject
 //! `--subject`, default `ledger.events`; the message name in the `message-name` header). A line
-//! that is not a message envelope is published as it is, with no name. `--duplicate P` publishes
+//! that is not a message envelope is published as it is, with no name. Kafka (`kafka://HOST:PORT[,…]`,
+//! examples feature `kafka`): the topic `--topic` (default `ledger`; it must exist, or the
+//! cluster creates it on first use), an idempotent producer; the message name in the
+//! `message-name` header, `message-id` = `line-N`, the record key = the payload's `event_id`, so
+//! that every copy and variant of an event is in one partition, in file order. `--duplicate P` publishes
 //! each line a second time with probability P % (seeded by `--seed`), like a retrying producer.
 //!
 //! `ledger --source URL` consumes the queue (or the JetStream durable consumer `--consumer`,
@@ -88,6 +95,20 @@
 //! fetching, finishes the deliveries under way, and exits 0 with `balances=unchecked`; killed
 //! outright, it loses nothing: the broker redelivers what was not acked, and the inbox turns
 //! what had committed into duplicates.
+//!
+//! `--source kafka://HOST:PORT[,…]` consumes the topic as a member of the consumer group
+//! `--consumer` (default `ledger`) through [`inbox_runtime::source::kafka::KafkaSource`]: the
+//! group's positions live in the demo's database (`inbox_positions`), written in the same
+//! transaction as each effect and fenced against a consumer that lost its partition; one record
+//! of a partition at a time, partitions in parallel up to `--concurrency`. It waits for its
+//! first partitions before it starts (a group's first rebalance takes seconds), and prints them.
+//! `--kafka-property NAME=VALUE` sets librdkafka properties (`session.timeout.ms`, `sasl.*`, …),
+//! `--delivery-log FILE` appends the partition and offset of every record handed to the worker.
+//! `--source kafka://mock` starts librdkafka's mock cluster in the demo's process, creates the
+//! topic with `--partitions` (default 4) partitions, publishes the input (default: the sample)
+//! into it, consumes it and checks the balances: Kafka end to end with nothing installed. Without
+//! the `kafka` feature, a `kafka://` URL is refused with an error naming the feature (the default
+//! build needs nothing but cargo).
 //!
 //! `--source file:PATH` consumes a JSON-lines file the same way, with
 //! [`inbox_runtime::source::file::FileSource`]: it keeps the acked prefix of the file in the
@@ -114,6 +135,8 @@ mod check;
 mod db;
 mod feed;
 mod handlers;
+#[cfg(feature = "kafka")]
+mod kafka;
 mod messages;
 mod observe;
 
@@ -145,7 +168,8 @@ const SAMPLE_EXPECTED: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/ledger/data/
 struct Args {
     #[command(subcommand)]
     command: Option<Command>,
-    /// Consume from a broker instead of a file: amqp://… (RabbitMQ) or nats://… (JetStream)
+    /// Consume from a broker instead of a file: amqp://… (RabbitMQ), nats://… (JetStream),
+    /// kafka://HOST:PORT[,…] or kafka://mock (Kafka, examples feature `kafka`), or file:PATH
     #[arg(long, value_name = "URL")]
     source: Option<String>,
     /// Do not check the balances
@@ -172,7 +196,7 @@ struct Args {
 
 #[derive(clap::Subcommand, Debug)]
 enum Command {
-    /// Loads a JSON-lines stream into RabbitMQ or NATS JetStream
+    /// Loads a JSON-lines stream into RabbitMQ, NATS JetStream or Kafka
     Publish(broker::PublishArgs),
     /// Inspects and repairs the inbox: stats, dead letters, replay, purge
     Admin(AdminArgs),
@@ -465,11 +489,14 @@ async fn run_broker(args: Args, url: String) -> Result<Verdict, String> {
                         source.start_position().line,
                         source.offset_path().display()
                     );
-                    Box::new(source) as Box<dyn inbox_runtime::source::Source>
+                    broker::Pending::Ready(Box::new(source))
                 })
                 .map_err(|e| e.to_string())
         }
-        None => broker::connect(&url, &args.consume).await,
+        None => {
+            let input = args.input.as_deref().unwrap_or(Path::new(SAMPLE));
+            broker::connect(&url, &args.consume, input).await
+        }
     };
     let source = match connected {
         Ok(source) => source,
