@@ -152,7 +152,8 @@ if [ $# -eq 0 ]; then
   # enables none of its own), so nothing is built twice.
   run_cargo test --workspace --all-targets --no-run || status=1
   if [ "$status" -eq 0 ]; then
-    (TMPDIR=$WORK/tmp exec cargo test --workspace --test ui --no-fail-fast >"$WORK/ui.log" 2>&1) &
+    # At the lowest priority: the tests running meanwhile wait on servers and killed demos.
+    (TMPDIR=$WORK/tmp exec nice -n 19 cargo test --workspace --test ui --no-fail-fast >"$WORK/ui.log" 2>&1) &
     echo $! >"$WORK/ui.pid"
     run_cargo test --workspace --all-targets --exclude inbox-macro-ui --no-fail-fast || status=1
     echo "test.sh: waiting for the UI tests (tests/macro-ui), run beside the others"

@@ -69,7 +69,8 @@ pub(crate) struct PublishArgs {
 pub(crate) struct ConsumeArgs {
     #[command(flatten)]
     pub(crate) names: BrokerNames,
-    /// JetStream durable consumer name
+    /// JetStream durable consumer name, or Kafka consumer group (`kafka://mock`: a new group per
+    /// run, named after this one)
     #[arg(long, default_value = "ledger")]
     pub(crate) consumer: String,
     /// Deliveries processed at once (also the prefetch / max ack pending, and the PostgreSQL

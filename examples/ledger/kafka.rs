@@ -200,9 +200,16 @@ impl Consumer {
         } else {
             (brokers.to_owned(), None)
         };
+        // A new mock cluster is a new topic: the positions a group kept in this database from an
+        // earlier run would point at other records. Each mock run joins a group of its own.
+        let group = if mock.is_some() {
+            format!("{group}-mock-{}", uuid::Uuid::now_v7())
+        } else {
+            group.to_owned()
+        };
         Ok(Self {
             brokers,
-            group: group.to_owned(),
+            group,
             args: args.clone(),
             concurrency,
             _mock: mock,
