@@ -222,6 +222,10 @@ pub struct WorkerError {
 ///   that have not started, lets running ones finish (commit, then ack) for up to the
 ///   [drain timeout](Self::drain_timeout), then drops the rest unsettled (their transactions roll
 ///   back; the broker redelivers them), calls [`Source::close`] and returns.
+/// * **Source failure**: the worker stops fetching and lets running and queued deliveries finish,
+///   also for up to the drain timeout from the failure (a settlement on a connection that just
+///   died may never answer), then drops the rest unsettled as on shutdown and returns the error.
+///   [`Source::close`] gets the drain timeout too; past it, `run` returns a `close` error.
 #[derive(Debug)]
 pub struct Worker<DB: InboxDatabase> {
     dispatcher: Arc<Dispatcher<DB>>,
@@ -412,7 +416,8 @@ impl<DB: InboxDatabase> Worker<DB> {
         self
     }
 
-    /// On shutdown, how long running deliveries may take to finish before they are abandoned.
+    /// On shutdown, or after the source failed, how long running deliveries may take to finish
+    /// before they are abandoned unsettled (default 30 s).
     pub fn drain_timeout(mut self, timeout: Duration) -> Self {
         self.drain_timeout = timeout;
         self
@@ -434,8 +439,8 @@ impl<DB: InboxDatabase> Worker<DB> {
     /// cancelled, or the source fails; then closes the source.
     ///
     /// # Errors
-    /// [`WorkerError`] if fetching from the source failed (in-flight work is finished first), or
-    /// closing it did.
+    /// [`WorkerError`] if fetching from the source failed (in-flight work is finished first, for
+    /// up to the [drain timeout](Self::drain_timeout)), or closing it did.
     pub async fn run<S: Source>(
         &self,
         mut source: S,
@@ -466,6 +471,9 @@ impl<DB: InboxDatabase> Worker<DB> {
         let mut stop: Option<StopReason> = None;
         let mut failure: Option<SourceError> = None;
         let mut drain_deadline: Option<Instant> = None;
+        // After a source failure: when running deliveries are abandoned (shutdown's deadline, if
+        // earlier, wins).
+        let mut failed_deadline: Option<Instant> = None;
         let mut last_activity = Instant::now();
         let far = Duration::from_secs(86_400 * 365);
         // The parked-message sweep runs beside the loop and stops with it.
@@ -513,6 +521,10 @@ impl<DB: InboxDatabase> Worker<DB> {
                 .min()
                 .map(|wait| later(Instant::now(), wait));
             let can_fetch = stop.is_none() && in_flight < self.concurrency;
+            let abandon_at = match (drain_deadline, failed_deadline) {
+                (Some(drain), Some(failed)) => Some(drain.min(failed)),
+                (drain, failed) => drain.or(failed),
+            };
             let idle_at = match (self.idle, stop, in_flight) {
                 (Some(idle), None, 0) => later(last_activity, idle),
                 _ => last_activity + far,
@@ -542,8 +554,8 @@ impl<DB: InboxDatabase> Worker<DB> {
                         "shutdown: no more fetching; finishing running deliveries"
                     );
                 }
-                () = tokio::time::sleep_until(drain_deadline.unwrap_or(last_activity + far)),
-                    if drain_deadline.is_some() =>
+                () = tokio::time::sleep_until(abandon_at.unwrap_or(last_activity + far)),
+                    if abandon_at.is_some() =>
                 {
                     tracing::warn!(
                         source = source.name(),
@@ -625,6 +637,7 @@ impl<DB: InboxDatabase> Worker<DB> {
                             tracing::error!(source = source.name(), %error, "source failed; finishing in-flight deliveries");
                             stop = Some(StopReason::SourceFailed);
                             failure = Some(error);
+                            failed_deadline = Some(later(Instant::now(), self.drain_timeout));
                         }
                     }
                 }
@@ -654,7 +667,15 @@ impl<DB: InboxDatabase> Worker<DB> {
             }
         }
         report.stop = stop.unwrap_or(StopReason::Shutdown);
-        let closed = source.close().await;
+        // A close on a connection that just died may never answer: bounded like the drain.
+        let closed = match tokio::time::timeout(self.drain_timeout, source.close()).await {
+            Ok(closed) => closed,
+            Err(_) => Err(SourceError::new(
+                source.name(),
+                "close",
+                format!("no answer within {} ms", self.drain_timeout.as_millis()),
+            )),
+        };
         match (failure, closed) {
             (Some(error), _) | (None, Err(error)) => {
                 report.stop = StopReason::SourceFailed;
