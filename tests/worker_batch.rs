@@ -1109,3 +1109,33 @@ async fn shutdown_after_the_source_failed_still_drains_with_its_timeout() {
     );
     assert_eq!(effects(&pool).await.len(), 0);
 }
+
+/// The source failed and no shutdown comes: a running delivery still gets the drain timeout from
+/// the failure (a settlement on a connection that just died may never answer; the first version
+/// waited for it forever), then the run returns the failure with that delivery abandoned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn source_failure_alone_drains_with_its_timeout() {
+    let pool = pool(4).await;
+    let inner = MemorySource::new("mem");
+    let handle = inner.handle();
+    handle.push(pay_sleep("stuck-a", 1, "", 20_000));
+    let worker = Worker::new(dispatcher(&pool))
+        .concurrency(4)
+        .drain_timeout(Duration::from_millis(300));
+    let error = tokio::time::timeout(
+        Duration::from_secs(10),
+        worker.run(FailingAfter { inner, left: 1 }, CancellationToken::new()),
+    )
+    .await
+    .expect("the drain timeout after the failure ends the run")
+    .unwrap_err();
+    assert_eq!(error.report.stop, StopReason::SourceFailed);
+    assert_eq!(
+        (error.report.acked, error.report.abandoned),
+        (0, 1),
+        "{:?}",
+        error.report
+    );
+    assert_eq!(handle.abandoned().len(), 1);
+    assert_eq!(effects(&pool).await.len(), 0);
+}
