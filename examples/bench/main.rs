@@ -1744,8 +1744,13 @@ fn cpu_section(out: &mut Out, p: &Profile) {
     out.table(&["work", "µs per message", "paid by"], &rows);
 }
 
-async fn sqlite_section(out: &mut Out, p: &Profile, dups: &Arc<DupSet>) -> Result<(), BoxError> {
-    let dir = std::env::temp_dir().join(format!("inbox-bench-sqlite-{}", std::process::id()));
+/// A fresh SQLite file for a section (WAL, synchronous=FULL) in its own temporary directory, set
+/// up with the bench's tables: the directory (remove it when done), the options to open more
+/// pools with, and a one-connection pool for more set-up.
+async fn sqlite_bench_db(
+    section: &str,
+) -> Result<(PathBuf, SqliteConnectOptions, SqlitePool), BoxError> {
+    let dir = std::env::temp_dir().join(format!("inbox-bench-{section}-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let opts = SqliteConnectOptions::new()
         .filename(dir.join("bench.db"))
@@ -1758,6 +1763,63 @@ async fn sqlite_section(out: &mut Out, p: &Profile, dups: &Arc<DupSet>) -> Resul
         .connect_with(opts.clone())
         .await?;
     paths::setup_sqlite(&setup).await?;
+    Ok((dir, opts, setup))
+}
+
+/// `p.rounds` rounds of every kind at `workers` on SQLite, the kinds' order rotated each round
+/// (a fresh pool per measurement); `what` prefixes the progress lines.
+async fn sqlite_rounds(
+    opts: &SqliteConnectOptions,
+    kinds: &[Kind],
+    workers: usize,
+    p: &Profile,
+    dups: &Arc<DupSet>,
+    cpu: &CpuProbe,
+    what: &str,
+) -> Result<HashMap<Kind, Acc>, BoxError> {
+    let mut acc: HashMap<Kind, Acc> = HashMap::new();
+    for round in 0..p.rounds {
+        let mut order = kinds.to_vec();
+        order.rotate_left(round % kinds.len());
+        for kind in order {
+            progress(format!(
+                "{what}, {workers} workers, round {}: {}",
+                round + 1,
+                kind.label()
+            ));
+            let pool = SqlitePoolOptions::new()
+                .max_connections(workers as u32)
+                .min_connections(workers as u32)
+                .acquire_timeout(Duration::from_secs(60))
+                .connect_with(opts.clone())
+                .await?;
+            let ops = sqlite_ops(&pool, kind, workers, dups).await?;
+            let sample = run_ops(ops, p.warmup, p.duration, cpu, &|| {}).await;
+            pool.close().await;
+            acc.entry(kind).or_default().add(Measured {
+                sample,
+                wal: None,
+                claim: None,
+            });
+        }
+    }
+    Ok(acc)
+}
+
+/// A table row's label, with the errors of its runs (if any) and the first one.
+fn with_errors(mut label: String, a: &Acc) -> String {
+    if a.errors > 0 {
+        label.push_str(&format!(
+            " (**{} errors**: {})",
+            a.errors,
+            a.first_error.as_deref().unwrap_or("?")
+        ));
+    }
+    label
+}
+
+async fn sqlite_section(out: &mut Out, p: &Profile, dups: &Arc<DupSet>) -> Result<(), BoxError> {
+    let (dir, opts, setup) = sqlite_bench_db("sqlite").await?;
     paths::insert_processed_sqlite(&setup, dups).await?;
     let (version,): (String,) = sqlx::query_as("SELECT sqlite_version()")
         .fetch_one(&setup)
@@ -1775,46 +1837,13 @@ async fn sqlite_section(out: &mut Out, p: &Profile, dups: &Arc<DupSet>) -> Resul
     let cpu = CpuProbe::default();
     let mut rows = Vec::new();
     for &workers in &p.sqlite_workers {
-        let mut acc: HashMap<Kind, Acc> = HashMap::new();
-        for round in 0..p.rounds {
-            let mut order = kinds.to_vec();
-            order.rotate_left(round % kinds.len());
-            for kind in order {
-                progress(format!(
-                    "SQLite, {workers} workers, round {}: {}",
-                    round + 1,
-                    kind.label()
-                ));
-                let pool = SqlitePoolOptions::new()
-                    .max_connections(workers as u32)
-                    .min_connections(workers as u32)
-                    .acquire_timeout(Duration::from_secs(60))
-                    .connect_with(opts.clone())
-                    .await?;
-                let ops = sqlite_ops(&pool, kind, workers, dups).await?;
-                let sample = run_ops(ops, p.warmup, p.duration, &cpu, &|| {}).await;
-                pool.close().await;
-                acc.entry(kind).or_default().add(Measured {
-                    sample,
-                    wal: None,
-                    claim: None,
-                });
-            }
-        }
+        let acc = sqlite_rounds(&opts, &kinds, workers, p, dups, &cpu, "SQLite").await?;
         let bare = acc.get(&Kind::Bare).map(Acc::rate);
         let direct = acc.get(&Kind::Direct).map(Acc::rate);
         for kind in kinds {
             let Some(a) = acc.get(&kind) else { continue };
-            let mut label = kind.label();
-            if a.errors > 0 {
-                label.push_str(&format!(
-                    " (**{} errors**: {})",
-                    a.errors,
-                    a.first_error.as_deref().unwrap_or("?")
-                ));
-            }
             rows.push(vec![
-                label,
+                with_errors(kind.label(), a),
                 workers.to_string(),
                 format!("{:.0}", a.rate()),
                 ms(&a.hist, 0.5),
@@ -2276,19 +2305,7 @@ async fn outbox_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), B
 
 /// The outbox publish's cost on SQLite: the handler with and without it, side by side.
 async fn outbox_sqlite(out: &mut Out, p: &Profile) -> Result<(), BoxError> {
-    let dir = std::env::temp_dir().join(format!("inbox-bench-outbox-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let opts = SqliteConnectOptions::new()
-        .filename(dir.join("bench.db"))
-        .create_if_missing(true)
-        .journal_mode(SqliteJournalMode::Wal)
-        .synchronous(SqliteSynchronous::Full)
-        .busy_timeout(Duration::from_secs(60));
-    let setup = SqlitePoolOptions::new()
-        .max_connections(1)
-        .connect_with(opts.clone())
-        .await?;
-    paths::setup_sqlite(&setup).await?;
+    let (dir, opts, setup) = sqlite_bench_db("outbox").await?;
     inbox_runtime::migrate_components(&setup, &[inbox_runtime::Component::Outbox]).await?;
     setup.close().await;
     let kinds = [Kind::Direct, Kind::DirectOutbox];
@@ -2296,45 +2313,13 @@ async fn outbox_sqlite(out: &mut Out, p: &Profile) -> Result<(), BoxError> {
     let cpu = CpuProbe::default();
     let mut rows = Vec::new();
     for &workers in &p.sqlite_workers {
-        let mut acc: HashMap<Kind, Acc> = HashMap::new();
-        for round in 0..p.rounds {
-            let mut order = kinds.to_vec();
-            order.rotate_left(round % kinds.len());
-            for kind in order {
-                progress(format!(
-                    "outbox, SQLite, {workers} workers, round {}: {}",
-                    round + 1,
-                    kind.label()
-                ));
-                let pool = SqlitePoolOptions::new()
-                    .max_connections(workers as u32)
-                    .min_connections(workers as u32)
-                    .acquire_timeout(Duration::from_secs(60))
-                    .connect_with(opts.clone())
-                    .await?;
-                let ops = sqlite_ops(&pool, kind, workers, &dups).await?;
-                let sample = run_ops(ops, p.warmup, p.duration, &cpu, &|| {}).await;
-                pool.close().await;
-                acc.entry(kind).or_default().add(Measured {
-                    sample,
-                    wal: None,
-                    claim: None,
-                });
-            }
-        }
+        let acc = sqlite_rounds(&opts, &kinds, workers, p, &dups, &cpu, "outbox, SQLite").await?;
         let without = acc.get(&Kind::Direct).map(Acc::rate);
         for kind in kinds {
             let Some(a) = acc.get(&kind) else { continue };
-            let mut label = kind.label().replace(" (NOTIFY on, the default)", "");
-            if a.errors > 0 {
-                label.push_str(&format!(
-                    " (**{} errors**: {})",
-                    a.errors,
-                    a.first_error.as_deref().unwrap_or("?")
-                ));
-            }
+            let label = kind.label().replace(" (NOTIFY on, the default)", "");
             rows.push(vec![
-                label,
+                with_errors(label, a),
                 workers.to_string(),
                 format!("{:.0}", a.rate()),
                 ms(&a.hist, 0.5),

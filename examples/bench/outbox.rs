@@ -210,6 +210,43 @@ impl Run {
     }
 }
 
+/// A timed task of a run: its latencies, how many rounds or batches it did, and when it ended.
+type Timing = Result<(Histogram<u64>, u64, Instant), BoxError>;
+
+/// Opens `go` to the tasks waiting on it and joins them: their histograms merged, their counts
+/// summed, the time from the opening to the last task's end, and the machine's CPU meanwhile; the
+/// first task's error if any failed (after every task ended).
+async fn start_and_join(
+    go: &Barrier,
+    tasks: Vec<tokio::task::JoinHandle<Timing>>,
+    cpu: &CpuProbe,
+) -> Result<(Histogram<u64>, u64, Duration, CpuDelta), BoxError> {
+    go.wait().await;
+    let start = Instant::now();
+    let before = cpu.snapshot();
+    let mut merged = histogram();
+    let mut count = 0;
+    let mut end = start;
+    let mut first_error = None;
+    for task in tasks {
+        match task.await? {
+            Ok((hist, n, done)) => {
+                merged.add(&hist).expect("same bounds");
+                count += n;
+                end = end.max(done);
+            }
+            Err(error) => {
+                first_error.get_or_insert(error);
+            }
+        }
+    }
+    let cpu = cpu.snapshot().since(&before);
+    match first_error {
+        Some(error) => Err(error),
+        None => Ok((merged, count, end - start, cpu)),
+    }
+}
+
 /// Empties the outbox and writes `rows` pending rows to [`EVENTS`] in one transaction, as
 /// `Outbox::publish` writes them (JSON payloads of `Credited`'s shape, about 90 bytes; message
 /// id a UUID; no headers), spread over `rows / 5` aggregates (at least 1,000) in turn, so that
@@ -301,29 +338,7 @@ pub(crate) async fn relay(
             outcome.map(|()| (round, rounds, Instant::now()))
         }));
     }
-    go.wait().await;
-    let start = Instant::now();
-    let before = cpu.snapshot();
-    let mut round = histogram();
-    let mut batches = 0;
-    let mut end = start;
-    let mut first_error = None;
-    for task in tasks {
-        match task.await? {
-            Ok((hist, rounds, done)) => {
-                round.add(&hist).expect("same bounds");
-                batches += rounds;
-                end = end.max(done);
-            }
-            Err(error) => {
-                first_error.get_or_insert(error);
-            }
-        }
-    }
-    let cpu = cpu.snapshot().since(&before);
-    if let Some(error) = first_error {
-        return Err(error);
-    }
+    let (round, batches, elapsed, cpu) = start_and_join(&go, tasks, cpu).await?;
     let mut sink = histogram();
     for s in &sinks {
         sink.add(s.hist()).expect("same bounds");
@@ -343,7 +358,7 @@ pub(crate) async fn relay(
     }
     Ok(Run {
         rows,
-        elapsed: end - start,
+        elapsed,
         round: Some(round),
         sink,
         batches,
@@ -400,36 +415,14 @@ pub(crate) async fn raw(
             Ok::<_, BoxError>((sink.hist(), count, Instant::now()))
         }));
     }
-    go.wait().await;
-    let start = Instant::now();
-    let before = cpu.snapshot();
-    let mut sink = histogram();
-    let mut count = 0;
-    let mut end = start;
-    let mut first_error = None;
-    for task in tasks {
-        match task.await? {
-            Ok((hist, n, done)) => {
-                sink.add(&hist).expect("same bounds");
-                count += n;
-                end = end.max(done);
-            }
-            Err(error) => {
-                first_error.get_or_insert(error);
-            }
-        }
-    }
-    let cpu = cpu.snapshot().since(&before);
-    if let Some(error) = first_error {
-        return Err(error);
-    }
+    let (sink, count, elapsed, cpu) = start_and_join(&go, tasks, cpu).await?;
     let stored = broker.stored().await?;
     if stored != rows {
         return Err(format!("{rows} published: {stored} stored by {}", broker.label()).into());
     }
     Ok(Run {
         rows,
-        elapsed: end - start,
+        elapsed,
         round: None,
         sink,
         batches: count,
