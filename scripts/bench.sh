@@ -43,16 +43,32 @@ trap stop_started EXIT
 
 args=("$@")
 given=${BENCH_DATABASE_URL:-}
-features=()
+# The sections asked for: every `--only A,B` (the option repeats) joined, empty for the default
+# set; and whether the harness only prints its help or version.
+only=
+help=
 previous=
 for arg in "$@"; do
-  case "$arg" in --database-url | --database-url=*) given=given ;; esac
-  case "$previous $arg" in
-    "--only "*kafka* | *" --only="*kafka*) features=(--features kafka) ;;
+  case "$arg" in
+    --database-url | --database-url=*) given=given ;;
+    --only=*) only="$only,${arg#--only=}" ;;
+    -h | --help | -V | --version) help=yes ;;
   esac
+  case "$previous" in --only) only="$only,$arg" ;; esac
   previous=$arg
 done
-if [ ${#features[@]} -gt 0 ]; then
+# Whether section $1 runs: named in an `--only`, or (with $2 = default) in the default set.
+runs() {
+  [ -z "$help" ] || return 1
+  case "$only," in
+    *",$1,"*) return 0 ;;
+    ",") [ "${2:-}" = default ] ;;
+    *) return 1 ;;
+  esac
+}
+features=()
+if runs kafka; then
+  features=(--features kafka)
   scripts/deps.sh
 fi
 
@@ -82,18 +98,7 @@ if [ -z "${REDIS_URL:-}" ]; then
 fi
 
 # The outbox section's brokers: only when that section runs and no broker URL is given.
-outbox=yes
-previous=
-for arg in "$@"; do
-  only=
-  case "$previous" in --only) only=$arg ;; esac
-  case "$arg" in --only=*) only=${arg#--only=} ;; -h | --help | -V | --version) outbox= ;; esac
-  if [ -n "$only" ]; then
-    case ",$only," in *,outbox,*) outbox=yes ;; *) outbox= ;; esac
-  fi
-  previous=$arg
-done
-if [ -n "$outbox" ] && [ -z "${AMQP_URL:-}${NATS_URL:-}" ]; then
+if runs outbox default && [ -z "${AMQP_URL:-}${NATS_URL:-}" ]; then
   export INBOX_BROKERS_DIR=${INBOX_BENCH_BROKERS_DIR:-/tmp/inbox-bench-brokers}
   export INBOX_AMQP_PORT=${INBOX_BENCH_AMQP_PORT:-5673}
   export INBOX_NATS_PORT=${INBOX_BENCH_NATS_PORT:-4223}
