@@ -32,6 +32,7 @@ async fn file_mode() {
     the_sample_twice_prints_the_readme_summaries();
     a_failed_line_is_counted_and_the_stream_goes_on().await;
     the_dedupe_caches_change_no_summary();
+    kafka_without_the_feature_is_refused();
 }
 
 /// Runs `ledger ARGS` on the SQLite file `db`; its exit status, stdout and stderr.
@@ -217,4 +218,27 @@ async fn a_failed_line_is_counted_and_the_stream_goes_on() {
         "not a message envelope: expected ident at line 1 column 2"
     );
     conn.close().await.unwrap();
+}
+
+/// The default build has no Kafka client: a `kafka://` URL, to consume from or to publish to, is
+/// refused with status 2 and an error that names the examples feature to build with.
+fn kafka_without_the_feature_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("ledger.db");
+    for (name, args) in [
+        ("kafka-source", &["--source", "kafka://127.0.0.1:1"][..]),
+        (
+            "kafka-publish",
+            &["publish", "--to", "kafka://127.0.0.1:1"][..],
+        ),
+    ] {
+        let (status, stdout, stderr) = run(args, &db, dir.path(), name);
+        assert_eq!(status.code(), Some(2), "{name}: {stdout}\n{stderr}");
+        assert!(
+            stderr.contains(
+                "ledger: `kafka://127.0.0.1:1`: Kafka needs the examples feature `kafka`"
+            ),
+            "{name}: {stderr}"
+        );
+    }
 }
