@@ -93,7 +93,9 @@ if [ -z "${REDIS_URL:-}" ]; then
   export INBOX_REDIS_DIR=${INBOX_BENCH_REDIS_DIR:-/tmp/inbox-bench-redis}
   export INBOX_REDIS_PORT=${INBOX_BENCH_REDIS_PORT:-6390}
   started+=(redis)
-  eval "$(scripts/redis.sh start)"
+  # Not `eval "$(…)"`: that would hide a failed start (eval of nothing succeeds).
+  exports=$(scripts/redis.sh start)
+  eval "$exports"
   export REDIS_URL
 fi
 
@@ -103,7 +105,8 @@ if runs outbox default && [ -z "${AMQP_URL:-}${NATS_URL:-}" ]; then
   export INBOX_AMQP_PORT=${INBOX_BENCH_AMQP_PORT:-5673}
   export INBOX_NATS_PORT=${INBOX_BENCH_NATS_PORT:-4223}
   started+=(brokers)
-  eval "$(scripts/brokers.sh start)"
+  exports=$(scripts/brokers.sh start)
+  eval "$exports"
   export AMQP_URL NATS_URL
   echo "bench.sh: throwaway RabbitMQ at $AMQP_URL, NATS at $NATS_URL" >&2
 fi

@@ -5,7 +5,7 @@
 #   scripts/brokers.sh start   # install if missing, start both, wait until they answer, print
 #                              #   export AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f
 #                              #   export NATS_URL=nats://127.0.0.1:4222
-#                              # (use as: eval "$(scripts/brokers.sh start)")
+#                              # (use as: exports=$(scripts/brokers.sh start) && eval "$exports")
 #   scripts/brokers.sh stop    # stop both and delete their data directories
 #   scripts/brokers.sh urls    # print the two export lines
 #   scripts/brokers.sh rabbitmqctl ARGS…   # run rabbitmqctl against the test node

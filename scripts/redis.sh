@@ -3,7 +3,7 @@
 #
 #   scripts/redis.sh start   # install if missing, start, wait until it answers, print
 #                            #   export REDIS_URL=redis://127.0.0.1:6389/
-#                            # (use as: eval "$(scripts/redis.sh start)")
+#                            # (use as: exports=$(scripts/redis.sh start) && eval "$exports")
 #   scripts/redis.sh stop    # stop it and delete its directory
 #   scripts/redis.sh install # only install Debian's redis-server if it is missing
 #

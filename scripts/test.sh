@@ -107,9 +107,12 @@ scripts/deps.sh
 DATABASE_URL=$(scripts/pg.sh start)
 export DATABASE_URL
 echo "test.sh: PostgreSQL at $DATABASE_URL"
-eval "$(scripts/brokers.sh start)"
+# Not `eval "$(…)"`: that would hide a failed start (eval of nothing succeeds).
+exports=$(scripts/brokers.sh start)
+eval "$exports"
 echo "test.sh: RabbitMQ at $AMQP_URL, NATS at $NATS_URL"
-eval "$(scripts/redis.sh start)"
+exports=$(scripts/redis.sh start)
+eval "$exports"
 echo "test.sh: Redis at $REDIS_URL"
 
 # Runs `cargo ARGS` with the tests' temp dir, its output shown and appended to $LOG; returns its
