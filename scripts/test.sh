@@ -67,7 +67,7 @@ cleanup() {
   local status=$? pids files
   trap - EXIT INT TERM HUP
   set +e
-  for pidfile in "$WORK/cargo.pid" "$WORK/ui.pid"; do
+  for pidfile in "$WORK/cargo.pid" "$WORK/ui.pid" "$WORK/alongside.pid"; do
     if [ -f "$pidfile" ]; then
       stop_tree "$(cat "$pidfile")"
     fi
@@ -146,6 +146,57 @@ for arg in "$@"; do
       ;;
   esac
 done
+# Builds the demos the tests run (`cargo build --workspace --examples`, a no-op after the test
+# build, and the ledger with the examples feature `kafka`), copies them to $WORK/examples under the
+# names tests/ledger_support.rs asks for, and exports INBOX_TEST_EXAMPLES_DIR: the tests then run
+# those copies and never call cargo, so nothing they do waits for the build directory's lock.
+prebuild_examples() {
+  local dir=$WORK/examples json
+  mkdir -p "$dir"
+  json=$WORK/examples.json
+  # Each compiler-artifact line of an example: "NAME EXECUTABLE".
+  example_artifacts() {
+    grep '"reason":"compiler-artifact"' "$json" | grep '"kind":\["example"\]' |
+      sed -n 's/.*"target":{[^}]*"name":"\([^"]*\)".*"executable":"\([^"]*\)".*/\1 \2/p'
+  }
+  # Not through run_cargo: its output (JSON here) would go to the log.
+  TMPDIR=$WORK/tmp cargo build --workspace --examples --message-format=json-render-diagnostics \
+    >"$json" || return 1
+  example_artifacts | while read -r name executable; do cp "$executable" "$dir/$name"; done
+  TMPDIR=$WORK/tmp cargo build --workspace --example ledger --features inbox-examples/kafka \
+    --message-format=json-render-diagnostics >"$json" || return 1
+  example_artifacts | while read -r name executable; do
+    [ "$name" = ledger ] && cp "$executable" "$dir/ledger-kafka"
+  done
+  [ -x "$dir/ledger" ] && [ -x "$dir/ledger-kafka" ] || {
+    echo "test.sh: cargo named no ledger executable" >&2
+    return 1
+  }
+  export INBOX_TEST_EXAMPLES_DIR=$dir
+}
+
+# INBOX_TEST_ALONGSIDE (CI sets it to the lints): a shell command run at the lowest priority beside
+# the tests, once the first test binary runs (cargo has released the build directory's lock by
+# then, and the tests mostly wait on servers and killed demos). Its output is shown at the end; its
+# failure fails the run.
+start_alongside() {
+  [ -n "${INBOX_TEST_ALONGSIDE:-}" ] || return 0
+  (
+    until grep -q '^ *Running ' "$LOG" 2>/dev/null || [ -e "$WORK/tests-ended" ]; do sleep 1; done
+    exec nice -n 19 bash -c "$INBOX_TEST_ALONGSIDE"
+  ) >"$WORK/alongside.log" 2>&1 &
+  echo $! >"$WORK/alongside.pid"
+}
+alongside_status=0
+finish_alongside() {
+  [ -f "$WORK/alongside.pid" ] || return 0
+  touch "$WORK/tests-ended"
+  echo "test.sh: waiting for the command run beside the tests (INBOX_TEST_ALONGSIDE)"
+  wait "$(cat "$WORK/alongside.pid")" || alongside_status=1
+  rm -f "$WORK/alongside.pid"
+  cat "$WORK/alongside.log"
+}
+
 status=0
 if [ $# -eq 0 ]; then
   # The whole suite. The UI tests (trybuild: about 4 minutes of compiling, no server touched) run
@@ -154,10 +205,12 @@ if [ $# -eq 0 ]; then
   # output to the log. `--exclude` of the UI package changes no feature of the others (it
   # enables none of its own), so nothing is built twice.
   run_cargo test --workspace --all-targets --no-run || status=1
+  [ "$status" -eq 0 ] && { prebuild_examples || status=1; }
   if [ "$status" -eq 0 ]; then
     # At the lowest priority: the tests running meanwhile wait on servers and killed demos.
     (TMPDIR=$WORK/tmp exec nice -n 19 cargo test --workspace --test ui --no-fail-fast >"$WORK/ui.log" 2>&1) &
     echo $! >"$WORK/ui.pid"
+    start_alongside
     run_cargo test --workspace --all-targets --exclude inbox-macro-ui --no-fail-fast || status=1
     echo "test.sh: waiting for the UI tests (tests/macro-ui), run beside the others"
     wait "$(cat "$WORK/ui.pid")" || status=1
@@ -165,12 +218,15 @@ if [ $# -eq 0 ]; then
     tee -a "$LOG" <"$WORK/ui.log"
   fi
 else
+  start_alongside
   run_cargo test "${scope[@]}" "${targets[@]}" --no-fail-fast "$@" || status=1
 fi
 # The doctests: not part of --all-targets.
 if [ -n "$doctests" ]; then
   run_cargo test "${scope[@]}" --doc --no-fail-fast "$@" || status=1
 fi
+
+finish_alongside
 
 # The summary, from cargo's output: the binary each `Running`/`Doc-tests` line starts, its
 # `test … FAILED` lines, its `test result:` line (a binary without one crashed).
@@ -213,4 +269,8 @@ sed 's/\x1b\[[0-9;]*[A-Za-z]//g' "$LOG" | awk -v status="$status" -v elapsed=$((
     printf "test.sh: %d passed, %d failed, %d ignored (%d test binaries, %d doctest runs; %dm %02ds)\n", \
       passed, failed, ignored, bins, docs, elapsed / 60, elapsed % 60
   }'
+if [ "$alongside_status" -ne 0 ]; then
+  echo "test.sh: the command run beside the tests (INBOX_TEST_ALONGSIDE) failed: see its output above"
+  status=1
+fi
 exit "$status"

@@ -449,12 +449,20 @@ inbox_tests::backend_matrix! {
         let cluster = mock(3);
         let bootstrap = cluster.bootstrap_servers();
         cluster.create_topic("moving", 6, 1).unwrap();
+        // Known leaders (broker 2 leads partitions 1 and 4) and the group's coordinator on broker
+        // 1: the outage below stops exactly two partitions, and the others can be checked to go on.
+        for part in 0..6 {
+            cluster.partition_leader("moving", part, Some(part % 3 + 1)).unwrap();
+        }
+        let group = "g-moving";
+        cluster.coordinator(rdkafka::mocking::MockCoordinator::Group(group.into()), 1).unwrap();
+        let on_broker_2 = |part: i32| part % 3 + 1 == 2;
         let producer = producer(&bootstrap);
         let per_partition = 60_i64;
         let mut expected_total = 0;
-        let mut produce_round = async |from: i64, to: i64| {
+        let mut produce_round = async |from: i64, to: i64, parts: &[i32]| {
             for seq in from..to {
-                for part in 0..6 {
+                for &part in parts {
                     let id = format!("m-{part}-{seq}");
                     let amount = 100 + seq * 7 + i64::from(part);
                     expected_total += amount;
@@ -462,10 +470,11 @@ inbox_tests::backend_matrix! {
                 }
             }
         };
-        let group = "g-moving";
+        let all_parts: Vec<i32> = (0..6).collect();
+        let (up_parts, down_parts): (Vec<i32>, Vec<i32>) = all_parts.iter().partition(|&&part| !on_broker_2(part));
         let (c1, _) = start(&pool, config(&bootstrap, group, "moving"), 6).await;
         let (c2, h2) = start(&pool, config(&bootstrap, group, "moving"), 6).await;
-        produce_round(0, 20).await;
+        produce_round(0, 20, &all_parts).await;
         wait_until("a third of the effects", Duration::from_secs(180), || async { effect_count(&pool).await >= 60 }).await;
 
         // A third consumer joins mid-stream; the coordinator refuses offset commits meanwhile.
@@ -474,19 +483,22 @@ inbox_tests::backend_matrix! {
             &[rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_REBALANCE_IN_PROGRESS; 8],
         );
         let (c3, h3) = start(&pool, config(&bootstrap, group, "moving"), 6).await;
-        produce_round(20, 40).await;
+        produce_round(20, 40, &all_parts).await;
         wait_until("two thirds of the effects", Duration::from_secs(180), || async { effect_count(&pool).await >= 200 }).await;
 
-        // A broker goes down and comes back; then the first consumer leaves.
+        // A broker goes down: the partitions it leads stop, the others go on (ten new records each,
+        // produced and applied during the outage). It comes back; then the first consumer leaves.
         cluster.broker_down(2).unwrap();
-        let before = effect_count(&pool).await;
-        wait_until("progress while broker 2 is down", Duration::from_secs(180), || async {
-            effect_count(&pool).await > before || before == 240
+        produce_round(40, 50, &up_parts).await;
+        wait_until("the other partitions' records while broker 2 is down", Duration::from_secs(180), || async {
+            let seen = seen(&pool).await;
+            up_parts.iter().all(|&part| seen.iter().filter(|&&(p, _)| p == part).count() == 50)
         })
         .await;
         cluster.broker_up(2).unwrap();
         let c1_report = c1.stop().await;
-        produce_round(40, per_partition).await;
+        produce_round(40, 50, &down_parts).await;
+        produce_round(50, per_partition, &all_parts).await;
         let until = Instant::now() + Duration::from_secs(300);
         while effect_count(&pool).await < 360 {
             if Instant::now() > until {

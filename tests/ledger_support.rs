@@ -72,7 +72,18 @@ fn build_example(name: &str) -> PathBuf {
 
 /// Builds the example `name` with the cargo arguments `extra` (features) and copies it to the
 /// [`scratch_dir`] as `copy_name`; its path there.
+///
+/// When `INBOX_TEST_EXAMPLES_DIR` names a directory holding `copy_name` (scripts/test.sh builds
+/// the demos once, before the tests, and puts them there), that copy is used and cargo is not
+/// run: the tests never wait for the build directory's lock (held meanwhile by the lints CI runs
+/// beside the tests). A directory without `copy_name` falls back to building it.
 fn build_example_with(name: &str, extra: &[&str], copy_name: &str) -> PathBuf {
+    if let Some(dir) = std::env::var_os("INBOX_TEST_EXAMPLES_DIR") {
+        let prebuilt = Path::new(&dir).join(copy_name);
+        if prebuilt.is_file() {
+            return prebuilt;
+        }
+    }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut command = Command::new(cargo);
     // Not the variables cargo set for this test: build scripts that watch one of them (ring

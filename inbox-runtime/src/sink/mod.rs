@@ -1,6 +1,6 @@
 //! Sinks: where the outbox [`Relay`](crate::outbox::Relay) sends messages. One trait, [`Sink`];
 //! [`MemorySink`] for tests and demos; one module per broker, each behind its cargo feature
-//! (`amqp`: [`amqp::AmqpSink`], RabbitMQ with publisher confirms; `nats`: [`nats::NatsSink`];
+//! (`amqp`: `amqp::AmqpSink`, RabbitMQ with publisher confirms; `nats`: `nats::NatsSink`;
 //! `kafka`: `kafka::KafkaSink`).
 //!
 //! Every [`OutgoingMessage`] carries its stable message id; a sink must send it where the
