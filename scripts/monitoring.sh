@@ -126,9 +126,10 @@ def panels(items):
         yield from panels(panel.get("panels", []))
 for panel in panels(dashboard["panels"]):
     where = f"dashboard panel {panel.get('title')!r}"
+    for item in [panel] + panel.get("targets", []):
+        if "datasource" in item and item["datasource"].get("uid") != "${DS_PROMETHEUS}":
+            errors.append(f"{where}: datasource {item['datasource']} is not ${{DS_PROMETHEUS}}")
     for target in panel.get("targets", []):
-        if target.get("datasource", panel.get("datasource", {})).get("uid") != "${DS_PROMETHEUS}":
-            errors.append(f"{where}: datasource is not ${{DS_PROMETHEUS}}")
         check_expr(where, target["expr"])
         exprs.append(target["expr"])
 for name, variable in variables.items():
@@ -171,17 +172,18 @@ with open(rules_out, "w") as out:
         out.write(f"      - record: dashboard_expr_{n}\n        expr: {json.dumps(expr)}\n")
 
 if errors:
+    errors = list(dict.fromkeys(errors))
     print("monitoring.sh: " + "\n  ".join(["problems:"] + errors), file=sys.stderr)
     sys.exit(1)
 print(f"monitoring.sh: dashboard: {len(exprs)} queries, {len(variables)} variables; rules: "
       f"{count} expressions; every metric and label is one inbox-runtime/src emits "
       f"({len(emitted)} metrics)")
 PYTHON
-  promtool check rules "$work/dashboard-rules.yml" >/dev/null || {
-    echo "monitoring.sh: a dashboard query does not parse (promtool above)" >&2
-    promtool check rules "$work/dashboard-rules.yml" >&2 || true
+  if ! promtool check rules "$work/dashboard-rules.yml" >/dev/null; then
+    echo "monitoring.sh: a dashboard query does not parse (promtool above; dashboard_expr_N is" \
+      "the dashboard's Nth query, from 0)" >&2
     return 1
-  }
+  fi
   echo "monitoring.sh: every dashboard query parses"
 }
 
