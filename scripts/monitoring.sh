@@ -23,7 +23,11 @@ DIR=examples/monitoring
 
 install_missing() {
   command -v promtool >/dev/null && return 0
-  echo "monitoring.sh: installing prometheus (for promtool)" >&2
+  echo "monitoring.sh: installing prometheus (for promtool) from Debian's packages" >&2
+  if [ "$(id -u)" != 0 ]; then
+    echo "monitoring.sh: not root: install it yourself (apt-get install prometheus)" >&2
+    return 1
+  fi
   export DEBIAN_FRONTEND=noninteractive
   apt-get -o DPkg::Lock::Timeout=300 update -qq >&2
   apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends prometheus >&2
