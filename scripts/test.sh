@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The test command: starts a throwaway PostgreSQL, RabbitMQ, NATS (JetStream) and Redis on loopback
-# (installing them from Debian's packages if needed), runs every test of the workspace against
-# them (and against SQLite), then stops them.
+# The test command: checks the shipped monitoring files (scripts/monitoring.sh), starts a throwaway
+# PostgreSQL, RabbitMQ, NATS (JetStream) and Redis on loopback (installing them from Debian's
+# packages if needed), runs every test of the workspace against them (and against SQLite), then
+# stops them.
 #
 #   scripts/test.sh [extra cargo test args]
 #
@@ -103,6 +104,9 @@ trap 'interrupted 129' HUP
 
 # The system packages the build needs (librdkafka's: cmake, zlib, OpenSSL, libcurl headers).
 scripts/deps.sh
+# The shipped alert rules and Grafana dashboard (examples/monitoring/): promtool's check and unit
+# tests, the dashboard's queries against the runtime's metrics. Seconds; a failure ends the run.
+scripts/monitoring.sh
 
 DATABASE_URL=$(scripts/pg.sh start)
 export DATABASE_URL
