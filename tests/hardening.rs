@@ -224,6 +224,10 @@ inbox_tests::backend_matrix! {
 
     #[tokio::test]
     async fn a_payload_that_is_not_utf8_or_not_json_as_a_whole_is_malformed_and_kept() {
+        // A real recorder, local to this (current-thread) test: `inbox_rejections_total`.
+        let recorder = metrics_util::debugging::DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let _local = metrics::set_default_local_recorder(&recorder);
         let (pool, _guard) = fixture().await;
         let dispatcher = Dispatcher::from_handlers(pool.clone(), [handler!(keep_blob)]).unwrap();
 
@@ -266,6 +270,24 @@ inbox_tests::backend_matrix! {
         assert_eq!(kept[0], bytes);
         assert_eq!(inbox_tests::effect(&pool, "blob:u1").await, None);
         assert_eq!(inbox_tests::effect(&pool, "blob:t1").await, None);
+        let counted: Vec<(String, Vec<String>, u64)> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter_map(|(key, _, _, value)| match value {
+                metrics_util::debugging::DebugValue::Counter(n) => Some((
+                    key.key().name().to_owned(),
+                    key.key().labels().map(|l| format!("{}={}", l.key(), l.value())).collect(),
+                    n,
+                )),
+                _ => None,
+            })
+            .filter(|(name, _, _)| name == "inbox_rejections_total")
+            .collect();
+        assert_eq!(
+            counted,
+            [("inbox_rejections_total".to_owned(), vec!["reason=malformed".to_owned()], 2)]
+        );
     }
 
     #[tokio::test]

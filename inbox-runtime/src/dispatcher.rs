@@ -686,6 +686,9 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             slot.discard_if_lost(&recorded);
         }
         slot.done();
+        if recorded.is_ok() {
+            metrics::counter!("inbox_rejections_total", "reason" => reason.as_str()).increment(1);
+        }
         recorded
     }
 
