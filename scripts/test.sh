@@ -6,9 +6,12 @@
 #
 #   scripts/test.sh [extra cargo test args]
 #
-# By default: `cargo test --workspace --all-targets` (the UI tests of tests/macro-ui run beside
-# the rest), then the doctests. Arguments that pick packages (-p, --exclude) or targets (--test
-# NAME, --lib, …) replace the defaults they stand for (targets picked: no doctest run), e.g.
+# By default: `cargo test --workspace --all-targets` (built while the servers start; the demos the
+# tests run are built once and handed to them, INBOX_TEST_EXAMPLES_DIR; the UI tests of
+# tests/macro-ui run beside the rest), then the doctests. INBOX_TEST_ALONGSIDE names a command
+# to run beside the tests (CI's lints), whose failure fails the run. Arguments that pick packages
+# (-p, --exclude) or targets (--test NAME, --lib, …) replace the defaults they stand for (targets
+# picked: no doctest run), e.g.
 # `scripts/test.sh --test amqp --test nats`; arguments after `--` go to the test binaries.
 # Prefer picking targets to picking packages: `-p` changes cargo's feature resolution, which
 # rebuilds the dependencies the workspace shares.
@@ -68,7 +71,7 @@ cleanup() {
   local status=$? pids files
   trap - EXIT INT TERM HUP
   set +e
-  for pidfile in "$WORK/cargo.pid" "$WORK/ui.pid" "$WORK/alongside.pid"; do
+  for pidfile in "$WORK/build.pid" "$WORK/cargo.pid" "$WORK/ui.pid" "$WORK/alongside.pid"; do
     if [ -f "$pidfile" ]; then
       stop_tree "$(cat "$pidfile")"
     fi
@@ -104,20 +107,6 @@ trap 'interrupted 129' HUP
 
 # The system packages the build needs (librdkafka's: cmake, zlib, OpenSSL, libcurl headers).
 scripts/deps.sh
-# The shipped alert rules and Grafana dashboard (examples/monitoring/): promtool's check and unit
-# tests, the dashboard's queries against the runtime's metrics. Seconds; a failure ends the run.
-scripts/monitoring.sh
-
-DATABASE_URL=$(scripts/pg.sh start)
-export DATABASE_URL
-echo "test.sh: PostgreSQL at $DATABASE_URL"
-# Not `eval "$(…)"`: that would hide a failed start (eval of nothing succeeds).
-exports=$(scripts/brokers.sh start)
-eval "$exports"
-echo "test.sh: RabbitMQ at $AMQP_URL, NATS at $NATS_URL"
-exports=$(scripts/redis.sh start)
-eval "$exports"
-echo "test.sh: Redis at $REDIS_URL"
 
 # Runs `cargo ARGS` with the tests' temp dir, its output shown and appended to $LOG; returns its
 # exit status. In the background, so that a signal reaches the traps above at once.
@@ -135,6 +124,28 @@ run_cargo() {
   rc=$(cat "$WORK/rc" 2>/dev/null || echo 1)
   return "$rc"
 }
+
+# The whole suite's build starts now, in the background, while the servers start: on a fresh
+# machine installing them is minutes of waiting on the package mirrors.
+if [ $# -eq 0 ]; then
+  run_cargo test --workspace --all-targets --no-run &
+  echo $! >"$WORK/build.pid"
+fi
+
+# The shipped alert rules and Grafana dashboard (examples/monitoring/): promtool's check and unit
+# tests, the dashboard's queries against the runtime's metrics. Seconds; a failure ends the run.
+scripts/monitoring.sh
+
+DATABASE_URL=$(scripts/pg.sh start)
+export DATABASE_URL
+echo "test.sh: PostgreSQL at $DATABASE_URL"
+# Not `eval "$(…)"`: that would hide a failed start (eval of nothing succeeds).
+exports=$(scripts/brokers.sh start)
+eval "$exports"
+echo "test.sh: RabbitMQ at $AMQP_URL, NATS at $NATS_URL"
+exports=$(scripts/redis.sh start)
+eval "$exports"
+echo "test.sh: Redis at $REDIS_URL"
 
 scope=(--workspace)
 targets=(--all-targets)
@@ -208,7 +219,9 @@ if [ $# -eq 0 ]; then
   # everything once, start the UI tests in the background, run the rest, then add the UI tests'
   # output to the log. `--exclude` of the UI package changes no feature of the others (it
   # enables none of its own), so nothing is built twice.
-  run_cargo test --workspace --all-targets --no-run || status=1
+  # The build started before the servers.
+  wait "$(cat "$WORK/build.pid")" || status=1
+  rm -f "$WORK/build.pid"
   [ "$status" -eq 0 ] && { prebuild_examples || status=1; }
   if [ "$status" -eq 0 ]; then
     # At the lowest priority: the tests running meanwhile wait on servers and killed demos.
