@@ -74,14 +74,18 @@ fn build_example(name: &str) -> PathBuf {
 /// [`scratch_dir`] as `copy_name`; its path there.
 ///
 /// When `INBOX_TEST_EXAMPLES_DIR` names a directory holding `copy_name` (scripts/test.sh builds
-/// the demos once, before the tests, and puts them there), that copy is used and cargo is not
+/// the demos once, before the tests, and puts them there), that file is copied and cargo is not
 /// run: the tests never wait for the build directory's lock (held meanwhile by the lints CI runs
 /// beside the tests). A directory without `copy_name` falls back to building it.
 fn build_example_with(name: &str, extra: &[&str], copy_name: &str) -> PathBuf {
+    let copy = scratch_dir().join(copy_name);
     if let Some(dir) = std::env::var_os("INBOX_TEST_EXAMPLES_DIR") {
         let prebuilt = Path::new(&dir).join(copy_name);
         if prebuilt.is_file() {
-            return prebuilt;
+            // Still a copy of this process's own: some tests delete theirs when done.
+            std::fs::copy(&prebuilt, &copy)
+                .unwrap_or_else(|e| panic!("copy the prebuilt {copy_name}: {e}"));
+            return copy;
         }
     }
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
@@ -134,7 +138,6 @@ fn build_example_with(name: &str, extra: &[&str], copy_name: &str) -> PathBuf {
         .unwrap_or_else(|| panic!("cargo reported the {name} executable"));
     // A private copy: the target directory may be shared with other checkouts, whose builds
     // of the same example would replace it under the running tests.
-    let copy = scratch_dir().join(copy_name);
     std::fs::copy(&built, &copy).unwrap_or_else(|e| panic!("copy the {name} executable: {e}"));
     copy
 }
