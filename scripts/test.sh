@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: starts a throwaway PostgreSQL, RabbitMQ, NATS (JetStream) and Redis on loopback
-# (installing them from Debian's packages if needed), runs every test of the workspace against
+# (installing them from Debian's packages if needed) and an SQS-compatible server (moto, from
+# PyPI if missing: scripts/sqs.sh), runs every test of the workspace against
 # them (and against SQLite), then stops them.
 #
 #   scripts/test.sh [extra cargo test args]
@@ -85,6 +86,7 @@ cleanup() {
     echo "test.sh: removing files the tests left behind in \$TMPDIR:" >&2
     echo "$files" | sed "s|^$WORK/tmp/|  |" >&2
   fi
+  scripts/sqs.sh stop
   scripts/redis.sh stop
   scripts/brokers.sh stop
   scripts/pg.sh stop
@@ -114,6 +116,9 @@ echo "test.sh: RabbitMQ at $AMQP_URL, NATS at $NATS_URL"
 exports=$(scripts/redis.sh start)
 eval "$exports"
 echo "test.sh: Redis at $REDIS_URL"
+exports=$(scripts/sqs.sh start)
+eval "$exports"
+echo "test.sh: SQS (moto) at $SQS_ENDPOINT"
 
 # Runs `cargo ARGS` with the tests' temp dir, its output shown and appended to $LOG; returns its
 # exit status. In the background, so that a signal reaches the traps above at once.
