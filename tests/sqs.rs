@@ -9,6 +9,9 @@
 
 #![allow(missing_docs)]
 
+#[path = "ledger_support.rs"]
+mod support;
+
 use std::collections::HashMap;
 use std::sync::Mutex as StdMutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -778,4 +781,198 @@ async fn deletes_and_visibility_changes_are_batched() {
             counts.delete_calls
         );
     }
+}
+
+/// A small stream for the ledger demo (moto slows down with deep queues): `events` payments over
+/// 10 accounts, every 10th line sent twice; written to `dir` with its `expected.json`.
+fn ledger_input(dir: &std::path::Path, events: u64) -> (std::path::PathBuf, std::path::PathBuf) {
+    let mut lines = String::new();
+    let mut balances = std::collections::BTreeMap::<String, i64>::new();
+    let mut duplicates = 0;
+    for i in 0..events {
+        let account = format!("acct-{:04}", i % 10);
+        let amount = (i as i64 * 37) % 5000 + 1;
+        let (name, signed) = if i % 4 == 3 {
+            ("payments.refunded", -amount)
+        } else {
+            ("payments.captured", amount)
+        };
+        *balances.entry(account.clone()).or_default() += signed;
+        let line = serde_json::json!({
+            "message": name,
+            "payload": {
+                "event_id": uuid::Uuid::from_u128(0x5157_0000_0000_0000_0000_0000_0000_0000 + u128::from(i)),
+                "account_id": account,
+                "amount_cents": amount,
+            }
+        })
+        .to_string();
+        lines.push_str(&line);
+        lines.push('\n');
+        if i % 10 == 0 {
+            lines.push_str(&line);
+            lines.push('\n');
+            duplicates += 1;
+        }
+    }
+    let input = dir.join(format!("sqs-ledger-{}.jsonl", std::process::id()));
+    let expected = dir.join(format!("sqs-ledger-{}.expected.json", std::process::id()));
+    std::fs::write(&input, lines).unwrap();
+    std::fs::write(
+        &expected,
+        serde_json::json!({
+            "processed": events,
+            "duplicates": duplicates,
+            "conflicts": 0,
+            "rejected": 0,
+            "balances": balances,
+        })
+        .to_string(),
+    )
+    .unwrap();
+    (input, expected)
+}
+
+/// The `sqs: … (N messages, M redelivered)` count M of a ledger run's output.
+fn redelivered(stdout: &str) -> i64 {
+    stdout
+        .lines()
+        .find(|line| line.starts_with("sqs: "))
+        .and_then(|line| {
+            let before = line.split(" redelivered").next()?;
+            before.rsplit(' ').next()?.parse().ok()
+        })
+        .unwrap_or_else(|| panic!("no sqs line in\n{stdout}"))
+}
+
+/// `ledger publish --to sqs://QUEUE` (the queue created) then `ledger --source sqs://QUEUE`:
+/// every event applied once, `balances=ok`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ledger_demo_publishes_to_and_consumes_from_sqs() {
+    let _serial = SERIAL.lock().await;
+    env("SQS_ENDPOINT");
+    let bin = support::ledger_sqs_bin();
+    let dir = support::scratch_dir();
+    let (input, expected) = ledger_input(dir, 200);
+    let queue = format!("sqs://ledger-demo-{}", std::process::id());
+    let db = dir.join(format!("sqs-ledger-{}.db", std::process::id()));
+    let _db_guard = TempFile(db.clone());
+    let database_url = format!("sqlite:{}?mode=rwc", db.display());
+    let log = support::log_file("sqs-ledger");
+    let published = support::run_program(
+        bin,
+        &["publish", "--to", &queue, input.to_str().unwrap()],
+        &database_url,
+        &log,
+    );
+    assert!(published.contains("published 220 messages"), "{published}");
+    let stdout = support::run_program(
+        bin,
+        &[
+            "--source",
+            &queue,
+            "--expected",
+            expected.to_str().unwrap(),
+            "--ack-wait",
+            "5",
+            "--idle-exit",
+            "3",
+        ],
+        &database_url,
+        &log,
+    );
+    let summary = support::summary(&stdout);
+    assert_eq!(summary["balances"], "ok", "{stdout}");
+    assert_eq!(
+        (
+            summary["processed"].as_str(),
+            summary["duplicates"].as_str()
+        ),
+        ("200", "20")
+    );
+    eprintln!(
+        "{}",
+        stdout.lines().find(|l| l.starts_with("sqs: ")).unwrap()
+    );
+    let _ = std::fs::remove_file(input);
+    let _ = std::fs::remove_file(expected);
+}
+
+/// The demo consuming from SQS is SIGKILLed 10 times at random (seeded) moments and restarted,
+/// then runs to the end: balances exact, the queue empty. The messages a kill left received and
+/// not deleted (in flight, as the queue counts them just after it) are received again after the
+/// visibility timeout (2 s): the last run counts them as redeliveries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ledger_demo_on_sqs_survives_sigkills() {
+    use rand::{Rng as _, SeedableRng as _};
+    let _serial = SERIAL.lock().await;
+    let client = client().await;
+    let bin = support::ledger_sqs_bin();
+    let dir = support::scratch_dir();
+    let (input, expected) = ledger_input(dir, 400);
+    let name = format!("ledger-kills-{}", std::process::id());
+    let queue = format!("sqs://{name}");
+    let db = dir.join(format!("sqs-kills-{}.db", std::process::id()));
+    let _db_guard = TempFile(db.clone());
+    let database_url = format!("sqlite:{}?mode=rwc", db.display());
+    let log = support::log_file("sqs-kills");
+    support::run_program(
+        bin,
+        &["publish", "--to", &queue, input.to_str().unwrap()],
+        &database_url,
+        &log,
+    );
+    let url = client
+        .get_queue_url()
+        .queue_name(&name)
+        .send()
+        .await
+        .unwrap()
+        .queue_url
+        .unwrap();
+    let consume = [
+        "--source",
+        queue.as_str(),
+        "--expected",
+        expected.to_str().unwrap(),
+        "--ack-wait",
+        "2",
+        "--idle-exit",
+        "4",
+        "--concurrency",
+        "8",
+    ];
+    let mut rng = rand::rngs::StdRng::seed_from_u64(14);
+    let mut in_flight_at_kills = Vec::new();
+    for _ in 0..10 {
+        let child = support::spawn_program(bin, &consume, &database_url, &log);
+        std::thread::sleep(Duration::from_millis(rng.random_range(300..1500)));
+        drop(child); // SIGKILL, and reaped
+        in_flight_at_kills.push(queue_depth(&client, &url).await.1);
+    }
+    let child = support::spawn_program(bin, &consume, &database_url, &log);
+    let (status, stdout) = support::wait_ledger(child, &log, Duration::from_secs(300));
+    assert!(status.success(), "{stdout}\n{}", support::tail(&log));
+    let summary = support::summary(&stdout);
+    assert_eq!(summary["balances"], "ok", "{stdout}");
+    assert_eq!(
+        queue_depth(&client, &url).await,
+        (0, 0),
+        "every message deleted"
+    );
+    // Every message in flight at the last kill (its own and earlier kills' not yet visible
+    // again) is received again by the last run: a redelivery.
+    let last = *in_flight_at_kills.last().unwrap();
+    let redeliveries = redelivered(&stdout);
+    eprintln!(
+        "10 SIGKILLs: in flight just after each kill {in_flight_at_kills:?}; the last run: {}; {}",
+        stdout.lines().find(|l| l.starts_with("summary: ")).unwrap(),
+        stdout.lines().find(|l| l.starts_with("sqs: ")).unwrap()
+    );
+    assert!(
+        last > 0 && redeliveries >= last,
+        "{in_flight_at_kills:?}, {redeliveries}"
+    );
+    let _ = std::fs::remove_file(input);
+    let _ = std::fs::remove_file(expected);
 }

@@ -332,6 +332,7 @@ pub struct SqsStats(Arc<Counters>);
 struct Counters {
     receive_calls: AtomicU64,
     received: AtomicU64,
+    redelivered: AtomicU64,
     delete_calls: AtomicU64,
     deleted: AtomicU64,
     visibility_calls: AtomicU64,
@@ -347,6 +348,8 @@ pub struct SqsCounts {
     pub receive_calls: u64,
     /// Messages received.
     pub received: u64,
+    /// Of those, redeliveries (`ApproximateReceiveCount` > 1).
+    pub redelivered: u64,
     /// `DeleteMessageBatch` calls.
     pub delete_calls: u64,
     /// Entries sent in them.
@@ -367,6 +370,7 @@ impl SqsStats {
         SqsCounts {
             receive_calls: load(&c.receive_calls),
             received: load(&c.received),
+            redelivered: load(&c.redelivered),
             delete_calls: load(&c.delete_calls),
             deleted: load(&c.deleted),
             visibility_calls: load(&c.visibility_calls),
@@ -664,6 +668,9 @@ fn delivery(
         metadata = metadata.message_id(id.clone());
     }
     if let Some(count) = receive_count {
+        if count > 1 {
+            shared.stats.0.redelivered.fetch_add(1, Ordering::Relaxed);
+        }
         metadata = metadata.delivery_count(count).redelivered(count > 1);
     }
     if let Some(sent) =
