@@ -168,7 +168,7 @@ impl Classify for CreditError {
 
 /// How many times each id's handler body started.
 static STARTED: StdMutex<Option<HashMap<String, u32>>> = StdMutex::new(None);
-/// Ids whose handler sleeps this long.
+/// Ids starting with this prefix: their handler sleeps this long.
 static SLOW: StdMutex<Option<(String, Duration)>> = StdMutex::new(None);
 /// The id whose first attempt fails (retryable), and whether it has failed yet.
 static FAIL_ONCE: StdMutex<Option<String>> = StdMutex::new(None);
@@ -183,8 +183,8 @@ async fn apply_credit(conn: &mut sqlx::SqliteConnection, msg: Credit) -> Result<
         .entry(msg.id.clone())
         .or_default() += 1;
     let slow = SLOW.lock().unwrap().clone();
-    if let Some((id, pause)) = slow
-        && id == msg.id
+    if let Some((prefix, pause)) = slow
+        && msg.id.starts_with(&prefix)
     {
         tokio::time::sleep(pause).await;
     }
@@ -724,7 +724,10 @@ async fn deletes_and_visibility_changes_are_batched() {
     let _serial = SERIAL.lock().await;
     reset_hooks();
     let client = client().await;
-    for fifo in [false, true] {
+    // Standard, FIFO (10 groups), and standard with 100 received at once by a worker that runs
+    // one at a time, 30 ms each, under a 1 s visibility timeout: the waiting ones get heartbeats.
+    for (fifo, heartbeats) in [(false, false), (true, false), (false, true)] {
+        *SLOW.lock().unwrap() = heartbeats.then(|| ("c-".to_owned(), Duration::from_millis(30)));
         let (_, url) = queue(&client, "count", fifo, 30).await;
         let (pool, _guard) = pool().await;
         for chunk in 0..10 {
@@ -759,7 +762,11 @@ async fn deletes_and_visibility_changes_are_batched() {
                 .await
                 .unwrap();
         }
-        let running = Running::start(&pool, config(&url, 30), 16).await;
+        let running = if heartbeats {
+            Running::start(&pool, config(&url, 1).max_in_flight(100), 1).await
+        } else {
+            Running::start(&pool, config(&url, 30), 16).await
+        };
         wait_until("100 applied", Duration::from_secs(60), || async {
             seen(&pool).await.len() == 100
         })
@@ -772,9 +779,20 @@ async fn deletes_and_visibility_changes_are_batched() {
         assert_eq!(report.processed, 100);
         assert_eq!(counts.deleted, 100);
         eprintln!(
-            "{} queue, 100 messages, concurrency 16: {counts:?}",
-            if fifo { "FIFO" } else { "standard" }
+            "{} queue, 100 messages, {}: {counts:?}",
+            if fifo { "FIFO" } else { "standard" },
+            if heartbeats {
+                "concurrency 1, 100 in flight, visibility 1 s"
+            } else {
+                "concurrency 16"
+            }
         );
+        if heartbeats {
+            assert!(
+                counts.visibility_changes >= 5 * counts.visibility_calls,
+                "visibility changes batched: {counts:?}"
+            );
+        }
         assert!(
             counts.delete_calls <= 40,
             "deletes batched: {} calls for 100",
