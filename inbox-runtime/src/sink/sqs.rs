@@ -51,7 +51,7 @@ pub struct SqsSink {
 
 impl SqsSink {
     /// A sink with a client from the standard AWS configuration and `settings` (see
-    /// [`client`](crate::source::sqs::client)).
+    /// [`client`]).
     pub async fn connect(settings: &AwsSettings) -> Self {
         Self::new(client(settings, Duration::from_secs(20)).await)
     }
