@@ -391,6 +391,25 @@ async fn sqs_source_maps_and_settles_deliveries() {
     assert_eq!((counts.deleted, counts.invalid_receipts), (2, 0));
 }
 
+/// A queue that does not exist: connecting by name fails (`connect`); by URL, the first receive
+/// fails (`receive`) and the source says so at once, instead of retrying forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_queue_fails_the_source() {
+    let _serial = SERIAL.lock().await;
+    let error = SqsSource::connect(SqsConfig::new("no-such-queue").aws(settings()))
+        .await
+        .unwrap_err();
+    assert_eq!(error.operation, "connect", "{error}");
+    let url = format!("{}/123456789012/no-such-queue", env("SQS_ENDPOINT"));
+    let mut source = SqsSource::connect(config(&url, 2)).await.unwrap();
+    let error = tokio::time::timeout(Duration::from_secs(30), source.next())
+        .await
+        .expect("no retrying forever")
+        .unwrap_err();
+    assert_eq!(error.operation, "receive", "{error}");
+    source.close().await.unwrap();
+}
+
 /// The seed's scenario: a worker commits and dies before its delete. After the visibility
 /// timeout another worker receives the message (redelivered): a duplicate, deleted; the effect
 /// exists once.

@@ -86,7 +86,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
 use aws_sdk_sqs::Client;
-use aws_sdk_sqs::error::{DisplayErrorContext, SdkError};
+use aws_sdk_sqs::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
 use aws_sdk_sqs::types::{
     ChangeMessageVisibilityBatchRequestEntry, DeleteMessageBatchRequestEntry, Message,
     MessageSystemAttributeName,
@@ -618,8 +618,10 @@ async fn receive_loop(
                     }
                 }
             }
-            Err(SdkError::ServiceError(error)) => {
-                let error = DisplayErrorContext(SdkError::ServiceError(error)).to_string();
+            Err(error) if !passing(&error) => {
+                // No such queue, access denied, bad request: the source fails (the worker
+                // finishes what it has and returns the error).
+                let error = DisplayErrorContext(error).to_string();
                 let _ = tx.send(Err(SourceError::new(&shared.name, "receive", error)));
                 return;
             }
@@ -638,6 +640,31 @@ async fn receive_loop(
                 backoff = (backoff * 2).min(Duration::from_secs(30));
             }
         }
+    }
+}
+
+/// Whether a failed receive may pass: no answer (network, timeout), throttling, or a server
+/// error (5xx), after the SDK's own retries.
+fn passing<E: ProvideErrorMetadata, R>(error: &SdkError<E, R>) -> bool
+where
+    R: std::fmt::Debug,
+{
+    match error {
+        SdkError::ServiceError(service) => {
+            let code = service.err().code().unwrap_or("");
+            code.contains("Throttl")
+                || matches!(
+                    code,
+                    "RequestThrottled"
+                        | "OverLimit"
+                        | "ServiceUnavailable"
+                        | "InternalFailure"
+                        | "InternalError"
+                        | "KmsThrottled"
+                )
+        }
+        SdkError::ConstructionFailure(_) => false,
+        _ => true,
     }
 }
 
