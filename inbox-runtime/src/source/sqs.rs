@@ -28,6 +28,10 @@
 //! reads what the task received, and [`Source::close`] lets the current poll finish (up to
 //! `wait_time`) and makes what it received visible again at once. The client's timeouts are set
 //! above `wait_time` (a timeout below it breaks long polling; none at all lets a call hang).
+//! A receive that fails for a passing reason (no answer, throttling, a server error) is retried,
+//! after the SDK's own retries, with a backoff from 0.2 s doubling up to 30 s; one that cannot
+//! pass (no such queue, access denied) fails the source: [`Source::next`] returns a
+//! [`SourceError`] with operation `"receive"`.
 //!
 //! **Message name**: the String message attribute [`SqsConfig::name_attribute`] (default
 //! `message-name`, as [`SqsSink`](crate::sink::sqs::SqsSink) writes it). A message without it
