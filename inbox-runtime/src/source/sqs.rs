@@ -1083,3 +1083,49 @@ impl Drop for SqsSource {
         self.stop.cancel();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn visibility_is_rounded_up_and_capped_at_twelve_hours_from_the_receive() {
+        let now = Instant::now();
+        assert_eq!(visibility_secs(Duration::ZERO, now), 0);
+        assert_eq!(visibility_secs(Duration::from_millis(1), now), 1);
+        assert_eq!(visibility_secs(Duration::from_millis(2500), now), 3);
+        assert_eq!(visibility_secs(Duration::from_secs(30), now), 30);
+        assert_eq!(
+            visibility_secs(Duration::from_secs(MAX_VISIBILITY_SECS * 2), now),
+            i32::try_from(MAX_VISIBILITY_SECS - 1).unwrap()
+        );
+        if let Some(received) = now.checked_sub(Duration::from_secs(MAX_VISIBILITY_SECS - 10)) {
+            let left = visibility_secs(Duration::from_secs(60), received);
+            assert!((8..=9).contains(&left), "{left}");
+        }
+    }
+
+    #[test]
+    fn config_setters_keep_sqs_limits() {
+        let config = SqsConfig::new("q")
+            .wait_time(Duration::from_secs(60))
+            .visibility_timeout(Duration::ZERO)
+            .max_in_flight(0)
+            .max_processing_time(Duration::from_secs(MAX_VISIBILITY_SECS * 3));
+        assert_eq!(config.wait_time, Duration::from_secs(20));
+        assert_eq!(config.visibility_timeout, Duration::from_secs(1));
+        assert_eq!(config.max_in_flight, 1);
+        assert_eq!(
+            config.max_processing_time,
+            Duration::from_secs(MAX_VISIBILITY_SECS)
+        );
+        assert_eq!(config.reject, RejectAction::Delete);
+    }
+
+    #[test]
+    fn credentials_are_not_printed() {
+        let settings = AwsSettings::default().credentials("AKIDEXAMPLE", "very-secret");
+        let printed = format!("{settings:?}");
+        assert!(printed.contains("AKIDEXAMPLE") && !printed.contains("very-secret"));
+    }
+}
