@@ -737,6 +737,55 @@ async fn the_sink_publishes_with_deduplication_ids_and_groups() {
     assert_eq!(queue_depth(&client, &url).await, (0, 0));
 }
 
+/// The sink on a standard queue (by URL): no deduplication id, no group; the name attribute and
+/// the headers as message attributes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sink_publishes_to_a_standard_queue_by_url() {
+    let _serial = SERIAL.lock().await;
+    let client = client().await;
+    let (_, url) = queue(&client, "plain", false, 30).await;
+    let (pool, _guard) = pool().await;
+    let destination: &'static str = Box::leak(url.clone().into_boxed_str());
+    let destinations: &'static [&'static str] = Box::leak(vec![destination].into_boxed_slice());
+    let outbox = Outbox::new(destinations);
+    let mut tx = pool.begin().await.unwrap();
+    for i in 0..3 {
+        let message: Credit =
+            serde_json::from_str(&credit(&format!("plain-{i}"), i, "", i)).unwrap();
+        outbox
+            .publish(&mut *tx, OutboxMessage::new(destination, &message))
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let relay = Relay::new(pool.clone(), SqsSink::connect(&settings()).await);
+    let mut published = 0;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while published < 3 && Instant::now() < deadline {
+        published += relay.run_once().await.unwrap().published;
+    }
+    assert_eq!(published, 3);
+    let mut source = SqsSource::connect(config(&url, 30)).await.unwrap();
+    for _ in 0..3 {
+        let delivery = tokio::time::timeout(Duration::from_secs(10), source.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        let envelope = delivery.envelope();
+        assert_eq!(envelope.message_name, "sqs.credit");
+        let meta = envelope.source.as_ref().unwrap();
+        assert_eq!(
+            (meta.partition.as_deref(), meta.deduplication_id.as_deref()),
+            (None, None)
+        );
+        assert_eq!(delivery.ordering_key(), None);
+        delivery.ack().await.unwrap();
+    }
+    source.close().await.unwrap();
+    assert_eq!(queue_depth(&client, &url).await, (0, 0));
+}
+
 /// SQS calls per 100 messages: deletes and visibility changes go in batches.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deletes_and_visibility_changes_are_batched() {
