@@ -1056,7 +1056,7 @@ async fn the_ledger_demo_on_sqs_survives_sigkills() {
         stdout.lines().find(|l| l.starts_with("sqs: ")).unwrap()
     );
     assert!(
-        last > 0 && redeliveries >= last,
+        in_flight_at_kills.iter().any(|&n| n > 0) && redeliveries >= last,
         "{in_flight_at_kills:?}, {redeliveries}"
     );
     let _ = std::fs::remove_file(input);
