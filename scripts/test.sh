@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test command: checks the shipped monitoring files (scripts/monitoring.sh), starts a throwaway
 # PostgreSQL, RabbitMQ, NATS (JetStream) and Redis on loopback (installing them from Debian's
-# packages if needed), runs every test of the workspace against them (and against SQLite), then
-# stops them.
+# packages if needed) and an SQS-compatible server (moto, from PyPI if missing: scripts/sqs.sh),
+# runs every test of the workspace against them (and against SQLite), then stops them.
 #
 #   scripts/test.sh [extra cargo test args]
 #
@@ -89,6 +89,7 @@ cleanup() {
     echo "test.sh: removing files the tests left behind in \$TMPDIR:" >&2
     echo "$files" | sed "s|^$WORK/tmp/|  |" >&2
   fi
+  scripts/sqs.sh stop
   scripts/redis.sh stop
   scripts/brokers.sh stop
   scripts/pg.sh stop
@@ -146,6 +147,9 @@ echo "test.sh: RabbitMQ at $AMQP_URL, NATS at $NATS_URL"
 exports=$(scripts/redis.sh start)
 eval "$exports"
 echo "test.sh: Redis at $REDIS_URL"
+exports=$(scripts/sqs.sh start)
+eval "$exports"
+echo "test.sh: SQS (moto) at $SQS_ENDPOINT"
 
 scope=(--workspace)
 targets=(--all-targets)
@@ -161,8 +165,8 @@ for arg in "$@"; do
       ;;
   esac
 done
-# Builds the demos the tests run (`cargo build --workspace --examples`, a no-op after the test
-# build, and the ledger with the examples feature `kafka`), copies them to $WORK/examples under the
+# Builds the demos the tests run (`cargo build --workspace --examples`, and the ledger with the
+# examples features `kafka` and `sqs`), copies them to $WORK/examples under the
 # names tests/ledger_support.rs asks for, and exports INBOX_TEST_EXAMPLES_DIR: the tests then run
 # those copies and never call cargo, so nothing they do waits for the build directory's lock.
 prebuild_examples() {
@@ -178,12 +182,17 @@ prebuild_examples() {
   TMPDIR=$WORK/tmp cargo build --workspace --examples --message-format=json-render-diagnostics \
     >"$json" || return 1
   example_artifacts | while read -r name executable; do cp "$executable" "$dir/$name"; done
-  TMPDIR=$WORK/tmp cargo build --workspace --example ledger --features inbox-examples/kafka \
+  # One ledger with both broker features, for the tests of either (ledger-kafka, ledger-sqs).
+  TMPDIR=$WORK/tmp cargo build --workspace --example ledger \
+    --features inbox-examples/kafka,inbox-examples/sqs \
     --message-format=json-render-diagnostics >"$json" || return 1
   example_artifacts | while read -r name executable; do
-    [ "$name" = ledger ] && cp "$executable" "$dir/ledger-kafka"
+    if [ "$name" = ledger ]; then
+      cp "$executable" "$dir/ledger-kafka"
+      cp "$executable" "$dir/ledger-sqs"
+    fi
   done
-  [ -x "$dir/ledger" ] && [ -x "$dir/ledger-kafka" ] || {
+  [ -x "$dir/ledger" ] && [ -x "$dir/ledger-kafka" ] && [ -x "$dir/ledger-sqs" ] || {
     echo "test.sh: cargo named no ledger executable" >&2
     return 1
   }

@@ -33,6 +33,7 @@ async fn file_mode() {
     a_failed_line_is_counted_and_the_stream_goes_on().await;
     the_dedupe_caches_change_no_summary();
     kafka_without_the_feature_is_refused();
+    sqs_without_the_feature_is_refused();
 }
 
 /// Runs `ledger ARGS` on the SQLite file `db`; its exit status, stdout and stderr.
@@ -218,6 +219,24 @@ async fn a_failed_line_is_counted_and_the_stream_goes_on() {
         "not a message envelope: expected ident at line 1 column 2"
     );
     conn.close().await.unwrap();
+}
+
+/// The default build has no AWS SDK: an `sqs://` URL, to consume from or to publish to, is
+/// refused with status 2 and an error that names the examples feature to build with.
+fn sqs_without_the_feature_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("ledger.db");
+    for (name, args) in [
+        ("sqs-source", &["--source", "sqs://ledger"][..]),
+        ("sqs-publish", &["publish", "--to", "sqs://ledger"][..]),
+    ] {
+        let (status, stdout, stderr) = run(args, &db, dir.path(), name);
+        assert_eq!(status.code(), Some(2), "{name}: {stdout}\n{stderr}");
+        assert!(
+            stderr.contains("ledger: `sqs://ledger`: SQS needs the examples feature `sqs`"),
+            "{name}: {stderr}"
+        );
+    }
 }
 
 /// The default build has no Kafka client: a `kafka://` URL, to consume from or to publish to, is

@@ -53,6 +53,19 @@ pub fn ledger_kafka_bin() -> &'static Path {
     })
 }
 
+/// The `ledger` example with the examples feature `sqs` (its SQS source and publisher), built
+/// and copied as [`ledger_bin`] is, as `ledger-sqs`.
+pub fn ledger_sqs_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        build_example_with(
+            "ledger",
+            &["--features", "inbox-examples/sqs"],
+            "ledger-sqs",
+        )
+    })
+}
+
 /// The `pipeline` example, built and copied as [`ledger_bin`] is.
 pub fn pipeline_bin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();

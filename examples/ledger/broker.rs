@@ -46,8 +46,9 @@ pub(crate) struct PublishArgs {
     /// JSON-lines input file [default: the bundled sample]
     #[arg(value_name = "PATH")]
     pub(crate) input: Option<std::path::PathBuf>,
-    /// Broker: amqp://user:password@host:port/vhost, nats://host:port or
-    /// kafka://host:port[,host:port…] (examples feature `kafka`)
+    /// Broker: amqp://user:password@host:port/vhost, nats://host:port,
+    /// kafka://host:port[,host:port…] (examples feature `kafka`) or sqs://QUEUE (examples
+    /// feature `sqs`; endpoint, region and credentials from the standard AWS variables)
     #[arg(long, value_name = "URL")]
     pub(crate) to: String,
     #[command(flatten)]
@@ -81,7 +82,8 @@ pub(crate) struct ConsumeArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = 3.0)]
     pub(crate) idle_exit: f64,
     /// JetStream: redeliver a delivery neither acked nor nacked after this many seconds (for a
-    /// consumer that does not exist yet)
+    /// consumer that does not exist yet); SQS: the visibility timeout (renewed while a delivery
+    /// is in flight)
     #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
     pub(crate) ack_wait: f64,
     /// A fast-path dedupe cache in front of the inbox: `memory` (in-process) or
@@ -155,6 +157,37 @@ fn kafka_disabled(url: &str) -> String {
     )
 }
 
+/// The error for an `sqs://` URL in a build without the examples feature `sqs`.
+#[cfg(not(feature = "sqs"))]
+fn sqs_disabled(url: &str) -> String {
+    format!(
+        "`{url}`: SQS needs the examples feature `sqs` (the AWS SDK): \
+         cargo run --example ledger --features sqs -- …"
+    )
+}
+
+#[cfg(feature = "sqs")]
+async fn publish_sqs(args: &PublishArgs, messages: &Messages) -> Result<(), String> {
+    crate::sqs::publish(&args.to, messages).await
+}
+
+#[cfg(not(feature = "sqs"))]
+async fn publish_sqs(args: &PublishArgs, _: &Messages) -> Result<(), String> {
+    Err(sqs_disabled(&args.to))
+}
+
+#[cfg(feature = "sqs")]
+async fn connect_sqs(url: &str, args: &ConsumeArgs) -> Result<Pending, String> {
+    Ok(Pending::Ready(Box::new(
+        crate::sqs::connect(url, args).await?,
+    )))
+}
+
+#[cfg(not(feature = "sqs"))]
+async fn connect_sqs(url: &str, _: &ConsumeArgs) -> Result<Pending, String> {
+    Err(sqs_disabled(url))
+}
+
 #[cfg(feature = "kafka")]
 async fn publish_kafka(args: &PublishArgs, messages: &Messages) -> Result<(), String> {
     crate::kafka::publish(&args.to, &args.kafka, messages).await
@@ -188,9 +221,11 @@ pub(crate) async fn publish(args: &PublishArgs, input: &Path) -> Result<u64, Str
         publish_nats(args, &out).await?;
     } else if args.to.starts_with("kafka://") {
         publish_kafka(args, &out).await?;
+    } else if args.to.starts_with("sqs://") {
+        publish_sqs(args, &out).await?;
     } else {
         return Err(format!(
-            "unsupported broker URL `{}`: expected amqp://…, nats://… or kafka://…",
+            "unsupported broker URL `{}`: expected amqp://…, nats://…, kafka://… or sqs://…",
             args.to
         ));
     }
@@ -327,9 +362,12 @@ pub(crate) async fn connect(
         )))
     } else if url.starts_with("kafka://") {
         prepare_kafka(url, args, input).await
+    } else if url.starts_with("sqs://") {
+        connect_sqs(url, args).await
     } else {
         Err(format!(
-            "unsupported source `{url}`: expected amqp://…, nats://…, kafka://… or file:PATH"
+            "unsupported source `{url}`: expected amqp://…, nats://…, kafka://…, sqs://… or \
+             file:PATH"
         ))
     }
 }
@@ -368,6 +406,8 @@ pub(crate) async fn consume<DB: PositionsDatabase>(
         .map_err(|e| e.to_string())?;
     #[cfg(feature = "kafka")]
     drop(kafka);
+    #[cfg(feature = "sqs")]
+    crate::sqs::print_stats();
     println!(
         "deliveries: {} (acked {}, rejected {}, requeued {}, abandoned {}); stopped: {:?}",
         report.deliveries,

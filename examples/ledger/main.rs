@@ -15,6 +15,8 @@
 //! cargo run --example ledger --features kafka -- publish --to kafka://127.0.0.1:9092
 //! cargo run --example ledger --features kafka -- --source kafka://127.0.0.1:9092
 //! cargo run --example ledger --features kafka -- --source kafka://mock   # all in this process
+//! cargo run --example ledger --features sqs -- publish --to sqs://ledger.fifo   # AWS_* variables
+//! cargo run --example ledger --features sqs -- --source sqs://ledger.fifo
 //!
 //! # The same stream through a worker over a file that resumes at its last acked line
 //! cargo run --example ledger -- --source file:examples/ledger/data/payments.jsonl --offset-file /tmp/ledger.offset
@@ -110,6 +112,15 @@
 //! the `kafka` feature, a `kafka://` URL is refused with an error naming the feature (the default
 //! build needs nothing but cargo).
 //!
+//! `publish --to sqs://QUEUE` and `--source sqs://QUEUE` (examples feature `sqs`) use Amazon SQS
+//! (or a compatible server such as moto): endpoint, region and credentials from the standard AWS
+//! variables (`AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`) and
+//! profiles; the queue is created if missing (`.fifo`: a FIFO queue, the payload's `account_id`
+//! as message group, `line-N` as deduplication id). The message name is the `message-name`
+//! attribute; `--ack-wait` is the visibility timeout, renewed while a delivery is in flight;
+//! each message is deleted after its transaction committed (in batches), and the run prints its
+//! SQS calls (`sqs: …`).
+//!
 //! `--source file:PATH` consumes a JSON-lines file the same way, with
 //! [`inbox_runtime::source::file::FileSource`]: it keeps the acked prefix of the file in the
 //! offset file (`--offset-file`, default `PATH.offset`) and resumes after it when started
@@ -139,6 +150,8 @@ mod handlers;
 mod kafka;
 mod messages;
 mod observe;
+#[cfg(feature = "sqs")]
+mod sqs;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -169,7 +182,8 @@ struct Args {
     #[command(subcommand)]
     command: Option<Command>,
     /// Consume from a broker instead of a file: amqp://… (RabbitMQ), nats://… (JetStream),
-    /// kafka://HOST:PORT[,…] or kafka://mock (Kafka, examples feature `kafka`), or file:PATH
+    /// kafka://HOST:PORT[,…] or kafka://mock (Kafka, examples feature `kafka`), sqs://QUEUE
+    /// (Amazon SQS, examples feature `sqs`), or file:PATH
     #[arg(long, value_name = "URL")]
     source: Option<String>,
     /// Do not check the balances

@@ -86,6 +86,13 @@ pub struct SourceMetadata {
     /// writes the position with it, so that a consumer that lost the partition since cannot
     /// commit.
     pub epoch: Option<i64>,
+    /// The broker's deduplication id as it carried it (SQS FIFO's `MessageDeduplicationId`),
+    /// if any. Informational, like [`message_id`](Self::message_id).
+    pub deduplication_id: Option<String>,
+    /// The broker's sequence number as a decimal string, if it has one that does not fit an
+    /// [`offset`](Self::offset) (SQS FIFO's `SequenceNumber`: up to 128 bits, kept as the
+    /// broker's text, without loss).
+    pub sequence_number: Option<String>,
 }
 
 impl SourceMetadata {
@@ -136,6 +143,19 @@ impl SourceMetadata {
     /// Sets the fencing epoch (see [`SourceMetadata::epoch`]).
     pub fn epoch(mut self, epoch: i64) -> Self {
         self.epoch = Some(epoch);
+        self
+    }
+
+    /// Sets the broker's deduplication id (see [`SourceMetadata::deduplication_id`]).
+    pub fn deduplication_id(mut self, id: impl Into<String>) -> Self {
+        self.deduplication_id = Some(id.into());
+        self
+    }
+
+    /// Sets the broker's sequence number, a decimal string (see
+    /// [`SourceMetadata::sequence_number`]).
+    pub fn sequence_number(mut self, sequence_number: impl Into<String>) -> Self {
+        self.sequence_number = Some(sequence_number.into());
         self
     }
 

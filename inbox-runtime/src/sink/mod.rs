@@ -1,7 +1,8 @@
 //! Sinks: where the outbox [`Relay`](crate::outbox::Relay) sends messages. One trait, [`Sink`];
 //! [`MemorySink`] for tests and demos; one module per broker, each behind its cargo feature
 //! (`amqp`: `amqp::AmqpSink`, RabbitMQ with publisher confirms; `nats`: `nats::NatsSink`;
-//! `kafka`: `kafka::KafkaSink`).
+//! `kafka`: `kafka::KafkaSink`; `sqs`: `sqs::SqsSink`, Amazon SQS with the message id as FIFO
+//! deduplication id).
 //!
 //! Every [`OutgoingMessage`] carries its stable message id; a sink must send it where the
 //! broker's duplicate detection and this crate's sources read it (for NATS: the `Nats-Msg-Id`
@@ -16,6 +17,8 @@ pub mod amqp;
 pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "sqs")]
+pub mod sqs;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};

@@ -16,8 +16,10 @@
 //!
 //! Sources in this crate: [`memory::MemorySource`] (tests), [`file::FileSource`] (a JSON-lines
 //! file that resumes where its acked prefix ends), and behind cargo features
-//! `amqp::AmqpSource` (`amqp`, RabbitMQ on lapin) and `nats::NatsSource` (`nats`, a JetStream
-//! durable pull consumer on async-nats).
+//! `amqp::AmqpSource` (`amqp`, RabbitMQ on lapin), `nats::NatsSource` (`nats`, a JetStream
+//! durable pull consumer on async-nats), `kafka::KafkaSource` (`kafka`) and `sqs::SqsSource`
+//! (`sqs`, Amazon SQS standard and FIFO queues on aws-sdk-sqs: ack deletes, requeue changes the
+//! visibility timeout).
 
 use std::fmt;
 use std::time::Duration;
@@ -34,6 +36,8 @@ pub mod kafka;
 pub mod memory;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "sqs")]
+pub mod sqs;
 
 /// How a delivery is settled. See the [module documentation](self) for what each does on each
 /// broker.
