@@ -146,6 +146,9 @@ async fn call(
     (status, String::from_utf8(bytes.to_vec()).unwrap(), headers)
 }
 
+/// Header (or form field) names and values.
+type Headers<'a> = Vec<(&'a str, &'a str)>;
+
 const ALICE: (&str, &str) = ("authorization", "Bearer alice-token");
 const MALLORY: (&str, &str) = ("authorization", "Bearer mallory-token");
 
@@ -509,7 +512,7 @@ inbox_tests::backend_matrix! {
             }
             form(&pairs)
         };
-        let cases: Vec<(Vec<(&str, &str)>, String, &str)> = vec![
+        let cases: Vec<(Headers<'_>, String, &str)> = vec![
             (vec![ALICE], with(None), "form token"),
             (vec![ALICE], with(Some("")), "form token"),
             (vec![ALICE], with(Some(&foreign)), "form token"),
@@ -585,7 +588,7 @@ inbox_tests::backend_matrix! {
         )
         .await;
         let token = csrf(&html);
-        let forms: Vec<(Vec<(&str, &str)>, StatusCode, &str)> = vec![
+        let forms: Vec<(Headers<'_>, StatusCode, &str)> = vec![
             (vec![("consumer", "nobody"), ("key", "bi-dead-1")], StatusCode::BAD_REQUEST, "Unknown consumer"),
             (vec![("consumer", "console"), ("key", "bi-dead-1\0")], StatusCode::BAD_REQUEST, "NUL"),
             (vec![("consumer", "console")], StatusCode::BAD_REQUEST, "“key” is required"),

@@ -294,7 +294,7 @@ type Shared<DB> = State<Arc<Inner<DB>>>;
 
 impl<DB: InboxDatabase> Inner<DB> {
     /// The operator, or the refusal's page.
-    fn begin(&self, parts: &Parts) -> Result<Ctx, Response> {
+    fn begin(&self, parts: &Parts) -> Result<Ctx, Problem> {
         let base = parts
             .extensions
             .get::<NestedPath>()
@@ -305,17 +305,13 @@ impl<DB: InboxDatabase> Inner<DB> {
             Auth::Hook(hook) => match hook(parts) {
                 Ok(operator) => operator,
                 Err(Refusal::Unauthenticated { challenge }) => {
-                    let mut response = bare(
+                    let mut problem = bare(
                         StatusCode::UNAUTHORIZED,
                         "Not signed in",
                         "This console needs you to authenticate.",
                     );
-                    if let Ok(value) = HeaderValue::from_str(&challenge) {
-                        response
-                            .headers_mut()
-                            .insert(header::WWW_AUTHENTICATE, value);
-                    }
-                    return Err(response);
+                    problem.challenge = HeaderValue::from_str(&challenge).ok();
+                    return Err(problem);
                 }
                 Err(Refusal::Forbidden { reason }) => {
                     return Err(bare(
@@ -350,7 +346,7 @@ impl<DB: InboxDatabase> Inner<DB> {
     }
 
     /// The consumers that exist: those of the dispatcher's handlers and those with rows.
-    async fn consumers(&self, rows: Option<&[StatsRow]>) -> Result<BTreeSet<String>, Response> {
+    async fn consumers(&self, rows: Option<&[StatsRow]>) -> Result<BTreeSet<String>, Problem> {
         let mut known: BTreeSet<String> = self
             .dispatcher
             .handlers()
@@ -372,7 +368,7 @@ impl<DB: InboxDatabase> Inner<DB> {
     }
 
     /// `consumer` if it exists, else a 400 naming the known ones.
-    async fn check_consumer(&self, consumer: &str) -> Result<(), Response> {
+    async fn check_consumer(&self, consumer: &str) -> Result<(), Problem> {
         let known = self.consumers(None).await?;
         if known.contains(consumer) {
             return Ok(());
@@ -396,7 +392,7 @@ struct Params(Vec<(String, String)>);
 
 impl Params {
     /// Parses `text` (`a=1&b=2`), refusing names not in `allowed` and repeated names.
-    fn parse(text: &[u8], allowed: &[&str]) -> Result<Self, Response> {
+    fn parse(text: &[u8], allowed: &[&str]) -> Result<Self, Problem> {
         let mut seen = Vec::<(String, String)>::new();
         for (name, value) in form_urlencoded::parse(text) {
             if !allowed.contains(&name.as_ref()) {
@@ -415,7 +411,7 @@ impl Params {
         Ok(Self(seen))
     }
 
-    fn query(parts: &Parts, allowed: &[&str]) -> Result<Self, Response> {
+    fn query(parts: &Parts, allowed: &[&str]) -> Result<Self, Problem> {
         Self::parse(parts.uri.query().unwrap_or("").as_bytes(), allowed)
     }
 
@@ -427,7 +423,7 @@ impl Params {
     }
 
     /// A parameter that must be there and not be empty.
-    fn required(&self, name: &str) -> Result<&str, Response> {
+    fn required(&self, name: &str) -> Result<&str, Problem> {
         match self.get(name) {
             Some(value) if !value.is_empty() => Ok(value),
             _ => Err(bad_request(&format!("Parameter “{name}” is required."))),
@@ -439,7 +435,7 @@ impl Params {
         &self,
         inner: &Inner<DB>,
         required: bool,
-    ) -> Result<Option<String>, Response> {
+    ) -> Result<Option<String>, Problem> {
         let consumer = match self.get("consumer") {
             None | Some("") if !required => return Ok(None),
             _ => self.required("consumer")?,
@@ -452,7 +448,7 @@ impl Params {
     }
 
     /// `key`: not empty, no NUL, at most [`MAX_KEY_BYTES`].
-    fn key(&self) -> Result<String, Response> {
+    fn key(&self) -> Result<String, Problem> {
         let key = self.required("key")?;
         if key.contains('\0') {
             return Err(bad_request(
@@ -469,7 +465,7 @@ impl Params {
     }
 
     /// `limit`: 1 to [`MAX_LIMIT`], default [`DEFAULT_LIMIT`].
-    fn limit(&self) -> Result<u32, Response> {
+    fn limit(&self) -> Result<u32, Problem> {
         match self.get("limit") {
             None | Some("") => Ok(DEFAULT_LIMIT),
             Some(text) => match text.parse::<u32>() {
@@ -482,7 +478,7 @@ impl Params {
     }
 
     /// `status`: `failed`, `dead` or `parked`; absent: failed and dead.
-    fn statuses(&self) -> Result<(&'static [Status], &'static str), Response> {
+    fn statuses(&self) -> Result<(&'static [Status], &'static str), Problem> {
         match self.get("status") {
             None | Some("") => Ok((&[Status::Failed, Status::Dead], "")),
             Some("failed") => Ok((&[Status::Failed], "failed")),
@@ -503,7 +499,7 @@ async fn form<DB: InboxDatabase>(
     parts: &Parts,
     body: Body,
     allowed: &[&str],
-) -> Result<Params, Response> {
+) -> Result<Params, Problem> {
     if let Some(why) = cross_site(parts) {
         tracing::warn!(
             target: "inbox_runtime::console",
@@ -520,12 +516,10 @@ async fn form<DB: InboxDatabase>(
     let bytes = axum::body::to_bytes(body, MAX_FORM_BYTES)
         .await
         .map_err(|_| {
-            page_response(
+            bare(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "Form too large",
-                &paragraph(&format!(
-                    "A form of the console is at most {MAX_FORM_BYTES} bytes."
-                )),
+                &format!("A form of the console is at most {MAX_FORM_BYTES} bytes."),
             )
         })?;
     // The token first: a forged request learns nothing about the other fields.
@@ -1160,6 +1154,7 @@ async fn not_found() -> Response {
         "Not found",
         "The console has no such page.",
     )
+    .response()
 }
 
 async fn wrong_method(request: Request) -> Response {
@@ -1172,13 +1167,35 @@ async fn wrong_method(request: Request) -> Response {
              sent with POST from their confirmation page."
         ),
     )
+    .response()
 }
 
 // ----- Helpers -----
 
-/// Runs a page, turning its early refusals into their response.
-async fn run(page: impl Future<Output = Result<Response, Response>>) -> Response {
-    page.await.unwrap_or_else(|response| response)
+/// Runs a page, turning its early refusal into its response.
+async fn run(page: impl Future<Output = Result<Response, Problem>>) -> Response {
+    page.await.unwrap_or_else(Problem::response)
+}
+
+/// Why a request was not served: its status, a title and a message for the page, and the
+/// `WWW-Authenticate` challenge of a 401.
+struct Problem {
+    status: StatusCode,
+    title: &'static str,
+    message: String,
+    challenge: Option<HeaderValue>,
+}
+
+impl Problem {
+    fn response(self) -> Response {
+        let mut response = page_response(self.status, self.title, &paragraph(&self.message));
+        if let Some(challenge) = self.challenge {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, challenge);
+        }
+        response
+    }
 }
 
 fn reason_str(reason: RejectionReason) -> &'static str {
@@ -1186,7 +1203,7 @@ fn reason_str(reason: RejectionReason) -> &'static str {
 }
 
 /// The filter of the list and the bulk replay, for a bulk replay: failed and dead only.
-fn bulk_statuses(params: &Params) -> Result<(&'static [Status], &'static str), Response> {
+fn bulk_statuses(params: &Params) -> Result<(&'static [Status], &'static str), Problem> {
     let (statuses, status) = params.statuses()?;
     if status == "parked" {
         return Err(bad_request(
@@ -1202,7 +1219,7 @@ async fn fetch<DB: InboxDatabase>(
     inner: &Inner<DB>,
     consumer: &str,
     key: &str,
-) -> Result<StoredMessage, Response> {
+) -> Result<StoredMessage, Problem> {
     admin::show(inner.dispatcher.pool(), consumer, key)
         .await
         .map_err(database)?
@@ -1216,7 +1233,7 @@ async fn fetch<DB: InboxDatabase>(
 }
 
 /// A 409 unless `row` is failed or dead.
-fn actionable(row: &StoredMessage, action: Action) -> Result<(), Response> {
+fn actionable(row: &StoredMessage, action: Action) -> Result<(), Problem> {
     if matches!(row.status, Status::Failed | Status::Dead) {
         return Ok(());
     }
@@ -1438,15 +1455,20 @@ fn page_response(status: StatusCode, title: &str, body: &str) -> Response {
     html_response(status, html)
 }
 
-fn bare(status: StatusCode, title: &str, message: &str) -> Response {
-    page_response(status, title, &paragraph(message))
+fn bare(status: StatusCode, title: &'static str, message: &str) -> Problem {
+    Problem {
+        status,
+        title,
+        message: message.to_owned(),
+        challenge: None,
+    }
 }
 
-fn bad_request(message: &str) -> Response {
+fn bad_request(message: &str) -> Problem {
     bare(StatusCode::BAD_REQUEST, "Bad request", message)
 }
 
-fn database(error: sqlx::Error) -> Response {
+fn database(error: sqlx::Error) -> Problem {
     tracing::error!(target: "inbox_runtime::console", %error, "console: database error");
     bare(
         StatusCode::SERVICE_UNAVAILABLE,
