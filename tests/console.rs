@@ -149,6 +149,41 @@ async fn call(
 /// Header (or form field) names and values.
 type Headers<'a> = Vec<(&'a str, &'a str)>;
 
+/// What a `tracing` subscriber writes, kept for the test to read.
+#[derive(Clone, Default)]
+struct Logs(std::sync::Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Logs {
+    /// Records this thread's events (the test's runtime is on it) until the guard drops.
+    fn capture() -> (Self, tracing::subscriber::DefaultGuard) {
+        use tracing_subscriber::util::SubscriberInitExt as _;
+        let logs = Logs::default();
+        let writer = logs.clone();
+        let guard = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .with_env_filter("inbox_runtime::console=info")
+            .finish()
+            .set_default();
+        (logs, guard)
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+    }
+}
+
 const ALICE: (&str, &str) = ("authorization", "Bearer alice-token");
 const MALLORY: (&str, &str) = ("authorization", "Bearer mallory-token");
 
@@ -371,9 +406,18 @@ inbox_tests::backend_matrix! {
         assert_eq!(status_of(&pool, &key).await, Status::Dead);
         let token = csrf(&html);
         let body = form(&[("consumer", "console"), ("key", &key), ("csrf", &token)]);
+        let (logs, guard) = Logs::capture();
         let (status, html, _) = call(&app, "POST", "/ops/replay", &[ALICE], Some(body.clone())).await;
+        drop(guard);
         assert_eq!(status, StatusCode::OK, "{html}");
         assert!(html.contains("data-result=\"ok\""), "{html}");
+        // Who did it, logged.
+        let logged = logs.text();
+        assert!(
+            logged.contains("console: replay operator=alice action=\"replay\" consumer=console \
+                             key=rp-dead-1 result=processed"),
+            "{logged}"
+        );
         assert_eq!(status_of(&pool, &key).await, Status::Processed);
         assert_eq!(effect(&pool, &format!("task:{key}")).await, Some((1, 10)));
         // The same form again: nothing to replay, the effect stays once.
