@@ -164,19 +164,25 @@ impl std::io::Write for Logs {
     }
 }
 
+static LOGS: std::sync::OnceLock<Logs> = std::sync::OnceLock::new();
+
 impl Logs {
-    /// Records this thread's events (the test's runtime is on it) until the guard drops.
-    fn capture() -> (Self, tracing::subscriber::DefaultGuard) {
-        use tracing_subscriber::util::SubscriberInitExt as _;
-        let logs = Logs::default();
-        let writer = logs.clone();
-        let guard = tracing_subscriber::fmt()
-            .with_writer(move || writer.clone())
-            .with_ansi(false)
-            .with_env_filter("inbox_runtime::console=info")
-            .finish()
-            .set_default();
-        (logs, guard)
+    /// The process's subscriber's output: the console's events, from every test (a global
+    /// subscriber, installed once; per-thread ones miss events when tests run in parallel).
+    fn global() -> &'static Logs {
+        LOGS.get_or_init(|| {
+            use tracing_subscriber::util::SubscriberInitExt as _;
+            let logs = Logs::default();
+            let writer = logs.clone();
+            tracing_subscriber::fmt()
+                .with_writer(move || writer.clone())
+                .with_ansi(false)
+                .with_env_filter("inbox_runtime::console=info")
+                .finish()
+                .try_init()
+                .expect("no other global subscriber");
+            logs
+        })
     }
 
     fn text(&self) -> String {
@@ -389,13 +395,15 @@ inbox_tests::backend_matrix! {
     #[tokio::test]
     async fn a_dead_message_replayed_from_the_page_is_applied_once() {
         let (pool, _guard, dispatcher, app) = fixture_app().await;
-        seed(&dispatcher, "rp").await;
-        let key = id("rp", "dead-1");
+        let tag = format!("rp-{BACKEND}");
+        let tag = tag.as_str();
+        seed(&dispatcher, tag).await;
+        let key = id(tag, "dead-1");
         fix_task(&format!("{BACKEND}:{key}"));
         let (status, html, _) = call(
             &app,
             "GET",
-            &format!("/ops/replay?{}", key_query("rp", "dead-1")),
+            &format!("/ops/replay?{}", key_query(tag, "dead-1")),
             &[ALICE],
             None,
         )
@@ -406,16 +414,17 @@ inbox_tests::backend_matrix! {
         assert_eq!(status_of(&pool, &key).await, Status::Dead);
         let token = csrf(&html);
         let body = form(&[("consumer", "console"), ("key", &key), ("csrf", &token)]);
-        let (logs, guard) = Logs::capture();
+        let logs = Logs::global();
         let (status, html, _) = call(&app, "POST", "/ops/replay", &[ALICE], Some(body.clone())).await;
-        drop(guard);
         assert_eq!(status, StatusCode::OK, "{html}");
         assert!(html.contains("data-result=\"ok\""), "{html}");
         // Who did it, logged.
         let logged = logs.text();
         assert!(
-            logged.contains("console: replay operator=alice action=\"replay\" consumer=console \
-                             key=rp-dead-1 result=processed"),
+            logged.contains(&format!(
+                "console: replay operator=alice action=\"replay\" consumer=console \
+                 key={key} result=processed"
+            )),
             "{logged}"
         );
         assert_eq!(status_of(&pool, &key).await, Status::Processed);
@@ -427,7 +436,7 @@ inbox_tests::backend_matrix! {
         assert_eq!(effect(&pool, &format!("task:{key}")).await, Some((1, 10)));
 
         // A replay that fails again says so, and the message stays dead.
-        let key2 = id("rp", "dead-2");
+        let key2 = id(tag, "dead-2");
         let body = form(&[("consumer", "console"), ("key", &key2), ("csrf", &token)]);
         let (status, html, _) = call(&app, "POST", "/ops/replay", &[ALICE], Some(body)).await;
         assert_eq!(status, StatusCode::CONFLICT, "{html}");
@@ -436,7 +445,7 @@ inbox_tests::backend_matrix! {
         assert_eq!(effect(&pool, &format!("task:{key2}")).await, None);
 
         // Bulk replay with the list's filter: the failed one, once fixed.
-        fix_task(&format!("{BACKEND}:{}", id("rp", "flaky")));
+        fix_task(&format!("{BACKEND}:{}", id(tag, "flaky")));
         let (status, html, _) = call(
             &app,
             "GET",
@@ -456,7 +465,7 @@ inbox_tests::backend_matrix! {
         let (status, html, _) = call(&app, "POST", "/ops/replay-all", &[ALICE], Some(body)).await;
         assert_eq!(status, StatusCode::OK, "{html}");
         assert!(html.contains("Replayed 1: 1 succeeded, 0 did not."), "{html}");
-        let flaky = id("rp", "flaky");
+        let flaky = id(tag, "flaky");
         assert_eq!(status_of(&pool, &flaky).await, Status::Processed);
         assert_eq!(effect(&pool, &format!("task:{flaky}")).await, Some((1, 30)));
     }
@@ -622,6 +631,11 @@ inbox_tests::backend_matrix! {
             assert_eq!(got, status, "{method} {uri}: {html}");
             assert!(html.contains(says), "{method} {uri}: {html}");
         }
+        // A trailing slash is redirected to the page, relatively (any prefix).
+        let (got, _, headers) =
+            call(&app, "GET", "/ops/messages/?limit=5", &[ALICE], None).await;
+        assert_eq!(got, StatusCode::PERMANENT_REDIRECT);
+        assert_eq!(headers["location"], "../messages?limit=5");
         // Forms with a valid token and bad fields.
         let (_, html, _) = call(
             &app,

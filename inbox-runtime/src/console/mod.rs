@@ -1157,7 +1157,26 @@ async fn style() -> Response {
     response
 }
 
-async fn not_found() -> Response {
+/// A page of the console with a trailing slash (`/ops/messages/`) is redirected to itself
+/// without it (relatively, so under any prefix); anything else is a 404.
+async fn not_found(request: Request) -> Response {
+    let path = request.uri().path();
+    let segment = path
+        .strip_suffix('/')
+        .and_then(|path| path.rsplit('/').next())
+        .filter(|segment| !segment.is_empty() && !segment.contains(['.', '\\']));
+    if let Some(segment) = segment {
+        let location = match request.uri().query() {
+            Some(query) => format!("../{segment}?{query}"),
+            None => format!("../{segment}"),
+        };
+        if let Ok(location) = HeaderValue::from_str(&location) {
+            let mut response = Response::new(Body::empty());
+            *response.status_mut() = StatusCode::PERMANENT_REDIRECT;
+            response.headers_mut().insert(header::LOCATION, location);
+            return response;
+        }
+    }
     bare(
         StatusCode::NOT_FOUND,
         "Not found",
