@@ -26,6 +26,9 @@
 //! cargo run --example ledger -- admin dead list
 //! cargo run --example ledger -- admin dead replay --all
 //!
+//! # The operator console in the browser (inbox_runtime::console) on the demo's database
+//! cargo run --example ledger -- console --listen 127.0.0.1:8080 --token s3cret
+//!
 //! # Metrics table on stderr at exit (or --metrics-listen 127.0.0.1:9464), logs by RUST_LOG
 //! RUST_LOG=inbox_runtime=debug cargo run --example ledger -- --metrics
 //! ```
@@ -132,6 +135,13 @@
 //! `DATABASE_URL` after `admin`, else `./ledger.db`): `migrate`, `stats`,
 //! `dead list|show|replay|discard`, `purge --window 7d --redelivery-horizon 3d`.
 //!
+//! `ledger console --listen ADDR` serves [`inbox_runtime::console`] on the same database at
+//! `http://ADDR/console` (default `127.0.0.1:8080`): the overview, failed and dead messages,
+//! replay and discard (with the demo's handlers), rejections. `--token TOKEN` (or
+//! `LEDGER_CONSOLE_TOKEN`) is the password the browser asks for (any user name: it names the
+//! operator in the logs) or a bearer token; `--insecure-no-auth` serves without authentication,
+//! for a console behind a proxy that authenticates. One of the two is required.
+//!
 //! ## Observability
 //!
 //! Logs go to stderr, filtered by `RUST_LOG` (default: off in file mode, `warn` with
@@ -143,6 +153,7 @@
 
 mod broker;
 mod check;
+mod console;
 mod db;
 mod feed;
 mod handlers;
@@ -214,6 +225,8 @@ enum Command {
     Publish(broker::PublishArgs),
     /// Inspects and repairs the inbox: stats, dead letters, replay, purge
     Admin(AdminArgs),
+    /// Serves the operator console in the browser on the demo's database
+    Console(console::ConsoleArgs),
 }
 
 /// `ledger admin`: the runtime's admin CLI on the demo's database.
@@ -583,6 +596,15 @@ async fn main() -> ExitCode {
     let mut args = Args::parse();
     let result = match (args.command.take(), args.source.take()) {
         (Some(Command::Admin(admin)), _) => return run_admin(admin).await,
+        (Some(Command::Console(args)), _) => {
+            return match console::run(args).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(error) => {
+                    eprintln!("ledger console: {error}");
+                    ExitCode::from(2)
+                }
+            };
+        }
         (Some(Command::Publish(publish)), _) => run_publish(publish).await,
         (None, Some(url)) => run_broker(args, url).await,
         (None, None) => run(args).await,

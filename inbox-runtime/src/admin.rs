@@ -490,7 +490,7 @@ pub fn spawn_purger<DB: OutboxDatabase>(
 }
 
 /// A skew to the second, in every unit it spans: `2h`, `1h 56m 11s`, `3s`.
-fn format_skew(skew: Duration) -> String {
+pub(crate) fn format_skew(skew: Duration) -> String {
     let secs = skew.as_secs();
     let parts: Vec<String> = [
         ("d", secs / 86_400),
@@ -531,7 +531,7 @@ pub fn utc_time(text: &str) -> String {
 
 /// Seconds since 1970-01-01 00:00:00 UTC of `YYYY-MM-DD[T ]HH:MM:SS[.frac][Z|±HH[[:]MM]]` (no
 /// zone: UTC). Fractions of a second are cut.
-fn parse_time(text: &str) -> Option<i64> {
+pub(crate) fn parse_time(text: &str) -> Option<i64> {
     let digits = |from: usize, to: usize| -> Option<i64> {
         let part = text.get(from..to)?;
         part.bytes()

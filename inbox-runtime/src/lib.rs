@@ -112,8 +112,10 @@
 //!   sink for the outbox relay (async-nats).
 //! * `http`: the module `http`, the HTTP `Idempotency-Key` layer for axum and tower, whose
 //!   handlers run on the claim's transaction (axum, tower, http, sfv).
+//! * `console`: the module `console`, the operator console in the browser: an axum router to
+//!   mount in your service (axum, http, hmac, form_urlencoded).
 //!
-//! Build these docs with `cargo doc --all-features` to see all four.
+//! Build these docs with `cargo doc --all-features` to see them all.
 
 #![warn(missing_docs, unreachable_pub, rust_2018_idioms)]
 
@@ -123,6 +125,8 @@ pub mod cache;
 mod classify;
 #[cfg(feature = "cli")]
 pub mod cli;
+#[cfg(feature = "console")]
+pub mod console;
 mod dispatcher;
 mod envelope;
 mod error;

@@ -1,0 +1,1550 @@
+//! The operator console in the browser: server-rendered pages over the inbox, to mount in your
+//! own service. Behind the cargo feature `console`.
+//!
+//! [`Console::new`] takes your [`Dispatcher`] (so that a replay finds the handlers your binary
+//! registered, as the CLI's `dead replay` does) and [`Console::build`] returns an
+//! [`axum::Router`] to [`nest`](axum::Router::nest) under a prefix of your choice; every link
+//! and form of the pages carries that prefix.
+//!
+//! # Pages
+//!
+//! | path | what it shows |
+//! |---|---|
+//! | `/` | per consumer, the rows per status (processed, failed, dead, parked, stale, discarded), the rejected deliveries, and the oldest failed and dead messages with their age ([`admin::stats`]) |
+//! | `/messages?consumer=&status=&limit=` | failed and dead (or parked) messages, oldest first, at most `limit` (1 to [`MAX_LIMIT`], default [`DEFAULT_LIMIT`]) |
+//! | `/message?consumer=&key=` | one message: status, attempts, last error, source metadata, the payload (pretty-printed when it is JSON) |
+//! | `/replay?consumer=&key=` | a confirmation page; its form `POST`s to `/replay`, which runs [`Dispatcher::replay`] |
+//! | `/discard?consumer=&key=` | a confirmation page; its form `POST`s to `/discard`, which runs [`Dispatcher::discard`] |
+//! | `/replay-all?consumer=&status=&limit=` | bulk replay of what the list with the same filter shows, confirmed, then `POST` |
+//! | `/rejections` | rejected deliveries (conflicts, malformed payloads, unknown names, bad keys, too large) per consumer and reason |
+//!
+//! Keys travel in query strings and form fields (percent-encoded), never in paths. Every value
+//! shown is HTML-escaped. Bad input (an unknown consumer or parameter, a `limit` out of range, an
+//! empty key or one with a NUL character, a wrong method) gets a `4xx` page that says what was
+//! wrong, and changes nothing.
+//!
+//! # Authorization
+//!
+//! The console refuses to be built without a decision about who may use it:
+//! [`Console::authorize`] installs a hook that sees each request's [`Parts`] and returns the
+//! operator's name, or a [`Refusal`] (`401` or `403`); [`Console::behind_own_auth`] says that
+//! the router is mounted behind authentication of your own (a tower layer, a proxy), and every
+//! request is then served as the operator [`OWN_AUTH_OPERATOR`]. [`Console::build`] without one
+//! of the two is [`ConsoleError::NoAuthorization`]. Every action (replay, discard) is logged with
+//! `tracing` at `INFO`, target `inbox_runtime::console`, with the operator's name, the consumer,
+//! the key and how it ended.
+//!
+//! # CSRF
+//!
+//! Every `POST` carries a token in a hidden form field: HMAC-SHA256 of the operator's name
+//! under a secret of the console (random per [`Console`], or [`Console::csrf_secret`] to share
+//! one between replicas), compared in constant time. A `POST` whose token is missing or wrong,
+//! or whose `Origin` is not this host, or whose `Sec-Fetch-Site` is other than `same-origin`,
+//! is refused with `403` before anything is read or changed. Pages are sent with
+//! `X-Frame-Options: DENY` and a `Content-Security-Policy` without scripts, so that a
+//! confirmation button cannot be framed.
+//!
+//! ```no_run
+//! use inbox_runtime::Dispatcher;
+//! use inbox_runtime::console::{Console, Refusal};
+//!
+//! # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! let dispatcher = Dispatcher::from_registry(pool)?;
+//! let console = Console::new(dispatcher)
+//!     .authorize(|parts| {
+//!         match parts.headers.get("authorization").and_then(|v| v.to_str().ok()) {
+//!             Some("Bearer s3cret") => Ok("alice".to_owned()),
+//!             Some(_) => Err(Refusal::forbidden("unknown token")),
+//!             None => Err(Refusal::unauthenticated("Bearer")),
+//!         }
+//!     })
+//!     .build()?;
+//! let app: axum::Router = axum::Router::new().nest("/ops", console);
+//! # let _ = app;
+//! # Ok(())
+//! # }
+//! ```
+
+use std::collections::BTreeSet;
+use std::fmt::{self, Write as _};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{NestedPath, Request, State};
+use axum::response::Response;
+use axum::routing::get;
+use hmac::{Hmac, Mac};
+use http::request::Parts;
+use http::{HeaderValue, StatusCode, header};
+use sha2::Sha256;
+
+use crate::admin;
+use crate::store::{InboxDatabase, RejectionReason, StatsRow, StatsStatus, StoredMessage};
+use crate::{ConsumerOutcome, Dispatcher, Error, MAX_KEY_BYTES, Outcome, Status};
+
+/// The largest `limit` the list and the bulk replay accept.
+pub const MAX_LIMIT: u32 = 1000;
+
+/// The `limit` of the list when none is given.
+pub const DEFAULT_LIMIT: u32 = 100;
+
+/// The operator's name of every request when the console is [behind your own
+/// auth](Console::behind_own_auth): `behind-own-auth`.
+pub const OWN_AUTH_OPERATOR: &str = "behind-own-auth";
+
+/// The largest form body a `POST` may send: 64 KiB.
+const MAX_FORM_BYTES: usize = 64 * 1024;
+
+/// The stylesheet, embedded.
+const STYLE: &str = include_str!("console.css");
+
+/// Why the [authorization hook](Console::authorize) turned a request away.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// Who is asking is not known: `401 Unauthorized`, with this `WWW-Authenticate` challenge
+    /// (e.g. `Bearer`, or `Basic realm="inbox"` for the browser's own login prompt).
+    Unauthenticated {
+        /// The `WWW-Authenticate` header's value.
+        challenge: String,
+    },
+    /// Who is asking is known and may not use the console: `403 Forbidden`, with this reason
+    /// on the page.
+    Forbidden {
+        /// Shown to the operator.
+        reason: String,
+    },
+}
+
+impl Refusal {
+    /// [`Refusal::Unauthenticated`] with this `WWW-Authenticate` challenge.
+    pub fn unauthenticated(challenge: impl Into<String>) -> Self {
+        Refusal::Unauthenticated {
+            challenge: challenge.into(),
+        }
+    }
+
+    /// [`Refusal::Forbidden`] with this reason.
+    pub fn forbidden(reason: impl Into<String>) -> Self {
+        Refusal::Forbidden {
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Why [`Console::build`] refused to build the router.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConsoleError {
+    /// Neither [`Console::authorize`] nor [`Console::behind_own_auth`] was called.
+    #[error(
+        "the operator console needs an authorization decision: give it a hook with \
+         `Console::authorize`, or call `Console::behind_own_auth` if the router is mounted \
+         behind authentication of your own"
+    )]
+    NoAuthorization,
+    /// Both [`Console::authorize`] and [`Console::behind_own_auth`] were called: which one
+    /// decides is ambiguous.
+    #[error(
+        "the operator console was given an authorization hook and told it is behind your own \
+         auth: choose one"
+    )]
+    BothAuthorizations,
+}
+
+/// The authorization hook's type: the request's head in, the operator's name or a refusal out.
+type Hook = dyn Fn(&Parts) -> Result<String, Refusal> + Send + Sync;
+
+/// The builder of the operator console's router. See the [module](self) documentation.
+pub struct Console<DB: InboxDatabase> {
+    dispatcher: Arc<Dispatcher<DB>>,
+    hook: Option<Arc<Hook>>,
+    own_auth: bool,
+    secret: Option<[u8; 32]>,
+}
+
+impl<DB: InboxDatabase> fmt::Debug for Console<DB> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Console")
+            .field("hook", &self.hook.is_some())
+            .field("own_auth", &self.own_auth)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: InboxDatabase> Console<DB> {
+    /// A console over `dispatcher`'s pool, replaying with its handlers (a `Dispatcher`, or an
+    /// `Arc` of the one your worker runs with, so that replays share its dedupe cache).
+    pub fn new(dispatcher: impl Into<Arc<Dispatcher<DB>>>) -> Self {
+        Self {
+            dispatcher: dispatcher.into(),
+            hook: None,
+            own_auth: false,
+            secret: None,
+        }
+    }
+
+    /// Decides, per request, who the operator is: `Ok(name)` serves the request as `name`
+    /// (logged with every action), `Err(refusal)` answers `401` or `403` (see [`Refusal`]).
+    /// Called for every page and action, before anything is read.
+    pub fn authorize<F>(mut self, hook: F) -> Self
+    where
+        F: Fn(&Parts) -> Result<String, Refusal> + Send + Sync + 'static,
+    {
+        self.hook = Some(Arc::new(hook));
+        self
+    }
+
+    /// Acknowledges that the router is mounted behind authentication of your own (a tower
+    /// layer on it, a reverse proxy): every request is served, as the operator
+    /// [`OWN_AUTH_OPERATOR`]. CSRF protection stays on.
+    pub fn behind_own_auth(mut self) -> Self {
+        self.own_auth = true;
+        self
+    }
+
+    /// The secret the CSRF tokens are keyed with, instead of a random one per console: give
+    /// replicas behind one load balancer the same secret (keep it out of the page and the
+    /// logs).
+    pub fn csrf_secret(mut self, secret: [u8; 32]) -> Self {
+        self.secret = Some(secret);
+        self
+    }
+
+    /// The router: mount it with [`Router::nest`] (or [`Router::merge`] at the root). Its
+    /// state type `S` is whatever your router's is.
+    ///
+    /// # Errors
+    /// [`ConsoleError::NoAuthorization`] if neither [`authorize`](Self::authorize) nor
+    /// [`behind_own_auth`](Self::behind_own_auth) was called,
+    /// [`ConsoleError::BothAuthorizations`] if both were.
+    pub fn build<S>(self) -> Result<Router<S>, ConsoleError>
+    where
+        S: Clone + Send + Sync + 'static,
+    {
+        let auth = match (self.hook, self.own_auth) {
+            (Some(hook), false) => Auth::Hook(hook),
+            (None, true) => Auth::OwnAuth,
+            (None, false) => return Err(ConsoleError::NoAuthorization),
+            (Some(_), true) => return Err(ConsoleError::BothAuthorizations),
+        };
+        let secret = self.secret.unwrap_or_else(random_secret);
+        let inner = Arc::new(Inner {
+            dispatcher: self.dispatcher,
+            auth,
+            secret,
+        });
+        Ok(Router::new()
+            .route("/", get(overview::<DB>))
+            .route("/messages", get(messages::<DB>))
+            .route("/message", get(message::<DB>))
+            .route("/replay", get(confirm_replay::<DB>).post(replay::<DB>))
+            .route("/discard", get(confirm_discard::<DB>).post(discard::<DB>))
+            .route(
+                "/replay-all",
+                get(confirm_replay_all::<DB>).post(replay_all::<DB>),
+            )
+            .route("/rejections", get(rejections::<DB>))
+            .route("/style.css", get(style))
+            .fallback(not_found)
+            .method_not_allowed_fallback(wrong_method)
+            .with_state(inner))
+    }
+}
+
+/// 32 random bytes: two version-4 UUIDs' random bits (from the operating system's generator).
+fn random_secret() -> [u8; 32] {
+    let mut secret = [0; 32];
+    secret[..16].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
+    secret[16..].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
+    secret
+}
+
+enum Auth {
+    Hook(Arc<Hook>),
+    OwnAuth,
+}
+
+struct Inner<DB: InboxDatabase> {
+    dispatcher: Arc<Dispatcher<DB>>,
+    auth: Auth,
+    secret: [u8; 32],
+}
+
+/// Who asks, and where the console is mounted.
+struct Ctx {
+    operator: String,
+    /// The prefix the router is nested under (`/ops`), or empty.
+    base: String,
+}
+
+impl Ctx {
+    /// The path of `page` (`/messages`) under the prefix.
+    fn link(&self, page: &str) -> String {
+        if page == "/" && !self.base.is_empty() {
+            return self.base.clone();
+        }
+        format!("{}{page}", self.base)
+    }
+}
+
+type Shared<DB> = State<Arc<Inner<DB>>>;
+
+impl<DB: InboxDatabase> Inner<DB> {
+    /// The operator, or the refusal's page.
+    fn begin(&self, parts: &Parts) -> Result<Ctx, Problem> {
+        let base = parts
+            .extensions
+            .get::<NestedPath>()
+            .map(|path| path.as_str().trim_end_matches('/').to_owned())
+            .unwrap_or_default();
+        let operator = match &self.auth {
+            Auth::OwnAuth => OWN_AUTH_OPERATOR.to_owned(),
+            Auth::Hook(hook) => match hook(parts) {
+                Ok(operator) => operator,
+                Err(Refusal::Unauthenticated { challenge }) => {
+                    let mut problem = bare(
+                        StatusCode::UNAUTHORIZED,
+                        "Not signed in",
+                        "This console needs you to authenticate.",
+                    );
+                    problem.challenge = HeaderValue::from_str(&challenge).ok();
+                    return Err(problem);
+                }
+                Err(Refusal::Forbidden { reason }) => {
+                    return Err(bare(
+                        StatusCode::FORBIDDEN,
+                        "Forbidden",
+                        &format!("You may not use this console: {reason}"),
+                    ));
+                }
+            },
+        };
+        Ok(Ctx { operator, base })
+    }
+
+    /// The CSRF token of `operator`: hex HMAC-SHA256 under the console's secret.
+    fn token(&self, operator: &str) -> String {
+        hex::encode(self.mac(operator).finalize().into_bytes())
+    }
+
+    fn mac(&self, operator: &str) -> Hmac<Sha256> {
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.secret)
+            .expect("HMAC takes keys of any length");
+        mac.update(operator.as_bytes());
+        mac
+    }
+
+    /// `true` if `token` is `operator`'s (compared in constant time).
+    fn token_ok(&self, operator: &str, token: Option<&str>) -> bool {
+        let Some(bytes) = token.and_then(|token| hex::decode(token).ok()) else {
+            return false;
+        };
+        self.mac(operator).verify_slice(&bytes).is_ok()
+    }
+
+    /// The consumers that exist: those of the dispatcher's handlers and those with rows.
+    async fn consumers(&self, rows: Option<&[StatsRow]>) -> Result<BTreeSet<String>, Problem> {
+        let mut known: BTreeSet<String> = self
+            .dispatcher
+            .handlers()
+            .into_iter()
+            .map(|handler| handler.consumer.to_owned())
+            .collect();
+        let fetched;
+        let rows = match rows {
+            Some(rows) => rows,
+            None => {
+                fetched = admin::stats(self.dispatcher.pool())
+                    .await
+                    .map_err(database)?;
+                &fetched
+            }
+        };
+        known.extend(rows.iter().filter_map(|row| row.consumer.clone()));
+        Ok(known)
+    }
+
+    /// `consumer` if it exists, else a 400 naming the known ones. Reads the statistics only
+    /// when no handler of the dispatcher serves it.
+    async fn check_consumer(&self, consumer: &str) -> Result<(), Problem> {
+        if self
+            .dispatcher
+            .handlers()
+            .iter()
+            .any(|handler| handler.consumer == consumer)
+        {
+            return Ok(());
+        }
+        let known = self.consumers(None).await?;
+        if known.contains(consumer) {
+            return Ok(());
+        }
+        let list: Vec<&str> = known.iter().map(String::as_str).collect();
+        Err(bad_request(&format!(
+            "Unknown consumer “{consumer}”. Known consumers: {}.",
+            if list.is_empty() {
+                "none".to_owned()
+            } else {
+                list.join(", ")
+            }
+        )))
+    }
+}
+
+// ----- Parameters -----
+
+/// Query or form parameters, each at most once, only those a page expects.
+struct Params(Vec<(String, String)>);
+
+impl Params {
+    /// Parses `text` (`a=1&b=2`), refusing names not in `allowed` and repeated names.
+    fn parse(text: &[u8], allowed: &[&str]) -> Result<Self, Problem> {
+        let mut seen = Vec::<(String, String)>::new();
+        for (name, value) in form_urlencoded::parse(text) {
+            if !allowed.contains(&name.as_ref()) {
+                return Err(bad_request(&format!(
+                    "Unknown parameter “{name}”. Expected: {}.",
+                    allowed.join(", ")
+                )));
+            }
+            if seen.iter().any(|(other, _)| *other == name) {
+                return Err(bad_request(&format!(
+                    "Parameter “{name}” is given more than once."
+                )));
+            }
+            seen.push((name.into_owned(), value.into_owned()));
+        }
+        Ok(Self(seen))
+    }
+
+    fn query(parts: &Parts, allowed: &[&str]) -> Result<Self, Problem> {
+        Self::parse(parts.uri.query().unwrap_or("").as_bytes(), allowed)
+    }
+
+    fn get(&self, name: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(other, _)| other == name)
+            .map(|(_, value)| value.as_str())
+    }
+
+    /// A parameter that must be there and not be empty.
+    fn required(&self, name: &str) -> Result<&str, Problem> {
+        match self.get(name) {
+            Some(value) if !value.is_empty() => Ok(value),
+            _ => Err(bad_request(&format!("Parameter “{name}” is required."))),
+        }
+    }
+
+    /// `consumer`, checked to exist.
+    async fn consumer<DB: InboxDatabase>(
+        &self,
+        inner: &Inner<DB>,
+        required: bool,
+    ) -> Result<Option<String>, Problem> {
+        let consumer = match self.get("consumer") {
+            None | Some("") if !required => return Ok(None),
+            _ => self.required("consumer")?,
+        };
+        if consumer.contains('\0') {
+            return Err(bad_request("The consumer contains a NUL character."));
+        }
+        inner.check_consumer(consumer).await?;
+        Ok(Some(consumer.to_owned()))
+    }
+
+    /// `key`: not empty, no NUL, at most [`MAX_KEY_BYTES`].
+    fn key(&self) -> Result<String, Problem> {
+        let key = self.required("key")?;
+        if key.contains('\0') {
+            return Err(bad_request(
+                "The key contains a NUL character: no message has such a key.",
+            ));
+        }
+        if key.len() > MAX_KEY_BYTES {
+            return Err(bad_request(&format!(
+                "The key is {} bytes long; keys are at most {MAX_KEY_BYTES} bytes.",
+                key.len()
+            )));
+        }
+        Ok(key.to_owned())
+    }
+
+    /// `limit`: 1 to [`MAX_LIMIT`], default [`DEFAULT_LIMIT`].
+    fn limit(&self) -> Result<u32, Problem> {
+        match self.get("limit") {
+            None | Some("") => Ok(DEFAULT_LIMIT),
+            Some(text) => match text.parse::<u32>() {
+                Ok(limit) if (1..=MAX_LIMIT).contains(&limit) => Ok(limit),
+                _ => Err(bad_request(&format!(
+                    "Limit “{text}” is out of range: give a whole number from 1 to {MAX_LIMIT}."
+                ))),
+            },
+        }
+    }
+
+    /// `status`: `failed`, `dead` or `parked`; absent: failed and dead.
+    fn statuses(&self) -> Result<(&'static [Status], &'static str), Problem> {
+        match self.get("status") {
+            None | Some("") => Ok((&[Status::Failed, Status::Dead], "")),
+            Some("failed") => Ok((&[Status::Failed], "failed")),
+            Some("dead") => Ok((&[Status::Dead], "dead")),
+            Some("parked") => Ok((&[Status::Parked], "parked")),
+            Some(other) => Err(bad_request(&format!(
+                "Status “{other}” is not one the list shows: give failed, dead or parked \
+                 (or nothing, for failed and dead)."
+            ))),
+        }
+    }
+}
+
+/// The request's form body, parsed as [`Params`], after the CSRF checks.
+async fn form<DB: InboxDatabase>(
+    inner: &Inner<DB>,
+    ctx: &Ctx,
+    parts: &Parts,
+    body: Body,
+    allowed: &[&str],
+) -> Result<Params, Problem> {
+    if let Some(why) = cross_site(parts) {
+        tracing::warn!(
+            target: "inbox_runtime::console",
+            operator = %ctx.operator,
+            why,
+            "console: cross-site POST refused"
+        );
+        return Err(bare(
+            StatusCode::FORBIDDEN,
+            "Cross-site request refused",
+            &format!("This action was sent from another site and is refused ({why})."),
+        ));
+    }
+    let bytes = axum::body::to_bytes(body, MAX_FORM_BYTES)
+        .await
+        .map_err(|_| {
+            bare(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "Form too large",
+                &format!("A form of the console is at most {MAX_FORM_BYTES} bytes."),
+            )
+        })?;
+    // The token first: a forged request learns nothing about the other fields.
+    let token = form_urlencoded::parse(&bytes)
+        .find(|(name, _)| name == "csrf")
+        .map(|(_, value)| value.into_owned());
+    if !inner.token_ok(&ctx.operator, token.as_deref()) {
+        tracing::warn!(
+            target: "inbox_runtime::console",
+            operator = %ctx.operator,
+            "console: POST without a valid CSRF token refused"
+        );
+        return Err(bare(
+            StatusCode::FORBIDDEN,
+            "Invalid form token",
+            "This action's form token (CSRF) is missing or wrong: open the page again and \
+             confirm from there.",
+        ));
+    }
+    Params::parse(&bytes, allowed)
+}
+
+/// Why a `POST` looks cross-site, if it does: a `Sec-Fetch-Site` other than `same-origin` (or
+/// `none`, typed by the user), or an `Origin` that is not this request's host.
+fn cross_site(parts: &Parts) -> Option<String> {
+    if let Some(site) = parts.headers.get("sec-fetch-site") {
+        let site = site.to_str().unwrap_or("?");
+        if site != "same-origin" && site != "none" {
+            return Some(format!("Sec-Fetch-Site: {site}"));
+        }
+    }
+    let origin = parts.headers.get(header::ORIGIN)?;
+    let origin = origin.to_str().unwrap_or("?");
+    let host = parts
+        .headers
+        .get(header::HOST)
+        .and_then(|host| host.to_str().ok())
+        .or_else(|| parts.uri.authority().map(|a| a.as_str()));
+    let same = host.is_some_and(|host| {
+        origin
+            .strip_prefix("https://")
+            .or_else(|| origin.strip_prefix("http://"))
+            .is_some_and(|rest| rest.eq_ignore_ascii_case(host))
+    });
+    (!same).then(|| format!("Origin: {origin}"))
+}
+
+// ----- Pages -----
+
+async fn overview<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+    let (parts, _) = request.into_parts();
+    run(async {
+        let ctx = inner.begin(&parts)?;
+        Params::query(&parts, &[])?;
+        let rows = admin::stats(inner.dispatcher.pool())
+            .await
+            .map_err(database)?;
+        let consumers = inner.consumers(Some(&rows)).await?;
+        let now = now_secs();
+        let mut body = String::from(
+            "<h1>Overview</h1><table class=\"overview\"><thead><tr><th>consumer</th>",
+        );
+        for status in Status::ALL {
+            let _ = write!(body, "<th class=\"num\">{status}</th>");
+        }
+        body.push_str(
+            "<th class=\"num\">rejected</th><th>oldest failed</th><th>oldest dead</th>\
+             </tr></thead><tbody>",
+        );
+        for consumer in &consumers {
+            let mine = rows
+                .iter()
+                .filter(|row| row.consumer.as_deref() == Some(consumer.as_str()));
+            let count = |status: Status| {
+                rows.iter()
+                    .filter(|row| {
+                        row.consumer.as_deref() == Some(consumer.as_str())
+                            && row.status == StatsStatus::Message(status)
+                    })
+                    .map(|row| row.count)
+                    .sum::<i64>()
+            };
+            let oldest = |status: Status| {
+                rows.iter()
+                    .find(|row| {
+                        row.consumer.as_deref() == Some(consumer.as_str())
+                            && row.status == StatsStatus::Message(status)
+                    })
+                    .and_then(|row| row.oldest.as_deref())
+                    .map_or_else(|| "—".to_owned(), |oldest| age(oldest, now))
+            };
+            let rejected: i64 = mine
+                .filter(|row| matches!(row.status, StatsStatus::Rejected(_)))
+                .map(|row| row.count)
+                .sum();
+            let c = escape(consumer);
+            let _ = write!(
+                body,
+                "<tr><th><a href=\"{}\">{c}</a></th>",
+                escape(&format!(
+                    "{}?consumer={}",
+                    ctx.link("/messages"),
+                    encode(consumer)
+                ))
+            );
+            for status in Status::ALL {
+                let n = count(status);
+                let cell = if n > 0 && status.keeps_payload() {
+                    format!(
+                        "<a href=\"{}\">{n}</a>",
+                        escape(&format!(
+                            "{}?consumer={}&status={status}",
+                            ctx.link("/messages"),
+                            encode(consumer)
+                        ))
+                    )
+                } else {
+                    n.to_string()
+                };
+                let _ = write!(
+                    body,
+                    "<td class=\"num\" data-consumer=\"{c}\" data-status=\"{status}\">{cell}</td>"
+                );
+            }
+            let _ = write!(
+                body,
+                "<td class=\"num\" data-consumer=\"{c}\" data-status=\"rejected\">{rejected}</td>\
+                 <td data-consumer=\"{c}\" data-oldest=\"failed\">{}</td>\
+                 <td data-consumer=\"{c}\" data-oldest=\"dead\">{}</td></tr>",
+                escape(&oldest(Status::Failed)),
+                escape(&oldest(Status::Dead)),
+            );
+        }
+        if consumers.is_empty() {
+            body.push_str("<tr><td colspan=\"10\" class=\"muted\">The inbox is empty and no handler is registered.</td></tr>");
+        }
+        body.push_str("</tbody></table>");
+        let unnamed: i64 = rows
+            .iter()
+            .filter(|row| row.consumer.is_none())
+            .map(|row| row.count)
+            .sum();
+        if unnamed > 0 {
+            let _ = write!(
+                body,
+                "<p class=\"notice\">{unnamed} rejected deliveries name no consumer \
+                 (unknown message names): see <a href=\"{}\">rejections</a>.</p>",
+                escape(&ctx.link("/rejections"))
+            );
+        }
+        body.push_str(
+            "<p class=\"muted\">Ages are measured from the first delivery of the oldest \
+             message in that status.</p>",
+        );
+        Ok(layout(&ctx, StatusCode::OK, "Overview", &body))
+    })
+    .await
+}
+
+async fn messages<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+    let (parts, _) = request.into_parts();
+    run(async {
+        let ctx = inner.begin(&parts)?;
+        let params = Params::query(&parts, &["consumer", "status", "limit"])?;
+        let (statuses, status) = params.statuses()?;
+        let limit = params.limit()?;
+        let consumer = params.consumer(&inner, false).await?;
+        let rows = admin::list(
+            inner.dispatcher.pool(),
+            consumer.as_deref(),
+            statuses,
+            limit,
+        )
+        .await
+        .map_err(database)?;
+        let known = inner.consumers(None).await?;
+        let mut body = String::from("<h1>Failed and dead messages</h1>");
+        let _ = write!(
+            body,
+            "<form class=\"filter\" method=\"get\" action=\"{}\">\
+             <label>consumer<select name=\"consumer\"><option value=\"\">all</option>",
+            escape(&ctx.link("/messages"))
+        );
+        for name in &known {
+            let selected = if consumer.as_deref() == Some(name.as_str()) {
+                " selected"
+            } else {
+                ""
+            };
+            let _ = write!(
+                body,
+                "<option value=\"{0}\"{selected}>{0}</option>",
+                escape(name)
+            );
+        }
+        body.push_str("</select></label><label>status<select name=\"status\">");
+        for (value, label) in [
+            ("", "failed and dead"),
+            ("failed", "failed"),
+            ("dead", "dead"),
+            ("parked", "parked"),
+        ] {
+            let selected = if value == status { " selected" } else { "" };
+            let _ = write!(body, "<option value=\"{value}\"{selected}>{label}</option>");
+        }
+        let _ = write!(
+            body,
+            "</select></label><label>limit<input name=\"limit\" type=\"number\" min=\"1\" \
+             max=\"{MAX_LIMIT}\" value=\"{limit}\"></label><button>Show</button></form>"
+        );
+        let _ = write!(
+            body,
+            "<form class=\"filter\" method=\"get\" action=\"{}\">\
+             <label>consumer<input name=\"consumer\" required value=\"{}\"></label>\
+             <label>key<input name=\"key\" required></label><button>Find by key</button></form>",
+            escape(&ctx.link("/message")),
+            escape(consumer.as_deref().unwrap_or(""))
+        );
+        let filter = filter_query(consumer.as_deref(), status, limit);
+        let _ = write!(
+            body,
+            "<p>{} shown{}.</p>",
+            rows.len(),
+            if rows.len() as u64 == u64::from(limit) {
+                " (the limit: there may be more)"
+            } else {
+                ""
+            }
+        );
+        if !rows.is_empty() && status != "parked" {
+            let _ = write!(
+                body,
+                "<div class=\"actions\"><a href=\"{}\">Replay these {}…</a></div>",
+                escape(&format!("{}?{filter}", ctx.link("/replay-all"))),
+                rows.len()
+            );
+        }
+        body.push_str(
+            "<table class=\"messages\"><thead><tr><th>consumer</th><th>key</th><th>message</th>\
+             <th>status</th><th class=\"num\">attempts</th><th>received</th><th>last error</th>\
+             </tr></thead><tbody>",
+        );
+        for row in &rows {
+            let _ = write!(
+                body,
+                "<tr><td>{}</td><td class=\"key\"><a href=\"{}\">{}</a></td><td>{}</td>\
+                 <td class=\"status-{status}\">{status}</td><td class=\"num\">{}</td><td>{}</td>\
+                 <td class=\"error\">{}</td></tr>",
+                escape(&row.consumer),
+                escape(&message_link(&ctx, "/message", row)),
+                escape(&row.message_key),
+                escape(&row.message_name),
+                row.attempts,
+                escape(&admin::utc_time(&row.received_at)),
+                escape(&cut(row.last_error.as_deref().unwrap_or(""), 200)),
+                status = row.status,
+            );
+        }
+        body.push_str("</tbody></table>");
+        Ok(layout(&ctx, StatusCode::OK, "Messages", &body))
+    })
+    .await
+}
+
+async fn message<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+    let (parts, _) = request.into_parts();
+    run(async {
+        let ctx = inner.begin(&parts)?;
+        let params = Params::query(&parts, &["consumer", "key"])?;
+        let (consumer, key) = (params.consumer(&inner, true).await?, params.key()?);
+        let consumer = consumer.unwrap_or_default();
+        let row = fetch(&inner, &consumer, &key).await?;
+        let mut body = String::from("<h1>Message</h1>");
+        describe_row(&mut body, &row, true);
+        if matches!(row.status, Status::Failed | Status::Dead) {
+            let _ = write!(
+                body,
+                "<div class=\"actions\"><a href=\"{}\">Replay…</a><a href=\"{}\">Discard…</a></div>",
+                escape(&message_link(&ctx, "/replay", &row)),
+                escape(&message_link(&ctx, "/discard", &row)),
+            );
+        }
+        Ok(layout(&ctx, StatusCode::OK, "Message", &body))
+    })
+    .await
+}
+
+async fn confirm_replay<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+    confirm(&inner, request, Action::Replay).await
+}
+
+async fn confirm_discard<DB: InboxDatabase>(
+    State(inner): Shared<DB>,
+    request: Request,
+) -> Response {
+    confirm(&inner, request, Action::Discard).await
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Replay,
+    Discard,
+}
+
+impl Action {
+    fn verb(self) -> &'static str {
+        match self {
+            Action::Replay => "replay",
+            Action::Discard => "discard",
+        }
+    }
+}
+
+/// The confirmation page of one action on one message.
+async fn confirm<DB: InboxDatabase>(
+    inner: &Inner<DB>,
+    request: Request,
+    action: Action,
+) -> Response {
+    let (parts, _) = request.into_parts();
+    run(async {
+        let ctx = inner.begin(&parts)?;
+        let params = Params::query(&parts, &["consumer", "key"])?;
+        let (consumer, key) = (params.consumer(inner, true).await?, params.key()?);
+        let consumer = consumer.unwrap_or_default();
+        let row = fetch(inner, &consumer, &key).await?;
+        actionable(&row, action)?;
+        let verb = action.verb();
+        let mut body = format!("<h1>Confirm: {verb} this message?</h1>");
+        body.push_str(match action {
+            Action::Replay => {
+                "<p class=\"notice\">Replaying runs the registered handler once on the stored \
+                 payload, through the same claim: if it succeeds, the message becomes processed.</p>"
+            }
+            Action::Discard => {
+                "<p class=\"notice bad\">Discarding drops the payload for good: the message will \
+                 never run, and its redeliveries stay blocked.</p>"
+            }
+        });
+        describe_row(&mut body, &row, false);
+        let _ = write!(
+            body,
+            "<form method=\"post\" action=\"{}\"><input type=\"hidden\" name=\"consumer\" \
+             value=\"{}\"><input type=\"hidden\" name=\"key\" value=\"{}\">{}\
+             <div class=\"actions\"><button{}>Yes, {verb}</button><a href=\"{}\">Cancel</a></div></form>",
+            escape(&ctx.link(&format!("/{verb}"))),
+            escape(&row.consumer),
+            escape(&row.message_key),
+            csrf_field(inner, &ctx),
+            if action == Action::Discard {
+                " class=\"danger\""
+            } else {
+                ""
+            },
+            escape(&message_link(&ctx, "/message", &row)),
+        );
+        Ok(layout(&ctx, StatusCode::OK, "Confirm", &body))
+    })
+    .await
+}
+
+async fn replay<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+    act(&inner, request, Action::Replay).await
+}
+
+async fn discard<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+    act(&inner, request, Action::Discard).await
+}
+
+/// A confirmed action on one message.
+async fn act<DB: InboxDatabase>(inner: &Inner<DB>, request: Request, action: Action) -> Response {
+    let (parts, body) = request.into_parts();
+    run(async {
+        let ctx = inner.begin(&parts)?;
+        let params = form(inner, &ctx, &parts, body, &["consumer", "key", "csrf"]).await?;
+        let (consumer, key) = (params.consumer(inner, true).await?, params.key()?);
+        let consumer = consumer.unwrap_or_default();
+        let row = fetch(inner, &consumer, &key).await?;
+        actionable(&row, action)?;
+        let (status, text) = match action {
+            Action::Replay => match inner.dispatcher.replay(&consumer, &key).await {
+                Ok(outcome) => {
+                    let (text, ok) = describe(&outcome);
+                    (if ok { "ok" } else { "bad" }, text)
+                }
+                Err(error) => ("bad", error.to_string()),
+            },
+            Action::Discard => match inner.dispatcher.discard(&consumer, &key).await {
+                Ok(true) => ("ok", "discarded".to_owned()),
+                Ok(false) => (
+                    "bad",
+                    "not discarded: the message is no longer failed or dead".to_owned(),
+                ),
+                Err(error) => ("bad", format!("database error: {error}")),
+            },
+        };
+        tracing::info!(
+            target: "inbox_runtime::console",
+            operator = %ctx.operator,
+            action = action.verb(),
+            consumer = %consumer,
+            key = %key,
+            result = %text,
+            "console: {}",
+            action.verb()
+        );
+        let verb = action.verb();
+        let mut body = format!(
+            "<h1>{}</h1><p class=\"notice {status}\" data-result=\"{status}\">{}/{}: {}</p>",
+            if action == Action::Replay {
+                "Replay"
+            } else {
+                "Discard"
+            },
+            escape(&consumer),
+            escape(&key),
+            escape(&text)
+        );
+        if let Ok(Some(after)) = admin::show(inner.dispatcher.pool(), &consumer, &key).await {
+            describe_row(&mut body, &after, false);
+        }
+        let _ = write!(
+            body,
+            "<p><a href=\"{}\">Back to the message</a> · <a href=\"{}\">Failed and dead messages</a></p>",
+            escape(&message_link(&ctx, "/message", &row)),
+            escape(&ctx.link("/messages")),
+        );
+        let code = if status == "ok" {
+            StatusCode::OK
+        } else {
+            StatusCode::CONFLICT
+        };
+        Ok(layout(&ctx, code, &format!("{verb} done"), &body))
+    })
+    .await
+}
+
+async fn confirm_replay_all<DB: InboxDatabase>(
+    State(inner): Shared<DB>,
+    request: Request,
+) -> Response {
+    let (parts, _) = request.into_parts();
+    run(async {
+        let ctx = inner.begin(&parts)?;
+        let params = Params::query(&parts, &["consumer", "status", "limit"])?;
+        let (statuses, status) = bulk_statuses(&params)?;
+        let limit = params.limit()?;
+        let consumer = params.consumer(&inner, false).await?;
+        let rows = admin::list(
+            inner.dispatcher.pool(),
+            consumer.as_deref(),
+            statuses,
+            limit,
+        )
+        .await
+        .map_err(database)?;
+        let mut body = format!(
+            "<h1>Confirm: replay {} messages?</h1><p class=\"notice\">Each of the {} {} \
+             messages{} below (oldest first, at most {limit}) is replayed once with its \
+             registered handler.</p><ul>",
+            rows.len(),
+            rows.len(),
+            if status.is_empty() {
+                "failed and dead"
+            } else {
+                status
+            },
+            consumer
+                .as_deref()
+                .map(|c| format!(" of consumer {}", escape(c)))
+                .unwrap_or_default(),
+        );
+        for row in &rows {
+            let _ = write!(
+                body,
+                "<li>{}/<span class=\"key\">{}</span> ({})</li>",
+                escape(&row.consumer),
+                escape(&row.message_key),
+                row.status
+            );
+        }
+        let _ = write!(
+            body,
+            "</ul><form method=\"post\" action=\"{}\"><input type=\"hidden\" name=\"consumer\" \
+             value=\"{}\"><input type=\"hidden\" name=\"status\" value=\"{status}\">\
+             <input type=\"hidden\" name=\"limit\" value=\"{limit}\">{}<div class=\"actions\">\
+             <button>Yes, replay them</button><a href=\"{}\">Cancel</a></div></form>",
+            escape(&ctx.link("/replay-all")),
+            escape(consumer.as_deref().unwrap_or("")),
+            csrf_field(&inner, &ctx),
+            escape(&format!(
+                "{}?{}",
+                ctx.link("/messages"),
+                filter_query(consumer.as_deref(), status, limit)
+            )),
+        );
+        Ok(layout(&ctx, StatusCode::OK, "Confirm", &body))
+    })
+    .await
+}
+
+async fn replay_all<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    run(async {
+        let ctx = inner.begin(&parts)?;
+        let params = form(
+            &inner,
+            &ctx,
+            &parts,
+            body,
+            &["consumer", "status", "limit", "csrf"],
+        )
+        .await?;
+        let (statuses, _) = bulk_statuses(&params)?;
+        let limit = params.limit()?;
+        let consumer = params.consumer(&inner, false).await?;
+        let rows = admin::list(
+            inner.dispatcher.pool(),
+            consumer.as_deref(),
+            statuses,
+            limit,
+        )
+        .await
+        .map_err(database)?;
+        let mut table = String::new();
+        let (mut succeeded, mut failed) = (0_u32, 0_u32);
+        for row in &rows {
+            let (text, ok) = match inner
+                .dispatcher
+                .replay(&row.consumer, &row.message_key)
+                .await
+            {
+                Ok(outcome) => describe(&outcome),
+                Err(error) => (error.to_string(), false),
+            };
+            if ok {
+                succeeded += 1;
+            } else {
+                failed += 1;
+            }
+            tracing::info!(
+                target: "inbox_runtime::console",
+                operator = %ctx.operator,
+                action = "replay",
+                consumer = %row.consumer,
+                key = %row.message_key,
+                result = %text,
+                "console: replay (bulk)"
+            );
+            let _ = write!(
+                table,
+                "<tr><td>{}</td><td class=\"key\"><a href=\"{}\">{}</a></td><td>{}</td></tr>",
+                escape(&row.consumer),
+                escape(&message_link(&ctx, "/message", row)),
+                escape(&row.message_key),
+                escape(&text)
+            );
+        }
+        let body = format!(
+            "<h1>Bulk replay</h1><p class=\"notice {}\" data-result=\"bulk\">Replayed {}: \
+             {succeeded} succeeded, {failed} did not.</p><table><thead><tr><th>consumer</th>\
+             <th>key</th><th>result</th></tr></thead><tbody>{table}</tbody></table>",
+            if failed == 0 { "ok" } else { "bad" },
+            rows.len()
+        );
+        Ok(layout(&ctx, StatusCode::OK, "Bulk replay", &body))
+    })
+    .await
+}
+
+async fn rejections<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+    let (parts, _) = request.into_parts();
+    run(async {
+        let ctx = inner.begin(&parts)?;
+        Params::query(&parts, &[])?;
+        let rows = admin::stats(inner.dispatcher.pool())
+            .await
+            .map_err(database)?;
+        let now = now_secs();
+        let mut body = String::from(
+            "<h1>Rejected deliveries</h1><p class=\"muted\">Deliveries the dispatcher refused \
+             and recorded in <code>inbox_rejections</code>: the same key with another payload \
+             (conflict), payloads that do not decode (malformed), names no handler serves \
+             (unknown_message), bad keys (invalid_key), payloads over the limit (too_large).</p>\
+             <table class=\"rejections\"><thead><tr><th>consumer</th><th>reason</th>\
+             <th class=\"num\">count</th><th>oldest</th></tr></thead><tbody>",
+        );
+        let mut any = false;
+        for row in &rows {
+            let StatsStatus::Rejected(reason) = row.status else {
+                continue;
+            };
+            any = true;
+            let consumer = row.consumer.as_deref().unwrap_or("(none)");
+            let _ = write!(
+                body,
+                "<tr><td>{c}</td><td>{r}</td><td class=\"num\" data-consumer=\"{c}\" \
+                 data-reason=\"{r}\">{}</td><td>{}</td></tr>",
+                row.count,
+                escape(
+                    &row.oldest
+                        .as_deref()
+                        .map_or_else(|| "—".to_owned(), |oldest| age(oldest, now))
+                ),
+                c = escape(consumer),
+                r = reason_str(reason),
+            );
+        }
+        if !any {
+            body.push_str(
+                "<tr><td colspan=\"4\" class=\"muted\">No rejected deliveries.</td></tr>",
+            );
+        }
+        body.push_str("</tbody></table>");
+        Ok(layout(&ctx, StatusCode::OK, "Rejections", &body))
+    })
+    .await
+}
+
+async fn style() -> Response {
+    let mut response = Response::new(Body::from(STYLE));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/css; charset=utf-8"),
+    );
+    response
+}
+
+/// A page of the console with a trailing slash (`/ops/messages/`) is redirected to itself
+/// without it (relatively, so under any prefix); anything else is a 404.
+async fn not_found(request: Request) -> Response {
+    let path = request.uri().path();
+    let segment = path
+        .strip_suffix('/')
+        .and_then(|path| path.rsplit('/').next())
+        .filter(|segment| !segment.is_empty() && !segment.contains(['.', '\\']));
+    if let Some(segment) = segment {
+        let location = match request.uri().query() {
+            Some(query) => format!("../{segment}?{query}"),
+            None => format!("../{segment}"),
+        };
+        if let Ok(location) = HeaderValue::from_str(&location) {
+            let mut response = Response::new(Body::empty());
+            *response.status_mut() = StatusCode::PERMANENT_REDIRECT;
+            response.headers_mut().insert(header::LOCATION, location);
+            return response;
+        }
+    }
+    bare(
+        StatusCode::NOT_FOUND,
+        "Not found",
+        "The console has no such page.",
+    )
+    .response()
+}
+
+async fn wrong_method(request: Request) -> Response {
+    let method = request.method().clone();
+    bare(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "Method not allowed",
+        &format!(
+            "This page does not take {method}: pages are read with GET, and actions are \
+             sent with POST from their confirmation page."
+        ),
+    )
+    .response()
+}
+
+// ----- Helpers -----
+
+/// Runs a page, turning its early refusal into its response.
+async fn run(page: impl Future<Output = Result<Response, Problem>>) -> Response {
+    page.await.unwrap_or_else(Problem::response)
+}
+
+/// Why a request was not served: its status, a title and a message for the page, and the
+/// `WWW-Authenticate` challenge of a 401.
+struct Problem {
+    status: StatusCode,
+    title: &'static str,
+    message: String,
+    challenge: Option<HeaderValue>,
+}
+
+impl Problem {
+    fn response(self) -> Response {
+        let mut response = page_response(self.status, self.title, &paragraph(&self.message));
+        if let Some(challenge) = self.challenge {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, challenge);
+        }
+        response
+    }
+}
+
+fn reason_str(reason: RejectionReason) -> &'static str {
+    reason.as_str()
+}
+
+/// The filter of the list and the bulk replay, for a bulk replay: failed and dead only.
+fn bulk_statuses(params: &Params) -> Result<(&'static [Status], &'static str), Problem> {
+    let (statuses, status) = params.statuses()?;
+    if status == "parked" {
+        return Err(bad_request(
+            "Parked messages wait for their predecessor and are not replayed by hand: \
+             give failed or dead.",
+        ));
+    }
+    Ok((statuses, status))
+}
+
+/// One row or a 404.
+async fn fetch<DB: InboxDatabase>(
+    inner: &Inner<DB>,
+    consumer: &str,
+    key: &str,
+) -> Result<StoredMessage, Problem> {
+    admin::show(inner.dispatcher.pool(), consumer, key)
+        .await
+        .map_err(database)?
+        .ok_or_else(|| {
+            bare(
+                StatusCode::NOT_FOUND,
+                "No such message",
+                &format!("Consumer “{consumer}” has no message with key “{key}”."),
+            )
+        })
+}
+
+/// A 409 unless `row` is failed or dead.
+fn actionable(row: &StoredMessage, action: Action) -> Result<(), Problem> {
+    if matches!(row.status, Status::Failed | Status::Dead) {
+        return Ok(());
+    }
+    Err(bare(
+        StatusCode::CONFLICT,
+        "Nothing to do",
+        &format!(
+            "The message is {}: only failed and dead messages can be {}ed. Nothing was changed.",
+            row.status,
+            if action == Action::Replay {
+                "replay"
+            } else {
+                "discard"
+            }
+        ),
+    ))
+}
+
+/// How one replay ended, and whether it succeeded (processed, or processed meanwhile).
+fn describe(outcome: &ConsumerOutcome) -> (String, bool) {
+    match &outcome.result {
+        Ok(Outcome::Processed(())) => ("processed".into(), true),
+        Ok(Outcome::Duplicate) => ("duplicate (processed meanwhile)".into(), true),
+        Ok(other) => (other.kind().into(), false),
+        Err(Error::Handler(failure)) => (format!("failed again: {failure}"), false),
+        Err(error) => (error.to_string(), false),
+    }
+}
+
+/// The definition list of one row (the payload with `payload`).
+fn describe_row(body: &mut String, row: &StoredMessage, payload: bool) {
+    let opt = |value: Option<&str>| value.map_or_else(|| "—".to_owned(), admin::utc_time);
+    let _ = write!(
+        body,
+        "<dl><dt>consumer</dt><dd data-field=\"consumer\">{}</dd>\
+         <dt>key</dt><dd class=\"key\" data-field=\"key\">{}</dd>\
+         <dt>message</dt><dd>{}</dd>\
+         <dt>status</dt><dd class=\"status-{status}\" data-field=\"status\">{status}</dd>\
+         <dt>attempts</dt><dd data-field=\"attempts\">{}</dd>\
+         <dt>received</dt><dd>{}</dd><dt>processed</dt><dd>{}</dd>\
+         <dt>next attempt</dt><dd>{}</dd><dt>source</dt><dd>{}</dd>",
+        escape(&row.consumer),
+        escape(&row.message_key),
+        escape(&row.message_name),
+        row.attempts,
+        escape(&admin::utc_time(&row.received_at)),
+        escape(&opt(row.processed_at.as_deref())),
+        escape(&opt(row.next_attempt_at.as_deref())),
+        escape(row.source.as_deref().unwrap_or("—")),
+        status = row.status,
+    );
+    if let Some(aggregate) = &row.aggregate_id {
+        let _ = write!(
+            body,
+            "<dt>aggregate</dt><dd>{} #{}</dd>",
+            escape(aggregate),
+            row.sequence
+                .map_or_else(|| "—".to_owned(), |s| s.to_string())
+        );
+    }
+    let _ = write!(
+        body,
+        "<dt>payload hash</dt><dd class=\"key\">{}</dd></dl>",
+        escape(&row.payload_hash)
+    );
+    if let Some(error) = &row.last_error {
+        let _ = write!(
+            body,
+            "<h2>Last error</h2><pre data-field=\"last_error\">{}</pre>",
+            escape(error)
+        );
+    }
+    if payload {
+        match &row.payload {
+            Some(bytes) => {
+                let (text, note) = pretty(bytes);
+                let _ = write!(
+                    body,
+                    "<h2>Payload{note}</h2><pre data-field=\"payload\">{}</pre>",
+                    escape(&text)
+                );
+            }
+            None => body.push_str("<h2>Payload</h2><p class=\"muted\">Not kept.</p>"),
+        }
+    }
+}
+
+/// The payload pretty-printed when it is JSON, else as text (invalid UTF-8 replaced), with a
+/// note for the heading.
+fn pretty(bytes: &[u8]) -> (String, &'static str) {
+    match serde_json::from_slice::<serde_json::Value>(bytes) {
+        Ok(value) => (
+            serde_json::to_string_pretty(&value)
+                .unwrap_or_else(|_| String::from_utf8_lossy(bytes).into_owned()),
+            " (JSON)",
+        ),
+        Err(_) => (
+            String::from_utf8_lossy(bytes).into_owned(),
+            " (not JSON: shown as text)",
+        ),
+    }
+}
+
+/// The link to `page` of one message (`?consumer=…&key=…`, percent-encoded).
+fn message_link(ctx: &Ctx, page: &str, row: &StoredMessage) -> String {
+    format!(
+        "{}?consumer={}&key={}",
+        ctx.link(page),
+        encode(&row.consumer),
+        encode(&row.message_key)
+    )
+}
+
+/// The list's filter as a query string.
+fn filter_query(consumer: Option<&str>, status: &str, limit: u32) -> String {
+    let mut query = form_urlencoded::Serializer::new(String::new());
+    if let Some(consumer) = consumer {
+        query.append_pair("consumer", consumer);
+    }
+    if !status.is_empty() {
+        query.append_pair("status", status);
+    }
+    query.append_pair("limit", &limit.to_string());
+    query.finish()
+}
+
+/// `value` percent-encoded for a query string.
+fn encode(value: &str) -> String {
+    form_urlencoded::byte_serialize(value.as_bytes()).collect()
+}
+
+/// The hidden CSRF field of `ctx`'s operator.
+fn csrf_field<DB: InboxDatabase>(inner: &Inner<DB>, ctx: &Ctx) -> String {
+    format!(
+        "<input type=\"hidden\" name=\"csrf\" value=\"{}\">",
+        inner.token(&ctx.operator)
+    )
+}
+
+/// `text` cut to `max` characters, with an ellipsis when cut.
+fn cut(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text.to_owned(),
+    }
+}
+
+fn now_secs() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
+/// A database time with its age: `2026-05-21 10:04:31 UTC (3h 2m 5s ago)`.
+fn age(time: &str, now: i64) -> String {
+    match admin::parse_time(time) {
+        Some(at) => {
+            let ago = u64::try_from(now.saturating_sub(at)).unwrap_or(0);
+            format!(
+                "{} ({} ago)",
+                admin::utc_time(time),
+                admin::format_skew(std::time::Duration::from_secs(ago))
+            )
+        }
+        None => admin::utc_time(time),
+    }
+}
+
+/// `text` escaped for HTML text and double- or single-quoted attribute values: `&`, `<`, `>`,
+/// `"` and `'` as character references, and NUL as U+FFFD (which HTML parsers put there
+/// anyway).
+pub fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            '\0' => out.push('\u{FFFD}'),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+fn paragraph(text: &str) -> String {
+    format!("<p class=\"notice bad\" data-error>{}</p>", escape(text))
+}
+
+/// A page around `body`, with the navigation.
+fn layout(ctx: &Ctx, status: StatusCode, title: &str, body: &str) -> Response {
+    let html = format!(
+        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
+         <title>{} · inbox console</title><link rel=\"stylesheet\" href=\"{}\"></head><body>\
+         <header><span class=\"brand\">inbox console</span><nav><a href=\"{}\">Overview</a>\
+         <a href=\"{}\">Failed and dead</a><a href=\"{}\">Rejections</a></nav>\
+         <span class=\"operator\">{}</span></header><main>{body}</main></body></html>",
+        escape(title),
+        escape(&ctx.link("/style.css")),
+        escape(&ctx.link("/")),
+        escape(&ctx.link("/messages")),
+        escape(&ctx.link("/rejections")),
+        escape(&ctx.operator),
+    );
+    html_response(status, html)
+}
+
+/// A page outside the layout (refusals, errors): a title and a message.
+fn page_response(status: StatusCode, title: &str, body: &str) -> Response {
+    let html = format!(
+        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{}</title></head>\
+         <body><h1>{}</h1>{body}</body></html>",
+        escape(title),
+        escape(title)
+    );
+    html_response(status, html)
+}
+
+fn bare(status: StatusCode, title: &'static str, message: &str) -> Problem {
+    Problem {
+        status,
+        title,
+        message: message.to_owned(),
+        challenge: None,
+    }
+}
+
+fn bad_request(message: &str) -> Problem {
+    bare(StatusCode::BAD_REQUEST, "Bad request", message)
+}
+
+fn database(error: sqlx::Error) -> Problem {
+    tracing::error!(target: "inbox_runtime::console", %error, "console: database error");
+    bare(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "Database error",
+        &format!("The inbox's database failed: {error}"),
+    )
+}
+
+fn html_response(status: StatusCode, html: String) -> Response {
+    let mut response = Response::new(Body::from(html));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/html; charset=utf-8"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; style-src 'self'; form-action 'self'; frame-ancestors 'none'; \
+             base-uri 'none'",
+        ),
+    );
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{cut, escape};
+
+    #[test]
+    fn escapes_every_special_character() {
+        assert_eq!(
+            escape("<script>alert(\"x\" + 'y')</script> & \0 ü"),
+            "&lt;script&gt;alert(&quot;x&quot; + &#39;y&#39;)&lt;/script&gt; &amp; \u{FFFD} ü"
+        );
+        assert_eq!(escape("plain"), "plain");
+    }
+
+    #[test]
+    fn cuts_on_characters() {
+        assert_eq!(cut("äöü", 2), "äö…");
+        assert_eq!(cut("äöü", 3), "äöü");
+    }
+}

@@ -1,0 +1,697 @@
+//! The operator console (feature `console`), its router driven in process on both backends:
+//! the overview's counts equal `admin::stats`, a dead message replayed from the page is applied
+//! once, one discarded, requests the hook refuses get 401/403, forged actions are refused, bad
+//! input gets a 4xx that says why and changes nothing, and keys and payloads are HTML-escaped.
+
+#![allow(missing_docs)]
+
+use std::sync::Mutex;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use inbox_runtime::{Classify, ErrorClass, Message};
+use serde::{Deserialize, Serialize};
+use tower::ServiceExt as _;
+
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[message(name = "console.task")]
+pub struct Task {
+    #[message(key)]
+    pub id: String,
+    pub amount: i64,
+    pub note: String,
+}
+
+/// Task ids (`backend:id`) whose handler fails, and how (`true`: permanently).
+static BROKEN: Mutex<Vec<(String, bool)>> = Mutex::new(Vec::new());
+
+fn break_task(id: &str, permanent: bool) {
+    BROKEN.lock().unwrap().push((id.to_owned(), permanent));
+}
+
+fn fix_task(id: &str) {
+    BROKEN.lock().unwrap().retain(|(other, _)| other != id);
+}
+
+fn broken(id: &str) -> Option<bool> {
+    BROKEN
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|(other, _)| other == id)
+        .map(|(_, permanent)| *permanent)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TaskError {
+    #[error("task {0} is broken for good")]
+    Broken(String),
+    #[error("task {0} hit a flaky dependency")]
+    Flaky(String),
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
+impl Classify for TaskError {
+    fn class(&self) -> ErrorClass {
+        match self {
+            TaskError::Broken(_) => ErrorClass::Permanent,
+            TaskError::Flaky(_) => ErrorClass::Retryable,
+            TaskError::Db(error) => error.class(),
+        }
+    }
+}
+
+/// The HTML-injection key: quotes, angle brackets, an ampersand, unicode.
+const EVIL: &str = "evil-<b>\"x'&</b>-✓";
+
+/// The text of the first `data-…` cell whose attributes start with `marker`, tags removed.
+fn cell(html: &str, marker: &str) -> String {
+    let at = html
+        .find(marker)
+        .unwrap_or_else(|| panic!("no cell {marker} in {html}"));
+    let rest = &html[at + marker.len()..];
+    let rest = &rest[rest.find('>').unwrap() + 1..];
+    let end = rest.find("</td>").unwrap();
+    let mut text = String::new();
+    let mut in_tag = false;
+    for c in rest[..end].chars() {
+        match c {
+            '<' => in_tag = true,
+            '>' => in_tag = false,
+            c if !in_tag => text.push(c),
+            _ => {}
+        }
+    }
+    text
+}
+
+/// The CSRF token of a confirmation page.
+fn csrf(html: &str) -> String {
+    let marker = "name=\"csrf\" value=\"";
+    let at = html
+        .find(marker)
+        .unwrap_or_else(|| panic!("no CSRF field in {html}"));
+    let rest = &html[at + marker.len()..];
+    rest[..rest.find('"').unwrap()].to_owned()
+}
+
+/// A form body as a browser sends it (`application/x-www-form-urlencoded`).
+fn form(pairs: &[(&str, &str)]) -> String {
+    pairs
+        .iter()
+        .map(|(name, value)| format!("{}={}", percent(name), percent(value)))
+        .collect::<Vec<_>>()
+        .join("&")
+}
+
+/// Percent-encodes everything but unreserved characters.
+fn percent(text: &str) -> String {
+    let mut out = String::new();
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || b"-_.~".contains(&byte) {
+            out.push(byte as char);
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+/// One request to `app`: the status and the body as text.
+async fn call(
+    app: &axum::Router,
+    method: &str,
+    uri: &str,
+    headers: &[(&str, &str)],
+    body: Option<String>,
+) -> (StatusCode, String, axum::http::HeaderMap) {
+    let mut request = Request::builder().method(method).uri(uri);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = match body {
+        Some(body) => request
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(Body::from(body)),
+        None => request.body(Body::empty()),
+    }
+    .unwrap();
+    let response = app.clone().oneshot(request).await.unwrap();
+    let status = response.status();
+    let headers = response.headers().clone();
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (status, String::from_utf8(bytes.to_vec()).unwrap(), headers)
+}
+
+/// Header (or form field) names and values.
+type Headers<'a> = Vec<(&'a str, &'a str)>;
+
+/// What a `tracing` subscriber writes, kept for the test to read.
+#[derive(Clone, Default)]
+struct Logs(std::sync::Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+static LOGS: std::sync::OnceLock<Logs> = std::sync::OnceLock::new();
+
+impl Logs {
+    /// The process's subscriber's output: the console's events, from every test (a global
+    /// subscriber, installed once; per-thread ones miss events when tests run in parallel).
+    fn global() -> &'static Logs {
+        LOGS.get_or_init(|| {
+            use tracing_subscriber::util::SubscriberInitExt as _;
+            let logs = Logs::default();
+            let writer = logs.clone();
+            tracing_subscriber::fmt()
+                .with_writer(move || writer.clone())
+                .with_ansi(false)
+                .with_env_filter("inbox_runtime::console=info")
+                .finish()
+                .try_init()
+                .expect("no other global subscriber");
+            logs
+        })
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+    }
+}
+
+const ALICE: (&str, &str) = ("authorization", "Bearer alice-token");
+const MALLORY: (&str, &str) = ("authorization", "Bearer mallory-token");
+
+inbox_tests::backend_matrix! {
+    connections(postgres = 8, sqlite = 4);
+
+    use std::sync::Arc;
+
+    use inbox_runtime::admin;
+    use inbox_runtime::console::{Console, ConsoleError, Refusal};
+    use inbox_runtime::{Dispatcher, Status, StatsStatus};
+    use inbox_tests::{APPLY_EFFECT, effect};
+
+    #[inbox_runtime::idempotent(consumer = "console")]
+    async fn apply(conn: &mut Conn, msg: Task) -> Result<(), TaskError> {
+        match broken(&format!("{BACKEND}:{}", msg.id)) {
+            Some(true) => return Err(TaskError::Broken(msg.id)),
+            Some(false) => return Err(TaskError::Flaky(msg.id)),
+            None => {}
+        }
+        sqlx::query(APPLY_EFFECT)
+            .bind(format!("task:{}", msg.id))
+            .bind(msg.amount)
+            .execute(&mut *conn)
+            .await?;
+        Ok(())
+    }
+
+    fn id(tag: &str, name: &str) -> String {
+        format!("{tag}-{name}")
+    }
+
+    /// Seeds: `{tag}-ok` processed, `{tag}-dead-1` and `{tag}-dead-2` dead, `{tag}-flaky`
+    /// failed, [`EVIL`] dead with a `<script>` note, and one conflict on `{tag}-ok`.
+    async fn seed(dispatcher: &Dispatcher<Db>, tag: &str) {
+        let send = |id: String, amount: i64, note: &str| {
+            inbox_tests::envelope(&Task {
+                id,
+                amount,
+                note: note.to_owned(),
+            })
+        };
+        for name in ["dead-1", "dead-2"] {
+            break_task(&format!("{BACKEND}:{}", id(tag, name)), true);
+        }
+        break_task(&format!("{BACKEND}:{}", id(tag, "flaky")), false);
+        break_task(&format!("{BACKEND}:{EVIL}"), true);
+        for (name, amount) in [("ok", 1), ("dead-1", 10), ("dead-2", 20), ("flaky", 30)] {
+            dispatcher.dispatch(&send(id(tag, name), amount, "plain")).await.unwrap();
+        }
+        dispatcher
+            .dispatch(&send(EVIL.to_owned(), 5, "<script>alert('owned')</script>"))
+            .await
+            .unwrap();
+        // The same key with another payload: a conflict, recorded as a rejection.
+        let _ = dispatcher.dispatch(&send(id(tag, "ok"), 2, "plain")).await;
+    }
+
+    async fn fixture_app() -> (Pool, Guard, Arc<Dispatcher<Db>>, axum::Router) {
+        let (pool, guard) = fixture().await;
+        let dispatcher = Arc::new(Dispatcher::from_registry(pool.clone()).unwrap());
+        let console = Console::new(dispatcher.clone())
+            .authorize(|parts| {
+                match parts.headers.get("authorization").and_then(|v| v.to_str().ok()) {
+                    Some("Bearer alice-token") => Ok("alice".to_owned()),
+                    Some("Bearer mallory-token") => {
+                        Err(Refusal::forbidden("mallory is not an operator"))
+                    }
+                    _ => Err(Refusal::unauthenticated("Bearer")),
+                }
+            })
+            .build()
+            .unwrap();
+        let app = axum::Router::new().nest("/ops", console);
+        (pool, guard, dispatcher, app)
+    }
+
+    fn key_query(tag: &str, name: &str) -> String {
+        format!("consumer=console&key={}", percent(&id(tag, name)))
+    }
+
+    async fn status_of(pool: &Pool, key: &str) -> Status {
+        admin::show(pool, "console", key).await.unwrap().unwrap().status
+    }
+
+    #[tokio::test]
+    async fn building_needs_an_authorization_decision() {
+        let (pool, _guard) = fixture().await;
+        let dispatcher = Arc::new(Dispatcher::from_registry(pool.clone()).unwrap());
+        assert_eq!(
+            Console::new(dispatcher.clone()).build::<()>().unwrap_err(),
+            ConsoleError::NoAuthorization
+        );
+        assert_eq!(
+            Console::new(dispatcher.clone())
+                .authorize(|_| Ok("x".to_owned()))
+                .behind_own_auth()
+                .build::<()>()
+                .unwrap_err(),
+            ConsoleError::BothAuthorizations
+        );
+        // Behind the user's own auth, mounted at the root: links have no prefix.
+        let app: axum::Router = Console::new(dispatcher).behind_own_auth().build().unwrap();
+        let (status, html, headers) = call(&app, "GET", "/", &[], None).await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        assert!(html.contains("behind-own-auth"), "{html}");
+        assert!(html.contains("href=\"/messages\""), "{html}");
+        assert_eq!(headers["x-frame-options"], "DENY");
+        let (status, css, headers) = call(&app, "GET", "/style.css", &[], None).await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(css.contains("body"));
+        assert_eq!(headers["content-type"], "text/css; charset=utf-8");
+    }
+
+    #[tokio::test]
+    async fn the_overview_counts_equal_admin_stats() {
+        let (pool, _guard, dispatcher, app) = fixture_app().await;
+        seed(&dispatcher, "ov").await;
+        let (status, html, _) = call(&app, "GET", "/ops", &[ALICE], None).await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        assert!(html.contains("href=\"/ops/messages\""), "prefix-aware links: {html}");
+        let stats = admin::stats(&pool).await.unwrap();
+        let stat = |status: StatsStatus| {
+            stats
+                .iter()
+                .filter(|row| row.consumer.as_deref() == Some("console") && row.status == status)
+                .map(|row| row.count)
+                .sum::<i64>()
+        };
+        for status in Status::ALL {
+            let shown: i64 = cell(
+                &html,
+                &format!("data-consumer=\"console\" data-status=\"{status}\""),
+            )
+            .parse()
+            .unwrap();
+            assert_eq!(shown, stat(StatsStatus::Message(status)), "{status}");
+        }
+        // The exact seeded figures.
+        let shown = |status: &str| {
+            cell(&html, &format!("data-consumer=\"console\" data-status=\"{status}\""))
+        };
+        assert_eq!(
+            [shown("processed"), shown("failed"), shown("dead"), shown("rejected")],
+            ["1", "1", "3", "1"]
+        );
+        let rejected: i64 = stats
+            .iter()
+            .filter(|row| matches!(row.status, StatsStatus::Rejected(_)))
+            .map(|row| row.count)
+            .sum();
+        assert_eq!(rejected, 1);
+        assert!(cell(&html, "data-consumer=\"console\" data-oldest=\"dead\"").contains(" ago)"));
+        assert!(cell(&html, "data-consumer=\"console\" data-oldest=\"failed\"").contains("UTC"));
+        // Rejections by reason.
+        let (status, html, _) = call(&app, "GET", "/ops/rejections", &[ALICE], None).await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        assert_eq!(
+            cell(&html, "data-consumer=\"console\" data-reason=\"conflict\""),
+            "1"
+        );
+        // The list: dead ones only, then failed and dead.
+        let (status, html, _) = call(
+            &app,
+            "GET",
+            "/ops/messages?consumer=console&status=dead&limit=10",
+            &[ALICE],
+            None,
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        assert!(html.contains("3 shown."), "{html}");
+        assert!(html.contains("ov-dead-1") && html.contains("ov-dead-2"), "{html}");
+        assert!(!html.contains("ov-flaky"), "{html}");
+        let (_, html, _) = call(&app, "GET", "/ops/messages", &[ALICE], None).await;
+        assert!(html.contains("4 shown."), "{html}");
+        let (_, html, _) = call(&app, "GET", "/ops/messages?limit=2", &[ALICE], None).await;
+        assert!(html.contains("2 shown (the limit"), "{html}");
+        // One message's detail: attempts, the error, the payload pretty-printed.
+        let (status, html, _) = call(
+            &app,
+            "GET",
+            &format!("/ops/message?{}", key_query("ov", "dead-1")),
+            &[ALICE],
+            None,
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        assert_eq!(cell_dd(&html, "attempts"), "1");
+        assert_eq!(cell_dd(&html, "status"), "dead");
+        assert!(html.contains("task ov-dead-1 is broken for good"), "{html}");
+        assert!(html.contains("  &quot;amount&quot;: 10"), "pretty JSON: {html}");
+    }
+
+    /// The text of `<dd data-field="…">`.
+    fn cell_dd(html: &str, field: &str) -> String {
+        let marker = format!("data-field=\"{field}\">");
+        let at = html.find(&marker).unwrap_or_else(|| panic!("no {field} in {html}"));
+        let rest = &html[at + marker.len()..];
+        rest[..rest.find('<').unwrap()].to_owned()
+    }
+
+    #[tokio::test]
+    async fn a_dead_message_replayed_from_the_page_is_applied_once() {
+        let (pool, _guard, dispatcher, app) = fixture_app().await;
+        let tag = format!("rp-{BACKEND}");
+        let tag = tag.as_str();
+        seed(&dispatcher, tag).await;
+        let key = id(tag, "dead-1");
+        fix_task(&format!("{BACKEND}:{key}"));
+        let (status, html, _) = call(
+            &app,
+            "GET",
+            &format!("/ops/replay?{}", key_query(tag, "dead-1")),
+            &[ALICE],
+            None,
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        assert!(html.contains("action=\"/ops/replay\""), "{html}");
+        // Only the confirmation changed nothing.
+        assert_eq!(status_of(&pool, &key).await, Status::Dead);
+        let token = csrf(&html);
+        let body = form(&[("consumer", "console"), ("key", &key), ("csrf", &token)]);
+        let logs = Logs::global();
+        let (status, html, _) = call(&app, "POST", "/ops/replay", &[ALICE], Some(body.clone())).await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        assert!(html.contains("data-result=\"ok\""), "{html}");
+        // Who did it, logged.
+        let logged = logs.text();
+        assert!(
+            logged.contains(&format!(
+                "console: replay operator=alice action=\"replay\" consumer=console \
+                 key={key} result=processed"
+            )),
+            "{logged}"
+        );
+        assert_eq!(status_of(&pool, &key).await, Status::Processed);
+        assert_eq!(effect(&pool, &format!("task:{key}")).await, Some((1, 10)));
+        // The same form again: nothing to replay, the effect stays once.
+        let (status, html, _) = call(&app, "POST", "/ops/replay", &[ALICE], Some(body)).await;
+        assert_eq!(status, StatusCode::CONFLICT, "{html}");
+        assert!(html.contains("The message is processed"), "{html}");
+        assert_eq!(effect(&pool, &format!("task:{key}")).await, Some((1, 10)));
+
+        // A replay that fails again says so, and the message stays dead.
+        let key2 = id(tag, "dead-2");
+        let body = form(&[("consumer", "console"), ("key", &key2), ("csrf", &token)]);
+        let (status, html, _) = call(&app, "POST", "/ops/replay", &[ALICE], Some(body)).await;
+        assert_eq!(status, StatusCode::CONFLICT, "{html}");
+        assert!(html.contains("failed again"), "{html}");
+        assert_eq!(status_of(&pool, &key2).await, Status::Dead);
+        assert_eq!(effect(&pool, &format!("task:{key2}")).await, None);
+
+        // Bulk replay with the list's filter: the failed one, once fixed.
+        fix_task(&format!("{BACKEND}:{}", id(tag, "flaky")));
+        let (status, html, _) = call(
+            &app,
+            "GET",
+            "/ops/replay-all?consumer=console&status=failed&limit=10",
+            &[ALICE],
+            None,
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        assert!(html.contains("replay 1 messages?"), "{html}");
+        let body = form(&[
+            ("consumer", "console"),
+            ("status", "failed"),
+            ("limit", "10"),
+            ("csrf", &csrf(&html)),
+        ]);
+        let (status, html, _) = call(&app, "POST", "/ops/replay-all", &[ALICE], Some(body)).await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        assert!(html.contains("Replayed 1: 1 succeeded, 0 did not."), "{html}");
+        let flaky = id(tag, "flaky");
+        assert_eq!(status_of(&pool, &flaky).await, Status::Processed);
+        assert_eq!(effect(&pool, &format!("task:{flaky}")).await, Some((1, 30)));
+    }
+
+    #[tokio::test]
+    async fn a_dead_message_discarded_from_the_page() {
+        let (pool, _guard, dispatcher, app) = fixture_app().await;
+        seed(&dispatcher, "ds").await;
+        let key = id("ds", "dead-2");
+        let (status, html, _) = call(
+            &app,
+            "GET",
+            &format!("/ops/discard?{}", key_query("ds", "dead-2")),
+            &[ALICE],
+            None,
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        let body = form(&[("consumer", "console"), ("key", &key), ("csrf", &csrf(&html))]);
+        let (status, html, _) = call(&app, "POST", "/ops/discard", &[ALICE], Some(body)).await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        let row = admin::show(&pool, "console", &key).await.unwrap().unwrap();
+        assert_eq!((row.status, row.payload), (Status::Discarded, None));
+        assert_eq!(effect(&pool, &format!("task:{key}")).await, None);
+        // The other dead one is untouched.
+        assert_eq!(status_of(&pool, &id("ds", "dead-1")).await, Status::Dead);
+    }
+
+    #[tokio::test]
+    async fn requests_the_hook_refuses_get_401_or_403() {
+        let (pool, _guard, dispatcher, app) = fixture_app().await;
+        seed(&dispatcher, "au").await;
+        let (status, _, headers) = call(&app, "GET", "/ops", &[], None).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+        assert_eq!(headers["www-authenticate"], "Bearer");
+        let (status, html, _) = call(&app, "GET", "/ops/messages", &[MALLORY], None).await;
+        assert_eq!(status, StatusCode::FORBIDDEN);
+        assert!(html.contains("mallory is not an operator"), "{html}");
+        assert!(!html.contains("au-dead-1"), "{html}");
+        // An action with a valid token of alice's, sent as mallory or anonymously.
+        let (_, html, _) = call(
+            &app,
+            "GET",
+            &format!("/ops/replay?{}", key_query("au", "dead-1")),
+            &[ALICE],
+            None,
+        )
+        .await;
+        let key = id("au", "dead-1");
+        fix_task(&format!("{BACKEND}:{key}"));
+        let body = form(&[("consumer", "console"), ("key", &key), ("csrf", &csrf(&html))]);
+        for headers in [&[MALLORY][..], &[]] {
+            let (status, _, _) = call(&app, "POST", "/ops/replay", headers, Some(body.clone())).await;
+            assert!(
+                matches!(status, StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN),
+                "{status}"
+            );
+        }
+        assert_eq!(status_of(&pool, &key).await, Status::Dead);
+        assert_eq!(effect(&pool, &format!("task:{key}")).await, None);
+    }
+
+    #[tokio::test]
+    async fn forged_actions_are_refused_and_change_nothing() {
+        let (pool, _guard, dispatcher, app) = fixture_app().await;
+        seed(&dispatcher, "cs").await;
+        let key = id("cs", "dead-1");
+        fix_task(&format!("{BACKEND}:{key}"));
+        // A token minted by another console (another secret) for the same operator.
+        let other: axum::Router = Console::new(dispatcher.clone())
+            .authorize(|_| Ok("alice".to_owned()))
+            .build()
+            .unwrap();
+        let (_, html, _) = call(
+            &other,
+            "GET",
+            &format!("/replay?{}", key_query("cs", "dead-1")),
+            &[],
+            None,
+        )
+        .await;
+        let foreign = csrf(&html);
+        let (_, html, _) = call(
+            &app,
+            "GET",
+            &format!("/ops/replay?{}", key_query("cs", "dead-1")),
+            &[ALICE],
+            None,
+        )
+        .await;
+        let token = csrf(&html);
+        assert_ne!(token, foreign);
+        let with = |token: Option<&str>| {
+            let mut pairs = vec![("consumer", "console"), ("key", key.as_str())];
+            if let Some(token) = token {
+                pairs.push(("csrf", token));
+            }
+            form(&pairs)
+        };
+        let cases: Vec<(Headers<'_>, String, &str)> = vec![
+            (vec![ALICE], with(None), "form token"),
+            (vec![ALICE], with(Some("")), "form token"),
+            (vec![ALICE], with(Some(&foreign)), "form token"),
+            (vec![ALICE], with(Some("zz-not-hex")), "form token"),
+            (vec![ALICE, ("origin", "https://evil.example")], with(Some(&token)), "another site"),
+            (vec![ALICE, ("sec-fetch-site", "cross-site")], with(Some(&token)), "another site"),
+            (vec![ALICE, ("sec-fetch-site", "same-site")], with(Some(&token)), "another site"),
+        ];
+        for (headers, body, says) in cases {
+            for page in ["/ops/replay", "/ops/discard"] {
+                let (status, html, _) = call(&app, "POST", page, &headers, Some(body.clone())).await;
+                assert_eq!(status, StatusCode::FORBIDDEN, "{headers:?} {body}: {html}");
+                assert!(html.contains(says), "{html}");
+            }
+        }
+        assert_eq!(status_of(&pool, &key).await, Status::Dead);
+        assert_eq!(effect(&pool, &format!("task:{key}")).await, None);
+        // The same token from this host's own page passes.
+        let (status, html, _) = call(
+            &app,
+            "POST",
+            "/ops/replay",
+            &[ALICE, ("host", "console.test"), ("origin", "http://console.test"),
+              ("sec-fetch-site", "same-origin")],
+            Some(with(Some(&token))),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        assert_eq!(status_of(&pool, &key).await, Status::Processed);
+    }
+
+    #[tokio::test]
+    async fn bad_input_gets_a_clear_4xx_and_changes_nothing() {
+        let (pool, _guard, dispatcher, app) = fixture_app().await;
+        seed(&dispatcher, "bi").await;
+        let before = admin::stats(&pool).await.unwrap();
+        let long = format!("/ops/message?consumer=console&key={}", "k".repeat(513));
+        let cases: Vec<(&str, &str, StatusCode, &str)> = vec![
+            ("GET", "/ops/messages?limit=0", StatusCode::BAD_REQUEST, "Limit “0” is out of range"),
+            ("GET", "/ops/messages?limit=1001", StatusCode::BAD_REQUEST, "from 1 to 1000"),
+            ("GET", "/ops/messages?limit=-5", StatusCode::BAD_REQUEST, "Limit “-5” is out of range"),
+            ("GET", "/ops/messages?limit=99999999999999999999", StatusCode::BAD_REQUEST, "out of range"),
+            ("GET", "/ops/messages?limit=ten", StatusCode::BAD_REQUEST, "Limit “ten”"),
+            ("GET", "/ops/messages?consumer=nobody", StatusCode::BAD_REQUEST,
+             "Unknown consumer “nobody”. Known consumers: console."),
+            ("GET", "/ops/messages?status=processed", StatusCode::BAD_REQUEST, "Status “processed”"),
+            ("GET", "/ops/messages?limit=1&limit=2", StatusCode::BAD_REQUEST, "more than once"),
+            ("GET", "/ops/messages?sort=key", StatusCode::BAD_REQUEST, "Unknown parameter “sort”"),
+            ("GET", "/ops/message?consumer=console", StatusCode::BAD_REQUEST, "“key” is required"),
+            ("GET", "/ops/message?key=x", StatusCode::BAD_REQUEST, "“consumer” is required"),
+            ("GET", "/ops/message?consumer=console&key=a%00b", StatusCode::BAD_REQUEST, "NUL"),
+            ("GET", &long, StatusCode::BAD_REQUEST, "513 bytes long"),
+            ("GET", "/ops/message?consumer=console&key=%22it%27s%22%20%E2%9C%93", StatusCode::NOT_FOUND,
+             "no message with key “&quot;it&#39;s&quot; ✓”"),
+            ("GET", "/ops/replay-all?status=parked", StatusCode::BAD_REQUEST, "Parked messages"),
+            ("GET", "/ops/replay?consumer=console&key=bi-ok", StatusCode::CONFLICT, "The message is processed"),
+            ("DELETE", "/ops/replay", StatusCode::METHOD_NOT_ALLOWED, "does not take DELETE"),
+            ("POST", "/ops/messages", StatusCode::METHOD_NOT_ALLOWED, "does not take POST"),
+            ("GET", "/ops/nope", StatusCode::NOT_FOUND, "no such page"),
+        ];
+        for (method, uri, status, says) in cases {
+            let (got, html, _) = call(&app, method, uri, &[ALICE], None).await;
+            assert_eq!(got, status, "{method} {uri}: {html}");
+            assert!(html.contains(says), "{method} {uri}: {html}");
+        }
+        // A trailing slash is redirected to the page, relatively (any prefix).
+        let (got, _, headers) =
+            call(&app, "GET", "/ops/messages/?limit=5", &[ALICE], None).await;
+        assert_eq!(got, StatusCode::PERMANENT_REDIRECT);
+        assert_eq!(headers["location"], "../messages?limit=5");
+        // Forms with a valid token and bad fields.
+        let (_, html, _) = call(
+            &app,
+            "GET",
+            &format!("/ops/replay?{}", key_query("bi", "dead-1")),
+            &[ALICE],
+            None,
+        )
+        .await;
+        let token = csrf(&html);
+        let forms: Vec<(Headers<'_>, StatusCode, &str)> = vec![
+            (vec![("consumer", "nobody"), ("key", "bi-dead-1")], StatusCode::BAD_REQUEST, "Unknown consumer"),
+            (vec![("consumer", "console"), ("key", "bi-dead-1\0")], StatusCode::BAD_REQUEST, "NUL"),
+            (vec![("consumer", "console")], StatusCode::BAD_REQUEST, "“key” is required"),
+            (vec![("consumer", "console"), ("key", "bi-dead-1"), ("extra", "1")], StatusCode::BAD_REQUEST,
+             "Unknown parameter “extra”"),
+            (vec![("consumer", "console"), ("key", "no such key ✓")], StatusCode::NOT_FOUND, "No such message"),
+            (vec![("consumer", "console"), ("key", "bi-ok")], StatusCode::CONFLICT, "Nothing was changed"),
+        ];
+        for (mut pairs, status, says) in forms {
+            pairs.push(("csrf", &token));
+            for page in ["/ops/replay", "/ops/discard"] {
+                let (got, html, _) = call(&app, "POST", page, &[ALICE], Some(form(&pairs))).await;
+                assert_eq!(got, status, "{page} {pairs:?}: {html}");
+                assert!(html.contains(says), "{page} {pairs:?}: {html}");
+            }
+        }
+        let body = form(&[("consumer", "console"), ("limit", "5000"), ("csrf", &token)]);
+        let (got, html, _) = call(&app, "POST", "/ops/replay-all", &[ALICE], Some(body)).await;
+        assert_eq!(got, StatusCode::BAD_REQUEST, "{html}");
+        assert_eq!(admin::stats(&pool).await.unwrap(), before);
+        assert_eq!(status_of(&pool, &id("bi", "dead-1")).await, Status::Dead);
+    }
+
+    #[tokio::test]
+    async fn keys_and_payloads_are_html_escaped() {
+        let (_pool, _guard, dispatcher, app) = fixture_app().await;
+        seed(&dispatcher, "xs").await;
+        let (status, html, _) = call(&app, "GET", "/ops/messages?status=dead", &[ALICE], None).await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        assert!(html.contains("evil-&lt;b&gt;&quot;x&#39;&amp;&lt;/b&gt;-✓"), "{html}");
+        assert!(!html.contains("<b>"), "{html}");
+        // The link to it carries the key percent-encoded in the query string.
+        assert!(html.contains("key=evil-%3Cb%3E%22x%27%26%3C%2Fb%3E-%E2%9C%93"), "{html}");
+        let (status, html, _) = call(
+            &app,
+            "GET",
+            &format!("/ops/message?consumer=console&key={}", percent(EVIL)),
+            &[ALICE],
+            None,
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        assert_eq!(cell_dd(&html, "key"), "evil-&lt;b&gt;&quot;x&#39;&amp;&lt;/b&gt;-✓");
+        assert!(html.contains("&lt;script&gt;alert(&#39;owned&#39;)&lt;/script&gt;"), "{html}");
+        assert!(!html.contains("<script"), "{html}");
+        assert!(!html.contains("<b>"), "{html}");
+    }
+}
