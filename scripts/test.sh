@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The test command: starts a throwaway PostgreSQL, RabbitMQ, NATS (JetStream) and Redis on loopback
-# (installing them from Debian's packages if needed), runs every test of the workspace against
-# them (and against SQLite), then stops them.
+# The test command: starts a throwaway PostgreSQL, MariaDB, RabbitMQ, NATS (JetStream) and Redis on
+# loopback (installing them from Debian's packages if needed), runs every test of the workspace
+# against them (and against SQLite), then stops them.
 #
 #   scripts/test.sh [extra cargo test args]
 #
@@ -86,6 +86,7 @@ cleanup() {
     echo "$files" | sed "s|^$WORK/tmp/|  |" >&2
   fi
   scripts/redis.sh stop
+  scripts/mariadb.sh stop
   scripts/brokers.sh stop
   scripts/pg.sh stop
   rm -rf "$WORK"
@@ -107,6 +108,9 @@ scripts/deps.sh
 DATABASE_URL=$(scripts/pg.sh start)
 export DATABASE_URL
 echo "test.sh: PostgreSQL at $DATABASE_URL"
+exports=$(scripts/mariadb.sh start)
+eval "$exports"
+echo "test.sh: MariaDB at $MYSQL_URL"
 # Not `eval "$(…)"`: that would hide a failed start (eval of nothing succeeds).
 exports=$(scripts/brokers.sh start)
 eval "$exports"

@@ -177,6 +177,7 @@ pub use store::{
     AdminStore, AnyConnection, Backend, ClaimRequest, ClaimResult, ClaimStore, Component,
     ExistingRow, FailureRecord, InboxConnection, InboxDatabase, MIGRATIONS_TABLE, OrderingStore,
     ParkedMessage, Rejection, RejectionReason, StatsRow, StatsStatus, StoredMessage,
+    mysql_lock_retries,
 };
 pub use store::{
     Lease, NOTIFY_CHANNEL, OUTBOX_MIGRATIONS_TABLE, OutboxAdminStore, OutboxBacklog,
