@@ -52,7 +52,7 @@ as_mysql() {
 }
 
 start() {
-  local bin pid
+  local bin
   install_missing
   bin=$(server_bin)
   if [ -S "$SOCKET" ] && answering; then

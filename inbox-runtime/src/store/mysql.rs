@@ -946,6 +946,11 @@ async fn claim_batch_once(
             .push_bind(request.message_key);
     });
     let rows: Vec<(String, String, i32)> = read.build_query_as().fetch_all(&mut *conn).await?;
+    // For `verify_claim`, as after a single claim.
+    sqlx::query(sql::REMEMBER_CLAIM)
+        .bind(token)
+        .execute(&mut *conn)
+        .await?;
     let index = super::request_index(requests);
     for (consumer, key, count) in rows {
         if let Some(&at) = index.get(&(consumer.as_str(), key.as_str())) {
