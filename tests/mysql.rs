@@ -8,6 +8,9 @@
 //! (1205) reaches a caller, and the store's internal retries are counted
 //! (`inbox_runtime::mysql_lock_retries()` and the metric `inbox_store_lock_retries_total`).
 //!
+//! Also: a transaction InnoDB rolled back under a handler that did not notice (a swallowed
+//! deadlock) is caught before `COMMIT`.
+//!
 //! Needs `MYSQL_URL` (set by `scripts/test.sh`, which starts a throwaway MariaDB).
 
 #![allow(missing_docs)]
@@ -236,4 +239,57 @@ async fn the_duplicate_storm_applies_every_key_once_and_hides_innodb_lock_errors
     );
     println!("storm: InnoDB deadlocks and lock wait timeouts retried internally: {retries}");
     assert_eq!(metric, retries, "the metric counts every internal retry");
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[message(name = "storm.swallow")]
+pub struct Swallow {
+    #[message(key)]
+    pub id: String,
+}
+
+/// Writes its effect, then ends the transaction as an InnoDB deadlock does (a `ROLLBACK` the
+/// handler does not see as an error), writes again (in autocommit now) and returns `Ok`.
+#[inbox_runtime::idempotent(consumer = "swallow")]
+async fn swallow(conn: &mut sqlx::MySqlConnection, msg: Swallow) -> Result<(), sqlx::Error> {
+    sqlx::query(MYSQL_APPLY_EFFECT)
+        .bind(format!("before:{}", msg.id))
+        .bind(1_i64)
+        .execute(&mut *conn)
+        .await?;
+    sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await?;
+    sqlx::query(MYSQL_APPLY_EFFECT)
+        .bind(format!("after:{}", msg.id))
+        .bind(1_i64)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+/// A transaction that InnoDB rolled back under the handler (as on a deadlock the handler
+/// swallowed) is caught before `COMMIT`: the claim is gone, so the message is an error, never
+/// processed; the write made before the rollback is undone (the one after it ran in autocommit,
+/// as the README says).
+#[tokio::test]
+async fn a_transaction_rolled_back_under_the_handler_is_not_processed() {
+    let pool = inbox_tests::mysql_pool(2).await;
+    let mut conn = pool.acquire().await.unwrap();
+    let result = swallow(&mut conn, Swallow { id: "s".into() }).await;
+    assert!(
+        result.is_err(),
+        "reported {result:?} after the claim was rolled back"
+    );
+    assert_eq!(
+        count::<MySql>(
+            &pool,
+            "SELECT COUNT(*) FROM inbox_messages WHERE status = 'processed'"
+        )
+        .await,
+        0
+    );
+    assert_eq!(inbox_tests::effect::<MySql>(&pool, "before:s").await, None);
+    assert_eq!(
+        inbox_tests::effect::<MySql>(&pool, "after:s").await,
+        Some((1, 1))
+    );
 }
