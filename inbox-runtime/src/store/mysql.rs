@@ -1,8 +1,8 @@
 //! MySQL / MariaDB inbox store (InnoDB): MySQL 8.0.16 or newer, MariaDB 10.6 or newer.
 //!
-//! MySQL has no `RETURNING` (MariaDB has it on `INSERT`, but not on the `ON DUPLICATE KEY
-//! UPDATE` path), no `ON CONFLICT … WHERE`, and `?` parameters that bind by position only, so
-//! this backend implements the store traits itself instead of through `impl_inbox_connection!`.
+//! MySQL has no `RETURNING` (MariaDB's `INSERT … RETURNING` is not in MySQL, so neither is used),
+//! no `ON CONFLICT … WHERE`, and `?` parameters that bind by position only, so this backend
+//! implements the store traits itself instead of through `impl_inbox_connection!`.
 //!
 //! # The claim on InnoDB
 //!
