@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command: checks the shipped monitoring files (scripts/monitoring.sh), starts a throwaway
-# PostgreSQL, RabbitMQ, NATS (JetStream) and Redis on loopback (installing them from Debian's
-# packages if needed) and an SQS-compatible server (moto, from PyPI if missing: scripts/sqs.sh),
-# runs every test of the workspace against them (and against SQLite), then stops them.
+# PostgreSQL, MariaDB, RabbitMQ, NATS (JetStream) and Redis on loopback (installing them from
+# Debian's packages if needed) and an SQS-compatible server (moto, from PyPI if missing:
+# scripts/sqs.sh), runs every test of the workspace against them (and against SQLite), then
+# stops them.
 #
 #   scripts/test.sh [extra cargo test args]
 #
@@ -91,6 +92,7 @@ cleanup() {
   fi
   scripts/sqs.sh stop
   scripts/redis.sh stop
+  scripts/mariadb.sh stop
   scripts/brokers.sh stop
   scripts/pg.sh stop
   rm -rf "$WORK"
@@ -140,6 +142,9 @@ scripts/monitoring.sh
 DATABASE_URL=$(scripts/pg.sh start)
 export DATABASE_URL
 echo "test.sh: PostgreSQL at $DATABASE_URL"
+exports=$(scripts/mariadb.sh start)
+eval "$exports"
+echo "test.sh: MariaDB at $MYSQL_URL"
 # Not `eval "$(…)"`: that would hide a failed start (eval of nothing succeeds).
 exports=$(scripts/brokers.sh start)
 eval "$exports"

@@ -193,7 +193,6 @@ inbox_tests::backend_matrix! {
 
     use inbox_runtime::admin::{self, Retention};
     use inbox_runtime::{DispatchError, Dispatcher, Envelope, Outcome};
-    use inbox_tests::APPLY_EFFECT;
     use sqlx::Connection as _;
 
     /// Keys whose next call of the transient-once handler fails transiently.
@@ -233,7 +232,7 @@ inbox_tests::backend_matrix! {
     #[inbox_runtime::idempotent(consumer = "adv-flaky")]
     async fn apply_flaky(conn: &mut Conn, msg: AdvFlaky) -> Result<(), AdvError> {
         let switched: Option<i64> =
-            sqlx::query_scalar("SELECT applied FROM effects WHERE effect_key = $1")
+            sqlx::query_scalar(sql("SELECT applied FROM effects WHERE effect_key = $1"))
                 .bind(format!("switch:{}", msg.id))
                 .fetch_optional(&mut *conn)
                 .await?;
@@ -272,7 +271,7 @@ inbox_tests::backend_matrix! {
             .await?;
         // A unique violation, swallowed.
         let swallowed = sqlx::query(
-            "INSERT INTO effects (effect_key, applied, total) VALUES ($1, 1, 0)",
+            sql("INSERT INTO effects (effect_key, applied, total) VALUES ($1, 1, 0)"),
         )
         .bind(format!("swallow:{}", msg.id))
         .execute(&mut *conn)
@@ -397,14 +396,21 @@ inbox_tests::backend_matrix! {
     /// Makes the key's row (its first delivery and, if settled, its settling) two hours older:
     /// retention refuses windows below an hour, so the tests age rows rather than sleep.
     async fn age_by_two_hours(pool: &Pool, key: &str) {
-        let sql = if BACKEND == Backend::Postgres {
-            "UPDATE inbox_messages SET received_at = received_at - interval '2 hours', \
-             processed_at = processed_at - interval '2 hours' WHERE message_key = $1"
-        } else {
-            "UPDATE inbox_messages \
-             SET received_at = strftime('%Y-%m-%dT%H:%M:%fZ', received_at, '-2 hours'), \
-             processed_at = strftime('%Y-%m-%dT%H:%M:%fZ', processed_at, '-2 hours') \
-             WHERE message_key = $1"
+        let sql = match BACKEND {
+            Backend::Postgres => {
+                "UPDATE inbox_messages SET received_at = received_at - interval '2 hours', \
+                 processed_at = processed_at - interval '2 hours' WHERE message_key = $1"
+            }
+            Backend::MySql => {
+                "UPDATE inbox_messages SET received_at = received_at - INTERVAL 2 HOUR, \
+                 processed_at = processed_at - INTERVAL 2 HOUR WHERE message_key = ?"
+            }
+            _ => {
+                "UPDATE inbox_messages \
+                 SET received_at = strftime('%Y-%m-%dT%H:%M:%fZ', received_at, '-2 hours'), \
+                 processed_at = strftime('%Y-%m-%dT%H:%M:%fZ', processed_at, '-2 hours') \
+                 WHERE message_key = $1"
+            }
         };
         sqlx::query(sql).bind(key).execute(pool).await.unwrap();
     }
@@ -419,7 +425,7 @@ inbox_tests::backend_matrix! {
         let (pool, _guard) = fixture().await;
         let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
         let msg = AdvFlaky { id: "late".into(), amount: 5 };
-        sqlx::query("INSERT INTO effects (effect_key, applied, total) VALUES ('switch:late', 0, 0)")
+        sqlx::query(sql("INSERT INTO effects (effect_key, applied, total) VALUES ('switch:late', 0, 0)"))
             .execute(&pool).await.unwrap();
         let failed = dispatcher.dispatch(&envelope(&msg)).await.unwrap();
         assert_eq!(failed[0].result.as_ref().map_err(|e| e.kind()).err(), Some("handler"));
@@ -427,7 +433,7 @@ inbox_tests::backend_matrix! {
         // The failure lasts longer than the window (its first delivery made 2 h older); then
         // the message is processed.
         age_by_two_hours(&pool, "late").await;
-        sqlx::query("DELETE FROM effects WHERE effect_key = 'switch:late'")
+        sqlx::query(sql("DELETE FROM effects WHERE effect_key = 'switch:late'"))
             .execute(&pool).await.unwrap();
         inbox_tests::make_due(&pool).await;
         let processed = dispatcher.dispatch(&envelope(&msg)).await.unwrap();
@@ -598,7 +604,7 @@ inbox_tests::backend_matrix! {
         assert_eq!(apply_note(&mut tx, msg.clone()).await.unwrap(), Outcome::Duplicate);
         let changed = AdvNote { id: "t".into(), amount: 3 };
         assert_eq!(apply_note(&mut tx, changed).await.unwrap_err().kind(), "conflict");
-        let outer: i64 = sqlx::query_scalar("SELECT applied FROM effects WHERE effect_key = 'outer'")
+        let outer: i64 = sqlx::query_scalar(sql("SELECT applied FROM effects WHERE effect_key = 'outer'"))
             .fetch_one(&mut *tx).await.unwrap();
         assert_eq!(outer, 1);
         tx.rollback().await.unwrap();
@@ -616,11 +622,11 @@ inbox_tests::backend_matrix! {
         let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
         let redelivered = |msg: &AdvFlaky| envelope(msg)
             .with_source(inbox_runtime::SourceMetadata::new("q").redelivered(true));
-        sqlx::query("INSERT INTO effects (effect_key, applied, total) VALUES ('switch:r', 0, 0)")
+        sqlx::query(sql("INSERT INTO effects (effect_key, applied, total) VALUES ('switch:r', 0, 0)"))
             .execute(&pool).await.unwrap();
         let msg = AdvFlaky { id: "r".into(), amount: 5 };
         assert_eq!(dispatcher.dispatch(&envelope(&msg)).await.unwrap()[0].result.as_ref().map_err(|e| e.kind()).err(), Some("handler"));
-        sqlx::query("DELETE FROM effects WHERE effect_key = 'switch:r'").execute(&pool).await.unwrap();
+        sqlx::query(sql("DELETE FROM effects WHERE effect_key = 'switch:r'")).execute(&pool).await.unwrap();
         inbox_tests::make_due(&pool).await;
         assert_eq!(dispatcher.dispatch(&redelivered(&msg)).await.unwrap()[0].result.as_ref().ok(), Some(&Outcome::Processed(())));
         assert_eq!(dispatcher.dispatch(&redelivered(&msg)).await.unwrap()[0].result.as_ref().ok(), Some(&Outcome::Duplicate));
@@ -636,11 +642,11 @@ inbox_tests::backend_matrix! {
     async fn concurrent_retries_and_replays_of_a_failed_key_apply_once() {
         let (pool, _guard) = fixture().await;
         let dispatcher = std::sync::Arc::new(Dispatcher::from_registry(pool.clone()).unwrap());
-        sqlx::query("INSERT INTO effects (effect_key, applied, total) VALUES ('switch:c', 0, 0)")
+        sqlx::query(sql("INSERT INTO effects (effect_key, applied, total) VALUES ('switch:c', 0, 0)"))
             .execute(&pool).await.unwrap();
         let msg = AdvFlaky { id: "c".into(), amount: 9 };
         assert!(dispatcher.dispatch(&envelope(&msg)).await.unwrap()[0].result.is_err());
-        sqlx::query("DELETE FROM effects WHERE effect_key = 'switch:c'").execute(&pool).await.unwrap();
+        sqlx::query(sql("DELETE FROM effects WHERE effect_key = 'switch:c'")).execute(&pool).await.unwrap();
         inbox_tests::make_due(&pool).await;
         let mut tasks = Vec::new();
         for i in 0..12 {

@@ -55,7 +55,6 @@ inbox_tests::backend_matrix! {
     connections(postgres = 4, sqlite = 2);
 
     use inbox_runtime::{Dispatcher, Envelope, Outcome};
-    use inbox_tests::APPLY_EFFECT;
 
     #[inbox_runtime::idempotent(consumer = "bank")]
     async fn apply_transfer(conn: &mut Conn, msg: Transfer) -> Result<(), TransferError> {
@@ -130,7 +129,7 @@ inbox_tests::backend_matrix! {
         let expected = if BACKEND == Backend::Postgres { 5 + 3 + 4 } else { 5 + 5 };
         assert_eq!(CALLS.load(SeqCst), expected);
         let effects: Vec<(String, i64, i64)> = sqlx::query_as(
-            "SELECT effect_key, applied, total FROM effects WHERE effect_key LIKE 'counted:%' ORDER BY effect_key",
+            sql("SELECT effect_key, applied, total FROM effects WHERE effect_key LIKE 'counted:%' ORDER BY effect_key"),
         )
         .fetch_all(&pool)
         .await
@@ -145,7 +144,7 @@ inbox_tests::backend_matrix! {
         let (pool, _guard) = fixture().await;
         let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
         dispatcher.dispatch(&transfer("d1", "a", 1)).await.unwrap();
-        sqlx::query("UPDATE inbox_messages SET payload_hash = 'damaged' WHERE message_key = 'd1'")
+        sqlx::query(sql("UPDATE inbox_messages SET payload_hash = 'damaged' WHERE message_key = 'd1'"))
             .execute(&pool)
             .await
             .unwrap();
@@ -183,7 +182,7 @@ inbox_tests::backend_matrix! {
     }
 
     async fn balances(pool: &Pool) -> Vec<(String, i64, i64)> {
-        sqlx::query_as("SELECT effect_key, applied, total FROM effects ORDER BY effect_key")
+        sqlx::query_as(sql("SELECT effect_key, applied, total FROM effects ORDER BY effect_key"))
             .fetch_all(pool)
             .await
             .unwrap()
@@ -230,7 +229,7 @@ inbox_tests::backend_matrix! {
         // One claim statement took them all (the database clock is read once per
         // statement): they were not processed one transaction each.
         let claims: i64 = sqlx::query_scalar(
-            "SELECT COUNT(DISTINCT received_at) FROM inbox_messages WHERE message_key IN ('t1', 't2', 't3', 't4')",
+            sql("SELECT COUNT(DISTINCT received_at) FROM inbox_messages WHERE message_key IN ('t1', 't2', 't3', 't4')"),
         )
         .fetch_one(&pool)
         .await
@@ -239,7 +238,7 @@ inbox_tests::backend_matrix! {
         let dead = inbox_runtime::admin::show(&pool, "bank", "t3").await.unwrap().unwrap();
         assert_eq!((dead.status.as_str(), dead.attempts), ("dead", 1));
         assert!(dead.payload.is_some());
-        let conflicts: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM inbox_rejections WHERE reason = 'conflict'")
+        let conflicts: i64 = sqlx::query_scalar(sql("SELECT COUNT(*) FROM inbox_rejections WHERE reason = 'conflict'"))
             .fetch_one(&pool)
             .await
             .unwrap();

@@ -56,7 +56,7 @@ inbox_tests::backend_matrix! {
         Classify, Dispatcher, ErrorClass, Fingerprint, Outcome, RetryPolicy, Status, admin,
         handler,
     };
-    use inbox_tests::{APPLY_EFFECT, envelope, outcome_kinds};
+    use inbox_tests::{envelope, outcome_kinds};
 
     /// A handler error: retryable or permanent.
     #[derive(Debug)]

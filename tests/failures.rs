@@ -94,19 +94,24 @@ const AGE_SQLITE: &str = "UPDATE inbox_messages \
      processed_at = strftime('%Y-%m-%dT%H:%M:%fZ', processed_at, '-2 days') \
      WHERE message_key LIKE 'old-%'";
 
+const AGE_MYSQL: &str = "UPDATE inbox_messages \
+     SET received_at = received_at - INTERVAL 2 DAY, processed_at = processed_at - INTERVAL 2 DAY \
+     WHERE message_key LIKE 'old-%'";
+
 /// Makes the `old.%` rejections two days older.
 const AGE_REJECTIONS_POSTGRES: &str = "UPDATE inbox_rejections \
      SET received_at = received_at - interval '2 days' WHERE message_name LIKE 'old.%'";
 const AGE_REJECTIONS_SQLITE: &str = "UPDATE inbox_rejections \
      SET received_at = strftime('%Y-%m-%dT%H:%M:%fZ', received_at, '-2 days') \
      WHERE message_name LIKE 'old.%'";
+const AGE_REJECTIONS_MYSQL: &str = "UPDATE inbox_rejections \
+     SET received_at = received_at - INTERVAL 2 DAY WHERE message_name LIKE 'old.%'";
 
 inbox_tests::backend_matrix! {
     connections(postgres = 8, sqlite = 4);
 
     use inbox_runtime::admin::{self, Retention};
     use inbox_runtime::{Dispatcher, Disposition, Envelope, Error, RetryPolicy};
-    use inbox_tests::APPLY_EFFECT;
 
     #[inbox_runtime::idempotent(consumer = "jobs")]
     async fn run_job(conn: &mut Conn, msg: Job) -> Result<(), JobError> {
@@ -235,7 +240,7 @@ inbox_tests::backend_matrix! {
             "conflict"
         );
         let rejected: Vec<(String, Option<String>, Vec<u8>)> =
-            sqlx::query_as("SELECT reason, message_key, payload FROM inbox_rejections")
+            sqlx::query_as(sql("SELECT reason, message_key, payload FROM inbox_rejections"))
                 .fetch_all(&pool)
                 .await
                 .unwrap();
@@ -375,7 +380,7 @@ inbox_tests::backend_matrix! {
                 .unwrap();
         }
         let rows: Vec<(String, String, Vec<u8>)> = sqlx::query_as(
-            "SELECT reason, message_name, payload FROM inbox_rejections ORDER BY id",
+            sql("SELECT reason, message_name, payload FROM inbox_rejections ORDER BY id"),
         )
         .fetch_all(&pool)
         .await
@@ -423,10 +428,10 @@ inbox_tests::backend_matrix! {
         fail_next(&id("old-dead"), 1, true);
         assert!(one(&dispatcher, &envelope("old-failed", 1)).await.is_err());
         assert!(one(&dispatcher, &envelope("old-dead", 1)).await.is_err());
-        let age = if BACKEND == Backend::Postgres {
-            AGE_POSTGRES
-        } else {
-            AGE_SQLITE
+        let age = match BACKEND {
+            Backend::Postgres => AGE_POSTGRES,
+            Backend::MySql => AGE_MYSQL,
+            _ => AGE_SQLITE,
         };
         sqlx::query(age).execute(&pool).await.unwrap();
 
@@ -452,7 +457,7 @@ inbox_tests::backend_matrix! {
         assert_eq!((report.deleted, report.batches), (3, 2));
         assert_eq!(seen, [2, 3]);
         let mut keys: Vec<String> =
-            sqlx::query_scalar("SELECT message_key FROM inbox_messages")
+            sqlx::query_scalar(sql("SELECT message_key FROM inbox_messages"))
                 .fetch_all(&pool)
                 .await
                 .unwrap();
@@ -480,15 +485,15 @@ inbox_tests::backend_matrix! {
             let error = dispatcher.dispatch(&unknown).await.unwrap_err();
             dispatcher.record_rejection(&unknown, &error).await.unwrap();
         }
-        let age = if BACKEND == Backend::Postgres {
-            AGE_REJECTIONS_POSTGRES
-        } else {
-            AGE_REJECTIONS_SQLITE
+        let age = match BACKEND {
+            Backend::Postgres => AGE_REJECTIONS_POSTGRES,
+            Backend::MySql => AGE_REJECTIONS_MYSQL,
+            _ => AGE_REJECTIONS_SQLITE,
         };
         sqlx::query(age).execute(&pool).await.unwrap();
         let names = |pool| async move {
             let mut names: Vec<String> =
-                sqlx::query_scalar("SELECT message_name FROM inbox_rejections")
+                sqlx::query_scalar(sql("SELECT message_name FROM inbox_rejections"))
                     .fetch_all(pool)
                     .await
                     .unwrap();

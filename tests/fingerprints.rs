@@ -479,7 +479,7 @@ fn the_base_payload_canonically() {
 
 inbox_tests::backend_matrix! {
     use inbox_runtime::{DispatchError, Dispatcher, Envelope, Error, Outcome, handler};
-    use inbox_tests::{APPLY_EFFECT, effect};
+    use inbox_tests::effect;
 
     #[inbox_runtime::idempotent(consumer = "fp")]
     async fn apply_sample(conn: &mut Conn, msg: Sample) -> Result<(), sqlx::Error> {

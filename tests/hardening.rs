@@ -67,7 +67,6 @@ inbox_tests::backend_matrix! {
         handler, settlement_for,
     };
     use inbox_runtime::source::Settlement;
-    use inbox_tests::APPLY_EFFECT;
 
     const LIMIT: usize = 4096;
 
@@ -166,8 +165,8 @@ inbox_tests::backend_matrix! {
     /// `(reason, kept bytes, real size)` of the rejections of a message name.
     async fn rejections(pool: &Pool, name: &str) -> Vec<(String, i64, Option<i64>)> {
         sqlx::query_as(
-            "SELECT reason, CAST(length(payload) AS BIGINT), payload_size FROM inbox_rejections \
-             WHERE message_name = $1 ORDER BY id",
+            sql("SELECT reason, CAST(length(payload) AS BIGINT), payload_size FROM inbox_rejections \
+             WHERE message_name = $1 ORDER BY id"),
         )
         .bind(name.to_owned())
         .fetch_all(pool)
@@ -263,7 +262,7 @@ inbox_tests::backend_matrix! {
             [("malformed".to_owned(), 36, None), ("malformed".to_owned(), 31, None)]
         );
         let kept: Vec<Vec<u8>> =
-            sqlx::query_scalar("SELECT payload FROM inbox_rejections ORDER BY id")
+            sqlx::query_scalar(sql("SELECT payload FROM inbox_rejections ORDER BY id"))
                 .fetch_all(&pool)
                 .await
                 .unwrap();
@@ -403,7 +402,7 @@ inbox_tests::backend_matrix! {
         FAIL.store(true, SeqCst);
         assert!(dispatcher.dispatch(&job("j3")).await.unwrap()[0].result.is_err());
         let calls = CALLS.load(SeqCst);
-        sqlx::query("UPDATE inbox_messages SET payload = $1 WHERE message_key = 'j3'")
+        sqlx::query(sql("UPDATE inbox_messages SET payload = $1 WHERE message_key = 'j3'"))
             .bind(vec![b'{', 0xff, b'}'])
             .execute(&pool)
             .await

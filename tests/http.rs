@@ -132,7 +132,7 @@ inbox_tests::backend_matrix! {
     use inbox_runtime::StepKey;
     use inbox_runtime::admin::{self, Retention};
     use inbox_runtime::http::{IdempotencyLayer, IdempotencyTx};
-    use inbox_tests::{APPLY_EFFECT, count, effect, effects};
+    use inbox_tests::{count, effect, effects};
 
     /// `POST /pay`: applies the effect (account, amount) on the request's transaction, then
     /// answers 201 with a fresh random id (so a replay is recognisable by its bytes), a
@@ -602,6 +602,9 @@ inbox_tests::backend_matrix! {
         let age = if BACKEND == Backend::Postgres {
             "UPDATE inbox_messages SET processed_at = now() - interval '3 days', \
              received_at = now() - interval '3 days' WHERE message_key = 'r-1'"
+        } else if BACKEND == Backend::MySql {
+            "UPDATE inbox_messages SET processed_at = UTC_TIMESTAMP(6) - INTERVAL 3 DAY, \
+             received_at = UTC_TIMESTAMP(6) - INTERVAL 3 DAY WHERE message_key = 'r-1'"
         } else {
             "UPDATE inbox_messages SET \
              processed_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-3 days'), \

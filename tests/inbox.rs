@@ -69,7 +69,6 @@ inbox_tests::backend_matrix! {
     connections(postgres = 16, sqlite = 8);
 
     use inbox_runtime::{DispatchError, Dispatcher, Envelope, Error, KeyError};
-    use inbox_tests::APPLY_EFFECT;
     use sqlx::Connection as _;
 
     /// Applies `amount` to the effect row of the note's key.
@@ -161,8 +160,8 @@ inbox_tests::backend_matrix! {
         assert_eq!(effect(&pool, "note:a").await, Some((1, 5)));
         assert_eq!(count(&pool, "SELECT COUNT(*) FROM inbox_messages").await, 1);
         let (status, attempts, name): (String, i64, String) = sqlx::query_as(
-            "SELECT status, CAST(attempts AS BIGINT), message_name FROM inbox_messages \
-             WHERE consumer = 'effects' AND message_key = 'a'",
+            sql("SELECT status, CAST(attempts AS BIGINT), message_name FROM inbox_messages \
+             WHERE consumer = 'effects' AND message_key = 'a'"),
         )
         .fetch_one(&pool)
         .await
@@ -275,7 +274,7 @@ inbox_tests::backend_matrix! {
         let changed = dispatcher.dispatch(&redelivered(br#"{"id":"f","amount":3,"memo":"q"}"#)).await.unwrap();
         assert_eq!(outcome_kinds(&changed), [Err("conflict"); 3]);
         assert_eq!(effect(&pool, "note:f").await, Some((1, 2)));
-        let source: Option<String> = sqlx::query_scalar("SELECT source FROM inbox_messages WHERE consumer = 'effects' AND message_key = 'f'")
+        let source: Option<String> = sqlx::query_scalar(sql("SELECT source FROM inbox_messages WHERE consumer = 'effects' AND message_key = 'f'"))
             .fetch_one(&pool)
             .await
             .unwrap();
@@ -313,7 +312,7 @@ inbox_tests::backend_matrix! {
         assert!(apply_line(&mut conn, line("o1", 2)).await.unwrap().is_processed());
         assert!(apply_line(&mut conn, line("o1", 1)).await.unwrap().is_duplicate());
         let keys: Vec<String> = sqlx::query_scalar(
-            "SELECT message_key FROM inbox_messages WHERE message_name = 'test.line' ORDER BY message_key",
+            sql("SELECT message_key FROM inbox_messages WHERE message_name = 'test.line' ORDER BY message_key"),
         )
         .fetch_all(&pool)
         .await
@@ -353,7 +352,7 @@ inbox_tests::backend_matrix! {
         assert!(matches!(error, DispatchError::NoMessageName), "{error:?}");
         dispatcher.record_rejection(&nameless, &error).await.unwrap();
         let kept: (String, String, Vec<u8>) = sqlx::query_as(
-            "SELECT reason, detail, payload FROM inbox_rejections",
+            sql("SELECT reason, detail, payload FROM inbox_rejections"),
         )
         .fetch_one(&pool)
         .await
@@ -366,7 +365,7 @@ inbox_tests::backend_matrix! {
                 b"not even json".to_vec()
             )
         );
-        sqlx::query("DELETE FROM inbox_rejections").execute(&pool).await.unwrap();
+        sqlx::query(sql("DELETE FROM inbox_rejections")).execute(&pool).await.unwrap();
 
         let malformed = dispatch("test.note", b"{\"id\":\"a\",\n\"amount\": oops}").await.unwrap_err();
         let DispatchError::Decode { message_name, line, column, .. } = &malformed else { panic!("{malformed:?}") };

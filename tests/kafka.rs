@@ -168,10 +168,11 @@ impl Running {
 }
 
 inbox_tests::backend_matrix! {
+    not_on_mysql = "Kafka positions are not on MySQL yet (issue 16 leaves them for later)";
     connections(postgres = 16, sqlite = 4);
 
     use inbox_runtime::{PositionRow, PositionStore as _};
-    use inbox_tests::{APPLY_EFFECT, effects, inbox_row};
+    use inbox_tests::{effects, inbox_row};
 
     #[inbox_runtime::idempotent(consumer = "kafka-credits")]
     async fn apply_credit(conn: &mut Conn, msg: Credit) -> Result<(), sqlx::Error> {

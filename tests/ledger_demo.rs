@@ -30,6 +30,7 @@ impl Drop for RemoveCopy {
 async fn file_mode() {
     let _copy = RemoveCopy;
     the_sample_twice_prints_the_readme_summaries();
+    the_sample_twice_on_mariadb().await;
     a_failed_line_is_counted_and_the_stream_goes_on().await;
     the_dedupe_caches_change_no_summary();
     kafka_without_the_feature_is_refused();
@@ -80,6 +81,44 @@ fn the_sample_twice_prints_the_readme_summaries() {
     let (status, stdout, stderr) = run(&[], &db, dir.path(), "second");
     assert!(status.success(), "{status}\n{stdout}\n{stderr}");
     assert_eq!(last_line(&stdout), SECOND, "{stdout}");
+}
+
+/// The sample twice on the test command's MariaDB (`MYSQL_URL`), once as `mysql://…` and once as
+/// `mariadb://…`: the same two summary lines as on SQLite (and PostgreSQL).
+async fn the_sample_twice_on_mariadb() {
+    const FIRST: &str =
+        "summary: processed=26000 duplicates=3600 conflicts=16 rejected=18 balances=ok";
+    const SECOND: &str =
+        "summary: processed=0 duplicates=29600 conflicts=16 rejected=18 balances=ok";
+    let server = inbox_tests::mysql_url();
+    let name = format!("ledger_demo_{}", std::process::id());
+    let mut admin = sqlx::MySqlConnection::connect(&server).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let (base, _) = server.rsplit_once('/').unwrap();
+    let mysql = format!("{base}/{name}");
+    let mariadb = mysql.replacen("mysql://", "mariadb://", 1);
+    let dir = tempfile::tempdir().unwrap();
+    for (url, expected, run) in [
+        (&mysql, FIRST, "mysql-first"),
+        (&mariadb, SECOND, "mariadb-second"),
+    ] {
+        let log = dir.path().join(format!("{run}.log"));
+        let child = spawn_ledger(&[], url, &log);
+        let (status, stdout) = wait_ledger(child, &log, Duration::from_secs(600));
+        assert!(
+            status.success(),
+            "{run}: {status}\n{stdout}\n{}",
+            tail(&log)
+        );
+        assert_eq!(last_line(&stdout), expected, "{run}: {stdout}");
+    }
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP DATABASE {name}")))
+        .execute(&mut admin)
+        .await
+        .unwrap();
 }
 
 /// `--cache redis://…` (the test command's Redis) and `--cache memory`: the same summary lines

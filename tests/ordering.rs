@@ -120,15 +120,28 @@ pub const ORDERS_TABLE: &str = "CREATE TABLE orders (consumer TEXT NOT NULL, ord
 pub const APPEND: &str = "INSERT INTO orders (consumer, order_id, history) VALUES ($1, $2, $3) \
      ON CONFLICT (consumer, order_id) DO UPDATE SET history = orders.history || ',' || excluded.history";
 
+/// [`ORDERS_TABLE`] on MySQL (a primary key needs bounded types).
+pub const MYSQL_ORDERS_TABLE: &str = "CREATE TABLE orders (consumer VARCHAR(255) NOT NULL, \
+     order_id VARCHAR(255) NOT NULL, history TEXT NOT NULL, PRIMARY KEY (consumer, order_id))";
+
+/// [`APPEND`] on MySQL.
+pub const MYSQL_APPEND: &str = "INSERT INTO orders (consumer, order_id, history) VALUES (?, ?, ?) \
+     ON DUPLICATE KEY UPDATE history = CONCAT(history, ',', VALUES(history))";
+
 inbox_tests::backend_matrix! {
     connections(postgres = 8, sqlite = 4);
+
+    /// [`APPEND`] in this backend's dialect.
+    fn append() -> &'static str {
+        if BACKEND == Backend::MySql { MYSQL_APPEND } else { APPEND }
+    }
 
     use inbox_runtime::{Dispatcher, ParkPolicy, ParkTimeout};
     use std::sync::Arc;
 
     #[inbox_runtime::idempotent(consumer = "orders-park", gaps = "park")]
     async fn track_parked(conn: &mut Conn, msg: OrderEvent) -> Result<(), sqlx::Error> {
-        sqlx::query(APPEND)
+        sqlx::query(append())
             .bind("orders-park")
             .bind(&msg.order_id)
             .bind(&msg.kind)
@@ -139,7 +152,7 @@ inbox_tests::backend_matrix! {
 
     #[inbox_runtime::idempotent(consumer = "orders-apply")]
     async fn track_newest(conn: &mut Conn, msg: OrderEvent) -> Result<(), sqlx::Error> {
-        sqlx::query(APPEND)
+        sqlx::query(append())
             .bind("orders-apply")
             .bind(&msg.order_id)
             .bind(&msg.kind)
@@ -150,25 +163,25 @@ inbox_tests::backend_matrix! {
 
     #[inbox_runtime::idempotent(consumer = "orders-resume", gaps = "park")]
     async fn resume_opened(conn: &mut Conn, msg: OrderOpened) -> Result<(), sqlx::Error> {
-        sqlx::query(APPEND).bind("orders-resume").bind(&msg.order_id).bind("opened").execute(conn).await?;
+        sqlx::query(append()).bind("orders-resume").bind(&msg.order_id).bind("opened").execute(conn).await?;
         Ok(())
     }
 
     #[inbox_runtime::idempotent(consumer = "orders-resume", gaps = "park")]
     async fn resume_note(conn: &mut Conn, msg: OrderNote) -> Result<(), sqlx::Error> {
-        sqlx::query(APPEND).bind("orders-resume").bind(&msg.order_id).bind(format!("note{}", msg.seq)).execute(conn).await?;
+        sqlx::query(append()).bind("orders-resume").bind(&msg.order_id).bind(format!("note{}", msg.seq)).execute(conn).await?;
         Ok(())
     }
 
     async fn setup() -> (Pool, Guard) {
         let (pool, guard) = fixture().await;
-        sqlx::raw_sql(ORDERS_TABLE).execute(&pool).await.unwrap();
+        sqlx::raw_sql(if BACKEND == Backend::MySql { MYSQL_ORDERS_TABLE } else { ORDERS_TABLE }).execute(&pool).await.unwrap();
         (pool, guard)
     }
 
     async fn histories(pool: &Pool, consumer: &str, prefix: &str) -> BTreeMap<String, String> {
         let rows: Vec<(String, String)> = sqlx::query_as(
-            "SELECT order_id, history FROM orders WHERE consumer = $1 AND order_id LIKE $2",
+            sql("SELECT order_id, history FROM orders WHERE consumer = $1 AND order_id LIKE $2"),
         )
         .bind(consumer)
         .bind(format!("{prefix}%"))
@@ -179,7 +192,7 @@ inbox_tests::backend_matrix! {
     }
 
     async fn parked(pool: &Pool) -> i64 {
-        sqlx::query_scalar("SELECT COUNT(*) FROM inbox_messages WHERE status = 'parked'")
+        sqlx::query_scalar(sql("SELECT COUNT(*) FROM inbox_messages WHERE status = 'parked'"))
             .fetch_one(pool)
             .await
             .unwrap()
@@ -290,7 +303,7 @@ inbox_tests::backend_matrix! {
         assert_eq!(track_newest(&mut conn, event("h", 1, "placed")).await.unwrap(), Outcome::Stale);
         assert_eq!(histories(&pool, "orders-apply", "h").await["h"], "paid");
         let statuses: Vec<(String, String)> = sqlx::query_as(
-            "SELECT message_key, status FROM inbox_messages WHERE consumer = 'orders-park' ORDER BY message_key",
+            sql("SELECT message_key, status FROM inbox_messages WHERE consumer = 'orders-park' ORDER BY message_key"),
         )
         .fetch_all(&pool)
         .await

@@ -139,8 +139,9 @@ impl Sink for CrashAfterPublish {
 }
 
 inbox_tests::backend_matrix! {
+    not_on_mysql = "the outbox is not on MySQL yet (issue 16 leaves it for later)";
     use inbox_runtime::{Disposition, Error, Outcome};
-    use inbox_tests::{APPLY_EFFECT, count, effect, inbox_row, make_due};
+    use inbox_tests::{count, effect, inbox_row, make_due};
 
     /// A fresh database with the inbox and the outbox.
     async fn outbox_fixture() -> (Pool, Guard) {

@@ -190,6 +190,7 @@ async fn next_batch(
 }
 
 inbox_tests::backend_matrix! {
+    not_on_mysql = "the outbox is not on MySQL yet (issue 16 leaves it for later)";
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use clap::Parser as _;
@@ -197,7 +198,7 @@ inbox_tests::backend_matrix! {
     use inbox_runtime::cli::{AdminCli, CliError, execute_to};
     use inbox_runtime::outbox::admin as outbox_admin;
     use inbox_runtime::{OutboxStatus, Outcome, Permanent};
-    use inbox_tests::{APPLY_EFFECT, count};
+    use inbox_tests::count;
 
     /// A fresh database with the inbox and the outbox.
     async fn outbox_fixture() -> (Pool, Guard) {

@@ -20,6 +20,7 @@ pub struct OpsNote {
 /// A fixed time, long ago, for rows whose times the tests show.
 const FIXED_POSTGRES: &str = "2026-01-02 03:04:05+00";
 const FIXED_SQLITE: &str = "2026-01-02T03:04:05.000Z";
+const FIXED_MYSQL: &str = "2026-01-02 03:04:05.000000";
 const FIXED_SHOWN: &str = "2026-01-02 03:04:05 UTC";
 
 /// Sets the times of the `old-%` rows (first delivery, and settling if settled) to the fixed
@@ -35,10 +36,17 @@ const AGE_REJECTIONS_POSTGRES: &str = "UPDATE inbox_rejections \
      SET received_at = '2026-01-02 03:04:05+00' WHERE message_name LIKE 'old.%'";
 const AGE_REJECTIONS_SQLITE: &str = "UPDATE inbox_rejections \
      SET received_at = '2026-01-02T03:04:05.000Z' WHERE message_name LIKE 'old.%'";
+const AGE_MYSQL: &str = "UPDATE inbox_messages SET received_at = '2026-01-02 03:04:05', \
+     processed_at = CASE WHEN processed_at IS NULL THEN NULL ELSE '2026-01-02 03:04:05' END \
+     WHERE message_key LIKE 'old-%'";
+const AGE_REJECTIONS_MYSQL: &str = "UPDATE inbox_rejections \
+     SET received_at = '2026-01-02 03:04:05' WHERE message_name LIKE 'old.%'";
 
 /// The database clock a day ago, as the database writes it.
 const A_DAY_AGO_POSTGRES: &str = "SELECT CAST(now() - interval '1 day' AS TEXT)";
 const A_DAY_AGO_SQLITE: &str = "SELECT strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-1 day')";
+const A_DAY_AGO_MYSQL: &str =
+    "SELECT DATE_FORMAT(UTC_TIMESTAMP(6) - INTERVAL 1 DAY, '%Y-%m-%d %H:%i:%s.%f')";
 
 inbox_tests::backend_matrix! {
     connections(postgres = 4, sqlite = 4);
@@ -49,7 +57,6 @@ inbox_tests::backend_matrix! {
     use inbox_runtime::admin::{self, Retention, RetentionError};
     use inbox_runtime::cli::{AdminCli, CliError, execute_to};
     use inbox_runtime::{AdminStore as _, Dispatcher, Envelope, Outcome};
-    use inbox_tests::APPLY_EFFECT;
 
     #[inbox_runtime::idempotent(consumer = "ops")]
     async fn ops_note(conn: &mut Conn, msg: OpsNote) -> Result<(), Permanent> {
@@ -100,20 +107,20 @@ inbox_tests::backend_matrix! {
     }
 
     async fn age(pool: &Pool) {
-        let (messages, rejections) = if BACKEND == Backend::Postgres {
-            (AGE_POSTGRES, AGE_REJECTIONS_POSTGRES)
-        } else {
-            (AGE_SQLITE, AGE_REJECTIONS_SQLITE)
+        let (messages, rejections) = match BACKEND {
+            Backend::Postgres => (AGE_POSTGRES, AGE_REJECTIONS_POSTGRES),
+            Backend::MySql => (AGE_MYSQL, AGE_REJECTIONS_MYSQL),
+            _ => (AGE_SQLITE, AGE_REJECTIONS_SQLITE),
         };
         sqlx::query(messages).execute(pool).await.unwrap();
         sqlx::query(rejections).execute(pool).await.unwrap();
     }
 
     async fn a_day_ago(pool: &Pool) -> String {
-        let sql = if BACKEND == Backend::Postgres {
-            A_DAY_AGO_POSTGRES
-        } else {
-            A_DAY_AGO_SQLITE
+        let sql = match BACKEND {
+            Backend::Postgres => A_DAY_AGO_POSTGRES,
+            Backend::MySql => A_DAY_AGO_MYSQL,
+            _ => A_DAY_AGO_SQLITE,
         };
         let text: String = sqlx::query_scalar(sql).fetch_one(pool).await.unwrap();
         admin::utc_time(&text)
@@ -321,7 +328,7 @@ inbox_tests::backend_matrix! {
              2 statements of at most 1000 rows each\n"
         );
         assert_eq!(counts(&pool).await, (2, 1));
-        let mut keys: Vec<String> = sqlx::query_scalar("SELECT message_key FROM inbox_messages")
+        let mut keys: Vec<String> = sqlx::query_scalar(sql("SELECT message_key FROM inbox_messages"))
             .fetch_all(&pool)
             .await
             .unwrap();
@@ -341,7 +348,8 @@ inbox_tests::backend_matrix! {
         assert_eq!(send(&dispatcher, "new-1", false).await, "processed");
         let clock = conn.purge_clock(60.0).await.unwrap();
         let stored = admin::show(&pool, "ops", "new-1").await.unwrap().unwrap();
-        if BACKEND == Backend::Postgres {
+        if BACKEND != Backend::Sqlite {
+            // One clock, the server's, stamps every row.
             assert_eq!((&clock.newest, clock.newest_ahead_secs), (&None, None));
         } else {
             assert_eq!(clock.newest, stored.processed_at);
@@ -360,8 +368,8 @@ inbox_tests::backend_matrix! {
         assert_eq!(send(&dispatcher, "old-dead", true).await, "handler");
         // A consumer with rows but no handler any more.
         sqlx::query(
-            "INSERT INTO inbox_messages (consumer, message_key, message_name, payload_hash, \
-             status, attempts, payload) VALUES ('retired', 'r-1', 'ops.note', 'x', 'dead', 1, $1)",
+            sql("INSERT INTO inbox_messages (consumer, message_key, message_name, payload_hash, \
+             status, attempts, payload) VALUES ('retired', 'r-1', 'ops.note', 'x', 'dead', 1, $1)"),
         )
         .bind(&b"{}"[..])
         .execute(&pool)
@@ -423,10 +431,10 @@ inbox_tests::backend_matrix! {
         let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
         assert_eq!(send(&dispatcher, "old-dead", true).await, "handler");
         age(&pool).await;
-        let fixed = if BACKEND == Backend::Postgres {
-            FIXED_POSTGRES
-        } else {
-            FIXED_SQLITE
+        let fixed = match BACKEND {
+            Backend::Postgres => FIXED_POSTGRES,
+            Backend::MySql => FIXED_MYSQL,
+            _ => FIXED_SQLITE,
         };
         let stored = admin::show(&pool, "ops", "old-dead").await.unwrap().unwrap();
         assert_eq!(admin::utc_time(&stored.received_at), FIXED_SHOWN);

@@ -391,7 +391,7 @@ inbox_tests::backend_matrix! {
         }
         // The text is what the inbox keeps as the last error.
         let last_error: String = sqlx::query_scalar(
-            "SELECT last_error FROM inbox_messages WHERE consumer = 'strings' AND message_key = 'p-1'",
+            sql("SELECT last_error FROM inbox_messages WHERE consumer = 'strings' AND message_key = 'p-1'"),
         )
         .fetch_one(&pool)
         .await

@@ -85,7 +85,6 @@ inbox_tests::backend_matrix! {
         BoxError, BoxFuture, ClaimInfo, Dispatcher, Disposition, Error, Outcome, Status,
         StatsStatus, TransactionHook, admin, handler,
     };
-    use inbox_tests::APPLY_EFFECT;
 
     #[inbox_runtime::idempotent(consumer = "notes")]
     async fn write_note(conn: &mut Conn, msg: Note) -> Result<(), NoteError> {

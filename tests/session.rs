@@ -21,7 +21,7 @@ inbox_tests::backend_matrix! {
     use inbox_runtime::{
         ClaimSession, ClaimState, Disposition, ErrorClass, RetryPolicy, Status, Wait, admin,
     };
-    use inbox_tests::{APPLY_EFFECT, effect};
+    use inbox_tests::effect;
 
     #[tokio::test]
     async fn claim_write_complete_then_the_stored_result_then_a_conflict() {

@@ -4,9 +4,10 @@ use std::collections::BTreeMap;
 use std::str::FromStr as _;
 use std::time::Duration;
 
+use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{PgPool, SqlitePool};
+use sqlx::{MySqlPool, PgPool, SqlitePool};
 
 /// The SQLite file used when no database URL is given, in the current directory.
 pub(crate) const DEFAULT_SQLITE_FILE: &str = "ledger.db";
@@ -15,12 +16,17 @@ pub(crate) const DEFAULT_SQLITE_FILE: &str = "ledger.db";
 const CREATE_ACCOUNTS: &str =
     "CREATE TABLE IF NOT EXISTS accounts (id TEXT PRIMARY KEY, balance_cents BIGINT NOT NULL)";
 
+/// [`CREATE_ACCOUNTS`] on MySQL/MariaDB (a primary key needs a bounded type).
+const CREATE_ACCOUNTS_MYSQL: &str = "CREATE TABLE IF NOT EXISTS accounts \
+     (id VARCHAR(64) COLLATE utf8mb4_bin PRIMARY KEY, balance_cents BIGINT NOT NULL)";
+
 const SELECT_BALANCES: &str = "SELECT id, balance_cents FROM accounts ORDER BY id";
 
-/// A pool of either backend.
+/// A pool of any backend.
 pub(crate) enum Db {
     Postgres(PgPool),
     Sqlite(SqlitePool),
+    MySql(MySqlPool),
 }
 
 /// Why the database could not be used.
@@ -39,7 +45,8 @@ impl std::fmt::Display for DbError {
         match self {
             DbError::Url(url) => write!(
                 f,
-                "unsupported database URL `{url}`: expected postgres://… or sqlite:…"
+                "unsupported database URL `{url}`: expected postgres://…, mysql://…, mariadb://… \
+                 or sqlite:…"
             ),
             DbError::Sql(what, error) => write!(f, "{what}: {error}"),
             DbError::Migrate(error) => write!(f, "inbox migrations failed: {error}"),
@@ -108,6 +115,26 @@ impl Db {
                     .map_err(connect_error)?;
                 Ok((Db::Postgres(pool), description))
             }
+            Some(url) if url.starts_with("mysql://") || url.starts_with("mariadb://") => {
+                // sqlx's MySQL driver speaks to MariaDB too, under the `mysql` scheme.
+                let url = match url.strip_prefix("mariadb://") {
+                    Some(rest) => format!("mysql://{rest}"),
+                    None => url.to_owned(),
+                };
+                let options = MySqlConnectOptions::from_str(&url).map_err(connect_error)?;
+                let description = format!(
+                    "mysql {}:{}/{}",
+                    options.get_host(),
+                    options.get_port(),
+                    options.get_database().unwrap_or("")
+                );
+                let pool = MySqlPoolOptions::new()
+                    .max_connections(pg_connections)
+                    .connect_with(options)
+                    .await
+                    .map_err(connect_error)?;
+                Ok((Db::MySql(pool), description))
+            }
             Some(url) => Err(DbError::Url(url.to_owned())),
         }
     }
@@ -134,6 +161,15 @@ impl Db {
                     .await
                     .map_err(create_error)?;
             }
+            Db::MySql(pool) => {
+                inbox_runtime::migrate(pool)
+                    .await
+                    .map_err(DbError::Migrate)?;
+                sqlx::query(CREATE_ACCOUNTS_MYSQL)
+                    .execute(pool)
+                    .await
+                    .map_err(create_error)?;
+            }
         }
         Ok(())
     }
@@ -143,6 +179,7 @@ impl Db {
         let rows: Vec<(String, i64)> = match self {
             Db::Postgres(pool) => sqlx::query_as(SELECT_BALANCES).fetch_all(pool).await,
             Db::Sqlite(pool) => sqlx::query_as(SELECT_BALANCES).fetch_all(pool).await,
+            Db::MySql(pool) => sqlx::query_as(SELECT_BALANCES).fetch_all(pool).await,
         }
         .map_err(|e| DbError::Sql("cannot read the balances".into(), e))?;
         Ok(rows.into_iter().collect())
@@ -153,6 +190,7 @@ impl Db {
         match self {
             Db::Postgres(pool) => pool.close().await,
             Db::Sqlite(pool) => pool.close().await,
+            Db::MySql(pool) => pool.close().await,
         }
     }
 }

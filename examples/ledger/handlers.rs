@@ -1,8 +1,9 @@
 //! The ledger's handlers: one per message type and backend.
 //!
-//! `#[idempotent]` takes its backend from the connection type, so a program that runs on both
-//! PostgreSQL and SQLite has one handler of each message for each; a dispatcher routes only to
-//! the handlers of its own pool's backend. All four share the consumer name `ledger`: one inbox
+//! `#[idempotent]` takes its backend from the connection type, so a program that runs on
+//! PostgreSQL, SQLite and MySQL/MariaDB has one handler of each message for each; a dispatcher
+//! routes only to the handlers of its own pool's backend. All six share the consumer name
+//! `ledger`: one inbox
 //! scope, so an event id is applied at most once whichever message carries it.
 //!
 //! Nothing in the demo calls these functions by name: `#[idempotent]` registers them, and the
@@ -13,7 +14,7 @@
 //! at once with its payload (see `ledger admin dead list`).
 
 use inbox_runtime::{Classify, ErrorClass, idempotent};
-use sqlx::{PgConnection, SqliteConnection};
+use sqlx::{MySqlConnection, PgConnection, SqliteConnection};
 
 use crate::messages::{PaymentCaptured, PaymentRefunded};
 
@@ -24,6 +25,10 @@ const UPSERT_PG: &str = "INSERT INTO accounts (id, balance_cents) VALUES ($1, $2
 /// [`UPSERT_PG`] in SQLite's placeholder syntax.
 const UPSERT_SQLITE: &str = "INSERT INTO accounts (id, balance_cents) VALUES (?1, ?2) \
      ON CONFLICT (id) DO UPDATE SET balance_cents = accounts.balance_cents + excluded.balance_cents";
+
+/// [`UPSERT_PG`] on MySQL/MariaDB.
+const UPSERT_MYSQL: &str = "INSERT INTO accounts (id, balance_cents) VALUES (?, ?) \
+     ON DUPLICATE KEY UPDATE balance_cents = balance_cents + VALUES(balance_cents)";
 
 /// Why a ledger handler failed.
 #[derive(Debug)]
@@ -128,6 +133,30 @@ async fn debit_sqlite(
 ) -> Result<(), LedgerError> {
     check_account(&msg.account_id)?;
     sqlx::query(UPSERT_SQLITE)
+        .bind(&msg.account_id)
+        .bind(-msg.amount_cents)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// Credits a captured payment (MySQL/MariaDB).
+#[idempotent(consumer = "ledger")]
+async fn credit_mysql(conn: &mut MySqlConnection, msg: PaymentCaptured) -> Result<(), LedgerError> {
+    check_account(&msg.account_id)?;
+    sqlx::query(UPSERT_MYSQL)
+        .bind(&msg.account_id)
+        .bind(msg.amount_cents)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// Debits a refunded payment (MySQL/MariaDB).
+#[idempotent(consumer = "ledger")]
+async fn debit_mysql(conn: &mut MySqlConnection, msg: PaymentRefunded) -> Result<(), LedgerError> {
+    check_account(&msg.account_id)?;
+    sqlx::query(UPSERT_MYSQL)
         .bind(&msg.account_id)
         .bind(-msg.amount_cents)
         .execute(conn)

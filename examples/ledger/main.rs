@@ -55,7 +55,7 @@
 //! written by `cargo run --example ledger-gen`) holds thousands of redeliveries, 16 conflicts and
 //! 18 malformed lines; `expected.json` beside it is its ground truth.
 //!
-//! **Database**: `--database-url` or `DATABASE_URL` (`postgres://…` or `sqlite:…`), else the
+//! **Database**: `--database-url` or `DATABASE_URL` (`postgres://…`, `mysql://…`/`mariadb://…` or `sqlite:…`), else the
 //! SQLite file `ledger.db` in the current directory (created if missing, WAL mode). The demo
 //! runs the inbox migrations and creates its `accounts` table itself. Run it twice on the same
 //! database: the second run applies nothing (`processed=0`) and the balances are unchanged.
@@ -209,7 +209,7 @@ struct Args {
     /// reading the sample, else no check]
     #[arg(long, value_name = "FILE")]
     expected: Option<PathBuf>,
-    /// Database: postgres://… or sqlite:… [default: sqlite file ./ledger.db]
+    /// Database: postgres://…, mysql://…, mariadb://… or sqlite:… [default: sqlite file ./ledger.db]
     #[arg(long, env = "DATABASE_URL", value_name = "URL", hide_env_values = true)]
     database_url: Option<String>,
     /// With --source file:PATH: the file keeping the acked position [default: PATH.offset]
@@ -232,7 +232,7 @@ enum Command {
 /// `ledger admin`: the runtime's admin CLI on the demo's database.
 #[derive(clap::Args, Debug)]
 struct AdminArgs {
-    /// Database: postgres://… or sqlite:… [default: sqlite file ./ledger.db]
+    /// Database: postgres://…, mysql://…, mariadb://… or sqlite:… [default: sqlite file ./ledger.db]
     #[arg(long, env = "DATABASE_URL", value_name = "URL", hide_env_values = true)]
     database_url: Option<String>,
     #[command(subcommand)]
@@ -315,6 +315,7 @@ async fn process(
     match db {
         Db::Postgres(pool) => with(pool.clone(), input, source, cache).await,
         Db::Sqlite(pool) => with(pool.clone(), input, source, cache).await,
+        Db::MySql(pool) => with(pool.clone(), input, source, cache).await,
     }
 }
 
@@ -537,6 +538,7 @@ async fn run_broker(args: Args, url: String) -> Result<Verdict, String> {
     let consumed = match &db {
         Db::Postgres(pool) => broker::consume(pool.clone(), source, &args.consume, shutdown).await,
         Db::Sqlite(pool) => broker::consume(pool.clone(), source, &args.consume, shutdown).await,
+        Db::MySql(pool) => broker::consume(pool.clone(), source, &args.consume, shutdown).await,
     };
     let elapsed = started.elapsed();
     let (counts, signalled) = match consumed {
@@ -580,6 +582,7 @@ async fn run_admin(args: AdminArgs) -> ExitCode {
     let result = match &db {
         Db::Postgres(pool) => inbox_runtime::cli::execute(&args.command, pool).await,
         Db::Sqlite(pool) => inbox_runtime::cli::execute(&args.command, pool).await,
+        Db::MySql(pool) => inbox_runtime::cli::execute(&args.command, pool).await,
     };
     db.close().await;
     match result {

@@ -173,8 +173,8 @@ pub fn derive_message(input: TokenStream) -> TokenStream {
 /// # The function
 ///
 /// A free `async fn` (not a method, not generic, not `const`/`unsafe`/`extern`) with exactly two
-/// parameters: the connection, `&mut sqlx::PgConnection` or `&mut sqlx::SqliteConnection`, then
-/// the message, by value. It returns a `Result<T, E>`, possibly through an alias such as
+/// parameters: the connection, `&mut sqlx::PgConnection`, `&mut sqlx::SqliteConnection` or
+/// `&mut sqlx::MySqlConnection`, then the message, by value. It returns a `Result<T, E>`, possibly through an alias such as
 /// `anyhow::Result<T>`; `E` must be an error that converts into `inbox_runtime::BoxError`.
 ///
 /// The function keeps its name, visibility, documentation and attributes, and becomes a wrapper

@@ -67,7 +67,8 @@ impl Classify for sqlx::Error {
     /// database errors whose SQLSTATE says so (PostgreSQL `40001` serialization failure, `40P01`
     /// deadlock, `55P03` lock not available, class `08` connection exceptions, `53300` too many
     /// connections, `57P01`–`57P03` shutdown, `57P05` idle session and `25P03` idle
-    /// transaction timeouts; SQLite `BUSY`/`LOCKED` codes 5, 6, 261, 262, 517).
+    /// transaction timeouts; SQLite `BUSY`/`LOCKED` codes 5, 6, 261, 262, 517; MySQL/MariaDB
+    /// errors 1213 deadlock (SQLSTATE `40001`) and 1205 lock wait timeout).
     /// Everything else is [`ErrorClass::Retryable`].
     fn class(&self) -> ErrorClass {
         match self {
@@ -76,6 +77,14 @@ impl Classify for sqlx::Error {
             | sqlx::Error::Protocol(_)
             | sqlx::Error::PoolTimedOut
             | sqlx::Error::WorkerCrashed => ErrorClass::Transient,
+            sqlx::Error::Database(_)
+                if matches!(
+                    crate::store::mysql_error_number(self),
+                    Some(crate::store::ER_LOCK_DEADLOCK | crate::store::ER_LOCK_WAIT_TIMEOUT)
+                ) =>
+            {
+                ErrorClass::Transient
+            }
             sqlx::Error::Database(db) => match db.code().as_deref() {
                 Some(
                     "40001" | "40P01" | "55P03" | "53300" | "57P01" | "57P02" | "57P03" | "57P05"

@@ -1,7 +1,7 @@
 //! # inbox-runtime
 //!
-//! Effectively-once message processing for Rust services on PostgreSQL and SQLite: the
-//! **transactional inbox**.
+//! Effectively-once message processing for Rust services on PostgreSQL, SQLite and
+//! MySQL/MariaDB: the **transactional inbox**.
 //!
 //! Brokers deliver at least once: after a crash, a lost ack, a rebalance or a producer retry the
 //! same message comes again. A handler annotated with [`#[idempotent]`](macro@idempotent) applies
@@ -67,7 +67,7 @@
 //! ## How a delivery flows, and where each capability plugs in
 //!
 //! ```text
-//! source ──► worker ──► dispatcher ──► protocol ──► store (PostgreSQL | SQLite)
+//! source ──► worker ──► dispatcher ──► protocol ──► store (PostgreSQL | SQLite | MySQL)
 //! HTTP request, relay, custom code ──► ClaimSession ──┘
 //! handler ──► Outbox::publish (same transaction) ──► inbox_outbox ──► Relay ──► Sink (broker)
 //! ```
@@ -104,7 +104,8 @@
 //! back, the claim goes with it and a redelivery is processed again.
 //!
 //! ## Crate features
-//! PostgreSQL and SQLite support are always compiled in. The payload format is JSON (serde).
+//! PostgreSQL, SQLite and MySQL/MariaDB support are always compiled in (MySQL/MariaDB: the inbox;
+//! the outbox and broker positions not yet). The payload format is JSON (serde).
 //! * `cli`: the module `cli`, the operator's command line (stats, dead letters, replay, purge),
 //!   to embed in a binary of yours.
 //! * `amqp`: `source::amqp`, the RabbitMQ source (lapin).
@@ -181,6 +182,7 @@ pub use store::{
     AdminStore, AnyConnection, Backend, ClaimRequest, ClaimResult, ClaimStore, Component,
     ExistingRow, FailureRecord, InboxConnection, InboxDatabase, MIGRATIONS_TABLE, OrderingStore,
     ParkedMessage, Rejection, RejectionReason, StatsRow, StatsStatus, StoredMessage,
+    mysql_lock_retries,
 };
 pub use store::{
     Lease, NOTIFY_CHANNEL, OUTBOX_MIGRATIONS_TABLE, OutboxAdminStore, OutboxBacklog,
@@ -215,7 +217,7 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 pub use sqlx::migrate::MigrateError;
 
 /// Creates or upgrades the inbox tables (`inbox_messages`, `inbox_aggregate_state`,
-/// `inbox_rejections`) in the database behind `pool` (a `PgPool` or a `SqlitePool`): the
+/// `inbox_rejections`) in the database behind `pool` (a `PgPool`, `SqlitePool` or `MySqlPool`): the
 /// [`Component::Inbox`] migrations. Idempotent: run it at every start.
 ///
 /// Applied versions are recorded in [`MIGRATIONS_TABLE`], apart from the application's own

@@ -171,6 +171,15 @@ impl sqlx::Type<sqlx::Sqlite> for Status {
     }
 }
 
+impl sqlx::Type<sqlx::MySql> for Status {
+    fn type_info() -> sqlx::mysql::MySqlTypeInfo {
+        <String as sqlx::Type<sqlx::MySql>>::type_info()
+    }
+    fn compatible(ty: &sqlx::mysql::MySqlTypeInfo) -> bool {
+        <String as sqlx::Type<sqlx::MySql>>::compatible(ty)
+    }
+}
+
 impl<'r, DB: sqlx::Database> sqlx::Decode<'r, DB> for Status
 where
     &'r str: sqlx::Decode<'r, DB>,

@@ -32,9 +32,10 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use inbox_runtime::{ConsumerOutcome, Envelope, Error, Message, Outcome};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{Connection, PgPool, SqlitePool};
+use sqlx::{Connection, MySqlPool, PgPool, SqlitePool};
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
@@ -114,6 +115,57 @@ pub const EFFECTS_TABLE: &str = "CREATE TABLE effects (\
 pub const APPLY_EFFECT: &str = "INSERT INTO effects (effect_key, applied, total) VALUES ($1, 1, $2) \
      ON CONFLICT (effect_key) DO UPDATE SET applied = effects.applied + 1, \
      total = effects.total + excluded.total";
+
+/// The server URL from `MYSQL_URL`; panics with how to get one if unset. `mariadb://` is
+/// taken as `mysql://`.
+pub fn mysql_url() -> String {
+    let url = std::env::var("MYSQL_URL").unwrap_or_else(|_| {
+        panic!(
+            "MYSQL_URL is not set: run the tests with scripts/test.sh, which starts MariaDB \
+             (or start one with `scripts/mariadb.sh start`)"
+        )
+    });
+    match url.strip_prefix("mariadb://") {
+        Some(rest) => format!("mysql://{rest}"),
+        None => url,
+    }
+}
+
+/// A fresh MySQL/MariaDB database (migrated, with the test `effects` table) and a pool of at
+/// most `max_connections` on it (a database of its own on the shared server, as on PostgreSQL).
+pub async fn mysql_pool(max_connections: u32) -> MySqlPool {
+    let base = MySqlConnectOptions::from_str(&mysql_url()).expect("MYSQL_URL is a mysql URL");
+    let name = unique_name("inbox_test");
+    let mut admin = sqlx::MySqlConnection::connect_with(&base)
+        .await
+        .expect("connect to MySQL");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&mut admin)
+        .await
+        .expect("create test database");
+    admin.close().await.ok();
+    let pool = MySqlPoolOptions::new()
+        .max_connections(max_connections)
+        .connect_with(base.database(&name))
+        .await
+        .expect("connect to the test database");
+    inbox_runtime::migrate(&pool).await.expect("migrate");
+    sqlx::raw_sql(MYSQL_EFFECTS_TABLE)
+        .execute(&pool)
+        .await
+        .expect("create effects");
+    pool
+}
+
+/// [`EFFECTS_TABLE`] on MySQL/MariaDB: a primary key needs a bounded type, and `VARBINARY`
+/// compares byte for byte (a `VARCHAR` with a `_bin` collation ignores trailing spaces).
+pub const MYSQL_EFFECTS_TABLE: &str = "CREATE TABLE effects (\
+     effect_key VARBINARY(760) PRIMARY KEY, applied BIGINT NOT NULL, total BIGINT NOT NULL)";
+
+/// [`APPLY_EFFECT`] on MySQL/MariaDB.
+pub const MYSQL_APPLY_EFFECT: &str = "INSERT INTO effects (effect_key, applied, total) \
+     VALUES (?, 1, ?) ON DUPLICATE KEY UPDATE applied = applied + 1, \
+     total = total + VALUES(total)";
 
 /// Deletes a file (and its SQLite `-wal`/`-shm` companions) on drop.
 #[derive(Debug)]

@@ -1,5 +1,6 @@
 //! Inbox stores: small capability traits ([`ClaimStore`], [`OrderingStore`], [`AdminStore`],
-//! joined by [`InboxConnection`]), implemented for `PgConnection` and `SqliteConnection`.
+//! joined by [`InboxConnection`]), implemented for `PgConnection`, `SqliteConnection` and
+//! `MySqlConnection` (MySQL and MariaDB).
 //!
 //! The protocol calls only these traits; each backend implements them in its own SQL dialect.
 //! The backend of a handler follows from its connection type. Statements whose text is the same
@@ -22,10 +23,16 @@ use crate::status::Status;
 
 #[macro_use]
 mod shared;
+mod mysql;
 mod outbox;
 mod positions;
 mod postgres;
 mod sqlite;
+
+pub use mysql::mysql_lock_retries;
+pub(crate) use mysql::{
+    ER_LOCK_DEADLOCK, ER_LOCK_WAIT_TIMEOUT, error_number as mysql_error_number,
+};
 
 pub use outbox::{
     Lease, NOTIFY_CHANNEL, OutboxAdminStore, OutboxBacklog, OutboxDatabase, OutboxEntry,
@@ -60,6 +67,9 @@ pub enum Backend {
     Postgres,
     /// SQLite (3.35 or newer, for `RETURNING`), through `sqlx::SqliteConnection`.
     Sqlite,
+    /// MySQL (8.0.16 or newer) or MariaDB (10.6 or newer), InnoDB, through
+    /// `sqlx::MySqlConnection`.
+    MySql,
     /// A backend implemented outside this crate (see [`ClaimStore`]), by its name.
     Other(&'static str),
 }
@@ -69,6 +79,7 @@ impl std::fmt::Display for Backend {
         f.write_str(match self {
             Backend::Postgres => "postgres",
             Backend::Sqlite => "sqlite",
+            Backend::MySql => "mysql",
             Backend::Other(name) => name,
         })
     }
@@ -100,7 +111,8 @@ impl std::fmt::Debug for AnyConnection<'_> {
 
 /// The claim protocol's statements on one connection: the capability every backend must have.
 ///
-/// Implemented for `sqlx::PgConnection` and `sqlx::SqliteConnection`. A backend of your own
+/// Implemented for `sqlx::PgConnection`, `sqlx::SqliteConnection` and `sqlx::MySqlConnection`
+/// (whose claim is an upsert and a locking read: see the `mysql` store). A backend of your own
 /// implements it (with [`OrderingStore`], [`AdminStore`] and [`InboxConnection`]) in its own SQL
 /// dialect; the protocol only ever calls these methods, so a backend without `RETURNING` or
 /// `ON CONFLICT … WHERE` (MySQL) can be added without touching it. Every method runs on the
@@ -325,7 +337,8 @@ pub trait AdminStore: Send {
 /// A connection type an `#[idempotent]` handler can take as its first parameter: the backend's
 /// transactions plus its store capabilities.
 ///
-/// Implemented for `sqlx::PgConnection` and `sqlx::SqliteConnection`. To add a backend,
+/// Implemented for `sqlx::PgConnection`, `sqlx::SqliteConnection` and `sqlx::MySqlConnection`.
+/// To add a backend,
 /// implement this and the three capability traits for its sqlx connection type, and
 /// [`InboxDatabase`] for its sqlx database type.
 pub trait InboxConnection:
@@ -358,7 +371,7 @@ pub trait InboxConnection:
     }
 }
 
-/// A database an inbox can live in: `sqlx::Postgres` or `sqlx::Sqlite` (or a backend of your
+/// A database an inbox can live in: `sqlx::Postgres`, `sqlx::Sqlite` or `sqlx::MySql` (or a backend of your
 /// own: see [`ClaimStore`]).
 pub trait InboxDatabase:
     sqlx::Database<Connection: InboxConnection + sqlx::migrate::Migrate>
