@@ -201,7 +201,7 @@ inbox_tests::backend_matrix! {
     use inbox_runtime::admin;
     use inbox_runtime::console::{Console, ConsoleError, Refusal};
     use inbox_runtime::{Dispatcher, Status, StatsStatus};
-    use inbox_tests::{APPLY_EFFECT, effect};
+    use inbox_tests::effect;
 
     #[inbox_runtime::idempotent(consumer = "console")]
     async fn apply(conn: &mut Conn, msg: Task) -> Result<(), TaskError> {
