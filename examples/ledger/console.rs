@@ -61,6 +61,7 @@ pub(crate) async fn run(args: ConsoleArgs) -> Result<(), String> {
     let result = match &db {
         Db::Postgres(pool) => serve(pool.clone(), &args, &description).await,
         Db::Sqlite(pool) => serve(pool.clone(), &args, &description).await,
+        Db::MySql(pool) => serve(pool.clone(), &args, &description).await,
     };
     db.close().await;
     result
