@@ -8,6 +8,7 @@
 #   scripts/bench.sh --full           # full sizes (10 M-row inbox, 5-minute memory run)
 #   scripts/bench.sh --help           # every option of the harness
 #   scripts/bench.sh --only kafka     # Kafka scale-out: 1, 2, 4 consumer processes in one group
+#   scripts/bench.sh --only mysql     # MariaDB: bare effect, one message per transaction, batch 100
 #
 # Asking for the `kafka` section (`--only kafka`, alone or in a list) builds the harness with the
 # examples feature `kafka` (librdkafka, built with cmake: scripts/deps.sh installs what it needs);
@@ -26,8 +27,12 @@
 # section's relays): AMQP_URL and NATS_URL if either is set, else, when the outbox section runs
 # (the default set, or `--only …,outbox`), a throwaway RabbitMQ and NATS started with
 # scripts/brokers.sh ($INBOX_BENCH_AMQP_PORT, default 5673; $INBOX_BENCH_NATS_PORT, default
-# 4223; $INBOX_BENCH_BROKERS_DIR, default /tmp/inbox-bench-brokers). Whatever is started here is
-# stopped at the end.
+# 4223; $INBOX_BENCH_BROKERS_DIR, default /tmp/inbox-bench-brokers). MySQL/MariaDB (the mysql
+# section): MYSQL_URL, else, when that section runs (the default set, or `--only …,mysql`), a
+# throwaway MariaDB started with scripts/mariadb.sh ($INBOX_BENCH_MYSQL_PORT, default 33070;
+# $INBOX_BENCH_MYSQL_DIR, default /tmp/inbox-bench-mariadb). A run of only sections that need
+# no PostgreSQL (mysql, sqlite, cpu) starts neither PostgreSQL nor Redis. Whatever is started
+# here is stopped at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,13 +71,26 @@ runs() {
     *) return 1 ;;
   esac
 }
+# Whether PostgreSQL (and Redis) is needed: unless every section asked for runs without it.
+needs_pg=yes
+if [ -n "$only" ] && [ -z "$help" ]; then
+  needs_pg=
+  for section in ${only//,/ }; do
+    case "$section" in
+      mysql | sqlite | cpu) ;;
+      *) needs_pg=yes ;;
+    esac
+  done
+fi
 features=()
 if runs kafka; then
   features=(--features kafka)
   scripts/deps.sh
 fi
 
-if [ -z "$given" ]; then
+if [ -z "$needs_pg" ]; then
+  :
+elif [ -z "$given" ]; then
   export INBOX_PG_DIR=${INBOX_BENCH_PG_DIR:-/tmp/inbox-bench-pg}
   export INBOX_PG_PORT=${INBOX_BENCH_PG_PORT:-54330}
   started+=(pg)
@@ -89,7 +107,7 @@ elif [ "$given" != given ]; then
 fi
 
 # The dedupe cache's Redis rows: a throwaway Redis on its own port unless REDIS_URL names one.
-if [ -z "${REDIS_URL:-}" ]; then
+if [ -n "$needs_pg" ] && [ -z "${REDIS_URL:-}" ]; then
   export INBOX_REDIS_DIR=${INBOX_BENCH_REDIS_DIR:-/tmp/inbox-bench-redis}
   export INBOX_REDIS_PORT=${INBOX_BENCH_REDIS_PORT:-6390}
   started+=(redis)
@@ -109,6 +127,17 @@ if runs outbox default && [ -z "${AMQP_URL:-}${NATS_URL:-}" ]; then
   eval "$exports"
   export AMQP_URL NATS_URL
   echo "bench.sh: throwaway RabbitMQ at $AMQP_URL, NATS at $NATS_URL" >&2
+fi
+
+# The mysql section's server: a throwaway MariaDB on its own port unless MYSQL_URL names one.
+if runs mysql default && [ -z "${MYSQL_URL:-}" ]; then
+  export INBOX_MYSQL_DIR=${INBOX_BENCH_MYSQL_DIR:-/tmp/inbox-bench-mariadb}
+  export INBOX_MYSQL_PORT=${INBOX_BENCH_MYSQL_PORT:-33070}
+  started+=(mariadb)
+  exports=$(scripts/mariadb.sh start)
+  eval "$exports"
+  export MYSQL_URL
+  echo "bench.sh: throwaway MariaDB at $MYSQL_URL" >&2
 fi
 
 mkdir -p target

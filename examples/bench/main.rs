@@ -45,6 +45,7 @@
 #[cfg(feature = "kafka")]
 mod kafka;
 mod measure;
+mod mysql;
 mod outbox;
 mod paths;
 mod pgbench;
@@ -78,6 +79,11 @@ struct Args {
     /// database there (see --db-name). Without it, only SQLite is measured.
     #[arg(long, env = "DATABASE_URL")]
     database_url: Option<String>,
+    /// MySQL/MariaDB server of the `mysql` section (`mysql://user:password@host:port/db`); the
+    /// harness works in its own database there (see --db-name). Without it, that section is
+    /// skipped.
+    #[arg(long, env = "MYSQL_URL")]
+    mysql_url: Option<String>,
     /// The database the harness drops, creates and works in.
     #[arg(long, default_value = "inbox_bench")]
     db_name: String,
@@ -170,6 +176,8 @@ enum Section {
     Outbox,
     /// Kafka scale-out: 1, 2, 4 consumer processes in one group (examples feature `kafka`).
     Kafka,
+    /// MySQL/MariaDB (`MYSQL_URL`): the bare effect, one message per transaction, batches of 100.
+    Mysql,
 }
 
 /// Sizes and durations of one run.
@@ -724,6 +732,9 @@ async fn run(args: &Args) -> Result<String, BoxError> {
     }
     if wanted(Section::Sqlite) && !args.no_sqlite {
         sqlite_section(&mut out, &p, &dups).await?;
+    }
+    if wanted(Section::Mysql) {
+        mysql_section(&mut out, &p, args).await?;
     }
     if let Some(pg) = &mut pg {
         if wanted(Section::Scale) {
@@ -2127,6 +2138,117 @@ async fn purge_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), Bo
     Ok(())
 }
 
+/// MySQL/MariaDB (issue 16): the bare effect, one message per transaction and batches of 100,
+/// side by side in interleaved rounds at each worker count, the effects checked exact after
+/// every measurement (see `mysql.rs`).
+async fn mysql_section(out: &mut Out, p: &Profile, args: &Args) -> Result<(), BoxError> {
+    let Some(url) = args.mysql_url.as_deref().filter(|u| !u.is_empty()) else {
+        out.line("## MySQL/MariaDB");
+        out.line("");
+        out.line(
+            "Not measured: no `--mysql-url` / `MYSQL_URL` given (`scripts/bench.sh --only mysql` \
+             starts a throwaway MariaDB).",
+        );
+        out.line("");
+        return Ok(());
+    };
+    progress(format!("mysql: creating database {}", args.db_name));
+    let my = mysql::connect(url, &args.db_name).await?;
+    let (version, settings) = mysql::describe(&my).await?;
+    let mut rows = Vec::new();
+    for &workers in &p.workers {
+        let mut acc: HashMap<mysql::Path, Acc> = HashMap::new();
+        let mut mismatches: HashMap<mysql::Path, Vec<String>> = HashMap::new();
+        for round in 0..p.rounds {
+            let mut order = mysql::PATHS.to_vec();
+            order.rotate_left(round % mysql::PATHS.len());
+            for path in order {
+                progress(format!(
+                    "mysql, {workers} workers, round {}/{}: {}",
+                    round + 1,
+                    p.rounds,
+                    path.label()
+                ));
+                let m = mysql::measure(&my, path, workers, p.warmup, p.duration, &seed).await?;
+                if let Err(e) = m.exact {
+                    mismatches.entry(path).or_default().push(e);
+                }
+                acc.entry(path).or_default().add(Measured {
+                    sample: m.sample,
+                    wal: None,
+                    claim: None,
+                });
+                tokio::time::sleep(p.settle).await;
+            }
+        }
+        let bare = acc.get(&mysql::Path::Bare).map(Acc::rate);
+        let single = acc.get(&mysql::Path::DispatchOn).map(Acc::rate);
+        for path in mysql::PATHS {
+            let Some(a) = acc.get(&path) else { continue };
+            rows.push(vec![
+                with_errors(path.label(), a),
+                workers.to_string(),
+                format!("{:.0}", a.rate()),
+                ms(&a.hist, 0.5),
+                ms(&a.hist, 0.99),
+                ratio(a.rate(), bare),
+                ratio(a.rate(), single),
+                a.per_msg_us(a.cpu.client),
+                a.cpu.server.map_or("—".into(), |s| a.per_msg_us(s)),
+                if a.cpu.wall > 0.0 {
+                    format!("{:.2}", a.cpu.machine / a.cpu.wall)
+                } else {
+                    "—".into()
+                },
+                match mismatches.get(&path) {
+                    None => "exact".into(),
+                    Some(e) => format!("**MISMATCH** ({} of {}: {})", e.len(), p.rounds, e[0]),
+                },
+                a.spread(),
+            ]);
+        }
+    }
+    my.admin.close().await;
+    if args.drop_db {
+        mysql::drop_database(url, &args.db_name).await?;
+    }
+    out.line(format!("## MySQL/MariaDB: {version}"));
+    out.line("");
+    out.line(format!("Settings: {settings}"));
+    out.line("");
+    out.line(
+        "The same effect (`INSERT … ON DUPLICATE KEY UPDATE balance_cents = balance_cents + \
+         VALUES(balance_cents)` over 100,000 accounts, InnoDB) and the same handler \
+         (`#[idempotent(consumer = \"bench\")]` on a `MySqlConnection`), each worker with its \
+         own connection and its own share of the accounts. `× bare`: rate ÷ the bare effect \
+         (autocommit) at the same worker count; `× dispatch_on`: ÷ `Dispatcher::dispatch_on` \
+         (one message per transaction, as the Worker runs it); rows measured side by side in \
+         interleaved rounds, median rate. Latency is per operation (message, or batch). Server \
+         CPU: the server process's threads (/proc), when it runs here. `effects`: after every \
+         measurement the balances grew by exactly the amounts the paths reported credited and \
+         the inbox by exactly one row per message (`exact`).",
+    );
+    out.line("");
+    out.table(
+        &[
+            "path",
+            "workers",
+            "msgs/s",
+            "p50 ms",
+            "p99 ms",
+            "× bare",
+            "× dispatch_on",
+            "client CPU µs/msg",
+            "server CPU µs/msg",
+            "CPU busy (cores)",
+            "effects",
+            "rounds min–max msgs/s",
+        ],
+        &rows,
+    );
+    Ok(())
+}
+
 /// The rows of the outbox section's publish-cost tables.
 const OUTBOX_KINDS: [Kind; 3] = [Kind::Direct, Kind::DirectOutbox, Kind::DirectOutboxQuiet];
 
@@ -2622,8 +2744,13 @@ mod tests {
             "--drop-db",
         ];
         let url = std::env::var("DATABASE_URL").ok();
+        let mysql_url = std::env::var("MYSQL_URL").ok().filter(|u| !u.is_empty());
         if url.is_none() {
-            argv.push("--only=sqlite");
+            argv.push(if mysql_url.is_some() {
+                "--only=sqlite,mysql"
+            } else {
+                "--only=sqlite"
+            });
         }
         let args = Args::parse_from(argv);
         let text = run(&args).await.expect("the harness runs");
@@ -2670,6 +2797,15 @@ mod tests {
                 }
             }
         }
+        // The MySQL/MariaDB rows, on the server `scripts/test.sh` starts (MYSQL_URL).
+        if mysql_url.is_some() {
+            expected.push("## MySQL/MariaDB: ".into());
+            for path in mysql::PATHS {
+                expected.push(format!("| {} |", path.label()));
+            }
+        } else if url.is_some() {
+            expected.push("## MySQL/MariaDB".into());
+        }
         for label in &expected {
             assert!(
                 text.contains(label.as_str()),
@@ -2677,5 +2813,6 @@ mod tests {
             );
         }
         assert!(!text.contains("errors**"), "errors in:\n{text}");
+        assert!(!text.contains("MISMATCH"), "effects not exact in:\n{text}");
     }
 }
