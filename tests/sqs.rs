@@ -786,6 +786,95 @@ async fn the_sink_publishes_to_a_standard_queue_by_url() {
     assert_eq!(queue_depth(&client, &url).await, (0, 0));
 }
 
+/// Batches split by size: ten 200 KiB messages (SQS allows 256 KiB per message and per
+/// `SendMessageBatch`) all go out in one relay round, none refused as a too-long batch; a
+/// message over 256 KiB fails for good, alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sink_splits_batches_by_size() {
+    let _serial = SERIAL.lock().await;
+    let client = client().await;
+    let (name, url) = queue(&client, "big", false, 30).await;
+    let (pool, _guard) = pool().await;
+    let destination: &'static str = Box::leak(name.into_boxed_str());
+    let destinations: &'static [&'static str] = Box::leak(vec![destination].into_boxed_slice());
+    let outbox = Outbox::new(destinations);
+    let mut tx = pool.begin().await.unwrap();
+    for i in 0..10 {
+        let id = format!("big-{i}-{}", "x".repeat(200 * 1024));
+        let message: Credit = serde_json::from_str(&credit(&id, i, "", i)).unwrap();
+        outbox
+            .publish(&mut *tx, OutboxMessage::new(destination, &message))
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let relay = Relay::new(pool.clone(), SqsSink::connect(&settings()).await);
+    let round = relay.run_once().await.unwrap();
+    assert_eq!((round.published, round.failed), (10, 0), "{round:?}");
+    assert_eq!(queue_depth(&client, &url).await, (10, 0));
+
+    // Over the limit: that row fails for good; the small one beside it is published.
+    let mut tx = pool.begin().await.unwrap();
+    for (i, size) in [(10, 300 * 1024), (11, 10)] {
+        let id = format!("big-{i}-{}", "x".repeat(size));
+        let message: Credit = serde_json::from_str(&credit(&id, i, "", i)).unwrap();
+        outbox
+            .publish(&mut *tx, OutboxMessage::new(destination, &message))
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let round = relay.run_once().await.unwrap();
+    assert_eq!(round.published, 1, "{round:?}");
+    assert_eq!(round.failed + round.dead, 1, "{round:?}");
+    assert_eq!(queue_depth(&client, &url).await, (11, 0));
+}
+
+/// A malformed message whose rejection cannot be recorded (the database is gone) is requeued,
+/// not rejected: with the default `RejectAction::Delete` a reject would delete it, kept nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_that_cannot_be_kept_is_not_deleted() {
+    let _serial = SERIAL.lock().await;
+    reset_hooks();
+    let client = client().await;
+    let (_, url) = queue(&client, "unkept", false, 30).await;
+    let (pool, _guard) = pool().await;
+    send(&client, &url, "{not json", Some("sqs.credit"), None).await;
+    let dispatcher = dispatcher(&pool);
+    pool.close().await;
+    logs();
+    let source = SqsSource::connect(config(&url, 30)).await.unwrap();
+    let stats = source.stats();
+    let worker = Worker::new(dispatcher)
+        .concurrency(1)
+        .requeue_delay(Duration::from_secs(60))
+        .drain_timeout(Duration::from_secs(30));
+    let stop = CancellationToken::new();
+    let task = tokio::spawn({
+        let stop = stop.clone();
+        async move { worker.run(source, stop).await.expect("the worker runs") }
+    });
+    // Settled: a visibility change (the requeue), no delete.
+    wait_until("the requeue", Duration::from_secs(20), || async {
+        stats.counts().visibility_changes >= 1
+    })
+    .await;
+    stop.cancel();
+    let report = tokio::time::timeout(Duration::from_secs(60), task)
+        .await
+        .unwrap()
+        .unwrap();
+    let counts = stats.counts();
+    assert_eq!(
+        (report.invalid, report.requeued, report.rejected),
+        (1, 1, 0),
+        "{report:?}"
+    );
+    assert_eq!(counts.deleted, 0, "{counts:?}");
+    // Still in the queue, invisible for the requeue delay.
+    assert_eq!(queue_depth(&client, &url).await, (0, 1));
+}
+
 /// SQS calls per 100 messages: deletes and visibility changes go in batches.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deletes_and_visibility_changes_are_batched() {

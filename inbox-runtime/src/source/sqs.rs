@@ -68,9 +68,11 @@
 //! **Bad input** (no name attribute, an unknown name, a malformed body, a bad key): the worker
 //! keeps the delivery in `inbox_rejections`, payload included, and acks it, so it is deleted:
 //! a poison message is never received again and again. If it cannot be kept (database down), the
-//! worker rejects it, which deletes it too by default ([`RejectAction::Delete`]); with
-//! [`RejectAction::LeaveToRedrive`] a rejected message is left to become visible again, and the
-//! queue's redrive policy moves it to its dead-letter queue after `maxReceiveCount` receives.
+//! worker requeues it after its `requeue_delay` (never deleted unkept), and its next receive tries
+//! again. Conflicts are rejected (kept by the dispatcher): deleted by default
+//! ([`RejectAction::Delete`]); with [`RejectAction::LeaveToRedrive`] a rejected message is left to
+//! become visible again, and the queue's redrive policy moves it to its dead-letter queue after
+//! `maxReceiveCount` receives.
 //!
 //! **Dead letters**: the inbox dead-letters a message whose handler failed for good (its status
 //! `dead`, payload kept) and acks it, so it is deleted; a redrive policy only sees messages that
@@ -196,6 +198,20 @@ pub async fn client(settings: &AwsSettings, longest_call: Duration) -> Client {
     Client::new(&loader.load().await)
 }
 
+/// A per-call override of the client's timeouts: `attempt` per attempt (and to read the
+/// answer), 2 × `attempt` + 1 s for the whole call with the SDK's retries. For calls that must
+/// not wait as long as a long poll (deletes, visibility changes, sends).
+pub(crate) fn call_timeouts(attempt: Duration) -> aws_sdk_sqs::config::Builder {
+    aws_sdk_sqs::config::Builder::default().timeout_config(
+        aws_config::timeout::TimeoutConfig::builder()
+            .connect_timeout(attempt.min(Duration::from_secs(5)))
+            .read_timeout(attempt)
+            .operation_attempt_timeout(attempt)
+            .operation_timeout(attempt * 2 + Duration::from_secs(1))
+            .build(),
+    )
+}
+
 /// The queue's URL and name: `queue` itself if it is a URL (`http://` or `https://`, the name
 /// being its last path segment), else the URL `GetQueueUrl` answers for the name.
 pub(crate) async fn resolve_queue(
@@ -223,8 +239,8 @@ pub(crate) async fn resolve_queue(
 /// What a [`Settlement::Reject`] does to the message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum RejectAction {
-    /// Delete it: it is never received again. The worker rejects only what it kept in
-    /// `inbox_rejections` first, or could not keep there (the database failed).
+    /// Delete it: it is never received again. The worker rejects only what is kept in
+    /// `inbox_rejections` (what it cannot keep there, the database failing, it requeues).
     #[default]
     Delete,
     /// Leave it: it becomes visible again when its visibility timeout passes, and the queue's
