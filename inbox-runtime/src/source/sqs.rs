@@ -28,7 +28,8 @@
 //! reads what the task received, and [`Source::close`] lets the current poll finish (up to
 //! `wait_time`) and makes what it received visible again at once. The client's timeouts are set
 //! above `wait_time` (a timeout below it breaks long polling; none at all lets a call hang).
-//! A receive that fails for a passing reason (no answer, throttling, a server error) is retried,
+//! A receive that fails for a passing reason (no answer, a timeout, throttling, any HTTP 5xx,
+//! `ExpiredToken`/`RequestExpired`) is retried,
 //! after the SDK's own retries, with a backoff from 0.2 s doubling up to 30 s; one that cannot
 //! pass (no such queue, access denied) fails the source: [`Source::next`] returns a
 //! [`SourceError`] with operation `"receive"`.
@@ -50,7 +51,7 @@
 //! | --- | --- |
 //! | ack | `DeleteMessageBatch` |
 //! | reject | [`SqsConfig::reject`]: `DeleteMessageBatch` (default), or left to the queue's redrive policy |
-//! | requeue `{ delay }` | `ChangeMessageVisibilityBatch` to `delay` (0 if `None`): received again after it |
+//! | requeue `{ delay }` | `ChangeMessageVisibilityBatch` to `delay` (0 if `None`): received again after it; capped at what is left of SQS's 12 hours from the receive (less 2 s and `settle_linger`), logged when capped |
 //! | abandoned (dropped unsettled) | `ChangeMessageVisibilityBatch` to 0: received again at once |
 //!
 //! A delete whose receipt handle is no longer valid (`ReceiptHandleIsInvalid`: the visibility
@@ -58,9 +59,14 @@
 //! transaction committed, so that other delivery is a duplicate in the inbox.
 //!
 //! **Visibility heartbeat**: while a delivery is received and not settled (queued in the worker
-//! or running), its visibility timeout is extended to [`SqsConfig::visibility_timeout`] every
-//! third of it (`ChangeMessageVisibilityBatch`, batched over all deliveries due), so that a
-//! handler slower than the visibility timeout is not delivered to another worker meanwhile. The
+//! or running), about every third of [`SqsConfig::visibility_timeout`] its visibility is set
+//! again to that timeout from then on (`ChangeMessageVisibilityBatch`, batched over all
+//! deliveries due), so that a handler slower than the visibility timeout is not delivered to
+//! another worker meanwhile. Delete and visibility calls have timeouts of their own, far below
+//! the heartbeat's period (attempts of a ninth of the visibility timeout, 1 s to 5 s; a whole
+//! call with the SDK's retries 2 × that + 1 s), run side by side (a stalled call holds back
+//! only its own entries; changes to one message are sent in order), and a failed call or entry
+//! is sent once more before it is logged. The
 //! heartbeat stops [`SqsConfig::max_processing_time`] after the receive (and before SQS's cap of
 //! 12 hours of visibility per receive): a handler still running then lets its message be
 //! received again.
@@ -256,7 +262,8 @@ pub enum RejectAction {
     LeaveToRedrive,
 }
 
-/// How to consume. Build with [`SqsConfig::new`] and the setters.
+/// How to consume. Build with [`SqsConfig::new`] and the setters. The setters keep SQS's limits
+/// (noted on each field); fields set directly are brought within them when the source connects.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct SqsConfig {
@@ -265,8 +272,9 @@ pub struct SqsConfig {
     pub queue: String,
     /// Endpoint, region and credentials, over the standard AWS configuration.
     pub aws: AwsSettings,
-    /// How long one receive call waits for messages (`WaitTimeSeconds`, whole seconds, at most
-    /// 20 s). Default 20 s. [`Source::close`] may wait this long for the current poll.
+    /// How long one receive call waits for messages (`WaitTimeSeconds`, whole seconds rounded
+    /// down, from 1 s to 20 s: 0 would be short polling, a busy loop on an empty queue). Default
+    /// 20 s. [`Source::close`] may wait this long for the current poll.
     pub wait_time: Duration,
     /// At most this many deliveries received and not yet settled. Default 64; keep it at least
     /// the worker's concurrency.
@@ -309,10 +317,25 @@ impl SqsConfig {
         self
     }
 
-    /// Sets [`wait_time`](Self::wait_time) (capped at 20 s).
+    /// Sets [`wait_time`](Self::wait_time) (from 1 s to 20 s).
     pub fn wait_time(mut self, wait: Duration) -> Self {
-        self.wait_time = wait.min(Duration::from_secs(20));
+        self.wait_time = wait.clamp(Duration::from_secs(1), Duration::from_secs(20));
         self
+    }
+
+    /// The limits the setters keep, applied again by [`SqsSource::connect`] to fields set
+    /// directly.
+    fn within_limits(self) -> Self {
+        let (wait, in_flight, visibility, processing) = (
+            self.wait_time,
+            self.max_in_flight,
+            self.visibility_timeout,
+            self.max_processing_time,
+        );
+        self.wait_time(wait)
+            .max_in_flight(in_flight)
+            .visibility_timeout(visibility)
+            .max_processing_time(processing)
     }
 
     /// Sets [`max_in_flight`](Self::max_in_flight) (at least 1).
@@ -541,6 +564,7 @@ impl SqsSource {
     /// # Errors
     /// As [`connect`](Self::connect).
     pub async fn with_client(client: Client, config: SqsConfig) -> Result<Self, SourceError> {
+        let config = config.within_limits();
         let (url, name) = resolve_queue(&client, &config.queue).await.map_err(|e| {
             SourceError::new(&config.queue, "connect", DisplayErrorContext(e).to_string())
         })?;
@@ -1295,6 +1319,18 @@ mod tests {
             Duration::from_secs(MAX_VISIBILITY_SECS)
         );
         assert_eq!(config.reject, RejectAction::Delete);
+        assert_eq!(
+            SqsConfig::new("q").wait_time(Duration::from_millis(500)).wait_time,
+            Duration::from_secs(1)
+        );
+        let mut direct = SqsConfig::new("q");
+        direct.wait_time = Duration::ZERO;
+        direct.max_in_flight = 0;
+        let direct = direct.within_limits();
+        assert_eq!(
+            (direct.wait_time, direct.max_in_flight),
+            (Duration::from_secs(1), 1)
+        );
     }
 
     #[test]
