@@ -222,8 +222,12 @@ impl SqsSink {
                 );
                 for entry in too_long {
                     let id = entry.id.clone();
-                    if self.send_chunk(&url, vec![entry], &mut results).await.is_err()
-                        && let Some(slot) = id.parse::<usize>().ok().and_then(|i| results.get_mut(i))
+                    if self
+                        .send_chunk(&url, vec![entry], &mut results)
+                        .await
+                        .is_err()
+                        && let Some(slot) =
+                            id.parse::<usize>().ok().and_then(|i| results.get_mut(i))
                     {
                         *slot = Some(Err(SinkError::permanent(
                             "SQS refused the message as too long (BatchRequestTooLong)",

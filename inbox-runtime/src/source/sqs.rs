@@ -865,14 +865,17 @@ async fn heartbeat(shared: Arc<Shared>, stop: CancellationToken) {
                     let wanted = config
                         .visibility_timeout
                         .min(config.max_processing_time - age);
-                    let _ = shared.send(BatchKind::Visibility, Entry {
-                        receipt_handle: t.receipt_handle.clone(),
-                        visibility: visibility_secs(
-                            wanted,
-                            t.received_at,
-                            config.settle_linger,
-                        ),
-                    });
+                    let _ = shared.send(
+                        BatchKind::Visibility,
+                        Entry {
+                            receipt_handle: t.receipt_handle.clone(),
+                            visibility: visibility_secs(
+                                wanted,
+                                t.received_at,
+                                config.settle_linger,
+                            ),
+                        },
+                    );
                     t.extended_at = now;
                 }
                 true
@@ -1320,7 +1323,9 @@ mod tests {
         );
         assert_eq!(config.reject, RejectAction::Delete);
         assert_eq!(
-            SqsConfig::new("q").wait_time(Duration::from_millis(500)).wait_time,
+            SqsConfig::new("q")
+                .wait_time(Duration::from_millis(500))
+                .wait_time,
             Duration::from_secs(1)
         );
         let mut direct = SqsConfig::new("q");
