@@ -410,6 +410,75 @@ async fn a_missing_queue_fails_the_source() {
     source.close().await.unwrap();
 }
 
+/// A server error (HTTP 500) with an error code the source does not know is a passing failure:
+/// the receive is retried, the source does not fail. (A fake endpoint answering every call so.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_error_with_an_unknown_code_is_retried() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let calls = std::sync::Arc::new(AtomicU32::new(0));
+    let server = tokio::spawn({
+        let calls = calls.clone();
+        async move {
+            loop {
+                let (mut stream, _) = listener.accept().await.unwrap();
+                let calls = calls.clone();
+                tokio::spawn(async move {
+                    // Reads the request (headers, then Content-Length bytes), answers 500.
+                    let mut request = Vec::new();
+                    let mut buffer = [0u8; 4096];
+                    loop {
+                        let n = stream.read(&mut buffer).await.unwrap_or(0);
+                        if n == 0 {
+                            return;
+                        }
+                        request.extend_from_slice(&buffer[..n]);
+                        let text = String::from_utf8_lossy(&request).to_ascii_lowercase();
+                        if let Some(end) = text.find("\r\n\r\n") {
+                            let length = text
+                                .lines()
+                                .find_map(|l| l.strip_prefix("content-length:"))
+                                .and_then(|l| l.trim().parse::<usize>().ok())
+                                .unwrap_or(0);
+                            if request.len() >= end + 4 + length {
+                                break;
+                            }
+                        }
+                    }
+                    calls.fetch_add(1, Ordering::Relaxed);
+                    let body = r#"{"__type":"com.amazonaws.sqs#SomethingNew","message":"boom"}"#;
+                    let response = format!(
+                        "HTTP/1.1 500 Internal Server Error\r\ncontent-type: \
+                         application/x-amz-json-1.0\r\ncontent-length: {}\r\nconnection: \
+                         close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = stream.write_all(response.as_bytes()).await;
+                    let _ = stream.shutdown().await;
+                });
+            }
+        }
+    });
+    logs();
+    let url = format!("{endpoint}/123456789012/failing");
+    let config = SqsConfig::new(url)
+        .aws(AwsSettings::default().endpoint_url(&endpoint))
+        .wait_time(Duration::from_secs(1));
+    let mut source = SqsSource::connect(config).await.unwrap();
+    // The SDK's own 3 attempts, then the source's retries: more calls, and no error.
+    let next = tokio::time::timeout(Duration::from_secs(8), source.next()).await;
+    assert!(
+        next.is_err(),
+        "the source failed: {:?}",
+        next.map(|r| r.err())
+    );
+    let calls = calls.load(Ordering::Relaxed);
+    assert!(calls > 3, "retried after the SDK's attempts: {calls} calls");
+    drop(source);
+    server.abort();
+}
+
 /// The seed's scenario: a worker commits and dies before its delete. After the visibility
 /// timeout another worker receives the message (redelivered): a duplicate, deleted; the effect
 /// exists once.
