@@ -410,56 +410,77 @@ async fn a_missing_queue_fails_the_source() {
     source.close().await.unwrap();
 }
 
+/// A fake SQS endpoint on loopback: each call's answer is `answer(its X-Amz-Target)`, a status
+/// and a JSON body, or `None` to never answer (the connection is held open). Returns the
+/// endpoint and the server task.
+async fn fake_sqs<F>(answer: F) -> (String, tokio::task::JoinHandle<()>)
+where
+    F: Fn(&str) -> Option<(u16, String)> + Send + Sync + 'static,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let answer = std::sync::Arc::new(answer);
+    let server = tokio::spawn(async move {
+        loop {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let answer = answer.clone();
+            tokio::spawn(async move {
+                // Reads the request (headers, then Content-Length bytes).
+                let mut request = Vec::new();
+                let mut buffer = [0u8; 4096];
+                let target = loop {
+                    let n = stream.read(&mut buffer).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    request.extend_from_slice(&buffer[..n]);
+                    let text = String::from_utf8_lossy(&request).to_ascii_lowercase();
+                    if let Some(end) = text.find("\r\n\r\n") {
+                        let header = |name: &str| {
+                            text.lines()
+                                .find_map(|l| l.strip_prefix(name))
+                                .map(|v| v.trim().to_owned())
+                        };
+                        let length = header("content-length:")
+                            .and_then(|l| l.parse::<usize>().ok())
+                            .unwrap_or(0);
+                        if request.len() >= end + 4 + length {
+                            break header("x-amz-target:").unwrap_or_default();
+                        }
+                    }
+                };
+                let Some((status, body)) = answer(&target) else {
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                    return;
+                };
+                let response = format!(
+                    "HTTP/1.1 {status} Fake\r\ncontent-type: application/x-amz-json-1.0\r\n\
+                     content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = stream.write_all(response.as_bytes()).await;
+                let _ = stream.shutdown().await;
+            });
+        }
+    });
+    (endpoint, server)
+}
+
 /// A server error (HTTP 500) with an error code the source does not know is a passing failure:
 /// the receive is retried, the source does not fail. (A fake endpoint answering every call so.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_error_with_an_unknown_code_is_retried() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://{}", listener.local_addr().unwrap());
     let calls = std::sync::Arc::new(AtomicU32::new(0));
-    let server = tokio::spawn({
+    let (endpoint, server) = fake_sqs({
         let calls = calls.clone();
-        async move {
-            loop {
-                let (mut stream, _) = listener.accept().await.unwrap();
-                let calls = calls.clone();
-                tokio::spawn(async move {
-                    // Reads the request (headers, then Content-Length bytes), answers 500.
-                    let mut request = Vec::new();
-                    let mut buffer = [0u8; 4096];
-                    loop {
-                        let n = stream.read(&mut buffer).await.unwrap_or(0);
-                        if n == 0 {
-                            return;
-                        }
-                        request.extend_from_slice(&buffer[..n]);
-                        let text = String::from_utf8_lossy(&request).to_ascii_lowercase();
-                        if let Some(end) = text.find("\r\n\r\n") {
-                            let length = text
-                                .lines()
-                                .find_map(|l| l.strip_prefix("content-length:"))
-                                .and_then(|l| l.trim().parse::<usize>().ok())
-                                .unwrap_or(0);
-                            if request.len() >= end + 4 + length {
-                                break;
-                            }
-                        }
-                    }
-                    calls.fetch_add(1, Ordering::Relaxed);
-                    let body = r#"{"__type":"com.amazonaws.sqs#SomethingNew","message":"boom"}"#;
-                    let response = format!(
-                        "HTTP/1.1 500 Internal Server Error\r\ncontent-type: \
-                         application/x-amz-json-1.0\r\ncontent-length: {}\r\nconnection: \
-                         close\r\n\r\n{body}",
-                        body.len()
-                    );
-                    let _ = stream.write_all(response.as_bytes()).await;
-                    let _ = stream.shutdown().await;
-                });
-            }
+        move |_| {
+            calls.fetch_add(1, Ordering::Relaxed);
+            let body = r#"{"__type":"com.amazonaws.sqs#SomethingNew","message":"boom"}"#;
+            Some((500, body.to_owned()))
         }
-    });
+    })
+    .await;
     logs();
     let url = format!("{endpoint}/123456789012/failing");
     let config = SqsConfig::new(url)
@@ -475,6 +496,52 @@ async fn a_server_error_with_an_unknown_code_is_retried() {
     );
     let calls = calls.load(Ordering::Relaxed);
     assert!(calls > 3, "retried after the SDK's attempts: {calls} calls");
+    drop(source);
+    server.abort();
+}
+
+/// A visibility call that never answers does not stop the heartbeats: batch calls time out far
+/// sooner than the long poll's client would (attempts of 1 s here, not 30 s), so the heartbeat
+/// keeps trying within the visibility timeout. (A fake endpoint: one message received, every
+/// `ChangeMessageVisibilityBatch` left unanswered.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_visibility_call_does_not_stop_the_heartbeats() {
+    let visibility_calls = std::sync::Arc::new(AtomicU32::new(0));
+    let received = std::sync::Arc::new(AtomicBool::new(false));
+    let (endpoint, server) = fake_sqs({
+        let visibility_calls = visibility_calls.clone();
+        move |target| {
+            if target.ends_with("changemessagevisibilitybatch") {
+                visibility_calls.fetch_add(1, Ordering::Relaxed);
+                None
+            } else if target.ends_with("receivemessage") && !received.swap(true, Ordering::Relaxed)
+            {
+                let body = r#"{"Messages":[{"MessageId":"m-1","ReceiptHandle":"rh-1","Body":"{}","Attributes":{"ApproximateReceiveCount":"1"}}]}"#;
+                Some((200, body.to_owned()))
+            } else {
+                Some((200, "{}".to_owned()))
+            }
+        }
+    })
+    .await;
+    logs();
+    let url = format!("{endpoint}/123456789012/stalling");
+    let config = SqsConfig::new(url)
+        .aws(AwsSettings::default().endpoint_url(&endpoint))
+        .wait_time(Duration::from_secs(1))
+        .visibility_timeout(Duration::from_secs(3));
+    let mut source = SqsSource::connect(config).await.unwrap();
+    let delivery = tokio::time::timeout(Duration::from_secs(10), source.next())
+        .await
+        .expect("the message")
+        .unwrap()
+        .unwrap();
+    // Heartbeats due every second; each call's attempts time out after 1 s (the SDK retries
+    // them): within 6 s, several attempts reach the server (one, stalled for 30 s, before).
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let calls = visibility_calls.load(Ordering::Relaxed);
+    assert!(calls >= 3, "visibility calls attempted: {calls}");
+    drop(delivery);
     drop(source);
     server.abort();
 }
