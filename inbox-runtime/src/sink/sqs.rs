@@ -2,11 +2,14 @@
 //! feature `sqs`.
 //!
 //! Each message is sent to the queue named by its destination (a queue name, resolved once with
-//! `GetQueueUrl`, or a queue URL) with `SendMessageBatch`, up to 10 messages per call. The body
-//! is the payload (UTF-8: SQS bodies are text; anything else is a permanent error); message
-//! attributes (String): the name attribute (default `message-name`, what
-//! [`SqsConfig`](crate::source::sqs::SqsConfig) reads the message name from) and the publisher's
-//! headers (SQS allows 10 attributes per message).
+//! `GetQueueUrl`, or a queue URL) with `SendMessageBatch`, up to 10 messages and 256 KiB (bodies,
+//! attribute names, types and values: SQS's limit) per call; a batch SQS still refuses as too
+//! long is sent one message per call, and a message over 256 KiB fails for good, alone. Each
+//! attempt times out after 8 s ([`SqsSink::send_timeout`]), the whole call after 17 s: under
+//! the relay's default 30 s lease. The body is the payload (UTF-8: SQS bodies are text; anything
+//! else is a permanent error); message attributes (String): the name attribute (default
+//! `message-name`, what [`SqsConfig`](crate::source::sqs::SqsConfig) reads the message name
+//! from) and the publisher's headers (SQS allows 10 attributes per message).
 //!
 //! On a **FIFO queue** (a name ending in `.fifo`) the outbox message id is the
 //! `MessageDeduplicationId`, so SQS drops a re-publish of the same row within its 5-minute
