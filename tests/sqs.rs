@@ -546,6 +546,55 @@ async fn a_stalled_visibility_call_does_not_stop_the_heartbeats() {
     server.abort();
 }
 
+/// A batch entry SQS fails (not for a stale receipt handle) is sent once more. (A fake endpoint:
+/// one message received; the first `DeleteMessageBatch` fails its entry, the second succeeds.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_batch_entry_is_sent_once_more() {
+    let delete_calls = std::sync::Arc::new(AtomicU32::new(0));
+    let received = std::sync::Arc::new(AtomicBool::new(false));
+    let (endpoint, server) = fake_sqs({
+        let delete_calls = delete_calls.clone();
+        move |target| {
+            if target.ends_with("deletemessagebatch") {
+                let body = if delete_calls.fetch_add(1, Ordering::Relaxed) == 0 {
+                    r#"{"Successful":[],"Failed":[{"Id":"0","Code":"InternalError","SenderFault":false}]}"#
+                } else {
+                    r#"{"Successful":[{"Id":"0"}],"Failed":[]}"#
+                };
+                Some((200, body.to_owned()))
+            } else if target.ends_with("receivemessage") && !received.swap(true, Ordering::Relaxed)
+            {
+                let body = r#"{"Messages":[{"MessageId":"m-1","ReceiptHandle":"rh-1","Body":"{}","Attributes":{"ApproximateReceiveCount":"1"}}]}"#;
+                Some((200, body.to_owned()))
+            } else {
+                Some((200, "{}".to_owned()))
+            }
+        }
+    })
+    .await;
+    logs();
+    let url = format!("{endpoint}/123456789012/flaky");
+    let config = SqsConfig::new(url)
+        .aws(AwsSettings::default().endpoint_url(&endpoint))
+        .wait_time(Duration::from_secs(1));
+    let mut source = SqsSource::connect(config).await.unwrap();
+    let stats = source.stats();
+    let delivery = tokio::time::timeout(Duration::from_secs(10), source.next())
+        .await
+        .expect("the message")
+        .unwrap()
+        .unwrap();
+    delivery.ack().await.unwrap();
+    wait_until("the delete sent again", Duration::from_secs(10), || async {
+        delete_calls.load(Ordering::Relaxed) >= 2
+    })
+    .await;
+    source.close().await.unwrap();
+    assert_eq!(delete_calls.load(Ordering::Relaxed), 2);
+    assert_eq!(stats.counts().delete_calls, 2);
+    server.abort();
+}
+
 /// The seed's scenario: a worker commits and dies before its delete. After the visibility
 /// timeout another worker receives the message (redelivered): a duplicate, deleted; the effect
 /// exists once.
