@@ -410,6 +410,191 @@ async fn a_missing_queue_fails_the_source() {
     source.close().await.unwrap();
 }
 
+/// A fake SQS endpoint on loopback: each call's answer is `answer(its X-Amz-Target)`, a status
+/// and a JSON body, or `None` to never answer (the connection is held open). Returns the
+/// endpoint and the server task.
+async fn fake_sqs<F>(answer: F) -> (String, tokio::task::JoinHandle<()>)
+where
+    F: Fn(&str) -> Option<(u16, String)> + Send + Sync + 'static,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let answer = std::sync::Arc::new(answer);
+    let server = tokio::spawn(async move {
+        loop {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let answer = answer.clone();
+            tokio::spawn(async move {
+                // Reads the request (headers, then Content-Length bytes).
+                let mut request = Vec::new();
+                let mut buffer = [0u8; 4096];
+                let target = loop {
+                    let n = stream.read(&mut buffer).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    request.extend_from_slice(&buffer[..n]);
+                    let text = String::from_utf8_lossy(&request).to_ascii_lowercase();
+                    if let Some(end) = text.find("\r\n\r\n") {
+                        let header = |name: &str| {
+                            text.lines()
+                                .find_map(|l| l.strip_prefix(name))
+                                .map(|v| v.trim().to_owned())
+                        };
+                        let length = header("content-length:")
+                            .and_then(|l| l.parse::<usize>().ok())
+                            .unwrap_or(0);
+                        if request.len() >= end + 4 + length {
+                            break header("x-amz-target:").unwrap_or_default();
+                        }
+                    }
+                };
+                let Some((status, body)) = answer(&target) else {
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                    return;
+                };
+                let response = format!(
+                    "HTTP/1.1 {status} Fake\r\ncontent-type: application/x-amz-json-1.0\r\n\
+                     content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = stream.write_all(response.as_bytes()).await;
+                let _ = stream.shutdown().await;
+            });
+        }
+    });
+    (endpoint, server)
+}
+
+/// A server error (HTTP 500) with an error code the source does not know is a passing failure:
+/// the receive is retried, the source does not fail. (A fake endpoint answering every call so.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_error_with_an_unknown_code_is_retried() {
+    let calls = std::sync::Arc::new(AtomicU32::new(0));
+    let (endpoint, server) = fake_sqs({
+        let calls = calls.clone();
+        move |_| {
+            calls.fetch_add(1, Ordering::Relaxed);
+            let body = r#"{"__type":"com.amazonaws.sqs#SomethingNew","message":"boom"}"#;
+            Some((500, body.to_owned()))
+        }
+    })
+    .await;
+    logs();
+    let url = format!("{endpoint}/123456789012/failing");
+    let config = SqsConfig::new(url)
+        .aws(AwsSettings::default().endpoint_url(&endpoint))
+        .wait_time(Duration::from_secs(1));
+    let mut source = SqsSource::connect(config).await.unwrap();
+    // The SDK's own 3 attempts, then the source's retries: more calls, and no error.
+    let next = tokio::time::timeout(Duration::from_secs(8), source.next()).await;
+    assert!(
+        next.is_err(),
+        "the source failed: {:?}",
+        next.map(|r| r.err())
+    );
+    let calls = calls.load(Ordering::Relaxed);
+    assert!(calls > 3, "retried after the SDK's attempts: {calls} calls");
+    drop(source);
+    server.abort();
+}
+
+/// A visibility call that never answers does not stop the heartbeats: batch calls time out far
+/// sooner than the long poll's client would (attempts of 1 s here, not 30 s), so the heartbeat
+/// keeps trying within the visibility timeout. (A fake endpoint: one message received, every
+/// `ChangeMessageVisibilityBatch` left unanswered.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_visibility_call_does_not_stop_the_heartbeats() {
+    let visibility_calls = std::sync::Arc::new(AtomicU32::new(0));
+    let received = std::sync::Arc::new(AtomicBool::new(false));
+    let (endpoint, server) = fake_sqs({
+        let visibility_calls = visibility_calls.clone();
+        move |target| {
+            if target.ends_with("changemessagevisibilitybatch") {
+                visibility_calls.fetch_add(1, Ordering::Relaxed);
+                None
+            } else if target.ends_with("receivemessage") && !received.swap(true, Ordering::Relaxed)
+            {
+                let body = r#"{"Messages":[{"MessageId":"m-1","ReceiptHandle":"rh-1","Body":"{}","Attributes":{"ApproximateReceiveCount":"1"}}]}"#;
+                Some((200, body.to_owned()))
+            } else {
+                Some((200, "{}".to_owned()))
+            }
+        }
+    })
+    .await;
+    logs();
+    let url = format!("{endpoint}/123456789012/stalling");
+    let config = SqsConfig::new(url)
+        .aws(AwsSettings::default().endpoint_url(&endpoint))
+        .wait_time(Duration::from_secs(1))
+        .visibility_timeout(Duration::from_secs(3));
+    let mut source = SqsSource::connect(config).await.unwrap();
+    let delivery = tokio::time::timeout(Duration::from_secs(10), source.next())
+        .await
+        .expect("the message")
+        .unwrap()
+        .unwrap();
+    // Heartbeats due every second; each call's attempts time out after 1 s (the SDK retries
+    // them): within 6 s, several attempts reach the server (one, stalled for 30 s, before).
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let calls = visibility_calls.load(Ordering::Relaxed);
+    assert!(calls >= 3, "visibility calls attempted: {calls}");
+    drop(delivery);
+    drop(source);
+    server.abort();
+}
+
+/// A batch entry SQS fails (not for a stale receipt handle) is sent once more. (A fake endpoint:
+/// one message received; the first `DeleteMessageBatch` fails its entry, the second succeeds.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_batch_entry_is_sent_once_more() {
+    let delete_calls = std::sync::Arc::new(AtomicU32::new(0));
+    let received = std::sync::Arc::new(AtomicBool::new(false));
+    let (endpoint, server) = fake_sqs({
+        let delete_calls = delete_calls.clone();
+        move |target| {
+            if target.ends_with("deletemessagebatch") {
+                let body = if delete_calls.fetch_add(1, Ordering::Relaxed) == 0 {
+                    r#"{"Successful":[],"Failed":[{"Id":"0","Code":"InternalError","SenderFault":false}]}"#
+                } else {
+                    r#"{"Successful":[{"Id":"0"}],"Failed":[]}"#
+                };
+                Some((200, body.to_owned()))
+            } else if target.ends_with("receivemessage") && !received.swap(true, Ordering::Relaxed)
+            {
+                let body = r#"{"Messages":[{"MessageId":"m-1","ReceiptHandle":"rh-1","Body":"{}","Attributes":{"ApproximateReceiveCount":"1"}}]}"#;
+                Some((200, body.to_owned()))
+            } else {
+                Some((200, "{}".to_owned()))
+            }
+        }
+    })
+    .await;
+    logs();
+    let url = format!("{endpoint}/123456789012/flaky");
+    let config = SqsConfig::new(url)
+        .aws(AwsSettings::default().endpoint_url(&endpoint))
+        .wait_time(Duration::from_secs(1));
+    let mut source = SqsSource::connect(config).await.unwrap();
+    let stats = source.stats();
+    let delivery = tokio::time::timeout(Duration::from_secs(10), source.next())
+        .await
+        .expect("the message")
+        .unwrap()
+        .unwrap();
+    delivery.ack().await.unwrap();
+    wait_until("the delete sent again", Duration::from_secs(10), || async {
+        delete_calls.load(Ordering::Relaxed) >= 2
+    })
+    .await;
+    source.close().await.unwrap();
+    assert_eq!(delete_calls.load(Ordering::Relaxed), 2);
+    assert_eq!(stats.counts().delete_calls, 2);
+    server.abort();
+}
+
 /// The seed's scenario: a worker commits and dies before its delete. After the visibility
 /// timeout another worker receives the message (redelivered): a duplicate, deleted; the effect
 /// exists once.
@@ -623,12 +808,18 @@ async fn bad_input_is_kept_in_rejections_and_deleted() {
         effect(&pool, "good").await.is_some()
     })
     .await;
-    wait_until("all deleted", Duration::from_secs(10), || async {
-        queue_depth(&client, &url).await == (0, 0)
-    })
+    // Deleted (none in flight to come back), each delete under its one receive, the three kept.
+    wait_until(
+        "all deleted, the three kept",
+        Duration::from_secs(10),
+        || async {
+            let c = running.stats.counts();
+            queue_depth(&client, &url).await == (0, 0)
+                && (c.received, c.deleted, c.redelivered) == (4, 4, 0)
+                && inbox_tests::count(&pool, "SELECT COUNT(*) FROM inbox_rejections").await == 3
+        },
+    )
     .await;
-    // Past the visibility timeout: none comes back.
-    tokio::time::sleep(Duration::from_secs(3)).await;
     let (report, counts) = running.stop().await;
     assert_eq!(
         (report.deliveries, report.invalid, report.processed),
@@ -786,6 +977,95 @@ async fn the_sink_publishes_to_a_standard_queue_by_url() {
     assert_eq!(queue_depth(&client, &url).await, (0, 0));
 }
 
+/// Batches split by size: ten 200 KiB messages (SQS allows 256 KiB per message and per
+/// `SendMessageBatch`) all go out in one relay round, none refused as a too-long batch; a
+/// message over 256 KiB fails for good, alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sink_splits_batches_by_size() {
+    let _serial = SERIAL.lock().await;
+    let client = client().await;
+    let (name, url) = queue(&client, "big", false, 30).await;
+    let (pool, _guard) = pool().await;
+    let destination: &'static str = Box::leak(name.into_boxed_str());
+    let destinations: &'static [&'static str] = Box::leak(vec![destination].into_boxed_slice());
+    let outbox = Outbox::new(destinations);
+    let mut tx = pool.begin().await.unwrap();
+    for i in 0..10 {
+        let id = format!("big-{i}-{}", "x".repeat(200 * 1024));
+        let message: Credit = serde_json::from_str(&credit(&id, i, "", i)).unwrap();
+        outbox
+            .publish(&mut *tx, OutboxMessage::new(destination, &message))
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let relay = Relay::new(pool.clone(), SqsSink::connect(&settings()).await);
+    let round = relay.run_once().await.unwrap();
+    assert_eq!((round.published, round.failed), (10, 0), "{round:?}");
+    assert_eq!(queue_depth(&client, &url).await, (10, 0));
+
+    // Over the limit: that row fails for good; the small one beside it is published.
+    let mut tx = pool.begin().await.unwrap();
+    for (i, size) in [(10, 300 * 1024), (11, 10)] {
+        let id = format!("big-{i}-{}", "x".repeat(size));
+        let message: Credit = serde_json::from_str(&credit(&id, i, "", i)).unwrap();
+        outbox
+            .publish(&mut *tx, OutboxMessage::new(destination, &message))
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let round = relay.run_once().await.unwrap();
+    assert_eq!(round.published, 1, "{round:?}");
+    assert_eq!(round.failed + round.dead, 1, "{round:?}");
+    assert_eq!(queue_depth(&client, &url).await, (11, 0));
+}
+
+/// A malformed message whose rejection cannot be recorded (the database is gone) is requeued,
+/// not rejected: with the default `RejectAction::Delete` a reject would delete it, kept nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_that_cannot_be_kept_is_not_deleted() {
+    let _serial = SERIAL.lock().await;
+    reset_hooks();
+    let client = client().await;
+    let (_, url) = queue(&client, "unkept", false, 30).await;
+    let (pool, _guard) = pool().await;
+    send(&client, &url, "{not json", Some("sqs.credit"), None).await;
+    let dispatcher = dispatcher(&pool);
+    pool.close().await;
+    logs();
+    let source = SqsSource::connect(config(&url, 30)).await.unwrap();
+    let stats = source.stats();
+    let worker = Worker::new(dispatcher)
+        .concurrency(1)
+        .requeue_delay(Duration::from_secs(60))
+        .drain_timeout(Duration::from_secs(30));
+    let stop = CancellationToken::new();
+    let task = tokio::spawn({
+        let stop = stop.clone();
+        async move { worker.run(source, stop).await.expect("the worker runs") }
+    });
+    // Settled: a visibility change (the requeue), no delete.
+    wait_until("the requeue", Duration::from_secs(20), || async {
+        stats.counts().visibility_changes >= 1
+    })
+    .await;
+    stop.cancel();
+    let report = tokio::time::timeout(Duration::from_secs(60), task)
+        .await
+        .unwrap()
+        .unwrap();
+    let counts = stats.counts();
+    assert_eq!(
+        (report.invalid, report.requeued, report.rejected),
+        (1, 1, 0),
+        "{report:?}"
+    );
+    assert_eq!(counts.deleted, 0, "{counts:?}");
+    // Still in the queue, invisible for the requeue delay.
+    assert_eq!(queue_depth(&client, &url).await, (0, 1));
+}
+
 /// SQS calls per 100 messages: deletes and visibility changes go in batches.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deletes_and_visibility_changes_are_batched() {
@@ -859,6 +1139,12 @@ async fn deletes_and_visibility_changes_are_batched() {
             assert!(
                 counts.visibility_changes >= 5 * counts.visibility_calls,
                 "visibility changes batched: {counts:?}"
+            );
+            // The heartbeats kept every waiting message from being received again.
+            assert_eq!(
+                (counts.received, counts.redelivered, report.duplicates),
+                (100, 0, 0),
+                "no redelivery: {counts:?}, {report:?}"
             );
         }
         assert!(
@@ -1030,11 +1316,21 @@ async fn the_ledger_demo_on_sqs_survives_sigkills() {
     ];
     let mut rng = rand::rngs::StdRng::seed_from_u64(14);
     let mut in_flight_at_kills = Vec::new();
+    // Each kill with messages in flight (received, not yet deleted); no more kills once the
+    // backlog runs low, so that the last one leaves in flight what the last run receives again.
     for _ in 0..10 {
         let child = support::spawn_program(bin, &consume, &database_url, &log);
         std::thread::sleep(Duration::from_millis(rng.random_range(300..1500)));
+        let until = Instant::now() + Duration::from_secs(10);
+        while queue_depth(&client, &url).await.1 == 0 && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         drop(child); // SIGKILL, and reaped
-        in_flight_at_kills.push(queue_depth(&client, &url).await.1);
+        let (visible, in_flight) = queue_depth(&client, &url).await;
+        in_flight_at_kills.push(in_flight);
+        if visible < 100 {
+            break;
+        }
     }
     let child = support::spawn_program(bin, &consume, &database_url, &log);
     let (status, stdout) = support::wait_ledger(child, &log, Duration::from_secs(300));
@@ -1056,8 +1352,9 @@ async fn the_ledger_demo_on_sqs_survives_sigkills() {
         stdout.lines().find(|l| l.starts_with("sqs: ")).unwrap()
     );
     assert!(
-        in_flight_at_kills.iter().any(|&n| n > 0) && redeliveries >= last,
-        "{in_flight_at_kills:?}, {redeliveries}"
+        last > 0 && redeliveries >= last,
+        "messages in flight at the last kill, received again: {in_flight_at_kills:?}, \
+         {redeliveries}"
     );
     let _ = std::fs::remove_file(input);
     let _ = std::fs::remove_file(expected);

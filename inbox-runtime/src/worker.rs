@@ -44,7 +44,8 @@ use crate::store::InboxDatabase;
 /// * a [`DispatchError`] (unknown message, malformed payload, bad key — permanent, nothing
 ///   written), or a consumer's [`Error::Conflict`], [`Error::Key`] or [`Error::Fingerprint`] →
 ///   [`Settlement::Reject`]: nack without requeue. (The [`Worker`] first keeps a refused
-///   delivery in `inbox_rejections`, payload included, and acks it when that succeeded;
+///   delivery in `inbox_rejections`, payload included, and acks it when that succeeded, or
+///   requeues it after `requeue_delay` when it could not be kept: never rejected unkept;
 ///   conflicts are kept there by the dispatcher itself.)
 /// * a handler failure to retry ([`Disposition::Retry`]) → [`Settlement::Requeue`] after its
 ///   `after` delay; any other handler failure, a database error, or an outcome this policy does
@@ -828,14 +829,22 @@ async fn settle<DB: InboxDatabase>(
     }
     let mut settlement = settlement_for(&result, requeue_delay);
     // A delivery the dispatcher refuses is kept in `inbox_rejections` (payload included); once
-    // it is, acking it loses nothing. If it cannot be kept, it is rejected to the broker.
+    // it is, acking it loses nothing. If it cannot be kept (the database failed), it is
+    // requeued after `requeue_delay`: a reject would make many sources drop it (SQS deletes,
+    // AMQP without a dead-letter exchange drops, NATS terminates, Kafka moves past it), stored
+    // nowhere. Its redelivery tries to keep it again.
     if let Err(error) = &result {
         match dispatcher.record_rejection_on(slot, envelope, error).await {
             Ok(()) => settlement = Settlement::Ack,
-            Err(record_error) => tracing::error!(
-                error = %record_error,
-                "could not keep the refused delivery in inbox_rejections; rejecting it"
-            ),
+            Err(record_error) => {
+                settlement = Settlement::Requeue {
+                    delay: Some(requeue_delay),
+                };
+                tracing::error!(
+                    error = %record_error,
+                    "could not keep the refused delivery in inbox_rejections; requeueing it"
+                );
+            }
         }
     }
 

@@ -2,11 +2,14 @@
 //! feature `sqs`.
 //!
 //! Each message is sent to the queue named by its destination (a queue name, resolved once with
-//! `GetQueueUrl`, or a queue URL) with `SendMessageBatch`, up to 10 messages per call. The body
-//! is the payload (UTF-8: SQS bodies are text; anything else is a permanent error); message
-//! attributes (String): the name attribute (default `message-name`, what
-//! [`SqsConfig`](crate::source::sqs::SqsConfig) reads the message name from) and the publisher's
-//! headers (SQS allows 10 attributes per message).
+//! `GetQueueUrl`, or a queue URL) with `SendMessageBatch`, up to 10 messages and 256 KiB (bodies,
+//! attribute names, types and values: SQS's limit) per call; a batch SQS still refuses as too
+//! long is sent one message per call, and a message over 256 KiB fails for good, alone. Each
+//! attempt times out after 8 s ([`SqsSink::send_timeout`]), the whole call after 17 s: under
+//! the relay's default 30 s lease. The body is the payload (UTF-8: SQS bodies are text; anything
+//! else is a permanent error); message attributes (String): the name attribute (default
+//! `message-name`, what [`SqsConfig`](crate::source::sqs::SqsConfig) reads the message name
+//! from) and the publisher's headers (SQS allows 10 attributes per message).
 //!
 //! On a **FIFO queue** (a name ending in `.fifo`) the outbox message id is the
 //! `MessageDeduplicationId`, so SQS drops a re-publish of the same row within its 5-minute
@@ -35,16 +38,24 @@ use aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
 
 use super::{OutgoingMessage, Sink, SinkError};
 use crate::BoxFuture;
-use crate::source::sqs::{AwsSettings, client, resolve_queue};
+use crate::source::sqs::{AwsSettings, call_timeouts, client, resolve_queue};
 
 /// At most this many messages in one `SendMessageBatch` (SQS's limit).
 const MAX_BATCH: usize = 10;
+/// At most this many bytes in one message and in one `SendMessageBatch` (SQS's limit, 256 KiB:
+/// bodies, attribute names, types and values).
+const MAX_BYTES: usize = 256 * 1024;
+/// Each send attempt's timeout (the SDK retries up to 3 attempts within
+/// [`call_timeouts`]' operation timeout, 2 × this + 1 s): well under the relay's lease (30 s by
+/// default), so that a stalled call fails before another relay may take the rows.
+const SEND_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(8);
 
 /// Publishes to SQS queues. Build with [`SqsSink::connect`] or [`SqsSink::new`].
 #[derive(Debug)]
 pub struct SqsSink {
     client: Client,
     name_attribute: String,
+    attempt_timeout: Duration,
     /// Destination → queue URL.
     urls: Mutex<HashMap<String, String>>,
 }
@@ -61,6 +72,7 @@ impl SqsSink {
         Self {
             client,
             name_attribute: "message-name".into(),
+            attempt_timeout: SEND_ATTEMPT_TIMEOUT,
             urls: Mutex::new(HashMap::new()),
         }
     }
@@ -69,6 +81,13 @@ impl SqsSink {
     /// source reads it).
     pub fn name_attribute(mut self, attribute: impl Into<String>) -> Self {
         self.name_attribute = attribute.into();
+        self
+    }
+
+    /// The timeout of one `SendMessageBatch` attempt (default 8 s; the whole call, retries
+    /// included, times out after 2 × this + 1 s). Keep the whole call under the relay's lease.
+    pub fn send_timeout(mut self, attempt: Duration) -> Self {
+        self.attempt_timeout = attempt.max(Duration::from_millis(100));
         self
     }
 
@@ -165,61 +184,57 @@ impl SqsSink {
         let fifo = url.trim_end_matches('/').ends_with(".fifo");
         let mut results: Vec<Option<Result<(), SinkError>>> =
             messages.iter().map(|_| None).collect();
-        for (chunk_index, chunk) in messages.chunks(MAX_BATCH).enumerate() {
-            let base = chunk_index * MAX_BATCH;
-            let mut entries = Vec::with_capacity(chunk.len());
-            for (i, message) in chunk.iter().enumerate() {
-                match self.entry(base + i, message, fifo) {
-                    Ok(entry) => entries.push(entry),
-                    Err(error) => results[base + i] = Some(Err(error)),
+        // Chunks of up to 10 entries and `MAX_BYTES` in all; a message over `MAX_BYTES` alone
+        // fails for good (SQS would refuse it, and the whole batch with it).
+        let mut chunks: Vec<Vec<SendMessageBatchRequestEntry>> = Vec::new();
+        let mut chunk_bytes = 0;
+        for (i, message) in messages.iter().enumerate() {
+            let entry = match self.entry(i, message, fifo) {
+                Ok(entry) => entry,
+                Err(error) => {
+                    results[i] = Some(Err(error));
+                    continue;
                 }
-            }
-            if entries.is_empty() {
+            };
+            let bytes = entry_size(&entry);
+            if bytes > MAX_BYTES {
+                results[i] = Some(Err(SinkError::permanent(format!(
+                    "SQS message too large: {bytes} bytes (body and attributes), at most \
+                     {MAX_BYTES}"
+                ))));
                 continue;
             }
-            let sent = self
-                .client
-                .send_message_batch()
-                .queue_url(&url)
-                .set_entries(Some(entries))
-                .send()
-                .await;
-            match sent {
-                Ok(output) => {
-                    for ok in output.successful {
-                        if let Some(slot) =
-                            ok.id.parse::<usize>().ok().and_then(|i| results.get_mut(i))
-                        {
-                            *slot = Some(Ok(()));
-                        }
-                    }
-                    for failed in output.failed {
-                        let error = format!(
-                            "SQS refused the message: {} {}",
-                            failed.code,
-                            failed.message.as_deref().unwrap_or("")
-                        );
-                        let error = if failed.sender_fault {
-                            SinkError::permanent(error)
-                        } else {
-                            SinkError::retryable(error)
-                        };
-                        if let Some(slot) = failed
-                            .id
-                            .parse::<usize>()
-                            .ok()
-                            .and_then(|i| results.get_mut(i))
-                        {
-                            *slot = Some(Err(error));
-                        }
-                    }
+            match chunks.last_mut() {
+                Some(chunk) if chunk.len() < MAX_BATCH && chunk_bytes + bytes <= MAX_BYTES => {
+                    chunk_bytes += bytes;
+                    chunk.push(entry);
                 }
-                Err(error) => {
-                    let text = DisplayErrorContext(error).to_string();
-                    for slot in &mut results[base..base + chunk.len()] {
-                        if slot.is_none() {
-                            *slot = Some(Err(SinkError::retryable(text.clone())));
-                        }
+                _ => {
+                    chunk_bytes = bytes;
+                    chunks.push(vec![entry]);
+                }
+            }
+        }
+        for chunk in chunks {
+            if let Err(too_long) = self.send_chunk(&url, chunk, &mut results).await {
+                // SQS counts the request differently than we do: one message per call.
+                tracing::warn!(
+                    destination,
+                    entries = too_long.len(),
+                    "SQS refused the batch as too long; sending its messages one by one"
+                );
+                for entry in too_long {
+                    let id = entry.id.clone();
+                    if self
+                        .send_chunk(&url, vec![entry], &mut results)
+                        .await
+                        .is_err()
+                        && let Some(slot) =
+                            id.parse::<usize>().ok().and_then(|i| results.get_mut(i))
+                    {
+                        *slot = Some(Err(SinkError::permanent(
+                            "SQS refused the message as too long (BatchRequestTooLong)",
+                        )));
                     }
                 }
             }
@@ -231,6 +246,81 @@ impl SqsSink {
             })
             .collect()
     }
+
+    /// Sends one `SendMessageBatch` call and fills in the results of its entries (by id). A call
+    /// refused as too long (`BatchRequestTooLong`) gives its entries back, results unset.
+    async fn send_chunk(
+        &self,
+        url: &str,
+        entries: Vec<SendMessageBatchRequestEntry>,
+        results: &mut [Option<Result<(), SinkError>>],
+    ) -> Result<(), Vec<SendMessageBatchRequestEntry>> {
+        let ids: Vec<String> = entries.iter().map(|entry| entry.id.clone()).collect();
+        let sent = self
+            .client
+            .send_message_batch()
+            .queue_url(url)
+            .set_entries(Some(entries.clone()))
+            .customize()
+            .config_override(call_timeouts(self.attempt_timeout))
+            .send()
+            .await;
+        let mut set = |id: &str, result: Result<(), SinkError>| {
+            if let Some(slot) = id.parse::<usize>().ok().and_then(|i| results.get_mut(i)) {
+                *slot = Some(result);
+            }
+        };
+        match sent {
+            Ok(output) => {
+                for ok in output.successful {
+                    set(&ok.id, Ok(()));
+                }
+                for failed in output.failed {
+                    let error = format!(
+                        "SQS refused the message: {} {}",
+                        failed.code,
+                        failed.message.as_deref().unwrap_or("")
+                    );
+                    let error = if failed.sender_fault {
+                        SinkError::permanent(error)
+                    } else {
+                        SinkError::retryable(error)
+                    };
+                    set(&failed.id, Err(error));
+                }
+            }
+            Err(error)
+                if error
+                    .as_service_error()
+                    .is_some_and(|e| e.is_batch_request_too_long()) =>
+            {
+                return Err(entries);
+            }
+            Err(error) => {
+                let text = DisplayErrorContext(error).to_string();
+                for id in &ids {
+                    set(id, Err(SinkError::retryable(text.clone())));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The size SQS counts for a message: its body, and each attribute's name, type and value.
+fn entry_size(entry: &SendMessageBatchRequestEntry) -> usize {
+    entry.message_body.len()
+        + entry.message_attributes.as_ref().map_or(0, |attributes| {
+            attributes
+                .iter()
+                .map(|(name, value)| {
+                    name.len()
+                        + value.data_type.len()
+                        + value.string_value.as_deref().map_or(0, str::len)
+                        + value.binary_value.as_ref().map_or(0, |b| b.as_ref().len())
+                })
+                .sum()
+        })
 }
 
 impl Sink for SqsSink {

@@ -28,7 +28,8 @@
 //! reads what the task received, and [`Source::close`] lets the current poll finish (up to
 //! `wait_time`) and makes what it received visible again at once. The client's timeouts are set
 //! above `wait_time` (a timeout below it breaks long polling; none at all lets a call hang).
-//! A receive that fails for a passing reason (no answer, throttling, a server error) is retried,
+//! A receive that fails for a passing reason (no answer, a timeout, throttling, any HTTP 5xx,
+//! `ExpiredToken`/`RequestExpired`) is retried,
 //! after the SDK's own retries, with a backoff from 0.2 s doubling up to 30 s; one that cannot
 //! pass (no such queue, access denied) fails the source: [`Source::next`] returns a
 //! [`SourceError`] with operation `"receive"`.
@@ -50,7 +51,7 @@
 //! | --- | --- |
 //! | ack | `DeleteMessageBatch` |
 //! | reject | [`SqsConfig::reject`]: `DeleteMessageBatch` (default), or left to the queue's redrive policy |
-//! | requeue `{ delay }` | `ChangeMessageVisibilityBatch` to `delay` (0 if `None`): received again after it |
+//! | requeue `{ delay }` | `ChangeMessageVisibilityBatch` to `delay` (0 if `None`): received again after it; capped at what is left of SQS's 12 hours from the receive (less 2 s and `settle_linger`), logged when capped |
 //! | abandoned (dropped unsettled) | `ChangeMessageVisibilityBatch` to 0: received again at once |
 //!
 //! A delete whose receipt handle is no longer valid (`ReceiptHandleIsInvalid`: the visibility
@@ -58,9 +59,14 @@
 //! transaction committed, so that other delivery is a duplicate in the inbox.
 //!
 //! **Visibility heartbeat**: while a delivery is received and not settled (queued in the worker
-//! or running), its visibility timeout is extended to [`SqsConfig::visibility_timeout`] every
-//! third of it (`ChangeMessageVisibilityBatch`, batched over all deliveries due), so that a
-//! handler slower than the visibility timeout is not delivered to another worker meanwhile. The
+//! or running), about every third of [`SqsConfig::visibility_timeout`] its visibility is set
+//! again to that timeout from then on (`ChangeMessageVisibilityBatch`, batched over all
+//! deliveries due), so that a handler slower than the visibility timeout is not delivered to
+//! another worker meanwhile. Delete and visibility calls have timeouts of their own, far below
+//! the heartbeat's period (attempts of a ninth of the visibility timeout, 1 s to 5 s; a whole
+//! call with the SDK's retries 2 × that + 1 s), run side by side (a stalled call holds back
+//! only its own entries; changes to one message are sent in order), and a failed call or entry
+//! is sent once more before it is logged. The
 //! heartbeat stops [`SqsConfig::max_processing_time`] after the receive (and before SQS's cap of
 //! 12 hours of visibility per receive): a handler still running then lets its message be
 //! received again.
@@ -68,9 +74,11 @@
 //! **Bad input** (no name attribute, an unknown name, a malformed body, a bad key): the worker
 //! keeps the delivery in `inbox_rejections`, payload included, and acks it, so it is deleted:
 //! a poison message is never received again and again. If it cannot be kept (database down), the
-//! worker rejects it, which deletes it too by default ([`RejectAction::Delete`]); with
-//! [`RejectAction::LeaveToRedrive`] a rejected message is left to become visible again, and the
-//! queue's redrive policy moves it to its dead-letter queue after `maxReceiveCount` receives.
+//! worker requeues it after its `requeue_delay` (never deleted unkept), and its next receive tries
+//! again. Conflicts are rejected (kept by the dispatcher): deleted by default
+//! ([`RejectAction::Delete`]); with [`RejectAction::LeaveToRedrive`] a rejected message is left to
+//! become visible again, and the queue's redrive policy moves it to its dead-letter queue after
+//! `maxReceiveCount` receives.
 //!
 //! **Dead letters**: the inbox dead-letters a message whose handler failed for good (its status
 //! `dead`, payload kept) and acks it, so it is deleted; a redrive policy only sees messages that
@@ -84,7 +92,7 @@
 //! run, they are made visible again, and SQS delivers the group again in order, starting with
 //! the requeued message once its delay has passed. Other groups go on meanwhile.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
@@ -96,7 +104,7 @@ use aws_sdk_sqs::types::{
     MessageSystemAttributeName,
 };
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -196,6 +204,27 @@ pub async fn client(settings: &AwsSettings, longest_call: Duration) -> Client {
     Client::new(&loader.load().await)
 }
 
+/// A per-call override of the client's timeouts: `attempt` per attempt (and to read the
+/// answer), 2 × `attempt` + 1 s for the whole call with the SDK's retries. For calls that must
+/// not wait as long as a long poll (deletes, visibility changes, sends).
+pub(crate) fn call_timeouts(attempt: Duration) -> aws_sdk_sqs::config::Builder {
+    aws_sdk_sqs::config::Builder::default().timeout_config(
+        aws_config::timeout::TimeoutConfig::builder()
+            .connect_timeout(attempt.min(Duration::from_secs(5)))
+            .read_timeout(attempt)
+            .operation_attempt_timeout(attempt)
+            .operation_timeout(attempt * 2 + Duration::from_secs(1))
+            .build(),
+    )
+}
+
+/// The attempt timeout of delete and visibility batch calls: a ninth of the visibility timeout,
+/// between 1 s and 5 s, so that a whole call (2 × this + 1 s, retries included) ends well
+/// before the next heartbeat is due (every third of the visibility timeout).
+fn batch_attempt_timeout(visibility_timeout: Duration) -> Duration {
+    (visibility_timeout / 9).clamp(Duration::from_secs(1), Duration::from_secs(5))
+}
+
 /// The queue's URL and name: `queue` itself if it is a URL (`http://` or `https://`, the name
 /// being its last path segment), else the URL `GetQueueUrl` answers for the name.
 pub(crate) async fn resolve_queue(
@@ -223,8 +252,8 @@ pub(crate) async fn resolve_queue(
 /// What a [`Settlement::Reject`] does to the message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum RejectAction {
-    /// Delete it: it is never received again. The worker rejects only what it kept in
-    /// `inbox_rejections` first, or could not keep there (the database failed).
+    /// Delete it: it is never received again. The worker rejects only what is kept in
+    /// `inbox_rejections` (what it cannot keep there, the database failing, it requeues).
     #[default]
     Delete,
     /// Leave it: it becomes visible again when its visibility timeout passes, and the queue's
@@ -233,7 +262,8 @@ pub enum RejectAction {
     LeaveToRedrive,
 }
 
-/// How to consume. Build with [`SqsConfig::new`] and the setters.
+/// How to consume. Build with [`SqsConfig::new`] and the setters. The setters keep SQS's limits
+/// (noted on each field); fields set directly are brought within them when the source connects.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct SqsConfig {
@@ -242,8 +272,9 @@ pub struct SqsConfig {
     pub queue: String,
     /// Endpoint, region and credentials, over the standard AWS configuration.
     pub aws: AwsSettings,
-    /// How long one receive call waits for messages (`WaitTimeSeconds`, whole seconds, at most
-    /// 20 s). Default 20 s. [`Source::close`] may wait this long for the current poll.
+    /// How long one receive call waits for messages (`WaitTimeSeconds`, whole seconds rounded
+    /// down, from 1 s to 20 s: 0 would be short polling, a busy loop on an empty queue). Default
+    /// 20 s. [`Source::close`] may wait this long for the current poll.
     pub wait_time: Duration,
     /// At most this many deliveries received and not yet settled. Default 64; keep it at least
     /// the worker's concurrency.
@@ -286,10 +317,25 @@ impl SqsConfig {
         self
     }
 
-    /// Sets [`wait_time`](Self::wait_time) (capped at 20 s).
+    /// Sets [`wait_time`](Self::wait_time) (from 1 s to 20 s).
     pub fn wait_time(mut self, wait: Duration) -> Self {
-        self.wait_time = wait.min(Duration::from_secs(20));
+        self.wait_time = wait.clamp(Duration::from_secs(1), Duration::from_secs(20));
         self
+    }
+
+    /// The limits the setters keep, applied again by [`SqsSource::connect`] to fields set
+    /// directly.
+    fn within_limits(self) -> Self {
+        let (wait, in_flight, visibility, processing) = (
+            self.wait_time,
+            self.max_in_flight,
+            self.visibility_timeout,
+            self.max_processing_time,
+        );
+        self.wait_time(wait)
+            .max_in_flight(in_flight)
+            .visibility_timeout(visibility)
+            .max_processing_time(processing)
     }
 
     /// Sets [`max_in_flight`](Self::max_in_flight) (at least 1).
@@ -457,13 +503,29 @@ impl Shared {
     }
 }
 
+/// Whole seconds in `duration`, rounded up (saturating).
+fn ceil_secs(duration: Duration) -> u64 {
+    duration
+        .as_secs()
+        .saturating_add(u64::from(duration.subsec_nanos() > 0))
+}
+
+/// What is left of SQS's 12 hours of visibility from the receive at `received_at`, in whole
+/// seconds, keeping a margin for the time the change may wait to be sent (`linger`) and 2 s (SQS
+/// refuses a change past the 12 hours, and moto the whole batch with it).
+fn visibility_left(received_at: Instant, linger: Duration) -> u64 {
+    MAX_VISIBILITY_SECS.saturating_sub(
+        ceil_secs(received_at.elapsed())
+            .saturating_add(ceil_secs(linger))
+            .saturating_add(2),
+    )
+}
+
 /// The visibility (whole seconds) that `wanted` becomes for a message received at `received_at`:
-/// rounded up, and within SQS's 12 hours from the receive.
-fn visibility_secs(wanted: Duration, received_at: Instant) -> i32 {
-    let age = received_at.elapsed().as_secs();
-    let left = MAX_VISIBILITY_SECS.saturating_sub(age + 1);
-    let wanted = wanted.as_secs() + u64::from(wanted.subsec_nanos() > 0);
-    i32::try_from(wanted.min(left)).unwrap_or(i32::MAX)
+/// rounded up, and within SQS's 12 hours from the receive ([`visibility_left`]).
+fn visibility_secs(wanted: Duration, received_at: Instant, linger: Duration) -> i32 {
+    let left = visibility_left(received_at, linger);
+    i32::try_from(ceil_secs(wanted).min(left)).unwrap_or(i32::MAX)
 }
 
 /// An SQS queue consumer. See the [module documentation](self).
@@ -502,6 +564,7 @@ impl SqsSource {
     /// # Errors
     /// As [`connect`](Self::connect).
     pub async fn with_client(client: Client, config: SqsConfig) -> Result<Self, SourceError> {
+        let config = config.within_limits();
         let (url, name) = resolve_queue(&client, &config.queue).await.map_err(|e| {
             SourceError::new(&config.queue, "connect", DisplayErrorContext(e).to_string())
         })?;
@@ -529,6 +592,7 @@ impl SqsSource {
                 rx,
                 shared.config.settle_linger,
                 shared.stats.clone(),
+                batch_attempt_timeout(shared.config.visibility_timeout),
             ));
         }
         let stop = CancellationToken::new();
@@ -573,7 +637,7 @@ async fn receive_loop(
     let config = &shared.config;
     let permits = Arc::new(Semaphore::new(config.max_in_flight));
     let wait = i32::try_from(config.wait_time.as_secs()).unwrap_or(20);
-    let visibility = visibility_secs(config.visibility_timeout, Instant::now());
+    let visibility = visibility_secs(config.visibility_timeout, Instant::now(), Duration::ZERO);
     let mut backoff = Duration::from_millis(200);
     loop {
         let first = tokio::select! {
@@ -647,16 +711,18 @@ async fn receive_loop(
     }
 }
 
-/// Whether a failed receive may pass: no answer (network, timeout), throttling, or a server
-/// error (5xx), after the SDK's own retries.
-fn passing<E: ProvideErrorMetadata, R>(error: &SdkError<E, R>) -> bool
-where
-    R: std::fmt::Debug,
-{
+/// Whether a failed receive may pass, after the SDK's own retries: no answer (network, timeout,
+/// a dispatch failure), throttling, a server error (any HTTP 5xx, whatever its code), or expired
+/// credentials or signature (`ExpiredToken`, `RequestExpired`: refreshed credentials or a
+/// corrected clock pass).
+fn passing<E: ProvideErrorMetadata>(
+    error: &SdkError<E, aws_sdk_sqs::config::http::HttpResponse>,
+) -> bool {
     match error {
         SdkError::ServiceError(service) => {
             let code = service.err().code().unwrap_or("");
-            code.contains("Throttl")
+            service.raw().status().is_server_error()
+                || code.contains("Throttl")
                 || matches!(
                     code,
                     "RequestThrottled"
@@ -665,9 +731,13 @@ where
                         | "InternalFailure"
                         | "InternalError"
                         | "KmsThrottled"
+                        | "ExpiredToken"
+                        | "ExpiredTokenException"
+                        | "RequestExpired"
                 )
         }
         SdkError::ConstructionFailure(_) => false,
+        // Timeouts, dispatch failures (connection refused or reset), unreadable answers.
         _ => true,
     }
 }
@@ -772,8 +842,10 @@ async fn heartbeat(shared: Arc<Shared>, stop: CancellationToken) {
             () = stop.cancelled() => return,
         }
         let now = Instant::now();
-        let mut due = Vec::new();
         {
+            // Sent while the lock is held: a release (requeue, abandon) untracks its delivery
+            // under this lock before sending its own change, so an extension is never queued
+            // after it (the batcher keeps the last change per receipt handle).
             let mut tracked = shared
                 .tracked
                 .lock()
@@ -793,22 +865,34 @@ async fn heartbeat(shared: Arc<Shared>, stop: CancellationToken) {
                     let wanted = config
                         .visibility_timeout
                         .min(config.max_processing_time - age);
-                    due.push(Entry {
-                        receipt_handle: t.receipt_handle.clone(),
-                        visibility: visibility_secs(wanted, t.received_at),
-                    });
+                    let _ = shared.send(
+                        BatchKind::Visibility,
+                        Entry {
+                            receipt_handle: t.receipt_handle.clone(),
+                            visibility: visibility_secs(
+                                wanted,
+                                t.received_at,
+                                config.settle_linger,
+                            ),
+                        },
+                    );
                     t.extended_at = now;
                 }
                 true
             });
         }
-        for entry in due {
-            let _ = shared.send(BatchKind::Visibility, entry);
-        }
     }
 }
 
+/// At most this many batch calls under way at once per batcher.
+const MAX_CALLS: usize = 8;
+
 /// Sends the entries it is given in batch calls of up to 10, gathering each for up to `linger`.
+/// A call does not wait for the previous one (one stalled call holds back only its own entries),
+/// except that an entry whose receipt handle is in a call under way waits for that call: changes
+/// of one message are sent in the order given. Of several entries for one receipt handle not yet
+/// sent, the last one given is sent (a requeue after a heartbeat). A flush answers once every
+/// entry given before it is sent and its call finished.
 async fn batcher(
     kind: BatchKind,
     client: Client,
@@ -816,49 +900,121 @@ async fn batcher(
     mut rx: mpsc::UnboundedReceiver<Command>,
     linger: Duration,
     stats: SqsStats,
+    attempt_timeout: Duration,
 ) {
+    let mut queued: VecDeque<Entry> = VecDeque::new();
+    let mut busy: HashSet<String> = HashSet::new();
+    let mut calls: JoinSet<Vec<String>> = JoinSet::new();
+    let mut flushes: Vec<oneshot::Sender<()>> = Vec::new();
+    let mut deadline: Option<Instant> = None;
+    let mut closed = false;
     loop {
-        let first = match rx.recv().await {
-            Some(Command::Entry(entry)) => entry,
-            Some(Command::Flush(done)) => {
-                let _ = done.send(());
-                continue;
+        let due = closed || !flushes.is_empty() || deadline.is_some_and(|d| Instant::now() >= d);
+        while calls.len() < MAX_CALLS {
+            let sendable = queued
+                .iter()
+                .filter(|entry| !busy.contains(&entry.receipt_handle))
+                .count();
+            if sendable == 0 || (sendable < MAX_BATCH && !due) {
+                break;
             }
-            None => return,
-        };
-        let mut batch = vec![first];
-        let mut flushed = None;
-        let deadline = Instant::now() + linger;
-        while batch.len() < MAX_BATCH {
-            match tokio::time::timeout_at(deadline, rx.recv()).await {
-                Ok(Some(Command::Entry(entry))) => batch.push(entry),
-                Ok(Some(Command::Flush(done))) => {
-                    flushed = Some(done);
-                    break;
+            let mut batch = Vec::with_capacity(MAX_BATCH);
+            let mut kept = VecDeque::with_capacity(queued.len());
+            for entry in queued.drain(..) {
+                if batch.len() < MAX_BATCH && !busy.contains(&entry.receipt_handle) {
+                    busy.insert(entry.receipt_handle.clone());
+                    batch.push(entry);
+                } else {
+                    kept.push_back(entry);
                 }
-                Ok(None) | Err(_) => break,
+            }
+            queued = kept;
+            let handles = batch.iter().map(|e| e.receipt_handle.clone()).collect();
+            let (client, url, stats) = (client.clone(), url.clone(), stats.clone());
+            calls.spawn(async move {
+                send_batch(kind, &client, &url, batch, &stats, attempt_timeout).await;
+                handles
+            });
+            deadline = None;
+        }
+        let sendable = queued
+            .iter()
+            .any(|entry| !busy.contains(&entry.receipt_handle));
+        if !sendable {
+            deadline = None;
+        } else if deadline.is_none() {
+            deadline = Some(Instant::now() + linger);
+        }
+        if queued.is_empty() && calls.is_empty() {
+            for done in flushes.drain(..) {
+                let _ = done.send(());
+            }
+            if closed {
+                return;
             }
         }
-        // One entry per receipt handle, the last one given (a requeue after a heartbeat).
-        let mut seen = std::collections::HashSet::new();
-        batch.reverse();
-        batch.retain(|entry| seen.insert(entry.receipt_handle.clone()));
-        batch.reverse();
-        send_batch(kind, &client, &url, batch, &stats).await;
-        if let Some(done) = flushed {
-            let _ = done.send(());
+        tokio::select! {
+            command = rx.recv(), if !closed => match command {
+                Some(Command::Entry(entry)) => {
+                    queued.retain(|e| e.receipt_handle != entry.receipt_handle);
+                    queued.push_back(entry);
+                }
+                Some(Command::Flush(done)) => flushes.push(done),
+                None => closed = true,
+            },
+            Some(finished) = calls.join_next(), if !calls.is_empty() => {
+                for handle in finished.unwrap_or_default() {
+                    busy.remove(&handle);
+                }
+            }
+            () = sleep_until_some(deadline), if deadline.is_some() && calls.len() < MAX_CALLS => {}
         }
     }
 }
 
+async fn sleep_until_some(deadline: Option<Instant>) {
+    if let Some(deadline) = deadline {
+        tokio::time::sleep_until(deadline).await;
+    }
+}
+
+/// Sends `batch` in one call (timeouts: [`call_timeouts`] of `attempt_timeout`); entries that
+/// failed, or all if the call failed, are sent once more, then logged.
 async fn send_batch(
     kind: BatchKind,
     client: &Client,
     url: &str,
-    batch: Vec<Entry>,
+    mut batch: Vec<Entry>,
     stats: &SqsStats,
+    attempt_timeout: Duration,
 ) {
+    for last in [false, true] {
+        let failed = send_once(kind, client, url, &batch, stats, attempt_timeout, last).await;
+        if failed.is_empty() {
+            return;
+        }
+        let mut failed = failed.into_iter().collect::<HashSet<_>>();
+        batch = batch
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, entry)| failed.remove(&i).then_some(entry))
+            .collect();
+    }
+}
+
+/// One batch call; the indices of the entries to send again (failed, not for a stale receipt
+/// handle). Failures are logged when `last`.
+async fn send_once(
+    kind: BatchKind,
+    client: &Client,
+    url: &str,
+    batch: &[Entry],
+    stats: &SqsStats,
+    attempt_timeout: Duration,
+    last: bool,
+) -> Vec<usize> {
     let counters = &stats.0;
+    let timeouts = call_timeouts(attempt_timeout);
     let failed = match kind {
         BatchKind::Delete => {
             counters.delete_calls.fetch_add(1, Ordering::Relaxed);
@@ -876,6 +1032,8 @@ async fn send_batch(
                 .delete_message_batch()
                 .queue_url(url)
                 .set_entries(Some(entries.collect()))
+                .customize()
+                .config_override(timeouts)
                 .send()
                 .await
                 .map(|output| output.failed)
@@ -898,6 +1056,8 @@ async fn send_batch(
                 .change_message_visibility_batch()
                 .queue_url(url)
                 .set_entries(Some(entries.collect()))
+                .customize()
+                .config_override(timeouts)
                 .send()
                 .await
                 .map(|output| output.failed)
@@ -908,6 +1068,7 @@ async fn send_batch(
         BatchKind::Delete => "delete",
         BatchKind::Visibility => "change visibility",
     };
+    let mut again = Vec::new();
     match failed {
         Ok(failed) => {
             for entry in failed {
@@ -935,25 +1096,45 @@ async fn send_batch(
                         "SQS receipt handle no longer valid; the message's redelivery will be a \
                          duplicate"
                     );
+                } else if !last && let Ok(i) = entry.id.parse::<usize>() {
+                    tracing::info!(
+                        queue = url,
+                        operation,
+                        code = entry.code,
+                        message = entry.message.as_deref().unwrap_or(""),
+                        "SQS batch entry failed; sending it once more"
+                    );
+                    again.push(i);
                 } else {
                     tracing::warn!(
                         queue = url,
                         operation,
                         code = entry.code,
                         message = entry.message.as_deref().unwrap_or(""),
-                        "SQS batch entry failed"
+                        "SQS batch entry failed (sent twice)"
                     );
                 }
             }
+        }
+        Err(error) if !last => {
+            tracing::info!(
+                queue = url,
+                operation,
+                entries = batch.len(),
+                %error,
+                "SQS batch call failed; sending it once more"
+            );
+            again.extend(0..batch.len());
         }
         Err(error) => tracing::warn!(
             queue = url,
             operation,
             entries = batch.len(),
             %error,
-            "SQS batch call failed; the messages will be received again"
+            "SQS batch call failed (sent twice); the messages will be received again"
         ),
     }
+    again
 }
 
 struct SqsSettler {
@@ -974,11 +1155,22 @@ impl SqsSettler {
         if let Some((group, _)) = &self.group {
             self.shared.bump_group(group);
         }
+        let linger = self.shared.config.settle_linger;
+        let visibility = visibility_secs(delay, self.received_at, linger);
+        if ceil_secs(delay) > u64::try_from(visibility).unwrap_or(0) {
+            // SQS keeps a message invisible at most 12 hours from its receive.
+            tracing::warn!(
+                source = %self.shared.name,
+                delay_s = delay.as_secs(),
+                capped_s = visibility,
+                "SQS requeue delay capped at what is left of the 12 hours from the receive"
+            );
+        }
         self.shared.send(
             BatchKind::Visibility,
             Entry {
                 receipt_handle: self.receipt_handle.clone(),
-                visibility: visibility_secs(delay, self.received_at),
+                visibility,
             },
         )
     }
@@ -1091,17 +1283,27 @@ mod tests {
     #[test]
     fn visibility_is_rounded_up_and_capped_at_twelve_hours_from_the_receive() {
         let now = Instant::now();
-        assert_eq!(visibility_secs(Duration::ZERO, now), 0);
-        assert_eq!(visibility_secs(Duration::from_millis(1), now), 1);
-        assert_eq!(visibility_secs(Duration::from_millis(2500), now), 3);
-        assert_eq!(visibility_secs(Duration::from_secs(30), now), 30);
-        assert_eq!(
-            visibility_secs(Duration::from_secs(MAX_VISIBILITY_SECS * 2), now),
-            i32::try_from(MAX_VISIBILITY_SECS - 1).unwrap()
+        let zero = Duration::ZERO;
+        assert_eq!(visibility_secs(Duration::ZERO, now, zero), 0);
+        assert_eq!(visibility_secs(Duration::from_millis(1), now, zero), 1);
+        assert_eq!(visibility_secs(Duration::from_millis(2500), now, zero), 3);
+        assert_eq!(visibility_secs(Duration::from_secs(30), now, zero), 30);
+        // The age rounded up, the linger and 2 s kept as a margin.
+        let capped = visibility_secs(
+            Duration::from_secs(MAX_VISIBILITY_SECS * 2),
+            now,
+            Duration::from_millis(100),
         );
+        assert!(
+            (1..=4).contains(&(i32::try_from(MAX_VISIBILITY_SECS).unwrap() - capped - 2)),
+            "{capped}"
+        );
+        // No overflow on huge delays.
+        assert!(visibility_secs(Duration::MAX, now, Duration::MAX) >= 0);
+        assert!(visibility_secs(Duration::MAX, now, zero) > 0);
         if let Some(received) = now.checked_sub(Duration::from_secs(MAX_VISIBILITY_SECS - 10)) {
-            let left = visibility_secs(Duration::from_secs(60), received);
-            assert!((8..=9).contains(&left), "{left}");
+            let left = visibility_secs(Duration::from_secs(60), received, zero);
+            assert!((7..=8).contains(&left), "{left}");
         }
     }
 
@@ -1120,6 +1322,20 @@ mod tests {
             Duration::from_secs(MAX_VISIBILITY_SECS)
         );
         assert_eq!(config.reject, RejectAction::Delete);
+        assert_eq!(
+            SqsConfig::new("q")
+                .wait_time(Duration::from_millis(500))
+                .wait_time,
+            Duration::from_secs(1)
+        );
+        let mut direct = SqsConfig::new("q");
+        direct.wait_time = Duration::ZERO;
+        direct.max_in_flight = 0;
+        let direct = direct.within_limits();
+        assert_eq!(
+            (direct.wait_time, direct.max_in_flight),
+            (Duration::from_secs(1), 1)
+        );
     }
 
     #[test]
