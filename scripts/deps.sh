@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs the system packages the workspace's full build needs, from Debian's packages; quiet
-# and quick when everything is present (run by scripts/test.sh and .ci/run before cargo).
+# Installs the system packages the workspace's full build and the test servers' tools need, from
+# Debian's packages; quiet and quick when everything is present (run by scripts/test.sh before
+# cargo).
 #
 #   scripts/deps.sh
 #
@@ -22,6 +23,11 @@ for package in "${PACKAGES[@]}"; do
     missing+=("$package")
   fi
 done
+# The test servers' tools, looked for as commands (they may come from elsewhere than Debian, e.g.
+# pyenv): python3 with pip (scripts/sqs.sh installs moto with it; scripts/monitoring.sh checks
+# the dashboard with python3) and curl (scripts/sqs.sh waits for moto with it).
+command -v curl >/dev/null || missing+=(curl)
+python3 -m pip --version >/dev/null 2>&1 || missing+=(python3 python3-pip)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 echo "deps.sh: installing ${missing[*]} from Debian's packages" >&2

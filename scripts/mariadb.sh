@@ -81,7 +81,8 @@ start() {
     tail -n 30 "$DIR/server.log" >&2 || true
     exit 1
   fi
-  # The tests create a database per test: the user may create and drop any `inbox%` database.
+  # The tests create and drop a database per test: the user may do anything (a throwaway server
+  # on loopback).
   client -e "CREATE DATABASE IF NOT EXISTS inbox; \
     CREATE USER IF NOT EXISTS 'inbox'@'127.0.0.1' IDENTIFIED BY 'inbox'; \
     CREATE USER IF NOT EXISTS 'inbox'@'localhost' IDENTIFIED BY 'inbox'; \

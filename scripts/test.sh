@@ -197,10 +197,13 @@ prebuild_examples() {
       cp "$executable" "$dir/ledger-sqs"
     fi
   done
-  [ -x "$dir/ledger" ] && [ -x "$dir/ledger-kafka" ] && [ -x "$dir/ledger-sqs" ] || {
-    echo "test.sh: cargo named no ledger executable" >&2
-    return 1
-  }
+  local name
+  for name in ledger ledger-kafka ledger-sqs pipeline payments; do
+    [ -x "$dir/$name" ] || {
+      echo "test.sh: no $name demo after the build (cargo named none, or copying it failed)" >&2
+      return 1
+    }
+  done
   export INBOX_TEST_EXAMPLES_DIR=$dir
 }
 
@@ -211,7 +214,9 @@ prebuild_examples() {
 start_alongside() {
   [ -n "${INBOX_TEST_ALONGSIDE:-}" ] || return 0
   (
-    until grep -q '^ *Running ' "$LOG" 2>/dev/null || [ -e "$WORK/tests-ended" ]; do sleep 1; done
+    # Colour codes stripped (on a terminal cargo colours its `Running` lines).
+    until sed 's/\x1b\[[0-9;]*[A-Za-z]//g' "$LOG" 2>/dev/null | grep -q '^ *Running ' ||
+      [ -e "$WORK/tests-ended" ]; do sleep 1; done
     exec nice -n 19 bash -c "$INBOX_TEST_ALONGSIDE"
   ) >"$WORK/alongside.log" 2>&1 &
   echo $! >"$WORK/alongside.pid"

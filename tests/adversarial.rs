@@ -314,6 +314,42 @@ inbox_tests::backend_matrix! {
         );
     }
 
+    /// A conflict that cannot be kept in `inbox_rejections` (the table is gone for a moment) is
+    /// reported as a database error, not as a conflict: a source settles a conflict by dropping
+    /// the delivery, which would lose it stored nowhere. Its redelivery, once the table is back,
+    /// is the conflict, kept.
+    #[tokio::test]
+    async fn a_conflict_that_cannot_be_kept_is_a_database_error() {
+        let (pool, _guard) = fixture().await;
+        let mut conn = pool.acquire().await.unwrap();
+        let first = AdvNote { id: "unkept".into(), amount: 1 };
+        assert_eq!(apply_note(&mut conn, first).await.unwrap(), Outcome::Processed(()));
+        let changed = || AdvNote { id: "unkept".into(), amount: 2 };
+
+        sqlx::query("ALTER TABLE inbox_rejections RENAME TO inbox_rejections_away")
+            .execute(&pool)
+            .await
+            .unwrap();
+        match apply_note(&mut conn, changed()).await {
+            Err(inbox_runtime::Error::Database(error)) => {
+                assert_eq!(error.operation, inbox_runtime::StoreOperation::Rejection);
+                assert_eq!(error.consumer, "adv-note");
+            }
+            other => panic!("expected a database error, got {other:?}"),
+        }
+        sqlx::query("ALTER TABLE inbox_rejections_away RENAME TO inbox_rejections")
+            .execute(&pool)
+            .await
+            .unwrap();
+
+        let again = apply_note(&mut conn, changed()).await;
+        assert_eq!(again.map_err(|e| e.kind()), Err("conflict"));
+        assert_eq!(
+            count(&pool, "SELECT COUNT(*) FROM inbox_rejections WHERE reason = 'conflict'").await,
+            1
+        );
+    }
+
     /// FOUND BUG, FIXED (design): a key template joins free-text fields with a literal
     /// separator and no escaping, so `("a:b", "c")` and `("a", "b:c")` get the same key
     /// `a:b:c`. The second, a different message, is rejected as a conflict and never

@@ -35,6 +35,7 @@ async fn file_mode() {
     the_dedupe_caches_change_no_summary();
     kafka_without_the_feature_is_refused();
     sqs_without_the_feature_is_refused();
+    bad_durations_are_refused();
 }
 
 /// Runs `ledger ARGS` on the SQLite file `db`; its exit status, stdout and stderr.
@@ -258,6 +259,35 @@ async fn a_failed_line_is_counted_and_the_stream_goes_on() {
         "not a message envelope: expected ident at line 1 column 2"
     );
     conn.close().await.unwrap();
+}
+
+/// `--idle-exit` and `--ack-wait` that are not a finite number of seconds from 0 to 12 hours are
+/// refused by the argument parser (status 2, the reason), before anything runs.
+fn bad_durations_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("ledger.db");
+    for (value, says) in [
+        ("nan", "`nan` is not a number of seconds from 0 to 43200"),
+        ("inf", "`inf` is not a number of seconds from 0 to 43200"),
+        ("-1", "`-1` is not a number of seconds from 0 to 43200"),
+        (
+            "1e300",
+            "`1e300` is not a number of seconds from 0 to 43200",
+        ),
+        (
+            "soon",
+            "`soon` is not a number of seconds: invalid float literal",
+        ),
+    ] {
+        for flag in ["--idle-exit", "--ack-wait"] {
+            let arg = format!("{flag}={value}");
+            let args = ["--source", "amqp://127.0.0.1:1/%2f", arg.as_str()];
+            let (status, stdout, stderr) = run(&args, &db, dir.path(), "durations");
+            assert_eq!(status.code(), Some(2), "{flag} {value}: {stdout}\n{stderr}");
+            assert!(stderr.contains(says), "{flag} {value}: {stderr}");
+        }
+    }
+    assert!(!db.exists(), "refused before opening the database");
 }
 
 /// The default build has no AWS SDK: an `sqs://` URL, to consume from or to publish to, is

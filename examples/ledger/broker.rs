@@ -79,12 +79,12 @@ pub(crate) struct ConsumeArgs {
     #[arg(long, default_value_t = 16)]
     pub(crate) concurrency: u16,
     /// Exit once nothing has arrived for this many seconds
-    #[arg(long, value_name = "SECONDS", default_value_t = 3.0)]
+    #[arg(long, value_name = "SECONDS", default_value_t = 3.0, value_parser = seconds)]
     pub(crate) idle_exit: f64,
     /// JetStream: redeliver a delivery neither acked nor nacked after this many seconds (for a
     /// consumer that does not exist yet); SQS: the visibility timeout (renewed while a delivery
     /// is in flight)
-    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0, value_parser = seconds)]
     pub(crate) ack_wait: f64,
     /// A fast-path dedupe cache in front of the inbox: `memory` (in-process) or
     /// `redis://HOST:PORT/` (shared by every consumer); entries live one hour [default: none]
@@ -93,6 +93,18 @@ pub(crate) struct ConsumeArgs {
     #[cfg(feature = "kafka")]
     #[command(flatten)]
     pub(crate) kafka: crate::kafka::KafkaArgs,
+}
+
+/// A duration in seconds for `--idle-exit` and `--ack-wait`: a finite number from 0 to 43,200
+/// (12 hours, SQS's longest visibility timeout); anything else is refused with the reason.
+fn seconds(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(value) if value.is_finite() && (0.0..=43_200.0).contains(&value) => Ok(value),
+        Ok(_) => Err(format!(
+            "`{text}` is not a number of seconds from 0 to 43200"
+        )),
+        Err(error) => Err(format!("`{text}` is not a number of seconds: {error}")),
+    }
 }
 
 /// One line of the input.

@@ -248,11 +248,15 @@ pub enum StoreOperation {
     Rollback,
     /// `COMMIT`: the outcome is unknown.
     Commit,
+    /// Keeping a conflicting delivery in `inbox_rejections` (after its transaction was rolled
+    /// back): nothing was kept, so the delivery must not be settled as a conflict; its
+    /// redelivery is a conflict again and is kept then.
+    Rejection,
 }
 
 impl StoreOperation {
     /// The operation's name in messages and logs: `acquire`, `begin`, `claim`, `order`, `hook`,
-    /// `complete`, `verify`, `rollback` or `commit`.
+    /// `complete`, `verify`, `rollback`, `commit` or `rejection`.
     pub const fn as_str(self) -> &'static str {
         match self {
             StoreOperation::Acquire => "acquire",
@@ -264,6 +268,7 @@ impl StoreOperation {
             StoreOperation::Verify => "verify",
             StoreOperation::Rollback => "rollback",
             StoreOperation::Commit => "commit",
+            StoreOperation::Rejection => "rejection",
         }
     }
 }

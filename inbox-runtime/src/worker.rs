@@ -855,12 +855,18 @@ async fn settle<DB: InboxDatabase>(
     match &result {
         Err(error) => {
             report.invalid += 1;
-            tracing::error!(
+            let kept = matches!(settlement, Settlement::Ack);
+            tracing::warn!(
                 message_name,
                 source = source_name,
                 offset,
                 reason = %error,
-                "rejecting delivery: the dispatcher cannot route it"
+                "{}",
+                if kept {
+                    "refused delivery: the dispatcher cannot route it; kept in inbox_rejections"
+                } else {
+                    "refused delivery: the dispatcher cannot route it; not kept, requeued"
+                }
             );
         }
         Ok(outcomes) => {

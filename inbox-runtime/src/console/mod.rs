@@ -512,7 +512,7 @@ async fn form<DB: InboxDatabase>(
     if let Some(why) = cross_site(parts) {
         tracing::warn!(
             target: "inbox_runtime::console",
-            operator = %ctx.operator,
+            operator = ?ctx.operator,
             why,
             "console: cross-site POST refused"
         );
@@ -538,7 +538,7 @@ async fn form<DB: InboxDatabase>(
     if !inner.token_ok(&ctx.operator, token.as_deref()) {
         tracing::warn!(
             target: "inbox_runtime::console",
-            operator = %ctx.operator,
+            operator = ?ctx.operator,
             "console: POST without a valid CSRF token refused"
         );
         return Err(bare(
@@ -552,13 +552,15 @@ async fn form<DB: InboxDatabase>(
 }
 
 /// Why a `POST` looks cross-site, if it does: a `Sec-Fetch-Site` other than `same-origin` (or
-/// `none`, typed by the user), or an `Origin` that is not this request's host.
+/// `none`, typed by the user); without that header (older browsers), an `Origin` that is not
+/// this request's host. A browser's `Sec-Fetch-Site` is decided: `Origin` is not compared then,
+/// since a reverse proxy may rewrite `Host` (nginx's default `proxy_set_header Host
+/// $proxy_host`), which would refuse every same-origin form behind it.
 fn cross_site(parts: &Parts) -> Option<String> {
     if let Some(site) = parts.headers.get("sec-fetch-site") {
         let site = site.to_str().unwrap_or("?");
-        if site != "same-origin" && site != "none" {
-            return Some(format!("Sec-Fetch-Site: {site}"));
-        }
+        return (site != "same-origin" && site != "none")
+            .then(|| format!("Sec-Fetch-Site: {site}"));
     }
     let origin = parts.headers.get(header::ORIGIN)?;
     let origin = origin.to_str().unwrap_or("?");
@@ -927,10 +929,10 @@ async fn act<DB: InboxDatabase>(inner: &Inner<DB>, request: Request, action: Act
         };
         tracing::info!(
             target: "inbox_runtime::console",
-            operator = %ctx.operator,
+            operator = ?ctx.operator,
             action = action.verb(),
-            consumer = %consumer,
-            key = %key,
+            consumer = ?consumer,
+            key = ?key,
             result = %text,
             "console: {}",
             action.verb()
@@ -1071,10 +1073,10 @@ async fn replay_all<DB: InboxDatabase>(State(inner): Shared<DB>, request: Reques
             }
             tracing::info!(
                 target: "inbox_runtime::console",
-                operator = %ctx.operator,
+                operator = ?ctx.operator,
                 action = "replay",
-                consumer = %row.consumer,
-                key = %row.message_key,
+                consumer = ?row.consumer,
+                key = ?row.message_key,
                 result = %text,
                 "console: replay (bulk)"
             );
@@ -1433,7 +1435,7 @@ fn age(time: &str, now: i64) -> String {
 /// `text` escaped for HTML text and double- or single-quoted attribute values: `&`, `<`, `>`,
 /// `"` and `'` as character references, and NUL as U+FFFD (which HTML parsers put there
 /// anyway).
-pub fn escape(text: &str) -> String {
+pub(crate) fn escape(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         match c {

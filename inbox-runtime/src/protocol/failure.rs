@@ -140,16 +140,17 @@ pub(crate) fn conflict_rejection<'a>(subject: &'a Subject<'a>, detail: &'a str) 
     }
 }
 
-/// Keeps a conflicting delivery in `inbox_rejections`, in its own statement; a database error
-/// is logged (the conflict itself is still reported to the caller).
+/// Keeps a conflicting delivery in `inbox_rejections`, in its own statement.
+///
+/// # Errors
+/// The database's error: nothing was kept, and the caller must report a database error, not
+/// the conflict (which a source settles by dropping the delivery).
 pub(crate) async fn record_conflict<C: ClaimStore + ?Sized>(
     conn: &mut C,
     subject: &Subject<'_>,
     conflict: &Conflict,
-) {
+) -> Result<(), sqlx::Error> {
     let detail = conflict.to_string();
-    let rejection = conflict_rejection(subject, &detail);
-    if let Err(error) = conn.record_rejection(&rejection).await {
-        tracing::error!(%error, "could not record the conflicting delivery");
-    }
+    conn.record_rejection(&conflict_rejection(subject, &detail))
+        .await
 }

@@ -213,10 +213,20 @@ async fn record<H: Handler>(
                 .await;
             Error::Database(error)
         }
-        Failed::Conflict(conflict) => {
-            record_conflict(conn, &subject, &conflict).await;
-            Error::Conflict(conflict)
-        }
+        // A conflict that could not be kept is a database error: settled as a conflict, the
+        // delivery would be dropped (rejected to the broker) stored nowhere.
+        Failed::Conflict(conflict) => match record_conflict(conn, &subject, &conflict).await {
+            Ok(()) => Error::Conflict(conflict),
+            Err(source) => {
+                tracing::error!(error = %source, %conflict, "could not keep the conflicting delivery");
+                Error::Database(StoreError {
+                    consumer: conflict.consumer,
+                    key: conflict.key,
+                    operation: StoreOperation::Rejection,
+                    source,
+                })
+            }
+        },
     }
 }
 

@@ -100,7 +100,8 @@ impl SqsSink {
         {
             return Ok(url.clone());
         }
-        let (url, _) = resolve_queue(&self.client, destination)
+        // Within the sends' timeouts too: the relay's lease covers this lookup.
+        let (url, _) = resolve_queue(&self.client, destination, Some(self.attempt_timeout))
             .await
             .map_err(|e| {
                 let permanent = e

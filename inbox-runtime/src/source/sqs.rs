@@ -226,10 +226,12 @@ fn batch_attempt_timeout(visibility_timeout: Duration) -> Duration {
 }
 
 /// The queue's URL and name: `queue` itself if it is a URL (`http://` or `https://`, the name
-/// being its last path segment), else the URL `GetQueueUrl` answers for the name.
+/// being its last path segment), else the URL `GetQueueUrl` answers for the name (each attempt
+/// within `attempt_timeout` if given, see [`call_timeouts`]; else the client's timeouts).
 pub(crate) async fn resolve_queue(
     client: &Client,
     queue: &str,
+    attempt_timeout: Option<Duration>,
 ) -> Result<(String, String), SdkError<aws_sdk_sqs::operation::get_queue_url::GetQueueUrlError>> {
     if queue.starts_with("http://") || queue.starts_with("https://") {
         let name = queue
@@ -239,13 +241,11 @@ pub(crate) async fn resolve_queue(
             .unwrap_or(queue);
         return Ok((queue.to_owned(), name.to_owned()));
     }
-    let url = client
-        .get_queue_url()
-        .queue_name(queue)
-        .send()
-        .await?
-        .queue_url
-        .unwrap_or_default();
+    let mut call = client.get_queue_url().queue_name(queue).customize();
+    if let Some(attempt) = attempt_timeout {
+        call = call.config_override(call_timeouts(attempt));
+    }
+    let url = call.send().await?.queue_url.unwrap_or_default();
     Ok((url, queue.to_owned()))
 }
 
@@ -565,9 +565,11 @@ impl SqsSource {
     /// As [`connect`](Self::connect).
     pub async fn with_client(client: Client, config: SqsConfig) -> Result<Self, SourceError> {
         let config = config.within_limits();
-        let (url, name) = resolve_queue(&client, &config.queue).await.map_err(|e| {
-            SourceError::new(&config.queue, "connect", DisplayErrorContext(e).to_string())
-        })?;
+        let (url, name) = resolve_queue(&client, &config.queue, None)
+            .await
+            .map_err(|e| {
+                SourceError::new(&config.queue, "connect", DisplayErrorContext(e).to_string())
+            })?;
         let (deletes, delete_rx) = mpsc::unbounded_channel();
         let (visibility, visibility_rx) = mpsc::unbounded_channel();
         let stats = SqsStats::default();
