@@ -9,13 +9,16 @@
 # librdkafka from source through rdkafka-sys's `cmake-build` feature: cmake and a C/C++
 # toolchain, zlib (compression), OpenSSL (TLS, SASL/SCRAM) and libcurl (SASL/OAUTHBEARER with
 # OIDC) headers. The default build (`cargo build`, `cargo run --example ledger`) needs none.
+# The operator console's browser tests (tests/console_browser.rs) drive Debian's headless
+# Chromium through its WebDriver server: chromium and chromium-driver (/usr/bin/chromedriver).
 #
 # Idempotent: `apt-get update` once, then `apt-get install -y` of the missing packages only;
 # nothing at all is done (and nothing printed) when every package is installed. Needs root (or
 # sudo-less root as in CI) only when something is missing.
 set -euo pipefail
 
-PACKAGES=(cmake make gcc g++ pkg-config zlib1g-dev libssl-dev libcurl4-openssl-dev)
+PACKAGES=(cmake make gcc g++ pkg-config zlib1g-dev libssl-dev libcurl4-openssl-dev
+  chromium chromium-driver)
 
 missing=()
 for package in "${PACKAGES[@]}"; do

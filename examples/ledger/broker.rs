@@ -90,6 +90,10 @@ pub(crate) struct ConsumeArgs {
     /// `redis://HOST:PORT/` (shared by every consumer); entries live one hour [default: none]
     #[arg(long, value_name = "memory|redis://…")]
     pub(crate) cache: Option<String>,
+    /// Attempts before an event whose handler keeps failing is dead, kept with its payload for
+    /// an operator (the inbox's retry policy) [default: 5]; `1`: at the first failure
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) max_attempts: Option<u32>,
     #[cfg(feature = "kafka")]
     #[command(flatten)]
     pub(crate) kafka: crate::kafka::KafkaArgs,
@@ -396,6 +400,7 @@ pub(crate) async fn consume<DB: PositionsDatabase>(
     for handler in dispatcher.handlers() {
         println!("handler: {handler}");
     }
+    let dispatcher = crate::with_max_attempts(dispatcher, args.max_attempts);
     let dispatcher = crate::with_cache(dispatcher, args.cache.as_deref()).await?;
     // A Kafka consumer (and its mock cluster) lives until the worker is done.
     #[cfg(feature = "kafka")]

@@ -50,6 +50,9 @@
 //!   with a permanent error, and the inbox keeps it as `dead` with its payload for an operator
 //!   (`ledger admin dead list`). The summary line then ends with `dead=N` (and, for
 //!   redeliveries of keys an operator discarded with `ledger admin dead discard`, `discarded=N`).
+//!   An event whose handler or database keeps failing is dead too after `--max-attempts`
+//!   attempts (default 5; `--max-attempts 1`: at its first failure, for an operator to replay
+//!   once the cause is fixed).
 //!
 //! The bundled sample (`examples/ledger/data/payments.jsonl`, ~30,000 lines over 300 accounts,
 //! written by `cargo run --example ledger-gen`) holds thousands of redeliveries, 16 conflicts and
@@ -290,32 +293,50 @@ pub(crate) async fn with_cache<DB: InboxDatabase>(
     Ok(dispatcher)
 }
 
-/// Feeds `input` through a dispatcher over `db`'s pool (with the dedupe cache `cache` names).
+/// `dispatcher` with the retry policy's `max_attempts` set (`--max-attempts`), if given.
+pub(crate) fn with_max_attempts<DB: InboxDatabase>(
+    dispatcher: Dispatcher<DB>,
+    max_attempts: Option<u32>,
+) -> Dispatcher<DB> {
+    match max_attempts {
+        Some(attempts) => {
+            let policy = dispatcher.retry_policy().clone().max_attempts(attempts);
+            dispatcher.with_retry_policy(policy)
+        }
+        None => dispatcher,
+    }
+}
+
+/// Feeds `input` through a dispatcher over `db`'s pool (with the dedupe cache `cache` names, and
+/// `max_attempts` in its retry policy if given).
 async fn process(
     db: &Db,
     input: Input,
     source: &str,
     cache: Option<&str>,
+    max_attempts: Option<u32>,
 ) -> Result<Counts, String> {
     async fn with<DB: InboxDatabase>(
         pool: sqlx::Pool<DB>,
         input: Input,
         source: &str,
         cache: Option<&str>,
+        max_attempts: Option<u32>,
     ) -> Result<Counts, String> {
         let dispatcher = Dispatcher::from_registry(pool).map_err(|e| e.to_string())?;
         for handler in dispatcher.handlers() {
             println!("handler: {handler}");
         }
+        let dispatcher = with_max_attempts(dispatcher, max_attempts);
         let dispatcher = with_cache(dispatcher, cache).await?;
         feed(&dispatcher, input, source)
             .await
             .map_err(|e| e.to_string())
     }
     match db {
-        Db::Postgres(pool) => with(pool.clone(), input, source, cache).await,
-        Db::Sqlite(pool) => with(pool.clone(), input, source, cache).await,
-        Db::MySql(pool) => with(pool.clone(), input, source, cache).await,
+        Db::Postgres(pool) => with(pool.clone(), input, source, cache, max_attempts).await,
+        Db::Sqlite(pool) => with(pool.clone(), input, source, cache, max_attempts).await,
+        Db::MySql(pool) => with(pool.clone(), input, source, cache, max_attempts).await,
     }
 }
 
@@ -357,7 +378,14 @@ async fn run(args: Args) -> Result<Verdict, String> {
     let fresh = db.balances().await.map_err(|e| e.to_string())?.is_empty();
 
     let started = Instant::now();
-    let counts = process(&db, reader, &source, args.consume.cache.as_deref()).await;
+    let counts = process(
+        &db,
+        reader,
+        &source,
+        args.consume.cache.as_deref(),
+        args.consume.max_attempts,
+    )
+    .await;
     observe::finish_progress();
     let elapsed = started.elapsed();
     let counts = match counts {
@@ -690,7 +718,9 @@ mod tests {
         let (db, _) = Db::connect(Some(&tmp.url())).await.unwrap();
         db.setup().await.unwrap();
 
-        let first = process(&db, input(&stream), "test", None).await.unwrap();
+        let first = process(&db, input(&stream), "test", None, None)
+            .await
+            .unwrap();
         let expected = Counts {
             lines: 8,
             processed: 2,
@@ -708,7 +738,9 @@ mod tests {
             [("acct-1".to_owned(), 300)]
         );
 
-        let second = process(&db, input(&stream), "test", None).await.unwrap();
+        let second = process(&db, input(&stream), "test", None, None)
+            .await
+            .unwrap();
         assert_eq!(
             second,
             Counts {
@@ -753,7 +785,9 @@ mod tests {
         .unwrap();
         db.setup().await.unwrap();
 
-        let counts = process(&db, input(&stream), "test", None).await.unwrap();
+        let counts = process(&db, input(&stream), "test", None, None)
+            .await
+            .unwrap();
         assert_eq!(
             counts,
             Counts {
@@ -820,7 +854,9 @@ mod tests {
         let tmp = TempDb::new("admin");
         let (db, _) = Db::connect(Some(&tmp.url())).await.unwrap();
         db.setup().await.unwrap();
-        let counts = process(&db, input(&stream), "test", None).await.unwrap();
+        let counts = process(&db, input(&stream), "test", None, None)
+            .await
+            .unwrap();
         assert_eq!((counts.processed, counts.dead), (1, 3));
         let Db::Sqlite(pool) = &db else {
             unreachable!()
@@ -884,7 +920,9 @@ mod tests {
         result.unwrap();
         assert!(list.contains(K1) && !list.contains(K2), "{list}");
         // Redelivered: K1 (two lines) is still dead, K2 is discarded, and counted as such.
-        let again = process(&db, input(&unknown), "test", None).await.unwrap();
+        let again = process(&db, input(&unknown), "test", None, None)
+            .await
+            .unwrap();
         assert_eq!(
             (again.processed, again.dead, again.discarded),
             (0, 2, 1),
@@ -931,12 +969,16 @@ mod tests {
         db.setup().await.unwrap();
         assert!(db.balances().await.unwrap().is_empty());
 
-        let first = process(db, sample().await, "sample", None).await.unwrap();
+        let first = process(db, sample().await, "sample", None, None)
+            .await
+            .unwrap();
         assert_eq!(expected.count_mismatches(&first), Vec::<String>::new());
         let balances = db.balances().await.unwrap();
         assert_eq!(expected.balance_mismatches(&balances), Vec::<String>::new());
 
-        let second = process(db, sample().await, "sample", None).await.unwrap();
+        let second = process(db, sample().await, "sample", None, None)
+            .await
+            .unwrap();
         assert_eq!(
             second,
             Counts {

@@ -808,7 +808,7 @@ async fn message<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) 
         if matches!(row.status, Status::Failed | Status::Dead) {
             let _ = write!(
                 body,
-                "<div class=\"actions\"><a href=\"{}\">Replay…</a><a href=\"{}\">Discard…</a></div>",
+                "<div class=\"actions\"><a href=\"{}\" data-action=\"replay\">Replay…</a><a href=\"{}\" data-action=\"discard\">Discard…</a></div>",
                 escape(&message_link(&ctx, "/replay", &row)),
                 escape(&message_link(&ctx, "/discard", &row)),
             );
@@ -875,7 +875,7 @@ async fn confirm<DB: InboxDatabase>(
             body,
             "<form method=\"post\" action=\"{}\"><input type=\"hidden\" name=\"consumer\" \
              value=\"{}\"><input type=\"hidden\" name=\"key\" value=\"{}\">{}\
-             <div class=\"actions\"><button{}>Yes, {verb}</button><a href=\"{}\">Cancel</a></div></form>",
+             <div class=\"actions\"><button data-action=\"{verb}\"{}>Yes, {verb}</button><a href=\"{}\">Cancel</a></div></form>",
             escape(&ctx.link(&format!("/{verb}"))),
             escape(&row.consumer),
             escape(&row.message_key),
