@@ -294,6 +294,61 @@ async fn wait_css(browser: &Client, css: &str) -> fantoccini::elements::Element 
         .unwrap_or_else(|e| panic!("no element {css} on the page: {e}"))
 }
 
+/// Clicks the element `locator` finds (waited for).
+async fn click(browser: &Client, locator: Locator<'_>) {
+    browser
+        .wait()
+        .at_most(Duration::from_secs(30))
+        .for_element(locator)
+        .await
+        .unwrap_or_else(|e| panic!("nothing to click ({locator:?}): {e}"))
+        .click()
+        .await
+        .unwrap();
+}
+
+/// From a list of messages: opens the dead message `key`, clicks its `verb` link (replay,
+/// discard), confirms on the confirmation page; the result page must say `ledger/KEY: result`
+/// and show the status `result`. A screenshot of each of the three pages. Returns the message's
+/// last error, as its page showed it.
+async fn act_on(
+    browser: &Client,
+    shots: &mut Shots,
+    key: &str,
+    verb: &str,
+    result: &str,
+) -> String {
+    click(browser, Locator::LinkText(key)).await;
+    wait_css(browser, &format!("a[data-action=\"{verb}\"]")).await;
+    assert_eq!(text_of(browser, "dd[data-field=\"key\"]").await, key);
+    assert_eq!(text_of(browser, "dd[data-field=\"status\"]").await, "dead");
+    let error = text_of(browser, "pre[data-field=\"last_error\"]").await;
+    shots.take(browser, &format!("message-before-{verb}")).await;
+
+    click(browser, Locator::Css(&format!("a[data-action=\"{verb}\"]"))).await;
+    let confirm = wait_css(browser, &format!("button[data-action=\"{verb}\"]")).await;
+    assert_eq!(
+        text_of(browser, "h1").await,
+        format!("Confirm: {verb} this message?")
+    );
+    assert_eq!(text_of(browser, "dd[data-field=\"key\"]").await, key);
+    shots.take(browser, &format!("{verb}-confirm")).await;
+
+    confirm.click().await.unwrap();
+    let shown = wait_css(browser, "p[data-result]").await;
+    assert_eq!(
+        shown.attr("data-result").await.unwrap().as_deref(),
+        Some("ok")
+    );
+    assert_eq!(
+        shown.text().await.unwrap(),
+        format!("ledger/{key}: {result}")
+    );
+    assert_eq!(text_of(browser, "dd[data-field=\"status\"]").await, result);
+    shots.take(browser, &format!("{verb}-done")).await;
+    error
+}
+
 /// The text of the element matching `css` (waited for).
 async fn text_of(browser: &Client, css: &str) -> String {
     wait_css(browser, css).await.text().await.unwrap()
@@ -550,14 +605,11 @@ async fn browse(
     );
 
     // The dead count links to the dead messages.
-    wait_css(
+    click(
         browser,
-        "td[data-consumer=\"ledger\"][data-status=\"dead\"] a",
+        Locator::Css("td[data-consumer=\"ledger\"][data-status=\"dead\"] a"),
     )
-    .await
-    .click()
-    .await
-    .unwrap();
+    .await;
     wait_css(browser, "table.messages").await;
     shots.take(browser, "messages-dead").await;
     let mut keys = Vec::new();
@@ -578,46 +630,8 @@ async fn browse(
         .await
         .unwrap();
     conn.close().await.unwrap();
-    browser
-        .find(Locator::LinkText(FIXABLE))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
-    wait_css(browser, "a[data-action=\"replay\"]").await;
-    assert_eq!(text_of(browser, "dd[data-field=\"key\"]").await, FIXABLE);
-    assert_eq!(text_of(browser, "dd[data-field=\"status\"]").await, "dead");
-    let error = text_of(browser, "pre[data-field=\"last_error\"]").await;
+    let error = act_on(browser, shots, FIXABLE, "replay", "processed").await;
     assert!(error.contains("not_acct_13"), "{error}");
-    shots.take(browser, "message-dead").await;
-
-    wait_css(browser, "a[data-action=\"replay\"]")
-        .await
-        .click()
-        .await
-        .unwrap();
-    let confirm = wait_css(browser, "button[data-action=\"replay\"]").await;
-    assert_eq!(
-        text_of(browser, "h1").await,
-        "Confirm: replay this message?"
-    );
-    shots.take(browser, "replay-confirm").await;
-    confirm.click().await.unwrap();
-    let result = wait_css(browser, "p[data-result]").await;
-    assert_eq!(
-        result.attr("data-result").await.unwrap().as_deref(),
-        Some("ok")
-    );
-    assert_eq!(
-        result.text().await.unwrap(),
-        format!("ledger/{FIXABLE}: processed")
-    );
-    assert_eq!(
-        text_of(browser, "dd[data-field=\"status\"]").await,
-        "processed"
-    );
-    shots.take(browser, "replay-done").await;
     // In the database: processed, the credit applied once.
     let after = inbox(url).await;
     assert_eq!(
@@ -630,47 +644,13 @@ async fn browse(
     );
 
     // Back to the list; the bad account's event is discarded.
-    browser
-        .find(Locator::LinkText("Failed and dead messages"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(browser, Locator::LinkText("Failed and dead messages")).await;
     wait_css(browser, "table.messages").await;
-    browser
-        .find(Locator::LinkText(BAD_ACCOUNT))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
-    wait_css(browser, "a[data-action=\"discard\"]")
-        .await
-        .click()
-        .await
-        .unwrap();
-    let confirm = wait_css(browser, "button[data-action=\"discard\"]").await;
-    assert_eq!(
-        text_of(browser, "dd[data-field=\"key\"]").await,
-        BAD_ACCOUNT
+    let error = act_on(browser, shots, BAD_ACCOUNT, "discard", "discarded").await;
+    assert!(
+        error.contains("`acct-x` is not a ledger account"),
+        "{error}"
     );
-    shots.take(browser, "discard-confirm").await;
-    confirm.click().await.unwrap();
-    let result = wait_css(browser, "p[data-result]").await;
-    assert_eq!(
-        result.attr("data-result").await.unwrap().as_deref(),
-        Some("ok")
-    );
-    assert_eq!(
-        result.text().await.unwrap(),
-        format!("ledger/{BAD_ACCOUNT}: discarded")
-    );
-    assert_eq!(
-        text_of(browser, "dd[data-field=\"status\"]").await,
-        "discarded"
-    );
-    shots.take(browser, "discard-done").await;
     let after = inbox(url).await;
     assert_eq!(after[BAD_ACCOUNT].0, "discarded");
     assert!(
@@ -680,13 +660,7 @@ async fn browse(
     assert_eq!(after[LEFT_DEAD].0, "dead");
 
     // The rejections: the conflict (ledger) and the line that was not a message (no consumer).
-    browser
-        .find(Locator::LinkText("Rejections"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(browser, Locator::LinkText("Rejections")).await;
     wait_css(browser, "table.rejections").await;
     shots.take(browser, "rejections").await;
     let mut shown = BTreeMap::new();
@@ -727,13 +701,7 @@ async fn browse(
     );
 
     // The overview after both actions.
-    browser
-        .find(Locator::LinkText("Overview"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(browser, Locator::LinkText("Overview")).await;
     wait_css(browser, "table.overview").await;
     shots.take(browser, "overview-after").await;
     let shown = page_counts(browser, "ledger").await;
