@@ -23,6 +23,7 @@ use crate::status::Status;
 
 #[macro_use]
 mod shared;
+#[macro_use]
 mod mysql;
 mod outbox;
 mod positions;
