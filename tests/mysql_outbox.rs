@@ -54,7 +54,10 @@ async fn wait_all_sent(pool: &MySqlPool) {
         if unsent == 0 {
             return;
         }
-        assert!(std::time::Instant::now() < deadline, "{unsent} rows never sent");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{unsent} rows never sent"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -158,12 +161,11 @@ async fn concurrent_writers_of_one_aggregate_are_published_in_write_order_exactl
         by_id.entry(aggregate).or_default().push(id);
     }
     assert_eq!(by_id, written);
-    let locks: Vec<(i64,)> = sqlx::query_as(
-        "SELECT rows_written FROM inbox_outbox_aggregates ORDER BY aggregate_hash",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
+    let locks: Vec<(i64,)> =
+        sqlx::query_as("SELECT rows_written FROM inbox_outbox_aggregates ORDER BY aggregate_hash")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
     assert_eq!(
         locks.iter().map(|(n,)| n).sum::<i64>(),
         i64::try_from(committed).unwrap(),
@@ -186,14 +188,20 @@ async fn three_leased_rows(pool: &MySqlPool) {
     let mut tx = pool.begin().await.unwrap();
     for id in ["a", "b", "c"] {
         OUTBOX
-            .publish(&mut *tx, OutboxMessage::raw("orders", "orders.paid", "{}").message_id(id))
+            .publish(
+                &mut *tx,
+                OutboxMessage::raw("orders", "orders.paid", "{}").message_id(id),
+            )
             .await
             .unwrap();
     }
     tx.commit().await.unwrap();
     let mut conn = pool.acquire().await.unwrap();
     let lease = conn.lease_outbox(10, 60_000, 5, "abandoned").await.unwrap();
-    assert_eq!(lease.records.iter().map(|r| r.id).collect::<Vec<_>>(), [1, 2, 3]);
+    assert_eq!(
+        lease.records.iter().map(|r| r.id).collect::<Vec<_>>(),
+        [1, 2, 3]
+    );
 }
 
 #[tokio::test]
@@ -265,7 +273,10 @@ async fn a_deadlock_of_the_relay_is_retried_and_counted() {
         if probe.is_err() {
             break;
         }
-        assert!(std::time::Instant::now() < deadline, "the mark never locked row 1");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the mark never locked row 1"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     sqlx::query("SELECT id FROM inbox_outbox WHERE id = 1 FOR UPDATE")
@@ -284,7 +295,11 @@ async fn a_deadlock_of_the_relay_is_retried_and_counted() {
             .unwrap();
     assert_eq!(
         states,
-        [("a", "sent", None), ("b", "sent", None), ("c", "pending", Some("other"))]
-            .map(|(a, b, c)| (a.to_owned(), b.to_owned(), c.map(str::to_owned)))
+        [
+            ("a", "sent", None),
+            ("b", "sent", None),
+            ("c", "pending", Some("other"))
+        ]
+        .map(|(a, b, c)| (a.to_owned(), b.to_owned(), c.map(str::to_owned)))
     );
 }

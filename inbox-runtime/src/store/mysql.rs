@@ -44,7 +44,9 @@
 //! [`mysql_lock_retries`] and the metric `inbox_store_lock_retries_total`; the caller never
 //! sees them. (Inside a transaction of the caller's, where the claim is not the first
 //! statement, the error is returned instead: classified transient, see [`crate::Classify`].)
-//! The autocommit statements (failure records, batch claims, purges) are retried the same way.
+//! The autocommit statements (failure records, batch claims, purges) are retried the same way,
+//! and so are the outbox's and the broker positions' statements that run on their own (see
+//! the `outbox` and `positions` stores, whose MySQL dialects live beside the other backends').
 
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 
@@ -66,7 +68,7 @@ pub(super) const LOCK_ATTEMPTS: u32 = 30;
 static LOCK_RETRIES: AtomicU64 = AtomicU64::new(0);
 
 /// How many times, in this process, a MySQL/MariaDB statement of the store (a claim, a failure
-/// record, a batch claim, a purge) hit InnoDB's deadlock (1213) or lock wait timeout (1205) and
+/// record, a batch claim, a purge, an outbox lease or mark, a position assignment) hit InnoDB's deadlock (1213) or lock wait timeout (1205) and
 /// was retried internally. Also counted by the metric `inbox_store_lock_retries_total`
 /// (labels `backend = "mysql"` and `error = "deadlock" | "lock_wait_timeout"`).
 ///
@@ -147,7 +149,11 @@ macro_rules! retry_lock_errors {
 /// Whether a failed statement on `conn` may be retried internally: a lock error, and the
 /// statement is the first of a transaction of ours (depth `depth`, 1 for a claim's own
 /// transaction, 0 for autocommit), so that nothing of the caller's was rolled back with it.
-pub(super) fn retryable(conn: &MySqlConnection, depth: usize, error: &sqlx::Error) -> Option<&'static str> {
+pub(super) fn retryable(
+    conn: &MySqlConnection,
+    depth: usize,
+    error: &sqlx::Error,
+) -> Option<&'static str> {
     let label = lock_error(error)?;
     (<MySql as sqlx::Database>::TransactionManager::get_transaction_depth(conn) == depth)
         .then_some(label)
@@ -1238,4 +1244,3 @@ impl OrderingStore for MySqlConnection {
         })
     }
 }
-

@@ -13,6 +13,57 @@
 //! * **SQLite**: one writer at a time. A row's id is allocated inside its writing transaction,
 //!   which holds the write lock until it commits, so transactions commit in id order and every
 //!   committed row is eligible.
+//! * **MySQL/MariaDB** (InnoDB): neither a transaction horizon nor one writer. AUTO_INCREMENT ids
+//!   are allocated at insert and transactions commit out of id order, so the rule is per
+//!   aggregate, and rests on the writers:
+//!   1. *Writers of one aggregate take turns.* [`OutboxStore::enqueue_outbox`] first upserts the
+//!      aggregate's row in `inbox_outbox_aggregates` (`INSERT … ON DUPLICATE KEY UPDATE`, keyed
+//!      by the SHA-256 of the aggregate id), which locks it until the writing transaction ends,
+//!      and only then inserts the outbox row (allocating its id). A second writer of the
+//!      aggregate waits on the lock row until the first commits or rolls back, and allocates its
+//!      ids after that. So whenever a row of an aggregate exists (committed or not), every
+//!      lower-id row of the aggregate is final: committed, or rolled back and gone; and an
+//!      aggregate's ids follow the order its writers took the lock. (Outside a transaction the
+//!      two statements run in one of the store's own.) Rows without an aggregate take no lock
+//!      row and promise no order among themselves: each is eligible once it is committed.
+//!   2. *The relay decides from one snapshot, then locks by primary key.* The lease runs in a
+//!      transaction of its own: consistent (non-locking) reads pick the candidates: `pending`,
+//!      due, not under a running lease, and without an earlier `pending` or `dead` row of the
+//!      aggregate, all as of one snapshot (REPEATABLE READ: the transaction's, taken at its
+//!      first read; READ COMMITTED: each statement's). A candidate visible in the snapshot was
+//!      committed before it, so by 1. every earlier row of its aggregate is in the snapshot in
+//!      a final state: the per-aggregate check cannot miss a row still being written. Then
+//!      `SELECT … WHERE id IN (…) … FOR UPDATE SKIP LOCKED` locks the candidates that are still
+//!      leasable at their latest committed version (a row another relay is leasing or marking is
+//!      skipped, one it leased meanwhile fails the re-check), and an `UPDATE … WHERE id IN (…)`
+//!      leases them. Rows are chosen by status, never by an "id > last seen" cursor, so a row
+//!      committed late is found by the next lease.
+//!
+//!   Locks, under REPEATABLE READ (InnoDB's default) and READ COMMITTED alike: the writer's
+//!   upsert takes an exclusive lock on the aggregate's lock-row record (a new row: an
+//!   insert-intention lock on its gap, then the record; an existing one: the duplicate check's
+//!   exclusive next-key lock, gap locks included even in READ COMMITTED), held until the writer
+//!   ends; the outbox insert takes insert-intention locks and the new row's record lock (and a
+//!   shared lock on the existing entry when the message id is a duplicate). The relay's
+//!   consistent reads take no locks; its `FOR UPDATE SKIP LOCKED`, `UPDATE`s, marks, retries
+//!   and discards look rows up by primary key or by message id (a unique index): record locks
+//!   on the rows they name (REPEATABLE READ adds a gap lock only where a named row no longer
+//!   exists). The purges delete `sent` rows through the `(status, sent_at)` index: next-key
+//!   locks on that range under REPEATABLE READ (so a change-data-capture insert, written `sent`,
+//!   may wait for a purge, or a purge for it), record locks under READ COMMITTED. Apart from
+//!   that, no relay statement waits for a writer nor a writer for a relay: writers lock only
+//!   their own new rows and the lock rows, which relays never touch, and relays lock only rows
+//!   they read as committed. SERIALIZABLE (where plain reads lock) is not supported.
+//!
+//!   A deadlock (1213) or lock wait timeout (1205) in a statement the store runs on its own
+//!   (every [`OutboxStore`] and [`OutboxAdminStore`] method but the enqueue) is retried
+//!   internally, as the inbox's are, and counted in
+//!   [`mysql_lock_retries`](crate::mysql_lock_retries). The enqueue runs in the caller's
+//!   transaction: there they are returned (transient: see [`crate::Classify`]); a transaction
+//!   that publishes to several aggregates takes their lock rows in the order it publishes, so
+//!   two that publish to the same aggregates in opposite orders can deadlock (and are retried
+//!   as a whole by the protocol). A duplicate message id fails only the insert (MySQL rolls back
+//!   the statement, not the transaction): the enqueue answers `Ok(false)`.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -178,8 +229,8 @@ impl std::fmt::Display for OutboxStatus {
     }
 }
 
-/// The outbox's statements on one connection. Implemented for `sqlx::PgConnection` and
-/// `sqlx::SqliteConnection`; see [`ClaimStore`](super::ClaimStore) for implementing a backend of
+/// The outbox's statements on one connection. Implemented for `sqlx::PgConnection`,
+/// `sqlx::SqliteConnection` and `sqlx::MySqlConnection`; see [`ClaimStore`](super::ClaimStore) for implementing a backend of
 /// your own. Every method but [`enqueue_outbox`](Self::enqueue_outbox) manages its own short
 /// transaction (call them outside one).
 pub trait OutboxStore: Send {
@@ -251,7 +302,7 @@ pub trait OutboxStore: Send {
 }
 
 /// One outbox row as operators see it ([`OutboxAdminStore`]): every column, times in the
-/// database's text form (UTC on SQLite; the session's time zone on PostgreSQL:
+/// database's text form (UTC on SQLite and MySQL; the session's time zone on PostgreSQL:
 /// [`crate::admin::utc_time`] shows either in UTC).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -274,7 +325,7 @@ pub struct OutboxEntry {
     /// The aggregate, if any.
     pub aggregate_id: Option<String>,
     /// PostgreSQL: the id of the transaction that wrote the row (`xid8`, as text); `None` on
-    /// SQLite.
+    /// SQLite and MySQL.
     pub txid: Option<String>,
     /// When the row was written (PostgreSQL: when its transaction began).
     pub created_at: String,
@@ -310,7 +361,8 @@ pub struct OutboxStatsRow {
 }
 
 /// Operators' reads and writes on the outbox: statistics, listing, inspection, retry, discard,
-/// the retention purge. Implemented for `sqlx::PgConnection` and `sqlx::SqliteConnection`; each
+/// the retention purge. Implemented for `sqlx::PgConnection`, `sqlx::SqliteConnection` and
+/// `sqlx::MySqlConnection`; each
 /// method runs its own short statement (call them outside a transaction). Every method but
 /// [`outbox_installed`](Self::outbox_installed) fails with the database's "no such table" error
 /// when the outbox component is not migrated.
@@ -1450,11 +1502,8 @@ mod mysql {
          leased_until = DATE_ADD(UTC_TIMESTAMP(6), INTERVAL ? MICROSECOND)";
 
     /// The [`leased_columns`] of rows by id (`by_ids`).
-    pub(super) const LEASED: &str = concat!(
-        "SELECT ",
-        leased_columns!("", age!()),
-        " FROM inbox_outbox"
-    );
+    pub(super) const LEASED: &str =
+        concat!("SELECT ", leased_columns!("", age!()), " FROM inbox_outbox");
 
     /// Binds: the ids (`by_ids`).
     pub(super) const MARK_SENT: &str = "UPDATE inbox_outbox SET status = 'sent', \
@@ -1559,7 +1608,10 @@ fn bind_ids<'q>(
 /// The enqueue's two statements: the aggregate's lock row (a row with an aggregate, to be
 /// published by a relay), then the row. A duplicate message id fails only its own statement on
 /// MySQL (the transaction stays usable): it is the `Ok(false)` answer.
-async fn mysql_enqueue(conn: &mut MySqlConnection, row: &OutboxRow<'_>) -> Result<bool, sqlx::Error> {
+async fn mysql_enqueue(
+    conn: &mut MySqlConnection,
+    row: &OutboxRow<'_>,
+) -> Result<bool, sqlx::Error> {
     if let (Some(aggregate), false) = (row.aggregate_id, row.sent) {
         sqlx::query(mysql::LOCK_AGGREGATE)
             .bind(aggregate)
@@ -1662,14 +1714,24 @@ async fn mysql_lease_once(
             .fetch_all(&mut *tx)
             .await?;
         let order = lock_tail("id LIMIT ?");
-        leased =
-            mysql_lock_ids(&mut tx, &fresh, lock_head, &order, max_attempts, Some(limit)).await?;
+        leased = mysql_lock_ids(
+            &mut tx,
+            &fresh,
+            lock_head,
+            &order,
+            max_attempts,
+            Some(limit),
+        )
+        .await?;
     }
     if !leased.is_empty() {
         let sql = mysql::by_ids(mysql::LEASE, leased.len(), "");
-        bind_ids(sqlx::query(sql).bind(lease_ms.saturating_mul(1000)), &leased)
-            .execute(&mut *tx)
-            .await?;
+        bind_ids(
+            sqlx::query(sql).bind(lease_ms.saturating_mul(1000)),
+            &leased,
+        )
+        .execute(&mut *tx)
+        .await?;
     }
     let lease = Lease {
         records: mysql_records(&mut tx, &leased).await?,
@@ -1761,8 +1823,11 @@ impl OutboxStore for MySqlConnection {
             let done = retry_lock_errors!(
                 self,
                 "mark_outbox_sent",
-                bind_ids(sqlx::query(mysql::by_ids(mysql::MARK_SENT, ids.len(), tail)), ids)
-                    .execute(&mut *self)
+                bind_ids(
+                    sqlx::query(mysql::by_ids(mysql::MARK_SENT, ids.len(), tail)),
+                    ids
+                )
+                .execute(&mut *self)
             )?;
             Ok(done.rows_affected())
         })

@@ -305,7 +305,11 @@ impl PositionStore for MySqlConnection {
         owner: &'c str,
     ) -> BoxFuture<'c, Result<Acquired, sqlx::Error>> {
         Box::pin(async move {
-            retry_lock_errors!(self, "acquire_position", mysql_acquire_once(self, key, owner))
+            retry_lock_errors!(
+                self,
+                "acquire_position",
+                mysql_acquire_once(self, key, owner)
+            )
         })
     }
 
