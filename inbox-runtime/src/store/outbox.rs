@@ -906,7 +906,60 @@ fn sorted(mut records: Vec<OutboxRecord>) -> Vec<OutboxRecord> {
     records
 }
 
+/// The [`OutboxAdminStore`] reads whose Rust is the same on every backend: one statement of
+/// the dialect module `$dialect` each, outside any transaction.
+macro_rules! outbox_admin_reads {
+    ($dialect:ident) => {
+        fn outbox_stats(&mut self) -> BoxFuture<'_, Result<Vec<OutboxStatsRow>, sqlx::Error>> {
+            Box::pin(async move {
+                let rows = sqlx::query($dialect::STATS).fetch_all(&mut *self).await?;
+                rows.iter().map(stats_row).collect()
+            })
+        }
+
+        fn fetch_outbox<'c>(
+            &'c mut self,
+            message_id: &'c str,
+        ) -> BoxFuture<'c, Result<Option<OutboxEntry>, sqlx::Error>> {
+            Box::pin(async move {
+                let row = sqlx::query($dialect::FETCH)
+                    .bind(message_id)
+                    .fetch_optional(&mut *self)
+                    .await?;
+                row.as_ref().map(entry).transpose()
+            })
+        }
+
+        fn outbox_purge_preview<'c>(
+            &'c mut self,
+            cutoff: &'c str,
+        ) -> BoxFuture<'c, Result<Vec<OutboxStatsRow>, sqlx::Error>> {
+            Box::pin(async move {
+                let rows = sqlx::query($dialect::PURGE_PREVIEW)
+                    .bind(cutoff)
+                    .fetch_all(&mut *self)
+                    .await?;
+                rows.iter().map(stats_row).collect()
+            })
+        }
+    };
+}
+
+/// [`OutboxStore::outbox_backlog`], the same on every backend but for the dialect's statement.
+macro_rules! outbox_backlog_read {
+    ($dialect:ident) => {
+        fn outbox_backlog(&mut self) -> BoxFuture<'_, Result<Vec<OutboxBacklog>, sqlx::Error>> {
+            Box::pin(async move {
+                let rows = sqlx::query($dialect::BACKLOG).fetch_all(&mut *self).await?;
+                rows.iter().map(backlog_row).collect()
+            })
+        }
+    };
+}
+
 impl OutboxStore for PgConnection {
+    outbox_backlog_read!(postgres);
+
     fn enqueue_outbox<'c>(
         &'c mut self,
         row: &'c OutboxRow<'c>,
@@ -1007,28 +1060,16 @@ impl OutboxStore for PgConnection {
             Ok(done.rows_affected())
         })
     }
-
-    fn outbox_backlog(&mut self) -> BoxFuture<'_, Result<Vec<OutboxBacklog>, sqlx::Error>> {
-        Box::pin(async move {
-            let rows = sqlx::query(postgres::BACKLOG).fetch_all(&mut *self).await?;
-            rows.iter().map(backlog_row).collect()
-        })
-    }
 }
 
 impl OutboxAdminStore for PgConnection {
+    outbox_admin_reads!(postgres);
+
     fn outbox_installed(&mut self) -> BoxFuture<'_, Result<bool, sqlx::Error>> {
         Box::pin(async move {
             sqlx::query_scalar(postgres::INSTALLED)
                 .fetch_one(&mut *self)
                 .await
-        })
-    }
-
-    fn outbox_stats(&mut self) -> BoxFuture<'_, Result<Vec<OutboxStatsRow>, sqlx::Error>> {
-        Box::pin(async move {
-            let rows = sqlx::query(postgres::STATS).fetch_all(&mut *self).await?;
-            rows.iter().map(stats_row).collect()
         })
     }
 
@@ -1049,19 +1090,6 @@ impl OutboxAdminStore for PgConnection {
                 .fetch_all(&mut *self)
                 .await?;
             rows.iter().map(entry).collect()
-        })
-    }
-
-    fn fetch_outbox<'c>(
-        &'c mut self,
-        message_id: &'c str,
-    ) -> BoxFuture<'c, Result<Option<OutboxEntry>, sqlx::Error>> {
-        Box::pin(async move {
-            let row = sqlx::query(postgres::FETCH)
-                .bind(message_id)
-                .fetch_optional(&mut *self)
-                .await?;
-            row.as_ref().map(entry).transpose()
         })
     }
 
@@ -1110,22 +1138,11 @@ impl OutboxAdminStore for PgConnection {
             Ok(done.rows_affected())
         })
     }
-
-    fn outbox_purge_preview<'c>(
-        &'c mut self,
-        cutoff: &'c str,
-    ) -> BoxFuture<'c, Result<Vec<OutboxStatsRow>, sqlx::Error>> {
-        Box::pin(async move {
-            let rows = sqlx::query(postgres::PURGE_PREVIEW)
-                .bind(cutoff)
-                .fetch_all(&mut *self)
-                .await?;
-            rows.iter().map(stats_row).collect()
-        })
-    }
 }
 
 impl OutboxStore for SqliteConnection {
+    outbox_backlog_read!(sqlite);
+
     fn enqueue_outbox<'c>(
         &'c mut self,
         row: &'c OutboxRow<'c>,
@@ -1248,29 +1265,17 @@ impl OutboxStore for SqliteConnection {
             Ok(done.rows_affected())
         })
     }
-
-    fn outbox_backlog(&mut self) -> BoxFuture<'_, Result<Vec<OutboxBacklog>, sqlx::Error>> {
-        Box::pin(async move {
-            let rows = sqlx::query(sqlite::BACKLOG).fetch_all(&mut *self).await?;
-            rows.iter().map(backlog_row).collect()
-        })
-    }
 }
 
 impl OutboxAdminStore for SqliteConnection {
+    outbox_admin_reads!(sqlite);
+
     fn outbox_installed(&mut self) -> BoxFuture<'_, Result<bool, sqlx::Error>> {
         Box::pin(async move {
             let tables: i64 = sqlx::query_scalar(sqlite::INSTALLED)
                 .fetch_one(&mut *self)
                 .await?;
             Ok(tables > 0)
-        })
-    }
-
-    fn outbox_stats(&mut self) -> BoxFuture<'_, Result<Vec<OutboxStatsRow>, sqlx::Error>> {
-        Box::pin(async move {
-            let rows = sqlx::query(sqlite::STATS).fetch_all(&mut *self).await?;
-            rows.iter().map(stats_row).collect()
         })
     }
 
@@ -1291,19 +1296,6 @@ impl OutboxAdminStore for SqliteConnection {
                 .fetch_all(&mut *self)
                 .await?;
             rows.iter().map(entry).collect()
-        })
-    }
-
-    fn fetch_outbox<'c>(
-        &'c mut self,
-        message_id: &'c str,
-    ) -> BoxFuture<'c, Result<Option<OutboxEntry>, sqlx::Error>> {
-        Box::pin(async move {
-            let row = sqlx::query(sqlite::FETCH)
-                .bind(message_id)
-                .fetch_optional(&mut *self)
-                .await?;
-            row.as_ref().map(entry).transpose()
         })
     }
 
@@ -1353,19 +1345,6 @@ impl OutboxAdminStore for SqliteConnection {
                 .await?;
             tx.commit().await?;
             Ok(done.rows_affected())
-        })
-    }
-
-    fn outbox_purge_preview<'c>(
-        &'c mut self,
-        cutoff: &'c str,
-    ) -> BoxFuture<'c, Result<Vec<OutboxStatsRow>, sqlx::Error>> {
-        Box::pin(async move {
-            let rows = sqlx::query(sqlite::PURGE_PREVIEW)
-                .bind(cutoff)
-                .fetch_all(&mut *self)
-                .await?;
-            rows.iter().map(stats_row).collect()
         })
     }
 }
@@ -1776,6 +1755,8 @@ async fn mysql_mark_failed_once(
 /// [`mysql_lock_retries`](crate::mysql_lock_retries)); [`enqueue_outbox`](OutboxStore::enqueue_outbox)
 /// runs in the caller's transaction and returns them (transient: see [`crate::Classify`]).
 impl OutboxStore for MySqlConnection {
+    outbox_backlog_read!(mysql);
+
     fn enqueue_outbox<'c>(
         &'c mut self,
         row: &'c OutboxRow<'c>,
@@ -1867,29 +1848,17 @@ impl OutboxStore for MySqlConnection {
             Ok(done.rows_affected())
         })
     }
-
-    fn outbox_backlog(&mut self) -> BoxFuture<'_, Result<Vec<OutboxBacklog>, sqlx::Error>> {
-        Box::pin(async move {
-            let rows = sqlx::query(mysql::BACKLOG).fetch_all(&mut *self).await?;
-            rows.iter().map(backlog_row).collect()
-        })
-    }
 }
 
 impl OutboxAdminStore for MySqlConnection {
+    outbox_admin_reads!(mysql);
+
     fn outbox_installed(&mut self) -> BoxFuture<'_, Result<bool, sqlx::Error>> {
         Box::pin(async move {
             let tables: i64 = sqlx::query_scalar(mysql::INSTALLED)
                 .fetch_one(&mut *self)
                 .await?;
             Ok(tables > 0)
-        })
-    }
-
-    fn outbox_stats(&mut self) -> BoxFuture<'_, Result<Vec<OutboxStatsRow>, sqlx::Error>> {
-        Box::pin(async move {
-            let rows = sqlx::query(mysql::STATS).fetch_all(&mut *self).await?;
-            rows.iter().map(stats_row).collect()
         })
     }
 
@@ -1911,19 +1880,6 @@ impl OutboxAdminStore for MySqlConnection {
                 .fetch_all(&mut *self)
                 .await?;
             rows.iter().map(entry).collect()
-        })
-    }
-
-    fn fetch_outbox<'c>(
-        &'c mut self,
-        message_id: &'c str,
-    ) -> BoxFuture<'c, Result<Option<OutboxEntry>, sqlx::Error>> {
-        Box::pin(async move {
-            let row = sqlx::query(mysql::FETCH)
-                .bind(message_id)
-                .fetch_optional(&mut *self)
-                .await?;
-            row.as_ref().map(entry).transpose()
         })
     }
 
@@ -1978,19 +1934,6 @@ impl OutboxAdminStore for MySqlConnection {
                     .execute(&mut *self)
             )?;
             Ok(done.rows_affected())
-        })
-    }
-
-    fn outbox_purge_preview<'c>(
-        &'c mut self,
-        cutoff: &'c str,
-    ) -> BoxFuture<'c, Result<Vec<OutboxStatsRow>, sqlx::Error>> {
-        Box::pin(async move {
-            let rows = sqlx::query(mysql::PURGE_PREVIEW)
-                .bind(cutoff)
-                .fetch_all(&mut *self)
-                .await?;
-            rows.iter().map(stats_row).collect()
         })
     }
 }

@@ -215,6 +215,24 @@ where
     })
 }
 
+/// [`PositionStore::fetch_positions`] with the dialect's statement `$fetch` (binds: the group).
+macro_rules! fetch_positions_method {
+    ($fetch:expr) => {
+        fn fetch_positions<'c>(
+            &'c mut self,
+            group: &'c str,
+        ) -> BoxFuture<'c, Result<Vec<PositionRow>, sqlx::Error>> {
+            Box::pin(async move {
+                let rows = sqlx::query($fetch)
+                    .bind(group)
+                    .fetch_all(&mut *self)
+                    .await?;
+                rows.iter().map(position_row).collect()
+            })
+        }
+    };
+}
+
 macro_rules! impl_position_store {
     ($conn:ty, $dialect:ident) => {
         impl PositionStore for $conn {
@@ -257,15 +275,7 @@ macro_rules! impl_position_store {
                 })
             }
 
-            fn fetch_positions<'c>(
-                &'c mut self,
-                group: &'c str,
-            ) -> BoxFuture<'c, Result<Vec<PositionRow>, sqlx::Error>> {
-                Box::pin(async move {
-                    let rows = sqlx::query(FETCH).bind(group).fetch_all(&mut *self).await?;
-                    rows.iter().map(position_row).collect()
-                })
-            }
+            fetch_positions_method!(FETCH);
         }
     };
 }
@@ -336,16 +346,5 @@ impl PositionStore for MySqlConnection {
         })
     }
 
-    fn fetch_positions<'c>(
-        &'c mut self,
-        group: &'c str,
-    ) -> BoxFuture<'c, Result<Vec<PositionRow>, sqlx::Error>> {
-        Box::pin(async move {
-            let rows = sqlx::query(mysql::FETCH)
-                .bind(group)
-                .fetch_all(&mut *self)
-                .await?;
-            rows.iter().map(position_row).collect()
-        })
-    }
+    fetch_positions_method!(mysql::FETCH);
 }
