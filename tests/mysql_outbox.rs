@@ -69,6 +69,7 @@ async fn concurrent_writers_of_one_aggregate_are_published_in_write_order_exactl
     const ROWS: usize = 50;
     const AGGREGATES: usize = 4;
     let pool = outbox_pool(16).await;
+    let retries_before = inbox_runtime::mysql_lock_retries();
     // Per aggregate: the message ids in the order their transactions held its lock row
     // (recorded while the lock is held, after the publish, before the commit).
     let written: Arc<Mutex<BTreeMap<String, Vec<String>>>> = Arc::default();
@@ -132,6 +133,10 @@ async fn concurrent_writers_of_one_aggregate_are_published_in_write_order_exactl
         published += report.published;
     }
 
+    println!(
+        "ordering: InnoDB lock errors retried internally: {}",
+        inbox_runtime::mysql_lock_retries() - retries_before
+    );
     let committed = TASKS * ROWS - TASKS * (ROWS / 10);
     assert_eq!(rolled_back.len(), TASKS * (ROWS / 10));
     assert_eq!(published, committed as u64);
@@ -171,6 +176,19 @@ async fn concurrent_writers_of_one_aggregate_are_published_in_write_order_exactl
         i64::try_from(committed).unwrap(),
         "each committed write counted once on its aggregate's lock row (rollbacks undone)"
     );
+
+    // The retention purge deletes the sent rows, and forgets the aggregates' lock rows.
+    let purged = inbox_runtime::outbox::purge_sent(&pool, Duration::ZERO, 1000)
+        .await
+        .unwrap();
+    assert_eq!(purged, committed as u64);
+    let left: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT COUNT(*) FROM inbox_outbox), (SELECT COUNT(*) FROM inbox_outbox_aggregates)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(left, (0, 0));
 }
 
 /// Waits (at most a minute, a hang guard) until the store has retried `n` more lock errors

@@ -56,14 +56,18 @@
 //!   they read as committed. SERIALIZABLE (where plain reads lock) is not supported.
 //!
 //!   A deadlock (1213) or lock wait timeout (1205) in a statement the store runs on its own
-//!   (every [`OutboxStore`] and [`OutboxAdminStore`] method but the enqueue) is retried
-//!   internally, as the inbox's are, and counted in
-//!   [`mysql_lock_retries`](crate::mysql_lock_retries). The enqueue runs in the caller's
-//!   transaction: there they are returned (transient: see [`crate::Classify`]); a transaction
+//!   (every [`OutboxStore`] and [`OutboxAdminStore`] method, and the enqueue outside a
+//!   transaction) is retried internally, as the inbox's are, and counted in
+//!   [`mysql_lock_retries`](crate::mysql_lock_retries). In the caller's transaction the enqueue
+//!   returns them (transient: see [`crate::Classify`]); a transaction
 //!   that publishes to several aggregates takes their lock rows in the order it publishes, so
 //!   two that publish to the same aggregates in opposite orders can deadlock (and are retried
 //!   as a whole by the protocol). A duplicate message id fails only the insert (MySQL rolls back
-//!   the statement, not the transaction): the enqueue answers `Ok(false)`.
+//!   the statement, not the transaction): the enqueue answers `Ok(false)`. The retention purges
+//!   ([`OutboxStore::purge_outbox_sent`], [`OutboxAdminStore::purge_outbox_before`]) also delete
+//!   the lock rows of aggregates not written to since their cutoff (skipping those a writer
+//!   holds): a lock row only makes concurrent writers take turns, and the next writer of the
+//!   aggregate creates it again.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -1452,9 +1456,35 @@ mod mysql {
 
     /// The statement `head … WHERE id IN (?, …) tail` with `ids` placeholders.
     pub(super) fn by_ids(head: &str, ids: usize, tail: &str) -> sqlx::AssertSqlSafe<String> {
-        let marks = vec!["?"; ids].join(", ");
-        sqlx::AssertSqlSafe(format!("{head} WHERE id IN ({marks}){tail}"))
+        in_list(head, "id", ids, tail)
     }
+
+    /// The statement `head … WHERE column IN (?, …) tail` with `n` placeholders.
+    pub(super) fn in_list(
+        head: &str,
+        column: &str,
+        n: usize,
+        tail: &str,
+    ) -> sqlx::AssertSqlSafe<String> {
+        let marks = vec!["?"; n].join(", ");
+        sqlx::AssertSqlSafe(format!("{head} WHERE {column} IN ({marks}){tail}"))
+    }
+
+    /// Lock rows of aggregates not written since the cutoff (a window in seconds), at most
+    /// `?` of them, skipping those a writer holds.
+    pub(super) const STALE_AGGREGATES: &str = concat!(
+        "SELECT aggregate_hash FROM inbox_outbox_aggregates WHERE written_at < ",
+        window_start!(),
+        " ORDER BY written_at LIMIT ? FOR UPDATE SKIP LOCKED"
+    );
+
+    /// [`STALE_AGGREGATES`] with the cutoff as a time (text).
+    pub(super) const STALE_AGGREGATES_BEFORE: &str = "SELECT aggregate_hash \
+       FROM inbox_outbox_aggregates WHERE written_at < CAST(? AS DATETIME(6)) \
+       ORDER BY written_at LIMIT ? FOR UPDATE SKIP LOCKED";
+
+    /// Deletes the lock rows picked (`in_list` on `aggregate_hash`).
+    pub(super) const FORGET_AGGREGATES: &str = "DELETE FROM inbox_outbox_aggregates";
 
     /// Locks the abandoned orphans among the ids (`by_ids`), skipping rows another transaction
     /// holds. Binds (after the ids): the maximum attempts.
@@ -1615,6 +1645,17 @@ async fn mysql_enqueue(
     }
 }
 
+/// [`mysql_enqueue`] in a transaction of its own.
+async fn mysql_enqueue_alone(
+    conn: &mut MySqlConnection,
+    row: &OutboxRow<'_>,
+) -> Result<bool, sqlx::Error> {
+    let mut tx = conn.begin().await?;
+    let written = mysql_enqueue(&mut tx, row).await?;
+    tx.commit().await?;
+    Ok(written)
+}
+
 /// Locks the rows among `candidates` that `lock` (`(head, tail)` around the ids) still
 /// selects, skipping rows another transaction holds; `binds` follow the ids.
 async fn mysql_lock_ids(
@@ -1720,6 +1761,36 @@ async fn mysql_lease_once(
     Ok(lease)
 }
 
+/// Deletes at most `batch` lock rows of aggregates not written since the cutoff (`pick`, bound
+/// with `cutoff`): `inbox_outbox_aggregates` would otherwise keep a row for every aggregate
+/// ever published. Safe at any time: a lock row only makes concurrent writers of its aggregate
+/// take turns, and the next writer creates it again (rows a writer holds are skipped).
+async fn mysql_forget_aggregates_once<T>(
+    conn: &mut MySqlConnection,
+    pick: &'static str,
+    cutoff: T,
+    batch: i64,
+) -> Result<(), sqlx::Error>
+where
+    T: for<'q> sqlx::Encode<'q, MySql> + sqlx::Type<MySql> + Send + Copy,
+{
+    let mut tx = conn.begin().await?;
+    let stale: Vec<Vec<u8>> = sqlx::query_scalar(pick)
+        .bind(cutoff)
+        .bind(batch)
+        .fetch_all(&mut *tx)
+        .await?;
+    if !stale.is_empty() {
+        let sql = mysql::in_list(mysql::FORGET_AGGREGATES, "aggregate_hash", stale.len(), "");
+        let mut query = sqlx::query(sql);
+        for hash in &stale {
+            query = query.bind(hash.as_slice());
+        }
+        query.execute(&mut *tx).await?;
+    }
+    tx.commit().await
+}
+
 /// A failed publish in a transaction of its own: the update, then the status it set.
 async fn mysql_mark_failed_once(
     conn: &mut MySqlConnection,
@@ -1768,11 +1839,8 @@ impl OutboxStore for MySqlConnection {
                 return mysql_enqueue(self, row).await;
             }
             // Outside a transaction: one of our own, so that the aggregate stays locked until
-            // the row is committed.
-            let mut tx = self.begin().await?;
-            let written = mysql_enqueue(&mut tx, row).await?;
-            tx.commit().await?;
-            Ok(written)
+            // the row is committed (retried on lock errors, nothing of the caller's being in it).
+            retry_lock_errors!(self, "enqueue_outbox", mysql_enqueue_alone(self, row))
         })
     }
 
@@ -1844,6 +1912,11 @@ impl OutboxStore for MySqlConnection {
                     .bind(older_than_secs)
                     .bind(batch)
                     .execute(&mut *self)
+            )?;
+            retry_lock_errors!(
+                self,
+                "forget_aggregates",
+                mysql_forget_aggregates_once(self, mysql::STALE_AGGREGATES, older_than_secs, batch)
             )?;
             Ok(done.rows_affected())
         })
@@ -1932,6 +2005,11 @@ impl OutboxAdminStore for MySqlConnection {
                     .bind(cutoff)
                     .bind(batch)
                     .execute(&mut *self)
+            )?;
+            retry_lock_errors!(
+                self,
+                "forget_aggregates",
+                mysql_forget_aggregates_once(self, mysql::STALE_AGGREGATES_BEFORE, cutoff, batch)
             )?;
             Ok(done.rows_affected())
         })

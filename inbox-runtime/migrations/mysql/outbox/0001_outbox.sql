@@ -49,5 +49,8 @@ CREATE TABLE IF NOT EXISTS inbox_outbox_aggregates (
     -- How many rows of the aggregate were written (every write updates the row, which is what
     -- takes its lock), and when the last one was.
     rows_written   BIGINT      NOT NULL DEFAULT 1,
-    written_at     DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6))
+    written_at     DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
+    -- The retention purge forgets lock rows not written to for the window (safe at any time:
+    -- the next writer of the aggregate creates its row again).
+    KEY inbox_outbox_aggregates_written_at (written_at)
 ) ENGINE = InnoDB;
