@@ -168,7 +168,6 @@ impl Running {
 }
 
 inbox_tests::backend_matrix! {
-    not_on_mysql = "Kafka positions are not on MySQL yet (issue 16 leaves them for later)";
     connections(postgres = 16, sqlite = 4);
 
     use inbox_runtime::{PositionRow, PositionStore as _};
@@ -182,7 +181,7 @@ inbox_tests::backend_matrix! {
             .bind(msg.amount)
             .execute(&mut *conn)
             .await?;
-        sqlx::query("INSERT INTO kafka_seen (part, seq) VALUES ($1, $2)")
+        sqlx::query(sql("INSERT INTO kafka_seen (part, seq) VALUES ($1, $2)"))
             .bind(msg.part)
             .bind(msg.seq)
             .execute(&mut *conn)
@@ -195,10 +194,10 @@ inbox_tests::backend_matrix! {
         inbox_runtime::migrate_components(&pool, &[Component::Positions])
             .await
             .unwrap();
-        let seen = if BACKEND == Backend::Postgres {
-            "CREATE TABLE kafka_seen (id BIGSERIAL PRIMARY KEY, part INT NOT NULL, seq BIGINT NOT NULL)"
-        } else {
-            "CREATE TABLE kafka_seen (id INTEGER PRIMARY KEY AUTOINCREMENT, part INT NOT NULL, seq BIGINT NOT NULL)"
+        let seen = match BACKEND {
+            Backend::Postgres => "CREATE TABLE kafka_seen (id BIGSERIAL PRIMARY KEY, part INT NOT NULL, seq BIGINT NOT NULL)",
+            Backend::MySql => "CREATE TABLE kafka_seen (id BIGINT AUTO_INCREMENT PRIMARY KEY, part INT NOT NULL, seq BIGINT NOT NULL)",
+            _ => "CREATE TABLE kafka_seen (id INTEGER PRIMARY KEY AUTOINCREMENT, part INT NOT NULL, seq BIGINT NOT NULL)",
         };
         sqlx::raw_sql(seen).execute(&pool).await.unwrap();
         (pool, guard)
@@ -399,7 +398,8 @@ inbox_tests::backend_matrix! {
             &[rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_MEMBER_ID; 3],
         );
         let (b, b_handle) = start(&pool, config(&bootstrap, "g-zombie", "zombie"), 4).await;
-        if BACKEND == Backend::Postgres {
+        // PostgreSQL and MySQL lock rows: B's assignment does not wait for A.
+        if BACKEND != Backend::Sqlite {
             wait_until("B holds the partition at epoch 2", Duration::from_secs(120), || async {
                 b_handle.assignment() == [("zombie".to_owned(), 0, 2)]
             })
@@ -418,7 +418,7 @@ inbox_tests::backend_matrix! {
         wait_until("B applies all three", Duration::from_secs(120), || async { effect_count(&pool).await == 3 }).await;
         let b_report = b.stop().await;
         let a_report = a.stop().await;
-        if BACKEND == Backend::Postgres {
+        if BACKEND != Backend::Sqlite {
             assert_eq!((a_report.fenced, a_report.processed, a_report.acked), (1, 0, 0), "A's z-0 was fenced, not acked");
             assert_eq!((b_report.processed, b_report.fenced), (3, 0));
         } else {

@@ -190,7 +190,6 @@ async fn next_batch(
 }
 
 inbox_tests::backend_matrix! {
-    not_on_mysql = "the outbox is not on MySQL yet (issue 16 leaves it for later)";
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use clap::Parser as _;
@@ -272,6 +271,9 @@ inbox_tests::backend_matrix! {
                  created_at = TIMESTAMPTZ '2026-01-02 03:04:05+00', \
                  sent_at = CASE WHEN sent_at IS NULL THEN NULL \
                    ELSE TIMESTAMPTZ '2026-01-02 03:04:05+00' END \
+                 WHERE message_id NOT LIKE 'recent-%'",
+            Backend::MySql => "UPDATE inbox_outbox SET created_at = '2026-01-02 03:04:05', \
+                 sent_at = CASE WHEN sent_at IS NULL THEN NULL ELSE '2026-01-02 03:04:05' END \
                  WHERE message_id NOT LIKE 'recent-%'",
             _ => "UPDATE inbox_outbox SET created_at = '2026-01-02T03:04:05.000Z', \
                  sent_at = CASE WHEN sent_at IS NULL THEN NULL \

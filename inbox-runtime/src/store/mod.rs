@@ -23,6 +23,7 @@ use crate::status::Status;
 
 #[macro_use]
 mod shared;
+#[macro_use]
 mod mysql;
 mod outbox;
 mod positions;
@@ -395,7 +396,9 @@ pub enum Component {
     /// [`MIGRATIONS_TABLE`] (`_inbox_migrations`).
     Inbox,
     /// The transactional outbox: `inbox_outbox` (see [`crate::outbox`]); versions recorded in
-    /// [`OUTBOX_MIGRATIONS_TABLE`] (`_inbox_outbox_migrations`). PostgreSQL 13 or newer.
+    /// [`OUTBOX_MIGRATIONS_TABLE`] (`_inbox_outbox_migrations`). PostgreSQL 13 or newer; MySQL
+    /// 8.0.16 or newer, MariaDB 10.6 or newer (for `FOR UPDATE SKIP LOCKED`), where it adds
+    /// `inbox_outbox_aggregates`, the per-aggregate lock rows of its ordering.
     Outbox,
     /// Broker positions: `inbox_positions`, a consumer group's next offset per topic partition
     /// with its fencing epoch (see [`PositionStore`]; the Kafka source keeps its offsets

@@ -44,7 +44,9 @@
 //! [`mysql_lock_retries`] and the metric `inbox_store_lock_retries_total`; the caller never
 //! sees them. (Inside a transaction of the caller's, where the claim is not the first
 //! statement, the error is returned instead: classified transient, see [`crate::Classify`].)
-//! The autocommit statements (failure records, batch claims, purges) are retried the same way.
+//! The autocommit statements (failure records, batch claims, purges) are retried the same way,
+//! and so are the outbox's and the broker positions' statements that run on their own (see
+//! the `outbox` and `positions` stores, whose MySQL dialects live beside the other backends').
 
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 
@@ -61,12 +63,12 @@ use crate::BoxFuture;
 use crate::status::Status;
 
 /// How often a statement that hit a deadlock or a lock wait timeout is tried in all.
-const LOCK_ATTEMPTS: u32 = 30;
+pub(super) const LOCK_ATTEMPTS: u32 = 30;
 
 static LOCK_RETRIES: AtomicU64 = AtomicU64::new(0);
 
 /// How many times, in this process, a MySQL/MariaDB statement of the store (a claim, a failure
-/// record, a batch claim, a purge) hit InnoDB's deadlock (1213) or lock wait timeout (1205) and
+/// record, a batch claim, a purge, an outbox lease or mark, a position assignment) hit InnoDB's deadlock (1213) or lock wait timeout (1205) and
 /// was retried internally. Also counted by the metric `inbox_store_lock_retries_total`
 /// (labels `backend = "mysql"` and `error = "deadlock" | "lock_wait_timeout"`).
 ///
@@ -105,7 +107,7 @@ fn lock_error(error: &sqlx::Error) -> Option<&'static str> {
 }
 
 /// Counts one internal retry and waits a short, jittered, growing time before it.
-async fn lock_retry_pause(label: &'static str, attempt: u32, operation: &'static str) {
+pub(super) async fn lock_retry_pause(label: &'static str, attempt: u32, operation: &'static str) {
     LOCK_RETRIES.fetch_add(1, AtomicOrdering::Relaxed);
     metrics::counter!("inbox_store_lock_retries_total", "backend" => "mysql", "error" => label)
         .increment(1);
@@ -120,10 +122,38 @@ async fn lock_retry_pause(label: &'static str, attempt: u32, operation: &'static
     tokio::time::sleep(std::time::Duration::from_millis(base / 2 + jitter)).await;
 }
 
+/// Runs `$once` (a future on `$conn`, built anew for each attempt) and retries it on a deadlock
+/// (1213) or a lock wait timeout (1205), counted as [`lock_retry_pause`] counts, up to
+/// [`LOCK_ATTEMPTS`] attempts in all: for operations that run in autocommit or in a
+/// transaction of their own that a failed attempt has already ended (`$conn` back at depth 0),
+/// so that nothing of the caller's is lost. Any other error, or the last lock error, is the
+/// result. `$operation` names the operation in the log.
+macro_rules! retry_lock_errors {
+    ($conn:expr, $operation:literal, $once:expr) => {{
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match $once.await {
+                Ok(done) => break Ok(done),
+                Err(error) => match super::mysql::retryable(&*$conn, 0, &error) {
+                    Some(label) if attempt < super::mysql::LOCK_ATTEMPTS => {
+                        super::mysql::lock_retry_pause(label, attempt, $operation).await;
+                    }
+                    _ => break Err(error),
+                },
+            }
+        }
+    }};
+}
+
 /// Whether a failed statement on `conn` may be retried internally: a lock error, and the
 /// statement is the first of a transaction of ours (depth `depth`, 1 for a claim's own
 /// transaction, 0 for autocommit), so that nothing of the caller's was rolled back with it.
-fn retryable(conn: &MySqlConnection, depth: usize, error: &sqlx::Error) -> Option<&'static str> {
+pub(super) fn retryable(
+    conn: &MySqlConnection,
+    depth: usize,
+    error: &sqlx::Error,
+) -> Option<&'static str> {
     let label = lock_error(error)?;
     (<MySql as sqlx::Database>::TransactionManager::get_transaction_depth(conn) == depth)
         .then_some(label)
@@ -435,11 +465,11 @@ const INBOX_MIGRATIONS: &[(i64, &str, &str)] = &[(
 impl InboxDatabase for MySql {
     const BACKEND: Backend = Backend::MySql;
 
-    /// The inbox only, so far: the outbox and broker positions are not on MySQL yet.
     fn migrations(component: Component) -> &'static [(i64, &'static str, &'static str)] {
         match component {
             Component::Inbox => INBOX_MIGRATIONS,
-            Component::Outbox | Component::Positions => &[],
+            Component::Outbox => super::outbox::MYSQL_MIGRATIONS,
+            Component::Positions => super::positions::MYSQL_MIGRATIONS,
         }
     }
 }
@@ -722,19 +752,7 @@ impl ClaimStore for MySqlConnection {
         record: &'c FailureRecord<'c>,
     ) -> BoxFuture<'c, Result<Option<(Status, u32)>, sqlx::Error>> {
         Box::pin(async move {
-            let mut attempt = 0;
-            loop {
-                attempt += 1;
-                match record_failure_once(self, record).await {
-                    Ok(found) => return Ok(found),
-                    Err(error) => match retryable(self, 0, &error) {
-                        Some(label) if attempt < LOCK_ATTEMPTS => {
-                            lock_retry_pause(label, attempt, "record_failure").await;
-                        }
-                        _ => return Err(error),
-                    },
-                }
-            }
+            retry_lock_errors!(self, "record_failure", record_failure_once(self, record))
         })
     }
 
@@ -1035,27 +1053,18 @@ impl AdminStore for MySqlConnection {
     ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
         Box::pin(async move {
             let status = |i: usize| statuses.get(i).map(|s| s.as_str());
-            let mut attempt = 0;
-            loop {
-                attempt += 1;
-                let done = sqlx::query(sql::PURGE)
+            let done = retry_lock_errors!(
+                self,
+                "purge",
+                sqlx::query(sql::PURGE)
                     .bind(status(0))
                     .bind(status(1))
                     .bind(status(2))
                     .bind(older_than_secs)
                     .bind(batch)
                     .execute(&mut *self)
-                    .await;
-                match done {
-                    Ok(done) => return Ok(done.rows_affected()),
-                    Err(error) => match retryable(self, 0, &error) {
-                        Some(label) if attempt < LOCK_ATTEMPTS => {
-                            lock_retry_pause(label, attempt, "purge").await;
-                        }
-                        _ => return Err(error),
-                    },
-                }
-            }
+            )?;
+            Ok(done.rows_affected())
         })
     }
 
@@ -1065,24 +1074,15 @@ impl AdminStore for MySqlConnection {
         batch: i64,
     ) -> BoxFuture<'_, Result<u64, sqlx::Error>> {
         Box::pin(async move {
-            let mut attempt = 0;
-            loop {
-                attempt += 1;
-                let done = sqlx::query(sql::PURGE_REJECTIONS)
+            let done = retry_lock_errors!(
+                self,
+                "purge_rejections",
+                sqlx::query(sql::PURGE_REJECTIONS)
                     .bind(older_than_secs)
                     .bind(batch)
                     .execute(&mut *self)
-                    .await;
-                match done {
-                    Ok(done) => return Ok(done.rows_affected()),
-                    Err(error) => match retryable(self, 0, &error) {
-                        Some(label) if attempt < LOCK_ATTEMPTS => {
-                            lock_retry_pause(label, attempt, "purge_rejections").await;
-                        }
-                        _ => return Err(error),
-                    },
-                }
-            }
+            )?;
+            Ok(done.rows_affected())
         })
     }
 
@@ -1244,163 +1244,3 @@ impl OrderingStore for MySqlConnection {
         })
     }
 }
-
-/// The error of every outbox operation on MySQL: the outbox is not on this backend yet.
-fn no_outbox() -> sqlx::Error {
-    sqlx::Error::Configuration(
-        "the transactional outbox is not available on MySQL/MariaDB yet".into(),
-    )
-}
-
-/// Not on MySQL yet: every method fails with a configuration error (the outbox's migrations are
-/// empty on this backend, so nothing can have been enqueued).
-impl super::OutboxStore for MySqlConnection {
-    fn enqueue_outbox<'c>(
-        &'c mut self,
-        _row: &'c super::OutboxRow<'c>,
-        _notify: bool,
-    ) -> BoxFuture<'c, Result<bool, sqlx::Error>> {
-        Box::pin(async { Err(no_outbox()) })
-    }
-
-    fn lease_outbox<'c>(
-        &'c mut self,
-        _limit: i64,
-        _lease_ms: i64,
-        _max_attempts: u32,
-        _abandoned_error: &'c str,
-    ) -> BoxFuture<'c, Result<super::Lease, sqlx::Error>> {
-        Box::pin(async { Err(no_outbox()) })
-    }
-
-    fn mark_outbox_sent<'c>(
-        &'c mut self,
-        _ids: &'c [i64],
-    ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
-        Box::pin(async { Err(no_outbox()) })
-    }
-
-    fn mark_outbox_failed<'c>(
-        &'c mut self,
-        _id: i64,
-        _error: &'c str,
-        _permanent: bool,
-        _max_attempts: u32,
-        _retry_in_ms: i64,
-    ) -> BoxFuture<'c, Result<Option<super::OutboxStatus>, sqlx::Error>> {
-        Box::pin(async { Err(no_outbox()) })
-    }
-
-    fn purge_outbox_sent(
-        &mut self,
-        _older_than_secs: f64,
-        _batch: i64,
-    ) -> BoxFuture<'_, Result<u64, sqlx::Error>> {
-        Box::pin(async { Err(no_outbox()) })
-    }
-
-    fn outbox_backlog(&mut self) -> BoxFuture<'_, Result<Vec<super::OutboxBacklog>, sqlx::Error>> {
-        Box::pin(async { Err(no_outbox()) })
-    }
-}
-
-/// Not on MySQL yet: [`outbox_installed`](super::OutboxAdminStore::outbox_installed) is `false`
-/// (so that the shared purge and the CLI skip the outbox), every other method fails with a
-/// configuration error.
-impl super::OutboxAdminStore for MySqlConnection {
-    fn outbox_installed(&mut self) -> BoxFuture<'_, Result<bool, sqlx::Error>> {
-        Box::pin(async { Ok(false) })
-    }
-
-    fn outbox_stats(&mut self) -> BoxFuture<'_, Result<Vec<super::OutboxStatsRow>, sqlx::Error>> {
-        Box::pin(async { Err(no_outbox()) })
-    }
-
-    fn list_outbox<'c>(
-        &'c mut self,
-        _statuses: &'c [super::OutboxStatus],
-        _destination: Option<&'c str>,
-        _limit: i64,
-    ) -> BoxFuture<'c, Result<Vec<super::OutboxEntry>, sqlx::Error>> {
-        Box::pin(async { Err(no_outbox()) })
-    }
-
-    fn fetch_outbox<'c>(
-        &'c mut self,
-        _message_id: &'c str,
-    ) -> BoxFuture<'c, Result<Option<super::OutboxEntry>, sqlx::Error>> {
-        Box::pin(async { Err(no_outbox()) })
-    }
-
-    fn retry_outbox<'c>(
-        &'c mut self,
-        _message_id: Option<&'c str>,
-        _destination: Option<&'c str>,
-    ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
-        Box::pin(async { Err(no_outbox()) })
-    }
-
-    fn discard_outbox<'c>(
-        &'c mut self,
-        _message_id: &'c str,
-    ) -> BoxFuture<'c, Result<bool, sqlx::Error>> {
-        Box::pin(async { Err(no_outbox()) })
-    }
-
-    fn purge_outbox_before<'c>(
-        &'c mut self,
-        _cutoff: &'c str,
-        _batch: i64,
-    ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
-        Box::pin(async { Err(no_outbox()) })
-    }
-
-    fn outbox_purge_preview<'c>(
-        &'c mut self,
-        _cutoff: &'c str,
-    ) -> BoxFuture<'c, Result<Vec<super::OutboxStatsRow>, sqlx::Error>> {
-        Box::pin(async { Err(no_outbox()) })
-    }
-}
-
-/// No wake-ups on MySQL (nor an outbox yet: see [`super::OutboxStore`]).
-impl super::OutboxDatabase for MySql {
-    async fn wakeups(_pool: &sqlx::Pool<Self>) -> Option<super::Wakeups> {
-        None
-    }
-}
-
-/// Not on MySQL yet: every method fails with a configuration error (the positions' migrations
-/// are empty on this backend), so the Kafka source refuses a MySQL database at its start.
-impl super::PositionStore for MySqlConnection {
-    fn acquire_position<'c>(
-        &'c mut self,
-        _key: &'c super::PositionKey<'c>,
-        _owner: &'c str,
-    ) -> BoxFuture<'c, Result<super::Acquired, sqlx::Error>> {
-        Box::pin(async { Err(no_positions()) })
-    }
-
-    fn advance_position<'c>(
-        &'c mut self,
-        _key: &'c super::PositionKey<'c>,
-        _epoch: i64,
-        _next_offset: i64,
-    ) -> BoxFuture<'c, Result<bool, sqlx::Error>> {
-        Box::pin(async { Err(no_positions()) })
-    }
-
-    fn fetch_positions<'c>(
-        &'c mut self,
-        _group: &'c str,
-    ) -> BoxFuture<'c, Result<Vec<super::PositionRow>, sqlx::Error>> {
-        Box::pin(async { Err(no_positions()) })
-    }
-}
-
-/// The error of every broker-position operation on MySQL: not on this backend yet.
-fn no_positions() -> sqlx::Error {
-    sqlx::Error::Configuration("broker positions are not available on MySQL/MariaDB yet".into())
-}
-
-impl super::PositionsDatabase for MySql {}

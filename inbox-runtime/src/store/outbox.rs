@@ -13,11 +13,70 @@
 //! * **SQLite**: one writer at a time. A row's id is allocated inside its writing transaction,
 //!   which holds the write lock until it commits, so transactions commit in id order and every
 //!   committed row is eligible.
+//! * **MySQL/MariaDB** (InnoDB): neither a transaction horizon nor one writer. AUTO_INCREMENT ids
+//!   are allocated at insert and transactions commit out of id order, so the rule is per
+//!   aggregate, and rests on the writers:
+//!   1. *Writers of one aggregate take turns.* [`OutboxStore::enqueue_outbox`] first upserts the
+//!      aggregate's row in `inbox_outbox_aggregates` (`INSERT … ON DUPLICATE KEY UPDATE`, keyed
+//!      by the SHA-256 of the aggregate id), which locks it until the writing transaction ends,
+//!      and only then inserts the outbox row (allocating its id). A second writer of the
+//!      aggregate waits on the lock row until the first commits or rolls back, and allocates its
+//!      ids after that. So whenever a row of an aggregate exists (committed or not), every
+//!      lower-id row of the aggregate is final: committed, or rolled back and gone; and an
+//!      aggregate's ids follow the order its writers took the lock. (Outside a transaction the
+//!      two statements run in one of the store's own.) Rows without an aggregate take no lock
+//!      row and promise no order among themselves: each is eligible once it is committed.
+//!   2. *The relay decides from one snapshot, then locks by primary key.* The lease runs in a
+//!      transaction of its own: consistent (non-locking) reads pick the candidates: `pending`,
+//!      due, not under a running lease, and without an earlier `pending` or `dead` row of the
+//!      aggregate, all as of one snapshot (REPEATABLE READ: the transaction's, taken at its
+//!      first read; READ COMMITTED: each statement's). A candidate visible in the snapshot was
+//!      committed before it, so by 1. every earlier row of its aggregate is in the snapshot in
+//!      a final state: the per-aggregate check cannot miss a row still being written. Then
+//!      `SELECT … WHERE id IN (…) … FOR UPDATE SKIP LOCKED` locks the candidates that are still
+//!      leasable at their latest committed version (a row another relay is leasing or marking is
+//!      skipped, one it leased meanwhile fails the re-check), and an `UPDATE … WHERE id IN (…)`
+//!      leases them. Rows are chosen by status, never by an "id > last seen" cursor, so a row
+//!      committed late is found by the next lease.
+//!
+//!   Locks, under REPEATABLE READ (InnoDB's default) and READ COMMITTED alike: the writer's
+//!   upsert takes an exclusive lock on the aggregate's lock-row record (a new row: an
+//!   insert-intention lock on its gap, then the record; an existing one: the duplicate check's
+//!   exclusive next-key lock, gap locks included even in READ COMMITTED), held until the writer
+//!   ends; the outbox insert takes insert-intention locks and the new row's record lock (and a
+//!   shared lock on the existing entry when the message id is a duplicate). The relay's
+//!   consistent reads take no locks; its `FOR UPDATE SKIP LOCKED`, `UPDATE`s, marks, retries
+//!   and discards look rows up by primary key or by message id (a unique index): record locks
+//!   on the rows they name (REPEATABLE READ adds a gap lock only where a named row no longer
+//!   exists). The purges delete `sent` rows through the `(status, sent_at)` index: next-key
+//!   locks on that range under REPEATABLE READ (so a change-data-capture insert, written `sent`,
+//!   may wait for a purge, or a purge for it), record locks under READ COMMITTED. Apart from
+//!   that, no relay statement waits for a writer nor a writer for a relay: writers lock only
+//!   their own new rows and the lock rows, which relays never touch, and relays lock only rows
+//!   they read as committed. SERIALIZABLE (where plain reads lock) is not supported.
+//!
+//!   A deadlock (1213) or lock wait timeout (1205) in a statement the store runs on its own
+//!   (every [`OutboxStore`] and [`OutboxAdminStore`] method, and the enqueue outside a
+//!   transaction) is retried internally, as the inbox's are, and counted in
+//!   [`mysql_lock_retries`](crate::mysql_lock_retries). In the caller's transaction the enqueue
+//!   returns them (transient: see [`crate::Classify`]); a transaction
+//!   that publishes to several aggregates takes their lock rows in the order it publishes, so
+//!   two that publish to the same aggregates in opposite orders can deadlock (and are retried
+//!   as a whole by the protocol). A duplicate message id fails only the insert (MySQL rolls back
+//!   the statement, not the transaction): the enqueue answers `Ok(false)`. The retention purges
+//!   ([`OutboxStore::purge_outbox_sent`], [`OutboxAdminStore::purge_outbox_before`]) also delete
+//!   the lock rows of aggregates not written to since their cutoff (skipping those a writer
+//!   holds): a lock row only makes concurrent writers take turns, and the next writer of the
+//!   aggregate creates it again.
 
 use std::future::Future;
 use std::pin::Pin;
 
-use sqlx::{Connection as _, PgConnection, Pool, Postgres, Row as _, Sqlite, SqliteConnection};
+use sqlx::{
+    Connection as _, MySql, MySqlConnection, PgConnection, Pool, Postgres, Row as _, Sqlite,
+    SqliteConnection,
+};
+use sqlx_core::transaction::TransactionManager as _;
 
 use super::InboxDatabase;
 use crate::BoxFuture;
@@ -174,8 +233,8 @@ impl std::fmt::Display for OutboxStatus {
     }
 }
 
-/// The outbox's statements on one connection. Implemented for `sqlx::PgConnection` and
-/// `sqlx::SqliteConnection`; see [`ClaimStore`](super::ClaimStore) for implementing a backend of
+/// The outbox's statements on one connection. Implemented for `sqlx::PgConnection`,
+/// `sqlx::SqliteConnection` and `sqlx::MySqlConnection`; see [`ClaimStore`](super::ClaimStore) for implementing a backend of
 /// your own. Every method but [`enqueue_outbox`](Self::enqueue_outbox) manages its own short
 /// transaction (call them outside one).
 pub trait OutboxStore: Send {
@@ -247,7 +306,7 @@ pub trait OutboxStore: Send {
 }
 
 /// One outbox row as operators see it ([`OutboxAdminStore`]): every column, times in the
-/// database's text form (UTC on SQLite; the session's time zone on PostgreSQL:
+/// database's text form (UTC on SQLite and MySQL; the session's time zone on PostgreSQL:
 /// [`crate::admin::utc_time`] shows either in UTC).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -270,7 +329,7 @@ pub struct OutboxEntry {
     /// The aggregate, if any.
     pub aggregate_id: Option<String>,
     /// PostgreSQL: the id of the transaction that wrote the row (`xid8`, as text); `None` on
-    /// SQLite.
+    /// SQLite and MySQL.
     pub txid: Option<String>,
     /// When the row was written (PostgreSQL: when its transaction began).
     pub created_at: String,
@@ -306,7 +365,8 @@ pub struct OutboxStatsRow {
 }
 
 /// Operators' reads and writes on the outbox: statistics, listing, inspection, retry, discard,
-/// the retention purge. Implemented for `sqlx::PgConnection` and `sqlx::SqliteConnection`; each
+/// the retention purge. Implemented for `sqlx::PgConnection`, `sqlx::SqliteConnection` and
+/// `sqlx::MySqlConnection`; each
 /// method runs its own short statement (call them outside a transaction). Every method but
 /// [`outbox_installed`](Self::outbox_installed) fails with the database's "no such table" error
 /// when the outbox component is not migrated.
@@ -850,7 +910,60 @@ fn sorted(mut records: Vec<OutboxRecord>) -> Vec<OutboxRecord> {
     records
 }
 
+/// The [`OutboxAdminStore`] reads whose Rust is the same on every backend: one statement of
+/// the dialect module `$dialect` each, outside any transaction.
+macro_rules! outbox_admin_reads {
+    ($dialect:ident) => {
+        fn outbox_stats(&mut self) -> BoxFuture<'_, Result<Vec<OutboxStatsRow>, sqlx::Error>> {
+            Box::pin(async move {
+                let rows = sqlx::query($dialect::STATS).fetch_all(&mut *self).await?;
+                rows.iter().map(stats_row).collect()
+            })
+        }
+
+        fn fetch_outbox<'c>(
+            &'c mut self,
+            message_id: &'c str,
+        ) -> BoxFuture<'c, Result<Option<OutboxEntry>, sqlx::Error>> {
+            Box::pin(async move {
+                let row = sqlx::query($dialect::FETCH)
+                    .bind(message_id)
+                    .fetch_optional(&mut *self)
+                    .await?;
+                row.as_ref().map(entry).transpose()
+            })
+        }
+
+        fn outbox_purge_preview<'c>(
+            &'c mut self,
+            cutoff: &'c str,
+        ) -> BoxFuture<'c, Result<Vec<OutboxStatsRow>, sqlx::Error>> {
+            Box::pin(async move {
+                let rows = sqlx::query($dialect::PURGE_PREVIEW)
+                    .bind(cutoff)
+                    .fetch_all(&mut *self)
+                    .await?;
+                rows.iter().map(stats_row).collect()
+            })
+        }
+    };
+}
+
+/// [`OutboxStore::outbox_backlog`], the same on every backend but for the dialect's statement.
+macro_rules! outbox_backlog_read {
+    ($dialect:ident) => {
+        fn outbox_backlog(&mut self) -> BoxFuture<'_, Result<Vec<OutboxBacklog>, sqlx::Error>> {
+            Box::pin(async move {
+                let rows = sqlx::query($dialect::BACKLOG).fetch_all(&mut *self).await?;
+                rows.iter().map(backlog_row).collect()
+            })
+        }
+    };
+}
+
 impl OutboxStore for PgConnection {
+    outbox_backlog_read!(postgres);
+
     fn enqueue_outbox<'c>(
         &'c mut self,
         row: &'c OutboxRow<'c>,
@@ -951,28 +1064,16 @@ impl OutboxStore for PgConnection {
             Ok(done.rows_affected())
         })
     }
-
-    fn outbox_backlog(&mut self) -> BoxFuture<'_, Result<Vec<OutboxBacklog>, sqlx::Error>> {
-        Box::pin(async move {
-            let rows = sqlx::query(postgres::BACKLOG).fetch_all(&mut *self).await?;
-            rows.iter().map(backlog_row).collect()
-        })
-    }
 }
 
 impl OutboxAdminStore for PgConnection {
+    outbox_admin_reads!(postgres);
+
     fn outbox_installed(&mut self) -> BoxFuture<'_, Result<bool, sqlx::Error>> {
         Box::pin(async move {
             sqlx::query_scalar(postgres::INSTALLED)
                 .fetch_one(&mut *self)
                 .await
-        })
-    }
-
-    fn outbox_stats(&mut self) -> BoxFuture<'_, Result<Vec<OutboxStatsRow>, sqlx::Error>> {
-        Box::pin(async move {
-            let rows = sqlx::query(postgres::STATS).fetch_all(&mut *self).await?;
-            rows.iter().map(stats_row).collect()
         })
     }
 
@@ -993,19 +1094,6 @@ impl OutboxAdminStore for PgConnection {
                 .fetch_all(&mut *self)
                 .await?;
             rows.iter().map(entry).collect()
-        })
-    }
-
-    fn fetch_outbox<'c>(
-        &'c mut self,
-        message_id: &'c str,
-    ) -> BoxFuture<'c, Result<Option<OutboxEntry>, sqlx::Error>> {
-        Box::pin(async move {
-            let row = sqlx::query(postgres::FETCH)
-                .bind(message_id)
-                .fetch_optional(&mut *self)
-                .await?;
-            row.as_ref().map(entry).transpose()
         })
     }
 
@@ -1054,22 +1142,11 @@ impl OutboxAdminStore for PgConnection {
             Ok(done.rows_affected())
         })
     }
-
-    fn outbox_purge_preview<'c>(
-        &'c mut self,
-        cutoff: &'c str,
-    ) -> BoxFuture<'c, Result<Vec<OutboxStatsRow>, sqlx::Error>> {
-        Box::pin(async move {
-            let rows = sqlx::query(postgres::PURGE_PREVIEW)
-                .bind(cutoff)
-                .fetch_all(&mut *self)
-                .await?;
-            rows.iter().map(stats_row).collect()
-        })
-    }
 }
 
 impl OutboxStore for SqliteConnection {
+    outbox_backlog_read!(sqlite);
+
     fn enqueue_outbox<'c>(
         &'c mut self,
         row: &'c OutboxRow<'c>,
@@ -1192,29 +1269,17 @@ impl OutboxStore for SqliteConnection {
             Ok(done.rows_affected())
         })
     }
-
-    fn outbox_backlog(&mut self) -> BoxFuture<'_, Result<Vec<OutboxBacklog>, sqlx::Error>> {
-        Box::pin(async move {
-            let rows = sqlx::query(sqlite::BACKLOG).fetch_all(&mut *self).await?;
-            rows.iter().map(backlog_row).collect()
-        })
-    }
 }
 
 impl OutboxAdminStore for SqliteConnection {
+    outbox_admin_reads!(sqlite);
+
     fn outbox_installed(&mut self) -> BoxFuture<'_, Result<bool, sqlx::Error>> {
         Box::pin(async move {
             let tables: i64 = sqlx::query_scalar(sqlite::INSTALLED)
                 .fetch_one(&mut *self)
                 .await?;
             Ok(tables > 0)
-        })
-    }
-
-    fn outbox_stats(&mut self) -> BoxFuture<'_, Result<Vec<OutboxStatsRow>, sqlx::Error>> {
-        Box::pin(async move {
-            let rows = sqlx::query(sqlite::STATS).fetch_all(&mut *self).await?;
-            rows.iter().map(stats_row).collect()
         })
     }
 
@@ -1235,19 +1300,6 @@ impl OutboxAdminStore for SqliteConnection {
                 .fetch_all(&mut *self)
                 .await?;
             rows.iter().map(entry).collect()
-        })
-    }
-
-    fn fetch_outbox<'c>(
-        &'c mut self,
-        message_id: &'c str,
-    ) -> BoxFuture<'c, Result<Option<OutboxEntry>, sqlx::Error>> {
-        Box::pin(async move {
-            let row = sqlx::query(sqlite::FETCH)
-                .bind(message_id)
-                .fetch_optional(&mut *self)
-                .await?;
-            row.as_ref().map(entry).transpose()
         })
     }
 
@@ -1299,19 +1351,6 @@ impl OutboxAdminStore for SqliteConnection {
             Ok(done.rows_affected())
         })
     }
-
-    fn outbox_purge_preview<'c>(
-        &'c mut self,
-        cutoff: &'c str,
-    ) -> BoxFuture<'c, Result<Vec<OutboxStatsRow>, sqlx::Error>> {
-        Box::pin(async move {
-            let rows = sqlx::query(sqlite::PURGE_PREVIEW)
-                .bind(cutoff)
-                .fetch_all(&mut *self)
-                .await?;
-            rows.iter().map(stats_row).collect()
-        })
-    }
 }
 
 impl OutboxDatabase for Postgres {
@@ -1335,6 +1374,650 @@ impl OutboxDatabase for Postgres {
 }
 
 impl OutboxDatabase for Sqlite {
+    async fn wakeups(_pool: &Pool<Self>) -> Option<Wakeups> {
+        None
+    }
+}
+
+/// The outbox component's migrations on MySQL/MariaDB.
+pub(super) const MYSQL_MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "outbox",
+        include_str!("../../migrations/mysql/outbox/0001_outbox.sql"),
+    ),
+    (
+        2,
+        "outbox leases",
+        include_str!("../../migrations/mysql/outbox/0002_outbox_leases.sql"),
+    ),
+];
+
+/// MySQL/MariaDB's statements (`?` parameters, bound in order of appearance). The lease's
+/// statements that take locks are built at run time with one `?` per id
+/// ([`mysql::by_ids`]): primary-key lookups, so they lock the rows they name and nothing else.
+mod mysql {
+    /// A row's age in milliseconds on the database clock.
+    macro_rules! age {
+        () => {
+            "TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000"
+        };
+    }
+
+    /// The aggregate's lock row, upserted (and so locked until the writing transaction ends)
+    /// before the row is inserted. Binds: the aggregate id.
+    pub(super) const LOCK_AGGREGATE: &str = "INSERT INTO inbox_outbox_aggregates (aggregate_hash) \
+         VALUES (UNHEX(SHA2(?, 256))) \
+       ON DUPLICATE KEY UPDATE rows_written = rows_written + 1, \
+         written_at = UTC_TIMESTAMP(6)";
+
+    /// Binds: message id, destination, name, payload, headers, aggregate, then "sent" twice.
+    pub(super) const ENQUEUE: &str = "INSERT INTO inbox_outbox \
+         (message_id, destination, message_name, payload, headers, aggregate_id, status, \
+          sent_at) \
+       VALUES (?, ?, ?, ?, ?, ?, IF(?, 'sent', 'pending'), IF(?, UTC_TIMESTAMP(6), NULL))";
+
+    /// Whether a row may be leased (alias `o`), as of the reading statement's snapshot:
+    /// pending, due, not under a running lease (an orphan with attempts left may be: `?`, the
+    /// maximum attempts), without an earlier pending or dead row of its aggregate.
+    macro_rules! leasable {
+        () => {
+            "o.status = 'pending' \
+             AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= UTC_TIMESTAMP(6)) \
+             AND (o.leased_until IS NULL \
+                  OR (o.leased_until <= UTC_TIMESTAMP(6) AND o.attempts < ?)) \
+             AND (o.aggregate_hash IS NULL OR NOT EXISTS ( \
+                   SELECT 1 FROM inbox_outbox e \
+                   WHERE e.aggregate_hash = o.aggregate_hash AND e.id < o.id \
+                     AND e.status IN ('pending', 'dead')))"
+        };
+    }
+
+    /// Orphans out of attempts (a consistent read). Binds: the maximum attempts.
+    pub(super) const ABANDONED: &str = "SELECT id FROM inbox_outbox \
+       WHERE status = 'pending' AND leased_until <= UTC_TIMESTAMP(6) AND attempts >= ? \
+       ORDER BY id";
+
+    /// Orphans that may be leased, fewest attempts first (a consistent read). Binds: the
+    /// maximum attempts, the limit.
+    pub(super) const ORPHANS: &str = concat!(
+        "SELECT o.id FROM inbox_outbox o WHERE o.leased_until IS NOT NULL AND ",
+        leasable!(),
+        " ORDER BY o.attempts, o.id LIMIT ?"
+    );
+
+    /// Rows never leased (or settled since) that may be leased, in id order (a consistent
+    /// read). Binds: the maximum attempts, the limit.
+    pub(super) const FRESH: &str = concat!(
+        "SELECT o.id FROM inbox_outbox o WHERE o.leased_until IS NULL AND ",
+        leasable!(),
+        " ORDER BY o.id LIMIT ?"
+    );
+
+    /// The statement `head … WHERE id IN (?, …) tail` with `ids` placeholders.
+    pub(super) fn by_ids(head: &str, ids: usize, tail: &str) -> sqlx::AssertSqlSafe<String> {
+        in_list(head, "id", ids, tail)
+    }
+
+    /// The statement `head … WHERE column IN (?, …) tail` with `n` placeholders.
+    pub(super) fn in_list(
+        head: &str,
+        column: &str,
+        n: usize,
+        tail: &str,
+    ) -> sqlx::AssertSqlSafe<String> {
+        let marks = vec!["?"; n].join(", ");
+        sqlx::AssertSqlSafe(format!("{head} WHERE {column} IN ({marks}){tail}"))
+    }
+
+    /// Lock rows of aggregates not written since the cutoff (a window in seconds), at most
+    /// `?` of them, skipping those a writer holds.
+    pub(super) const STALE_AGGREGATES: &str = concat!(
+        "SELECT aggregate_hash FROM inbox_outbox_aggregates WHERE written_at < ",
+        window_start!(),
+        " ORDER BY written_at LIMIT ? FOR UPDATE SKIP LOCKED"
+    );
+
+    /// [`STALE_AGGREGATES`] with the cutoff as a time (text).
+    pub(super) const STALE_AGGREGATES_BEFORE: &str = "SELECT aggregate_hash \
+       FROM inbox_outbox_aggregates WHERE written_at < CAST(? AS DATETIME(6)) \
+       ORDER BY written_at LIMIT ? FOR UPDATE SKIP LOCKED";
+
+    /// Deletes the lock rows picked (`in_list` on `aggregate_hash`).
+    pub(super) const FORGET_AGGREGATES: &str = "DELETE FROM inbox_outbox_aggregates";
+
+    /// Locks the abandoned orphans among the ids (`by_ids`), skipping rows another transaction
+    /// holds. Binds (after the ids): the maximum attempts.
+    pub(super) const LOCK_ABANDONED: (&str, &str) = (
+        "SELECT id FROM inbox_outbox",
+        " AND status = 'pending' AND leased_until <= UTC_TIMESTAMP(6) AND attempts >= ? \
+         ORDER BY id FOR UPDATE SKIP LOCKED",
+    );
+
+    /// Dead-letters the locked orphans. Binds: the error, then the ids.
+    pub(super) const ABANDON: &str = "UPDATE inbox_outbox SET status = 'dead', last_error = ?, \
+         leased_until = NULL, next_attempt_at = NULL";
+
+    /// Locks the candidates that are still leasable (their own state, re-read at its latest
+    /// committed version), skipping rows another transaction holds; the order follows. Binds
+    /// (after the ids): the maximum attempts, the limit.
+    pub(super) const LOCK_LEASABLE: &str = " AND status = 'pending' \
+         AND (next_attempt_at IS NULL OR next_attempt_at <= UTC_TIMESTAMP(6)) \
+         AND (leased_until IS NULL OR (leased_until <= UTC_TIMESTAMP(6) AND attempts < ?)) \
+         ORDER BY ";
+
+    /// Leases the locked rows. Binds: the lease in microseconds, then the ids.
+    pub(super) const LEASE: &str = "UPDATE inbox_outbox SET attempts = attempts + 1, \
+         leased_until = DATE_ADD(UTC_TIMESTAMP(6), INTERVAL ? MICROSECOND)";
+
+    /// The [`leased_columns`] of rows by id (`by_ids`).
+    pub(super) const LEASED: &str =
+        concat!("SELECT ", leased_columns!("", age!()), " FROM inbox_outbox");
+
+    /// Binds: the ids (`by_ids`).
+    pub(super) const MARK_SENT: &str = "UPDATE inbox_outbox SET status = 'sent', \
+         sent_at = UTC_TIMESTAMP(6), leased_until = NULL, next_attempt_at = NULL, \
+         last_error = NULL";
+
+    /// Binds: permanent, the maximum attempts, the error, the delay in microseconds, the id.
+    pub(super) const MARK_FAILED: &str = "UPDATE inbox_outbox SET \
+         status = IF(? OR attempts >= ?, 'dead', 'pending'), \
+         last_error = ?, leased_until = NULL, \
+         next_attempt_at = DATE_ADD(UTC_TIMESTAMP(6), INTERVAL ? MICROSECOND) \
+       WHERE id = ? AND status = 'pending'";
+
+    /// The status [`MARK_FAILED`] set, read in its transaction. Binds: the id.
+    pub(super) const FAILED_STATUS: &str = "SELECT status FROM inbox_outbox WHERE id = ?";
+
+    pub(super) const PURGE: &str = concat!(
+        "DELETE FROM inbox_outbox WHERE status = 'sent' AND sent_at < ",
+        window_start!(),
+        " ORDER BY sent_at LIMIT ?"
+    );
+
+    pub(super) const BACKLOG: &str = "SELECT destination, COUNT(*), \
+         COALESCE(TIMESTAMPDIFF(MICROSECOND, MIN(created_at), UTC_TIMESTAMP(6)) / 1e6, 0e0) \
+       FROM inbox_outbox WHERE status = 'pending' GROUP BY destination ORDER BY destination";
+
+    pub(super) const INSTALLED: &str = "SELECT COUNT(*) FROM information_schema.tables \
+       WHERE table_schema = DATABASE() AND table_name = 'inbox_outbox'";
+
+    pub(super) const STATS: &str = concat!(
+        "SELECT destination, status, COUNT(*), ",
+        text_time!("MIN(created_at)"),
+        " FROM inbox_outbox GROUP BY destination, status ORDER BY destination, status"
+    );
+
+    /// The columns of an [`OutboxEntry`](super::OutboxEntry), with `$payload` (or `NULL`).
+    macro_rules! entry_columns_mysql {
+        ($payload:literal) => {
+            concat!(
+                "id, message_id, destination, message_name, ",
+                $payload,
+                ", CAST(LENGTH(payload) AS SIGNED), headers, aggregate_id, CAST(NULL AS CHAR), ",
+                text_time!("created_at"),
+                ", status, attempts, ",
+                text_time!("next_attempt_at"),
+                ", ",
+                text_time!("leased_until"),
+                ", last_error, ",
+                text_time!("sent_at")
+            )
+        };
+    }
+
+    /// Binds: three statuses, the destination twice, the limit.
+    pub(super) const LIST: &str = concat!(
+        "SELECT ",
+        entry_columns_mysql!("NULL"),
+        " FROM inbox_outbox WHERE status IN (?, ?, ?) \
+           AND (? IS NULL OR destination = ?) ORDER BY id LIMIT ?"
+    );
+
+    pub(super) const FETCH: &str = concat!(
+        "SELECT ",
+        entry_columns_mysql!("payload"),
+        " FROM inbox_outbox WHERE message_id_hash = UNHEX(SHA2(?, 256))"
+    );
+
+    /// Binds: the message id twice, the destination twice.
+    pub(super) const RETRY: &str = "UPDATE inbox_outbox SET status = 'pending', attempts = 0, \
+         leased_until = NULL, next_attempt_at = NULL \
+       WHERE status = 'dead' AND (? IS NULL OR message_id_hash = UNHEX(SHA2(?, 256))) \
+         AND (? IS NULL OR destination = ?)";
+
+    pub(super) const DISCARD: &str = "DELETE FROM inbox_outbox \
+       WHERE message_id_hash = UNHEX(SHA2(?, 256)) AND status = 'dead'";
+
+    pub(super) const PURGE_BEFORE: &str = "DELETE FROM inbox_outbox \
+       WHERE status = 'sent' AND sent_at < CAST(? AS DATETIME(6)) ORDER BY sent_at LIMIT ?";
+
+    pub(super) const PURGE_PREVIEW: &str = concat!(
+        "SELECT destination, 'sent', COUNT(*), ",
+        text_time!("MIN(sent_at)"),
+        " FROM inbox_outbox WHERE status = 'sent' AND sent_at < CAST(? AS DATETIME(6)) \
+         GROUP BY destination ORDER BY destination"
+    );
+}
+
+/// MySQL's error number of a duplicate key (`ER_DUP_ENTRY`): here, a message id already stored.
+const ER_DUP_ENTRY: u16 = 1062;
+
+/// Binds each id in turn onto `query`.
+fn bind_ids<'q>(
+    mut query: sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments>,
+    ids: &[i64],
+) -> sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments> {
+    for id in ids {
+        query = query.bind(*id);
+    }
+    query
+}
+
+/// The enqueue's two statements: the aggregate's lock row (a row with an aggregate, to be
+/// published by a relay), then the row. A duplicate message id fails only its own statement on
+/// MySQL (the transaction stays usable): it is the `Ok(false)` answer.
+async fn mysql_enqueue(
+    conn: &mut MySqlConnection,
+    row: &OutboxRow<'_>,
+) -> Result<bool, sqlx::Error> {
+    if let (Some(aggregate), false) = (row.aggregate_id, row.sent) {
+        sqlx::query(mysql::LOCK_AGGREGATE)
+            .bind(aggregate)
+            .execute(&mut *conn)
+            .await?;
+    }
+    let written = sqlx::query(mysql::ENQUEUE)
+        .bind(row.message_id)
+        .bind(row.destination)
+        .bind(row.message_name)
+        .bind(row.payload)
+        .bind(row.headers_json)
+        .bind(row.aggregate_id)
+        .bind(row.sent)
+        .bind(row.sent)
+        .execute(&mut *conn)
+        .await;
+    match written {
+        Ok(_) => Ok(true),
+        Err(error) if super::mysql_error_number(&error) == Some(ER_DUP_ENTRY) => Ok(false),
+        Err(error) => Err(error),
+    }
+}
+
+/// [`mysql_enqueue`] in a transaction of its own.
+async fn mysql_enqueue_alone(
+    conn: &mut MySqlConnection,
+    row: &OutboxRow<'_>,
+) -> Result<bool, sqlx::Error> {
+    let mut tx = conn.begin().await?;
+    let written = mysql_enqueue(&mut tx, row).await?;
+    tx.commit().await?;
+    Ok(written)
+}
+
+/// Locks the rows among `candidates` that `lock` (`(head, tail)` around the ids) still
+/// selects, skipping rows another transaction holds; `binds` follow the ids.
+async fn mysql_lock_ids(
+    tx: &mut MySqlConnection,
+    candidates: &[i64],
+    head: &str,
+    tail: &str,
+    max_attempts: i32,
+    limit: Option<i64>,
+) -> Result<Vec<i64>, sqlx::Error> {
+    if candidates.is_empty() {
+        return Ok(Vec::new());
+    }
+    let sql = mysql::by_ids(head, candidates.len(), tail);
+    let mut query = bind_ids(sqlx::query(sql), candidates).bind(max_attempts);
+    if let Some(limit) = limit {
+        query = query.bind(limit);
+    }
+    let rows = query.fetch_all(&mut *tx).await?;
+    rows.iter().map(|row| row.try_get(0)).collect()
+}
+
+/// The rows with these ids, as leased records, in id order.
+async fn mysql_records(
+    tx: &mut MySqlConnection,
+    ids: &[i64],
+) -> Result<Vec<OutboxRecord>, sqlx::Error> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let sql = mysql::by_ids(mysql::LEASED, ids.len(), " ORDER BY id");
+    let rows = bind_ids(sqlx::query(sql), ids).fetch_all(&mut *tx).await?;
+    rows.iter().map(|row| record(row, 0)).collect()
+}
+
+/// One lease in a transaction of its own (see the module docs: eligibility is read from one
+/// consistent snapshot, then the chosen rows are locked by primary key with `SKIP LOCKED` and
+/// their own state re-checked at its latest committed version).
+async fn mysql_lease_once(
+    conn: &mut MySqlConnection,
+    limit: i64,
+    lease_ms: i64,
+    max_attempts: u32,
+    abandoned_error: &str,
+) -> Result<Lease, sqlx::Error> {
+    let max_attempts = i32::try_from(max_attempts).unwrap_or(i32::MAX);
+    let mut tx = conn.begin().await?;
+    // Orphans out of attempts go dead.
+    let abandoned: Vec<i64> = sqlx::query_scalar(mysql::ABANDONED)
+        .bind(max_attempts)
+        .fetch_all(&mut *tx)
+        .await?;
+    let (head, tail) = mysql::LOCK_ABANDONED;
+    let abandoned = mysql_lock_ids(&mut tx, &abandoned, head, tail, max_attempts, None).await?;
+    if !abandoned.is_empty() {
+        let sql = mysql::by_ids(mysql::ABANDON, abandoned.len(), "");
+        bind_ids(sqlx::query(sql).bind(abandoned_error), &abandoned)
+            .execute(&mut *tx)
+            .await?;
+    }
+    // One orphan alone, else fresh rows.
+    let orphans: Vec<i64> = sqlx::query_scalar(mysql::ORPHANS)
+        .bind(max_attempts)
+        .bind(limit)
+        .fetch_all(&mut *tx)
+        .await?;
+    let lock_tail = |order: &str| format!("{}{order} FOR UPDATE SKIP LOCKED", mysql::LOCK_LEASABLE);
+    let lock_head = "SELECT id FROM inbox_outbox";
+    let order = lock_tail("attempts, id LIMIT ?");
+    let mut leased =
+        mysql_lock_ids(&mut tx, &orphans, lock_head, &order, max_attempts, Some(1)).await?;
+    if leased.is_empty() {
+        let fresh: Vec<i64> = sqlx::query_scalar(mysql::FRESH)
+            .bind(max_attempts)
+            .bind(limit)
+            .fetch_all(&mut *tx)
+            .await?;
+        let order = lock_tail("id LIMIT ?");
+        leased = mysql_lock_ids(
+            &mut tx,
+            &fresh,
+            lock_head,
+            &order,
+            max_attempts,
+            Some(limit),
+        )
+        .await?;
+    }
+    if !leased.is_empty() {
+        let sql = mysql::by_ids(mysql::LEASE, leased.len(), "");
+        bind_ids(
+            sqlx::query(sql).bind(lease_ms.saturating_mul(1000)),
+            &leased,
+        )
+        .execute(&mut *tx)
+        .await?;
+    }
+    let lease = Lease {
+        records: mysql_records(&mut tx, &leased).await?,
+        abandoned: mysql_records(&mut tx, &abandoned).await?,
+    };
+    tx.commit().await?;
+    Ok(lease)
+}
+
+/// Deletes at most `batch` lock rows of aggregates not written since the cutoff (`pick`, bound
+/// with `cutoff`): `inbox_outbox_aggregates` would otherwise keep a row for every aggregate
+/// ever published. Safe at any time: a lock row only makes concurrent writers of its aggregate
+/// take turns, and the next writer creates it again (rows a writer holds are skipped).
+async fn mysql_forget_aggregates_once<T>(
+    conn: &mut MySqlConnection,
+    pick: &'static str,
+    cutoff: T,
+    batch: i64,
+) -> Result<(), sqlx::Error>
+where
+    T: for<'q> sqlx::Encode<'q, MySql> + sqlx::Type<MySql> + Send + Copy,
+{
+    let mut tx = conn.begin().await?;
+    let stale: Vec<Vec<u8>> = sqlx::query_scalar(pick)
+        .bind(cutoff)
+        .bind(batch)
+        .fetch_all(&mut *tx)
+        .await?;
+    if !stale.is_empty() {
+        let sql = mysql::in_list(mysql::FORGET_AGGREGATES, "aggregate_hash", stale.len(), "");
+        let mut query = sqlx::query(sql);
+        for hash in &stale {
+            query = query.bind(hash.as_slice());
+        }
+        query.execute(&mut *tx).await?;
+    }
+    tx.commit().await
+}
+
+/// A failed publish in a transaction of its own: the update, then the status it set.
+async fn mysql_mark_failed_once(
+    conn: &mut MySqlConnection,
+    id: i64,
+    error: &str,
+    permanent: bool,
+    max_attempts: u32,
+    retry_in_ms: i64,
+) -> Result<Option<OutboxStatus>, sqlx::Error> {
+    let mut tx = conn.begin().await?;
+    let done = sqlx::query(mysql::MARK_FAILED)
+        .bind(permanent)
+        .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX))
+        .bind(error)
+        .bind(retry_in_ms.saturating_mul(1000))
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+    let status: Option<String> = if done.rows_affected() == 1 {
+        sqlx::query_scalar(mysql::FAILED_STATUS)
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?
+    } else {
+        None
+    };
+    tx.commit().await?;
+    status.as_deref().map(OutboxStatus::parse).transpose()
+}
+
+/// Every method that writes runs in autocommit or a transaction of its own, and is retried on
+/// a deadlock (1213) or lock wait timeout (1205) like the inbox's statements (counted in
+/// [`mysql_lock_retries`](crate::mysql_lock_retries)); [`enqueue_outbox`](OutboxStore::enqueue_outbox)
+/// runs in the caller's transaction and returns them (transient: see [`crate::Classify`]).
+impl OutboxStore for MySqlConnection {
+    outbox_backlog_read!(mysql);
+
+    fn enqueue_outbox<'c>(
+        &'c mut self,
+        row: &'c OutboxRow<'c>,
+        _notify: bool,
+    ) -> BoxFuture<'c, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let depth = <MySql as sqlx::Database>::TransactionManager::get_transaction_depth(self);
+            if depth > 0 {
+                return mysql_enqueue(self, row).await;
+            }
+            // Outside a transaction: one of our own, so that the aggregate stays locked until
+            // the row is committed (retried on lock errors, nothing of the caller's being in it).
+            retry_lock_errors!(self, "enqueue_outbox", mysql_enqueue_alone(self, row))
+        })
+    }
+
+    fn lease_outbox<'c>(
+        &'c mut self,
+        limit: i64,
+        lease_ms: i64,
+        max_attempts: u32,
+        abandoned_error: &'c str,
+    ) -> BoxFuture<'c, Result<Lease, sqlx::Error>> {
+        Box::pin(async move {
+            retry_lock_errors!(
+                self,
+                "lease_outbox",
+                mysql_lease_once(self, limit, lease_ms, max_attempts, abandoned_error)
+            )
+        })
+    }
+
+    fn mark_outbox_sent<'c>(
+        &'c mut self,
+        ids: &'c [i64],
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            if ids.is_empty() {
+                return Ok(0);
+            }
+            let tail = " AND status IN ('pending', 'dead')";
+            let done = retry_lock_errors!(
+                self,
+                "mark_outbox_sent",
+                bind_ids(
+                    sqlx::query(mysql::by_ids(mysql::MARK_SENT, ids.len(), tail)),
+                    ids
+                )
+                .execute(&mut *self)
+            )?;
+            Ok(done.rows_affected())
+        })
+    }
+
+    fn mark_outbox_failed<'c>(
+        &'c mut self,
+        id: i64,
+        error: &'c str,
+        permanent: bool,
+        max_attempts: u32,
+        retry_in_ms: i64,
+    ) -> BoxFuture<'c, Result<Option<OutboxStatus>, sqlx::Error>> {
+        Box::pin(async move {
+            retry_lock_errors!(
+                self,
+                "mark_outbox_failed",
+                mysql_mark_failed_once(self, id, error, permanent, max_attempts, retry_in_ms)
+            )
+        })
+    }
+
+    fn purge_outbox_sent(
+        &mut self,
+        older_than_secs: f64,
+        batch: i64,
+    ) -> BoxFuture<'_, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let done = retry_lock_errors!(
+                self,
+                "purge_outbox",
+                sqlx::query(mysql::PURGE)
+                    .bind(older_than_secs)
+                    .bind(batch)
+                    .execute(&mut *self)
+            )?;
+            retry_lock_errors!(
+                self,
+                "forget_aggregates",
+                mysql_forget_aggregates_once(self, mysql::STALE_AGGREGATES, older_than_secs, batch)
+            )?;
+            Ok(done.rows_affected())
+        })
+    }
+}
+
+impl OutboxAdminStore for MySqlConnection {
+    outbox_admin_reads!(mysql);
+
+    fn outbox_installed(&mut self) -> BoxFuture<'_, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let tables: i64 = sqlx::query_scalar(mysql::INSTALLED)
+                .fetch_one(&mut *self)
+                .await?;
+            Ok(tables > 0)
+        })
+    }
+
+    fn list_outbox<'c>(
+        &'c mut self,
+        statuses: &'c [OutboxStatus],
+        destination: Option<&'c str>,
+        limit: i64,
+    ) -> BoxFuture<'c, Result<Vec<OutboxEntry>, sqlx::Error>> {
+        Box::pin(async move {
+            let [a, b, c] = three_statuses(statuses);
+            let rows = sqlx::query(mysql::LIST)
+                .bind(a)
+                .bind(b)
+                .bind(c)
+                .bind(destination)
+                .bind(destination)
+                .bind(limit)
+                .fetch_all(&mut *self)
+                .await?;
+            rows.iter().map(entry).collect()
+        })
+    }
+
+    fn retry_outbox<'c>(
+        &'c mut self,
+        message_id: Option<&'c str>,
+        destination: Option<&'c str>,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let done = retry_lock_errors!(
+                self,
+                "retry_outbox",
+                sqlx::query(mysql::RETRY)
+                    .bind(message_id)
+                    .bind(message_id)
+                    .bind(destination)
+                    .bind(destination)
+                    .execute(&mut *self)
+            )?;
+            Ok(done.rows_affected())
+        })
+    }
+
+    fn discard_outbox<'c>(
+        &'c mut self,
+        message_id: &'c str,
+    ) -> BoxFuture<'c, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let done = retry_lock_errors!(
+                self,
+                "discard_outbox",
+                sqlx::query(mysql::DISCARD)
+                    .bind(message_id)
+                    .execute(&mut *self)
+            )?;
+            Ok(done.rows_affected() > 0)
+        })
+    }
+
+    fn purge_outbox_before<'c>(
+        &'c mut self,
+        cutoff: &'c str,
+        batch: i64,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let done = retry_lock_errors!(
+                self,
+                "purge_outbox",
+                sqlx::query(mysql::PURGE_BEFORE)
+                    .bind(cutoff)
+                    .bind(batch)
+                    .execute(&mut *self)
+            )?;
+            retry_lock_errors!(
+                self,
+                "forget_aggregates",
+                mysql_forget_aggregates_once(self, mysql::STALE_AGGREGATES_BEFORE, cutoff, batch)
+            )?;
+            Ok(done.rows_affected())
+        })
+    }
+}
+
+/// No wake-ups on MySQL: the relay polls.
+impl OutboxDatabase for MySql {
     async fn wakeups(_pool: &Pool<Self>) -> Option<Wakeups> {
         None
     }

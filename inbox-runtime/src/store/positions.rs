@@ -1,4 +1,4 @@
-//! Broker positions ([`PositionStore`]) and their two dialects, with the
+//! Broker positions ([`PositionStore`]) and their three dialects, with the
 //! [`Component::Positions`](super::Component::Positions) migrations.
 //!
 //! A position is `(consumer group, topic, partition) → next offset`, plus a fencing **epoch**:
@@ -12,8 +12,21 @@
 //! Both statements take the row's lock: an assignment waits for a transaction that has written
 //! the position and not committed yet, and then reads what it committed; a write made after the
 //! assignment fails. Positions only move forward.
+//!
+//! **MySQL/MariaDB** (no `RETURNING`): the assignment is an `INSERT … ON DUPLICATE KEY UPDATE`
+//! (an exclusive lock on the row's primary-key record, waiting for a transaction that wrote the
+//! position, under REPEATABLE READ and READ COMMITTED alike) followed by a locking read of the
+//! row (`FOR UPDATE`: the latest committed version, whatever the isolation level; it never
+//! waits, the row being locked already), both in one transaction (a savepoint inside the
+//! caller's). The fenced write is one `UPDATE` by primary key (a record lock). A deadlock (1213)
+//! or lock wait timeout (1205) of an assignment made outside a transaction is retried
+//! internally and counted in [`mysql_lock_retries`](crate::mysql_lock_retries); inside the
+//! caller's transaction it is returned (transient: see [`crate::Classify`]).
 
-use sqlx::{PgConnection, Postgres, Row as _, Sqlite, SqliteConnection};
+use sqlx::{
+    Connection as _, MySql, MySqlConnection, PgConnection, Postgres, Row as _, Sqlite,
+    SqliteConnection,
+};
 
 use super::InboxDatabase;
 use crate::BoxFuture;
@@ -70,8 +83,9 @@ pub struct PositionRow {
     pub owner: String,
 }
 
-/// The positions' statements on one connection. Implemented for `sqlx::PgConnection` and
-/// `sqlx::SqliteConnection`; see [`ClaimStore`](super::ClaimStore) for implementing a backend of
+/// The positions' statements on one connection. Implemented for `sqlx::PgConnection`,
+/// `sqlx::SqliteConnection` and `sqlx::MySqlConnection` (groups and topics of at most 512 bytes
+/// there: a longer one is refused by the database with "data too long"); see [`ClaimStore`](super::ClaimStore) for implementing a backend of
 /// your own. Each runs in whatever transaction the connection is in (its own when none).
 pub trait PositionStore: Send {
     /// Takes the partition for a new owner: creates its row (epoch 1, no offset) or increments
@@ -102,11 +116,12 @@ pub trait PositionStore: Send {
 }
 
 /// A database broker positions can live in: its connections implement [`PositionStore`].
-/// `sqlx::Postgres` and `sqlx::Sqlite`.
+/// `sqlx::Postgres`, `sqlx::Sqlite` and `sqlx::MySql`.
 pub trait PositionsDatabase: InboxDatabase<Connection: PositionStore> {}
 
 impl PositionsDatabase for Postgres {}
 impl PositionsDatabase for Sqlite {}
+impl PositionsDatabase for MySql {}
 
 /// The positions component's migrations on PostgreSQL.
 pub(super) const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] = &[(
@@ -120,6 +135,13 @@ pub(super) const SQLITE_MIGRATIONS: &[(i64, &str, &str)] = &[(
     1,
     "positions",
     include_str!("../../migrations/sqlite/positions/0001_positions.sql"),
+)];
+
+/// The positions component's migrations on MySQL/MariaDB.
+pub(super) const MYSQL_MIGRATIONS: &[(i64, &str, &str)] = &[(
+    1,
+    "positions",
+    include_str!("../../migrations/mysql/positions/0001_positions.sql"),
 )];
 
 const FETCH: &str = "SELECT consumer_group, topic, partition_id, next_offset, epoch, owner \
@@ -151,6 +173,64 @@ mod sqlite {
          next_offset = max(COALESCE(next_offset, $5), $5), \
          updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') \
        WHERE consumer_group = $1 AND topic = $2 AND partition_id = $3 AND epoch = $4";
+}
+
+mod mysql {
+    /// Binds: group, topic, partition, owner.
+    pub(super) const ACQUIRE: &str = "INSERT INTO inbox_positions \
+         (consumer_group, topic, partition_id, owner) VALUES (?, ?, ?, ?) \
+       ON DUPLICATE KEY UPDATE epoch = epoch + 1, owner = VALUES(owner), \
+         assigned_at = UTC_TIMESTAMP(6), updated_at = UTC_TIMESTAMP(6)";
+
+    /// The row [`ACQUIRE`] locked. Binds: group, topic, partition.
+    pub(super) const ACQUIRED: &str = "SELECT epoch, next_offset FROM inbox_positions \
+       WHERE consumer_group = ? AND topic = ? AND partition_id = ? FOR UPDATE";
+
+    /// Binds: the next offset twice, group, topic, partition, epoch.
+    pub(super) const ADVANCE: &str = "UPDATE inbox_positions SET \
+         next_offset = GREATEST(COALESCE(next_offset, ?), ?), updated_at = UTC_TIMESTAMP(6) \
+       WHERE consumer_group = ? AND topic = ? AND partition_id = ? AND epoch = ?";
+
+    pub(super) const FETCH: &str = "SELECT CONVERT(consumer_group USING utf8mb4), \
+         CONVERT(topic USING utf8mb4), partition_id, next_offset, epoch, owner \
+       FROM inbox_positions WHERE consumer_group = ? ORDER BY topic, partition_id";
+}
+
+/// A [`PositionRow`] from `group, topic, partition, next offset, epoch, owner`.
+fn position_row<R>(row: &R) -> Result<PositionRow, sqlx::Error>
+where
+    R: sqlx::Row,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    usize: sqlx::ColumnIndex<R>,
+{
+    Ok(PositionRow {
+        group: row.try_get(0)?,
+        topic: row.try_get(1)?,
+        partition: row.try_get(2)?,
+        next_offset: row.try_get(3)?,
+        epoch: row.try_get(4)?,
+        owner: row.try_get(5)?,
+    })
+}
+
+/// [`PositionStore::fetch_positions`] with the dialect's statement `$fetch` (binds: the group).
+macro_rules! fetch_positions_method {
+    ($fetch:expr) => {
+        fn fetch_positions<'c>(
+            &'c mut self,
+            group: &'c str,
+        ) -> BoxFuture<'c, Result<Vec<PositionRow>, sqlx::Error>> {
+            Box::pin(async move {
+                let rows = sqlx::query($fetch)
+                    .bind(group)
+                    .fetch_all(&mut *self)
+                    .await?;
+                rows.iter().map(position_row).collect()
+            })
+        }
+    };
 }
 
 macro_rules! impl_position_store {
@@ -195,29 +275,76 @@ macro_rules! impl_position_store {
                 })
             }
 
-            fn fetch_positions<'c>(
-                &'c mut self,
-                group: &'c str,
-            ) -> BoxFuture<'c, Result<Vec<PositionRow>, sqlx::Error>> {
-                Box::pin(async move {
-                    let rows = sqlx::query(FETCH).bind(group).fetch_all(&mut *self).await?;
-                    rows.iter()
-                        .map(|row| {
-                            Ok(PositionRow {
-                                group: row.try_get(0)?,
-                                topic: row.try_get(1)?,
-                                partition: row.try_get(2)?,
-                                next_offset: row.try_get(3)?,
-                                epoch: row.try_get(4)?,
-                                owner: row.try_get(5)?,
-                            })
-                        })
-                        .collect()
-                })
-            }
+            fetch_positions_method!(FETCH);
         }
     };
 }
 
 impl_position_store!(PgConnection, postgres);
 impl_position_store!(SqliteConnection, sqlite);
+
+/// The assignment in a transaction of its own (a savepoint inside the caller's): the upsert,
+/// then the locking read of the row it locked.
+async fn mysql_acquire_once(
+    conn: &mut MySqlConnection,
+    key: &PositionKey<'_>,
+    owner: &str,
+) -> Result<Acquired, sqlx::Error> {
+    let mut tx = conn.begin().await?;
+    sqlx::query(mysql::ACQUIRE)
+        .bind(key.group)
+        .bind(key.topic)
+        .bind(key.partition)
+        .bind(owner)
+        .execute(&mut *tx)
+        .await?;
+    let (epoch, next_offset): (i64, Option<i64>) = sqlx::query_as(mysql::ACQUIRED)
+        .bind(key.group)
+        .bind(key.topic)
+        .bind(key.partition)
+        .fetch_one(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(Acquired { epoch, next_offset })
+}
+
+impl PositionStore for MySqlConnection {
+    fn acquire_position<'c>(
+        &'c mut self,
+        key: &'c PositionKey<'c>,
+        owner: &'c str,
+    ) -> BoxFuture<'c, Result<Acquired, sqlx::Error>> {
+        Box::pin(async move {
+            retry_lock_errors!(
+                self,
+                "acquire_position",
+                mysql_acquire_once(self, key, owner)
+            )
+        })
+    }
+
+    fn advance_position<'c>(
+        &'c mut self,
+        key: &'c PositionKey<'c>,
+        epoch: i64,
+        next_offset: i64,
+    ) -> BoxFuture<'c, Result<bool, sqlx::Error>> {
+        Box::pin(async move {
+            let done = retry_lock_errors!(
+                self,
+                "advance_position",
+                sqlx::query(mysql::ADVANCE)
+                    .bind(next_offset)
+                    .bind(next_offset)
+                    .bind(key.group)
+                    .bind(key.topic)
+                    .bind(key.partition)
+                    .bind(epoch)
+                    .execute(&mut *self)
+            )?;
+            Ok(done.rows_affected() == 1)
+        })
+    }
+
+    fetch_positions_method!(mysql::FETCH);
+}

@@ -1,0 +1,323 @@
+//! MySQL/MariaDB only: the outbox's ordering design on InnoDB, and its lock-error retries.
+//!
+//! * 8 tasks write 50 transactions each, every one publishing to one of 4 aggregates (some
+//!   rolled back), each holding its transaction open a little after the publish so that rows
+//!   with higher ids (of other aggregates) commit before lower ones, while two relays publish.
+//!   Each aggregate's rows go out exactly in the order they were written (the order in which
+//!   their transactions took the aggregate's lock row), every committed row exactly once, and
+//!   rolled-back rows never.
+//! * A relay statement that meets a lock wait timeout (1205), or is chosen as a deadlock's
+//!   victim (1213), is retried internally and counted in `mysql_lock_retries()`.
+//!
+//! The tests of this file run one at a time (they read the process-wide retry counter).
+//! Needs `MYSQL_URL` (set by `scripts/test.sh`, which starts a throwaway MariaDB).
+
+#![allow(missing_docs)]
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use inbox_runtime::outbox::{Outbox, OutboxMessage, Relay};
+use inbox_runtime::sink::MemorySink;
+use inbox_runtime::{Component, OutboxStore as _};
+use sqlx::MySqlPool;
+
+const OUTBOX: Outbox = Outbox::new(&["orders"]);
+
+/// One test at a time: they assert on the process-wide retry counter.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn outbox_pool(connections: u32) -> MySqlPool {
+    let pool = inbox_tests::mysql_pool(connections).await;
+    inbox_runtime::migrate_components(&pool, &[Component::Inbox, Component::Outbox])
+        .await
+        .unwrap();
+    pool
+}
+
+fn message(id: &str, aggregate: &str) -> OutboxMessage {
+    OutboxMessage::raw("orders", "orders.paid", format!(r#"{{"id":"{id}"}}"#))
+        .message_id(id)
+        .aggregate(aggregate)
+}
+
+/// Waits (at most a minute, a hang guard) until every outbox row is sent.
+async fn wait_all_sent(pool: &MySqlPool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let unsent: i64 =
+            sqlx::query_scalar("SELECT COUNT(*) FROM inbox_outbox WHERE status <> 'sent'")
+                .fetch_one(pool)
+                .await
+                .unwrap();
+        if unsent == 0 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{unsent} rows never sent"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_writers_of_one_aggregate_are_published_in_write_order_exactly_once() {
+    let _serial = SERIAL.lock().await;
+    const TASKS: usize = 8;
+    const ROWS: usize = 50;
+    const AGGREGATES: usize = 4;
+    let pool = outbox_pool(16).await;
+    let retries_before = inbox_runtime::mysql_lock_retries();
+    // Per aggregate: the message ids in the order their transactions held its lock row
+    // (recorded while the lock is held, after the publish, before the commit).
+    let written: Arc<Mutex<BTreeMap<String, Vec<String>>>> = Arc::default();
+    let mut rolled_back = Vec::new();
+
+    let sink = MemorySink::new();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let relays: Vec<_> = (0..2)
+        .map(|_| {
+            let relay = Relay::new(pool.clone(), sink.clone())
+                .batch_size(5)
+                .poll_interval(Duration::from_millis(5));
+            tokio::spawn(relay.run(shutdown.clone()))
+        })
+        .collect();
+
+    let writers: Vec<_> = (0..TASKS)
+        .map(|task| {
+            let pool = pool.clone();
+            let written = written.clone();
+            tokio::spawn(async move {
+                let mut rolled_back = Vec::new();
+                for row in 0..ROWS {
+                    let aggregate = format!("agg-{}", (task + row) % AGGREGATES);
+                    let id = format!("t{task}-r{row:02}");
+                    let mut tx = pool.begin().await.unwrap();
+                    OUTBOX
+                        .publish(&mut *tx, message(&id, &aggregate))
+                        .await
+                        .unwrap();
+                    // Holding the aggregate's lock (and a low id) for a while: writers of other
+                    // aggregates allocate higher ids and commit first meanwhile.
+                    let hold = (task * 7 + row * 3) % 4;
+                    tokio::time::sleep(Duration::from_millis(hold as u64)).await;
+                    if row % 10 == 9 {
+                        tx.rollback().await.unwrap();
+                        rolled_back.push(id);
+                    } else {
+                        written
+                            .lock()
+                            .unwrap()
+                            .entry(aggregate)
+                            .or_default()
+                            .push(id);
+                        tx.commit().await.unwrap();
+                    }
+                }
+                rolled_back
+            })
+        })
+        .collect();
+    for writer in writers {
+        rolled_back.extend(writer.await.unwrap());
+    }
+    wait_all_sent(&pool).await;
+    shutdown.cancel();
+    let mut published = 0;
+    for relay in relays {
+        let report = relay.await.unwrap();
+        assert_eq!((report.failed, report.dead, report.errors), (0, 0, 0));
+        published += report.published;
+    }
+
+    println!(
+        "ordering: InnoDB lock errors retried internally: {}",
+        inbox_runtime::mysql_lock_retries() - retries_before
+    );
+    let committed = TASKS * ROWS - TASKS * (ROWS / 10);
+    assert_eq!(rolled_back.len(), TASKS * (ROWS / 10));
+    assert_eq!(published, committed as u64);
+    let sent = sink.published();
+    assert_eq!(sent.len(), committed, "every committed row published once");
+    let mut per_aggregate: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for message in &sent {
+        per_aggregate
+            .entry(message.aggregate_id.clone().unwrap())
+            .or_default()
+            .push(message.message_id.clone());
+    }
+    let written = written.lock().unwrap().clone();
+    assert_eq!(written.len(), AGGREGATES);
+    // Exactly the write order of each aggregate: nothing missing, nothing twice, nothing
+    // rolled back, nothing overtaken.
+    assert_eq!(per_aggregate, written);
+
+    // And the write order is the id order (the lock row makes ids follow it).
+    let rows: Vec<(String, String)> =
+        sqlx::query_as("SELECT aggregate_id, message_id FROM inbox_outbox ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let mut by_id: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (aggregate, id) in rows {
+        by_id.entry(aggregate).or_default().push(id);
+    }
+    assert_eq!(by_id, written);
+    let locks: Vec<(i64,)> =
+        sqlx::query_as("SELECT rows_written FROM inbox_outbox_aggregates ORDER BY aggregate_hash")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        locks.iter().map(|(n,)| n).sum::<i64>(),
+        i64::try_from(committed).unwrap(),
+        "each committed write counted once on its aggregate's lock row (rollbacks undone)"
+    );
+
+    // The retention purge deletes the sent rows, and forgets the aggregates' lock rows.
+    let purged = inbox_runtime::outbox::purge_sent(&pool, Duration::ZERO, 1000)
+        .await
+        .unwrap();
+    assert_eq!(purged, committed as u64);
+    let left: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT COUNT(*) FROM inbox_outbox), (SELECT COUNT(*) FROM inbox_outbox_aggregates)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(left, (0, 0));
+}
+
+/// Waits (at most a minute, a hang guard) until the store has retried `n` more lock errors
+/// than `before`.
+async fn wait_retries(before: u64, n: u64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while inbox_runtime::mysql_lock_retries() < before + n {
+        assert!(std::time::Instant::now() < deadline, "no retry seen");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Three sent-able rows (ids 1, 2, 3), leased by a relay round that never marks them.
+async fn three_leased_rows(pool: &MySqlPool) {
+    let mut tx = pool.begin().await.unwrap();
+    for id in ["a", "b", "c"] {
+        OUTBOX
+            .publish(
+                &mut *tx,
+                OutboxMessage::raw("orders", "orders.paid", "{}").message_id(id),
+            )
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let lease = conn.lease_outbox(10, 60_000, 5, "abandoned").await.unwrap();
+    assert_eq!(
+        lease.records.iter().map(|r| r.id).collect::<Vec<_>>(),
+        [1, 2, 3]
+    );
+}
+
+#[tokio::test]
+async fn a_lock_wait_timeout_of_the_relay_is_retried_and_counted() {
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(4).await;
+    three_leased_rows(&pool).await;
+    // Another transaction holds row 1.
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM inbox_outbox WHERE id = 1 FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let mut relay_conn = pool.acquire().await.unwrap().detach();
+    sqlx::query("SET SESSION innodb_lock_wait_timeout = 1")
+        .execute(&mut relay_conn)
+        .await
+        .unwrap();
+    let before = inbox_runtime::mysql_lock_retries();
+    let mark = tokio::spawn(async move {
+        let marked = relay_conn.mark_outbox_sent(&[1, 2]).await;
+        (marked.map_err(|e| e.to_string()), relay_conn)
+    });
+    // The mark waits a second for row 1, times out (1205), and is retried: only then does the
+    // holder let go.
+    wait_retries(before, 1).await;
+    holder.commit().await.unwrap();
+    let (marked, _conn) = mark.await.unwrap();
+    assert_eq!(marked, Ok(2));
+    assert_eq!(inbox_runtime::mysql_lock_retries() - before, 1);
+    let states: Vec<(String, String)> =
+        sqlx::query_as("SELECT message_id, status FROM inbox_outbox ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        states,
+        [("a", "sent"), ("b", "sent"), ("c", "pending")].map(|(a, b)| (a.to_owned(), b.to_owned()))
+    );
+}
+
+#[tokio::test]
+async fn a_deadlock_of_the_relay_is_retried_and_counted() {
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(4).await;
+    three_leased_rows(&pool).await;
+    // The other transaction changes rows 2 and 3 (it weighs more than the mark: InnoDB rolls
+    // the lighter one back).
+    let mut other = pool.begin().await.unwrap();
+    sqlx::query("UPDATE inbox_outbox SET last_error = 'other' WHERE id IN (2, 3)")
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    let mut relay_conn = pool.acquire().await.unwrap().detach();
+    let before = inbox_runtime::mysql_lock_retries();
+    let mark = tokio::spawn(async move {
+        // Locks row 1, then waits for row 2.
+        let marked = relay_conn.mark_outbox_sent(&[1, 2]).await;
+        (marked.map_err(|e| e.to_string()), relay_conn)
+    });
+    // Wait until the mark holds row 1 (and so waits for row 2), then close the cycle: the other
+    // transaction asks for row 1. InnoDB rolls the mark back (1213); the store retries it, and
+    // the retry waits for row 2 until the other transaction commits.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let probe = sqlx::query("SELECT id FROM inbox_outbox WHERE id = 1 FOR UPDATE NOWAIT")
+            .execute(&pool)
+            .await;
+        if probe.is_err() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the mark never locked row 1"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    sqlx::query("SELECT id FROM inbox_outbox WHERE id = 1 FOR UPDATE")
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    wait_retries(before, 1).await;
+    other.commit().await.unwrap();
+    let (marked, _conn) = mark.await.unwrap();
+    assert_eq!(marked, Ok(2));
+    assert_eq!(inbox_runtime::mysql_lock_retries() - before, 1);
+    let states: Vec<(String, String, Option<String>)> =
+        sqlx::query_as("SELECT message_id, status, last_error FROM inbox_outbox ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        states,
+        [
+            ("a", "sent", None),
+            ("b", "sent", None),
+            ("c", "pending", Some("other"))
+        ]
+        .map(|(a, b, c)| (a.to_owned(), b.to_owned(), c.map(str::to_owned)))
+    );
+}
