@@ -698,3 +698,145 @@ inbox_tests::backend_matrix! {
         assert!(!html.contains("<b>"), "{html}");
     }
 }
+
+/// The console's reads over a large inbox: served by indexes (EXPLAIN), and, on PostgreSQL,
+/// timed over a million rows (`--ignored`: the figure is printed, not asserted).
+mod large {
+    use super::*;
+
+    inbox_tests::backend_matrix! {
+        use std::sync::Arc;
+        use std::time::Instant;
+
+        use inbox_runtime::console::Console;
+        use inbox_runtime::Dispatcher;
+        use sqlx::Row as _;
+
+        /// The statistics query of `admin::stats` (and the overview) as each backend plans it: the
+        /// lines of its plan, joined.
+        async fn plan_of_stats(pool: &Pool) -> String {
+            let mut conn = pool.acquire().await.unwrap();
+            let stats = "SELECT consumer, status, COUNT(*), MIN(received_at) FROM inbox_messages \
+                         GROUP BY status, consumer";
+            let rejections = "SELECT consumer, reason, COUNT(*), MIN(received_at) \
+                              FROM inbox_rejections GROUP BY consumer, reason";
+            let mut lines = Vec::new();
+            for query in [stats, rejections] {
+                match BACKEND {
+                    Backend::Postgres => {
+                        // Tiny test tables are cheaper to read whole: ask whether an index can
+                        // serve the query at all.
+                        sqlx::query("SET enable_seqscan = off").execute(&mut *conn).await.unwrap();
+                        for row in sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN {query}")))
+                            .fetch_all(&mut *conn)
+                            .await
+                            .unwrap()
+                        {
+                            lines.push(row.try_get::<String, _>(0).unwrap());
+                        }
+                        sqlx::query("RESET enable_seqscan").execute(&mut *conn).await.unwrap();
+                    }
+                    Backend::Sqlite => {
+                        for row in sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {query}")))
+                            .fetch_all(&mut *conn)
+                            .await
+                            .unwrap()
+                        {
+                            lines.push(row.try_get::<String, _>(3).unwrap());
+                        }
+                    }
+                    _ => {
+                        for row in sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN {query}")))
+                            .fetch_all(&mut *conn)
+                            .await
+                            .unwrap()
+                        {
+                            let key: Option<String> = row.try_get("key").unwrap();
+                            let extra: Option<String> = row.try_get("Extra").unwrap();
+                            lines.push(format!("key={key:?} extra={extra:?}"));
+                        }
+                    }
+                }
+            }
+            lines.join("\n")
+        }
+
+        #[tokio::test]
+        async fn the_statistics_are_read_from_indexes() {
+            let (pool, _guard) = fixture().await;
+            let plan = plan_of_stats(&pool).await;
+            match BACKEND {
+                Backend::Postgres => {
+                    assert!(plan.contains("Index Only Scan using inbox_messages_console"), "{plan}");
+                    assert!(plan.contains("Index Only Scan using inbox_rejections_console"), "{plan}");
+                    assert!(!plan.contains("Seq Scan"), "{plan}");
+                }
+                Backend::Sqlite => {
+                    assert!(plan.contains("USING COVERING INDEX inbox_messages_console"), "{plan}");
+                    assert!(plan.contains("USING COVERING INDEX inbox_rejections_console"), "{plan}");
+                }
+                _ => {
+                    assert!(plan.contains("key=Some(\"inbox_messages_console\")"), "{plan}");
+                    assert!(plan.contains("key=Some(\"inbox_rejections_console\")"), "{plan}");
+                    assert!(plan.contains("Using index"), "{plan}");
+                }
+            }
+        }
+
+        /// `cargo test --test console -- --ignored --nocapture overview_over_a_million_rows`: seeds
+        /// 1,000,000 rows on PostgreSQL and prints the overview's server time (the router's, in
+        /// process: no network).
+        #[tokio::test]
+        #[ignore = "a measurement: seeds a million rows; run by hand"]
+        async fn overview_over_a_million_rows() {
+            if BACKEND != Backend::Postgres {
+                return;
+            }
+            let (pool, _guard) = fixture().await;
+            let started = Instant::now();
+            sqlx::query(
+                "INSERT INTO inbox_messages (consumer, message_key, message_name, payload_hash, \
+                 status, received_at, processed_at, payload) \
+                 SELECT 'bench-' || (i % 4), 'key-' || i, 'console.task', 'hash', \
+                        CASE i % 1000 WHEN 0 THEN 'failed' WHEN 1 THEN 'dead' WHEN 2 THEN 'parked' \
+                        ELSE 'processed' END, \
+                        now() - (i % 86400) * interval '1 second', \
+                        CASE WHEN i % 1000 > 2 THEN now() - (i % 86400) * interval '1 second' END, \
+                        CASE WHEN i % 1000 <= 2 THEN '{\"id\": 1}'::bytea END \
+                 FROM generate_series(1, 1000000) AS i",
+            )
+            .execute(&pool)
+            .await
+            .unwrap();
+            println!("seeded 1,000,000 rows in {:?}", started.elapsed());
+            let dispatcher = Arc::new(Dispatcher::from_registry(pool.clone()).unwrap());
+            let app: axum::Router = Console::new(dispatcher).behind_own_auth().build().unwrap();
+            for (when, vacuum) in [("before VACUUM", false), ("after VACUUM ANALYZE", true)] {
+                if vacuum {
+                    sqlx::query("VACUUM ANALYZE inbox_messages").execute(&pool).await.unwrap();
+                }
+                for page in ["/"] {
+                    let mut times = Vec::new();
+                    for _ in 0..5 {
+                        let started = Instant::now();
+                        let (status, html, _) = call(&app, "GET", page, &[], None).await;
+                        times.push(started.elapsed());
+                        assert_eq!(status, StatusCode::OK, "{html}");
+                    }
+                    println!("{page} {when}: {times:?}");
+                }
+                let plan: Vec<String> = sqlx::query(
+                    "EXPLAIN (ANALYZE, BUFFERS) SELECT consumer, status, COUNT(*), \
+                     MIN(received_at) FROM inbox_messages GROUP BY status, consumer",
+                )
+                .fetch_all(&pool)
+                .await
+                .unwrap()
+                .iter()
+                .map(|row| row.try_get::<String, _>(0).unwrap())
+                .collect();
+                println!("{}", plan.join("\n"));
+            }
+        }
+    }
+}

@@ -309,7 +309,7 @@ pub(super) const FETCH: &str = concat!(
 );
 
 pub(super) const STATS: &str = "SELECT consumer, status, COUNT(*), CAST(MIN(received_at) AS TEXT) \
-     FROM inbox_messages GROUP BY consumer, status \
+     FROM inbox_messages GROUP BY status, consumer \
      UNION ALL \
      SELECT consumer, 'rejected:' || reason, COUNT(*), CAST(MIN(received_at) AS TEXT) \
      FROM inbox_rejections GROUP BY consumer, reason \
