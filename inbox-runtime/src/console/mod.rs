@@ -68,7 +68,10 @@
 use std::collections::BTreeSet;
 use std::fmt::{self, Write as _};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+mod chart;
+mod more;
 
 use axum::Router;
 use axum::body::Body;
@@ -81,7 +84,7 @@ use http::{HeaderValue, StatusCode, header};
 use sha2::Sha256;
 
 use crate::admin;
-use crate::store::{InboxDatabase, RejectionReason, StatsRow, StatsStatus, StoredMessage};
+use crate::store::{ConsoleDatabase, RejectionReason, StatsRow, StatsStatus, StoredMessage};
 use crate::{ConsumerOutcome, Dispatcher, Error, MAX_KEY_BYTES, Outcome, Status};
 
 /// The largest `limit` the list and the bulk replay accept.
@@ -93,6 +96,10 @@ pub const DEFAULT_LIMIT: u32 = 100;
 /// The operator's name of every request when the console is [behind your own
 /// auth](Console::behind_own_auth): `behind-own-auth`.
 pub const OWN_AUTH_OPERATOR: &str = "behind-own-auth";
+
+/// How long a confirmation page's form stays valid unless [`Console::form_lifetime`] says
+/// otherwise: 1 hour.
+pub const DEFAULT_FORM_LIFETIME: Duration = Duration::from_secs(3600);
 
 /// The largest form body a `POST` may send: 64 KiB.
 const MAX_FORM_BYTES: usize = 64 * 1024;
@@ -158,14 +165,15 @@ pub enum ConsoleError {
 type Hook = dyn Fn(&Parts) -> Result<String, Refusal> + Send + Sync;
 
 /// The builder of the operator console's router. See the [module](self) documentation.
-pub struct Console<DB: InboxDatabase> {
+pub struct Console<DB: ConsoleDatabase> {
     dispatcher: Arc<Dispatcher<DB>>,
     hook: Option<Arc<Hook>>,
     own_auth: bool,
     secret: Option<[u8; 32]>,
+    lifetime: Duration,
 }
 
-impl<DB: InboxDatabase> fmt::Debug for Console<DB> {
+impl<DB: ConsoleDatabase> fmt::Debug for Console<DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Console")
             .field("hook", &self.hook.is_some())
@@ -174,7 +182,7 @@ impl<DB: InboxDatabase> fmt::Debug for Console<DB> {
     }
 }
 
-impl<DB: InboxDatabase> Console<DB> {
+impl<DB: ConsoleDatabase> Console<DB> {
     /// A console over `dispatcher`'s pool, replaying with its handlers (a `Dispatcher`, or an
     /// `Arc` of the one your worker runs with, so that replays share its dedupe cache).
     pub fn new(dispatcher: impl Into<Arc<Dispatcher<DB>>>) -> Self {
@@ -183,6 +191,7 @@ impl<DB: InboxDatabase> Console<DB> {
             hook: None,
             own_auth: false,
             secret: None,
+            lifetime: DEFAULT_FORM_LIFETIME,
         }
     }
 
@@ -213,6 +222,15 @@ impl<DB: InboxDatabase> Console<DB> {
         self
     }
 
+    /// How long a confirmation page's form stays valid (its CSRF token carries its issue
+    /// time): [`DEFAULT_FORM_LIFETIME`] (1 hour) unless given. A `POST` with an older token
+    /// is refused with `403` and a page that says it expired and to reload; nothing changes.
+    /// [`Duration::ZERO`] expires every form (useful in tests only).
+    pub fn form_lifetime(mut self, lifetime: Duration) -> Self {
+        self.lifetime = lifetime;
+        self
+    }
+
     /// The router: mount it with [`Router::nest`] (or [`Router::merge`] at the root). Its
     /// state type `S` is whatever your router's is.
     ///
@@ -235,6 +253,7 @@ impl<DB: InboxDatabase> Console<DB> {
             dispatcher: self.dispatcher,
             auth,
             secret,
+            lifetime: self.lifetime,
         });
         Ok(Router::new()
             .route("/", get(overview::<DB>))
@@ -247,6 +266,10 @@ impl<DB: InboxDatabase> Console<DB> {
                 get(confirm_replay_all::<DB>).post(replay_all::<DB>),
             )
             .route("/rejections", get(rejections::<DB>))
+            .route("/rejection", get(more::rejection::<DB>))
+            .route("/parked", get(more::parked::<DB>))
+            .route("/outbox", get(more::outbox::<DB>))
+            .route("/rates", get(more::rates::<DB>))
             .route("/style.css", get(style))
             .fallback(not_found)
             .method_not_allowed_fallback(wrong_method)
@@ -267,11 +290,25 @@ enum Auth {
     OwnAuth,
 }
 
-struct Inner<DB: InboxDatabase> {
+struct Inner<DB: ConsoleDatabase> {
     dispatcher: Arc<Dispatcher<DB>>,
     auth: Auth,
     secret: [u8; 32],
+    lifetime: Duration,
 }
+
+/// How a form's CSRF token checked out.
+enum TokenCheck {
+    Fresh,
+    /// Missing, malformed, or not this operator's under this secret.
+    Wrong,
+    /// This operator's, and older than the lifetime.
+    Expired,
+}
+
+/// How far in the future a token may have been issued (by a replica whose clock is ahead):
+/// 5 minutes.
+const CLOCK_SLACK_SECS: i64 = 300;
 
 /// Who asks, and where the console is mounted.
 struct Ctx {
@@ -292,7 +329,7 @@ impl Ctx {
 
 type Shared<DB> = State<Arc<Inner<DB>>>;
 
-impl<DB: InboxDatabase> Inner<DB> {
+impl<DB: ConsoleDatabase> Inner<DB> {
     /// The operator, or the refusal's page.
     fn begin(&self, parts: &Parts) -> Result<Ctx, Problem> {
         let base = parts
@@ -325,24 +362,45 @@ impl<DB: InboxDatabase> Inner<DB> {
         Ok(Ctx { operator, base })
     }
 
-    /// The CSRF token of `operator`: hex HMAC-SHA256 under the console's secret.
+    /// The CSRF token of `operator`, issued now: `<issued>.<mac>`, the issue time in seconds
+    /// since the epoch and the hex HMAC-SHA256 of the operator's name and that time under the
+    /// console's secret.
     fn token(&self, operator: &str) -> String {
-        hex::encode(self.mac(operator).finalize().into_bytes())
+        let issued = now_secs();
+        format!(
+            "{issued}.{}",
+            hex::encode(self.mac(operator, issued).finalize().into_bytes())
+        )
     }
 
-    fn mac(&self, operator: &str) -> Hmac<Sha256> {
+    fn mac(&self, operator: &str, issued: i64) -> Hmac<Sha256> {
         let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.secret)
             .expect("HMAC takes keys of any length");
         mac.update(operator.as_bytes());
+        mac.update(b"\0");
+        mac.update(issued.to_string().as_bytes());
         mac
     }
 
-    /// `true` if `token` is `operator`'s (compared in constant time).
-    fn token_ok(&self, operator: &str, token: Option<&str>) -> bool {
-        let Some(bytes) = token.and_then(|token| hex::decode(token).ok()) else {
-            return false;
+    /// Whether `token` is `operator`'s (the MAC compared in constant time) and still fresh.
+    fn check_token(&self, operator: &str, token: Option<&str>) -> TokenCheck {
+        let Some((issued, mac)) = token.and_then(|token| token.split_once('.')) else {
+            return TokenCheck::Wrong;
         };
-        self.mac(operator).verify_slice(&bytes).is_ok()
+        let (Ok(issued), Ok(bytes)) = (issued.parse::<i64>(), hex::decode(mac)) else {
+            return TokenCheck::Wrong;
+        };
+        if self.mac(operator, issued).verify_slice(&bytes).is_err() {
+            return TokenCheck::Wrong;
+        }
+        let age = now_secs().saturating_sub(issued);
+        // A replica whose clock runs ahead may have issued it a little in the future.
+        if age < -CLOCK_SLACK_SECS
+            || age >= i64::try_from(self.lifetime.as_secs()).unwrap_or(i64::MAX)
+        {
+            return TokenCheck::Expired;
+        }
+        TokenCheck::Fresh
     }
 
     /// The consumers that exist: those of the dispatcher's handlers and those with rows.
@@ -440,7 +498,7 @@ impl Params {
     }
 
     /// `consumer`, checked to exist.
-    async fn consumer<DB: InboxDatabase>(
+    async fn consumer<DB: ConsoleDatabase>(
         &self,
         inner: &Inner<DB>,
         required: bool,
@@ -502,7 +560,7 @@ impl Params {
 }
 
 /// The request's form body, parsed as [`Params`], after the CSRF checks.
-async fn form<DB: InboxDatabase>(
+async fn form<DB: ConsoleDatabase>(
     inner: &Inner<DB>,
     ctx: &Ctx,
     parts: &Parts,
@@ -535,18 +593,37 @@ async fn form<DB: InboxDatabase>(
     let token = form_urlencoded::parse(&bytes)
         .find(|(name, _)| name == "csrf")
         .map(|(_, value)| value.into_owned());
-    if !inner.token_ok(&ctx.operator, token.as_deref()) {
-        tracing::warn!(
-            target: "inbox_runtime::console",
-            operator = ?ctx.operator,
-            "console: POST without a valid CSRF token refused"
-        );
-        return Err(bare(
-            StatusCode::FORBIDDEN,
-            "Invalid form token",
-            "This action's form token (CSRF) is missing or wrong: open the page again and \
-             confirm from there.",
-        ));
+    match inner.check_token(&ctx.operator, token.as_deref()) {
+        TokenCheck::Fresh => {}
+        TokenCheck::Wrong => {
+            tracing::warn!(
+                target: "inbox_runtime::console",
+                operator = ?ctx.operator,
+                "console: POST without a valid CSRF token refused"
+            );
+            return Err(bare(
+                StatusCode::FORBIDDEN,
+                "Invalid form token",
+                "This action's form token (CSRF) is missing or wrong: open the page again and \
+                 confirm from there.",
+            ));
+        }
+        TokenCheck::Expired => {
+            tracing::info!(
+                target: "inbox_runtime::console",
+                operator = ?ctx.operator,
+                "console: POST with an expired CSRF token refused"
+            );
+            return Err(bare(
+                StatusCode::FORBIDDEN,
+                "Page expired",
+                &format!(
+                    "This page expired: its form token is valid for {} and is older. Nothing \
+                     was changed. Reload the page and confirm again.",
+                    admin::format_skew(inner.lifetime)
+                ),
+            ));
+        }
     }
     Params::parse(&bytes, allowed)
 }
@@ -580,7 +657,7 @@ fn cross_site(parts: &Parts) -> Option<String> {
 
 // ----- Pages -----
 
-async fn overview<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+async fn overview<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
     let (parts, _) = request.into_parts();
     run(async {
         let ctx = inner.begin(&parts)?;
@@ -598,7 +675,7 @@ async fn overview<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request)
         }
         body.push_str(
             "<th class=\"num\">rejected</th><th>oldest failed</th><th>oldest dead</th>\
-             </tr></thead><tbody>",
+             <th>oldest parked</th></tr></thead><tbody>",
         );
         for consumer in &consumers {
             let mine = rows
@@ -659,13 +736,15 @@ async fn overview<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request)
                 body,
                 "<td class=\"num\" data-consumer=\"{c}\" data-status=\"rejected\">{rejected}</td>\
                  <td data-consumer=\"{c}\" data-oldest=\"failed\">{}</td>\
-                 <td data-consumer=\"{c}\" data-oldest=\"dead\">{}</td></tr>",
+                 <td data-consumer=\"{c}\" data-oldest=\"dead\">{}</td>\
+                 <td data-consumer=\"{c}\" data-oldest=\"parked\">{}</td></tr>",
                 escape(&oldest(Status::Failed)),
                 escape(&oldest(Status::Dead)),
+                escape(&oldest(Status::Parked)),
             );
         }
         if consumers.is_empty() {
-            body.push_str("<tr><td colspan=\"10\" class=\"muted\">The inbox is empty and no handler is registered.</td></tr>");
+            body.push_str("<tr><td colspan=\"11\" class=\"muted\">The inbox is empty and no handler is registered.</td></tr>");
         }
         body.push_str("</tbody></table>");
         let unnamed: i64 = rows
@@ -681,16 +760,21 @@ async fn overview<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request)
                 escape(&ctx.link("/rejections"))
             );
         }
-        body.push_str(
+        let _ = write!(
+            body,
             "<p class=\"muted\">Ages are measured from the first delivery of the oldest \
-             message in that status.</p>",
+             message in that status: the oldest failed one is how far retries lag behind, the \
+             oldest parked one how long an aggregate has waited for a missing sequence \
+             (see <a href=\"{}\">parked</a>). Counts are exact, read from the \
+             <code>inbox_messages_console</code> index.</p>",
+            escape(&ctx.link("/parked"))
         );
         Ok(layout(&ctx, StatusCode::OK, "Overview", &body))
     })
     .await
 }
 
-async fn messages<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+async fn messages<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
     let (parts, _) = request.into_parts();
     run(async {
         let ctx = inner.begin(&parts)?;
@@ -795,7 +879,7 @@ async fn messages<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request)
     .await
 }
 
-async fn message<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+async fn message<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
     let (parts, _) = request.into_parts();
     run(async {
         let ctx = inner.begin(&parts)?;
@@ -818,11 +902,14 @@ async fn message<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) 
     .await
 }
 
-async fn confirm_replay<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+async fn confirm_replay<DB: ConsoleDatabase>(
+    State(inner): Shared<DB>,
+    request: Request,
+) -> Response {
     confirm(&inner, request, Action::Replay).await
 }
 
-async fn confirm_discard<DB: InboxDatabase>(
+async fn confirm_discard<DB: ConsoleDatabase>(
     State(inner): Shared<DB>,
     request: Request,
 ) -> Response {
@@ -845,7 +932,7 @@ impl Action {
 }
 
 /// The confirmation page of one action on one message.
-async fn confirm<DB: InboxDatabase>(
+async fn confirm<DB: ConsoleDatabase>(
     inner: &Inner<DB>,
     request: Request,
     action: Action,
@@ -892,16 +979,16 @@ async fn confirm<DB: InboxDatabase>(
     .await
 }
 
-async fn replay<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+async fn replay<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
     act(&inner, request, Action::Replay).await
 }
 
-async fn discard<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+async fn discard<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
     act(&inner, request, Action::Discard).await
 }
 
 /// A confirmed action on one message.
-async fn act<DB: InboxDatabase>(inner: &Inner<DB>, request: Request, action: Action) -> Response {
+async fn act<DB: ConsoleDatabase>(inner: &Inner<DB>, request: Request, action: Action) -> Response {
     let (parts, body) = request.into_parts();
     run(async {
         let ctx = inner.begin(&parts)?;
@@ -968,7 +1055,7 @@ async fn act<DB: InboxDatabase>(inner: &Inner<DB>, request: Request, action: Act
     .await
 }
 
-async fn confirm_replay_all<DB: InboxDatabase>(
+async fn confirm_replay_all<DB: ConsoleDatabase>(
     State(inner): Shared<DB>,
     request: Request,
 ) -> Response {
@@ -1032,7 +1119,7 @@ async fn confirm_replay_all<DB: InboxDatabase>(
     .await
 }
 
-async fn replay_all<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+async fn replay_all<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
     run(async {
         let ctx = inner.begin(&parts)?;
@@ -1101,11 +1188,11 @@ async fn replay_all<DB: InboxDatabase>(State(inner): Shared<DB>, request: Reques
     .await
 }
 
-async fn rejections<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+async fn rejections<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
     let (parts, _) = request.into_parts();
     run(async {
         let ctx = inner.begin(&parts)?;
-        Params::query(&parts, &[])?;
+        let params = Params::query(&parts, &["consumer", "reason", "limit"])?;
         let rows = admin::stats(inner.dispatcher.pool())
             .await
             .map_err(database)?;
@@ -1145,6 +1232,7 @@ async fn rejections<DB: InboxDatabase>(State(inner): Shared<DB>, request: Reques
             );
         }
         body.push_str("</tbody></table>");
+        more::rejection_list(&inner, &ctx, &params, &mut body).await?;
         Ok(layout(&ctx, StatusCode::OK, "Rejections", &body))
     })
     .await
@@ -1245,7 +1333,7 @@ fn bulk_statuses(params: &Params) -> Result<(&'static [Status], &'static str), P
 }
 
 /// One row or a 404.
-async fn fetch<DB: InboxDatabase>(
+async fn fetch<DB: ConsoleDatabase>(
     inner: &Inner<DB>,
     consumer: &str,
     key: &str,
@@ -1396,7 +1484,7 @@ fn encode(value: &str) -> String {
 }
 
 /// The hidden CSRF field of `ctx`'s operator.
-fn csrf_field<DB: InboxDatabase>(inner: &Inner<DB>, ctx: &Ctx) -> String {
+fn csrf_field<DB: ConsoleDatabase>(inner: &Inner<DB>, ctx: &Ctx) -> String {
     format!(
         "<input type=\"hidden\" name=\"csrf\" value=\"{}\">",
         inner.token(&ctx.operator)
@@ -1462,13 +1550,17 @@ fn layout(ctx: &Ctx, status: StatusCode, title: &str, body: &str) -> Response {
          <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
          <title>{} · inbox console</title><link rel=\"stylesheet\" href=\"{}\"></head><body>\
          <header><span class=\"brand\">inbox console</span><nav><a href=\"{}\">Overview</a>\
-         <a href=\"{}\">Failed and dead</a><a href=\"{}\">Rejections</a></nav>\
+         <a href=\"{}\">Failed and dead</a><a href=\"{}\">Rejections</a>\
+         <a href=\"{}\">Parked</a><a href=\"{}\">Outbox</a><a href=\"{}\">Rates</a></nav>\
          <span class=\"operator\">{}</span></header><main>{body}</main></body></html>",
         escape(title),
         escape(&ctx.link("/style.css")),
         escape(&ctx.link("/")),
         escape(&ctx.link("/messages")),
         escape(&ctx.link("/rejections")),
+        escape(&ctx.link("/parked")),
+        escape(&ctx.link("/outbox")),
+        escape(&ctx.link("/rates")),
         escape(&ctx.operator),
     );
     html_response(status, html)

@@ -357,7 +357,7 @@ pub(super) fn retry_in(ms: Option<i64>) -> Option<std::time::Duration> {
         .map(|ms| std::time::Duration::from_millis(ms.unsigned_abs()))
 }
 
-pub(super) fn stats_status(text: &str) -> Result<StatsStatus, sqlx::Error> {
+pub(crate) fn stats_status(text: &str) -> Result<StatsStatus, sqlx::Error> {
     StatsStatus::parse(text)
 }
 
