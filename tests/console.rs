@@ -86,6 +86,11 @@ fn cell(html: &str, marker: &str) -> String {
     text
 }
 
+/// `text`'s bytes in lowercase hex.
+fn hex_of(text: &str) -> String {
+    text.bytes().map(|byte| format!("{byte:02x}")).collect()
+}
+
 /// The CSRF token of a confirmation page.
 fn csrf(html: &str) -> String {
     let marker = "name=\"csrf\" value=\"";
@@ -457,18 +462,57 @@ inbox_tests::backend_matrix! {
         .await;
         assert_eq!(status, StatusCode::OK, "{html}");
         assert!(html.contains("replay 1 messages?"), "{html}");
-        let body = form(&[
-            ("consumer", "console"),
-            ("status", "failed"),
-            ("limit", "10"),
-            ("csrf", &csrf(&html)),
-        ]);
-        let (status, html, _) = call(&app, "POST", "/ops/replay-all", &[ALICE], Some(body)).await;
+        let confirmed = form(&[("items", &hidden(&html, "items")), ("csrf", &csrf(&html))]);
+        // Another message fails after the confirmation: it is not in what was confirmed.
+        let late = id(tag, "late");
+        break_task(&format!("{BACKEND}:{late}"), false);
+        let _ = dispatcher
+            .dispatch(&inbox_tests::envelope(&Task { id: late.clone(), amount: 40, note: "x".into() }))
+            .await;
+        fix_task(&format!("{BACKEND}:{late}"));
+        assert_eq!(status_of(&pool, &late).await, Status::Failed);
+        let (status, html, _) =
+            call(&app, "POST", "/ops/replay-all", &[ALICE], Some(confirmed.clone())).await;
         assert_eq!(status, StatusCode::OK, "{html}");
         assert!(html.contains("Replayed 1: 1 succeeded, 0 did not."), "{html}");
         let flaky = id(tag, "flaky");
         assert_eq!(status_of(&pool, &flaky).await, Status::Processed);
         assert_eq!(effect(&pool, &format!("task:{flaky}")).await, Some((1, 30)));
+        assert_eq!(status_of(&pool, &late).await, Status::Failed);
+        // The same form again: skipped, said so, applied once.
+        let (status, html, _) =
+            call(&app, "POST", "/ops/replay-all", &[ALICE], Some(confirmed)).await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        assert!(html.contains("Replayed 1: 0 succeeded, 1 did not."), "{html}");
+        assert!(html.contains("skipped: it is processed now"), "{html}");
+        assert_eq!(effect(&pool, &format!("task:{flaky}")).await, Some((1, 30)));
+        // A partial failure: of the dead ones, one still broken, one fixed meanwhile (and the
+        // late failed one).
+        let (_, html, _) = call(
+            &app,
+            "GET",
+            "/ops/replay-all?consumer=console&limit=10",
+            &[ALICE],
+            None,
+        )
+        .await;
+        assert!(html.contains("replay 3 messages?"), "{html}");
+        let body = form(&[("items", &hidden(&html, "items")), ("csrf", &csrf(&html))]);
+        let (status, html, _) = call(&app, "POST", "/ops/replay-all", &[ALICE], Some(body)).await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        assert!(html.contains("Replayed 3: 1 succeeded, 2 did not."), "{html}");
+        assert!(html.contains("data-result=\"bulk\"") && html.contains("notice bad"), "{html}");
+        assert_eq!(status_of(&pool, &late).await, Status::Processed);
+        assert_eq!(status_of(&pool, &key2).await, Status::Dead);
+        assert_eq!(status_of(&pool, &EVIL.to_owned()).await, Status::Dead);
+    }
+
+    /// The value of the hidden field `name` of a confirmation page.
+    fn hidden(html: &str, name: &str) -> String {
+        let marker = format!("name=\"{name}\" value=\"");
+        let at = html.find(&marker).unwrap_or_else(|| panic!("no {name} in {html}"));
+        let rest = &html[at + marker.len()..];
+        rest[..rest.find('"').unwrap()].to_owned()
     }
 
     #[tokio::test]
@@ -666,9 +710,24 @@ inbox_tests::backend_matrix! {
                 assert!(html.contains(says), "{page} {pairs:?}: {html}");
             }
         }
-        let body = form(&[("consumer", "console"), ("limit", "5000"), ("csrf", &token)]);
-        let (got, html, _) = call(&app, "POST", "/ops/replay-all", &[ALICE], Some(body)).await;
-        assert_eq!(got, StatusCode::BAD_REQUEST, "{html}");
+        let nobody = format!("{}.{}", hex_of("nobody"), hex_of("bi-dead-1"));
+        let nul = format!("{}.{}", hex_of("console"), hex_of("bi\0"));
+        let many = vec![format!("{}.{}", hex_of("console"), hex_of("bi-dead-1")); 1001].join(",");
+        let bulk: Vec<(Headers<'_>, &str)> = vec![
+            (vec![("consumer", "console"), ("limit", "5000")], "Unknown parameter “consumer”"),
+            (vec![], "“items” is required"),
+            (vec![("items", "zz")], "not as the confirmation page sent them"),
+            (vec![("items", &nul)], "not as the confirmation page sent them"),
+            (vec![("items", &nobody)], "Unknown consumer “nobody”"),
+            (vec![("items", &many)], "1001 messages to replay: at most 1000"),
+        ];
+        for (mut pairs, says) in bulk {
+            pairs.push(("csrf", &token));
+            let (got, html, _) =
+                call(&app, "POST", "/ops/replay-all", &[ALICE], Some(form(&pairs))).await;
+            assert_eq!(got, StatusCode::BAD_REQUEST, "{pairs:?}: {html}");
+            assert!(html.contains(says), "{pairs:?}: {html}");
+        }
         assert_eq!(admin::stats(&pool).await.unwrap(), before);
         assert_eq!(status_of(&pool, &id("bi", "dead-1")).await, Status::Dead);
     }

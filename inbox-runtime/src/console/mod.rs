@@ -10,13 +10,17 @@
 //!
 //! | path | what it shows |
 //! |---|---|
-//! | `/` | per consumer, the rows per status (processed, failed, dead, parked, stale, discarded), the rejected deliveries, and the oldest failed and dead messages with their age ([`admin::stats`]) |
+//! | `/` | per consumer, the rows per status (processed, failed, dead, parked, stale, discarded), the rejected deliveries, and the oldest failed, dead and parked messages with their age: how far retries and the ordering backlog lag ([`admin::stats`], read from the `inbox_messages_console` index: exact counts, no table scan) |
 //! | `/messages?consumer=&status=&limit=` | failed and dead (or parked) messages, oldest first, at most `limit` (1 to [`MAX_LIMIT`], default [`DEFAULT_LIMIT`]) |
 //! | `/message?consumer=&key=` | one message: status, attempts, last error, source metadata, the payload (pretty-printed when it is JSON) |
 //! | `/replay?consumer=&key=` | a confirmation page; its form `POST`s to `/replay`, which runs [`Dispatcher::replay`] |
 //! | `/discard?consumer=&key=` | a confirmation page; its form `POST`s to `/discard`, which runs [`Dispatcher::discard`] |
-//! | `/replay-all?consumer=&status=&limit=` | bulk replay of what the list with the same filter shows, confirmed, then `POST` |
-//! | `/rejections` | rejected deliveries (conflicts, malformed payloads, unknown names, bad keys, too large) per consumer and reason |
+//! | `/replay-all?consumer=&status=&limit=` | bulk replay of what the list with the same filter shows, confirmed; its form carries the confirmed messages, and the `POST` replays exactly those (one no longer failed or dead is skipped and said so), not whatever the filter selects by then |
+//! | `/rejections?consumer=&reason=&limit=` | rejected deliveries (conflicts, malformed payloads, unknown names, bad keys, too large) counted per consumer and reason, and the newest `limit` of them (of that consumer and reason, if given) |
+//! | `/rejection?id=` | one rejected delivery: reason, detail, key, and its payload bytes as a hex dump (the first 64 KiB) and as text when they are UTF-8 |
+//! | `/parked?consumer=&limit=` | parked messages (out of order, waiting for a predecessor) per aggregate: the last applied sequence, the one it waits for, the missing sequences (gaps) and the parked ones |
+//! | `/outbox?status=&destination=&limit=` | the transactional outbox's rows per destination and status with the oldest pending and dead, and its pending and dead rows (`status=pending` or `dead`: one of them); when the outbox is not installed, a page that says so |
+//! | `/rates` | per consumer, the last 24 hours in hourly bars (inline SVG): messages first delivered per hour by their status now, rejections per hour by reason (duplicates leave no row: they are a metric's) |
 //!
 //! Keys travel in query strings and form fields (percent-encoded), never in paths. Every value
 //! shown is HTML-escaped. Bad input (an unknown consumer or parameter, a `limit` out of range, an
@@ -36,9 +40,12 @@
 //!
 //! # CSRF
 //!
-//! Every `POST` carries a token in a hidden form field: HMAC-SHA256 of the operator's name
-//! under a secret of the console (random per [`Console`], or [`Console::csrf_secret`] to share
-//! one between replicas), compared in constant time. A `POST` whose token is missing or wrong,
+//! Every `POST` carries a token in a hidden form field: its issue time and the HMAC-SHA256 of
+//! the operator's name and that time under a secret of the console (random per [`Console`], or
+//! [`Console::csrf_secret`] to share one between replicas), compared in constant time. A token
+//! older than [`Console::form_lifetime`] (default [`DEFAULT_FORM_LIFETIME`], 1 hour) is refused
+//! with `403` and a page that says the form expired and to reload it. A `POST` whose token is
+//! missing or wrong,
 //! or whose `Origin` is not this host, or whose `Sec-Fetch-Site` is other than `same-origin`,
 //! is refused with `403` before anything is read or changed. Pages are sent with
 //! `X-Frame-Options: DENY` and a `Content-Security-Policy` without scripts, so that a
@@ -565,6 +572,7 @@ async fn form<DB: ConsoleDatabase>(
     ctx: &Ctx,
     parts: &Parts,
     body: Body,
+    max_bytes: usize,
     allowed: &[&str],
 ) -> Result<Params, Problem> {
     if let Some(why) = cross_site(parts) {
@@ -580,15 +588,13 @@ async fn form<DB: ConsoleDatabase>(
             &format!("This action was sent from another site and is refused ({why})."),
         ));
     }
-    let bytes = axum::body::to_bytes(body, MAX_FORM_BYTES)
-        .await
-        .map_err(|_| {
-            bare(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "Form too large",
-                &format!("A form of the console is at most {MAX_FORM_BYTES} bytes."),
-            )
-        })?;
+    let bytes = axum::body::to_bytes(body, max_bytes).await.map_err(|_| {
+        bare(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "Form too large",
+            &format!("This form of the console is at most {max_bytes} bytes."),
+        )
+    })?;
     // The token first: a forged request learns nothing about the other fields.
     let token = form_urlencoded::parse(&bytes)
         .find(|(name, _)| name == "csrf")
@@ -779,17 +785,12 @@ async fn messages<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Reques
     run(async {
         let ctx = inner.begin(&parts)?;
         let params = Params::query(&parts, &["consumer", "status", "limit"])?;
-        let (statuses, status) = params.statuses()?;
-        let limit = params.limit()?;
-        let consumer = params.consumer(&inner, false).await?;
-        let rows = admin::list(
-            inner.dispatcher.pool(),
-            consumer.as_deref(),
-            statuses,
+        let Filter {
+            consumer,
+            status,
             limit,
-        )
-        .await
-        .map_err(database)?;
+            rows,
+        } = Filter::read(&inner, &params, false).await?;
         let known = inner.consumers(None).await?;
         let mut body = String::from("<h1>Failed and dead messages</h1>");
         let _ = write!(
@@ -992,7 +993,15 @@ async fn act<DB: ConsoleDatabase>(inner: &Inner<DB>, request: Request, action: A
     let (parts, body) = request.into_parts();
     run(async {
         let ctx = inner.begin(&parts)?;
-        let params = form(inner, &ctx, &parts, body, &["consumer", "key", "csrf"]).await?;
+        let params = form(
+            inner,
+            &ctx,
+            &parts,
+            body,
+            MAX_FORM_BYTES,
+            &["consumer", "key", "csrf"],
+        )
+        .await?;
         let (consumer, key) = (params.consumer(inner, true).await?, params.key()?);
         let consumer = consumer.unwrap_or_default();
         let row = fetch(inner, &consumer, &key).await?;
@@ -1063,21 +1072,17 @@ async fn confirm_replay_all<DB: ConsoleDatabase>(
     run(async {
         let ctx = inner.begin(&parts)?;
         let params = Params::query(&parts, &["consumer", "status", "limit"])?;
-        let (statuses, status) = bulk_statuses(&params)?;
-        let limit = params.limit()?;
-        let consumer = params.consumer(&inner, false).await?;
-        let rows = admin::list(
-            inner.dispatcher.pool(),
-            consumer.as_deref(),
-            statuses,
+        let Filter {
+            consumer,
+            status,
             limit,
-        )
-        .await
-        .map_err(database)?;
+            rows,
+        } = Filter::read(&inner, &params, true).await?;
         let mut body = format!(
             "<h1>Confirm: replay {} messages?</h1><p class=\"notice\">Each of the {} {} \
              messages{} below (oldest first, at most {limit}) is replayed once with its \
-             registered handler.</p><ul>",
+             registered handler: exactly these, also if others fail meanwhile (one that is \
+             no longer failed or dead by then is skipped).</p><ul>",
             rows.len(),
             rows.len(),
             if status.is_empty() {
@@ -1099,14 +1104,23 @@ async fn confirm_replay_all<DB: ConsoleDatabase>(
                 row.status
             );
         }
+        let items: Vec<String> = rows
+            .iter()
+            .map(|row| {
+                format!(
+                    "{}.{}",
+                    hex::encode(&row.consumer),
+                    hex::encode(&row.message_key)
+                )
+            })
+            .collect();
         let _ = write!(
             body,
-            "</ul><form method=\"post\" action=\"{}\"><input type=\"hidden\" name=\"consumer\" \
-             value=\"{}\"><input type=\"hidden\" name=\"status\" value=\"{status}\">\
-             <input type=\"hidden\" name=\"limit\" value=\"{limit}\">{}<div class=\"actions\">\
+            "</ul><form method=\"post\" action=\"{}\"><input type=\"hidden\" name=\"items\" \
+             value=\"{}\">{}<div class=\"actions\">\
              <button>Yes, replay them</button><a href=\"{}\">Cancel</a></div></form>",
             escape(&ctx.link("/replay-all")),
-            escape(consumer.as_deref().unwrap_or("")),
+            items.join(","),
             csrf_field(&inner, &ctx),
             escape(&format!(
                 "{}?{}",
@@ -1119,6 +1133,55 @@ async fn confirm_replay_all<DB: ConsoleDatabase>(
     .await
 }
 
+/// The largest form body of a bulk replay: the confirmed messages travel in it, hex-encoded
+/// (at most [`MAX_LIMIT`] consumers of 255 bytes and keys of [`MAX_KEY_BYTES`]): 2 MiB.
+const MAX_BULK_FORM_BYTES: usize = 2 * 1024 * 1024;
+
+/// The `items` of a bulk replay's form: `hex(consumer).hex(key)`, comma-separated, each
+/// consumer known and each key valid, at most [`MAX_LIMIT`].
+async fn bulk_items<DB: ConsoleDatabase>(
+    inner: &Inner<DB>,
+    params: &Params,
+) -> Result<Vec<(String, String)>, Problem> {
+    let text = params.required("items")?;
+    let mut items = Vec::new();
+    for item in text.split(',') {
+        let decode = |part: &str| {
+            hex::decode(part)
+                .ok()
+                .and_then(|bytes| String::from_utf8(bytes).ok())
+                .filter(|text| !text.is_empty() && !text.contains('\0'))
+        };
+        let Some((consumer, key)) = item
+            .split_once('.')
+            .and_then(|(consumer, key)| Some((decode(consumer)?, decode(key)?)))
+        else {
+            return Err(bad_request(
+                "The confirmed messages (“items”) are not as the confirmation page sent them: \
+                 open it again.",
+            ));
+        };
+        if key.len() > MAX_KEY_BYTES {
+            return Err(bad_request(&format!(
+                "A key is {} bytes long; keys are at most {MAX_KEY_BYTES} bytes.",
+                key.len()
+            )));
+        }
+        items.push((consumer, key));
+    }
+    if items.len() > MAX_LIMIT as usize {
+        return Err(bad_request(&format!(
+            "{} messages to replay: at most {MAX_LIMIT} at once.",
+            items.len()
+        )));
+    }
+    let consumers: BTreeSet<&str> = items.iter().map(|(c, _)| c.as_str()).collect();
+    for consumer in consumers {
+        inner.check_consumer(consumer).await?;
+    }
+    Ok(items)
+}
+
 async fn replay_all<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
     run(async {
@@ -1128,30 +1191,27 @@ async fn replay_all<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Requ
             &ctx,
             &parts,
             body,
-            &["consumer", "status", "limit", "csrf"],
+            MAX_BULK_FORM_BYTES,
+            &["items", "csrf"],
         )
         .await?;
-        let (statuses, _) = bulk_statuses(&params)?;
-        let limit = params.limit()?;
-        let consumer = params.consumer(&inner, false).await?;
-        let rows = admin::list(
-            inner.dispatcher.pool(),
-            consumer.as_deref(),
-            statuses,
-            limit,
-        )
-        .await
-        .map_err(database)?;
+        let items = bulk_items(&inner, &params).await?;
         let mut table = String::new();
         let (mut succeeded, mut failed) = (0_u32, 0_u32);
-        for row in &rows {
-            let (text, ok) = match inner
-                .dispatcher
-                .replay(&row.consumer, &row.message_key)
+        for (consumer, key) in &items {
+            let current = admin::show(inner.dispatcher.pool(), consumer, key)
                 .await
-            {
-                Ok(outcome) => describe(&outcome),
-                Err(error) => (error.to_string(), false),
+                .map_err(database)?;
+            let (text, ok) = match current {
+                None => ("skipped: no such message any more".to_owned(), false),
+                Some(row) if !matches!(row.status, Status::Failed | Status::Dead) => (
+                    format!("skipped: it is {} now, nothing to replay", row.status),
+                    false,
+                ),
+                Some(_) => match inner.dispatcher.replay(consumer, key).await {
+                    Ok(outcome) => describe(&outcome),
+                    Err(error) => (error.to_string(), false),
+                },
             };
             if ok {
                 succeeded += 1;
@@ -1162,17 +1222,22 @@ async fn replay_all<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Requ
                 target: "inbox_runtime::console",
                 operator = ?ctx.operator,
                 action = "replay",
-                consumer = ?row.consumer,
-                key = ?row.message_key,
+                consumer = ?consumer,
+                key = ?key,
                 result = %text,
                 "console: replay (bulk)"
             );
             let _ = write!(
                 table,
                 "<tr><td>{}</td><td class=\"key\"><a href=\"{}\">{}</a></td><td>{}</td></tr>",
-                escape(&row.consumer),
-                escape(&message_link(&ctx, "/message", row)),
-                escape(&row.message_key),
+                escape(consumer),
+                escape(&format!(
+                    "{}?consumer={}&key={}",
+                    ctx.link("/message"),
+                    encode(consumer),
+                    encode(key)
+                )),
+                escape(key),
                 escape(&text)
             );
         }
@@ -1181,11 +1246,52 @@ async fn replay_all<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Requ
              {succeeded} succeeded, {failed} did not.</p><table><thead><tr><th>consumer</th>\
              <th>key</th><th>result</th></tr></thead><tbody>{table}</tbody></table>",
             if failed == 0 { "ok" } else { "bad" },
-            rows.len()
+            items.len()
         );
         Ok(layout(&ctx, StatusCode::OK, "Bulk replay", &body))
     })
     .await
+}
+
+/// The list's filter (`consumer`, `status`, `limit`) and the rows it selects: what the list
+/// shows and what a bulk replay offers.
+struct Filter {
+    consumer: Option<String>,
+    /// `failed`, `dead`, `parked`, or empty for failed and dead.
+    status: &'static str,
+    limit: u32,
+    rows: Vec<StoredMessage>,
+}
+
+impl Filter {
+    /// Reads the filter from `params` (for a bulk replay: not parked) and lists its rows.
+    async fn read<DB: ConsoleDatabase>(
+        inner: &Inner<DB>,
+        params: &Params,
+        bulk: bool,
+    ) -> Result<Self, Problem> {
+        let (statuses, status) = if bulk {
+            bulk_statuses(params)?
+        } else {
+            params.statuses()?
+        };
+        let limit = params.limit()?;
+        let consumer = params.consumer(inner, false).await?;
+        let rows = admin::list(
+            inner.dispatcher.pool(),
+            consumer.as_deref(),
+            statuses,
+            limit,
+        )
+        .await
+        .map_err(database)?;
+        Ok(Self {
+            consumer,
+            status,
+            limit,
+            rows,
+        })
+    }
 }
 
 async fn rejections<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
