@@ -947,6 +947,12 @@ inbox_tests::backend_matrix! {
             call(&app, "GET", "/ops/outbox?destination=nowhere", &[ALICE], None).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{html}");
         assert!(html.contains("Unknown destination “nowhere”"), "{html}");
+        // The rates: the sent row, in this hour.
+        let (status, html, _) = call(&app, "GET", "/ops/rates", &[ALICE], None).await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        let section = &html[html.find("data-outbox=\"sent\"").expect("outbox section")..];
+        assert_eq!(cell(section, "data-destination=\"orders\""), "1");
+        assert!(!section.contains("data-destination=\"audit\""), "{section}");
     }
 
     #[tokio::test]

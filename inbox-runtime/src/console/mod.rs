@@ -20,7 +20,7 @@
 //! | `/rejection?id=` | one rejected delivery: reason, detail, key, and its payload bytes as a hex dump (the first 64 KiB) and as text when they are UTF-8 |
 //! | `/parked?consumer=&limit=` | parked messages (out of order, waiting for a predecessor) per aggregate: the last applied sequence, the one it waits for, the missing sequences (gaps) and the parked ones |
 //! | `/outbox?status=&destination=&limit=` | the transactional outbox's rows per destination and status with the oldest pending and dead, and its pending and dead rows (`status=pending` or `dead`: one of them); when the outbox is not installed, a page that says so |
-//! | `/rates` | per consumer, the last 24 hours in hourly bars (inline SVG): messages first delivered per hour by their status now, rejections per hour by reason (duplicates leave no row: they are a metric's) |
+//! | `/rates` | per consumer, the last 24 hours in hourly bars (inline SVG): messages first delivered per hour by their status now, rejections per hour by reason (duplicates leave no row: they are a metric's); with the outbox installed, rows sent per destination and hour |
 //!
 //! Keys travel in query strings and form fields (percent-encoded), never in paths. Every value
 //! shown is HTML-escaped. Bad input (an unknown consumer or parameter, a `limit` out of range, an

@@ -587,6 +587,44 @@ pub(super) async fn rates<DB: ConsoleDatabase>(
         if table.is_empty() {
             body.push_str("<p class=\"muted\">No arrivals and no handler registered.</p>");
         }
+        if outbox_admin::installed(inner.dispatcher.pool())
+            .await
+            .map_err(database)?
+        {
+            let rows = conn.outbox_sent(RATE_HOURS).await.map_err(database)?;
+            let mut sent: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+            for (destination, hour, count) in rows {
+                if let Some(slot) = usize::try_from(hour - first)
+                    .ok()
+                    .filter(|&slot| slot < RATE_HOURS as usize)
+                {
+                    sent.entry(destination)
+                        .or_insert_with(|| vec![0; RATE_HOURS as usize])[slot] += count;
+                }
+            }
+            body.push_str(
+                "<section class=\"rates\" data-outbox=\"sent\"><h2>Outbox: sent per hour</h2>\
+                 <p class=\"muted\">Rows the relays sent, per destination and hour of \
+                 <code>sent_at</code> (until the retention purge deletes them).</p>\
+                 <table class=\"rates\"><thead><tr><th>destination</th><th class=\"num\">total</th>\
+                 <th>per hour</th></tr></thead><tbody>",
+            );
+            for (destination, counts) in &sent {
+                let d = escape(destination);
+                let _ = write!(
+                    body,
+                    "<tr><th>{d}</th><td class=\"num\" data-destination=\"{d}\">{}</td><td>{}</td></tr>",
+                    counts.iter().sum::<i64>(),
+                    super::chart::bars(counts, first, &format!("{destination} sent")),
+                );
+            }
+            if sent.is_empty() {
+                body.push_str(
+                    "<tr><td colspan=\"3\" class=\"muted\">Nothing sent in these hours.</td></tr>",
+                );
+            }
+            body.push_str("</tbody></table></section>");
+        }
         Ok(layout(&ctx, StatusCode::OK, "Rates", &body))
     })
     .await

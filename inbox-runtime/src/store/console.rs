@@ -104,6 +104,15 @@ pub trait ConsoleStore: Send {
         &mut self,
         hours: i64,
     ) -> BoxFuture<'_, Result<(i64, Vec<ArrivalRow>), sqlx::Error>>;
+
+    /// Outbox rows sent per destination and hour (hours since the epoch, UTC) in the last
+    /// `hours` hours, as `(destination, hour, count)` (read through the `sent_at` index of the
+    /// outbox; fails with the database's error when the outbox is not migrated, and with a
+    /// configuration error where the backend has no outbox).
+    fn outbox_sent(
+        &mut self,
+        hours: i64,
+    ) -> BoxFuture<'_, Result<Vec<(String, i64, i64)>, sqlx::Error>>;
 }
 
 /// A database whose connections have the console's reads: PostgreSQL, SQLite, MySQL.
@@ -166,6 +175,8 @@ struct Sql {
     list_parked: &'static str,
     now_hour: &'static str,
     arrivals: &'static str,
+    /// `None`: no outbox on this backend.
+    outbox_sent: Option<&'static str>,
 }
 
 const POSTGRES: Sql = Sql {
@@ -195,6 +206,11 @@ const POSTGRES: Sql = Sql {
            CAST(FLOOR(EXTRACT(EPOCH FROM received_at) / 3600) AS BIGINT), COUNT(*) \
          FROM inbox_rejections WHERE received_at >= now() - $2 * interval '1 hour' \
          GROUP BY 1, 2, 3",
+    outbox_sent: Some(
+        "SELECT destination, CAST(FLOOR(EXTRACT(EPOCH FROM sent_at) / 3600) AS BIGINT), \
+         COUNT(*) FROM inbox_outbox \
+         WHERE status = 'sent' AND sent_at >= now() - $1 * interval '1 hour' GROUP BY 1, 2",
+    ),
 };
 
 const SQLITE: Sql = Sql {
@@ -225,6 +241,12 @@ const SQLITE: Sql = Sql {
          FROM inbox_rejections \
          WHERE received_at >= strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-' || $2 || ' hours') \
          GROUP BY 1, 2, 3",
+    outbox_sent: Some(
+        "SELECT destination, CAST(strftime('%s', sent_at) AS INTEGER) / 3600, COUNT(*) \
+         FROM inbox_outbox WHERE status = 'sent' \
+           AND sent_at >= strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-' || $1 || ' hours') \
+         GROUP BY 1, 2",
+    ),
 };
 
 const MYSQL: Sql = Sql {
@@ -257,6 +279,7 @@ const MYSQL: Sql = Sql {
            CAST(TIMESTAMPDIFF(SECOND, '1970-01-01 00:00:00', received_at) DIV 3600 AS SIGNED), \
            COUNT(*) FROM inbox_rejections WHERE received_at >= UTC_TIMESTAMP(6) - INTERVAL ? HOUR \
          GROUP BY 1, 2, 3",
+    outbox_sent: None,
 };
 
 macro_rules! impl_console_store {
@@ -360,6 +383,20 @@ macro_rules! impl_console_store {
                         .map(arrival)
                         .collect::<Result<Vec<_>, _>>()?;
                     Ok((now, rows))
+                })
+            }
+
+            fn outbox_sent(
+                &mut self,
+                hours: i64,
+            ) -> BoxFuture<'_, Result<Vec<(String, i64, i64)>, sqlx::Error>> {
+                Box::pin(async move {
+                    let Some(sql) = $sql.outbox_sent else {
+                        return Err(sqlx::Error::Configuration(
+                            "the outbox is not available on this backend".into(),
+                        ));
+                    };
+                    sqlx::query_as(sql).bind(hours).fetch_all(&mut *self).await
                 })
             }
         }
