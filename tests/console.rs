@@ -1181,13 +1181,15 @@ mod large {
             let started = Instant::now();
             sqlx::query(
                 "INSERT INTO inbox_messages (consumer, message_key, message_name, payload_hash, \
-                 status, received_at, processed_at, payload) \
+                 status, received_at, processed_at, payload, aggregate_id, sequence) \
                  SELECT 'bench-' || (i % 4), 'key-' || i, 'console.task', 'hash', \
                         CASE i % 1000 WHEN 0 THEN 'failed' WHEN 1 THEN 'dead' WHEN 2 THEN 'parked' \
                         ELSE 'processed' END, \
                         now() - (i % 86400) * interval '1 second', \
                         CASE WHEN i % 1000 > 2 THEN now() - (i % 86400) * interval '1 second' END, \
-                        CASE WHEN i % 1000 <= 2 THEN '{\"id\": 1}'::bytea END \
+                        CASE WHEN i % 1000 <= 2 THEN '{\"id\": 1}'::bytea END, \
+                    CASE WHEN i % 1000 = 2 THEN 'agg-' || (i % 97) END, \
+                    CASE WHEN i % 1000 = 2 THEN i END \
                  FROM generate_series(1, 1000000) AS i",
             )
             .execute(&pool)
@@ -1200,7 +1202,7 @@ mod large {
                 if vacuum {
                     sqlx::query("VACUUM ANALYZE inbox_messages").execute(&pool).await.unwrap();
                 }
-                for page in ["/"] {
+                for page in ["/", "/rates", "/parked", "/rejections", "/messages"] {
                     let mut times = Vec::new();
                     for _ in 0..5 {
                         let started = Instant::now();
