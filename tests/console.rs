@@ -504,7 +504,7 @@ inbox_tests::backend_matrix! {
         assert!(html.contains("data-result=\"bulk\"") && html.contains("notice bad"), "{html}");
         assert_eq!(status_of(&pool, &late).await, Status::Processed);
         assert_eq!(status_of(&pool, &key2).await, Status::Dead);
-        assert_eq!(status_of(&pool, &EVIL.to_owned()).await, Status::Dead);
+        assert_eq!(status_of(&pool, EVIL).await, Status::Dead);
     }
 
     /// The value of the hidden field `name` of a confirmation page.

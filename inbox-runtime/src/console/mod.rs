@@ -835,16 +835,7 @@ async fn messages<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Reques
             escape(consumer.as_deref().unwrap_or(""))
         );
         let filter = filter_query(consumer.as_deref(), status, limit);
-        let _ = write!(
-            body,
-            "<p>{} shown{}.</p>",
-            rows.len(),
-            if rows.len() as u64 == u64::from(limit) {
-                " (the limit: there may be more)"
-            } else {
-                ""
-            }
-        );
+        let _ = write!(body, "<p>{}.</p>", shown(rows.len(), limit));
         if !rows.is_empty() && status != "parked" {
             let _ = write!(
                 body,
@@ -1595,6 +1586,15 @@ fn csrf_field<DB: ConsoleDatabase>(inner: &Inner<DB>, ctx: &Ctx) -> String {
         "<input type=\"hidden\" name=\"csrf\" value=\"{}\">",
         inner.token(&ctx.operator)
     )
+}
+
+/// `5 shown`, with `(the limit: there may be more)` when `n` is the limit.
+fn shown(n: usize, limit: u32) -> String {
+    if n as u64 == u64::from(limit) {
+        format!("{n} shown (the limit: there may be more)")
+    } else {
+        format!("{n} shown")
+    }
 }
 
 /// `text` cut to `max` characters, with an ellipsis when cut.

@@ -57,16 +57,11 @@ pub(super) async fn rejection_list<DB: ConsoleDatabase>(
         .map_err(database)?;
     let _ = write!(
         body,
-        "<h2>Recent rejections</h2><p data-count=\"rejections\">{} shown{} (newest first).</p>\
+        "<h2>Recent rejections</h2><p data-count=\"rejections\">{} (newest first).</p>\
          <table class=\"rejection-list\"><thead><tr><th>id</th><th>consumer</th><th>reason</th>\
          <th>key</th><th>message</th><th>received</th><th class=\"num\">bytes</th></tr></thead>\
          <tbody>",
-        rows.len(),
-        if rows.len() as u64 == u64::from(limit) {
-            ", the limit: there may be more"
-        } else {
-            ""
-        }
+        super::shown(rows.len(), limit),
     );
     for row in &rows {
         let _ = write!(
@@ -419,9 +414,8 @@ pub(super) async fn outbox<DB: ConsoleDatabase>(
             .await
             .map_err(database)?;
         let now = now_secs();
-        let mut body = String::from(
-            "<h1>Outbox</h1><table class=\"outbox\"><thead><tr><th>destination</th>",
-        );
+        let mut body =
+            String::from("<h1>Outbox</h1><table class=\"outbox\"><thead><tr><th>destination</th>");
         for status in OutboxStatus::ALL {
             let _ = write!(body, "<th class=\"num\">{}</th>", status.as_str());
         }
@@ -457,7 +451,7 @@ pub(super) async fn outbox<DB: ConsoleDatabase>(
         }
         let _ = write!(
             body,
-            "</tbody></table><h2>{} rows</h2><p data-count=\"outbox\">{} shown{} (oldest first).</p>\
+            "</tbody></table><h2>{} rows</h2><p data-count=\"outbox\">{} (oldest first).</p>\
              <table class=\"outbox-rows\"><thead><tr><th>id</th><th>message id</th>\
              <th>destination</th><th>message</th><th>status</th><th class=\"num\">attempts</th>\
              <th>created</th><th>last error</th></tr></thead><tbody>",
@@ -466,12 +460,7 @@ pub(super) async fn outbox<DB: ConsoleDatabase>(
                 .map(|s| s.as_str())
                 .collect::<Vec<_>>()
                 .join(" and "),
-            rows.len(),
-            if rows.len() as u64 == u64::from(limit) {
-                " (the limit: there may be more)"
-            } else {
-                ""
-            }
+            super::shown(rows.len(), limit),
         );
         for row in &rows {
             let _ = write!(

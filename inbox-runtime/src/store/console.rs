@@ -72,6 +72,10 @@ pub struct ArrivalRow {
     pub count: i64,
 }
 
+/// Outbox rows sent in one hour to one destination: `(destination, hour, count)`, the hour as
+/// whole hours since 1970-01-01 00:00 UTC.
+pub type SentRow = (String, i64, i64);
+
 /// The console's reads, per backend. Implemented for `sqlx::PgConnection`,
 /// `sqlx::SqliteConnection` and `sqlx::MySqlConnection`.
 pub trait ConsoleStore: Send {
@@ -109,10 +113,7 @@ pub trait ConsoleStore: Send {
     /// `hours` hours, as `(destination, hour, count)` (read through the `sent_at` index of the
     /// outbox; fails with the database's error when the outbox is not migrated, and with a
     /// configuration error where the backend has no outbox).
-    fn outbox_sent(
-        &mut self,
-        hours: i64,
-    ) -> BoxFuture<'_, Result<Vec<(String, i64, i64)>, sqlx::Error>>;
+    fn outbox_sent(&mut self, hours: i64) -> BoxFuture<'_, Result<Vec<SentRow>, sqlx::Error>>;
 }
 
 /// A database whose connections have the console's reads: PostgreSQL, SQLite, MySQL.
@@ -179,22 +180,46 @@ struct Sql {
     outbox_sent: Option<&'static str>,
 }
 
+/// Rejections of PostgreSQL and SQLite, `$null` the cast an untyped NULL test needs.
+macro_rules! list_rejections {
+    ($null:literal) => {
+        concat!(
+            "SELECT id, consumer, message_key, message_name, reason, detail, payload_hash, \
+             CAST(received_at AS TEXT), source, CAST(LENGTH(payload) AS BIGINT), payload_size \
+             FROM inbox_rejections WHERE ($1",
+            $null,
+            " IS NULL OR consumer = $2) AND ($3",
+            $null,
+            " IS NULL OR reason = $4) ORDER BY id DESC LIMIT $5"
+        )
+    };
+}
+
+/// Parked rows of PostgreSQL and SQLite, `$null` as in `list_rejections!`.
+macro_rules! list_parked {
+    ($null:literal) => {
+        concat!(
+            "SELECT m.consumer, m.aggregate_id, m.sequence, m.message_key, \
+             CAST(m.received_at AS TEXT), COALESCE(s.last_sequence, 0) \
+             FROM inbox_messages m LEFT JOIN inbox_aggregate_state s \
+               ON s.consumer = m.consumer AND s.aggregate_id = m.aggregate_id \
+             WHERE m.status = 'parked' AND m.aggregate_id IS NOT NULL \
+               AND m.sequence IS NOT NULL AND ($1",
+            $null,
+            " IS NULL OR m.consumer = $2) ORDER BY m.consumer, m.aggregate_id, m.sequence LIMIT $3"
+        )
+    };
+}
+
+/// One rejection with its payload, on PostgreSQL and SQLite.
+const FETCH_REJECTION: &str = "SELECT id, consumer, message_key, message_name, reason, detail, \
+     payload_hash, CAST(received_at AS TEXT), source, CAST(LENGTH(payload) AS BIGINT), \
+     payload_size, payload FROM inbox_rejections WHERE id = $1";
+
 const POSTGRES: Sql = Sql {
-    list_rejections: "SELECT id, consumer, message_key, message_name, reason, detail, \
-         payload_hash, CAST(received_at AS TEXT), source, CAST(LENGTH(payload) AS BIGINT), \
-         payload_size FROM inbox_rejections \
-         WHERE ($1::TEXT IS NULL OR consumer = $2) AND ($3::TEXT IS NULL OR reason = $4) \
-         ORDER BY id DESC LIMIT $5",
-    fetch_rejection: "SELECT id, consumer, message_key, message_name, reason, detail, \
-         payload_hash, CAST(received_at AS TEXT), source, CAST(LENGTH(payload) AS BIGINT), \
-         payload_size, payload FROM inbox_rejections WHERE id = $1",
-    list_parked: "SELECT m.consumer, m.aggregate_id, m.sequence, m.message_key, \
-         CAST(m.received_at AS TEXT), COALESCE(s.last_sequence, 0) \
-         FROM inbox_messages m LEFT JOIN inbox_aggregate_state s \
-           ON s.consumer = m.consumer AND s.aggregate_id = m.aggregate_id \
-         WHERE m.status = 'parked' AND m.aggregate_id IS NOT NULL AND m.sequence IS NOT NULL \
-           AND ($1::TEXT IS NULL OR m.consumer = $2) \
-         ORDER BY m.consumer, m.aggregate_id, m.sequence LIMIT $3",
+    list_rejections: list_rejections!("::TEXT"),
+    fetch_rejection: FETCH_REJECTION,
+    list_parked: list_parked!("::TEXT"),
     now_hour: "SELECT CAST(FLOOR(EXTRACT(EPOCH FROM now()) / 3600) AS BIGINT)",
     arrivals: "SELECT consumer, status, CAST(FLOOR(EXTRACT(EPOCH FROM received_at) / 3600) AS BIGINT), \
          COUNT(*) FROM inbox_messages \
@@ -214,21 +239,9 @@ const POSTGRES: Sql = Sql {
 };
 
 const SQLITE: Sql = Sql {
-    list_rejections: "SELECT id, consumer, message_key, message_name, reason, detail, \
-         payload_hash, CAST(received_at AS TEXT), source, CAST(LENGTH(payload) AS BIGINT), \
-         payload_size FROM inbox_rejections \
-         WHERE ($1 IS NULL OR consumer = $2) AND ($3 IS NULL OR reason = $4) \
-         ORDER BY id DESC LIMIT $5",
-    fetch_rejection: "SELECT id, consumer, message_key, message_name, reason, detail, \
-         payload_hash, CAST(received_at AS TEXT), source, CAST(LENGTH(payload) AS BIGINT), \
-         payload_size, payload FROM inbox_rejections WHERE id = $1",
-    list_parked: "SELECT m.consumer, m.aggregate_id, m.sequence, m.message_key, \
-         CAST(m.received_at AS TEXT), COALESCE(s.last_sequence, 0) \
-         FROM inbox_messages m LEFT JOIN inbox_aggregate_state s \
-           ON s.consumer = m.consumer AND s.aggregate_id = m.aggregate_id \
-         WHERE m.status = 'parked' AND m.aggregate_id IS NOT NULL AND m.sequence IS NOT NULL \
-           AND ($1 IS NULL OR m.consumer = $2) \
-         ORDER BY m.consumer, m.aggregate_id, m.sequence LIMIT $3",
+    list_rejections: list_rejections!(""),
+    fetch_rejection: FETCH_REJECTION,
+    list_parked: list_parked!(""),
     now_hour: "SELECT CAST(strftime('%s', 'now') AS INTEGER) / 3600",
     arrivals: "SELECT consumer, status, CAST(strftime('%s', received_at) AS INTEGER) / 3600, \
          COUNT(*) FROM inbox_messages \
@@ -389,7 +402,7 @@ macro_rules! impl_console_store {
             fn outbox_sent(
                 &mut self,
                 hours: i64,
-            ) -> BoxFuture<'_, Result<Vec<(String, i64, i64)>, sqlx::Error>> {
+            ) -> BoxFuture<'_, Result<Vec<SentRow>, sqlx::Error>> {
                 Box::pin(async move {
                     let Some(sql) = $sql.outbox_sent else {
                         return Err(sqlx::Error::Configuration(

@@ -30,7 +30,9 @@ mod positions;
 mod postgres;
 mod sqlite;
 
-pub use console::{ArrivalRow, ConsoleDatabase, ConsoleStore, ParkedEntry, RejectionEntry};
+pub use console::{
+    ArrivalRow, ConsoleDatabase, ConsoleStore, ParkedEntry, RejectionEntry, SentRow,
+};
 pub use mysql::mysql_lock_retries;
 pub(crate) use mysql::{
     ER_LOCK_DEADLOCK, ER_LOCK_WAIT_TIMEOUT, error_number as mysql_error_number,
