@@ -349,6 +349,17 @@ inbox_tests::backend_matrix! {
         assert_eq!(rejected, 1);
         assert!(cell(&html, "data-consumer=\"console\" data-oldest=\"dead\"").contains(" ago)"));
         assert!(cell(&html, "data-consumer=\"console\" data-oldest=\"failed\"").contains("UTC"));
+        // The failed one's retry made due (its next attempt at its first delivery): it lags.
+        sqlx::query(sql(
+            "UPDATE inbox_messages SET next_attempt_at = received_at WHERE message_key = $1",
+        ))
+        .bind("ov-flaky")
+        .execute(&pool)
+        .await
+        .unwrap();
+        let (_, html, _) = call(&app, "GET", "/ops", &[ALICE], None).await;
+        let due = cell(&html, "data-consumer=\"console\" data-lag=\"retries\"");
+        assert!(due.starts_with("1, oldest due ") && due.ends_with(" ago)"), "{due}");
         // Rejections by reason.
         let (status, html, _) = call(&app, "GET", "/ops/rejections", &[ALICE], None).await;
         assert_eq!(status, StatusCode::OK, "{html}");
@@ -1100,13 +1111,18 @@ mod large {
         /// The statistics query of `admin::stats` (and the overview) as each backend plans it: the
         /// lines of its plan, joined.
         async fn plan_of_stats(pool: &Pool) -> String {
-            let mut conn = pool.acquire().await.unwrap();
             let stats = "SELECT consumer, status, COUNT(*), MIN(received_at) FROM inbox_messages \
                          GROUP BY status, consumer";
             let rejections = "SELECT consumer, reason, COUNT(*), MIN(received_at) \
                               FROM inbox_rejections GROUP BY consumer, reason";
+            plan_of(pool, &[stats, rejections]).await
+        }
+
+        /// The plans of `queries`, their lines joined (MySQL: `key=… extra=…` per line).
+        async fn plan_of(pool: &Pool, queries: &[&str]) -> String {
+            let mut conn = pool.acquire().await.unwrap();
             let mut lines = Vec::new();
-            for query in [stats, rejections] {
+            for query in queries {
                 match BACKEND {
                     Backend::Postgres => {
                         // Tiny test tables are cheaper to read whole: ask whether an index can
@@ -1164,6 +1180,39 @@ mod large {
                     assert!(plan.contains("key=Some(\"inbox_messages_console\")"), "{plan}");
                     assert!(plan.contains("key=Some(\"inbox_rejections_console\")"), "{plan}");
                     assert!(plan.contains("Using index"), "{plan}");
+                }
+            }
+        }
+
+        /// The console's other reads, in the shape of their statements (the hour arithmetic
+        /// left out, a fixed time for the database clock): the rates' arrivals, the parked
+        /// rows, the retries due. None reads `inbox_messages` whole.
+        #[tokio::test]
+        async fn the_console_reads_use_indexes() {
+            let (pool, _guard) = fixture().await;
+            let queries = [
+                "SELECT consumer, status, COUNT(*) FROM inbox_messages \
+                 WHERE status IN ('processed', 'failed', 'dead', 'parked', 'stale', 'discarded') \
+                 AND received_at >= '2026-01-01' GROUP BY consumer, status",
+                "SELECT consumer, aggregate_id, sequence FROM inbox_messages \
+                 WHERE status = 'parked' AND aggregate_id IS NOT NULL AND sequence IS NOT NULL \
+                 ORDER BY consumer, aggregate_id, sequence",
+                "SELECT consumer, COUNT(*), MIN(next_attempt_at) FROM inbox_messages \
+                 WHERE status = 'failed' AND next_attempt_at <= '2026-01-01' GROUP BY consumer",
+            ];
+            for query in queries {
+                let plan = plan_of(&pool, &[query]).await;
+                match BACKEND {
+                    Backend::Postgres => {
+                        assert!(plan.contains("Index"), "{query}: {plan}");
+                        assert!(!plan.contains("Seq Scan"), "{query}: {plan}");
+                    }
+                    Backend::Sqlite => {
+                        assert!(plan.contains("USING"), "{query}: {plan}");
+                        assert!(!plan.lines().any(|l| l.starts_with("SCAN") && !l.contains("USING")),
+                            "{query}: {plan}");
+                    }
+                    _ => assert!(!plan.contains("key=None"), "{query}: {plan}"),
                 }
             }
         }

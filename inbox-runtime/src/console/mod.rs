@@ -10,7 +10,7 @@
 //!
 //! | path | what it shows |
 //! |---|---|
-//! | `/` | per consumer, the rows per status (processed, failed, dead, parked, stale, discarded), the rejected deliveries, and the oldest failed, dead and parked messages with their age: how far retries and the ordering backlog lag ([`admin::stats`], read from the `inbox_messages_console` index: exact counts, no table scan) |
+//! | `/` | per consumer, the rows per status (processed, failed, dead, parked, stale, discarded), the rejected deliveries, the oldest failed, dead and parked messages with their age, and the failed messages whose retry is due but not yet redelivered, with how long the oldest has been due: how far retries and the ordering backlog lag ([`admin::stats`], read from the `inbox_messages_console` index: exact counts, no table scan) |
 //! | `/messages?consumer=&status=&limit=` | failed and dead (or parked) messages, oldest first, at most `limit` (1 to [`MAX_LIMIT`], default [`DEFAULT_LIMIT`]) |
 //! | `/message?consumer=&key=` | one message: status, attempts, last error, source metadata, the payload (pretty-printed when it is JSON) |
 //! | `/replay?consumer=&key=` | a confirmation page; its form `POST`s to `/replay`, which runs [`Dispatcher::replay`] |
@@ -91,7 +91,9 @@ use http::{HeaderValue, StatusCode, header};
 use sha2::Sha256;
 
 use crate::admin;
-use crate::store::{ConsoleDatabase, RejectionReason, StatsRow, StatsStatus, StoredMessage};
+use crate::store::{
+    ConsoleDatabase, ConsoleStore as _, RejectionReason, StatsRow, StatsStatus, StoredMessage,
+};
 use crate::{ConsumerOutcome, Dispatcher, Error, MAX_KEY_BYTES, Outcome, Status};
 
 /// The largest `limit` the list and the bulk replay accept.
@@ -672,6 +674,10 @@ async fn overview<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Reques
             .await
             .map_err(database)?;
         let consumers = inner.consumers(Some(&rows)).await?;
+        let due = {
+            let mut conn = inner.dispatcher.pool().acquire().await.map_err(database)?;
+            conn.retries_due().await.map_err(database)?
+        };
         let now = now_secs();
         let mut body = String::from(
             "<h1>Overview</h1><table class=\"overview\"><thead><tr><th>consumer</th>",
@@ -680,8 +686,8 @@ async fn overview<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Reques
             let _ = write!(body, "<th class=\"num\">{status}</th>");
         }
         body.push_str(
-            "<th class=\"num\">rejected</th><th>oldest failed</th><th>oldest dead</th>\
-             <th>oldest parked</th></tr></thead><tbody>",
+            "<th class=\"num\">rejected</th><th>oldest failed</th><th>retries due</th>\
+             <th>oldest dead</th><th>oldest parked</th></tr></thead><tbody>",
         );
         for consumer in &consumers {
             let mine = rows
@@ -742,15 +748,24 @@ async fn overview<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Reques
                 body,
                 "<td class=\"num\" data-consumer=\"{c}\" data-status=\"rejected\">{rejected}</td>\
                  <td data-consumer=\"{c}\" data-oldest=\"failed\">{}</td>\
+                 <td data-consumer=\"{c}\" data-lag=\"retries\">{}</td>\
                  <td data-consumer=\"{c}\" data-oldest=\"dead\">{}</td>\
                  <td data-consumer=\"{c}\" data-oldest=\"parked\">{}</td></tr>",
                 escape(&oldest(Status::Failed)),
+                escape(
+                    &due.iter()
+                        .find(|lag| lag.consumer == *consumer)
+                        .map_or_else(
+                            || "—".to_owned(),
+                            |lag| format!("{}, oldest due {}", lag.due, age(&lag.oldest_due, now))
+                        )
+                ),
                 escape(&oldest(Status::Dead)),
                 escape(&oldest(Status::Parked)),
             );
         }
         if consumers.is_empty() {
-            body.push_str("<tr><td colspan=\"11\" class=\"muted\">The inbox is empty and no handler is registered.</td></tr>");
+            body.push_str("<tr><td colspan=\"12\" class=\"muted\">The inbox is empty and no handler is registered.</td></tr>");
         }
         body.push_str("</tbody></table>");
         let unnamed: i64 = rows
@@ -769,7 +784,9 @@ async fn overview<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Reques
         let _ = write!(
             body,
             "<p class=\"muted\">Ages are measured from the first delivery of the oldest \
-             message in that status: the oldest failed one is how far retries lag behind, the \
+             message in that status; retries due are failed messages whose next attempt time has \
+             passed and that no redelivery has claimed yet (with how long the oldest has been \
+             due: how far retries lag); the \
              oldest parked one how long an aggregate has waited for a missing sequence \
              (see <a href=\"{}\">parked</a>). Counts are exact, read from the \
              <code>inbox_messages_console</code> index.</p>",

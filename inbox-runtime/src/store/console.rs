@@ -76,6 +76,19 @@ pub struct ArrivalRow {
 /// whole hours since 1970-01-01 00:00 UTC.
 pub type SentRow = (String, i64, i64);
 
+/// Failed messages of one consumer whose retry is due (`next_attempt_at` passed) and that no
+/// redelivery has claimed yet: how far retries lag.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RetryLag {
+    /// The consumer.
+    pub consumer: String,
+    /// How many failed messages are due.
+    pub due: i64,
+    /// The earliest `next_attempt_at` among them (database text form).
+    pub oldest_due: String,
+}
+
 /// The console's reads, per backend. Implemented for `sqlx::PgConnection`,
 /// `sqlx::SqliteConnection` and `sqlx::MySqlConnection`.
 pub trait ConsoleStore: Send {
@@ -108,6 +121,10 @@ pub trait ConsoleStore: Send {
         &mut self,
         hours: i64,
     ) -> BoxFuture<'_, Result<(i64, Vec<ArrivalRow>), sqlx::Error>>;
+
+    /// Per consumer with any, the failed messages whose retry is due (read through the
+    /// `inbox_messages_retry` index).
+    fn retries_due(&mut self) -> BoxFuture<'_, Result<Vec<RetryLag>, sqlx::Error>>;
 
     /// Outbox rows sent per destination and hour (hours since the epoch, UTC) in the last
     /// `hours` hours, as `(destination, hour, count)` (read through the `sent_at` index of the
@@ -176,6 +193,7 @@ struct Sql {
     list_parked: &'static str,
     now_hour: &'static str,
     arrivals: &'static str,
+    retries_due: &'static str,
     /// `None`: no outbox on this backend.
     outbox_sent: Option<&'static str>,
 }
@@ -231,6 +249,9 @@ const POSTGRES: Sql = Sql {
            CAST(FLOOR(EXTRACT(EPOCH FROM received_at) / 3600) AS BIGINT), COUNT(*) \
          FROM inbox_rejections WHERE received_at >= now() - $2 * interval '1 hour' \
          GROUP BY 1, 2, 3",
+    retries_due: "SELECT consumer, COUNT(*), CAST(MIN(next_attempt_at) AS TEXT) \
+         FROM inbox_messages WHERE status = 'failed' AND next_attempt_at <= now() \
+         GROUP BY consumer",
     outbox_sent: Some(
         "SELECT destination, CAST(FLOOR(EXTRACT(EPOCH FROM sent_at) / 3600) AS BIGINT), \
          COUNT(*) FROM inbox_outbox \
@@ -254,6 +275,10 @@ const SQLITE: Sql = Sql {
          FROM inbox_rejections \
          WHERE received_at >= strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-' || $2 || ' hours') \
          GROUP BY 1, 2, 3",
+    retries_due: "SELECT consumer, COUNT(*), CAST(MIN(next_attempt_at) AS TEXT) \
+         FROM inbox_messages WHERE status = 'failed' \
+           AND next_attempt_at <= strftime('%Y-%m-%dT%H:%M:%fZ', 'now') \
+         GROUP BY consumer",
     outbox_sent: Some(
         "SELECT destination, CAST(strftime('%s', sent_at) AS INTEGER) / 3600, COUNT(*) \
          FROM inbox_outbox WHERE status = 'sent' \
@@ -292,6 +317,10 @@ const MYSQL: Sql = Sql {
            CAST(TIMESTAMPDIFF(SECOND, '1970-01-01 00:00:00', received_at) DIV 3600 AS SIGNED), \
            COUNT(*) FROM inbox_rejections WHERE received_at >= UTC_TIMESTAMP(6) - INTERVAL ? HOUR \
          GROUP BY 1, 2, 3",
+    retries_due: "SELECT CONVERT(consumer USING utf8mb4), COUNT(*), \
+         DATE_FORMAT(MIN(next_attempt_at), '%Y-%m-%d %H:%i:%s.%f') \
+         FROM inbox_messages WHERE status = 'failed' AND next_attempt_at <= UTC_TIMESTAMP(6) \
+         GROUP BY consumer",
     outbox_sent: None,
 };
 
@@ -396,6 +425,22 @@ macro_rules! impl_console_store {
                         .map(arrival)
                         .collect::<Result<Vec<_>, _>>()?;
                     Ok((now, rows))
+                })
+            }
+
+            fn retries_due(&mut self) -> BoxFuture<'_, Result<Vec<RetryLag>, sqlx::Error>> {
+                Box::pin(async move {
+                    let rows: Vec<(String, i64, String)> = sqlx::query_as($sql.retries_due)
+                        .fetch_all(&mut *self)
+                        .await?;
+                    Ok(rows
+                        .into_iter()
+                        .map(|(consumer, due, oldest_due)| RetryLag {
+                            consumer,
+                            due,
+                            oldest_due,
+                        })
+                        .collect())
                 })
             }
 

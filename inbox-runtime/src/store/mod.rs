@@ -31,7 +31,7 @@ mod postgres;
 mod sqlite;
 
 pub use console::{
-    ArrivalRow, ConsoleDatabase, ConsoleStore, ParkedEntry, RejectionEntry, SentRow,
+    ArrivalRow, ConsoleDatabase, ConsoleStore, ParkedEntry, RejectionEntry, RetryLag, SentRow,
 };
 pub use mysql::mysql_lock_retries;
 pub(crate) use mysql::{
