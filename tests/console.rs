@@ -779,7 +779,7 @@ inbox_tests::backend_matrix! {
 
     #[tokio::test]
     async fn rejections_show_their_payload_bytes() {
-        let (_pool, _guard, dispatcher, app) = fixture_app().await;
+        let (pool, _guard, dispatcher, app) = fixture_app().await;
         seed(&dispatcher, "rj").await;
         // A delivery no handler serves, with bytes that are not UTF-8 (a NUL, 0xff, markup).
         let raw: &[u8] = b"<b>\x00\xff&'\"";
@@ -842,6 +842,24 @@ inbox_tests::backend_matrix! {
         assert_eq!(status, StatusCode::OK, "{html}");
         assert!(html.contains("1 shown (newest first)."), "{html}");
         assert!(html.contains(&format!("data-rejection=\"{}\"", ids[1])), "{html}");
+        // A payload over the size limit: kept cut to it, with its real size.
+        let small = Dispatcher::from_registry(pool.clone()).unwrap().with_max_payload_bytes(4);
+        let envelope = inbox_runtime::Envelope::new("console.task", b"0123456789".to_vec());
+        let error = small.dispatch(&envelope).await.unwrap_err();
+        small.record_rejection(&envelope, &error).await.unwrap();
+        let (_, html, _) =
+            call(&app, "GET", "/ops/rejections?reason=too_large", &[ALICE], None).await;
+        assert!(html.contains("1 shown (newest first)."), "{html}");
+        let marker = "data-rejection=\"";
+        let at = html.find(marker).unwrap() + marker.len();
+        let id = &html[at..at + html[at..].find('"').unwrap()];
+        let (status, html, _) =
+            call(&app, "GET", &format!("/ops/rejection?id={id}"), &[ALICE], None).await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        assert_eq!(cell_dd(&html, "reason"), "too_large");
+        assert_eq!(cell_dd(&html, "bytes"), "4 of 10");
+        assert!(html.contains("only its first bytes are kept"), "{html}");
+        assert!(html.contains("data-field=\"payload-text\">0123</pre>"), "{html}");
     }
 
     #[tokio::test]
