@@ -13,7 +13,7 @@ use axum::response::Redirect;
 use axum::routing::get;
 use base64::Engine as _;
 use inbox_runtime::console::{Console, Refusal};
-use inbox_runtime::{Dispatcher, InboxDatabase};
+use inbox_runtime::{ConsoleDatabase, Dispatcher};
 use sqlx::Pool;
 
 use crate::db::Db;
@@ -67,7 +67,7 @@ pub(crate) async fn run(args: ConsoleArgs) -> Result<(), String> {
     result
 }
 
-async fn serve<DB: InboxDatabase>(
+async fn serve<DB: ConsoleDatabase>(
     pool: Pool<DB>,
     args: &ConsoleArgs,
     description: &str,
@@ -132,9 +132,10 @@ fn authorize(token: &str, parts: &axum::http::request::Parts) -> Result<String, 
     }
 }
 
-/// `a == b` in time that depends on the lengths only.
+/// `a == b` in time that depends on the lengths only (`subtle`'s constant-time comparison).
 fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0_u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    use subtle::ConstantTimeEq as _;
+    a.ct_eq(b).into()
 }
 
 #[cfg(test)]

@@ -185,6 +185,9 @@ pub use store::{
     mysql_lock_retries,
 };
 pub use store::{
+    ArrivalRow, ConsoleDatabase, ConsoleStore, ParkedEntry, RejectionEntry, RetryLag, SentRow,
+};
+pub use store::{
     Lease, NOTIFY_CHANNEL, OUTBOX_MIGRATIONS_TABLE, OutboxAdminStore, OutboxBacklog,
     OutboxDatabase, OutboxEntry, OutboxRecord, OutboxRow, OutboxStatsRow, OutboxStatus,
     OutboxStore, Wakeups,

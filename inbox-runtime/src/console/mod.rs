@@ -10,13 +10,17 @@
 //!
 //! | path | what it shows |
 //! |---|---|
-//! | `/` | per consumer, the rows per status (processed, failed, dead, parked, stale, discarded), the rejected deliveries, and the oldest failed and dead messages with their age ([`admin::stats`]) |
+//! | `/` | per consumer, the rows per status (processed, failed, dead, parked, stale, discarded), the rejected deliveries, the oldest failed, dead and parked messages with their age, and the failed messages whose retry is due but not yet redelivered, with how long the oldest has been due: how far retries and the ordering backlog lag ([`admin::stats`], read from the `inbox_messages_console` index: exact counts, no table scan) |
 //! | `/messages?consumer=&status=&limit=` | failed and dead (or parked) messages, oldest first, at most `limit` (1 to [`MAX_LIMIT`], default [`DEFAULT_LIMIT`]) |
 //! | `/message?consumer=&key=` | one message: status, attempts, last error, source metadata, the payload (pretty-printed when it is JSON) |
 //! | `/replay?consumer=&key=` | a confirmation page; its form `POST`s to `/replay`, which runs [`Dispatcher::replay`] |
 //! | `/discard?consumer=&key=` | a confirmation page; its form `POST`s to `/discard`, which runs [`Dispatcher::discard`] |
-//! | `/replay-all?consumer=&status=&limit=` | bulk replay of what the list with the same filter shows, confirmed, then `POST` |
-//! | `/rejections` | rejected deliveries (conflicts, malformed payloads, unknown names, bad keys, too large) per consumer and reason |
+//! | `/replay-all?consumer=&status=&limit=` | bulk replay of what the list with the same filter shows, confirmed; its form carries the confirmed messages, and the `POST` replays exactly those (one no longer failed or dead is skipped and said so), not whatever the filter selects by then |
+//! | `/rejections?consumer=&reason=&limit=` | rejected deliveries (conflicts, malformed payloads, unknown names, bad keys, too large) counted per consumer and reason, and the newest `limit` of them (of that consumer and reason, if given) |
+//! | `/rejection?id=` | one rejected delivery: reason, detail, key, and its payload bytes as a hex dump (the first 64 KiB) and as text when they are UTF-8 |
+//! | `/parked?consumer=&limit=` | parked messages (out of order, waiting for a predecessor) per aggregate: the last applied sequence, the one it waits for, the missing sequences (gaps) and the parked ones |
+//! | `/outbox?status=&destination=&limit=` | the transactional outbox's rows per destination and status with the oldest pending and dead, and its pending and dead rows (`status=pending` or `dead`: one of them); when the outbox is not installed, a page that says so |
+//! | `/rates` | per consumer, the last 24 hours in hourly bars (inline SVG): messages first delivered per hour by their status now, rejections per hour by reason (duplicates leave no row: they are a metric's); with the outbox installed, rows sent per destination and hour |
 //!
 //! Keys travel in query strings and form fields (percent-encoded), never in paths. Every value
 //! shown is HTML-escaped. Bad input (an unknown consumer or parameter, a `limit` out of range, an
@@ -36,9 +40,12 @@
 //!
 //! # CSRF
 //!
-//! Every `POST` carries a token in a hidden form field: HMAC-SHA256 of the operator's name
-//! under a secret of the console (random per [`Console`], or [`Console::csrf_secret`] to share
-//! one between replicas), compared in constant time. A `POST` whose token is missing or wrong,
+//! Every `POST` carries a token in a hidden form field: its issue time and the HMAC-SHA256 of
+//! the operator's name and that time under a secret of the console (random per [`Console`], or
+//! [`Console::csrf_secret`] to share one between replicas), compared in constant time. A token
+//! older than [`Console::form_lifetime`] (default [`DEFAULT_FORM_LIFETIME`], 1 hour) is refused
+//! with `403` and a page that says the form expired and to reload it. A `POST` whose token is
+//! missing or wrong,
 //! or whose `Origin` is not this host, or whose `Sec-Fetch-Site` is other than `same-origin`,
 //! is refused with `403` before anything is read or changed. Pages are sent with
 //! `X-Frame-Options: DENY` and a `Content-Security-Policy` without scripts, so that a
@@ -68,20 +75,26 @@
 use std::collections::BTreeSet;
 use std::fmt::{self, Write as _};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+mod chart;
+mod csrf;
+mod more;
+
+use csrf::{csrf_field, form, random_secret};
 
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{NestedPath, Request, State};
 use axum::response::Response;
 use axum::routing::get;
-use hmac::{Hmac, Mac};
 use http::request::Parts;
 use http::{HeaderValue, StatusCode, header};
-use sha2::Sha256;
 
 use crate::admin;
-use crate::store::{InboxDatabase, RejectionReason, StatsRow, StatsStatus, StoredMessage};
+use crate::store::{
+    ConsoleDatabase, ConsoleStore as _, RejectionReason, StatsRow, StatsStatus, StoredMessage,
+};
 use crate::{ConsumerOutcome, Dispatcher, Error, MAX_KEY_BYTES, Outcome, Status};
 
 /// The largest `limit` the list and the bulk replay accept.
@@ -93,6 +106,10 @@ pub const DEFAULT_LIMIT: u32 = 100;
 /// The operator's name of every request when the console is [behind your own
 /// auth](Console::behind_own_auth): `behind-own-auth`.
 pub const OWN_AUTH_OPERATOR: &str = "behind-own-auth";
+
+/// How long a confirmation page's form stays valid unless [`Console::form_lifetime`] says
+/// otherwise: 1 hour.
+pub const DEFAULT_FORM_LIFETIME: Duration = Duration::from_secs(3600);
 
 /// The largest form body a `POST` may send: 64 KiB.
 const MAX_FORM_BYTES: usize = 64 * 1024;
@@ -158,14 +175,15 @@ pub enum ConsoleError {
 type Hook = dyn Fn(&Parts) -> Result<String, Refusal> + Send + Sync;
 
 /// The builder of the operator console's router. See the [module](self) documentation.
-pub struct Console<DB: InboxDatabase> {
+pub struct Console<DB: ConsoleDatabase> {
     dispatcher: Arc<Dispatcher<DB>>,
     hook: Option<Arc<Hook>>,
     own_auth: bool,
     secret: Option<[u8; 32]>,
+    lifetime: Duration,
 }
 
-impl<DB: InboxDatabase> fmt::Debug for Console<DB> {
+impl<DB: ConsoleDatabase> fmt::Debug for Console<DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Console")
             .field("hook", &self.hook.is_some())
@@ -174,7 +192,7 @@ impl<DB: InboxDatabase> fmt::Debug for Console<DB> {
     }
 }
 
-impl<DB: InboxDatabase> Console<DB> {
+impl<DB: ConsoleDatabase> Console<DB> {
     /// A console over `dispatcher`'s pool, replaying with its handlers (a `Dispatcher`, or an
     /// `Arc` of the one your worker runs with, so that replays share its dedupe cache).
     pub fn new(dispatcher: impl Into<Arc<Dispatcher<DB>>>) -> Self {
@@ -183,6 +201,7 @@ impl<DB: InboxDatabase> Console<DB> {
             hook: None,
             own_auth: false,
             secret: None,
+            lifetime: DEFAULT_FORM_LIFETIME,
         }
     }
 
@@ -213,6 +232,15 @@ impl<DB: InboxDatabase> Console<DB> {
         self
     }
 
+    /// How long a confirmation page's form stays valid (its CSRF token carries its issue
+    /// time): [`DEFAULT_FORM_LIFETIME`] (1 hour) unless given. A `POST` with an older token
+    /// is refused with `403` and a page that says it expired and to reload; nothing changes.
+    /// [`Duration::ZERO`] expires every form (useful in tests only).
+    pub fn form_lifetime(mut self, lifetime: Duration) -> Self {
+        self.lifetime = lifetime;
+        self
+    }
+
     /// The router: mount it with [`Router::nest`] (or [`Router::merge`] at the root). Its
     /// state type `S` is whatever your router's is.
     ///
@@ -235,6 +263,7 @@ impl<DB: InboxDatabase> Console<DB> {
             dispatcher: self.dispatcher,
             auth,
             secret,
+            lifetime: self.lifetime,
         });
         Ok(Router::new()
             .route("/", get(overview::<DB>))
@@ -247,6 +276,10 @@ impl<DB: InboxDatabase> Console<DB> {
                 get(confirm_replay_all::<DB>).post(replay_all::<DB>),
             )
             .route("/rejections", get(rejections::<DB>))
+            .route("/rejection", get(more::rejection::<DB>))
+            .route("/parked", get(more::parked::<DB>))
+            .route("/outbox", get(more::outbox::<DB>))
+            .route("/rates", get(more::rates::<DB>))
             .route("/style.css", get(style))
             .fallback(not_found)
             .method_not_allowed_fallback(wrong_method)
@@ -254,23 +287,16 @@ impl<DB: InboxDatabase> Console<DB> {
     }
 }
 
-/// 32 random bytes: two version-4 UUIDs' random bits (from the operating system's generator).
-fn random_secret() -> [u8; 32] {
-    let mut secret = [0; 32];
-    secret[..16].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
-    secret[16..].copy_from_slice(uuid::Uuid::new_v4().as_bytes());
-    secret
-}
-
 enum Auth {
     Hook(Arc<Hook>),
     OwnAuth,
 }
 
-struct Inner<DB: InboxDatabase> {
+struct Inner<DB: ConsoleDatabase> {
     dispatcher: Arc<Dispatcher<DB>>,
     auth: Auth,
     secret: [u8; 32],
+    lifetime: Duration,
 }
 
 /// Who asks, and where the console is mounted.
@@ -292,7 +318,7 @@ impl Ctx {
 
 type Shared<DB> = State<Arc<Inner<DB>>>;
 
-impl<DB: InboxDatabase> Inner<DB> {
+impl<DB: ConsoleDatabase> Inner<DB> {
     /// The operator, or the refusal's page.
     fn begin(&self, parts: &Parts) -> Result<Ctx, Problem> {
         let base = parts
@@ -323,26 +349,6 @@ impl<DB: InboxDatabase> Inner<DB> {
             },
         };
         Ok(Ctx { operator, base })
-    }
-
-    /// The CSRF token of `operator`: hex HMAC-SHA256 under the console's secret.
-    fn token(&self, operator: &str) -> String {
-        hex::encode(self.mac(operator).finalize().into_bytes())
-    }
-
-    fn mac(&self, operator: &str) -> Hmac<Sha256> {
-        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.secret)
-            .expect("HMAC takes keys of any length");
-        mac.update(operator.as_bytes());
-        mac
-    }
-
-    /// `true` if `token` is `operator`'s (compared in constant time).
-    fn token_ok(&self, operator: &str, token: Option<&str>) -> bool {
-        let Some(bytes) = token.and_then(|token| hex::decode(token).ok()) else {
-            return false;
-        };
-        self.mac(operator).verify_slice(&bytes).is_ok()
     }
 
     /// The consumers that exist: those of the dispatcher's handlers and those with rows.
@@ -440,7 +446,7 @@ impl Params {
     }
 
     /// `consumer`, checked to exist.
-    async fn consumer<DB: InboxDatabase>(
+    async fn consumer<DB: ConsoleDatabase>(
         &self,
         inner: &Inner<DB>,
         required: bool,
@@ -501,86 +507,9 @@ impl Params {
     }
 }
 
-/// The request's form body, parsed as [`Params`], after the CSRF checks.
-async fn form<DB: InboxDatabase>(
-    inner: &Inner<DB>,
-    ctx: &Ctx,
-    parts: &Parts,
-    body: Body,
-    allowed: &[&str],
-) -> Result<Params, Problem> {
-    if let Some(why) = cross_site(parts) {
-        tracing::warn!(
-            target: "inbox_runtime::console",
-            operator = ?ctx.operator,
-            why,
-            "console: cross-site POST refused"
-        );
-        return Err(bare(
-            StatusCode::FORBIDDEN,
-            "Cross-site request refused",
-            &format!("This action was sent from another site and is refused ({why})."),
-        ));
-    }
-    let bytes = axum::body::to_bytes(body, MAX_FORM_BYTES)
-        .await
-        .map_err(|_| {
-            bare(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "Form too large",
-                &format!("A form of the console is at most {MAX_FORM_BYTES} bytes."),
-            )
-        })?;
-    // The token first: a forged request learns nothing about the other fields.
-    let token = form_urlencoded::parse(&bytes)
-        .find(|(name, _)| name == "csrf")
-        .map(|(_, value)| value.into_owned());
-    if !inner.token_ok(&ctx.operator, token.as_deref()) {
-        tracing::warn!(
-            target: "inbox_runtime::console",
-            operator = ?ctx.operator,
-            "console: POST without a valid CSRF token refused"
-        );
-        return Err(bare(
-            StatusCode::FORBIDDEN,
-            "Invalid form token",
-            "This action's form token (CSRF) is missing or wrong: open the page again and \
-             confirm from there.",
-        ));
-    }
-    Params::parse(&bytes, allowed)
-}
-
-/// Why a `POST` looks cross-site, if it does: a `Sec-Fetch-Site` other than `same-origin` (or
-/// `none`, typed by the user); without that header (older browsers), an `Origin` that is not
-/// this request's host. A browser's `Sec-Fetch-Site` is decided: `Origin` is not compared then,
-/// since a reverse proxy may rewrite `Host` (nginx's default `proxy_set_header Host
-/// $proxy_host`), which would refuse every same-origin form behind it.
-fn cross_site(parts: &Parts) -> Option<String> {
-    if let Some(site) = parts.headers.get("sec-fetch-site") {
-        let site = site.to_str().unwrap_or("?");
-        return (site != "same-origin" && site != "none")
-            .then(|| format!("Sec-Fetch-Site: {site}"));
-    }
-    let origin = parts.headers.get(header::ORIGIN)?;
-    let origin = origin.to_str().unwrap_or("?");
-    let host = parts
-        .headers
-        .get(header::HOST)
-        .and_then(|host| host.to_str().ok())
-        .or_else(|| parts.uri.authority().map(|a| a.as_str()));
-    let same = host.is_some_and(|host| {
-        origin
-            .strip_prefix("https://")
-            .or_else(|| origin.strip_prefix("http://"))
-            .is_some_and(|rest| rest.eq_ignore_ascii_case(host))
-    });
-    (!same).then(|| format!("Origin: {origin}"))
-}
-
 // ----- Pages -----
 
-async fn overview<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+async fn overview<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
     let (parts, _) = request.into_parts();
     run(async {
         let ctx = inner.begin(&parts)?;
@@ -589,6 +518,10 @@ async fn overview<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request)
             .await
             .map_err(database)?;
         let consumers = inner.consumers(Some(&rows)).await?;
+        let due = {
+            let mut conn = inner.dispatcher.pool().acquire().await.map_err(database)?;
+            conn.retries_due().await.map_err(database)?
+        };
         let now = now_secs();
         let mut body = String::from(
             "<h1>Overview</h1><table class=\"overview\"><thead><tr><th>consumer</th>",
@@ -597,8 +530,8 @@ async fn overview<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request)
             let _ = write!(body, "<th class=\"num\">{status}</th>");
         }
         body.push_str(
-            "<th class=\"num\">rejected</th><th>oldest failed</th><th>oldest dead</th>\
-             </tr></thead><tbody>",
+            "<th class=\"num\">rejected</th><th>oldest failed</th><th>retries due</th>\
+             <th>oldest dead</th><th>oldest parked</th></tr></thead><tbody>",
         );
         for consumer in &consumers {
             let mine = rows
@@ -659,13 +592,24 @@ async fn overview<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request)
                 body,
                 "<td class=\"num\" data-consumer=\"{c}\" data-status=\"rejected\">{rejected}</td>\
                  <td data-consumer=\"{c}\" data-oldest=\"failed\">{}</td>\
-                 <td data-consumer=\"{c}\" data-oldest=\"dead\">{}</td></tr>",
+                 <td data-consumer=\"{c}\" data-lag=\"retries\">{}</td>\
+                 <td data-consumer=\"{c}\" data-oldest=\"dead\">{}</td>\
+                 <td data-consumer=\"{c}\" data-oldest=\"parked\">{}</td></tr>",
                 escape(&oldest(Status::Failed)),
+                escape(
+                    &due.iter()
+                        .find(|lag| lag.consumer == *consumer)
+                        .map_or_else(
+                            || "—".to_owned(),
+                            |lag| format!("{}, oldest due {}", lag.due, age(&lag.oldest_due, now))
+                        )
+                ),
                 escape(&oldest(Status::Dead)),
+                escape(&oldest(Status::Parked)),
             );
         }
         if consumers.is_empty() {
-            body.push_str("<tr><td colspan=\"10\" class=\"muted\">The inbox is empty and no handler is registered.</td></tr>");
+            body.push_str("<tr><td colspan=\"12\" class=\"muted\">The inbox is empty and no handler is registered.</td></tr>");
         }
         body.push_str("</tbody></table>");
         let unnamed: i64 = rows
@@ -681,31 +625,33 @@ async fn overview<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request)
                 escape(&ctx.link("/rejections"))
             );
         }
-        body.push_str(
+        let _ = write!(
+            body,
             "<p class=\"muted\">Ages are measured from the first delivery of the oldest \
-             message in that status.</p>",
+             message in that status; retries due are failed messages whose next attempt time has \
+             passed and that no redelivery has claimed yet (with how long the oldest has been \
+             due: how far retries lag); the \
+             oldest parked one how long an aggregate has waited for a missing sequence \
+             (see <a href=\"{}\">parked</a>). Counts are exact, read from the \
+             <code>inbox_messages_console</code> index.</p>",
+            escape(&ctx.link("/parked"))
         );
         Ok(layout(&ctx, StatusCode::OK, "Overview", &body))
     })
     .await
 }
 
-async fn messages<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+async fn messages<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
     let (parts, _) = request.into_parts();
     run(async {
         let ctx = inner.begin(&parts)?;
         let params = Params::query(&parts, &["consumer", "status", "limit"])?;
-        let (statuses, status) = params.statuses()?;
-        let limit = params.limit()?;
-        let consumer = params.consumer(&inner, false).await?;
-        let rows = admin::list(
-            inner.dispatcher.pool(),
-            consumer.as_deref(),
-            statuses,
+        let Filter {
+            consumer,
+            status,
             limit,
-        )
-        .await
-        .map_err(database)?;
+            rows,
+        } = Filter::read(&inner, &params, false).await?;
         let known = inner.consumers(None).await?;
         let mut body = String::from("<h1>Failed and dead messages</h1>");
         let _ = write!(
@@ -750,16 +696,7 @@ async fn messages<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request)
             escape(consumer.as_deref().unwrap_or(""))
         );
         let filter = filter_query(consumer.as_deref(), status, limit);
-        let _ = write!(
-            body,
-            "<p>{} shown{}.</p>",
-            rows.len(),
-            if rows.len() as u64 == u64::from(limit) {
-                " (the limit: there may be more)"
-            } else {
-                ""
-            }
-        );
+        let _ = write!(body, "<p>{}.</p>", shown(rows.len(), limit));
         if !rows.is_empty() && status != "parked" {
             let _ = write!(
                 body,
@@ -795,7 +732,7 @@ async fn messages<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request)
     .await
 }
 
-async fn message<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+async fn message<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
     let (parts, _) = request.into_parts();
     run(async {
         let ctx = inner.begin(&parts)?;
@@ -818,11 +755,14 @@ async fn message<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) 
     .await
 }
 
-async fn confirm_replay<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+async fn confirm_replay<DB: ConsoleDatabase>(
+    State(inner): Shared<DB>,
+    request: Request,
+) -> Response {
     confirm(&inner, request, Action::Replay).await
 }
 
-async fn confirm_discard<DB: InboxDatabase>(
+async fn confirm_discard<DB: ConsoleDatabase>(
     State(inner): Shared<DB>,
     request: Request,
 ) -> Response {
@@ -845,7 +785,7 @@ impl Action {
 }
 
 /// The confirmation page of one action on one message.
-async fn confirm<DB: InboxDatabase>(
+async fn confirm<DB: ConsoleDatabase>(
     inner: &Inner<DB>,
     request: Request,
     action: Action,
@@ -892,20 +832,28 @@ async fn confirm<DB: InboxDatabase>(
     .await
 }
 
-async fn replay<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+async fn replay<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
     act(&inner, request, Action::Replay).await
 }
 
-async fn discard<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+async fn discard<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
     act(&inner, request, Action::Discard).await
 }
 
 /// A confirmed action on one message.
-async fn act<DB: InboxDatabase>(inner: &Inner<DB>, request: Request, action: Action) -> Response {
+async fn act<DB: ConsoleDatabase>(inner: &Inner<DB>, request: Request, action: Action) -> Response {
     let (parts, body) = request.into_parts();
     run(async {
         let ctx = inner.begin(&parts)?;
-        let params = form(inner, &ctx, &parts, body, &["consumer", "key", "csrf"]).await?;
+        let params = form(
+            inner,
+            &ctx,
+            &parts,
+            body,
+            MAX_FORM_BYTES,
+            &["consumer", "key", "csrf"],
+        )
+        .await?;
         let (consumer, key) = (params.consumer(inner, true).await?, params.key()?);
         let consumer = consumer.unwrap_or_default();
         let row = fetch(inner, &consumer, &key).await?;
@@ -968,7 +916,7 @@ async fn act<DB: InboxDatabase>(inner: &Inner<DB>, request: Request, action: Act
     .await
 }
 
-async fn confirm_replay_all<DB: InboxDatabase>(
+async fn confirm_replay_all<DB: ConsoleDatabase>(
     State(inner): Shared<DB>,
     request: Request,
 ) -> Response {
@@ -976,21 +924,17 @@ async fn confirm_replay_all<DB: InboxDatabase>(
     run(async {
         let ctx = inner.begin(&parts)?;
         let params = Params::query(&parts, &["consumer", "status", "limit"])?;
-        let (statuses, status) = bulk_statuses(&params)?;
-        let limit = params.limit()?;
-        let consumer = params.consumer(&inner, false).await?;
-        let rows = admin::list(
-            inner.dispatcher.pool(),
-            consumer.as_deref(),
-            statuses,
+        let Filter {
+            consumer,
+            status,
             limit,
-        )
-        .await
-        .map_err(database)?;
+            rows,
+        } = Filter::read(&inner, &params, true).await?;
         let mut body = format!(
             "<h1>Confirm: replay {} messages?</h1><p class=\"notice\">Each of the {} {} \
              messages{} below (oldest first, at most {limit}) is replayed once with its \
-             registered handler.</p><ul>",
+             registered handler: exactly these, also if others fail meanwhile (one that is \
+             no longer failed or dead by then is skipped).</p><ul>",
             rows.len(),
             rows.len(),
             if status.is_empty() {
@@ -1012,14 +956,23 @@ async fn confirm_replay_all<DB: InboxDatabase>(
                 row.status
             );
         }
+        let items: Vec<String> = rows
+            .iter()
+            .map(|row| {
+                format!(
+                    "{}.{}",
+                    hex::encode(&row.consumer),
+                    hex::encode(&row.message_key)
+                )
+            })
+            .collect();
         let _ = write!(
             body,
-            "</ul><form method=\"post\" action=\"{}\"><input type=\"hidden\" name=\"consumer\" \
-             value=\"{}\"><input type=\"hidden\" name=\"status\" value=\"{status}\">\
-             <input type=\"hidden\" name=\"limit\" value=\"{limit}\">{}<div class=\"actions\">\
+            "</ul><form method=\"post\" action=\"{}\"><input type=\"hidden\" name=\"items\" \
+             value=\"{}\">{}<div class=\"actions\">\
              <button>Yes, replay them</button><a href=\"{}\">Cancel</a></div></form>",
             escape(&ctx.link("/replay-all")),
-            escape(consumer.as_deref().unwrap_or("")),
+            items.join(","),
             csrf_field(&inner, &ctx),
             escape(&format!(
                 "{}?{}",
@@ -1032,7 +985,56 @@ async fn confirm_replay_all<DB: InboxDatabase>(
     .await
 }
 
-async fn replay_all<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+/// The largest form body of a bulk replay: the confirmed messages travel in it, hex-encoded
+/// (at most [`MAX_LIMIT`] consumers of 255 bytes and keys of [`MAX_KEY_BYTES`]): 2 MiB.
+const MAX_BULK_FORM_BYTES: usize = 2 * 1024 * 1024;
+
+/// The `items` of a bulk replay's form: `hex(consumer).hex(key)`, comma-separated, each
+/// consumer known and each key valid, at most [`MAX_LIMIT`].
+async fn bulk_items<DB: ConsoleDatabase>(
+    inner: &Inner<DB>,
+    params: &Params,
+) -> Result<Vec<(String, String)>, Problem> {
+    let text = params.required("items")?;
+    let mut items = Vec::new();
+    for item in text.split(',') {
+        let decode = |part: &str| {
+            hex::decode(part)
+                .ok()
+                .and_then(|bytes| String::from_utf8(bytes).ok())
+                .filter(|text| !text.is_empty() && !text.contains('\0'))
+        };
+        let Some((consumer, key)) = item
+            .split_once('.')
+            .and_then(|(consumer, key)| Some((decode(consumer)?, decode(key)?)))
+        else {
+            return Err(bad_request(
+                "The confirmed messages (“items”) are not as the confirmation page sent them: \
+                 open it again.",
+            ));
+        };
+        if key.len() > MAX_KEY_BYTES {
+            return Err(bad_request(&format!(
+                "A key is {} bytes long; keys are at most {MAX_KEY_BYTES} bytes.",
+                key.len()
+            )));
+        }
+        items.push((consumer, key));
+    }
+    if items.len() > MAX_LIMIT as usize {
+        return Err(bad_request(&format!(
+            "{} messages to replay: at most {MAX_LIMIT} at once.",
+            items.len()
+        )));
+    }
+    let consumers: BTreeSet<&str> = items.iter().map(|(c, _)| c.as_str()).collect();
+    for consumer in consumers {
+        inner.check_consumer(consumer).await?;
+    }
+    Ok(items)
+}
+
+async fn replay_all<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
     run(async {
         let ctx = inner.begin(&parts)?;
@@ -1041,30 +1043,27 @@ async fn replay_all<DB: InboxDatabase>(State(inner): Shared<DB>, request: Reques
             &ctx,
             &parts,
             body,
-            &["consumer", "status", "limit", "csrf"],
+            MAX_BULK_FORM_BYTES,
+            &["items", "csrf"],
         )
         .await?;
-        let (statuses, _) = bulk_statuses(&params)?;
-        let limit = params.limit()?;
-        let consumer = params.consumer(&inner, false).await?;
-        let rows = admin::list(
-            inner.dispatcher.pool(),
-            consumer.as_deref(),
-            statuses,
-            limit,
-        )
-        .await
-        .map_err(database)?;
+        let items = bulk_items(&inner, &params).await?;
         let mut table = String::new();
         let (mut succeeded, mut failed) = (0_u32, 0_u32);
-        for row in &rows {
-            let (text, ok) = match inner
-                .dispatcher
-                .replay(&row.consumer, &row.message_key)
+        for (consumer, key) in &items {
+            let current = admin::show(inner.dispatcher.pool(), consumer, key)
                 .await
-            {
-                Ok(outcome) => describe(&outcome),
-                Err(error) => (error.to_string(), false),
+                .map_err(database)?;
+            let (text, ok) = match current {
+                None => ("skipped: no such message any more".to_owned(), false),
+                Some(row) if !matches!(row.status, Status::Failed | Status::Dead) => (
+                    format!("skipped: it is {} now, nothing to replay", row.status),
+                    false,
+                ),
+                Some(_) => match inner.dispatcher.replay(consumer, key).await {
+                    Ok(outcome) => describe(&outcome),
+                    Err(error) => (error.to_string(), false),
+                },
             };
             if ok {
                 succeeded += 1;
@@ -1075,17 +1074,22 @@ async fn replay_all<DB: InboxDatabase>(State(inner): Shared<DB>, request: Reques
                 target: "inbox_runtime::console",
                 operator = ?ctx.operator,
                 action = "replay",
-                consumer = ?row.consumer,
-                key = ?row.message_key,
+                consumer = ?consumer,
+                key = ?key,
                 result = %text,
                 "console: replay (bulk)"
             );
             let _ = write!(
                 table,
                 "<tr><td>{}</td><td class=\"key\"><a href=\"{}\">{}</a></td><td>{}</td></tr>",
-                escape(&row.consumer),
-                escape(&message_link(&ctx, "/message", row)),
-                escape(&row.message_key),
+                escape(consumer),
+                escape(&format!(
+                    "{}?consumer={}&key={}",
+                    ctx.link("/message"),
+                    encode(consumer),
+                    encode(key)
+                )),
+                escape(key),
                 escape(&text)
             );
         }
@@ -1094,18 +1098,59 @@ async fn replay_all<DB: InboxDatabase>(State(inner): Shared<DB>, request: Reques
              {succeeded} succeeded, {failed} did not.</p><table><thead><tr><th>consumer</th>\
              <th>key</th><th>result</th></tr></thead><tbody>{table}</tbody></table>",
             if failed == 0 { "ok" } else { "bad" },
-            rows.len()
+            items.len()
         );
         Ok(layout(&ctx, StatusCode::OK, "Bulk replay", &body))
     })
     .await
 }
 
-async fn rejections<DB: InboxDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
+/// The list's filter (`consumer`, `status`, `limit`) and the rows it selects: what the list
+/// shows and what a bulk replay offers.
+struct Filter {
+    consumer: Option<String>,
+    /// `failed`, `dead`, `parked`, or empty for failed and dead.
+    status: &'static str,
+    limit: u32,
+    rows: Vec<StoredMessage>,
+}
+
+impl Filter {
+    /// Reads the filter from `params` (for a bulk replay: not parked) and lists its rows.
+    async fn read<DB: ConsoleDatabase>(
+        inner: &Inner<DB>,
+        params: &Params,
+        bulk: bool,
+    ) -> Result<Self, Problem> {
+        let (statuses, status) = if bulk {
+            bulk_statuses(params)?
+        } else {
+            params.statuses()?
+        };
+        let limit = params.limit()?;
+        let consumer = params.consumer(inner, false).await?;
+        let rows = admin::list(
+            inner.dispatcher.pool(),
+            consumer.as_deref(),
+            statuses,
+            limit,
+        )
+        .await
+        .map_err(database)?;
+        Ok(Self {
+            consumer,
+            status,
+            limit,
+            rows,
+        })
+    }
+}
+
+async fn rejections<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
     let (parts, _) = request.into_parts();
     run(async {
         let ctx = inner.begin(&parts)?;
-        Params::query(&parts, &[])?;
+        let params = Params::query(&parts, &["consumer", "reason", "limit"])?;
         let rows = admin::stats(inner.dispatcher.pool())
             .await
             .map_err(database)?;
@@ -1145,6 +1190,7 @@ async fn rejections<DB: InboxDatabase>(State(inner): Shared<DB>, request: Reques
             );
         }
         body.push_str("</tbody></table>");
+        more::rejection_list(&inner, &ctx, &params, &mut body).await?;
         Ok(layout(&ctx, StatusCode::OK, "Rejections", &body))
     })
     .await
@@ -1245,7 +1291,7 @@ fn bulk_statuses(params: &Params) -> Result<(&'static [Status], &'static str), P
 }
 
 /// One row or a 404.
-async fn fetch<DB: InboxDatabase>(
+async fn fetch<DB: ConsoleDatabase>(
     inner: &Inner<DB>,
     consumer: &str,
     key: &str,
@@ -1395,12 +1441,13 @@ fn encode(value: &str) -> String {
     form_urlencoded::byte_serialize(value.as_bytes()).collect()
 }
 
-/// The hidden CSRF field of `ctx`'s operator.
-fn csrf_field<DB: InboxDatabase>(inner: &Inner<DB>, ctx: &Ctx) -> String {
-    format!(
-        "<input type=\"hidden\" name=\"csrf\" value=\"{}\">",
-        inner.token(&ctx.operator)
-    )
+/// `5 shown`, with `(the limit: there may be more)` when `n` is the limit.
+fn shown(n: usize, limit: u32) -> String {
+    if n as u64 == u64::from(limit) {
+        format!("{n} shown (the limit: there may be more)")
+    } else {
+        format!("{n} shown")
+    }
 }
 
 /// `text` cut to `max` characters, with an ellipsis when cut.
@@ -1462,13 +1509,17 @@ fn layout(ctx: &Ctx, status: StatusCode, title: &str, body: &str) -> Response {
          <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
          <title>{} · inbox console</title><link rel=\"stylesheet\" href=\"{}\"></head><body>\
          <header><span class=\"brand\">inbox console</span><nav><a href=\"{}\">Overview</a>\
-         <a href=\"{}\">Failed and dead</a><a href=\"{}\">Rejections</a></nav>\
+         <a href=\"{}\">Failed and dead</a><a href=\"{}\">Rejections</a>\
+         <a href=\"{}\">Parked</a><a href=\"{}\">Outbox</a><a href=\"{}\">Rates</a></nav>\
          <span class=\"operator\">{}</span></header><main>{body}</main></body></html>",
         escape(title),
         escape(&ctx.link("/style.css")),
         escape(&ctx.link("/")),
         escape(&ctx.link("/messages")),
         escape(&ctx.link("/rejections")),
+        escape(&ctx.link("/parked")),
+        escape(&ctx.link("/outbox")),
+        escape(&ctx.link("/rates")),
         escape(&ctx.operator),
     );
     html_response(status, html)

@@ -23,6 +23,7 @@ use crate::status::Status;
 
 #[macro_use]
 mod shared;
+mod console;
 #[macro_use]
 mod mysql;
 mod outbox;
@@ -30,6 +31,9 @@ mod positions;
 mod postgres;
 mod sqlite;
 
+pub use console::{
+    ArrivalRow, ConsoleDatabase, ConsoleStore, ParkedEntry, RejectionEntry, RetryLag, SentRow,
+};
 pub use mysql::mysql_lock_retries;
 pub(crate) use mysql::{
     ER_LOCK_DEADLOCK, ER_LOCK_WAIT_TIMEOUT, error_number as mysql_error_number,

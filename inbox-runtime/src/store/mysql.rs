@@ -363,7 +363,7 @@ mod sql {
     pub(super) const STATS: &str = concat!(
         "SELECT CONVERT(consumer USING utf8mb4) AS c, status AS s, COUNT(*), ",
         text_time!("MIN(received_at)"),
-        " FROM inbox_messages GROUP BY consumer, status \
+        " FROM inbox_messages GROUP BY status, consumer \
          UNION ALL \
          SELECT consumer, CONCAT('rejected:', reason), COUNT(*), ",
         text_time!("MIN(received_at)"),
@@ -456,11 +456,18 @@ mod sql {
 }
 
 /// The inbox component's migrations.
-const INBOX_MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "inbox",
-    include_str!("../../migrations/mysql/0001_inbox.sql"),
-)];
+const INBOX_MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "inbox",
+        include_str!("../../migrations/mysql/0001_inbox.sql"),
+    ),
+    (
+        2,
+        "console indexes",
+        include_str!("../../migrations/mysql/0002_console_indexes.sql"),
+    ),
+];
 
 impl InboxDatabase for MySql {
     const BACKEND: Backend = Backend::MySql;

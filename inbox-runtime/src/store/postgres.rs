@@ -177,6 +177,11 @@ const INBOX_MIGRATIONS: &[(i64, &str, &str)] = &[
         "rejection sizes",
         include_str!("../../migrations/postgres/0004_rejection_sizes.sql"),
     ),
+    (
+        5,
+        "console indexes",
+        include_str!("../../migrations/postgres/0005_console_indexes.sql"),
+    ),
 ];
 
 impl_inbox_connection!(

@@ -309,7 +309,7 @@ pub(super) const FETCH: &str = concat!(
 );
 
 pub(super) const STATS: &str = "SELECT consumer, status, COUNT(*), CAST(MIN(received_at) AS TEXT) \
-     FROM inbox_messages GROUP BY consumer, status \
+     FROM inbox_messages GROUP BY status, consumer \
      UNION ALL \
      SELECT consumer, 'rejected:' || reason, COUNT(*), CAST(MIN(received_at) AS TEXT) \
      FROM inbox_rejections GROUP BY consumer, reason \
@@ -357,7 +357,7 @@ pub(super) fn retry_in(ms: Option<i64>) -> Option<std::time::Duration> {
         .map(|ms| std::time::Duration::from_millis(ms.unsigned_abs()))
 }
 
-pub(super) fn stats_status(text: &str) -> Result<StatsStatus, sqlx::Error> {
+pub(crate) fn stats_status(text: &str) -> Result<StatsStatus, sqlx::Error> {
     StatsStatus::parse(text)
 }
 

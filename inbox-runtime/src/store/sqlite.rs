@@ -218,6 +218,11 @@ const INBOX_MIGRATIONS: &[(i64, &str, &str)] = &[
         "rejection sizes",
         include_str!("../../migrations/sqlite/0004_rejection_sizes.sql"),
     ),
+    (
+        5,
+        "console indexes",
+        include_str!("../../migrations/sqlite/0005_console_indexes.sql"),
+    ),
 ];
 
 impl_inbox_connection!(
