@@ -1357,7 +1357,11 @@ fn describe_row(body: &mut String, row: &StoredMessage, payload: bool) {
         row.attempts,
         escape(&admin::utc_time(&row.received_at)),
         escape(&opt(row.processed_at.as_deref())),
-        escape(&opt(row.next_attempt_at.as_deref())),
+        // Only a failed message is retried; a dead one keeps the time its last failure set.
+        escape(&opt(row
+            .next_attempt_at
+            .as_deref()
+            .filter(|_| row.status == Status::Failed))),
         escape(row.source.as_deref().unwrap_or("—")),
         status = row.status,
     );

@@ -24,7 +24,6 @@ use crate::status::Status;
 #[macro_use]
 mod shared;
 mod console;
-#[macro_use]
 mod mysql;
 mod outbox;
 mod positions;

@@ -145,6 +145,7 @@ macro_rules! retry_lock_errors {
         }
     }};
 }
+pub(super) use retry_lock_errors;
 
 /// Whether a failed statement on `conn` may be retried internally: a lock error, and the
 /// statement is the first of a transaction of ours (depth `depth`, 1 for a claim's own
@@ -178,6 +179,7 @@ macro_rules! text_time {
         concat!("DATE_FORMAT(", $column, ", '%Y-%m-%d %H:%i:%s.%f')")
     };
 }
+pub(super) use text_time;
 
 /// The database clock.
 macro_rules! now {
@@ -192,6 +194,7 @@ macro_rules! window_start {
         "DATE_SUB(UTC_TIMESTAMP(6), INTERVAL CAST(? * 1000000 AS SIGNED) MICROSECOND)"
     };
 }
+pub(super) use window_start;
 
 /// Milliseconds until a `failed` row's next attempt is due, `NULL` if it is (or it is not
 /// `failed`). Rounded up, so that a due time in the future never reads as 0.

@@ -79,6 +79,7 @@ use sqlx::{
 use sqlx_core::transaction::TransactionManager as _;
 
 use super::InboxDatabase;
+use super::mysql::retry_lock_errors;
 use crate::BoxFuture;
 
 /// One row to write into `inbox_outbox`, validated by [`crate::outbox::Outbox::publish`].
@@ -1397,6 +1398,8 @@ pub(super) const MYSQL_MIGRATIONS: &[(i64, &str, &str)] = &[
 /// statements that take locks are built at run time with one `?` per id
 /// ([`mysql::by_ids`]): primary-key lookups, so they lock the rows they name and nothing else.
 mod mysql {
+    use super::super::mysql::{text_time, window_start};
+
     /// A row's age in milliseconds on the database clock.
     macro_rules! age {
         () => {

@@ -29,6 +29,7 @@ use sqlx::{
 };
 
 use super::InboxDatabase;
+use super::mysql::retry_lock_errors;
 use crate::BoxFuture;
 
 /// Which position: a consumer group's partition of a topic.
