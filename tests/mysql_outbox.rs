@@ -321,3 +321,78 @@ async fn a_deadlock_of_the_relay_is_retried_and_counted() {
         .map(|(a, b, c)| (a.to_owned(), b.to_owned(), c.map(str::to_owned)))
     );
 }
+
+// ---- review probes ----
+
+/// A caller that began its transaction with a raw `BEGIN` (sqlx does not count it) and then
+/// publishes: the publish must stay in that transaction. MySQL commits the open transaction
+/// implicitly on any `BEGIN`, so a store that opened one of its own here would commit the
+/// caller's earlier writes and its own row behind the caller's back; the caller's `ROLLBACK`
+/// would then undo nothing.
+#[tokio::test]
+async fn a_publish_inside_a_raw_begin_stays_in_the_callers_transaction() {
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(2).await;
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut *conn).await.unwrap();
+    sqlx::query(inbox_tests::MYSQL_APPLY_EFFECT)
+        .bind("effect-1")
+        .bind(1_i64)
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    OUTBOX
+        .publish(&mut *conn, message("raw-1", "agg-raw"))
+        .await
+        .unwrap();
+    OUTBOX
+        .publish(
+            &mut *conn,
+            OutboxMessage::raw("orders", "orders.paid", "{}").message_id("raw-2"),
+        )
+        .await
+        .unwrap();
+    sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
+    let left: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT COUNT(*) FROM effects), (SELECT COUNT(*) FROM inbox_outbox)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(left, (0, 0), "the caller's rollback undoes its effect and both rows");
+}
+
+/// Aggregate ids, message ids and names as PostgreSQL takes them: long aggregates (beyond a
+/// `TEXT`'s 64 KiB), unicode, trailing spaces; every one stored and leased byte for byte.
+#[tokio::test]
+async fn long_and_unicode_ids_are_stored_and_leased_byte_exact() {
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(2).await;
+    let long_aggregate = "å".repeat(40_000); // 80 000 bytes
+    let ids = ["é🦀 x", "é🦀 x ", "a"];
+    let mut tx = pool.begin().await.unwrap();
+    for id in ids {
+        OUTBOX
+            .publish(
+                &mut *tx,
+                OutboxMessage::raw("orders", "orders.päid 🦀", "{}")
+                    .message_id(id)
+                    .aggregate(long_aggregate.clone()),
+            )
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let lease = conn.lease_outbox(10, 60_000, 5, "abandoned").await.unwrap();
+        assert_eq!(lease.records.len(), 1, "one row of the aggregate at a time");
+        let record = &lease.records[0];
+        assert_eq!(record.aggregate_id.as_deref(), Some(long_aggregate.as_str()));
+        assert_eq!(record.message_name, "orders.päid 🦀");
+        seen.push(record.message_id.clone());
+        conn.mark_outbox_sent(&[record.id]).await.unwrap();
+    }
+    assert_eq!(seen, ids);
+}
