@@ -396,3 +396,39 @@ async fn long_and_unicode_ids_are_stored_and_leased_byte_exact() {
     }
     assert_eq!(seen, ids);
 }
+
+/// A partition assigned (and its position advanced) inside a raw `BEGIN`: both stay in the
+/// caller's transaction, which its `ROLLBACK` undoes with the effect.
+#[tokio::test]
+async fn a_position_written_inside_a_raw_begin_stays_in_the_callers_transaction() {
+    use inbox_runtime::{PositionKey, PositionStore as _};
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(2).await;
+    inbox_runtime::migrate_components(&pool, &[Component::Positions])
+        .await
+        .unwrap();
+    let key = PositionKey::new("group", "topic", 0);
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut *conn).await.unwrap();
+    sqlx::query(inbox_tests::MYSQL_APPLY_EFFECT)
+        .bind("effect-1")
+        .bind(1_i64)
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let acquired = conn.acquire_position(&key, "owner").await.unwrap();
+    assert_eq!(acquired.epoch, 1);
+    assert!(
+        conn.advance_position(&key, acquired.epoch, 7)
+            .await
+            .unwrap()
+    );
+    sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
+    let left: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT COUNT(*) FROM effects), (SELECT COUNT(*) FROM inbox_positions)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(left, (0, 0), "the caller's rollback undoes its effect and the position");
+}
