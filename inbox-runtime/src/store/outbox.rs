@@ -1834,8 +1834,9 @@ impl OutboxStore for MySqlConnection {
         _notify: bool,
     ) -> BoxFuture<'c, Result<bool, sqlx::Error>> {
         Box::pin(async move {
-            let depth = <MySql as sqlx::Database>::TransactionManager::get_transaction_depth(self);
-            if depth > 0 {
+            // In the caller's transaction, also one sqlx does not count (a raw `BEGIN`: a
+            // `BEGIN` of ours would commit it implicitly).
+            if super::mysql::in_transaction(self).await? {
                 return mysql_enqueue(self, row).await;
             }
             // Outside a transaction: one of our own, so that the aggregate stays locked until
