@@ -432,3 +432,40 @@ async fn a_position_written_inside_a_raw_begin_stays_in_the_callers_transaction(
     .unwrap();
     assert_eq!(left, (0, 0), "the caller's rollback undoes its effect and the position");
 }
+
+/// A lease (or a retry delay) too long for a `DATETIME` (beyond the year 9999): MySQL's
+/// `DATE_ADD` answers NULL there, which would read as "never leased" (another relay leases the
+/// row at once) or "due now". Such a lease runs as long as the column can say.
+#[tokio::test]
+async fn a_lease_or_delay_beyond_the_datetime_range_is_not_no_lease() {
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(2).await;
+    let mut tx = pool.begin().await.unwrap();
+    for id in ["a", "b"] {
+        OUTBOX
+            .publish(
+                &mut *tx,
+                OutboxMessage::raw("orders", "orders.paid", "{}").message_id(id),
+            )
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let first = conn.lease_outbox(1, i64::MAX, 5, "abandoned").await.unwrap();
+    assert_eq!(first.records.len(), 1);
+    let second = conn.lease_outbox(10, 60_000, 5, "abandoned").await.unwrap();
+    assert_eq!(
+        second.records.iter().map(|r| r.message_id.as_str()).collect::<Vec<_>>(),
+        ["b"],
+        "the first row stays leased"
+    );
+    // A failed publish retried "never": not due now.
+    let failed = conn
+        .mark_outbox_failed(second.records[0].id, "boom", false, 5, i64::MAX)
+        .await
+        .unwrap();
+    assert_eq!(failed, Some(inbox_runtime::OutboxStatus::Pending));
+    let third = conn.lease_outbox(10, 60_000, 5, "abandoned").await.unwrap();
+    assert!(third.records.is_empty(), "{:?}", third.records);
+}
