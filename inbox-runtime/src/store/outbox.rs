@@ -1603,6 +1603,18 @@ mod mysql {
 /// MySQL's error number of a duplicate key (`ER_DUP_ENTRY`): here, a message id already stored.
 const ER_DUP_ENTRY: u16 = 1062;
 
+/// The longest interval added to the clock, in microseconds: 100 years. A `DATETIME` ends with
+/// the year 9999; past it `DATE_ADD` fails ("datetime field overflow", strict mode) or answers
+/// NULL, which a lease would read as "not leased" (another relay takes the row at once) and a
+/// retry delay as "due now".
+const MAX_INTERVAL_US: i64 = 100 * 366 * 86_400 * 1_000_000;
+
+/// `ms` milliseconds as the microseconds of an interval added to the clock (at most
+/// [`MAX_INTERVAL_US`], at least 0).
+fn interval_us(ms: i64) -> i64 {
+    ms.saturating_mul(1000).clamp(0, MAX_INTERVAL_US)
+}
+
 /// Binds each id in turn onto `query`.
 fn bind_ids<'q>(
     mut query: sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments>,
@@ -1747,7 +1759,7 @@ async fn mysql_lease_once(
     if !leased.is_empty() {
         let sql = mysql::by_ids(mysql::LEASE, leased.len(), "");
         bind_ids(
-            sqlx::query(sql).bind(lease_ms.saturating_mul(1000)),
+            sqlx::query(sql).bind(interval_us(lease_ms)),
             &leased,
         )
         .execute(&mut *tx)
@@ -1805,7 +1817,7 @@ async fn mysql_mark_failed_once(
         .bind(permanent)
         .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX))
         .bind(error)
-        .bind(retry_in_ms.saturating_mul(1000))
+        .bind(interval_us(retry_in_ms))
         .bind(id)
         .execute(&mut *tx)
         .await?;
