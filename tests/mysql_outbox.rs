@@ -65,10 +65,44 @@ async fn wait_all_sent(pool: &MySqlPool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_writers_of_one_aggregate_are_published_in_write_order_exactly_once() {
     let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(16).await;
+    writers_and_relays(pool).await;
+}
+
+/// The same under READ COMMITTED, writers and relays alike (the lock row's upsert locks the
+/// same way; the relay's candidate reads take a snapshot per statement).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn under_read_committed_too() {
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(1).await;
+    let options = (*pool.connect_options()).clone();
+    pool.close().await;
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(16)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::query("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect_with(options)
+        .await
+        .unwrap();
+    let level: String = sqlx::query_scalar("SELECT @@tx_isolation")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(level, "READ-COMMITTED");
+    writers_and_relays(pool).await;
+}
+
+/// 8 tasks × 50 transactions over 4 aggregates (see the file's docs), two relays.
+async fn writers_and_relays(pool: MySqlPool) {
     const TASKS: usize = 8;
     const ROWS: usize = 50;
     const AGGREGATES: usize = 4;
-    let pool = outbox_pool(16).await;
     let retries_before = inbox_runtime::mysql_lock_retries();
     // Per aggregate: the message ids in the order their transactions held its lock row
     // (recorded while the lock is held, after the publish, before the commit).
