@@ -503,3 +503,46 @@ async fn a_lease_or_delay_beyond_the_datetime_range_is_not_no_lease() {
     let third = conn.lease_outbox(10, 60_000, 5, "abandoned").await.unwrap();
     assert!(third.records.is_empty(), "{:?}", third.records);
 }
+
+/// A row must fit the server's `max_allowed_packet` (MariaDB's default: 16 MiB): a larger
+/// payload is refused with an error at publish (the caller's transaction is lost with its
+/// connection, nothing is written), never truncated; one that fits is leased byte for byte.
+#[tokio::test]
+async fn a_payload_beyond_max_allowed_packet_is_refused_not_truncated() {
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(2).await;
+    let packet: i64 = sqlx::query_scalar("SELECT CAST(@@max_allowed_packet AS SIGNED)")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let packet = usize::try_from(packet).unwrap();
+    let fits: Vec<u8> = (0..packet - 64 * 1024).map(|i| (i % 251) as u8).collect();
+    let mut tx = pool.begin().await.unwrap();
+    OUTBOX
+        .publish(
+            &mut *tx,
+            OutboxMessage::raw("orders", "orders.big", fits.clone()).message_id("fits"),
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let too_big = vec![b'x'; packet + 1];
+    let mut tx = pool.begin().await.unwrap();
+    let refused = OUTBOX
+        .publish(
+            &mut *tx,
+            OutboxMessage::raw("orders", "orders.big", too_big).message_id("too-big"),
+        )
+        .await;
+    println!("beyond max_allowed_packet: {refused:?}");
+    assert!(
+        matches!(refused, Err(inbox_runtime::outbox::OutboxError::Database(_))),
+        "{refused:?}"
+    );
+    drop(tx);
+    let mut conn = pool.acquire().await.unwrap();
+    let lease = conn.lease_outbox(10, 60_000, 5, "abandoned").await.unwrap();
+    assert_eq!(lease.records.len(), 1);
+    assert_eq!(lease.records[0].message_id, "fits");
+    assert!(lease.records[0].payload == fits, "the payload leased byte for byte");
+}
