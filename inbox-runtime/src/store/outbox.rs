@@ -24,7 +24,9 @@
 //!      ids after that. So whenever a row of an aggregate exists (committed or not), every
 //!      lower-id row of the aggregate is final: committed, or rolled back and gone; and an
 //!      aggregate's ids follow the order its writers took the lock. (Outside a transaction the
-//!      two statements run in one of the store's own.) Rows without an aggregate take no lock
+//!      two statements run in one of the store's own. "Outside" is asked of the server when
+//!      sqlx counts no transaction: one begun with a raw `BEGIN` is the caller's too, and a
+//!      `BEGIN` of the store's would commit it implicitly.) Rows without an aggregate take no lock
 //!      row and promise no order among themselves: each is eligible once it is committed.
 //!   2. *The relay decides from one snapshot, then locks by primary key.* The lease runs in a
 //!      transaction of its own: consistent (non-locking) reads pick the candidates: `pending`,
@@ -67,7 +69,14 @@
 //!   ([`OutboxStore::purge_outbox_sent`], [`OutboxAdminStore::purge_outbox_before`]) also delete
 //!   the lock rows of aggregates not written to since their cutoff (skipping those a writer
 //!   holds): a lock row only makes concurrent writers take turns, and the next writer of the
-//!   aggregate creates it again.
+//!   aggregate creates it again (writers queued behind the purge's delete re-create it one at a
+//!   time: `tests/mysql_outbox.rs`).
+//!
+//!   Limits: an aggregate's writers run one at a time for as long as each transaction lasts;
+//!   the order rests on one primary's locks and `AUTO_INCREMENT` (not Galera or other
+//!   multi-primary setups); a row must fit the server's `max_allowed_packet` (a larger one fails
+//!   the publish with 1153, never truncated); leases and retry delays are capped at 100 years
+//!   (`DATE_ADD` past the year 9999 fails or answers NULL, which would read as "not leased").
 
 use std::future::Future;
 use std::pin::Pin;

@@ -20,8 +20,11 @@
 //! waits, the row being locked already), both in one transaction (a savepoint inside the
 //! caller's). The fenced write is one `UPDATE` by primary key (a record lock). A deadlock (1213)
 //! or lock wait timeout (1205) of an assignment made outside a transaction is retried
-//! internally and counted in [`mysql_lock_retries`](crate::mysql_lock_retries); inside the
-//! caller's transaction it is returned (transient: see [`crate::Classify`]).
+//! internally and counted in [`mysql_lock_retries`](crate::mysql_lock_retries), and so is one
+//! of a fenced write in autocommit; inside the caller's transaction it is returned (transient:
+//! see [`crate::Classify`]). Inside: sqlx counts a transaction, or the server reports one (a raw
+//! `BEGIN`, which sqlx does not count): there the assignment runs in it (a `BEGIN` of ours would
+//! commit it implicitly) and nothing is retried (a deadlock rolled the caller's back).
 
 use sqlx::{
     Connection as _, MySql, MySqlConnection, PgConnection, Postgres, Row as _, Sqlite,
