@@ -393,7 +393,11 @@ async fn a_publish_inside_a_raw_begin_stays_in_the_callers_transaction() {
     .fetch_one(&pool)
     .await
     .unwrap();
-    assert_eq!(left, (0, 0), "the caller's rollback undoes its effect and both rows");
+    assert_eq!(
+        left,
+        (0, 0),
+        "the caller's rollback undoes its effect and both rows"
+    );
 }
 
 /// Aggregate ids, message ids and names as PostgreSQL takes them: long aggregates (beyond a
@@ -423,7 +427,10 @@ async fn long_and_unicode_ids_are_stored_and_leased_byte_exact() {
         let lease = conn.lease_outbox(10, 60_000, 5, "abandoned").await.unwrap();
         assert_eq!(lease.records.len(), 1, "one row of the aggregate at a time");
         let record = &lease.records[0];
-        assert_eq!(record.aggregate_id.as_deref(), Some(long_aggregate.as_str()));
+        assert_eq!(
+            record.aggregate_id.as_deref(),
+            Some(long_aggregate.as_str())
+        );
         assert_eq!(record.message_name, "orders.päid 🦀");
         seen.push(record.message_id.clone());
         conn.mark_outbox_sent(&[record.id]).await.unwrap();
@@ -464,7 +471,11 @@ async fn a_position_written_inside_a_raw_begin_stays_in_the_callers_transaction(
     .fetch_one(&pool)
     .await
     .unwrap();
-    assert_eq!(left, (0, 0), "the caller's rollback undoes its effect and the position");
+    assert_eq!(
+        left,
+        (0, 0),
+        "the caller's rollback undoes its effect and the position"
+    );
 }
 
 /// A lease (or a retry delay) too long for a `DATETIME` (beyond the year 9999): MySQL's
@@ -486,11 +497,18 @@ async fn a_lease_or_delay_beyond_the_datetime_range_is_not_no_lease() {
     }
     tx.commit().await.unwrap();
     let mut conn = pool.acquire().await.unwrap();
-    let first = conn.lease_outbox(1, i64::MAX, 5, "abandoned").await.unwrap();
+    let first = conn
+        .lease_outbox(1, i64::MAX, 5, "abandoned")
+        .await
+        .unwrap();
     assert_eq!(first.records.len(), 1);
     let second = conn.lease_outbox(10, 60_000, 5, "abandoned").await.unwrap();
     assert_eq!(
-        second.records.iter().map(|r| r.message_id.as_str()).collect::<Vec<_>>(),
+        second
+            .records
+            .iter()
+            .map(|r| r.message_id.as_str())
+            .collect::<Vec<_>>(),
         ["b"],
         "the first row stays leased"
     );
@@ -536,7 +554,10 @@ async fn a_payload_beyond_max_allowed_packet_is_refused_not_truncated() {
         .await;
     println!("beyond max_allowed_packet: {refused:?}");
     assert!(
-        matches!(refused, Err(inbox_runtime::outbox::OutboxError::Database(_))),
+        matches!(
+            refused,
+            Err(inbox_runtime::outbox::OutboxError::Database(_))
+        ),
         "{refused:?}"
     );
     drop(tx);
@@ -544,7 +565,10 @@ async fn a_payload_beyond_max_allowed_packet_is_refused_not_truncated() {
     let lease = conn.lease_outbox(10, 60_000, 5, "abandoned").await.unwrap();
     assert_eq!(lease.records.len(), 1);
     assert_eq!(lease.records[0].message_id, "fits");
-    assert!(lease.records[0].payload == fits, "the payload leased byte for byte");
+    assert!(
+        lease.records[0].payload == fits,
+        "the payload leased byte for byte"
+    );
 }
 
 /// The retention purge deleting an idle aggregate's lock row while writers queue for it (the
@@ -617,7 +641,11 @@ async fn writers_queued_on_a_lock_row_the_purge_deletes_still_take_turns() {
     for _ in 0..10 {
         relay.run_once().await.unwrap();
     }
-    let sent: Vec<String> = sink.published().iter().map(|m| m.message_id.clone()).collect();
+    let sent: Vec<String> = sink
+        .published()
+        .iter()
+        .map(|m| m.message_id.clone())
+        .collect();
     let by_id: Vec<String> = sqlx::query_scalar("SELECT message_id FROM inbox_outbox ORDER BY id")
         .fetch_all(&pool)
         .await

@@ -85,7 +85,6 @@ use sqlx::{
     Connection as _, MySql, MySqlConnection, PgConnection, Pool, Postgres, Row as _, Sqlite,
     SqliteConnection,
 };
-use sqlx_core::transaction::TransactionManager as _;
 
 use super::InboxDatabase;
 use crate::BoxFuture;
@@ -1767,12 +1766,9 @@ async fn mysql_lease_once(
     }
     if !leased.is_empty() {
         let sql = mysql::by_ids(mysql::LEASE, leased.len(), "");
-        bind_ids(
-            sqlx::query(sql).bind(interval_us(lease_ms)),
-            &leased,
-        )
-        .execute(&mut *tx)
-        .await?;
+        bind_ids(sqlx::query(sql).bind(interval_us(lease_ms)), &leased)
+            .execute(&mut *tx)
+            .await?;
     }
     let lease = Lease {
         records: mysql_records(&mut tx, &leased).await?,
