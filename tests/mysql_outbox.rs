@@ -524,7 +524,8 @@ async fn a_lease_or_delay_beyond_the_datetime_range_is_not_no_lease() {
 
 /// A row must fit the server's `max_allowed_packet` (MariaDB's default: 16 MiB): a larger
 /// payload is refused with an error at publish (the caller's transaction is lost with its
-/// connection, nothing is written), never truncated; one that fits is leased byte for byte.
+/// connection, nothing is written), never truncated, and the error is permanent; one that fits
+/// is leased byte for byte.
 #[tokio::test]
 async fn a_payload_beyond_max_allowed_packet_is_refused_not_truncated() {
     let _serial = SERIAL.lock().await;
@@ -559,6 +560,12 @@ async fn a_payload_beyond_max_allowed_packet_is_refused_not_truncated() {
             Err(inbox_runtime::outbox::OutboxError::Database(_))
         ),
         "{refused:?}"
+    );
+    // Another attempt sends the same row: permanent (dead-lettered at once, not retried
+    // until the attempts run out).
+    assert_eq!(
+        inbox_runtime::Classify::class(&refused.unwrap_err()),
+        inbox_runtime::ErrorClass::Permanent
     );
     drop(tx);
     let mut conn = pool.acquire().await.unwrap();
