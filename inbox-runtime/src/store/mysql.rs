@@ -86,6 +86,10 @@ pub(crate) const ER_LOCK_DEADLOCK: u16 = 1213;
 /// MySQL's error number of a lock wait timeout (`ER_LOCK_WAIT_TIMEOUT`): the statement was
 /// rolled back (the whole transaction with `innodb_rollback_on_timeout`).
 pub(crate) const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
+/// MySQL's error number of a statement larger than the server's `max_allowed_packet`
+/// (`ER_NET_PACKET_TOO_LARGE`, SQLSTATE `08S01`): the server closes the connection, and the
+/// same statement fails the same way every time.
+pub(crate) const ER_NET_PACKET_TOO_LARGE: u16 = 1153;
 
 /// The MySQL error number of a database error, if it is one.
 pub(crate) fn error_number(error: &sqlx::Error) -> Option<u16> {
