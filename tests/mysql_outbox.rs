@@ -660,3 +660,48 @@ async fn writers_queued_on_a_lock_row_the_purge_deletes_still_take_turns() {
     assert_eq!(sent, by_id);
     assert_eq!(sent.len(), 1 + committed.len());
 }
+
+/// Positions of a group and topic of exactly 512 bytes (the columns' width; unicode, a trailing
+/// space that must not compare equal to its absence): stored, fenced and read back byte for
+/// byte; one byte more is refused ("data too long"), never truncated onto another position.
+#[tokio::test]
+async fn positions_at_the_maximum_group_and_topic_length() {
+    use inbox_runtime::{PositionKey, PositionStore as _};
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(2).await;
+    inbox_runtime::migrate_components(&pool, &[Component::Positions])
+        .await
+        .unwrap();
+    let group = format!("{} ", "é".repeat(255)); // 511 bytes
+    let group = format!("{group}x"); // 512 bytes, a space inside
+    let topic = "🦀".repeat(128); // 512 bytes
+    assert_eq!((group.len(), topic.len()), (512, 512));
+    let trimmed = group.trim_end_matches('x').to_owned(); // 511 bytes, ends in a space
+    let mut conn = pool.acquire().await.unwrap();
+    let key = PositionKey::new(&group, &topic, 3);
+    let first = conn.acquire_position(&key, "a").await.unwrap();
+    assert!(conn.advance_position(&key, first.epoch, 10).await.unwrap());
+    let other = PositionKey::new(&trimmed, &topic, 3);
+    let second = conn.acquire_position(&other, "b").await.unwrap();
+    assert_eq!((second.epoch, second.next_offset), (1, None), "a position of its own");
+    // A zombie's write after a new assignment changes nothing.
+    let again = conn.acquire_position(&key, "c").await.unwrap();
+    assert_eq!((again.epoch, again.next_offset), (2, Some(10)));
+    assert!(!conn.advance_position(&key, first.epoch, 99).await.unwrap());
+    let rows = conn.fetch_positions(&group).await.unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(
+        (rows[0].group.as_str(), rows[0].topic.as_str(), rows[0].next_offset),
+        (group.as_str(), topic.as_str(), Some(10))
+    );
+    let too_long = format!("{group}!");
+    let refused = conn
+        .acquire_position(&PositionKey::new(&too_long, &topic, 3), "d")
+        .await;
+    assert!(refused.is_err(), "{refused:?}");
+    let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM inbox_positions")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(count, 2);
+}
