@@ -683,7 +683,11 @@ async fn positions_at_the_maximum_group_and_topic_length() {
     assert!(conn.advance_position(&key, first.epoch, 10).await.unwrap());
     let other = PositionKey::new(&trimmed, &topic, 3);
     let second = conn.acquire_position(&other, "b").await.unwrap();
-    assert_eq!((second.epoch, second.next_offset), (1, None), "a position of its own");
+    assert_eq!(
+        (second.epoch, second.next_offset),
+        (1, None),
+        "a position of its own"
+    );
     // A zombie's write after a new assignment changes nothing.
     let again = conn.acquire_position(&key, "c").await.unwrap();
     assert_eq!((again.epoch, again.next_offset), (2, Some(10)));
@@ -691,7 +695,11 @@ async fn positions_at_the_maximum_group_and_topic_length() {
     let rows = conn.fetch_positions(&group).await.unwrap();
     assert_eq!(rows.len(), 1);
     assert_eq!(
-        (rows[0].group.as_str(), rows[0].topic.as_str(), rows[0].next_offset),
+        (
+            rows[0].group.as_str(),
+            rows[0].topic.as_str(),
+            rows[0].next_offset
+        ),
         (group.as_str(), topic.as_str(), Some(10))
     );
     let too_long = format!("{group}!");
@@ -704,4 +712,63 @@ async fn positions_at_the_maximum_group_and_topic_length() {
         .await
         .unwrap();
     assert_eq!(count, 2);
+}
+
+/// A duplicate message id fails only its own insert: reported as `DuplicateMessageId`, and the
+/// caller's transaction goes on and commits what else it wrote; also when the first row is
+/// still uncommitted in another transaction (the second waits for it, then learns).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_message_id_is_reported_and_the_transaction_stays_usable() {
+    use inbox_runtime::outbox::OutboxError;
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(4).await;
+    let mut tx = pool.begin().await.unwrap();
+    OUTBOX.publish(&mut *tx, message("d", "agg")).await.unwrap();
+    let again = OUTBOX.publish(&mut *tx, message("d", "agg")).await;
+    assert!(
+        matches!(&again, Err(OutboxError::DuplicateMessageId { message_id }) if message_id == "d"),
+        "{again:?}"
+    );
+    OUTBOX.publish(&mut *tx, message("e", "agg")).await.unwrap();
+    tx.commit().await.unwrap();
+
+    let mut first = pool.begin().await.unwrap();
+    OUTBOX
+        .publish(&mut *first, message("x", "other"))
+        .await
+        .unwrap();
+    let second = tokio::spawn({
+        let pool = pool.clone();
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            let duplicate = OUTBOX
+                .publish(
+                    &mut *tx,
+                    OutboxMessage::raw("orders", "orders.paid", "{}").message_id("x"),
+                )
+                .await
+                .map_err(|e| e.to_string());
+            OUTBOX
+                .publish(
+                    &mut *tx,
+                    OutboxMessage::raw("orders", "orders.paid", "{}").message_id("y"),
+                )
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            duplicate
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    first.commit().await.unwrap();
+    let duplicate = second.await.unwrap();
+    assert_eq!(
+        duplicate,
+        Err(r#"outbox message id "x" was published before"#.to_owned())
+    );
+    let ids: Vec<String> = sqlx::query_scalar("SELECT message_id FROM inbox_outbox ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(ids, ["d", "e", "x", "y"]);
 }
