@@ -8,6 +8,14 @@
 //!   rolled-back rows never.
 //! * A relay statement that meets a lock wait timeout (1205), or is chosen as a deadlock's
 //!   victim (1213), is retried internally and counted in `mysql_lock_retries()`.
+//! * The same under READ COMMITTED; writers queued on a lock row the retention purge deletes
+//!   still take turns.
+//! * A publish, and a position's assignment and write, inside a transaction begun with a raw
+//!   `BEGIN` (which sqlx does not count) stay in it: the caller's `ROLLBACK` undoes them.
+//! * Limits of the columns: aggregate ids over 64 KiB, unicode and trailing spaces byte for byte;
+//!   a payload up to `max_allowed_packet` leased byte for byte, one beyond refused (permanent);
+//!   groups and topics of 512 bytes; leases and delays beyond the year 9999 capped; a duplicate
+//!   message id reported with the transaction still usable.
 //!
 //! The tests of this file run one at a time (they read the process-wide retry counter).
 //! Needs `MYSQL_URL` (set by `scripts/test.sh`, which starts a throwaway MariaDB).
