@@ -8,6 +8,14 @@
 //!   rolled-back rows never.
 //! * A relay statement that meets a lock wait timeout (1205), or is chosen as a deadlock's
 //!   victim (1213), is retried internally and counted in `mysql_lock_retries()`.
+//! * The same under READ COMMITTED; writers queued on a lock row the retention purge deletes
+//!   still take turns.
+//! * A publish, and a position's assignment and write, inside a transaction begun with a raw
+//!   `BEGIN` (which sqlx does not count) stay in it: the caller's `ROLLBACK` undoes them.
+//! * Limits of the columns: aggregate ids over 64 KiB, unicode and trailing spaces byte for byte;
+//!   a payload up to `max_allowed_packet` leased byte for byte, one beyond refused (permanent);
+//!   groups and topics of 512 bytes; leases and delays beyond the year 9999 capped; a duplicate
+//!   message id reported with the transaction still usable.
 //!
 //! The tests of this file run one at a time (they read the process-wide retry counter).
 //! Needs `MYSQL_URL` (set by `scripts/test.sh`, which starts a throwaway MariaDB).
@@ -65,10 +73,44 @@ async fn wait_all_sent(pool: &MySqlPool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_writers_of_one_aggregate_are_published_in_write_order_exactly_once() {
     let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(16).await;
+    writers_and_relays(pool).await;
+}
+
+/// The same under READ COMMITTED, writers and relays alike (the lock row's upsert locks the
+/// same way; the relay's candidate reads take a snapshot per statement).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn under_read_committed_too() {
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(1).await;
+    let options = (*pool.connect_options()).clone();
+    pool.close().await;
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(16)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::query("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect_with(options)
+        .await
+        .unwrap();
+    let level: String = sqlx::query_scalar("SELECT @@tx_isolation")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(level, "READ-COMMITTED");
+    writers_and_relays(pool).await;
+}
+
+/// 8 tasks × 50 transactions over 4 aggregates (see the file's docs), two relays.
+async fn writers_and_relays(pool: MySqlPool) {
     const TASKS: usize = 8;
     const ROWS: usize = 50;
     const AGGREGATES: usize = 4;
-    let pool = outbox_pool(16).await;
     let retries_before = inbox_runtime::mysql_lock_retries();
     // Per aggregate: the message ids in the order their transactions held its lock row
     // (recorded while the lock is held, after the publish, before the commit).
@@ -320,4 +362,421 @@ async fn a_deadlock_of_the_relay_is_retried_and_counted() {
         ]
         .map(|(a, b, c)| (a.to_owned(), b.to_owned(), c.map(str::to_owned)))
     );
+}
+
+// ---- review probes ----
+
+/// A caller that began its transaction with a raw `BEGIN` (sqlx does not count it) and then
+/// publishes: the publish must stay in that transaction. MySQL commits the open transaction
+/// implicitly on any `BEGIN`, so a store that opened one of its own here would commit the
+/// caller's earlier writes and its own row behind the caller's back; the caller's `ROLLBACK`
+/// would then undo nothing.
+#[tokio::test]
+async fn a_publish_inside_a_raw_begin_stays_in_the_callers_transaction() {
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(2).await;
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut *conn).await.unwrap();
+    sqlx::query(inbox_tests::MYSQL_APPLY_EFFECT)
+        .bind("effect-1")
+        .bind(1_i64)
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    OUTBOX
+        .publish(&mut *conn, message("raw-1", "agg-raw"))
+        .await
+        .unwrap();
+    OUTBOX
+        .publish(
+            &mut *conn,
+            OutboxMessage::raw("orders", "orders.paid", "{}").message_id("raw-2"),
+        )
+        .await
+        .unwrap();
+    sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
+    let left: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT COUNT(*) FROM effects), (SELECT COUNT(*) FROM inbox_outbox)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        left,
+        (0, 0),
+        "the caller's rollback undoes its effect and both rows"
+    );
+}
+
+/// Aggregate ids, message ids and names as PostgreSQL takes them: long aggregates (beyond a
+/// `TEXT`'s 64 KiB), unicode, trailing spaces; every one stored and leased byte for byte.
+#[tokio::test]
+async fn long_and_unicode_ids_are_stored_and_leased_byte_exact() {
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(2).await;
+    let long_aggregate = "å".repeat(40_000); // 80 000 bytes
+    let ids = ["é🦀 x", "é🦀 x ", "a"];
+    let mut tx = pool.begin().await.unwrap();
+    for id in ids {
+        OUTBOX
+            .publish(
+                &mut *tx,
+                OutboxMessage::raw("orders", "orders.päid 🦀", "{}")
+                    .message_id(id)
+                    .aggregate(long_aggregate.clone()),
+            )
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let lease = conn.lease_outbox(10, 60_000, 5, "abandoned").await.unwrap();
+        assert_eq!(lease.records.len(), 1, "one row of the aggregate at a time");
+        let record = &lease.records[0];
+        assert_eq!(
+            record.aggregate_id.as_deref(),
+            Some(long_aggregate.as_str())
+        );
+        assert_eq!(record.message_name, "orders.päid 🦀");
+        seen.push(record.message_id.clone());
+        conn.mark_outbox_sent(&[record.id]).await.unwrap();
+    }
+    assert_eq!(seen, ids);
+}
+
+/// A partition assigned (and its position advanced) inside a raw `BEGIN`: both stay in the
+/// caller's transaction, which its `ROLLBACK` undoes with the effect.
+#[tokio::test]
+async fn a_position_written_inside_a_raw_begin_stays_in_the_callers_transaction() {
+    use inbox_runtime::{PositionKey, PositionStore as _};
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(2).await;
+    inbox_runtime::migrate_components(&pool, &[Component::Positions])
+        .await
+        .unwrap();
+    let key = PositionKey::new("group", "topic", 0);
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut *conn).await.unwrap();
+    sqlx::query(inbox_tests::MYSQL_APPLY_EFFECT)
+        .bind("effect-1")
+        .bind(1_i64)
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let acquired = conn.acquire_position(&key, "owner").await.unwrap();
+    assert_eq!(acquired.epoch, 1);
+    assert!(
+        conn.advance_position(&key, acquired.epoch, 7)
+            .await
+            .unwrap()
+    );
+    sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
+    let left: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT COUNT(*) FROM effects), (SELECT COUNT(*) FROM inbox_positions)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        left,
+        (0, 0),
+        "the caller's rollback undoes its effect and the position"
+    );
+}
+
+/// A lease (or a retry delay) too long for a `DATETIME` (beyond the year 9999): MySQL's
+/// `DATE_ADD` answers NULL there, which would read as "never leased" (another relay leases the
+/// row at once) or "due now". Such a lease runs as long as the column can say.
+#[tokio::test]
+async fn a_lease_or_delay_beyond_the_datetime_range_is_not_no_lease() {
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(2).await;
+    let mut tx = pool.begin().await.unwrap();
+    for id in ["a", "b"] {
+        OUTBOX
+            .publish(
+                &mut *tx,
+                OutboxMessage::raw("orders", "orders.paid", "{}").message_id(id),
+            )
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let first = conn
+        .lease_outbox(1, i64::MAX, 5, "abandoned")
+        .await
+        .unwrap();
+    assert_eq!(first.records.len(), 1);
+    let second = conn.lease_outbox(10, 60_000, 5, "abandoned").await.unwrap();
+    assert_eq!(
+        second
+            .records
+            .iter()
+            .map(|r| r.message_id.as_str())
+            .collect::<Vec<_>>(),
+        ["b"],
+        "the first row stays leased"
+    );
+    // A failed publish retried "never": not due now.
+    let failed = conn
+        .mark_outbox_failed(second.records[0].id, "boom", false, 5, i64::MAX)
+        .await
+        .unwrap();
+    assert_eq!(failed, Some(inbox_runtime::OutboxStatus::Pending));
+    let third = conn.lease_outbox(10, 60_000, 5, "abandoned").await.unwrap();
+    assert!(third.records.is_empty(), "{:?}", third.records);
+}
+
+/// A row must fit the server's `max_allowed_packet` (MariaDB's default: 16 MiB): a larger
+/// payload is refused with an error at publish (the caller's transaction is lost with its
+/// connection, nothing is written), never truncated, and the error is permanent; one that fits
+/// is leased byte for byte.
+#[tokio::test]
+async fn a_payload_beyond_max_allowed_packet_is_refused_not_truncated() {
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(2).await;
+    let packet: i64 = sqlx::query_scalar("SELECT CAST(@@max_allowed_packet AS SIGNED)")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let packet = usize::try_from(packet).unwrap();
+    let fits: Vec<u8> = (0..packet - 64 * 1024).map(|i| (i % 251) as u8).collect();
+    let mut tx = pool.begin().await.unwrap();
+    OUTBOX
+        .publish(
+            &mut *tx,
+            OutboxMessage::raw("orders", "orders.big", fits.clone()).message_id("fits"),
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let too_big = vec![b'x'; packet + 1];
+    let mut tx = pool.begin().await.unwrap();
+    let refused = OUTBOX
+        .publish(
+            &mut *tx,
+            OutboxMessage::raw("orders", "orders.big", too_big).message_id("too-big"),
+        )
+        .await;
+    println!("beyond max_allowed_packet: {refused:?}");
+    assert!(
+        matches!(
+            refused,
+            Err(inbox_runtime::outbox::OutboxError::Database(_))
+        ),
+        "{refused:?}"
+    );
+    // Another attempt sends the same row: permanent (dead-lettered at once, not retried
+    // until the attempts run out).
+    assert_eq!(
+        inbox_runtime::Classify::class(&refused.unwrap_err()),
+        inbox_runtime::ErrorClass::Permanent
+    );
+    drop(tx);
+    let mut conn = pool.acquire().await.unwrap();
+    let lease = conn.lease_outbox(10, 60_000, 5, "abandoned").await.unwrap();
+    assert_eq!(lease.records.len(), 1);
+    assert_eq!(lease.records[0].message_id, "fits");
+    assert!(
+        lease.records[0].payload == fits,
+        "the payload leased byte for byte"
+    );
+}
+
+/// The retention purge deleting an idle aggregate's lock row while writers queue for it (the
+/// purge's statements run by hand, paused between its pick and its commit): the writers still
+/// take turns (ids in the order they got the row), and the rows go out in that order. A
+/// deadlock (1213) among writers re-creating the row would be a transient error of the writer's
+/// own transaction (allowed here, printed; none seen on MariaDB 10.11).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn writers_queued_on_a_lock_row_the_purge_deletes_still_take_turns() {
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(8).await;
+    OUTBOX
+        .publish(&mut *pool.acquire().await.unwrap(), message("first", "agg"))
+        .await
+        .unwrap();
+    sqlx::query("UPDATE inbox_outbox_aggregates SET written_at = '2000-01-01'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut purge = pool.begin().await.unwrap();
+    let picked: Vec<Vec<u8>> = sqlx::query_scalar(
+        "SELECT aggregate_hash FROM inbox_outbox_aggregates \
+         WHERE written_at < CAST('2001-01-01' AS DATETIME(6)) \
+         ORDER BY written_at LIMIT 10 FOR UPDATE SKIP LOCKED",
+    )
+    .fetch_all(&mut *purge)
+    .await
+    .unwrap();
+    assert_eq!(picked.len(), 1);
+    let writers: Vec<_> = (0..3)
+        .map(|n| {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                let mut tx = pool.begin().await.unwrap();
+                let id = format!("w{n}");
+                let published = OUTBOX.publish(&mut *tx, message(&id, "agg")).await;
+                match published {
+                    Ok(_) => {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        tx.commit().await.unwrap();
+                        Ok(id)
+                    }
+                    Err(error) => Err(error.to_string()),
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sqlx::query("DELETE FROM inbox_outbox_aggregates WHERE aggregate_hash = ?")
+        .bind(&picked[0])
+        .execute(&mut *purge)
+        .await
+        .unwrap();
+    purge.commit().await.unwrap();
+    let mut outcomes = Vec::new();
+    for writer in writers {
+        outcomes.push(writer.await.unwrap());
+    }
+    println!("writers queued on a purged lock row: {outcomes:?}");
+    let committed: Vec<String> = outcomes.iter().filter_map(|o| o.clone().ok()).collect();
+    assert!(!committed.is_empty());
+    for outcome in &outcomes {
+        if let Err(error) = outcome {
+            assert!(error.contains("Deadlock"), "{error}");
+        }
+    }
+    // Published in id order, which is the order the writers held the row.
+    let sink = MemorySink::new();
+    let relay = Relay::new(pool.clone(), sink.clone());
+    for _ in 0..10 {
+        relay.run_once().await.unwrap();
+    }
+    let sent: Vec<String> = sink
+        .published()
+        .iter()
+        .map(|m| m.message_id.clone())
+        .collect();
+    let by_id: Vec<String> = sqlx::query_scalar("SELECT message_id FROM inbox_outbox ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(sent, by_id);
+    assert_eq!(sent.len(), 1 + committed.len());
+}
+
+/// Positions of a group and topic of exactly 512 bytes (the columns' width; unicode, a trailing
+/// space that must not compare equal to its absence): stored, fenced and read back byte for
+/// byte; one byte more is refused ("data too long"), never truncated onto another position.
+#[tokio::test]
+async fn positions_at_the_maximum_group_and_topic_length() {
+    use inbox_runtime::{PositionKey, PositionStore as _};
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(2).await;
+    inbox_runtime::migrate_components(&pool, &[Component::Positions])
+        .await
+        .unwrap();
+    let group = format!("{} ", "é".repeat(255)); // 511 bytes
+    let group = format!("{group}x"); // 512 bytes, a space inside
+    let topic = "🦀".repeat(128); // 512 bytes
+    assert_eq!((group.len(), topic.len()), (512, 512));
+    let trimmed = group.trim_end_matches('x').to_owned(); // 511 bytes, ends in a space
+    let mut conn = pool.acquire().await.unwrap();
+    let key = PositionKey::new(&group, &topic, 3);
+    let first = conn.acquire_position(&key, "a").await.unwrap();
+    assert!(conn.advance_position(&key, first.epoch, 10).await.unwrap());
+    let other = PositionKey::new(&trimmed, &topic, 3);
+    let second = conn.acquire_position(&other, "b").await.unwrap();
+    assert_eq!(
+        (second.epoch, second.next_offset),
+        (1, None),
+        "a position of its own"
+    );
+    // A zombie's write after a new assignment changes nothing.
+    let again = conn.acquire_position(&key, "c").await.unwrap();
+    assert_eq!((again.epoch, again.next_offset), (2, Some(10)));
+    assert!(!conn.advance_position(&key, first.epoch, 99).await.unwrap());
+    let rows = conn.fetch_positions(&group).await.unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(
+        (
+            rows[0].group.as_str(),
+            rows[0].topic.as_str(),
+            rows[0].next_offset
+        ),
+        (group.as_str(), topic.as_str(), Some(10))
+    );
+    let too_long = format!("{group}!");
+    let refused = conn
+        .acquire_position(&PositionKey::new(&too_long, &topic, 3), "d")
+        .await;
+    assert!(refused.is_err(), "{refused:?}");
+    let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM inbox_positions")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(count, 2);
+}
+
+/// A duplicate message id fails only its own insert: reported as `DuplicateMessageId`, and the
+/// caller's transaction goes on and commits what else it wrote; also when the first row is
+/// still uncommitted in another transaction (the second waits for it, then learns).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_message_id_is_reported_and_the_transaction_stays_usable() {
+    use inbox_runtime::outbox::OutboxError;
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(4).await;
+    let mut tx = pool.begin().await.unwrap();
+    OUTBOX.publish(&mut *tx, message("d", "agg")).await.unwrap();
+    let again = OUTBOX.publish(&mut *tx, message("d", "agg")).await;
+    assert!(
+        matches!(&again, Err(OutboxError::DuplicateMessageId { message_id }) if message_id == "d"),
+        "{again:?}"
+    );
+    OUTBOX.publish(&mut *tx, message("e", "agg")).await.unwrap();
+    tx.commit().await.unwrap();
+
+    let mut first = pool.begin().await.unwrap();
+    OUTBOX
+        .publish(&mut *first, message("x", "other"))
+        .await
+        .unwrap();
+    let second = tokio::spawn({
+        let pool = pool.clone();
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            let duplicate = OUTBOX
+                .publish(
+                    &mut *tx,
+                    OutboxMessage::raw("orders", "orders.paid", "{}").message_id("x"),
+                )
+                .await
+                .map_err(|e| e.to_string());
+            OUTBOX
+                .publish(
+                    &mut *tx,
+                    OutboxMessage::raw("orders", "orders.paid", "{}").message_id("y"),
+                )
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            duplicate
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    first.commit().await.unwrap();
+    let duplicate = second.await.unwrap();
+    assert_eq!(
+        duplicate,
+        Err(r#"outbox message id "x" was published before"#.to_owned())
+    );
+    let ids: Vec<String> = sqlx::query_scalar("SELECT message_id FROM inbox_outbox ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(ids, ["d", "e", "x", "y"]);
 }

@@ -69,9 +69,17 @@ impl Classify for sqlx::Error {
     /// connections, `57P01`–`57P03` shutdown, `57P05` idle session and `25P03` idle
     /// transaction timeouts; SQLite `BUSY`/`LOCKED` codes 5, 6, 261, 262, 517; MySQL/MariaDB
     /// errors 1213 deadlock (SQLSTATE `40001`) and 1205 lock wait timeout).
-    /// Everything else is [`ErrorClass::Retryable`].
+    /// [`ErrorClass::Permanent`]: MySQL/MariaDB error 1153, a statement larger than the server's
+    /// `max_allowed_packet` (SQLSTATE `08S01`, but no connection problem: the same statement
+    /// fails again). Everything else is [`ErrorClass::Retryable`].
     fn class(&self) -> ErrorClass {
         match self {
+            sqlx::Error::Database(_)
+                if crate::store::mysql_error_number(self)
+                    == Some(crate::store::ER_NET_PACKET_TOO_LARGE) =>
+            {
+                ErrorClass::Permanent
+            }
             sqlx::Error::Io(_)
             | sqlx::Error::Tls(_)
             | sqlx::Error::Protocol(_)

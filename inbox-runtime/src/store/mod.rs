@@ -35,7 +35,8 @@ pub use console::{
 };
 pub use mysql::mysql_lock_retries;
 pub(crate) use mysql::{
-    ER_LOCK_DEADLOCK, ER_LOCK_WAIT_TIMEOUT, error_number as mysql_error_number,
+    ER_LOCK_DEADLOCK, ER_LOCK_WAIT_TIMEOUT, ER_NET_PACKET_TOO_LARGE,
+    error_number as mysql_error_number,
 };
 
 pub use outbox::{

@@ -86,6 +86,10 @@ pub(crate) const ER_LOCK_DEADLOCK: u16 = 1213;
 /// MySQL's error number of a lock wait timeout (`ER_LOCK_WAIT_TIMEOUT`): the statement was
 /// rolled back (the whole transaction with `innodb_rollback_on_timeout`).
 pub(crate) const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
+/// MySQL's error number of a statement larger than the server's `max_allowed_packet`
+/// (`ER_NET_PACKET_TOO_LARGE`, SQLSTATE `08S01`): the server closes the connection, and the
+/// same statement fails the same way every time.
+pub(crate) const ER_NET_PACKET_TOO_LARGE: u16 = 1153;
 
 /// The MySQL error number of a database error, if it is one.
 pub(crate) fn error_number(error: &sqlx::Error) -> Option<u16> {
@@ -146,6 +150,31 @@ macro_rules! retry_lock_errors {
     }};
 }
 pub(super) use retry_lock_errors;
+
+/// MySQL's error number for `SET TRANSACTION` inside a transaction
+/// (`ER_CANT_CHANGE_TX_CHARACTERISTICS`).
+const ER_CANT_CHANGE_TX_CHARACTERISTICS: u16 = 1568;
+
+/// Whether `conn` is inside a transaction: one sqlx began (its depth), or one the server has open
+/// that sqlx does not count (a raw `BEGIN` or `START TRANSACTION`, or `autocommit = 0` after a
+/// statement). A `BEGIN` commits the open transaction implicitly on MySQL, so a store method
+/// that would open one of its own (or retry a statement after a deadlock rolled the caller's
+/// back) must ask first. At depth 0 the server is asked with `SET TRANSACTION READ WRITE`:
+/// refused (1568) inside a transaction, and otherwise harmless (the next transaction's access
+/// mode, the default, for the store's own next statement).
+pub(super) async fn in_transaction(conn: &mut MySqlConnection) -> Result<bool, sqlx::Error> {
+    if <MySql as sqlx::Database>::TransactionManager::get_transaction_depth(conn) > 0 {
+        return Ok(true);
+    }
+    match sqlx::raw_sql("SET TRANSACTION READ WRITE")
+        .execute(&mut *conn)
+        .await
+    {
+        Ok(_) => Ok(false),
+        Err(error) if error_number(&error) == Some(ER_CANT_CHANGE_TX_CHARACTERISTICS) => Ok(true),
+        Err(error) => Err(error),
+    }
+}
 
 /// Whether a failed statement on `conn` may be retried internally: a lock error, and the
 /// statement is the first of a transaction of ours (depth `depth`, 1 for a claim's own

@@ -24,7 +24,9 @@
 //!      ids after that. So whenever a row of an aggregate exists (committed or not), every
 //!      lower-id row of the aggregate is final: committed, or rolled back and gone; and an
 //!      aggregate's ids follow the order its writers took the lock. (Outside a transaction the
-//!      two statements run in one of the store's own.) Rows without an aggregate take no lock
+//!      two statements run in one of the store's own. "Outside" is asked of the server when
+//!      sqlx counts no transaction: one begun with a raw `BEGIN` is the caller's too, and a
+//!      `BEGIN` of the store's would commit it implicitly.) Rows without an aggregate take no lock
 //!      row and promise no order among themselves: each is eligible once it is committed.
 //!   2. *The relay decides from one snapshot, then locks by primary key.* The lease runs in a
 //!      transaction of its own: consistent (non-locking) reads pick the candidates: `pending`,
@@ -67,7 +69,14 @@
 //!   ([`OutboxStore::purge_outbox_sent`], [`OutboxAdminStore::purge_outbox_before`]) also delete
 //!   the lock rows of aggregates not written to since their cutoff (skipping those a writer
 //!   holds): a lock row only makes concurrent writers take turns, and the next writer of the
-//!   aggregate creates it again.
+//!   aggregate creates it again (writers queued behind the purge's delete re-create it one at a
+//!   time: `tests/mysql_outbox.rs`).
+//!
+//!   Limits: an aggregate's writers run one at a time for as long as each transaction lasts;
+//!   the order rests on one primary's locks and `AUTO_INCREMENT` (not Galera or other
+//!   multi-primary setups); a row must fit the server's `max_allowed_packet` (a larger one fails
+//!   the publish with 1153, never truncated); leases and retry delays are capped at 100 years
+//!   (`DATE_ADD` past the year 9999 fails or answers NULL, which would read as "not leased").
 
 use std::future::Future;
 use std::pin::Pin;
@@ -76,7 +85,6 @@ use sqlx::{
     Connection as _, MySql, MySqlConnection, PgConnection, Pool, Postgres, Row as _, Sqlite,
     SqliteConnection,
 };
-use sqlx_core::transaction::TransactionManager as _;
 
 use super::InboxDatabase;
 use super::mysql::retry_lock_errors;
@@ -1606,6 +1614,18 @@ mod mysql {
 /// MySQL's error number of a duplicate key (`ER_DUP_ENTRY`): here, a message id already stored.
 const ER_DUP_ENTRY: u16 = 1062;
 
+/// The longest interval added to the clock, in microseconds: 100 years. A `DATETIME` ends with
+/// the year 9999; past it `DATE_ADD` fails ("datetime field overflow", strict mode) or answers
+/// NULL, which a lease would read as "not leased" (another relay takes the row at once) and a
+/// retry delay as "due now".
+const MAX_INTERVAL_US: i64 = 100 * 366 * 86_400 * 1_000_000;
+
+/// `ms` milliseconds as the microseconds of an interval added to the clock (at most
+/// [`MAX_INTERVAL_US`], at least 0).
+fn interval_us(ms: i64) -> i64 {
+    ms.saturating_mul(1000).clamp(0, MAX_INTERVAL_US)
+}
+
 /// Binds each id in turn onto `query`.
 fn bind_ids<'q>(
     mut query: sqlx::query::Query<'q, MySql, sqlx::mysql::MySqlArguments>,
@@ -1749,12 +1769,9 @@ async fn mysql_lease_once(
     }
     if !leased.is_empty() {
         let sql = mysql::by_ids(mysql::LEASE, leased.len(), "");
-        bind_ids(
-            sqlx::query(sql).bind(lease_ms.saturating_mul(1000)),
-            &leased,
-        )
-        .execute(&mut *tx)
-        .await?;
+        bind_ids(sqlx::query(sql).bind(interval_us(lease_ms)), &leased)
+            .execute(&mut *tx)
+            .await?;
     }
     let lease = Lease {
         records: mysql_records(&mut tx, &leased).await?,
@@ -1808,7 +1825,7 @@ async fn mysql_mark_failed_once(
         .bind(permanent)
         .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX))
         .bind(error)
-        .bind(retry_in_ms.saturating_mul(1000))
+        .bind(interval_us(retry_in_ms))
         .bind(id)
         .execute(&mut *tx)
         .await?;
@@ -1837,8 +1854,9 @@ impl OutboxStore for MySqlConnection {
         _notify: bool,
     ) -> BoxFuture<'c, Result<bool, sqlx::Error>> {
         Box::pin(async move {
-            let depth = <MySql as sqlx::Database>::TransactionManager::get_transaction_depth(self);
-            if depth > 0 {
+            // In the caller's transaction, also one sqlx does not count (a raw `BEGIN`: a
+            // `BEGIN` of ours would commit it implicitly).
+            if super::mysql::in_transaction(self).await? {
                 return mysql_enqueue(self, row).await;
             }
             // Outside a transaction: one of our own, so that the aggregate stays locked until

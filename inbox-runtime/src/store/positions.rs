@@ -20,13 +20,18 @@
 //! waits, the row being locked already), both in one transaction (a savepoint inside the
 //! caller's). The fenced write is one `UPDATE` by primary key (a record lock). A deadlock (1213)
 //! or lock wait timeout (1205) of an assignment made outside a transaction is retried
-//! internally and counted in [`mysql_lock_retries`](crate::mysql_lock_retries); inside the
-//! caller's transaction it is returned (transient: see [`crate::Classify`]).
+//! internally and counted in [`mysql_lock_retries`](crate::mysql_lock_retries), and so is one
+//! of a fenced write in autocommit; inside the caller's transaction it is returned (transient:
+//! see [`crate::Classify`]). Inside: sqlx counts a transaction, or the server reports one (a raw
+//! `BEGIN`, which sqlx does not count): there the assignment runs in it (a `BEGIN` of ours would
+//! commit it implicitly) and nothing is retried (a deadlock rolled the caller's back).
 
 use sqlx::{
     Connection as _, MySql, MySqlConnection, PgConnection, Postgres, Row as _, Sqlite,
     SqliteConnection,
 };
+
+use sqlx_core::transaction::TransactionManager as _;
 
 use super::InboxDatabase;
 use super::mysql::retry_lock_errors;
@@ -292,21 +297,49 @@ async fn mysql_acquire_once(
     owner: &str,
 ) -> Result<Acquired, sqlx::Error> {
     let mut tx = conn.begin().await?;
+    let acquired = mysql_acquire_statements(&mut tx, key, owner).await?;
+    tx.commit().await?;
+    Ok(acquired)
+}
+
+/// The assignment's two statements, in whatever transaction `conn` is in.
+async fn mysql_acquire_statements(
+    conn: &mut MySqlConnection,
+    key: &PositionKey<'_>,
+    owner: &str,
+) -> Result<Acquired, sqlx::Error> {
     sqlx::query(mysql::ACQUIRE)
         .bind(key.group)
         .bind(key.topic)
         .bind(key.partition)
         .bind(owner)
-        .execute(&mut *tx)
+        .execute(&mut *conn)
         .await?;
     let (epoch, next_offset): (i64, Option<i64>) = sqlx::query_as(mysql::ACQUIRED)
         .bind(key.group)
         .bind(key.topic)
         .bind(key.partition)
-        .fetch_one(&mut *tx)
+        .fetch_one(&mut *conn)
         .await?;
-    tx.commit().await?;
     Ok(Acquired { epoch, next_offset })
+}
+
+/// The fenced write, in whatever transaction `conn` is in.
+async fn mysql_advance(
+    conn: &mut MySqlConnection,
+    key: &PositionKey<'_>,
+    epoch: i64,
+    next_offset: i64,
+) -> Result<sqlx::mysql::MySqlQueryResult, sqlx::Error> {
+    sqlx::query(mysql::ADVANCE)
+        .bind(next_offset)
+        .bind(next_offset)
+        .bind(key.group)
+        .bind(key.topic)
+        .bind(key.partition)
+        .bind(epoch)
+        .execute(&mut *conn)
+        .await
 }
 
 impl PositionStore for MySqlConnection {
@@ -316,6 +349,12 @@ impl PositionStore for MySqlConnection {
         owner: &'c str,
     ) -> BoxFuture<'c, Result<Acquired, sqlx::Error>> {
         Box::pin(async move {
+            // Inside a transaction sqlx does not count (a raw `BEGIN`), a `BEGIN` of ours would
+            // commit the caller's implicitly: the statements run in it, unretried.
+            let depth = <MySql as sqlx::Database>::TransactionManager::get_transaction_depth(self);
+            if depth == 0 && super::mysql::in_transaction(self).await? {
+                return mysql_acquire_statements(self, key, owner).await;
+            }
             retry_lock_errors!(
                 self,
                 "acquire_position",
@@ -331,18 +370,18 @@ impl PositionStore for MySqlConnection {
         next_offset: i64,
     ) -> BoxFuture<'c, Result<bool, sqlx::Error>> {
         Box::pin(async move {
-            let done = retry_lock_errors!(
-                self,
-                "advance_position",
-                sqlx::query(mysql::ADVANCE)
-                    .bind(next_offset)
-                    .bind(next_offset)
-                    .bind(key.group)
-                    .bind(key.topic)
-                    .bind(key.partition)
-                    .bind(epoch)
-                    .execute(&mut *self)
-            )?;
+            // Retried only in autocommit: a deadlock in the caller's transaction (also one
+            // sqlx does not count, a raw `BEGIN`) rolled it back, and a retry would write the
+            // position alone.
+            let done = if super::mysql::in_transaction(self).await? {
+                mysql_advance(self, key, epoch, next_offset).await?
+            } else {
+                retry_lock_errors!(
+                    self,
+                    "advance_position",
+                    mysql_advance(self, key, epoch, next_offset)
+                )?
+            };
             Ok(done.rows_affected() == 1)
         })
     }

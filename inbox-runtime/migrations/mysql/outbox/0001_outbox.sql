@@ -6,6 +6,10 @@
 -- Message ids and aggregates compare byte for byte: each is indexed and compared through the
 -- SHA-256 of its bytes (BINARY(32), a STORED generated column), so no collation, no
 -- trailing-space padding and no length limit of an index key applies to them.
+-- Texts are LONGTEXT (a TEXT holds only 64 KiB: an aggregate id, a name or a destination longer
+-- than that, which PostgreSQL stores, would be refused): a row is bounded only by the server's
+-- max_allowed_packet, which every row written or read must fit (payload, headers and the rest:
+-- MariaDB's default is 16 MiB, MySQL's 64 MiB).
 -- A row is written in the transaction of the effect that publishes it; the relay leases rows by
 -- status (never by an id cursor), so a row whose transaction commits late is found, and marks
 -- them sent. Per-aggregate order: see inbox_outbox_aggregates below.
@@ -13,11 +17,11 @@ CREATE TABLE IF NOT EXISTS inbox_outbox (
     id              BIGINT       NOT NULL AUTO_INCREMENT PRIMARY KEY,
     message_id      VARCHAR(255) NOT NULL,
     message_id_hash BINARY(32)   AS (UNHEX(SHA2(message_id, 256))) STORED,
-    destination     TEXT         NOT NULL,
-    message_name    TEXT         NOT NULL,
+    destination     LONGTEXT     NOT NULL,
+    message_name    LONGTEXT     NOT NULL,
     payload         LONGBLOB     NOT NULL,
-    headers         MEDIUMTEXT   NOT NULL,
-    aggregate_id    TEXT,
+    headers         LONGTEXT     NOT NULL,
+    aggregate_id    LONGTEXT,
     aggregate_hash  BINARY(32)   AS (UNHEX(SHA2(aggregate_id, 256))) STORED,
     created_at      DATETIME(6)  NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
     status          VARCHAR(16)  NOT NULL DEFAULT 'pending',
