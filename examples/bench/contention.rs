@@ -201,14 +201,14 @@ pub(crate) async fn run(
 
 /// A Worker with batches of [`BATCH`] and at most `batches` of them in flight.
 pub(crate) fn configure(worker: Worker<sqlx::Postgres>, batches: usize) -> Worker<sqlx::Postgres> {
-    // `concurrency` counts deliveries in flight: `batches` full batches.
+    // `concurrency` bounds the transactions (batches) in flight.
     worker
         .batch(BATCH, Duration::from_millis(5))
-        .concurrency(BATCH * batches)
+        .concurrency(batches)
         .park_sweep(None)
 }
 
-/// The contention fallbacks a Worker report counts (none before the runtime counted them).
-pub(crate) fn fallbacks(_report: &WorkerReport) -> u64 {
-    0
+/// The contention fallbacks a Worker report counts.
+pub(crate) fn fallbacks(report: &WorkerReport) -> u64 {
+    report.contention_fallbacks
 }
