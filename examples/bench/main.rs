@@ -2059,9 +2059,8 @@ async fn memory_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), B
             match batch {
                 None => format!("{:.0} s, concurrency {WORKERS}", run.elapsed.as_secs_f64()),
                 Some(size) => format!(
-                    "{:.0} s, `batch({size}, 5 ms)`, concurrency {}",
+                    "{:.0} s, `batch({size}, 5 ms)`, concurrency 1 (one batch running, the next gathering)",
                     run.elapsed.as_secs_f64(),
-                    2 * size
                 ),
             },
             run.settled.to_string(),
