@@ -31,6 +31,8 @@
 //! * **Kafka scale-out** (`--only kafka`, examples feature `kafka`; `scripts/bench.sh --only
 //!   kafka` adds it): 1, 2 and 4 consumer processes in one group over a 16-partition topic of
 //!   librdkafka's mock cluster, on one PostgreSQL (`kafka.rs`).
+//! * **Contention** (`--only contention`, only when named): `Worker` batches of 100 over 1,000 hot
+//!   accounts, 4 batches in flight vs 1, deadlocks and contention fallbacks (`contention.rs`).
 //!
 //! Round trips per message are counted on the wire (a counting proxy between client and server,
 //! see `proxy.rs`), as are the statements each path sends. The harness works in its own
@@ -2560,8 +2562,8 @@ async fn contention_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(
          (fresh inbox, zeroed balances; 16 pooled connections; a run is stopped after {} s). \
          Rate: median deliveries/s of finished runs; `× one`: ÷ one batch in flight; deadlocks: \
          the `pg_stat_database.deadlocks` delta per round; fallbacks: the Worker report's \
-         contention fallbacks per round (batches that lost a deadlock or serialization failure \
-         and ran their messages alone); exact: every balance equals the sum of its distinct \
+         contention fallbacks per round (batches that lost a deadlock, a serialization failure \
+         or a lock wait and ran again alone); exact: every balance equals the sum of its distinct \
          events in every finished round.",
         limit.as_secs()
     ));

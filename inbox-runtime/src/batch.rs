@@ -2,6 +2,7 @@
 
 use std::borrow::Borrow;
 use std::collections::HashSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::Connection as _;
@@ -19,13 +20,17 @@ use crate::status::ClaimMode;
 use crate::store::{ClaimRequest, ClaimResult, ClaimStore as _, InboxConnection, InboxDatabase};
 
 /// How the [`Worker`](crate::Worker) asks for one batch to run.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct BatchOptions {
     /// PostgreSQL: the batch transaction's `lock_timeout` (`SET LOCAL`), so that a batch that
     /// waits on a lock longer than this (another batch in flight holds it, perhaps waiting for
     /// this one in turn) gives up at once instead of after the server's `deadlock_timeout`,
     /// and its messages run alone. `None`: the server's setting.
     pub(crate) lock_timeout: Option<Duration>,
+    /// The Worker's batch gate: held shared while the batch runs, exclusively when a batch
+    /// that lost to concurrent transactions runs again. `None`: such a batch's messages run
+    /// one by one at once.
+    pub(crate) gate: Option<Arc<tokio::sync::RwLock<()>>>,
 }
 
 /// What happened to one batch, beside its results.
@@ -82,14 +87,18 @@ where
     /// (PostgreSQL `40P01`, MySQL 1213), a serialization failure (`40001`) or a lock wait that
     /// timed out (`55P03`, MySQL 1205), from the claim, a handler body or `COMMIT` — or in
     /// which a handler fails with such an error, is rolled back and **not** run
-    /// again as a batch (that would take the same locks in the same order against the same
-    /// competitors): each of its messages runs alone on the one-message path, whose
-    /// transactions each hold one message's locks and commit at once, so the batch makes
-    /// progress whatever the others do. The handlers that ran before the failure run once more
-    /// there (their writes were rolled back with the batch: a handler re-runs its neighbours'
-    /// transaction, not their effects). Such batches are counted in the
+    /// again as the same batch against the same competitors (that would take the same locks in
+    /// the same order): called here, each of its messages runs alone on the one-message path,
+    /// whose transactions each hold one message's locks and commit at once, so the batch makes
+    /// progress whatever the others do. Through the [`Worker`](crate::Worker), the batch first
+    /// runs once more *alone* — after the Worker's other batches in flight have ended, with
+    /// none started beside it — and only if it loses again (to transactions outside the
+    /// Worker) do its messages run one by one. The handlers that ran before the failure run
+    /// once more (their writes were rolled back with the batch: a handler re-runs its
+    /// neighbours' transaction, not their effects). Each lost run is counted in the
     /// `inbox_batch_contention_total` counter (label `error`: `deadlock`, `serialization`,
-    /// `lock_timeout`) and in [`WorkerReport::contention_fallbacks`](crate::WorkerReport).
+    /// `lock_timeout`), each such batch in
+    /// [`WorkerReport::contention_fallbacks`](crate::WorkerReport).
     ///
     /// Some deliveries take the one-message-per-transaction path after the batch commits:
     /// messages with per-aggregate ordering (their aggregate lock must not be held across the
@@ -178,49 +187,82 @@ where
             // checked first), whereas on SQLite an `OR ROLLBACK` conflict or a trigger's
             // `RAISE(ROLLBACK)` ends it and the statements after it would autocommit. SQLite
             // savepoints cost no round trip.
-            let mut run = if DB::BACKEND == crate::Backend::Postgres {
-                self.run_batch(
-                    &mut slot,
-                    &prepared,
-                    &batch,
-                    Isolation::Optimistic,
-                    options,
-                )
-                .await
-            } else {
-                Ok(BatchRun::Isolate(None))
+            // Batches of one Worker share its gate: each runs holding it shared; one that lost to
+            // concurrent transactions runs again holding it exclusively (no other batch of the
+            // Worker beside it, none waiting for its locks), without a lock timeout.
+            let mut shared = match &options.gate {
+                Some(gate) => Some(Arc::clone(gate).read_owned().await),
+                None => None,
             };
-            if let Ok(BatchRun::Isolate(failed)) = run {
-                tracing::debug!(
-                    size = batch.len(),
-                    "running the batch with a savepoint per handler"
-                );
-                run = self
-                    .run_batch(
+            let mut exclusive = None;
+            let run = loop {
+                let lock_timeout = options.lock_timeout.filter(|_| exclusive.is_none());
+                let mut run = if DB::BACKEND == crate::Backend::Postgres {
+                    self.run_batch(
                         &mut slot,
                         &prepared,
                         &batch,
-                        Isolation::Savepoints(failed),
-                        options,
+                        Isolation::Optimistic,
+                        lock_timeout,
                     )
-                    .await;
-            }
-            // A batch transaction that lost to concurrent transactions: its messages run alone.
+                    .await
+                } else {
+                    Ok(BatchRun::Isolate(None))
+                };
+                if let Ok(BatchRun::Isolate(failed)) = run {
+                    tracing::debug!(
+                        size = batch.len(),
+                        "running the batch with a savepoint per handler"
+                    );
+                    run = self
+                        .run_batch(
+                            &mut slot,
+                            &prepared,
+                            &batch,
+                            Isolation::Savepoints(failed),
+                            lock_timeout,
+                        )
+                        .await;
+                }
+                // A batch transaction that lost to concurrent transactions: run again alone
+                // (once, when a gate is given), else its messages run one by one.
+                let contention = match &run {
+                    Ok(BatchRun::Contended(contention)) => Some(*contention),
+                    Err(error) => Contention::of_sqlx(error),
+                    Ok(_) => None,
+                };
+                let Some(contention) = contention else {
+                    break run;
+                };
+                stats.contention.get_or_insert(contention);
+                metrics::counter!("inbox_batch_contention_total", "error" => contention.as_str())
+                    .increment(1);
+                if exclusive.is_none()
+                    && let Some(gate) = shared
+                        .take()
+                        .map(|guard| Arc::clone(tokio::sync::OwnedRwLockReadGuard::rwlock(&guard)))
+                {
+                    tracing::debug!(
+                        error = contention.as_str(),
+                        size = batch.len(),
+                        "batch lost to concurrent transactions; running it again alone"
+                    );
+                    exclusive = Some(gate.write_owned().await);
+                    continue;
+                }
+                tracing::debug!(
+                    error = contention.as_str(),
+                    size = batch.len(),
+                    "batch lost to concurrent transactions; running its messages one by one"
+                );
+                break run;
+            };
+            drop((shared, exclusive));
             let contention = match &run {
                 Ok(BatchRun::Contended(contention)) => Some(*contention),
                 Err(error) => Contention::of_sqlx(error),
                 Ok(_) => None,
             };
-            if let Some(contention) = contention {
-                stats.contention = Some(contention);
-                metrics::counter!("inbox_batch_contention_total", "error" => contention.as_str())
-                    .increment(1);
-                tracing::debug!(
-                    error = contention.as_str(),
-                    size = batch.len(),
-                    "batch lost to concurrent transactions; running its messages alone"
-                );
-            }
             match run {
                 Ok(BatchRun::Done(results)) => {
                     for ((e, i), result) in batch.iter().zip(results) {
@@ -325,7 +367,7 @@ where
         prepared: &[Result<Prepared<'_>, DispatchError>],
         batch: &[(usize, usize)],
         isolation: Isolation,
-        options: BatchOptions,
+        lock_timeout: Option<Duration>,
     ) -> Result<BatchRun, sqlx::Error> {
         let (isolate, mut carried) = match isolation {
             Isolation::Optimistic => (false, None),
@@ -386,7 +428,7 @@ where
 
         let conn = slot.get(&self.pool).await?;
         let mut tx = conn.begin_inbox().await?;
-        if let Some(timeout) = options.lock_timeout
+        if let Some(timeout) = lock_timeout
             && let Some(pg) = sqlx::PgConnection::from_any(
                 DB::Connection::in_transaction(&mut tx).as_any(),
             )

@@ -160,9 +160,10 @@ pub struct WorkerReport {
     /// ([`Delivery::is_current`] false: a Kafka partition revoked since they were fetched).
     pub revoked: u64,
     /// Batches that lost to concurrent transactions (a deadlock, a serialization failure, a
-    /// lock wait that timed out) and whose deliveries therefore ran one per transaction (see
-    /// [`Worker::batch`]); each such batch also made the worker run one batch at a time for a
-    /// while. Also counted in the `inbox_batch_contention_total` counter.
+    /// lock wait that timed out) and therefore ran again alone, or (losing again) one delivery
+    /// per transaction (see [`Worker::batch`]); each such batch also made the worker run one
+    /// batch at a time for a while. Each lost run is also counted in the
+    /// `inbox_batch_contention_total` counter.
     pub contention_fallbacks: u64,
     /// Why the run ended.
     pub stop: StopReason,
@@ -224,8 +225,8 @@ pub struct WorkerError {
 ///   `concurrency + 1` connections lets every delivery keep its connection.
 /// * **Batches** (off by default, see [`batch`](Self::batch)): deliveries that are ready
 ///   together run in one transaction, each settled after its commit by its own outcome. A batch
-///   that loses to concurrent transactions (a deadlock) runs its deliveries one per
-///   transaction, and the worker then runs one batch at a time for a while.
+///   that loses to concurrent transactions (a deadlock) runs again alone (or, losing again,
+///   one delivery per transaction), and the worker then runs one batch at a time for a while.
 /// * **Order**: deliveries with the same [ordering key](Delivery::ordering_key) run one at a
 ///   time, in the order the source handed them out. A requeued delivery comes back when the
 ///   source redelivers it, possibly after later ones of its key.
@@ -270,13 +271,13 @@ struct Done<DB: InboxDatabase> {
 /// waits this long for a row lock is most likely in a deadlock with another batch, which the
 /// server would only find after its `deadlock_timeout` (1 s by default). It gives up, and its
 /// deliveries run one per transaction (without this timeout).
-const BATCH_LOCK_TIMEOUT: Duration = Duration::from_millis(100);
+const BATCH_LOCK_TIMEOUT: Duration = Duration::from_millis(50);
 
 /// Clean batches the worker runs one at a time after the first contention, before it lets one
-/// more batch run beside them; doubled at every further contention (up to
+/// more batch run beside them; four times as many after every further contention (up to
 /// [`CALM_BATCHES_MAX`]).
 const CALM_BATCHES: usize = 32;
-/// The most clean batches [`CALM_BATCHES`] doubles to.
+/// The most clean batches [`CALM_BATCHES`] grows to.
 const CALM_BATCHES_MAX: usize = 4096;
 
 /// What a task has settled so far (read even if the task is aborted or panics).
@@ -321,6 +322,8 @@ struct Running<DB: InboxDatabase> {
     calm: usize,
     /// Clean batches needed before the limit goes up by one.
     calm_needed: usize,
+    /// The batches' gate (see [`crate::batch::BatchOptions::gate`]).
+    gate: Arc<tokio::sync::RwLock<()>>,
 }
 
 impl<DB: InboxDatabase> Running<DB> {
@@ -380,7 +383,7 @@ impl<DB: InboxDatabase> Running<DB> {
                 );
             }
             self.calm_needed = if self.batch_limit > 1 || self.calm_needed == 0 {
-                (self.calm_needed * 2).clamp(CALM_BATCHES, CALM_BATCHES_MAX)
+                (self.calm_needed * 4).clamp(CALM_BATCHES, CALM_BATCHES_MAX)
             } else {
                 self.calm_needed
             };
@@ -404,6 +407,7 @@ impl<DB: InboxDatabase> Running<DB> {
         // a lock at most `BATCH_LOCK_TIMEOUT`.
         let options = crate::batch::BatchOptions {
             lock_timeout: (is_batch && self.batches > 0).then_some(BATCH_LOCK_TIMEOUT),
+            gate: Some(Arc::clone(&self.gate)),
         };
         if is_batch {
             self.batches += 1;
@@ -495,12 +499,14 @@ impl<DB: InboxDatabase> Worker<DB> {
     /// **Contention.** Batches hold their effects' row locks until their one commit, and take
     /// them in the order of their handlers' effects, which the runtime cannot sort: concurrent
     /// batches that touch the same rows in different orders deadlock. So a batch that loses a
-    /// deadlock, a serialization failure or a lock wait runs its deliveries one per
-    /// transaction (never again as the same batch against the same competitors), counted in
-    /// [`WorkerReport::contention_fallbacks`]; a batch started while others run waits at most
-    /// 100 ms for a lock on PostgreSQL (instead of the server's 1 s `deadlock_timeout` before a
-    /// deadlock is found); and after such a fallback the worker runs **one batch at a time**,
-    /// letting one more run beside it after every 32 clean batches (64, 128, … after further
+    /// deadlock, a serialization failure or a lock wait is never run again against the same
+    /// competitors: it runs once more **alone** (after the batches in flight with it have
+    /// ended, none started beside it), and if it loses even then (to transactions outside the
+    /// worker), its deliveries run one per transaction; counted in
+    /// [`WorkerReport::contention_fallbacks`]. A batch started while others run waits at most
+    /// 50 ms for a lock on PostgreSQL (instead of the server's 1 s `deadlock_timeout` before a
+    /// deadlock is found). After such a fallback the worker runs **one batch at a time**,
+    /// letting one more run beside it after 32 clean batches (128, 512, … after further
     /// fallbacks). A stream whose effects contend thus runs about as fast as one batch in
     /// flight; partition it by what the effects lock to run batches side by side. A fallback
     /// costs the batch's neighbours their transaction, not their effects: the handlers that ran
@@ -590,6 +596,7 @@ impl<DB: InboxDatabase> Worker<DB> {
             batch_limit: self.concurrency,
             calm: 0,
             calm_needed: 0,
+            gate: Arc::default(),
         };
         // Deliveries fetched and not yet settled: one per transaction in flight, or (batching)
         // full batches in flight and one more batch ready.
