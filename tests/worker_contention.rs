@@ -100,47 +100,25 @@ async fn run_to_end<DB: inbox_runtime::InboxDatabase>(
     .unwrap()
 }
 
-async fn pg_pool() -> PgPool {
-    let pool = inbox_tests::pg_pool(12).await;
-    sqlx::query("CREATE TABLE hot_accounts (id INT PRIMARY KEY, balance BIGINT NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
-    sqlx::query("INSERT INTO hot_accounts SELECT generate_series(1, $1), 0")
-        .bind(ACCOUNTS)
-        .execute(&pool)
-        .await
-        .unwrap();
-    sqlx::query("CREATE TABLE applied_in (seq BIGSERIAL PRIMARY KEY, id TEXT NOT NULL, tx BIGINT NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
-    pool
-}
-
-/// 2,000 deliveries (200 of them redeliveries) over 20 hot accounts, batches of 50, 8 batches
-/// in flight: batches deadlock; the ones that lose run their deliveries alone; every key is
-/// processed once and every balance is exact.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn contending_batches_fall_back_and_finish_exact() {
-    let pool = pg_pool().await;
+/// Runs [`stream`]`(2_000, 200)` of the messages `make` builds through a Worker with batches of
+/// 50 and 8 in flight; asserts that it finished with every delivery settled once and at least
+/// one contention fallback; returns the balances the accounts must end with.
+async fn run_contending<DB: inbox_runtime::InboxDatabase, M: Message>(
+    pool: sqlx::Pool<DB>,
+    make: impl Fn(String, i32, i64) -> M,
+) -> Vec<i64> {
     let (list, expected) = stream(2_000, 200);
     let source = MemorySource::new("mem");
     let handle = source.handle();
-    for (id, account, amount) in &list {
-        handle.push(inbox_tests::envelope(&Credit {
-            id: id.clone(),
-            account: *account,
-            amount: *amount,
-        }));
+    for (id, account, amount) in list {
+        handle.push(inbox_tests::envelope(&make(id, account, amount)));
     }
     handle.close();
-    let worker = Worker::new(Dispatcher::from_registry(pool.clone()).unwrap())
+    let worker = Worker::new(Dispatcher::from_registry(pool).unwrap())
         .concurrency(8)
         .batch(50, Duration::from_millis(5))
         .park_sweep(None);
     let report = run_to_end(worker, source).await;
-
     assert_eq!(report.stop, StopReason::SourceExhausted);
     assert_eq!(
         (
@@ -155,6 +133,41 @@ async fn contending_batches_fall_back_and_finish_exact() {
         "{report:?}"
     );
     assert!(report.contention_fallbacks > 0, "{report:?}");
+    expected
+}
+
+async fn pg_pool() -> PgPool {
+    let pool = inbox_tests::pg_pool(12).await;
+    sqlx::query("CREATE TABLE hot_accounts (id INT PRIMARY KEY, balance BIGINT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO hot_accounts SELECT generate_series(1, $1), 0")
+        .bind(ACCOUNTS)
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "CREATE TABLE applied_in (seq BIGSERIAL PRIMARY KEY, id TEXT NOT NULL, tx BIGINT NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    pool
+}
+
+/// 2,000 deliveries (200 of them redeliveries) over 20 hot accounts, batches of 50, 8 batches
+/// in flight: batches deadlock; the ones that lose run their deliveries alone; every key is
+/// processed once and every balance is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contending_batches_fall_back_and_finish_exact() {
+    let pool = pg_pool().await;
+    let expected = run_contending(pool.clone(), |id, account, amount| Credit {
+        id,
+        account,
+        amount,
+    })
+    .await;
     let balances: Vec<(i32, i64)> =
         sqlx::query_as("SELECT id, balance FROM hot_accounts ORDER BY id")
             .fetch_all(&pool)
@@ -194,37 +207,12 @@ async fn contending_batches_fall_back_and_finish_exact_on_mysql() {
             .await
             .unwrap();
     }
-    let (list, expected) = stream(2_000, 200);
-    let source = MemorySource::new("mem");
-    let handle = source.handle();
-    for (id, account, amount) in &list {
-        handle.push(inbox_tests::envelope(&MyCredit {
-            id: id.clone(),
-            account: *account,
-            amount: *amount,
-        }));
-    }
-    handle.close();
-    let worker = Worker::new(Dispatcher::from_registry(pool.clone()).unwrap())
-        .concurrency(8)
-        .batch(50, Duration::from_millis(5))
-        .park_sweep(None);
-    let report = run_to_end(worker, source).await;
-
-    assert_eq!(report.stop, StopReason::SourceExhausted);
-    assert_eq!(
-        (
-            report.deliveries,
-            report.processed,
-            report.duplicates,
-            report.acked,
-            report.failed,
-            report.abandoned
-        ),
-        (2_000, 1_800, 200, 2_000, 0, 0),
-        "{report:?}"
-    );
-    assert!(report.contention_fallbacks > 0, "{report:?}");
+    let expected = run_contending(pool.clone(), |id, account, amount| MyCredit {
+        id,
+        account,
+        amount,
+    })
+    .await;
     let balances: Vec<(i32, i64)> =
         sqlx::query_as("SELECT id, balance FROM hot_accounts ORDER BY id")
             .fetch_all(&pool)
@@ -267,12 +255,10 @@ async fn concurrency_does_not_bound_the_batch_size() {
         (300, 300, 0),
         "{report:?}"
     );
-    let sizes: Vec<i64> = sqlx::query_scalar(
-        "SELECT COUNT(*) FROM applied_in GROUP BY tx ORDER BY MIN(seq)",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
+    let sizes: Vec<i64> =
+        sqlx::query_scalar("SELECT COUNT(*) FROM applied_in GROUP BY tx ORDER BY MIN(seq)")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
     assert_eq!(sizes, [100, 100, 100]);
 }
-

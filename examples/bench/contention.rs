@@ -87,6 +87,32 @@ impl Workload {
     }
 }
 
+/// One row of the section: a number of batches in flight, over the rounds.
+pub(crate) struct Row {
+    pub(crate) batches: usize,
+    /// Deliveries/s of the finished runs.
+    pub(crate) rates: Vec<f64>,
+    pub(crate) deadlocks: Vec<i64>,
+    pub(crate) fallbacks: Vec<u64>,
+    /// Every finished run exact.
+    pub(crate) exact: bool,
+    /// What the unfinished runs applied.
+    pub(crate) unfinished: Vec<String>,
+}
+
+impl Row {
+    pub(crate) fn new(batches: usize) -> Self {
+        Self {
+            batches,
+            rates: Vec::new(),
+            deadlocks: Vec::new(),
+            fallbacks: Vec::new(),
+            exact: true,
+            unfinished: Vec::new(),
+        }
+    }
+}
+
 /// One run's figures.
 pub(crate) struct Run {
     pub(crate) seconds: f64,
@@ -121,11 +147,10 @@ async fn deadlocks(pool: &PgPool) -> Result<i64, BoxError> {
     sqlx::query("SELECT pg_stat_clear_snapshot()")
         .execute(&mut *conn)
         .await?;
-    let (n,): (i64,) = sqlx::query_as(
-        "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()",
-    )
-    .fetch_one(&mut *conn)
-    .await?;
+    let (n,): (i64,) =
+        sqlx::query_as("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+            .fetch_one(&mut *conn)
+            .await?;
     Ok(n)
 }
 

@@ -2496,13 +2496,17 @@ async fn contention_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(
     let rounds = p.rounds.max(3);
     contention::setup(&pg.admin).await?;
     let workload = contention::Workload::new(0xC0_17E4_7104, deliveries, redeliveries, ACCOUNTS);
-    // (batches in flight, rates, deadlocks, fallbacks, all exact, unfinished runs)
-    let mut rows: Vec<(usize, Vec<f64>, Vec<i64>, Vec<u64>, bool, Vec<String>)> = [4, 1]
-        .into_iter()
-        .map(|n| (n, Vec::new(), Vec::new(), Vec::new(), true, Vec::new()))
-        .collect();
+    let mut rows: Vec<contention::Row> = [4, 1].into_iter().map(contention::Row::new).collect();
     for round in 0..rounds {
-        for (batches, rates, deadlocks, fallbacks, exact, unfinished) in &mut rows {
+        for contention::Row {
+            batches,
+            rates,
+            deadlocks,
+            fallbacks,
+            exact,
+            unfinished,
+        } in &mut rows
+        {
             progress(format!(
                 "contention: round {}/{rounds}, {batches} batch(es) in flight",
                 round + 1
@@ -2529,24 +2533,24 @@ async fn contention_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(
     }
     let one = rows
         .iter()
-        .find(|r| r.0 == 1)
-        .filter(|r| !r.1.is_empty())
-        .map(|r| median(&r.1));
+        .find(|r| r.batches == 1)
+        .filter(|r| !r.rates.is_empty())
+        .map(|r| median(&r.rates));
     let table: Vec<Vec<String>> = rows
         .iter()
-        .map(|(batches, rates, deadlocks, fallbacks, exact, unfinished)| {
-            let rate = (!rates.is_empty()).then(|| median(rates));
+        .map(|row| {
+            let rate = (!row.rates.is_empty()).then(|| median(&row.rates));
             vec![
-                format!("{batches}"),
+                row.batches.to_string(),
                 rate.map_or("—".into(), |r| format!("{r:.0}")),
                 rate.map_or("—".into(), |r| ratio(r, one)),
-                format!("{deadlocks:?}"),
-                format!("{fallbacks:?}"),
-                if *exact { "yes".into() } else { "no".into() },
-                if unfinished.is_empty() {
+                format!("{:?}", row.deadlocks),
+                format!("{:?}", row.fallbacks),
+                if row.exact { "yes" } else { "no" }.into(),
+                if row.unfinished.is_empty() {
                     "—".into()
                 } else {
-                    unfinished.join("; ")
+                    row.unfinished.join("; ")
                 },
             ]
         })

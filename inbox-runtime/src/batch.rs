@@ -429,9 +429,8 @@ where
         let conn = slot.get(&self.pool).await?;
         let mut tx = conn.begin_inbox().await?;
         if let Some(timeout) = lock_timeout
-            && let Some(pg) = sqlx::PgConnection::from_any(
-                DB::Connection::in_transaction(&mut tx).as_any(),
-            )
+            && let Some(pg) =
+                sqlx::PgConnection::from_any(DB::Connection::in_transaction(&mut tx).as_any())
         {
             let millis = timeout.as_millis().clamp(1, i32::MAX as u128).to_string();
             sqlx::query("SELECT set_config('lock_timeout', $1, true)")
