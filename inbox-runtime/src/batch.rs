@@ -182,11 +182,6 @@ where
         });
         let mut slot = slot.guard();
         if !batch.is_empty() {
-            // Optimistic only where a handler cannot end the transaction under the batch's
-            // feet: on PostgreSQL an error leaves it aborted (later statements fail, COMMIT is
-            // checked first), whereas on SQLite an `OR ROLLBACK` conflict or a trigger's
-            // `RAISE(ROLLBACK)` ends it and the statements after it would autocommit. SQLite
-            // savepoints cost no round trip.
             // Batches of one Worker share its gate: each runs holding it shared; one that lost to
             // concurrent transactions runs again holding it exclusively (no other batch of the
             // Worker beside it, none waiting for its locks), without a lock timeout.
@@ -197,6 +192,11 @@ where
             let mut exclusive = None;
             let run = loop {
                 let lock_timeout = options.lock_timeout.filter(|_| exclusive.is_none());
+                // Optimistic only where a handler cannot end the transaction under the batch's
+                // feet: on PostgreSQL an error leaves it aborted (later statements fail, COMMIT
+                // is checked first), whereas on SQLite an `OR ROLLBACK` conflict or a trigger's
+                // `RAISE(ROLLBACK)` ends it and the statements after it would autocommit. SQLite
+                // savepoints cost no round trip.
                 let mut run = if DB::BACKEND == crate::Backend::Postgres {
                     self.run_batch(
                         &mut slot,

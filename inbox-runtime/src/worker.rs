@@ -271,12 +271,15 @@ struct Done<DB: InboxDatabase> {
 /// waits this long for a row lock is most likely in a deadlock with another batch, which the
 /// server would only find after its `deadlock_timeout` (1 s by default). It gives up, and its
 /// deliveries run one per transaction (without this timeout).
-const BATCH_LOCK_TIMEOUT: Duration = Duration::from_millis(50);
+const BATCH_LOCK_TIMEOUT: Duration = Duration::from_millis(30);
 
+/// Clean batches before one more batch may run beside the others, until a batch first lost
+/// to concurrent transactions: the worker starts with one batch in flight and ramps up.
+const RAMP_BATCHES: usize = 4;
 /// Clean batches the worker runs one at a time after the first contention, before it lets one
 /// more batch run beside them; four times as many after every further contention (up to
 /// [`CALM_BATCHES_MAX`]).
-const CALM_BATCHES: usize = 32;
+const CALM_BATCHES: usize = 64;
 /// The most clean batches [`CALM_BATCHES`] grows to.
 const CALM_BATCHES_MAX: usize = 4096;
 
@@ -315,8 +318,8 @@ struct Running<DB: InboxDatabase> {
     batch_since: Option<Instant>,
     /// Batches running now.
     batches: usize,
-    /// How many batches may run at once: the concurrency, down to 1 after a batch lost to
-    /// concurrent transactions, then up by one after every `calm_needed` clean batches.
+    /// How many batches may run at once: 1 at first, up by one after every `calm_needed` clean
+    /// batches up to the concurrency, back to 1 after a batch lost to concurrent transactions.
     batch_limit: usize,
     /// Clean batches since the limit last changed.
     calm: usize,
@@ -382,7 +385,7 @@ impl<DB: InboxDatabase> Running<DB> {
                     "a batch lost to concurrent transactions; running one batch at a time for a while"
                 );
             }
-            self.calm_needed = if self.batch_limit > 1 || self.calm_needed == 0 {
+            self.calm_needed = if self.batch_limit > 1 || self.calm_needed < CALM_BATCHES {
                 (self.calm_needed * 4).clamp(CALM_BATCHES, CALM_BATCHES_MAX)
             } else {
                 self.calm_needed
@@ -504,10 +507,11 @@ impl<DB: InboxDatabase> Worker<DB> {
     /// ended, none started beside it), and if it loses even then (to transactions outside the
     /// worker), its deliveries run one per transaction; counted in
     /// [`WorkerReport::contention_fallbacks`]. A batch started while others run waits at most
-    /// 50 ms for a lock on PostgreSQL (instead of the server's 1 s `deadlock_timeout` before a
-    /// deadlock is found). After such a fallback the worker runs **one batch at a time**,
-    /// letting one more run beside it after 32 clean batches (128, 512, … after further
-    /// fallbacks). A stream whose effects contend thus runs about as fast as one batch in
+    /// 30 ms for a lock on PostgreSQL (instead of the server's 1 s `deadlock_timeout` before a
+    /// deadlock is found). The worker starts with one batch in flight and lets one more run
+    /// beside them after every 4 clean batches, up to `concurrency`; after a fallback it runs
+    /// **one batch at a time** again, letting one more run beside it after 64 clean batches
+    /// (256, 1024, … after further fallbacks). A stream whose effects contend thus runs about as fast as one batch in
     /// flight; partition it by what the effects lock to run batches side by side. A fallback
     /// costs the batch's neighbours their transaction, not their effects: the handlers that ran
     /// before the failure run again (their writes were rolled back), each effect commits once.
@@ -593,9 +597,9 @@ impl<DB: InboxDatabase> Worker<DB> {
             batch: Vec::new(),
             batch_since: None,
             batches: 0,
-            batch_limit: self.concurrency,
+            batch_limit: 1,
             calm: 0,
-            calm_needed: 0,
+            calm_needed: RAMP_BATCHES,
             gate: Arc::default(),
         };
         // Deliveries fetched and not yet settled: one per transaction in flight, or (batching)
