@@ -136,6 +136,34 @@ async fn run_contending<DB: inbox_runtime::InboxDatabase, M: Message>(
     expected
 }
 
+/// Every hot account's balance (on `$pool`, PostgreSQL or MySQL) equals `$expected`'s.
+macro_rules! assert_exact {
+    ($pool:expr, $expected:expr) => {{
+        let balances: Vec<(i32, i64)> =
+            sqlx::query_as("SELECT id, balance FROM hot_accounts ORDER BY id")
+                .fetch_all($pool)
+                .await
+                .unwrap();
+        let want: Vec<(i32, i64)> = (1..=ACCOUNTS).zip($expected).collect();
+        assert_eq!(balances, want);
+    }};
+}
+
+/// `$consumer` has exactly `$n` processed keys in the inbox.
+macro_rules! assert_processed {
+    ($pool:expr, $consumer:literal, $n:expr) => {{
+        let processed: i64 = sqlx::query_scalar(concat!(
+            "SELECT COUNT(*) FROM inbox_messages WHERE consumer = '",
+            $consumer,
+            "' AND status = 'processed'"
+        ))
+        .fetch_one($pool)
+        .await
+        .unwrap();
+        assert_eq!(processed, $n);
+    }};
+}
+
 async fn pg_pool() -> PgPool {
     let pool = inbox_tests::pg_pool(12).await;
     sqlx::query("CREATE TABLE hot_accounts (id INT PRIMARY KEY, balance BIGINT NOT NULL)")
@@ -168,13 +196,7 @@ async fn contending_batches_fall_back_and_finish_exact() {
         amount,
     })
     .await;
-    let balances: Vec<(i32, i64)> =
-        sqlx::query_as("SELECT id, balance FROM hot_accounts ORDER BY id")
-            .fetch_all(&pool)
-            .await
-            .unwrap();
-    let want: Vec<(i32, i64)> = (1..=ACCOUNTS).zip(expected).collect();
-    assert_eq!(balances, want);
+    assert_exact!(&pool, expected);
     // Every key applied once, in one committed transaction.
     let applied: Vec<String> = sqlx::query_scalar("SELECT id FROM applied_in")
         .fetch_all(&pool)
@@ -182,13 +204,7 @@ async fn contending_batches_fall_back_and_finish_exact() {
         .unwrap();
     let distinct: HashSet<&String> = applied.iter().collect();
     assert_eq!((applied.len(), distinct.len()), (1_800, 1_800));
-    let processed: i64 = sqlx::query_scalar(
-        "SELECT COUNT(*) FROM inbox_messages WHERE consumer = 'wc-credit' AND status = 'processed'",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
-    assert_eq!(processed, 1_800);
+    assert_processed!(&pool, "wc-credit", 1_800);
 }
 
 /// The same on MySQL/MariaDB, whose deadlocks (1213) roll the whole batch transaction back:
@@ -213,20 +229,8 @@ async fn contending_batches_fall_back_and_finish_exact_on_mysql() {
         amount,
     })
     .await;
-    let balances: Vec<(i32, i64)> =
-        sqlx::query_as("SELECT id, balance FROM hot_accounts ORDER BY id")
-            .fetch_all(&pool)
-            .await
-            .unwrap();
-    let want: Vec<(i32, i64)> = (1..=ACCOUNTS).zip(expected).collect();
-    assert_eq!(balances, want);
-    let processed: i64 = sqlx::query_scalar(
-        "SELECT COUNT(*) FROM inbox_messages WHERE consumer = 'wc-credit-mysql' AND status = 'processed'",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
-    assert_eq!(processed, 1_800);
+    assert_exact!(&pool, expected);
+    assert_processed!(&pool, "wc-credit-mysql", 1_800);
 }
 
 /// `concurrency(2)` with `batch(100, …)` over a backlog of 300 ready deliveries: three batches
