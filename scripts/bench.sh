@@ -9,6 +9,7 @@
 #   scripts/bench.sh --help           # every option of the harness
 #   scripts/bench.sh --only kafka     # Kafka scale-out: 1, 2, 4 consumer processes in one group
 #   scripts/bench.sh --only mysql     # MariaDB: bare effect, one message per transaction, batch 100
+#   scripts/bench.sh --only contention  # Worker batches over hot rows: 4 vs 1 batch in flight
 #
 # Asking for the `kafka` section (`--only kafka`, alone or in a list) builds the harness with the
 # examples feature `kafka` (librdkafka, built with cmake: scripts/deps.sh installs what it needs);

@@ -31,6 +31,8 @@
 //! * **Kafka scale-out** (`--only kafka`, examples feature `kafka`; `scripts/bench.sh --only
 //!   kafka` adds it): 1, 2 and 4 consumer processes in one group over a 16-partition topic of
 //!   librdkafka's mock cluster, on one PostgreSQL (`kafka.rs`).
+//! * **Contention** (`--only contention`, only when named): `Worker` batches of 100 over 1,000 hot
+//!   accounts, 4 batches in flight vs 1, deadlocks and contention fallbacks (`contention.rs`).
 //!
 //! Round trips per message are counted on the wire (a counting proxy between client and server,
 //! see `proxy.rs`), as are the statements each path sends. The harness works in its own
@@ -42,6 +44,7 @@
 //! Output: a Markdown report on stdout (progress on stderr). `BENCHMARKS.md` explains the
 //! method and the figures.
 
+mod contention;
 #[cfg(feature = "kafka")]
 mod kafka;
 mod measure;
@@ -178,6 +181,9 @@ enum Section {
     Kafka,
     /// MySQL/MariaDB (`MYSQL_URL`): the bare effect, one message per transaction, batches of 100.
     Mysql,
+    /// Concurrent batches whose effects lock the same rows in different orders: several
+    /// batches in flight vs one (only when named: `--only contention`).
+    Contention,
 }
 
 /// Sizes and durations of one run.
@@ -751,6 +757,13 @@ async fn run(args: &Args) -> Result<String, BoxError> {
         }
         if wanted(Section::Kafka) {
             kafka_section(&mut out, pg, &p, args).await?;
+        }
+        if args
+            .only
+            .as_ref()
+            .is_some_and(|only| only.contains(&Section::Contention))
+        {
+            contention_section(&mut out, pg, &p).await?;
         }
         targets(&mut out, pg, &p);
     }
@@ -2048,9 +2061,8 @@ async fn memory_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), B
             match batch {
                 None => format!("{:.0} s, concurrency {WORKERS}", run.elapsed.as_secs_f64()),
                 Some(size) => format!(
-                    "{:.0} s, `batch({size}, 5 ms)`, concurrency {}",
+                    "{:.0} s, `batch({size}, 5 ms)`, concurrency 1 (one batch running, the next gathering)",
                     run.elapsed.as_secs_f64(),
-                    2 * size
                 ),
             },
             run.settled.to_string(),
@@ -2470,6 +2482,107 @@ async fn outbox_sqlite(out: &mut Out, p: &Profile) -> Result<(), BoxError> {
             "client CPU µs/msg (incl. SQLite)",
         ],
         &rows,
+    );
+    Ok(())
+}
+
+/// Concurrent batches over hot rows: several batches in flight vs one, side by side per round.
+async fn contention_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), BoxError> {
+    use contention::{ACCOUNTS, BATCH, DELIVERIES, REDELIVERIES};
+    let (deliveries, redeliveries, limit) = match p.name {
+        "smoke" => (2_000, 200, Duration::from_secs(30)),
+        _ => (DELIVERIES, REDELIVERIES, Duration::from_secs(60)),
+    };
+    let rounds = p.rounds.max(3);
+    contention::setup(&pg.admin).await?;
+    let workload = contention::Workload::new(0xC0_17E4_7104, deliveries, redeliveries, ACCOUNTS);
+    let mut rows: Vec<contention::Row> = [4, 1].into_iter().map(contention::Row::new).collect();
+    for round in 0..rounds {
+        for contention::Row {
+            batches,
+            rates,
+            deadlocks,
+            fallbacks,
+            exact,
+            unfinished,
+        } in &mut rows
+        {
+            progress(format!(
+                "contention: round {}/{rounds}, {batches} batch(es) in flight",
+                round + 1
+            ));
+            let batches = *batches;
+            let run = contention::run(&pg.admin, &pg.opts, &workload, 16, limit, |w| {
+                contention::configure(w, batches)
+            })
+            .await?;
+            if run.finished {
+                rates.push(deliveries as f64 / run.seconds);
+            } else {
+                unfinished.push(format!(
+                    "{} of {} keys after {:.0} s",
+                    run.applied,
+                    deliveries - redeliveries,
+                    run.seconds
+                ));
+            }
+            deadlocks.push(run.deadlocks);
+            fallbacks.push(contention::fallbacks(&run.report));
+            *exact &= run.exact;
+        }
+    }
+    let one = rows
+        .iter()
+        .find(|r| r.batches == 1)
+        .filter(|r| !r.rates.is_empty())
+        .map(|r| median(&r.rates));
+    let table: Vec<Vec<String>> = rows
+        .iter()
+        .map(|row| {
+            let rate = (!row.rates.is_empty()).then(|| median(&row.rates));
+            vec![
+                row.batches.to_string(),
+                rate.map_or("—".into(), |r| format!("{r:.0}")),
+                rate.map_or("—".into(), |r| ratio(r, one)),
+                format!("{:?}", row.deadlocks),
+                format!("{:?}", row.fallbacks),
+                if row.exact { "yes" } else { "no" }.into(),
+                if row.unfinished.is_empty() {
+                    "—".into()
+                } else {
+                    row.unfinished.join("; ")
+                },
+            ]
+        })
+        .collect();
+    out.line("## Contention: concurrent batches over hot rows (PostgreSQL, `Worker::batch`)");
+    out.line("");
+    out.line(format!(
+        "{deliveries} deliveries ({redeliveries} of them redeliveries, seeded) over {ACCOUNTS} \
+         accounts; each effect is `UPDATE contention_accounts SET balance = balance + $1 WHERE \
+         id = $2`, so a batch locks its accounts in message order and concurrent batches lock \
+         shared accounts in different orders. The Worker runs batches of {BATCH} (5 ms max \
+         wait) with 4 batches in flight and with 1, side by side in each of {rounds} rounds \
+         (fresh inbox, zeroed balances; 16 pooled connections; a run is stopped after {} s). \
+         Rate: median deliveries/s of finished runs; `× one`: ÷ one batch in flight; deadlocks: \
+         the `pg_stat_database.deadlocks` delta per round; fallbacks: the Worker report's \
+         contention fallbacks per round (batches that lost a deadlock, a serialization failure \
+         or a lock wait and ran again alone); exact: every balance equals the sum of its distinct \
+         events in every finished round.",
+        limit.as_secs()
+    ));
+    out.line("");
+    out.table(
+        &[
+            "batches in flight",
+            "deliveries/s",
+            "× one",
+            "deadlocks",
+            "fallbacks",
+            "exact",
+            "unfinished",
+        ],
+        &table,
     );
     Ok(())
 }

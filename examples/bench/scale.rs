@@ -259,10 +259,8 @@ pub(crate) async fn memory(
     };
     let mut worker = Worker::new(Dispatcher::from_registry(pool)?).concurrency(workers);
     if let Some(size) = batch {
-        // Two batches in flight: one gathers while the other runs.
-        worker = worker
-            .concurrency(2 * size)
-            .batch(size, Duration::from_millis(5));
+        // One batch runs while the next one gathers (`concurrency` bounds the batches running).
+        worker = worker.concurrency(1).batch(size, Duration::from_millis(5));
     }
     let shutdown = CancellationToken::new();
     let started = Instant::now();

@@ -2,10 +2,12 @@
 
 use std::borrow::Borrow;
 use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
 
 use sqlx::Connection as _;
 
-use crate::classify::{BoxError, ErrorClass};
+use crate::classify::{BoxError, Contention, ErrorClass};
 use crate::dispatcher::{ConsumerOutcome, Dispatcher, Prepared, PreparedItem};
 use crate::error::{Conflict, DispatchError, Error, HandlerFailure, HookError};
 use crate::outcome::Outcome;
@@ -16,6 +18,28 @@ use crate::protocol::{Decision, decide, verify};
 use crate::slot::ConnectionSlot;
 use crate::status::ClaimMode;
 use crate::store::{ClaimRequest, ClaimResult, ClaimStore as _, InboxConnection, InboxDatabase};
+
+/// How the [`Worker`](crate::Worker) asks for one batch to run.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct BatchOptions {
+    /// PostgreSQL: the batch transaction's `lock_timeout` (`SET LOCAL`), so that a batch that
+    /// waits on a lock longer than this (another batch in flight holds it, perhaps waiting for
+    /// this one in turn) gives up at once instead of after the server's `deadlock_timeout`,
+    /// and its messages run alone. `None`: the server's setting.
+    pub(crate) lock_timeout: Option<Duration>,
+    /// The Worker's batch gate: held shared while the batch runs, exclusively when a batch
+    /// that lost to concurrent transactions runs again. `None`: such a batch's messages run
+    /// one by one at once.
+    pub(crate) gate: Option<Arc<tokio::sync::RwLock<()>>>,
+}
+
+/// What happened to one batch, beside its results.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct BatchStats {
+    /// The batch transaction lost to concurrent transactions (a deadlock, a serialization
+    /// failure, a lock wait that timed out) and its messages ran alone.
+    pub(crate) contention: Option<Contention>,
+}
 
 /// Where one consumer's result comes from.
 enum Settle {
@@ -59,6 +83,23 @@ where
     /// transaction (`INSERT OR ROLLBACK`, a trigger's `RAISE(ROLLBACK)`) and savepoints cost no
     /// round trip, batches always run with savepoints.
     ///
+    /// **Contention.** A batch whose transaction loses to concurrent transactions — a deadlock
+    /// (PostgreSQL `40P01`, MySQL 1213), a serialization failure (`40001`) or a lock wait that
+    /// timed out (`55P03`, MySQL 1205), from the claim, a handler body or `COMMIT` — or in
+    /// which a handler fails with such an error, is rolled back and **not** run
+    /// again as the same batch against the same competitors (that would take the same locks in
+    /// the same order): called here, each of its messages runs alone on the one-message path,
+    /// whose transactions each hold one message's locks and commit at once, so the batch makes
+    /// progress whatever the others do. Through the [`Worker`](crate::Worker), the batch first
+    /// runs once more *alone* — after the Worker's other batches in flight have ended, with
+    /// none started beside it — and only if it loses again (to transactions outside the
+    /// Worker) do its messages run one by one. The handlers that ran before the failure run
+    /// once more (their writes were rolled back with the batch: a handler re-runs its
+    /// neighbours' transaction, not their effects). Each lost run is counted in the
+    /// `inbox_batch_contention_total` counter (label `error`: `deadlock`, `serialization`,
+    /// `lock_timeout`), each such batch in
+    /// [`WorkerReport::contention_fallbacks`](crate::WorkerReport).
+    ///
     /// Some deliveries take the one-message-per-transaction path after the batch commits:
     /// messages with per-aggregate ordering (their aggregate lock must not be held across the
     /// batch), a key that appears twice in the batch (the later ones), a key found `failed`
@@ -86,6 +127,20 @@ where
         slot: &mut ConnectionSlot<DB>,
         envelopes: &[E],
     ) -> Vec<Result<Vec<ConsumerOutcome>, DispatchError>> {
+        self.dispatch_batch_with(slot, envelopes, BatchOptions::default())
+            .await
+            .0
+    }
+
+    /// [`dispatch_batch_on`](Self::dispatch_batch_on) with the Worker's options, and what
+    /// happened to the batch.
+    pub(crate) async fn dispatch_batch_with<E: Borrow<crate::Envelope>>(
+        &self,
+        slot: &mut ConnectionSlot<DB>,
+        envelopes: &[E],
+        options: BatchOptions,
+    ) -> (Vec<Result<Vec<ConsumerOutcome>, DispatchError>>, BatchStats) {
+        let mut stats = BatchStats::default();
         let prepared: Vec<Result<Prepared<'_>, DispatchError>> =
             envelopes.iter().map(|e| self.prepare(e.borrow())).collect();
         // (envelope, item) pairs that the batch transaction takes.
@@ -127,26 +182,87 @@ where
         });
         let mut slot = slot.guard();
         if !batch.is_empty() {
-            // Optimistic only where a handler cannot end the transaction under the batch's
-            // feet: on PostgreSQL an error leaves it aborted (later statements fail, COMMIT is
-            // checked first), whereas on SQLite an `OR ROLLBACK` conflict or a trigger's
-            // `RAISE(ROLLBACK)` ends it and the statements after it would autocommit. SQLite
-            // savepoints cost no round trip.
-            let mut run = if DB::BACKEND == crate::Backend::Postgres {
-                self.run_batch(&mut slot, &prepared, &batch, Isolation::Optimistic)
-                    .await
-            } else {
-                Ok(BatchRun::Isolate(None))
+            // Batches of one Worker share its gate: each runs holding it shared; one that lost to
+            // concurrent transactions runs again holding it exclusively (no other batch of the
+            // Worker beside it, none waiting for its locks), without a lock timeout.
+            let mut shared = match &options.gate {
+                Some(gate) => Some(Arc::clone(gate).read_owned().await),
+                None => None,
             };
-            if let Ok(BatchRun::Isolate(failed)) = run {
+            let mut exclusive = None;
+            let run = loop {
+                let lock_timeout = options.lock_timeout.filter(|_| exclusive.is_none());
+                // Optimistic only where a handler cannot end the transaction under the batch's
+                // feet: on PostgreSQL an error leaves it aborted (later statements fail, COMMIT
+                // is checked first), whereas on SQLite an `OR ROLLBACK` conflict or a trigger's
+                // `RAISE(ROLLBACK)` ends it and the statements after it would autocommit. SQLite
+                // savepoints cost no round trip.
+                let mut run = if DB::BACKEND == crate::Backend::Postgres {
+                    self.run_batch(
+                        &mut slot,
+                        &prepared,
+                        &batch,
+                        Isolation::Optimistic,
+                        lock_timeout,
+                    )
+                    .await
+                } else {
+                    Ok(BatchRun::Isolate(None))
+                };
+                if let Ok(BatchRun::Isolate(failed)) = run {
+                    tracing::debug!(
+                        size = batch.len(),
+                        "running the batch with a savepoint per handler"
+                    );
+                    run = self
+                        .run_batch(
+                            &mut slot,
+                            &prepared,
+                            &batch,
+                            Isolation::Savepoints(failed),
+                            lock_timeout,
+                        )
+                        .await;
+                }
+                // A batch transaction that lost to concurrent transactions: run again alone
+                // (once, when a gate is given), else its messages run one by one.
+                let contention = match &run {
+                    Ok(BatchRun::Contended(contention)) => Some(*contention),
+                    Err(error) => Contention::of_sqlx(error),
+                    Ok(_) => None,
+                };
+                let Some(contention) = contention else {
+                    break run;
+                };
+                stats.contention.get_or_insert(contention);
+                metrics::counter!("inbox_batch_contention_total", "error" => contention.as_str())
+                    .increment(1);
+                if exclusive.is_none()
+                    && let Some(gate) = shared
+                        .take()
+                        .map(|guard| Arc::clone(tokio::sync::OwnedRwLockReadGuard::rwlock(&guard)))
+                {
+                    tracing::debug!(
+                        error = contention.as_str(),
+                        size = batch.len(),
+                        "batch lost to concurrent transactions; running it again alone"
+                    );
+                    exclusive = Some(gate.write_owned().await);
+                    continue;
+                }
                 tracing::debug!(
+                    error = contention.as_str(),
                     size = batch.len(),
-                    "running the batch with a savepoint per handler"
+                    "batch lost to concurrent transactions; running its messages one by one"
                 );
-                run = self
-                    .run_batch(&mut slot, &prepared, &batch, Isolation::Savepoints(failed))
-                    .await;
-            }
+                break run;
+            };
+            drop((shared, exclusive));
+            let contention = match &run {
+                Ok(BatchRun::Contended(contention)) => Some(*contention),
+                Err(error) => Contention::of_sqlx(error),
+                Ok(_) => None,
+            };
             match run {
                 Ok(BatchRun::Done(results)) => {
                     for ((e, i), result) in batch.iter().zip(results) {
@@ -155,6 +271,11 @@ where
                 }
                 Ok(BatchRun::Isolate(_)) => {
                     unreachable!("an isolated batch run never asks for isolation")
+                }
+                // Rolled back; every message of it takes the single path (still `Single`).
+                Ok(BatchRun::Contended(_)) => {}
+                Err(_) if contention.is_some() => {
+                    // Rolled back; every message of it takes the single path.
                 }
                 Err(error) => {
                     if crate::slot::connection_lost(&error) {
@@ -203,7 +324,7 @@ where
             results.push(Ok(outcomes));
         }
         slot.done();
-        results
+        (results, stats)
     }
 
     /// The dedupe cache's answers for every consumer item of the prepared envelopes, in order:
@@ -246,6 +367,7 @@ where
         prepared: &[Result<Prepared<'_>, DispatchError>],
         batch: &[(usize, usize)],
         isolation: Isolation,
+        lock_timeout: Option<Duration>,
     ) -> Result<BatchRun, sqlx::Error> {
         let (isolate, mut carried) = match isolation {
             Isolation::Optimistic => (false, None),
@@ -306,6 +428,16 @@ where
 
         let conn = slot.get(&self.pool).await?;
         let mut tx = conn.begin_inbox().await?;
+        if let Some(timeout) = lock_timeout
+            && let Some(pg) =
+                sqlx::PgConnection::from_any(DB::Connection::in_transaction(&mut tx).as_any())
+        {
+            let millis = timeout.as_millis().clamp(1, i32::MAX as u128).to_string();
+            sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+                .bind(format!("{millis}ms"))
+                .execute(&mut *pg)
+                .await?;
+        }
         let claimed = DB::Connection::in_transaction(&mut tx)
             .claim_batch(&requests)
             .await?;
@@ -382,6 +514,11 @@ where
                     .await;
                 if let Err(failure) = body {
                     tx.rollback().await?;
+                    // A batch that lost to concurrent transactions (a deadlock above all) is
+                    // not run again against the same competitors: every message runs alone.
+                    if let Some(contention) = Contention::in_chain(&*failure.error) {
+                        return Ok(BatchRun::Contended(contention));
+                    }
                     return Ok(BatchRun::Isolate(Some((index, failure))));
                 }
                 if let Some(hooks) = hooks {
@@ -474,6 +611,21 @@ where
                         source,
                     }))));
                 }
+                (Err(failure), _) if Contention::in_chain(&*failure.error).is_some() => {
+                    // Lost to concurrent transactions: the batch keeps its other locks, so
+                    // it is not finished against the same competitors; every message runs
+                    // alone.
+                    let contention = Contention::in_chain(&*failure.error).expect("checked");
+                    // A MySQL deadlock rolled the whole transaction back: the savepoint is
+                    // gone, and the rollback of the savepoint fails (ignored).
+                    let _ = savepoint.rollback().await;
+                    if let Err(error) = tx.rollback().await
+                        && crate::slot::connection_lost(&error)
+                    {
+                        return Err(error);
+                    }
+                    return Ok(BatchRun::Contended(contention));
+                }
                 (Err(failure), _) if failure.class == ErrorClass::Transient => {
                     // Retried in-process on the single path after the batch commits, as
                     // `dispatch` would: the claim is given back, no attempt is counted.
@@ -555,4 +707,6 @@ enum BatchRun {
     /// The optimistic run was rolled back: a handler failed (returning this failure, at this
     /// batch index, or leaving the transaction aborted); run again with savepoints.
     Isolate(Option<(usize, BodyError)>),
+    /// Rolled back after losing to concurrent transactions: every message runs alone.
+    Contended(Contention),
 }

@@ -157,6 +157,72 @@ impl Classify for Permanent {
     }
 }
 
+/// A database failure that concurrent transactions cause one another: the transaction lost a
+/// deadlock, a serialization conflict or a lock wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Contention {
+    /// PostgreSQL `40P01`, MySQL 1213.
+    Deadlock,
+    /// PostgreSQL `40001`.
+    Serialization,
+    /// PostgreSQL `55P03` (`lock_timeout`), MySQL 1205 (`innodb_lock_wait_timeout`).
+    LockTimeout,
+}
+
+impl Contention {
+    /// The label of the `inbox_batch_contention_total` metric.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Contention::Deadlock => "deadlock",
+            Contention::Serialization => "serialization",
+            Contention::LockTimeout => "lock_timeout",
+        }
+    }
+
+    /// The contention `error` is, if it is one.
+    pub(crate) fn of_sqlx(error: &sqlx::Error) -> Option<Contention> {
+        match error {
+            sqlx::Error::Database(db) => Self::of_database(&**db),
+            _ => None,
+        }
+    }
+
+    fn of_database(db: &dyn sqlx::error::DatabaseError) -> Option<Contention> {
+        if let Some(mysql) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+            return match mysql.number() {
+                crate::store::ER_LOCK_DEADLOCK => Some(Contention::Deadlock),
+                crate::store::ER_LOCK_WAIT_TIMEOUT => Some(Contention::LockTimeout),
+                _ => None,
+            };
+        }
+        match db.code().as_deref() {
+            Some("40P01") => Some(Contention::Deadlock),
+            Some("40001") => Some(Contention::Serialization),
+            Some("55P03") => Some(Contention::LockTimeout),
+            _ => None,
+        }
+    }
+
+    /// The contention anywhere in `error`'s `source()` chain (a `sqlx::Error`, or the database
+    /// error itself behind a transparent wrapper), if any.
+    pub(crate) fn in_chain(error: &(dyn StdError + 'static)) -> Option<Contention> {
+        let mut next = Some(error);
+        while let Some(error) = next {
+            if let Some(error) = error.downcast_ref::<sqlx::Error>() {
+                return Self::of_sqlx(error);
+            }
+            if let Some(pg) = error.downcast_ref::<sqlx::postgres::PgDatabaseError>() {
+                return Self::of_database(pg);
+            }
+            if let Some(mysql) = error.downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+                return Self::of_database(mysql);
+            }
+            next = error.source();
+        }
+        None
+    }
+}
+
 /// Classifies an error by its `source()` chain: the first [`Permanent`] or `sqlx::Error` found
 /// decides; otherwise [`ErrorClass::Retryable`].
 pub fn classify_error_chain(error: &(dyn StdError + 'static)) -> ErrorClass {

@@ -159,6 +159,12 @@ pub struct WorkerReport {
     /// Deliveries dropped unsettled before they ran because their source gave them up
     /// ([`Delivery::is_current`] false: a Kafka partition revoked since they were fetched).
     pub revoked: u64,
+    /// Batches that lost to concurrent transactions (a deadlock, a serialization failure, a
+    /// lock wait that timed out) and therefore ran again alone, or (losing again) one delivery
+    /// per transaction (see [`Worker::batch`]); each such batch also made the worker run one
+    /// batch at a time for a while. Each lost run is also counted in the
+    /// `inbox_batch_contention_total` counter.
+    pub contention_fallbacks: u64,
     /// Why the run ended.
     pub stop: StopReason,
 }
@@ -184,6 +190,7 @@ impl Default for WorkerReport {
             settle_errors: 0,
             fenced: 0,
             revoked: 0,
+            contention_fallbacks: 0,
             stop: StopReason::SourceExhausted,
         }
     }
@@ -204,8 +211,10 @@ pub struct WorkerError {
 /// concurrency, and settles each delivery strictly **after** its inbox transactions committed,
 /// as [`settlement_for`] says.
 ///
-/// * **Concurrency**: at most [`concurrency`](Self::concurrency) deliveries are fetched and not
-///   yet settled at any time (size the database pool and the broker's prefetch to it).
+/// * **Concurrency**: at most [`concurrency`](Self::concurrency) transactions run at any time
+///   (each one delivery, or one batch); without batching at most that many deliveries are
+///   fetched and not yet settled, with batches of `size` at most `(concurrency + 1) × size`
+///   (size the database pool and the broker's prefetch to it).
 /// * **Connections**: while deliveries keep coming, the worker keeps up to
 ///   `min(concurrency, max_connections − 1)` pooled connections across them
 ///   ([`ConnectionSlot`]s), so that sqlx's pool round trips are not paid per message. A kept
@@ -215,7 +224,9 @@ pub struct WorkerError {
 ///   another worker) wait for a connection the worker is not using. A pool of
 ///   `concurrency + 1` connections lets every delivery keep its connection.
 /// * **Batches** (off by default, see [`batch`](Self::batch)): deliveries that are ready
-///   together run in one transaction, each settled after its commit by its own outcome.
+///   together run in one transaction, each settled after its commit by its own outcome. A batch
+///   that loses to concurrent transactions (a deadlock) runs again alone (or, losing again,
+///   one delivery per transaction), and the worker then runs one batch at a time for a while.
 /// * **Order**: deliveries with the same [ordering key](Delivery::ordering_key) run one at a
 ///   time, in the order the source handed them out. A requeued delivery comes back when the
 ///   source redelivers it, possibly after later ones of its key.
@@ -252,7 +263,25 @@ const SLOT_IDLE: Duration = Duration::from_secs(1);
 struct Done<DB: InboxDatabase> {
     /// The task's connection slot, back for the next delivery (if it may be kept).
     slot: Option<ConnectionSlot<DB>>,
+    /// Whether its batch lost to concurrent transactions (its deliveries then ran alone).
+    contended: bool,
 }
+
+/// The `lock_timeout` of a batch started while other batches run (PostgreSQL): a batch that
+/// waits this long for a row lock is most likely in a deadlock with another batch, which the
+/// server would only find after its `deadlock_timeout` (1 s by default). It gives up, and its
+/// deliveries run one per transaction (without this timeout).
+const BATCH_LOCK_TIMEOUT: Duration = Duration::from_millis(30);
+
+/// Clean batches before one more batch may run beside the others, until a batch first lost
+/// to concurrent transactions: the worker starts with one batch in flight and ramps up.
+const RAMP_BATCHES: usize = 4;
+/// Clean batches the worker runs one at a time after the first contention, before it lets one
+/// more batch run beside them; four times as many after every further contention (up to
+/// [`CALM_BATCHES_MAX`]).
+const CALM_BATCHES: usize = 64;
+/// The most clean batches [`CALM_BATCHES`] grows to.
+const CALM_BATCHES_MAX: usize = 4096;
 
 /// What a task has settled so far (read even if the task is aborted or panics).
 #[derive(Default)]
@@ -274,6 +303,8 @@ struct TaskMeta {
     keys: Vec<String>,
     /// Whether it took one of the kept connection slots.
     kept: bool,
+    /// Whether it runs a batch (more than one delivery in one transaction).
+    batch: bool,
 }
 
 /// The worker's running tasks, its kept connection slots and the batch being gathered.
@@ -281,33 +312,92 @@ struct Running<DB: InboxDatabase> {
     tasks: JoinSet<Done<DB>>,
     meta: HashMap<tokio::task::Id, TaskMeta>,
     slots: Vec<ConnectionSlot<DB>>,
+    /// Deliveries ready to run in a batch (batches take up to the batch size from the front).
     batch: Vec<Delivery>,
-    /// When the first delivery of `batch` arrived.
+    /// When the first delivery of `batch` arrived (or the previous batch took the ones before).
     batch_since: Option<Instant>,
+    /// Batches running now.
+    batches: usize,
+    /// How many batches may run at once: 1 at first, up by one after every `calm_needed` clean
+    /// batches up to the concurrency, back to 1 after a batch lost to concurrent transactions.
+    batch_limit: usize,
+    /// Clean batches since the limit last changed.
+    calm: usize,
+    /// Clean batches needed before the limit goes up by one.
+    calm_needed: usize,
+    /// The batches' gate (see [`crate::batch::BatchOptions::gate`]).
+    gate: Arc<tokio::sync::RwLock<()>>,
 }
 
 impl<DB: InboxDatabase> Running<DB> {
-    /// Starts `delivery`: at once, or (when batching) in the batch being gathered, which starts
-    /// when it is full.
+    /// Starts `delivery`: at once, or (when batching) among the deliveries ready for a batch,
+    /// which starts when it is full, or on [`flush`](Self::flush).
     fn start(&mut self, worker: &Worker<DB>, delivery: Delivery) {
         match worker.batch {
-            Some((size, _)) => {
+            Some(_) => {
                 self.batch_since.get_or_insert_with(Instant::now);
                 self.batch.push(delivery);
-                if self.batch.len() >= size {
-                    self.flush(worker);
-                }
+                self.flush_full(worker);
             }
             None => self.spawn(worker, vec![delivery]),
         }
     }
 
-    /// Starts the batch gathered so far, if any.
+    /// Whether one more transaction (a batch) may start now: fewer than `concurrency`
+    /// transactions and fewer than the batch limit's batches run.
+    fn can_start_batch(&self, worker: &Worker<DB>) -> bool {
+        self.tasks.len() < worker.concurrency && self.batches < self.batch_limit
+    }
+
+    /// Starts full batches while they may start.
+    fn flush_full(&mut self, worker: &Worker<DB>) {
+        let Some((size, _)) = worker.batch else {
+            return;
+        };
+        while self.batch.len() >= size && self.can_start_batch(worker) {
+            self.flush(worker);
+        }
+    }
+
+    /// Starts a batch of the ready deliveries (up to the batch size), if any.
     fn flush(&mut self, worker: &Worker<DB>) {
-        self.batch_since = None;
-        let batch = std::mem::take(&mut self.batch);
+        let size = worker.batch.map_or(usize::MAX, |(size, _)| size);
+        let rest = if self.batch.len() > size {
+            self.batch.split_off(size)
+        } else {
+            Vec::new()
+        };
+        let batch = std::mem::replace(&mut self.batch, rest);
+        self.batch_since = (!self.batch.is_empty()).then(Instant::now);
         if !batch.is_empty() {
             self.spawn(worker, batch);
+        }
+    }
+
+    /// A batch ended: whether it lost to concurrent transactions adapts the batch limit.
+    fn batch_ended(&mut self, worker: &Worker<DB>, contended: bool) {
+        self.batches = self.batches.saturating_sub(1);
+        if contended {
+            if self.batch_limit > 1 {
+                tracing::info!(
+                    was = self.batch_limit,
+                    calm_batches = self.calm_needed,
+                    "a batch lost to concurrent transactions; running one batch at a time for a while"
+                );
+            }
+            self.calm_needed = if self.batch_limit > 1 || self.calm_needed < CALM_BATCHES {
+                (self.calm_needed * 4).clamp(CALM_BATCHES, CALM_BATCHES_MAX)
+            } else {
+                self.calm_needed
+            };
+            self.batch_limit = 1;
+            self.calm = 0;
+        } else if self.batch_limit < worker.concurrency {
+            self.calm += 1;
+            if self.calm >= self.calm_needed {
+                self.batch_limit += 1;
+                self.calm = 0;
+            }
         }
     }
 
@@ -315,6 +405,16 @@ impl<DB: InboxDatabase> Running<DB> {
     fn spawn(&mut self, worker: &Worker<DB>, deliveries: Vec<Delivery>) {
         let dispatcher = Arc::clone(&worker.dispatcher);
         let requeue_delay = worker.requeue_delay;
+        let is_batch = deliveries.len() > 1;
+        // A batch that starts while others run may be in a deadlock with them: it waits for
+        // a lock at most `BATCH_LOCK_TIMEOUT`.
+        let options = crate::batch::BatchOptions {
+            lock_timeout: (is_batch && self.batches > 0).then_some(BATCH_LOCK_TIMEOUT),
+            gate: Some(Arc::clone(&self.gate)),
+        };
+        if is_batch {
+            self.batches += 1;
+        }
         let kept = self.slots.pop();
         let progress = SharedProgress::default();
         let meta = TaskMeta {
@@ -325,14 +425,24 @@ impl<DB: InboxDatabase> Running<DB> {
                 .filter_map(|d| d.ordering_key().map(str::to_owned))
                 .collect(),
             kept: kept.is_some(),
+            batch: is_batch,
         };
         let keep = meta.kept;
         let task = self.tasks.spawn(async move {
             // A task without a kept slot uses a connection for itself only.
             let mut slot = kept.unwrap_or_default();
-            process(&dispatcher, &mut slot, deliveries, requeue_delay, &progress).await;
+            let contended = process(
+                &dispatcher,
+                &mut slot,
+                deliveries,
+                requeue_delay,
+                options,
+                &progress,
+            )
+            .await;
             Done {
                 slot: keep.then_some(slot),
+                contended,
             }
         });
         self.meta.insert(task.id(), meta);
@@ -375,17 +485,36 @@ impl<DB: InboxDatabase> Worker<DB> {
         }
     }
 
-    /// Processes deliveries in batches, each in **one** transaction
-    /// ([`Dispatcher::dispatch_batch_on`]: one multi-row claim, the handlers, one commit), each
-    /// delivery settled after that commit by its own outcome, as [`settlement_for`] says. A batch
-    /// starts when `size` deliveries are ready, `max_wait` after its first one arrived, or as
-    /// soon as no more can be fetched (concurrency reached, shutdown, source failed). Deliveries of one
+    /// Processes deliveries in batches of at most `size` deliveries, each batch in **one**
+    /// transaction ([`Dispatcher::dispatch_batch_on`]: one multi-row claim, the handlers, one
+    /// commit), each delivery settled after that commit by its own outcome, as
+    /// [`settlement_for`] says. A batch starts when `size` deliveries are ready, `max_wait`
+    /// after its first one arrived, or as soon as no more can be fetched (shutdown, source
+    /// failed, `(concurrency + 1) × size` deliveries fetched and not settled) — each time only
+    /// while fewer than [`concurrency`](Self::concurrency) transactions run. Deliveries of one
     /// ordering key are never in the same batch (the next waits for the batch to end).
     ///
-    /// [`concurrency`](Self::concurrency) still counts deliveries: give it at least `size`
-    /// (twice `size` lets the next batch gather while one runs). `size` below 2 turns batching
-    /// off (the default: one delivery per transaction). Batches hold their effects' row locks
-    /// until their one commit: partition the stream by what the effects lock.
+    /// The two knobs are separate: `size` bounds what one transaction holds, `concurrency`
+    /// how many transactions (batches) run at once; `concurrency(4).batch(100, …)` runs up to
+    /// four batches of up to 100. `size` below 2 turns batching off (the default: one delivery
+    /// per transaction).
+    ///
+    /// **Contention.** Batches hold their effects' row locks until their one commit, and take
+    /// them in the order of their handlers' effects, which the runtime cannot sort: concurrent
+    /// batches that touch the same rows in different orders deadlock. So a batch that loses a
+    /// deadlock, a serialization failure or a lock wait is never run again against the same
+    /// competitors: it runs once more **alone** (after the batches in flight with it have
+    /// ended, none started beside it), and if it loses even then (to transactions outside the
+    /// worker), its deliveries run one per transaction; counted in
+    /// [`WorkerReport::contention_fallbacks`]. A batch started while others run waits at most
+    /// 30 ms for a lock on PostgreSQL (instead of the server's 1 s `deadlock_timeout` before a
+    /// deadlock is found). The worker starts with one batch in flight and lets one more run
+    /// beside them after every 4 clean batches, up to `concurrency`; after a fallback it runs
+    /// **one batch at a time** again, letting one more run beside it after 64 clean batches
+    /// (256, 1024, … after further fallbacks). A stream whose effects contend thus runs about as fast as one batch in
+    /// flight; partition it by what the effects lock to run batches side by side. A fallback
+    /// costs the batch's neighbours their transaction, not their effects: the handlers that ran
+    /// before the failure run again (their writes were rolled back), each effect commits once.
     ///
     /// `max_wait` is latency every delivery of a batch that does not fill may pay: keep it to
     /// milliseconds. A batch that cannot fill — the source has nothing more for now, or the
@@ -405,7 +534,10 @@ impl<DB: InboxDatabase> Worker<DB> {
         self
     }
 
-    /// At most `n` deliveries in flight (fetched, not yet settled); at least 1.
+    /// At most `n` transactions in flight at once, each one delivery or (with
+    /// [`batch`](Self::batch)) one batch; at least 1. Default 8. Without batching that is also
+    /// the bound on deliveries fetched and not yet settled; with batches of `size`, at most
+    /// `(n + 1) × size` deliveries are.
     pub fn concurrency(mut self, n: usize) -> Self {
         self.concurrency = n.max(1);
         self
@@ -464,6 +596,17 @@ impl<DB: InboxDatabase> Worker<DB> {
                 .collect(),
             batch: Vec::new(),
             batch_since: None,
+            batches: 0,
+            batch_limit: 1,
+            calm: 0,
+            calm_needed: RAMP_BATCHES,
+            gate: Arc::default(),
+        };
+        // Deliveries fetched and not yet settled: one per transaction in flight, or (batching)
+        // full batches in flight and one more batch ready.
+        let fetch_bound = match self.batch {
+            Some((size, _)) => self.concurrency.saturating_add(1).saturating_mul(size),
+            None => self.concurrency,
         };
         // Deliveries waiting for an earlier one of their ordering key; and the busy keys.
         let mut waiting: HashMap<String, VecDeque<Delivery>> = HashMap::new();
@@ -502,10 +645,15 @@ impl<DB: InboxDatabase> Worker<DB> {
         }
 
         loop {
-            // A gathered batch starts once nothing more can join it.
-            if !running.batch.is_empty() && (stop.is_some() || in_flight >= self.concurrency) {
-                running.flush(self);
+            // Full batches start while they may; the ready deliveries start (as batches of
+            // whatever is there) once nothing more can join them.
+            running.flush_full(self);
+            if stop.is_some() || in_flight >= fetch_bound {
+                while !running.batch.is_empty() && running.can_start_batch(self) {
+                    running.flush(self);
+                }
             }
+            let can_batch = running.can_start_batch(self);
             if stop.is_some() && running.tasks.is_empty() {
                 break;
             }
@@ -521,7 +669,7 @@ impl<DB: InboxDatabase> Worker<DB> {
                 .map(|idle| SLOT_IDLE.saturating_sub(idle))
                 .min()
                 .map(|wait| later(Instant::now(), wait));
-            let can_fetch = stop.is_none() && in_flight < self.concurrency;
+            let can_fetch = stop.is_none() && in_flight < fetch_bound;
             let abandon_at = match (drain_deadline, failed_deadline) {
                 (Some(drain), Some(failed)) => Some(drain.min(failed)),
                 (drain, failed) => drain.or(failed),
@@ -579,6 +727,10 @@ impl<DB: InboxDatabase> Worker<DB> {
                     let meta = running.meta.remove(&id).expect("every task has its meta");
                     in_flight -= meta.deliveries;
                     Running::<DB>::account(&meta, &mut report);
+                    if meta.batch {
+                        let contended = matches!(&joined, Ok((_, done)) if done.contended);
+                        running.batch_ended(self, contended);
+                    }
                     match joined {
                         Ok((_, done)) => {
                             if let Some(mut slot) = done.slot {
@@ -645,7 +797,7 @@ impl<DB: InboxDatabase> Worker<DB> {
                 () = tokio::time::sleep_until(idle_at), if self.idle.is_some() && stop.is_none() && in_flight == 0 => {
                     stop = Some(StopReason::Idle);
                 }
-                () = tokio::time::sleep_until(batch_at.unwrap_or(last_activity + far)), if batch_at.is_some() => {
+                () = tokio::time::sleep_until(batch_at.unwrap_or(last_activity + far)), if batch_at.is_some() && can_batch => {
                     running.flush(self);
                 }
                 () = tokio::time::sleep_until(release_at.unwrap_or(last_activity + far)), if release_at.is_some() => {
@@ -721,10 +873,12 @@ fn add(total: &mut WorkerReport, one: &WorkerReport) {
     total.settle_errors += one.settle_errors;
     total.fenced += one.fenced;
     total.revoked += one.revoked;
+    total.contention_fallbacks += one.contention_fallbacks;
 }
 
 /// One delivery (its own transaction) or a batch (one transaction): dispatch, then settle each,
-/// recording each settled delivery in `progress`.
+/// recording each settled delivery in `progress`. Returns whether the batch lost to concurrent
+/// transactions (its deliveries then ran one per transaction).
 ///
 /// A handler that panics is caught here: in a batch, the batch transaction is rolled back and
 /// its deliveries run one by one (so that one poison message does not hold back the others);
@@ -735,8 +889,9 @@ async fn process<DB: InboxDatabase>(
     slot: &mut ConnectionSlot<DB>,
     deliveries: Vec<Delivery>,
     requeue_delay: Duration,
+    options: crate::batch::BatchOptions,
     progress: &SharedProgress,
-) {
+) -> bool {
     let record = |one: &WorkerReport| {
         let mut progress = progress
             .lock()
@@ -760,16 +915,23 @@ async fn process<DB: InboxDatabase>(
     }
     if deliveries.len() > 1 {
         let envelopes: Vec<&crate::Envelope> = deliveries.iter().map(Delivery::envelope).collect();
-        let dispatched = AssertUnwindSafe(dispatcher.dispatch_batch_on(slot, &envelopes))
-            .catch_unwind()
-            .await;
+        let dispatched =
+            AssertUnwindSafe(dispatcher.dispatch_batch_with(slot, &envelopes, options))
+                .catch_unwind()
+                .await;
         drop(envelopes);
         match dispatched {
-            Ok(results) => {
+            Ok((results, stats)) => {
+                if stats.contention.is_some() {
+                    let mut progress = progress
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    progress.report.contention_fallbacks += 1;
+                }
                 for (delivery, result) in deliveries.into_iter().zip(results) {
                     record(&settle(dispatcher, slot, delivery, result, requeue_delay).await);
                 }
-                return;
+                return stats.contention.is_some();
             }
             Err(_) => tracing::error!(
                 size = deliveries.len(),
@@ -799,6 +961,7 @@ async fn process<DB: InboxDatabase>(
             }
         }
     }
+    false
 }
 
 /// Settles one delivery by the dispatcher's `result` for it: decide, log, settle.
