@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The test command: checks the shipped monitoring files (scripts/monitoring.sh), starts a throwaway
+# The test command: installs the Debian packages the build and the browser tests need if missing
+# (scripts/deps.sh: librdkafka's build tools, chromium and chromium-driver, curl, python3 with pip),
+# checks the shipped monitoring files (scripts/monitoring.sh), starts a throwaway
 # PostgreSQL, MariaDB, RabbitMQ, NATS (JetStream) and Redis on loopback (installing them from
 # Debian's packages if needed) and an SQS-compatible server (moto, from PyPI if missing:
 # scripts/sqs.sh), runs every test of the workspace against them (and against SQLite), then

@@ -593,7 +593,7 @@ async fn browse(
     let notice = text_of(browser, "p.notice").await;
     assert_eq!(
         notice,
-        "1 rejected deliveries name no consumer (unknown message names): see rejections."
+        "1 rejected delivery names no consumer (malformed payloads and unknown message names): see rejections."
     );
     // The stylesheet loaded (the same-origin request carried the credentials too): the header
     // is styled, not the browser's default.

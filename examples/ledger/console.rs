@@ -27,7 +27,7 @@ pub(crate) struct ConsoleArgs {
     /// Address to serve the console on (at /console)
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
-    /// Database: postgres://… or sqlite:… [default: sqlite file ./ledger.db]
+    /// Database: postgres://…, mysql://…, mariadb://… or sqlite:… [default: sqlite file ./ledger.db]
     #[arg(long, env = "DATABASE_URL", value_name = "URL", hide_env_values = true)]
     database_url: Option<String>,
     /// The password operators sign in with (HTTP Basic, any user name), or a bearer token

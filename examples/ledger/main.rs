@@ -224,7 +224,7 @@ struct Args {
 
 #[derive(clap::Subcommand, Debug)]
 enum Command {
-    /// Loads a JSON-lines stream into RabbitMQ, NATS JetStream or Kafka
+    /// Loads a JSON-lines stream into RabbitMQ, NATS JetStream, Kafka or SQS
     Publish(broker::PublishArgs),
     /// Inspects and repairs the inbox: stats, dead letters, replay, purge
     Admin(AdminArgs),

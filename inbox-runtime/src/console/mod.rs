@@ -620,8 +620,9 @@ async fn overview<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Reques
         if unnamed > 0 {
             let _ = write!(
                 body,
-                "<p class=\"notice\">{unnamed} rejected deliveries name no consumer \
-                 (unknown message names): see <a href=\"{}\">rejections</a>.</p>",
+                "<p class=\"notice\">{unnamed} rejected {} no consumer (malformed payloads \
+                 and unknown message names): see <a href=\"{}\">rejections</a>.</p>",
+                if unnamed == 1 { "delivery names" } else { "deliveries name" },
                 escape(&ctx.link("/rejections"))
             );
         }
