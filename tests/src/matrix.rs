@@ -7,7 +7,7 @@
 //!   results with.
 //! * [`backend_matrix!`](crate::backend_matrix), which stamps a module body three times, as
 //!   `mod postgres`, `mod sqlite` and `mod mysql`, each with the aliases and the fixture of its
-//!   backend (a file opts out of MySQL with `not_on_mysql = "reason";`).
+//!   backend.
 //!
 //! A macro, not a generic function: `#[idempotent]` handlers in the body take `&mut Conn`, and
 //! each backend's copy must be a handler of its own, registered (through `inventory`) for that
@@ -253,8 +253,7 @@ pub async fn inbox_row<DB: TestBackend>(
 }
 
 /// Stamps a module body once per backend: `mod postgres`, `mod sqlite` and `mod mysql`
-/// (MySQL/MariaDB at `MYSQL_URL`; a file whose feature is not on MySQL yet starts with
-/// `not_on_mysql = "reason";` and gets the first two only).
+/// (MySQL/MariaDB at `MYSQL_URL`); every file runs on all three.
 ///
 /// ```text
 /// inbox_tests::backend_matrix! {
@@ -288,13 +287,6 @@ pub async fn inbox_row<DB: TestBackend>(
 /// one another anyway; MySQL as PostgreSQL unless `mysql = n` is given).
 #[macro_export]
 macro_rules! backend_matrix {
-    (not_on_mysql = $reason:literal; connections(postgres = $pg:expr, sqlite = $lite:expr $(,)?); $($body:tt)*) => {
-        $crate::backend_matrix!(@module postgres, $crate::__sqlx::Postgres, $pg, $($body)*);
-        $crate::backend_matrix!(@module sqlite, $crate::__sqlx::Sqlite, $lite, $($body)*);
-    };
-    (not_on_mysql = $reason:literal; $($body:tt)*) => {
-        $crate::backend_matrix!(not_on_mysql = $reason; connections(postgres = 8, sqlite = 4); $($body)*);
-    };
     (connections(postgres = $pg:expr, sqlite = $lite:expr $(, mysql = $my:expr)? $(,)?); $($body:tt)*) => {
         $crate::backend_matrix!(@module postgres, $crate::__sqlx::Postgres, $pg, $($body)*);
         $crate::backend_matrix!(@module sqlite, $crate::__sqlx::Sqlite, $lite, $($body)*);
