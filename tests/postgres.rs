@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use inbox_runtime::{Dispatcher, Envelope, Error, Message, Outcome};
+use inbox_runtime::{Dispatcher, Envelope, Error, Message, Outcome, Status};
 use inbox_tests::APPLY_EFFECT;
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
@@ -451,4 +451,175 @@ async fn a_session_completed_on_an_aborted_transaction_is_a_verify_error() {
         .unwrap();
     assert_eq!((row.status.as_str(), row.attempts), ("failed", 1));
     assert!(row.last_error.unwrap().contains("transaction was aborted"));
+}
+
+/// Migration 0006 (the narrow row) on an inbox written at the previous schema: fingerprints
+/// stored as 64 hex digits become their 32 bytes (a damaged one keeps its text), the indexes
+/// are replaced, and every row reads back and behaves as before: a duplicate of a processed
+/// key, a conflict for another payload, the takeover of a due failed key, a dead key left dead.
+#[tokio::test]
+async fn migration_0006_converts_rows_written_at_the_previous_schema() {
+    use std::borrow::Cow;
+    use std::str::FromStr as _;
+
+    use sqlx::migrate::{Migration, MigrationType, Migrator};
+    use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+    use sqlx::{Connection as _, SqlSafeStr as _};
+
+    let base = PgConnectOptions::from_str(&inbox_tests::database_url()).unwrap();
+    let name = format!("inbox_test_m6_{}", std::process::id());
+    let mut admin = PgConnection::connect_with(&base).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name}")))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(base.database(&name))
+        .await
+        .unwrap();
+    // The inbox at schema 5, recorded as the runtime records it.
+    let previous: [(i64, &str, &str); 5] = [
+        (1, "inbox", include_str!("../inbox-runtime/migrations/postgres/0001_inbox.sql")),
+        (2, "rejections", include_str!("../inbox-runtime/migrations/postgres/0002_rejections.sql")),
+        (3, "results", include_str!("../inbox-runtime/migrations/postgres/0003_results.sql")),
+        (4, "rejection sizes", include_str!("../inbox-runtime/migrations/postgres/0004_rejection_sizes.sql")),
+        (5, "console indexes", include_str!("../inbox-runtime/migrations/postgres/0005_console_indexes.sql")),
+    ];
+    let mut migrator = Migrator::with_migrations(
+        previous
+            .iter()
+            .map(|&(version, description, sql)| {
+                Migration::new(
+                    version,
+                    Cow::Borrowed(description),
+                    MigrationType::Simple,
+                    sqlx::AssertSqlSafe(sql).into_sql_str(),
+                    false,
+                )
+            })
+            .collect(),
+    );
+    migrator.dangerous_set_table_name(inbox_runtime::MIGRATIONS_TABLE);
+    migrator.run(&pool).await.unwrap();
+    sqlx::raw_sql(inbox_tests::EFFECTS_TABLE).execute(&pool).await.unwrap();
+
+    // Rows as the runtime wrote them at schema 5: fingerprints as hex text.
+    let payment = |n: u128, amount_cents: i64| Payment {
+        event_id: uuid::Uuid::from_u128(n),
+        account: "acct".into(),
+        amount_cents,
+    };
+    let hash = |p: &Payment| inbox_runtime::Fingerprint::of(Payment::NAME, p).unwrap().to_hex();
+    let rows = [
+        (payment(1, 10), "processed", None),
+        (payment(2, 20), "failed", Some("now() - interval '1 second'")),
+        (payment(3, 30), "dead", None),
+    ];
+    for (p, status, next_attempt_at) in &rows {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO inbox_messages (consumer, message_key, message_name, payload_hash, \
+             status, attempts, processed_at, next_attempt_at, payload) \
+             VALUES ('ledger', $1, $2, $3, $4, 1, {}, {}, {})",
+            if *status == "processed" { "now()" } else { "NULL" },
+            next_attempt_at.unwrap_or("NULL"),
+            if *status == "processed" { "NULL" } else { "'{}'::bytea" },
+        )))
+        .bind(p.event_id.to_string())
+        .bind(Payment::NAME)
+        .bind(hash(p))
+        .bind(status)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    sqlx::query(
+        "INSERT INTO inbox_messages (consumer, message_key, message_name, payload_hash) \
+         VALUES ('ledger', 'damaged', 'test.payment', 'damaged')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    inbox_runtime::migrate(&pool).await.unwrap();
+
+    let stored: Vec<(String, String, i32, String)> = sqlx::query_as(
+        "SELECT message_key, status, octet_length(payload_hash), \
+         CASE WHEN octet_length(payload_hash) = 32 THEN encode(payload_hash, 'hex') \
+         ELSE convert_from(payload_hash, 'UTF8') END \
+         FROM inbox_messages ORDER BY message_key",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let mut expected: Vec<(String, String, i32, String)> = rows
+        .iter()
+        .map(|(p, status, _)| (p.event_id.to_string(), (*status).to_owned(), 32, hash(p)))
+        .collect();
+    expected.push(("damaged".into(), "processed".into(), 7, "damaged".into()));
+    expected.sort();
+    assert_eq!(stored, expected);
+    let indexes: Vec<String> = sqlx::query_scalar(
+        "SELECT indexname FROM pg_indexes WHERE tablename = 'inbox_messages' ORDER BY indexname",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        indexes,
+        [
+            "inbox_messages_aggregate",
+            "inbox_messages_console",
+            "inbox_messages_pkey",
+            "inbox_messages_retry"
+        ]
+    );
+
+    // The admin's read gives the fingerprint back as hex, the status unchanged.
+    let fetched = inbox_runtime::admin::show(&pool, "ledger", &rows[0].0.event_id.to_string())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((fetched.status, fetched.payload_hash), (Status::Processed, hash(&rows[0].0)));
+
+    let mut conn = pool.acquire().await.unwrap();
+    let deliver = |n: u128, amount: i64| payment(n, amount);
+    assert_eq!(credit(&mut conn, deliver(1, 10)).await.unwrap(), Outcome::Duplicate);
+    assert_eq!(credit(&mut conn, deliver(1, 11)).await.unwrap_err().kind(), "conflict");
+    assert_eq!(credit(&mut conn, deliver(2, 20)).await.unwrap(), Outcome::Processed(()));
+    assert_eq!(credit(&mut conn, deliver(3, 30)).await.unwrap_err().kind(), "dead");
+    assert_eq!(credit(&mut conn, deliver(3, 31)).await.unwrap_err().kind(), "conflict");
+    assert_eq!(credit(&mut conn, deliver(4, 40)).await.unwrap(), Outcome::Processed(()));
+    drop(conn);
+    let after: Vec<(String, String, i32)> = sqlx::query_as(
+        "SELECT message_key, status, attempts FROM inbox_messages \
+         WHERE message_key <> 'damaged' ORDER BY message_key",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        after,
+        [
+            (uuid::Uuid::from_u128(1).to_string(), "processed".to_owned(), 1),
+            (uuid::Uuid::from_u128(2).to_string(), "processed".to_owned(), 2),
+            (uuid::Uuid::from_u128(3).to_string(), "dead".to_owned(), 1),
+            (uuid::Uuid::from_u128(4).to_string(), "processed".to_owned(), 1),
+        ]
+    );
+    let applied: Vec<(String, i64, i64)> =
+        sqlx::query_as("SELECT effect_key, applied, total FROM effects ORDER BY effect_key")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(applied, [("acct".to_owned(), 2, 60)]);
+    pool.close().await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP DATABASE {name}")))
+        .execute(&mut admin)
+        .await
+        .unwrap();
 }

@@ -1488,7 +1488,7 @@ async fn prefill_pgbench_dups(pg: &Pg) -> Result<(), BoxError> {
     sqlx::query(
         "INSERT INTO inbox_messages (consumer, message_key, message_name, payload_hash, \
            status, attempts, received_at, processed_at) \
-         SELECT $1, g::text, $2, $3, 'processed', 1, now(), now() \
+         SELECT $1, g::text, $2, decode($3, 'hex'), 'processed', 1, now(), now() \
          FROM generate_series(1, $4::bigint) g ON CONFLICT DO NOTHING",
     )
     .bind(paths::CONSUMER)

@@ -496,7 +496,8 @@ pub(crate) async fn insert_processed_pg(pool: &PgPool, set: &DupSet) -> Result<(
         sqlx::query(
             "INSERT INTO inbox_messages (consumer, message_key, message_name, payload_hash, \
                status, attempts, received_at, processed_at) \
-             SELECT $1, k, $2, h, 'processed', 1, now(), now() FROM UNNEST($3::text[], $4::text[]) AS t(k, h) \
+             SELECT $1, k, $2, decode(h, 'hex'), 'processed', 1, now(), now() \
+             FROM UNNEST($3::text[], $4::text[]) AS t(k, h) \
              ON CONFLICT DO NOTHING",
         )
         .bind(CONSUMER)

@@ -147,6 +147,11 @@ pub(crate) fn from_recording(
                     i32::from_be_bytes(value[..4].try_into().expect("4 bytes")).to_string()
                 }
                 25 | 1043 | 0 => String::from_utf8(value.clone())?,
+                // bytea (the fingerprint): its text form, `\x` and hex digits.
+                17 => value.iter().fold("\\x".to_owned(), |mut text, byte| {
+                    text.push_str(&format!("{byte:02x}"));
+                    text
+                }),
                 _ => {
                     return Err(format!(
                         "recorded parameter ${n} of `{sql}` has type oid {oid}, unknown to the \
@@ -313,7 +318,7 @@ impl Script {
             ),
             Script::MinimalClaim => format!(
                 "{VARS}{}BEGIN;\nINSERT INTO inbox_messages (consumer, message_key, message_name, \
-                 payload_hash) VALUES ('{CONSUMER}', :key, '{MESSAGE}', '{HASH}') \
+                 payload_hash) VALUES ('{CONSUMER}', :key, '{MESSAGE}', decode('{HASH}', 'hex')) \
                  ON CONFLICT DO NOTHING RETURNING attempts;\n{effect};\nCOMMIT;\n",
                 effect_vars()
             ),

@@ -42,7 +42,7 @@ pub(crate) async fn fill(
         let sql = format!(
             "INSERT INTO inbox_messages (consumer, message_key, message_name, payload_hash, \
                status, attempts, received_at, processed_at) \
-             SELECT $1, {key}, $2, '{FILL_HASH}', 'processed', 1, \
+             SELECT $1, {key}, $2, decode('{FILL_HASH}', 'hex'), 'processed', 1, \
                now() - interval '1 day', now() - interval '1 day' \
              FROM (SELECT lpad(to_hex(1577836800000 + $3 + g), 12, '0') AS t \
                    FROM generate_series(1, $4::bigint) g) s"
@@ -115,7 +115,7 @@ pub(crate) async fn purge(
     sqlx::query(
         "INSERT INTO inbox_messages (consumer, message_key, message_name, payload_hash, \
            status, attempts, received_at, processed_at) \
-         SELECT $1, gen_random_uuid()::text, $2, $3, 'processed', 1, \
+         SELECT $1, gen_random_uuid()::text, $2, decode($3, 'hex'), 'processed', 1, \
            now() - interval '30 days', now() - interval '30 days' \
          FROM generate_series(1, $4::bigint)",
     )

@@ -21,6 +21,11 @@ macro_rules! retry_in_ms {
 }
 
 mod sql {
+    /// A request's fingerprint as a parameter: 32 raw bytes for `payload_hash BYTEA`.
+    pub(super) fn hash_param(hex_text: &str) -> Vec<u8> {
+        crate::store::shared::hash_bytes(hex_text)
+    }
+
     /// No-wait claims: the `lock_timeout` set for the claim (returning the previous one), and
     /// its reset after it.
     pub(super) const NO_WAIT: Option<(&str, &str)> = Some((
@@ -38,6 +43,13 @@ mod sql {
     /// The database clock, as the batch claim writes it.
     pub(super) const NOW: &str = "now()";
 
+    /// `processed_at` of a key claimed fresh: not written (NULL), since it would equal
+    /// `received_at` (both `now()`); readers take `received_at` for a settled row without one.
+    pub(super) const CLAIMED_PROCESSED_AT: &str = "NULL";
+
+    /// `processed_at` of a key taken over by the batch claim.
+    pub(super) const TAKEOVER_PROCESSED_AT: &str = "now()";
+
     /// Turns a row claimed in this (batch) transaction into a failed attempt, after the
     /// handler's savepoint was rolled back. `attempts` already counts this attempt.
     /// The next attempt is timed from the failure (`clock_timestamp()`), not from the start of
@@ -51,15 +63,15 @@ mod sql {
 
     /// The claim, in one round trip. The INSERT is the transaction's first statement and never
     /// raises a unique violation (which would abort a PostgreSQL transaction): a free key is
-    /// inserted; a `failed` key with the same fingerprint (or a `dead` one, on replay) is taken
+    /// inserted (`processed_at` left NULL: see [`CLAIMED_PROCESSED_AT`]); a `failed` key with the same fingerprint (or a `dead` one, on replay) is taken
     /// over, its row locked; any other row is left alone and read back by the second branch.
     /// When another transaction holds an uncommitted claim on the key, the INSERT waits for it.
     pub(super) const CLAIM: &str = concat!(
         "WITH claim AS ( \
          INSERT INTO inbox_messages \
            (consumer, message_key, message_name, payload_hash, status, attempts, received_at, \
-            processed_at, source, source_partition, source_offset) \
-         VALUES ($1, $2, $3, $4, 'processed', 1, now(), now(), $5, $6, $7) \
+            source, source_partition, source_offset) \
+         VALUES ($1, $2, $3, $4, 'processed', 1, now(), $5, $6, $7) \
          ON CONFLICT (consumer, message_key) DO UPDATE SET \
            status = 'processed', attempts = inbox_messages.attempts + 1, processed_at = now(), \
            next_attempt_at = NULL, payload = NULL \
@@ -69,7 +81,7 @@ mod sql {
         ")) OR (inbox_messages.status = 'dead' AND $8 = 'replay') \
            OR (inbox_messages.status = 'parked' AND $8 IN ('resume', 'release'))) \
          RETURNING attempts) \
-       SELECT 'claimed' AS status, NULL::text AS payload_hash, attempts, \
+       SELECT 'claimed' AS status, NULL::bytea AS payload_hash, attempts, \
          NULL::bigint AS retry_in_ms FROM claim \
        UNION ALL \
        SELECT status, payload_hash, attempts, ",
@@ -181,6 +193,11 @@ const INBOX_MIGRATIONS: &[(i64, &str, &str)] = &[
         5,
         "console indexes",
         include_str!("../../migrations/postgres/0005_console_indexes.sql"),
+    ),
+    (
+        6,
+        "narrow row",
+        include_str!("../../migrations/postgres/0006_narrow_row.sql"),
     ),
 ];
 

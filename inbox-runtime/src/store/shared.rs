@@ -297,7 +297,9 @@ pub(super) const RECORD_REJECTION: &str = "INSERT INTO inbox_rejections \
 macro_rules! message_columns {
     () => {
         "consumer, message_key, message_name, status, attempts, last_error, payload_hash, \
-         payload, CAST(received_at AS TEXT), CAST(processed_at AS TEXT), \
+         payload, CAST(received_at AS TEXT), \
+         CAST(COALESCE(processed_at, CASE WHEN status IN ('processed', 'discarded', 'stale') \
+           THEN received_at END) AS TEXT), \
          CAST(next_attempt_at AS TEXT), source, aggregate_id, sequence, result"
     };
 }
@@ -352,6 +354,30 @@ pub(super) const DEAD_LETTER_PARKED: &str = "UPDATE inbox_messages \
      WHERE consumer = $1 AND message_key = $2 AND status = 'parked'";
 
 /// A `retry_in_ms` column as a delay (`None`: due, or not `failed`).
+/// A fingerprint as the PostgreSQL inbox stores it (`payload_hash BYTEA`, migration 0006): the
+/// 32 raw bytes of a 64-lower-case-hex-digit SHA-256 digest, or, for any other text (never
+/// written by the runtime), that text's UTF-8 bytes, so that it reads back unchanged through
+/// [`hash_text`].
+pub(super) fn hash_bytes(hex_text: &str) -> Vec<u8> {
+    let lower_hex = hex_text.len() == 64
+        && hex_text.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    match hex::decode(hex_text) {
+        Ok(bytes) if lower_hex => bytes,
+        _ => hex_text.as_bytes().to_vec(),
+    }
+}
+
+/// A stored fingerprint as text: 32 bytes (PostgreSQL's `BYTEA` digest) as 64 lower-case hex
+/// digits; anything else (SQLite's and MySQL's hex text, a damaged value) as its UTF-8 text.
+pub(super) fn hash_text(stored: Vec<u8>) -> String {
+    if stored.len() == 32 {
+        hex::encode(stored)
+    } else {
+        String::from_utf8(stored)
+            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
+    }
+}
+
 pub(super) fn retry_in(ms: Option<i64>) -> Option<std::time::Duration> {
     ms.filter(|&ms| ms > 0)
         .map(|ms| std::time::Duration::from_millis(ms.unsigned_abs()))
@@ -419,7 +445,7 @@ macro_rules! impl_inbox_connection {
                         let retry_in: Option<i64> = row.try_get(3)?;
                         ClaimResult::Existing {
                             status: status.parse().map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
-                            payload_hash: row.try_get(1)?,
+                            payload_hash: $crate::store::shared::hash_text(row.try_get(1)?),
                             attempts,
                             retry_in: $crate::store::shared::retry_in(retry_in),
                         }
@@ -434,7 +460,7 @@ macro_rules! impl_inbox_connection {
                             .bind(request.consumer)
                             .bind(request.message_key)
                             .bind(request.message_name)
-                            .bind(request.payload_hash)
+                            .bind(sql::hash_param(request.payload_hash))
                             .bind(source)
                             .bind(partition)
                             .bind(offset)
@@ -536,7 +562,7 @@ macro_rules! impl_inbox_connection {
             ) -> $crate::BoxFuture<'c, Result<Option<$crate::store::ClaimResult>, sqlx::Error>> {
                 use $sql as sql;
                 Box::pin(async move {
-                    let row: Option<($crate::status::Status, String, i32, Option<i64>)> =
+                    let row: Option<($crate::status::Status, Vec<u8>, i32, Option<i64>)> =
                         sqlx::query_as(sql::EXISTING)
                             .bind(consumer)
                             .bind(key)
@@ -545,7 +571,7 @@ macro_rules! impl_inbox_connection {
                     Ok(row.map(|(status, payload_hash, attempts, retry_in)| {
                         $crate::store::ClaimResult::Existing {
                             status,
-                            payload_hash,
+                            payload_hash: $crate::store::shared::hash_text(payload_hash),
                             attempts: u32::try_from(attempts).unwrap_or(0),
                             retry_in: $crate::store::shared::retry_in(retry_in),
                         }
@@ -564,7 +590,7 @@ macro_rules! impl_inbox_connection {
                         .bind(r.consumer)
                         .bind(r.message_key)
                         .bind(r.message_name)
-                        .bind(r.payload_hash)
+                        .bind(sql::hash_param(r.payload_hash))
                         .bind(r.permanent)
                         .bind(i32::try_from(r.max_attempts).unwrap_or(i32::MAX))
                         .bind(r.last_error)
@@ -630,11 +656,11 @@ macro_rules! impl_inbox_connection {
                         row.push_bind(request.consumer)
                             .push_bind(request.message_key)
                             .push_bind(request.message_name)
-                            .push_bind(request.payload_hash)
+                            .push_bind(sql::hash_param(request.payload_hash))
                             .push("'processed'")
                             .push("1")
                             .push(sql::NOW)
-                            .push(sql::NOW)
+                            .push(sql::CLAIMED_PROCESSED_AT)
                             .push_bind(source)
                             .push_bind(partition)
                             .push_bind(offset);
@@ -642,8 +668,11 @@ macro_rules! impl_inbox_connection {
                     query.push(concat!(
                         " ON CONFLICT (consumer, message_key) DO UPDATE SET ",
                         "status = 'processed', attempts = inbox_messages.attempts + 1, ",
-                        "processed_at = excluded.processed_at, next_attempt_at = NULL, ",
-                        "payload = NULL ",
+                        "processed_at = ",
+                    ));
+                    query.push(sql::TAKEOVER_PROCESSED_AT);
+                    query.push(concat!(
+                        ", next_attempt_at = NULL, payload = NULL ",
                         "WHERE inbox_messages.payload_hash = excluded.payload_hash AND ",
                     ));
                     query.push(sql::BATCH_TAKEOVER);
@@ -674,7 +703,7 @@ macro_rules! impl_inbox_connection {
                     query.push_tuples(keys, |mut row, (consumer, key)| {
                         row.push_bind(*consumer).push_bind(*key);
                     });
-                    let rows: Vec<(String, String, $crate::status::Status, String, i32, Option<i64>)> =
+                    let rows: Vec<(String, String, $crate::status::Status, Vec<u8>, i32, Option<i64>)> =
                         query.build_query_as().fetch_all(&mut *self).await?;
                     Ok(rows
                         .into_iter()
@@ -682,7 +711,7 @@ macro_rules! impl_inbox_connection {
                             let attempts = u32::try_from(attempts).unwrap_or(0);
                             (consumer, key, $crate::store::ClaimResult::Existing {
                                 status,
-                                payload_hash,
+                                payload_hash: $crate::store::shared::hash_text(payload_hash),
                                 attempts,
                                 retry_in: $crate::store::shared::retry_in(retry_in),
                             })
@@ -1091,6 +1120,7 @@ where
     for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> Option<Vec<u8>>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> Option<i64>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
 {
     let attempts: i32 = row.try_get(4)?;
@@ -1101,7 +1131,7 @@ where
         status: row.try_get(3)?,
         attempts: u32::try_from(attempts).unwrap_or(0),
         last_error: row.try_get(5)?,
-        payload_hash: row.try_get(6)?,
+        payload_hash: hash_text(row.try_get(6)?),
         payload: row.try_get(7)?,
         received_at: row.try_get(8)?,
         processed_at: row.try_get(9)?,

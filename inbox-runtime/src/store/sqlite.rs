@@ -16,6 +16,11 @@ macro_rules! retry_in_ms {
 }
 
 mod sql {
+    /// A request's fingerprint as a parameter: SQLite keeps the 64 hex digits as text.
+    pub(super) fn hash_param(hex_text: &str) -> &str {
+        hex_text
+    }
+
     /// No lock timeout on SQLite: see `InboxConnection::claim_no_wait`.
     pub(super) const NO_WAIT: Option<(&str, &str)> = None;
 
@@ -27,6 +32,12 @@ mod sql {
 
     /// The database clock, as the batch claim writes it.
     pub(super) const NOW: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')";
+
+    /// `processed_at` of a key claimed fresh by the batch claim: the clock.
+    pub(super) const CLAIMED_PROCESSED_AT: &str = NOW;
+
+    /// `processed_at` of a key taken over by the batch claim: the value its row would have had.
+    pub(super) const TAKEOVER_PROCESSED_AT: &str = "excluded.processed_at";
 
     /// See the PostgreSQL store.
     pub(super) const FAIL_CLAIMED: &str = "UPDATE inbox_messages SET \
