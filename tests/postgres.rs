@@ -469,10 +469,12 @@ async fn migration_0006_converts_rows_written_at_the_previous_schema() {
     let base = PgConnectOptions::from_str(&inbox_tests::database_url()).unwrap();
     let name = format!("inbox_test_m6_{}", std::process::id());
     let mut admin = PgConnection::connect_with(&base).await.unwrap();
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name}")))
-        .execute(&mut admin)
-        .await
-        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS {name}"
+    )))
+    .execute(&mut admin)
+    .await
+    .unwrap();
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
         .execute(&mut admin)
         .await
@@ -484,11 +486,31 @@ async fn migration_0006_converts_rows_written_at_the_previous_schema() {
         .unwrap();
     // The inbox at schema 5, recorded as the runtime records it.
     let previous: [(i64, &str, &str); 5] = [
-        (1, "inbox", include_str!("../inbox-runtime/migrations/postgres/0001_inbox.sql")),
-        (2, "rejections", include_str!("../inbox-runtime/migrations/postgres/0002_rejections.sql")),
-        (3, "results", include_str!("../inbox-runtime/migrations/postgres/0003_results.sql")),
-        (4, "rejection sizes", include_str!("../inbox-runtime/migrations/postgres/0004_rejection_sizes.sql")),
-        (5, "console indexes", include_str!("../inbox-runtime/migrations/postgres/0005_console_indexes.sql")),
+        (
+            1,
+            "inbox",
+            include_str!("../inbox-runtime/migrations/postgres/0001_inbox.sql"),
+        ),
+        (
+            2,
+            "rejections",
+            include_str!("../inbox-runtime/migrations/postgres/0002_rejections.sql"),
+        ),
+        (
+            3,
+            "results",
+            include_str!("../inbox-runtime/migrations/postgres/0003_results.sql"),
+        ),
+        (
+            4,
+            "rejection sizes",
+            include_str!("../inbox-runtime/migrations/postgres/0004_rejection_sizes.sql"),
+        ),
+        (
+            5,
+            "console indexes",
+            include_str!("../inbox-runtime/migrations/postgres/0005_console_indexes.sql"),
+        ),
     ];
     let mut migrator = Migrator::with_migrations(
         previous
@@ -506,7 +528,10 @@ async fn migration_0006_converts_rows_written_at_the_previous_schema() {
     );
     migrator.dangerous_set_table_name(inbox_runtime::MIGRATIONS_TABLE);
     migrator.run(&pool).await.unwrap();
-    sqlx::raw_sql(inbox_tests::EFFECTS_TABLE).execute(&pool).await.unwrap();
+    sqlx::raw_sql(inbox_tests::EFFECTS_TABLE)
+        .execute(&pool)
+        .await
+        .unwrap();
 
     // Rows as the runtime wrote them at schema 5: fingerprints as hex text.
     let payment = |n: u128, amount_cents: i64| Payment {
@@ -514,10 +539,18 @@ async fn migration_0006_converts_rows_written_at_the_previous_schema() {
         account: "acct".into(),
         amount_cents,
     };
-    let hash = |p: &Payment| inbox_runtime::Fingerprint::of(Payment::NAME, p).unwrap().to_hex();
+    let hash = |p: &Payment| {
+        inbox_runtime::Fingerprint::of(Payment::NAME, p)
+            .unwrap()
+            .to_hex()
+    };
     let rows = [
         (payment(1, 10), "processed", None),
-        (payment(2, 20), "failed", Some("now() - interval '1 second'")),
+        (
+            payment(2, 20),
+            "failed",
+            Some("now() - interval '1 second'"),
+        ),
         (payment(3, 30), "dead", None),
     ];
     for (p, status, next_attempt_at) in &rows {
@@ -525,9 +558,17 @@ async fn migration_0006_converts_rows_written_at_the_previous_schema() {
             "INSERT INTO inbox_messages (consumer, message_key, message_name, payload_hash, \
              status, attempts, processed_at, next_attempt_at, payload) \
              VALUES ('ledger', $1, $2, $3, $4, 1, {}, {}, {})",
-            if *status == "processed" { "now()" } else { "NULL" },
+            if *status == "processed" {
+                "now()"
+            } else {
+                "NULL"
+            },
             next_attempt_at.unwrap_or("NULL"),
-            if *status == "processed" { "NULL" } else { "'{}'::bytea" },
+            if *status == "processed" {
+                "NULL"
+            } else {
+                "'{}'::bytea"
+            },
         )))
         .bind(p.event_id.to_string())
         .bind(Payment::NAME)
@@ -584,16 +625,37 @@ async fn migration_0006_converts_rows_written_at_the_previous_schema() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!((fetched.status, fetched.payload_hash), (Status::Processed, hash(&rows[0].0)));
+    assert_eq!(
+        (fetched.status, fetched.payload_hash),
+        (Status::Processed, hash(&rows[0].0))
+    );
 
     let mut conn = pool.acquire().await.unwrap();
     let deliver = |n: u128, amount: i64| payment(n, amount);
-    assert_eq!(credit(&mut conn, deliver(1, 10)).await.unwrap(), Outcome::Duplicate);
-    assert_eq!(credit(&mut conn, deliver(1, 11)).await.unwrap_err().kind(), "conflict");
-    assert_eq!(credit(&mut conn, deliver(2, 20)).await.unwrap(), Outcome::Processed(()));
-    assert_eq!(credit(&mut conn, deliver(3, 30)).await.unwrap_err().kind(), "dead");
-    assert_eq!(credit(&mut conn, deliver(3, 31)).await.unwrap_err().kind(), "conflict");
-    assert_eq!(credit(&mut conn, deliver(4, 40)).await.unwrap(), Outcome::Processed(()));
+    assert_eq!(
+        credit(&mut conn, deliver(1, 10)).await.unwrap(),
+        Outcome::Duplicate
+    );
+    assert_eq!(
+        credit(&mut conn, deliver(1, 11)).await.unwrap_err().kind(),
+        "conflict"
+    );
+    assert_eq!(
+        credit(&mut conn, deliver(2, 20)).await.unwrap(),
+        Outcome::Processed(())
+    );
+    assert_eq!(
+        credit(&mut conn, deliver(3, 30)).await.unwrap_err().kind(),
+        "dead"
+    );
+    assert_eq!(
+        credit(&mut conn, deliver(3, 31)).await.unwrap_err().kind(),
+        "conflict"
+    );
+    assert_eq!(
+        credit(&mut conn, deliver(4, 40)).await.unwrap(),
+        Outcome::Processed(())
+    );
     drop(conn);
     let after: Vec<(String, String, i32)> = sqlx::query_as(
         "SELECT message_key, status, attempts FROM inbox_messages \
@@ -605,10 +667,22 @@ async fn migration_0006_converts_rows_written_at_the_previous_schema() {
     assert_eq!(
         after,
         [
-            (uuid::Uuid::from_u128(1).to_string(), "processed".to_owned(), 1),
-            (uuid::Uuid::from_u128(2).to_string(), "processed".to_owned(), 2),
+            (
+                uuid::Uuid::from_u128(1).to_string(),
+                "processed".to_owned(),
+                1
+            ),
+            (
+                uuid::Uuid::from_u128(2).to_string(),
+                "processed".to_owned(),
+                2
+            ),
             (uuid::Uuid::from_u128(3).to_string(), "dead".to_owned(), 1),
-            (uuid::Uuid::from_u128(4).to_string(), "processed".to_owned(), 1),
+            (
+                uuid::Uuid::from_u128(4).to_string(),
+                "processed".to_owned(),
+                1
+            ),
         ]
     );
     let applied: Vec<(String, i64, i64)> =

@@ -63,8 +63,8 @@ mod sql {
 
     /// The claim, in one round trip. The INSERT is the transaction's first statement and never
     /// raises a unique violation (which would abort a PostgreSQL transaction): a free key is
-    /// inserted (`processed_at` left NULL: see [`CLAIMED_PROCESSED_AT`]); a `failed` key with the same fingerprint (or a `dead` one, on replay) is taken
-    /// over, its row locked; any other row is left alone and read back by the second branch.
+    /// inserted (`processed_at` left NULL: see [`CLAIMED_PROCESSED_AT`]); a `failed` key with
+    /// the same fingerprint (or a `dead` one, on replay) is taken over, its row locked; any other row is left alone and read back by the second branch.
     /// When another transaction holds an uncommitted claim on the key, the INSERT waits for it.
     pub(super) const CLAIM: &str = concat!(
         "WITH claim AS ( \

@@ -353,14 +353,15 @@ pub(super) const DEAD_LETTER_PARKED: &str = "UPDATE inbox_messages \
      SET status = 'dead', last_error = $3 \
      WHERE consumer = $1 AND message_key = $2 AND status = 'parked'";
 
-/// A `retry_in_ms` column as a delay (`None`: due, or not `failed`).
 /// A fingerprint as the PostgreSQL inbox stores it (`payload_hash BYTEA`, migration 0006): the
 /// 32 raw bytes of a 64-lower-case-hex-digit SHA-256 digest, or, for any other text (never
 /// written by the runtime), that text's UTF-8 bytes, so that it reads back unchanged through
 /// [`hash_text`].
 pub(super) fn hash_bytes(hex_text: &str) -> Vec<u8> {
     let lower_hex = hex_text.len() == 64
-        && hex_text.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        && hex_text
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
     match hex::decode(hex_text) {
         Ok(bytes) if lower_hex => bytes,
         _ => hex_text.as_bytes().to_vec(),
@@ -378,6 +379,7 @@ pub(super) fn hash_text(stored: Vec<u8>) -> String {
     }
 }
 
+/// A `retry_in_ms` column as a delay (`None`: due, or not `failed`).
 pub(super) fn retry_in(ms: Option<i64>) -> Option<std::time::Duration> {
     ms.filter(|&ms| ms > 0)
         .map(|ms| std::time::Duration::from_millis(ms.unsigned_abs()))
