@@ -232,6 +232,11 @@ pub struct WorkerError {
 ///   deliveries beyond the kept ones nor other users of the pool (the parked-message sweep,
 ///   another worker) wait for a connection the worker is not using. A pool of
 ///   `concurrency + 1` connections lets every delivery keep its connection.
+/// * **Tasks**: the deliveries in flight are polled on the task that runs [`run`](Self::run)
+///   (no Tokio task per delivery: no spawn, no hand-over between threads per delivery), so
+///   handlers share that task: keep CPU-heavy or blocking work out of them
+///   ([`tokio::task::spawn_blocking`]), and run several workers to use several cores for the
+///   handlers' own work.
 /// * **Batches** (on by default, see [`batch_size`](Self::batch_size); off with
 ///   [`one_per_transaction`](Self::one_per_transaction)): deliveries that are ready together
 ///   run in one transaction (up to 100), each settled after its commit by its own outcome; one
@@ -709,6 +714,11 @@ impl<DB: InboxDatabase> Worker<DB> {
         let mut failed_deadline: Option<Instant> = None;
         let mut last_activity = Instant::now();
         let far = Duration::from_secs(86_400 * 365);
+        let cancelled = shutdown.cancelled();
+        tokio::pin!(cancelled);
+        let release_timer = tokio::time::sleep_until(Instant::now());
+        tokio::pin!(release_timer);
+        let mut release_armed = false;
         // The parked-message sweep runs beside the loop and stops with it.
         let sweeping = CancellationToken::new();
         let _stop_sweeping = sweeping.clone().drop_guard();
@@ -750,14 +760,21 @@ impl<DB: InboxDatabase> Worker<DB> {
                 .batch_since
                 .zip(self.batching())
                 .map(|(since, (_, max_wait))| later(since, max_wait));
-            // The next time a kept slot's connection has been unused for `SLOT_IDLE`.
-            let release_at = running
-                .slots
-                .iter()
-                .filter_map(ConnectionSlot::idle_for)
-                .map(|idle| SLOT_IDLE.saturating_sub(idle))
-                .min()
-                .map(|wait| later(Instant::now(), wait));
+            // The next time a kept slot's connection has been unused for `SLOT_IDLE`: one timer,
+            // armed at most once per `SLOT_IDLE` (not a timer per delivery); firing early only
+            // re-checks.
+            if !release_armed
+                && let Some(at) = running
+                    .slots
+                    .iter()
+                    .filter_map(ConnectionSlot::idle_for)
+                    .map(|idle| SLOT_IDLE.saturating_sub(idle))
+                    .min()
+                    .map(|wait| later(Instant::now(), wait))
+            {
+                release_timer.as_mut().reset(at);
+                release_armed = true;
+            }
             let can_fetch = stop.is_none() && in_flight < fetch_bound;
             let abandon_at = match (drain_deadline, failed_deadline) {
                 (Some(drain), Some(failed)) => Some(drain.min(failed)),
@@ -771,7 +788,7 @@ impl<DB: InboxDatabase> Worker<DB> {
                 biased;
                 // Also after the source ended (exhausted, failed): running deliveries then get
                 // the drain timeout too.
-                () = shutdown.cancelled(), if drain_deadline.is_none() => {
+                () = &mut cancelled, if drain_deadline.is_none() => {
                     stop.get_or_insert(StopReason::Shutdown);
                     drain_deadline = Some(later(Instant::now(), self.drain_timeout));
                     // Deliveries that have not started: hand them back now.
@@ -895,7 +912,8 @@ impl<DB: InboxDatabase> Worker<DB> {
                 () = tokio::time::sleep_until(batch_at.unwrap_or(last_activity + far)), if batch_at.is_some() && can_batch && !self.linger.is_zero() => {
                     running.flush(self);
                 }
-                () = tokio::time::sleep_until(release_at.unwrap_or(last_activity + far)), if release_at.is_some() => {
+                () = &mut release_timer, if release_armed => {
+                    release_armed = false;
                     for slot in &mut running.slots {
                         if slot.idle_for().is_some_and(|idle| idle >= SLOT_IDLE) {
                             slot.release();
