@@ -122,8 +122,11 @@ pub(crate) async fn run(
             let started = Instant::now();
             let tasks: Vec<_> = (0..concurrency)
                 .map(|_| {
-                    let (list, next, dispatcher) =
-                        (Arc::clone(&list), Arc::clone(&next), Arc::clone(&dispatcher));
+                    let (list, next, dispatcher) = (
+                        Arc::clone(&list),
+                        Arc::clone(&next),
+                        Arc::clone(&dispatcher),
+                    );
                     tokio::spawn(async move {
                         let mut slot = ConnectionSlot::new();
                         loop {
