@@ -7,14 +7,16 @@
 //! * **dispatch_on**: `concurrency` Tokio tasks, each holding a `ConnectionSlot` and calling
 //!   `Dispatcher::dispatch_on` on the next envelope of a shared list (no source, no settling);
 //! * **Worker, one per transaction**: a `Worker` over a `MemorySource` holding the same
-//!   envelopes, `Worker::one_per_transaction()`, `concurrency(n)`;
+//!   envelopes, `Worker::one_per_transaction()`, `concurrency(n)`, its `run` in a spawned task
+//!   (as the dispatch_on tasks);
 //! * **Worker, default**: the same `Worker` with its default batching (deliveries that are
 //!   ready together in one transaction, up to 100).
 //!
 //! Each run uses a pool of `concurrency + 1` connections (the Worker keeps one per transaction
 //! in flight). Reported: median deliveries/s, `× dispatch_on`, and whether every balance came
 //! out exact. `INBOX_BENCH_WORKER_PATHS` (comma-separated: `dispatch_on`, `single`, `default`)
-//! runs only those paths, e.g. to count a path's system calls under `strace -f -c`.
+//! runs only those paths, e.g. to count a path's system calls under `strace -f -c`;
+//! `INBOX_BENCH_WORKER_CONCURRENCY` (comma-separated) replaces the profile's concurrencies.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -137,7 +139,7 @@ pub(crate) async fn run(
                                 .await
                                 .map_err(|e| e.to_string())?;
                             for outcome in outcomes {
-                                outcome.result.map_err(|e| e.to_string())?;
+                                let _ = outcome.result.map_err(|e| e.to_string())?;
                             }
                         }
                         Ok::<(), String>(())
@@ -164,7 +166,11 @@ pub(crate) async fn run(
                 _ => worker,
             };
             let started = Instant::now();
-            let report = worker.run(source, CancellationToken::new()).await?;
+            // On a runtime worker thread, as the dispatch_on tasks are (not on `block_on`'s
+            // thread, which every I/O wake-up would have to unpark).
+            let report =
+                tokio::spawn(async move { worker.run(source, CancellationToken::new()).await })
+                    .await??;
             (started.elapsed().as_secs_f64(), Some(report))
         }
     };
@@ -200,6 +206,13 @@ pub(crate) async fn section(
         "smoke" => (500, vec![1, 4]),
         "quick" => (5_000, vec![1, 4]),
         _ => (20_000, vec![1, 4, 16]),
+    };
+    let concurrencies: Vec<usize> = match std::env::var("INBOX_BENCH_WORKER_CONCURRENCY") {
+        Ok(list) if !list.trim().is_empty() => list
+            .split(',')
+            .map(|n| n.trim().parse())
+            .collect::<Result<_, _>>()?,
+        _ => concurrencies,
     };
     crate::contention::setup(admin).await?;
     let workload = Workload::new(0x3012_4E12, deliveries, deliveries / 10, ACCOUNTS);

@@ -334,9 +334,54 @@ struct TaskMeta {
 /// and its [`Done`], or the panic that escaped it (handlers' own panics are caught inside).
 type TaskFuture<DB> = crate::BoxFuture<'static, (u64, std::thread::Result<Done<DB>>)>;
 
+/// The running tasks, polled together on the worker's task.
+///
+/// A [`FuturesUnordered`] that polled all of its futures in one call wakes its own task before
+/// returning (to yield to the executor), which with one delivery in flight would be after
+/// every poll: a spurious wake-up per I/O event, which Tokio's scheduler answers by waking
+/// another worker thread. One future that never completes (and, never woken, is polled only
+/// once) keeps that from happening while fewer than 32 futures are woken at once.
+struct Tasks<DB: InboxDatabase> {
+    set: FuturesUnordered<TaskFuture<DB>>,
+}
+
+impl<DB: InboxDatabase> Tasks<DB> {
+    fn new() -> Self {
+        let set = FuturesUnordered::new();
+        set.push(Box::pin(std::future::pending()) as TaskFuture<DB>);
+        Self { set }
+    }
+
+    /// Running tasks.
+    fn len(&self) -> usize {
+        self.set.len() - 1
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn push(&self, task: TaskFuture<DB>) {
+        self.set.push(task);
+    }
+
+    /// The next task to end (pending while none runs).
+    async fn next(&mut self) -> (u64, std::thread::Result<Done<DB>>) {
+        match self.set.next().await {
+            Some(done) => done,
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Drops every running task.
+    fn clear(&mut self) {
+        *self = Self::new();
+    }
+}
+
 /// The worker's running tasks, its kept connection slots and the batch being gathered.
 struct Running<DB: InboxDatabase> {
-    tasks: FuturesUnordered<TaskFuture<DB>>,
+    tasks: Tasks<DB>,
     meta: HashMap<u64, TaskMeta>,
     /// The id of the next task.
     next_id: u64,
@@ -680,7 +725,7 @@ impl<DB: InboxDatabase> Worker<DB> {
         // worker does not sit on connections that another user of the pool needs).
         let max_connections = self.dispatcher.pool().options().get_max_connections() as usize;
         let mut running = Running {
-            tasks: FuturesUnordered::new(),
+            tasks: Tasks::new(),
             meta: HashMap::new(),
             next_id: 0,
             slots: (0..self.concurrency.min(max_connections.saturating_sub(1)))
@@ -824,7 +869,7 @@ impl<DB: InboxDatabase> Worker<DB> {
                     }
                     break;
                 }
-                Some((id, joined)) = running.tasks.next(), if !running.tasks.is_empty() => {
+                (id, joined) = running.tasks.next(), if !running.tasks.is_empty() => {
                     last_activity = Instant::now();
                     let meta = running.meta.remove(&id).expect("every task has its meta");
                     in_flight -= meta.deliveries;
