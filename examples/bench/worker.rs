@@ -194,6 +194,9 @@ pub(crate) async fn run(
     })
 }
 
+/// One cell of the table: path, concurrency, rates, transactions per run (Worker), exact.
+type Cell = (Path, usize, Vec<f64>, Vec<String>, bool);
+
 /// The section: every wanted path at each concurrency, `rounds` times, interleaved.
 pub(crate) async fn section(
     out: &mut crate::Out,
@@ -218,7 +221,7 @@ pub(crate) async fn section(
     let workload = Workload::new(0x3012_4E12, deliveries, deliveries / 10, ACCOUNTS);
     let paths = Path::wanted();
     // (path, concurrency) → rates, transactions per run (Worker), exact.
-    let mut rates: Vec<(Path, usize, Vec<f64>, Vec<String>, bool)> = Vec::new();
+    let mut rates: Vec<Cell> = Vec::new();
     for &c in &concurrencies {
         for &path in &paths {
             rates.push((path, c, Vec::new(), Vec::new(), true));
