@@ -168,9 +168,13 @@ pub(crate) async fn run(
             let started = Instant::now();
             // On a runtime worker thread, as the dispatch_on tasks are (not on `block_on`'s
             // thread, which every I/O wake-up would have to unpark).
-            let report =
+            // `INBOX_BENCH_WORKER_ON_MAIN=1`: awaited directly, on `block_on`'s thread.
+            let report = if std::env::var_os("INBOX_BENCH_WORKER_ON_MAIN").is_some() {
+                worker.run(source, CancellationToken::new()).await?
+            } else {
                 tokio::spawn(async move { worker.run(source, CancellationToken::new()).await })
-                    .await??;
+                    .await??
+            };
             (started.elapsed().as_secs_f64(), Some(report))
         }
     };

@@ -236,7 +236,10 @@ pub struct WorkerError {
 ///   (no Tokio task per delivery: no spawn, no hand-over between threads per delivery), so
 ///   handlers share that task: keep CPU-heavy or blocking work out of them
 ///   ([`tokio::task::spawn_blocking`]), and run several workers to use several cores for the
-///   handlers' own work.
+///   handlers' own work. Await `run` inside a spawned task (`tokio::spawn`), not directly in
+///   `#[tokio::main]`'s `block_on`: there every I/O wake-up of a delivery has to wake the main
+///   thread (measured: ~5.6 futex calls per delivery at concurrency 1 on `block_on`'s thread,
+///   under 1 in a spawned task).
 /// * **Batches** (on by default, see [`batch_size`](Self::batch_size); off with
 ///   [`one_per_transaction`](Self::one_per_transaction)): deliveries that are ready together
 ///   run in one transaction (up to 100), each settled after its commit by its own outcome; one
