@@ -54,6 +54,7 @@ mod paths;
 mod pgbench;
 mod proxy;
 mod scale;
+mod worker;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -184,6 +185,9 @@ enum Section {
     /// Concurrent batches whose effects lock the same rows in different orders: several
     /// batches in flight vs one (only when named: `--only contention`).
     Contention,
+    /// The Worker (one per transaction, and default batching) against `dispatch_on` at the same
+    /// concurrency (only when named: `--only worker`; `worker.rs`).
+    Worker,
 }
 
 /// Sizes and durations of one run.
@@ -764,6 +768,13 @@ async fn run(args: &Args) -> Result<String, BoxError> {
             .is_some_and(|only| only.contains(&Section::Contention))
         {
             contention_section(&mut out, pg, &p).await?;
+        }
+        if args
+            .only
+            .as_ref()
+            .is_some_and(|only| only.contains(&Section::Worker))
+        {
+            worker::section(&mut out, &pg.admin, &pg.opts, p.name, p.rounds.max(3)).await?;
         }
         targets(&mut out, pg, &p);
     }

@@ -257,7 +257,9 @@ pub(crate) async fn memory(
         redeliver_percent: 10,
         settled: settled.clone(),
     };
-    let mut worker = Worker::new(Dispatcher::from_registry(pool)?).concurrency(workers);
+    let mut worker = Worker::new(Dispatcher::from_registry(pool)?)
+        .concurrency(workers)
+        .one_per_transaction();
     if let Some(size) = batch {
         // One batch runs while the next one gathers (`concurrency` bounds the batches running).
         worker = worker.concurrency(1).batch(size, Duration::from_millis(5));

@@ -194,8 +194,8 @@ pub use store::{
 };
 
 pub use worker::{
-    StopReason, Worker, WorkerError, WorkerReport, cancel_on_signal, settlement_for,
-    shutdown_signal,
+    DEFAULT_BATCH_SIZE, StopReason, Worker, WorkerError, WorkerReport, cancel_on_signal,
+    settlement_for, shutdown_signal,
 };
 
 /// The shutdown token [`Worker::run`] takes (`tokio-util`'s, re-exported so that a worker needs

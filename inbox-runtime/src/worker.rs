@@ -22,8 +22,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt as _;
+use futures_util::StreamExt as _;
+use futures_util::stream::FuturesUnordered;
 
-use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -165,6 +166,12 @@ pub struct WorkerReport {
     /// batch at a time for a while. Each lost run is also counted in the
     /// `inbox_batch_contention_total` counter.
     pub contention_fallbacks: u64,
+    /// Batch transactions run (two or more deliveries in one transaction, see
+    /// [`Worker::batch_size`]); a batch that lost to concurrent transactions and ran again
+    /// counts once.
+    pub batches: u64,
+    /// Deliveries run in those batches; the other deliveries that ran, ran one per transaction.
+    pub batched: u64,
     /// Why the run ended.
     pub stop: StopReason,
 }
@@ -191,6 +198,8 @@ impl Default for WorkerReport {
             fenced: 0,
             revoked: 0,
             contention_fallbacks: 0,
+            batches: 0,
+            batched: 0,
             stop: StopReason::SourceExhausted,
         }
     }
@@ -223,8 +232,18 @@ pub struct WorkerError {
 ///   deliveries beyond the kept ones nor other users of the pool (the parked-message sweep,
 ///   another worker) wait for a connection the worker is not using. A pool of
 ///   `concurrency + 1` connections lets every delivery keep its connection.
-/// * **Batches** (off by default, see [`batch`](Self::batch)): deliveries that are ready
-///   together run in one transaction, each settled after its commit by its own outcome. A batch
+/// * **Tasks**: the deliveries in flight are polled on the task that runs [`run`](Self::run)
+///   (no Tokio task per delivery: no spawn, no hand-over between threads per delivery), so
+///   handlers share that task: keep CPU-heavy or blocking work out of them
+///   ([`tokio::task::spawn_blocking`]), and run several workers to use several cores for the
+///   handlers' own work. Await `run` inside a spawned task (`tokio::spawn`), not directly in
+///   `#[tokio::main]`'s `block_on`: there every I/O wake-up of a delivery has to wake the main
+///   thread (measured: ~5.6 futex calls per delivery at concurrency 1 on `block_on`'s thread,
+///   under 1 in a spawned task).
+/// * **Batches** (on by default, see [`batch_size`](Self::batch_size); off with
+///   [`one_per_transaction`](Self::one_per_transaction)): deliveries that are ready together
+///   run in one transaction (up to 100), each settled after its commit by its own outcome; one
+///   delivery ready alone runs alone, with no wait. A batch
 ///   that loses to concurrent transactions (a deadlock) runs again alone (or, losing again,
 ///   one delivery per transaction), and the worker then runs one batch at a time for a while.
 /// * **Order**: deliveries with the same [ordering key](Delivery::ordering_key) run one at a
@@ -246,9 +265,15 @@ pub struct Worker<DB: InboxDatabase> {
     drain_timeout: Duration,
     idle: Option<Duration>,
     park_sweep: Option<Duration>,
-    /// Batch size and the longest wait for one to fill, if batching.
-    batch: Option<(usize, Duration)>,
+    /// The most deliveries one transaction runs (1: one per transaction).
+    batch_size: usize,
+    /// How long a batch that has not filled may wait for more deliveries (zero: it starts with
+    /// whatever is ready).
+    linger: Duration,
 }
+
+/// The default [`Worker::batch_size`]: at most this many ready deliveries per transaction.
+pub const DEFAULT_BATCH_SIZE: usize = 100;
 
 /// `at + after`, or a year after `at` if that overflows (`Duration::MAX` means "never").
 fn later(at: Instant, after: Duration) -> Instant {
@@ -307,10 +332,62 @@ struct TaskMeta {
     batch: bool,
 }
 
+/// A running task: one delivery or one batch, polled on the worker's own task (no Tokio task
+/// per delivery: no spawn, no hand-over between threads, no join wake-up). It ends with its id
+/// and its [`Done`], or the panic that escaped it (handlers' own panics are caught inside).
+type TaskFuture<DB> = crate::BoxFuture<'static, (u64, std::thread::Result<Done<DB>>)>;
+
+/// The running tasks, polled together on the worker's task.
+///
+/// A [`FuturesUnordered`] that polled all of its futures in one call wakes its own task before
+/// returning (to yield to the executor), which with one delivery in flight would be after
+/// every poll: a spurious wake-up per I/O event, which Tokio's scheduler answers by waking
+/// another worker thread. One future that never completes (and, never woken, is polled only
+/// once) keeps that from happening while fewer than 32 futures are woken at once.
+struct Tasks<DB: InboxDatabase> {
+    set: FuturesUnordered<TaskFuture<DB>>,
+}
+
+impl<DB: InboxDatabase> Tasks<DB> {
+    fn new() -> Self {
+        let set = FuturesUnordered::new();
+        set.push(Box::pin(std::future::pending()) as TaskFuture<DB>);
+        Self { set }
+    }
+
+    /// Running tasks.
+    fn len(&self) -> usize {
+        self.set.len() - 1
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn push(&self, task: TaskFuture<DB>) {
+        self.set.push(task);
+    }
+
+    /// The next task to end (pending while none runs).
+    async fn next(&mut self) -> (u64, std::thread::Result<Done<DB>>) {
+        match self.set.next().await {
+            Some(done) => done,
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Drops every running task.
+    fn clear(&mut self) {
+        *self = Self::new();
+    }
+}
+
 /// The worker's running tasks, its kept connection slots and the batch being gathered.
 struct Running<DB: InboxDatabase> {
-    tasks: JoinSet<Done<DB>>,
-    meta: HashMap<tokio::task::Id, TaskMeta>,
+    tasks: Tasks<DB>,
+    meta: HashMap<u64, TaskMeta>,
+    /// The id of the next task.
+    next_id: u64,
     slots: Vec<ConnectionSlot<DB>>,
     /// Deliveries ready to run in a batch (batches take up to the batch size from the front).
     batch: Vec<Delivery>,
@@ -327,13 +404,16 @@ struct Running<DB: InboxDatabase> {
     calm_needed: usize,
     /// The batches' gate (see [`crate::batch::BatchOptions::gate`]).
     gate: Arc<tokio::sync::RwLock<()>>,
+    /// Batches started, and the deliveries in them (for the report).
+    batch_runs: u64,
+    batched: u64,
 }
 
 impl<DB: InboxDatabase> Running<DB> {
     /// Starts `delivery`: at once, or (when batching) among the deliveries ready for a batch,
     /// which starts when it is full, or on [`flush`](Self::flush).
     fn start(&mut self, worker: &Worker<DB>, delivery: Delivery) {
-        match worker.batch {
+        match worker.batching() {
             Some(_) => {
                 self.batch_since.get_or_insert_with(Instant::now);
                 self.batch.push(delivery);
@@ -351,7 +431,7 @@ impl<DB: InboxDatabase> Running<DB> {
 
     /// Starts full batches while they may start.
     fn flush_full(&mut self, worker: &Worker<DB>) {
-        let Some((size, _)) = worker.batch else {
+        let Some((size, _)) = worker.batching() else {
             return;
         };
         while self.batch.len() >= size && self.can_start_batch(worker) {
@@ -361,7 +441,7 @@ impl<DB: InboxDatabase> Running<DB> {
 
     /// Starts a batch of the ready deliveries (up to the batch size), if any.
     fn flush(&mut self, worker: &Worker<DB>) {
-        let size = worker.batch.map_or(usize::MAX, |(size, _)| size);
+        let size = worker.batch_size;
         let rest = if self.batch.len() > size {
             self.batch.split_off(size)
         } else {
@@ -408,12 +488,15 @@ impl<DB: InboxDatabase> Running<DB> {
         let is_batch = deliveries.len() > 1;
         // A batch that starts while others run may be in a deadlock with them: it waits for
         // a lock at most `BATCH_LOCK_TIMEOUT`.
+        // Only a batch uses the options (a single delivery runs `dispatch_on`).
         let options = crate::batch::BatchOptions {
             lock_timeout: (is_batch && self.batches > 0).then_some(BATCH_LOCK_TIMEOUT),
-            gate: Some(Arc::clone(&self.gate)),
+            gate: is_batch.then(|| Arc::clone(&self.gate)),
         };
         if is_batch {
             self.batches += 1;
+            self.batch_runs += 1;
+            self.batched += deliveries.len() as u64;
         }
         let kept = self.slots.pop();
         let progress = SharedProgress::default();
@@ -428,7 +511,9 @@ impl<DB: InboxDatabase> Running<DB> {
             batch: is_batch,
         };
         let keep = meta.kept;
-        let task = self.tasks.spawn(async move {
+        let id = self.next_id;
+        self.next_id += 1;
+        let task = async move {
             // A task without a kept slot uses a connection for itself only.
             let mut slot = kept.unwrap_or_default();
             let contended = process(
@@ -444,8 +529,13 @@ impl<DB: InboxDatabase> Running<DB> {
                 slot: keep.then_some(slot),
                 contended,
             }
-        });
-        self.meta.insert(task.id(), meta);
+        };
+        self.meta.insert(id, meta);
+        self.tasks.push(Box::pin(
+            AssertUnwindSafe(task)
+                .catch_unwind()
+                .map(move |done| (id, done)),
+        ));
     }
 
     /// Adds what a finished, aborted or panicked task settled to `report`; the deliveries it
@@ -466,8 +556,9 @@ impl<DB: InboxDatabase> Running<DB> {
 }
 
 impl<DB: InboxDatabase> Worker<DB> {
-    /// A worker over `dispatcher`: concurrency 8, requeue delay 1 s, drain timeout 30 s, no idle
-    /// stop.
+    /// A worker over `dispatcher`: concurrency 8, batches of up to [`DEFAULT_BATCH_SIZE`] (100)
+    /// ready deliveries with no wait for more (see [`batch_size`](Self::batch_size)), requeue
+    /// delay 1 s, drain timeout 30 s, no idle stop.
     pub fn new(dispatcher: Dispatcher<DB>) -> Self {
         Self::from_arc(Arc::new(dispatcher))
     }
@@ -481,8 +572,54 @@ impl<DB: InboxDatabase> Worker<DB> {
             drain_timeout: Duration::from_secs(30),
             idle: None,
             park_sweep: Some(Duration::from_secs(60)),
-            batch: None,
+            batch_size: DEFAULT_BATCH_SIZE,
+            linger: Duration::ZERO,
         }
+    }
+
+    /// Batch size and linger, if batching (a batch size of 2 or more).
+    fn batching(&self) -> Option<(usize, Duration)> {
+        (self.batch_size >= 2).then_some((self.batch_size, self.linger))
+    }
+
+    /// At most `n` deliveries per transaction (at least 1; default [`DEFAULT_BATCH_SIZE`],
+    /// 100): the deliveries that are **ready together** run as one batch transaction
+    /// ([`Dispatcher::dispatch_batch_on`]), without waiting for more when there are none. A
+    /// delivery that is ready alone runs alone, on the one-message path
+    /// ([`Dispatcher::dispatch_on`]), with no added latency; a backlog runs in batches of up to
+    /// `n`. `n = 1` runs one delivery per transaction (as [`one_per_transaction`](Self::one_per_transaction)).
+    /// To wait a few milliseconds for a batch to fill, see [`batch`](Self::batch).
+    ///
+    /// **The trade-off.** A batch commits once for all its deliveries, so a backlog costs far
+    /// fewer round trips and commits. In exchange, a handler that fails in a batch costs its
+    /// neighbours their transaction, not their effects: the batch runs again with each handler
+    /// isolated by a savepoint, and the handlers that ran before the failure run once more
+    /// (their database writes were rolled back; effects outside the database happen twice, as
+    /// on any retry). A batch that loses to concurrent transactions (a deadlock) runs again
+    /// alone, or one delivery per transaction (see [`batch`](Self::batch)). Deliveries the batch
+    /// path cannot run inside the batch — per-aggregate ordering, a key repeated in the batch,
+    /// a key found `failed`, transient failures — take the one-message path after the batch
+    /// commits; deliveries of one source ordering key never share a batch. Handlers that need
+    /// their own transaction (their own timing of locks and commit) should use
+    /// [`one_per_transaction`](Self::one_per_transaction).
+    ///
+    /// `n` bounds one transaction; [`concurrency`](Self::concurrency) bounds how many
+    /// transactions run at once: up to `concurrency × n` deliveries run, and
+    /// `(concurrency + 1) × n` are fetched and not yet settled (size the broker's prefetch to
+    /// it).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n.max(1);
+        self.linger = Duration::ZERO;
+        self
+    }
+
+    /// One delivery per transaction: no batches (the same as [`batch_size(1)`](Self::batch_size)).
+    /// Every delivery runs [`Dispatcher::dispatch_on`] in its own transaction and is settled
+    /// after it commits; at most [`concurrency`](Self::concurrency) deliveries are fetched and
+    /// not yet settled. Use it for handlers that need their own transaction timing, or to keep
+    /// a failing handler from re-running its neighbours' transaction.
+    pub fn one_per_transaction(self) -> Self {
+        self.batch_size(1)
     }
 
     /// Processes deliveries in batches of at most `size` deliveries, each batch in **one**
@@ -496,8 +633,9 @@ impl<DB: InboxDatabase> Worker<DB> {
     ///
     /// The two knobs are separate: `size` bounds what one transaction holds, `concurrency`
     /// how many transactions (batches) run at once; `concurrency(4).batch(100, …)` runs up to
-    /// four batches of up to 100. `size` below 2 turns batching off (the default: one delivery
-    /// per transaction).
+    /// four batches of up to 100. `size` below 2 turns batching off (one delivery per
+    /// transaction, as [`one_per_transaction`](Self::one_per_transaction)); `max_wait` zero is
+    /// the default batching ([`batch_size`](Self::batch_size): what is ready, no wait).
     ///
     /// **Contention.** Batches hold their effects' row locks until their one commit, and take
     /// them in the order of their handlers' effects, which the runtime cannot sort: concurrent
@@ -522,7 +660,8 @@ impl<DB: InboxDatabase> Worker<DB> {
     /// A handler that panics rolls its batch back; the batch's deliveries then run one by one
     /// (the panicking one is dropped unsettled, for the source to deliver again).
     pub fn batch(mut self, size: usize, max_wait: Duration) -> Self {
-        self.batch = (size >= 2).then_some((size, max_wait));
+        self.batch_size = size.max(1);
+        self.linger = max_wait;
         self
     }
 
@@ -589,8 +728,9 @@ impl<DB: InboxDatabase> Worker<DB> {
         // worker does not sit on connections that another user of the pool needs).
         let max_connections = self.dispatcher.pool().options().get_max_connections() as usize;
         let mut running = Running {
-            tasks: JoinSet::new(),
+            tasks: Tasks::new(),
             meta: HashMap::new(),
+            next_id: 0,
             slots: (0..self.concurrency.min(max_connections.saturating_sub(1)))
                 .map(|_| ConnectionSlot::new())
                 .collect(),
@@ -601,10 +741,12 @@ impl<DB: InboxDatabase> Worker<DB> {
             calm: 0,
             calm_needed: RAMP_BATCHES,
             gate: Arc::default(),
+            batch_runs: 0,
+            batched: 0,
         };
         // Deliveries fetched and not yet settled: one per transaction in flight, or (batching)
         // full batches in flight and one more batch ready.
-        let fetch_bound = match self.batch {
+        let fetch_bound = match self.batching() {
             Some((size, _)) => self.concurrency.saturating_add(1).saturating_mul(size),
             None => self.concurrency,
         };
@@ -620,6 +762,11 @@ impl<DB: InboxDatabase> Worker<DB> {
         let mut failed_deadline: Option<Instant> = None;
         let mut last_activity = Instant::now();
         let far = Duration::from_secs(86_400 * 365);
+        let cancelled = shutdown.cancelled();
+        tokio::pin!(cancelled);
+        let release_timer = tokio::time::sleep_until(Instant::now());
+        tokio::pin!(release_timer);
+        let mut release_armed = false;
         // The parked-message sweep runs beside the loop and stops with it.
         let sweeping = CancellationToken::new();
         let _stop_sweeping = sweeping.clone().drop_guard();
@@ -659,16 +806,23 @@ impl<DB: InboxDatabase> Worker<DB> {
             }
             let batch_at = running
                 .batch_since
-                .zip(self.batch)
+                .zip(self.batching())
                 .map(|(since, (_, max_wait))| later(since, max_wait));
-            // The next time a kept slot's connection has been unused for `SLOT_IDLE`.
-            let release_at = running
-                .slots
-                .iter()
-                .filter_map(ConnectionSlot::idle_for)
-                .map(|idle| SLOT_IDLE.saturating_sub(idle))
-                .min()
-                .map(|wait| later(Instant::now(), wait));
+            // The next time a kept slot's connection has been unused for `SLOT_IDLE`: one timer,
+            // armed at most once per `SLOT_IDLE` (not a timer per delivery); firing early only
+            // re-checks.
+            if !release_armed
+                && let Some(at) = running
+                    .slots
+                    .iter()
+                    .filter_map(ConnectionSlot::idle_for)
+                    .map(|idle| SLOT_IDLE.saturating_sub(idle))
+                    .min()
+                    .map(|wait| later(Instant::now(), wait))
+            {
+                release_timer.as_mut().reset(at);
+                release_armed = true;
+            }
             let can_fetch = stop.is_none() && in_flight < fetch_bound;
             let abandon_at = match (drain_deadline, failed_deadline) {
                 (Some(drain), Some(failed)) => Some(drain.min(failed)),
@@ -682,7 +836,7 @@ impl<DB: InboxDatabase> Worker<DB> {
                 biased;
                 // Also after the source ended (exhausted, failed): running deliveries then get
                 // the drain timeout too.
-                () = shutdown.cancelled(), if drain_deadline.is_none() => {
+                () = &mut cancelled, if drain_deadline.is_none() => {
                     stop.get_or_insert(StopReason::Shutdown);
                     drain_deadline = Some(later(Instant::now(), self.drain_timeout));
                     // Deliveries that have not started: hand them back now.
@@ -711,28 +865,24 @@ impl<DB: InboxDatabase> Worker<DB> {
                         running = running.tasks.len(),
                         "drain timeout: abandoning running deliveries unsettled"
                     );
-                    running.tasks.abort_all();
-                    while running.tasks.join_next().await.is_some() {}
+                    // Dropping the running tasks rolls their transactions back.
+                    running.tasks.clear();
                     for meta in running.meta.values() {
                         Running::<DB>::account(meta, &mut report);
                     }
                     break;
                 }
-                Some(joined) = running.tasks.join_next_with_id(), if !running.tasks.is_empty() => {
+                (id, joined) = running.tasks.next(), if !running.tasks.is_empty() => {
                     last_activity = Instant::now();
-                    let id = match &joined {
-                        Ok((id, _)) => *id,
-                        Err(error) => error.id(),
-                    };
                     let meta = running.meta.remove(&id).expect("every task has its meta");
                     in_flight -= meta.deliveries;
                     Running::<DB>::account(&meta, &mut report);
                     if meta.batch {
-                        let contended = matches!(&joined, Ok((_, done)) if done.contended);
+                        let contended = matches!(&joined, Ok(done) if done.contended);
                         running.batch_ended(self, contended);
                     }
                     match joined {
-                        Ok((_, done)) => {
+                        Ok(done) => {
                             if let Some(mut slot) = done.slot {
                                 // Another task without a kept slot may be waiting for a
                                 // connection: give this one back.
@@ -742,13 +892,18 @@ impl<DB: InboxDatabase> Worker<DB> {
                                 running.slots.push(slot);
                             }
                         }
-                        Err(error) => {
+                        Err(panic) => {
                             // The task panicked outside a handler (handlers' panics are caught):
                             // its unsettled deliveries were dropped (and its slot with them).
                             if meta.kept {
                                 running.slots.push(ConnectionSlot::new());
                             }
-                            tracing::error!(%error, "delivery task failed; unsettled deliveries abandoned");
+                            let error = panic
+                                .downcast_ref::<&str>()
+                                .map(|s| (*s).to_owned())
+                                .or_else(|| panic.downcast_ref::<String>().cloned())
+                                .unwrap_or_else(|| "panic".to_owned());
+                            tracing::error!(%error, "delivery task panicked; unsettled deliveries abandoned");
                         }
                     }
                     for key in meta.keys {
@@ -797,10 +952,16 @@ impl<DB: InboxDatabase> Worker<DB> {
                 () = tokio::time::sleep_until(idle_at), if self.idle.is_some() && stop.is_none() && in_flight == 0 => {
                     stop = Some(StopReason::Idle);
                 }
-                () = tokio::time::sleep_until(batch_at.unwrap_or(last_activity + far)), if batch_at.is_some() && can_batch => {
+                // No linger: the gathered deliveries start as soon as the source has no more
+                // ready (this branch comes after the fetch).
+                () = std::future::ready(()), if batch_at.is_some() && can_batch && self.linger.is_zero() => {
                     running.flush(self);
                 }
-                () = tokio::time::sleep_until(release_at.unwrap_or(last_activity + far)), if release_at.is_some() => {
+                () = tokio::time::sleep_until(batch_at.unwrap_or(last_activity + far)), if batch_at.is_some() && can_batch && !self.linger.is_zero() => {
+                    running.flush(self);
+                }
+                () = &mut release_timer, if release_armed => {
+                    release_armed = false;
                     for slot in &mut running.slots {
                         if slot.idle_for().is_some_and(|idle| idle >= SLOT_IDLE) {
                             slot.release();
@@ -819,6 +980,8 @@ impl<DB: InboxDatabase> Worker<DB> {
                 }
             }
         }
+        report.batches = running.batch_runs;
+        report.batched = running.batched;
         report.stop = stop.unwrap_or(StopReason::Shutdown);
         // A close on a connection that just died may never answer: bounded like the drain.
         let closed = match tokio::time::timeout(self.drain_timeout, source.close()).await {
@@ -874,6 +1037,8 @@ fn add(total: &mut WorkerReport, one: &WorkerReport) {
     total.fenced += one.fenced;
     total.revoked += one.revoked;
     total.contention_fallbacks += one.contention_fallbacks;
+    total.batches += one.batches;
+    total.batched += one.batched;
 }
 
 /// One delivery (its own transaction) or a batch (one transaction): dispatch, then settle each,
