@@ -212,7 +212,7 @@ impl Row {
             Row::DispatchOn(_) => "ours: Dispatcher::dispatch_on, 1 message per transaction",
             Row::Worker(_) => "ours: Worker, 1 message per transaction (batch(1, 0))",
             Row::WorkerBatch(_) => "ours: Worker::batch(100, 5 ms)",
-            Row::WorkerDefault(_) => "ours: Worker with default settings (see below)",
+            Row::WorkerDefault(_) => "ours: Worker with default settings (as printed above)",
         }
     }
 
@@ -723,9 +723,9 @@ async fn run_row(
     let before = crate::wal(pg).await;
     let n = row.workers();
     let ran = match row {
-        Row::Pgbench(n) => run_pgbench(pg, workload, n).await,
-        Row::Psycopg2(n) => run_psycopg2(pg, password, workload, n).await,
-        Row::DispatchOn(n) => run_dispatch_on(pg, workload, envelopes, n).await,
+        Row::Pgbench(_) => run_pgbench(pg, workload, n).await,
+        Row::Psycopg2(_) => run_psycopg2(pg, password, workload, n).await,
+        Row::DispatchOn(_) => run_dispatch_on(pg, workload, envelopes, n).await,
         Row::Worker(_) => run_worker(pg, workload, envelopes, n + 1, |w| {
             w.concurrency(n).batch(1, Duration::ZERO)
         })
