@@ -119,7 +119,10 @@ impl Sizes {
         Sizes {
             messages: args.peers_messages.unwrap_or(messages).max(1),
             redeliveries: args.peers_redeliveries.unwrap_or(redeliveries),
-            accounts: args.peers_accounts.unwrap_or(accounts).clamp(1, i32::MAX as usize) as i32,
+            accounts: args
+                .peers_accounts
+                .unwrap_or(accounts)
+                .clamp(1, i32::MAX as usize) as i32,
         }
     }
 }
@@ -858,8 +861,7 @@ pub(crate) async fn section(
         let min = a.rates.iter().copied().fold(f64::INFINITY, f64::min);
         let max = a.rates.iter().copied().fold(0.0, f64::max);
         cells.extend([
-            a.rate()
-                .map_or("**FAILED**".into(), |r| format!("{r:.0}")),
+            a.rate().map_or("**FAILED**".into(), |r| format!("{r:.0}")),
             times(ratio_of(rate(row), rate(naive))),
             a.per_delivery_us(a.client_cpu),
             a.server_cpu
@@ -885,7 +887,9 @@ pub(crate) async fn section(
         table.push(cells);
     }
 
-    out.line("## The peers' workload (PostgreSQL): ours against pgbench's naive inbox and psycopg2");
+    out.line(
+        "## The peers' workload (PostgreSQL): ours against pgbench's naive inbox and psycopg2",
+    );
     out.line("");
     out.line(format!(
         "One seeded list of {} deliveries: {} distinct messages plus {} redeliveries of earlier \
@@ -955,7 +959,11 @@ pub(crate) async fn section(
         lines.push(format!(
             "- {n}: Worker (1 message per transaction) ÷ pgbench naive = {}; dispatch_on ÷ \
              pgbench naive = {}; Worker ÷ dispatch_on = {}",
-            target(ratio_of(rate(Row::Worker(n)), naive), &|v| v >= 0.85, "≥ 0.85"),
+            target(
+                ratio_of(rate(Row::Worker(n)), naive),
+                &|v| v >= 0.85,
+                "≥ 0.85"
+            ),
             target(
                 ratio_of(rate(Row::DispatchOn(n)), naive),
                 &|v| v >= 0.9,
