@@ -2959,6 +2959,6 @@ mod tests {
         }
         assert!(!text.contains("errors**"), "errors in:\n{text}");
         assert!(!text.contains("MISMATCH"), "effects not exact in:\n{text}");
-        assert!(!text.contains("FAILED"), "a row failed in:\n{text}");
+        assert!(!text.contains("**FAILED**"), "a row failed in:\n{text}");
     }
 }

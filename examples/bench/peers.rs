@@ -903,7 +903,8 @@ pub(crate) async fn section(
          delta (cluster-wide, autovacuum included) ÷ deliveries. Effects: after each run, every \
          balance and their sum equal the distinct credits', and the row's inbox holds exactly \
          the distinct keys (`peer_inbox` for pgbench and psycopg2, the runtime's inbox for ours); \
-         a row wrong in any run is FAILED.",
+         a row wrong in any run is reported as failed, saying what was wrong, \
+         instead of a rate.",
         workload.deliveries.len(),
         workload.messages,
         workload.redeliveries,
