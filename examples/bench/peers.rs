@@ -617,7 +617,7 @@ fn worker_settings(worker: &Worker<Postgres>) -> String {
     let mut depth = 0_i32;
     let mut quoted = false;
     let mut end = debug.len();
-    let mut chars = debug[start..].char_indices().peekable();
+    let mut chars = debug[start..].char_indices();
     while let Some((i, c)) = chars.next() {
         match c {
             '\\' if quoted => {
