@@ -10,6 +10,10 @@
 #   scripts/bench.sh --only kafka     # Kafka scale-out: 1, 2, 4 consumer processes in one group
 #   scripts/bench.sh --only mysql     # MariaDB: bare effect, one message per transaction, batch 100
 #   scripts/bench.sh --only contention  # Worker batches over hot rows: 4 vs 1 batch in flight
+#   scripts/bench.sh --only peers     # the peers' workload: pgbench naive, psycopg2, ours
+#
+# Asking for the `peers` section installs psycopg2-binary from PyPI if python3 lacks psycopg2
+# (scripts/psycopg2.sh), for its psycopg2 reference consumer.
 #
 # Asking for the `kafka` section (`--only kafka`, alone or in a list) builds the harness with the
 # examples feature `kafka` (librdkafka, built with cmake: scripts/deps.sh installs what it needs);
@@ -87,6 +91,12 @@ features=()
 if runs kafka; then
   features=(--features kafka)
   scripts/deps.sh
+fi
+
+# The peers section's psycopg2 reference consumer: psycopg2-binary from PyPI if missing (never
+# fails: without it the harness reports those rows as skipped, saying why).
+if runs peers; then
+  scripts/psycopg2.sh
 fi
 
 if [ -z "$needs_pg" ]; then

@@ -14,7 +14,8 @@
 #
 # Idempotent: `apt-get update` once, then `apt-get install -y` of the missing packages only;
 # nothing at all is done (and nothing printed) when every package is installed. Needs root (or
-# sudo-less root as in CI) only when something is missing.
+# sudo-less root as in CI) only when something is missing. Then scripts/psycopg2.sh
+# (psycopg2-binary from PyPI, for the bench's peers section, if missing).
 set -euo pipefail
 
 PACKAGES=(cmake make gcc g++ pkg-config zlib1g-dev libssl-dev libcurl4-openssl-dev
@@ -31,12 +32,16 @@ done
 # the dashboard with python3) and curl (scripts/sqs.sh waits for moto with it).
 command -v curl >/dev/null || missing+=(curl)
 python3 -m pip --version >/dev/null 2>&1 || missing+=(python3 python3-pip)
-[ ${#missing[@]} -eq 0 ] && exit 0
-
-echo "deps.sh: installing ${missing[*]} from Debian's packages" >&2
-if [ "$(id -u)" != 0 ]; then
-  echo "deps.sh: not root: install them yourself (apt-get install ${missing[*]})" >&2
-  exit 1
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "deps.sh: installing ${missing[*]} from Debian's packages" >&2
+  if [ "$(id -u)" != 0 ]; then
+    echo "deps.sh: not root: install them yourself (apt-get install ${missing[*]})" >&2
+    exit 1
+  fi
+  apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-apt-get update -qq >&2
-DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+
+# The bench's psycopg2 reference consumer (its smoke test runs with the tests): psycopg2-binary
+# from PyPI if missing; never fails (the harness then reports those rows as skipped).
+"$(dirname "$0")/psycopg2.sh"

@@ -33,6 +33,10 @@
 //!   librdkafka's mock cluster, on one PostgreSQL (`kafka.rs`).
 //! * **Contention** (`--only contention`, only when named): `Worker` batches of 100 over 1,000 hot
 //!   accounts, 4 batches in flight vs 1, deadlocks and contention fallbacks (`contention.rs`).
+//! * **The peers' workload** (`--only peers`, and in `--smoke`): one seeded list of deliveries
+//!   with redeliveries, run by pgbench's naive inbox, the psycopg2 reference consumer,
+//!   `dispatch_on` and the `Worker` (one per transaction, batched, defaults), each run checked
+//!   for exact effects, with WAL bytes per delivery (`peers.rs`).
 //!
 //! Round trips per message are counted on the wire (a counting proxy between client and server,
 //! see `proxy.rs`), as are the statements each path sends. The harness works in its own
@@ -51,6 +55,7 @@ mod measure;
 mod mysql;
 mod outbox;
 mod paths;
+mod peers;
 mod pgbench;
 mod proxy;
 mod scale;
@@ -144,6 +149,15 @@ struct Args {
     /// Kafka section: deliveries in flight per consumer process
     #[arg(long, default_value_t = 4)]
     kafka_concurrency: usize,
+    /// Peers section: distinct messages in the list [default: 20000; --quick 5000]
+    #[arg(long)]
+    peers_messages: Option<usize>,
+    /// Peers section: redeliveries of earlier messages in the list [default: 3000; --quick 750]
+    #[arg(long)]
+    peers_redeliveries: Option<usize>,
+    /// Peers section: accounts the credits spread over [default: 1000]
+    #[arg(long)]
+    peers_accounts: Option<usize>,
     /// Internal: run as one consumer process of the Kafka section, on these bootstrap servers
     #[arg(long, hide = true)]
     kafka_consumer: Option<String>,
@@ -188,6 +202,10 @@ enum Section {
     /// The Worker (one per transaction, and default batching) against `dispatch_on` at the same
     /// concurrency (only when named: `--only worker`; `worker.rs`).
     Worker,
+    /// The peers' workload: one seeded list of deliveries through pgbench's naive inbox, the
+    /// psycopg2 reference consumer and ours, with exact-effect checks (when named: `--only
+    /// peers`, and in `--smoke`'s default set).
+    Peers,
 }
 
 /// Sizes and durations of one run.
@@ -775,6 +793,13 @@ async fn run(args: &Args) -> Result<String, BoxError> {
             .is_some_and(|only| only.contains(&Section::Worker))
         {
             worker::section(&mut out, &pg.admin, &pg.opts, p.name, p.rounds.max(3)).await?;
+        }
+        if args
+            .only
+            .as_ref()
+            .map_or(args.smoke, |only| only.contains(&Section::Peers))
+        {
+            peers::section(&mut out, pg, &p, args).await?;
         }
         targets(&mut out, pg, &p);
     }
@@ -2921,6 +2946,13 @@ mod tests {
                 }
             }
         }
+        // The peers' workload: every row, with exact effects (psycopg2's may say it is skipped).
+        if url.is_some() {
+            expected.push("## The peers' workload".into());
+            for row in peers::ROWS {
+                expected.push(format!("| {} | {} |", row.label(), row.workers()));
+            }
+        }
         // The MySQL/MariaDB rows, on the server `scripts/test.sh` starts (MYSQL_URL).
         if mysql_url.is_some() {
             expected.push("## MySQL/MariaDB: ".into());
@@ -2938,5 +2970,6 @@ mod tests {
         }
         assert!(!text.contains("errors**"), "errors in:\n{text}");
         assert!(!text.contains("MISMATCH"), "effects not exact in:\n{text}");
+        assert!(!text.contains("**FAILED**"), "a row failed in:\n{text}");
     }
 }

@@ -382,9 +382,26 @@ impl Pgbench {
         target: Option<(String, u16)>,
         cpu: &CpuProbe,
     ) -> Result<Run, BoxError> {
+        let text = script.text(rec)?;
+        let defines = script.defines(rec);
+        self.run_text(&text, &defines, clients, length, target, cpu)
+            .await
+    }
+
+    /// Runs the script `text` (with `-D name=value` for each of `defines`) with `clients`
+    /// clients against `host:port` (the server, or the proxy).
+    pub(crate) async fn run_text(
+        &self,
+        text: &str,
+        defines: &[(String, String)],
+        clients: usize,
+        length: Length,
+        target: Option<(String, u16)>,
+        cpu: &CpuProbe,
+    ) -> Result<Run, BoxError> {
         let tag = format!("pgbench-{}", next_tag());
         let script_path = self.dir.join(format!("{tag}.sql"));
-        std::fs::write(&script_path, script.text(rec)?)?;
+        std::fs::write(&script_path, text)?;
         let log_prefix = self.dir.join(format!("{tag}.log"));
         let (host, port) = target.unwrap_or_else(|| (self.host.clone(), self.port));
         let threads = clients.min(std::thread::available_parallelism().map_or(2, |n| n.get()));
@@ -401,7 +418,7 @@ impl Pgbench {
             Length::Time(secs) => cmd.args(["-T", &secs.max(1).to_string()]),
             Length::Transactions(n) => cmd.args(["-t", &n.max(1).to_string()]),
         };
-        for (name, value) in script.defines(rec) {
+        for (name, value) in defines {
             cmd.arg("-D").arg(format!("{name}={value}"));
         }
         cmd.arg(&self.database);

@@ -1,0 +1,1015 @@
+//! The peers' workload (issue 19, item 6): one seeded list of deliveries, run side by side on one
+//! PostgreSQL by pgbench's naive inbox, the psycopg2 reference consumer and the runtime, each
+//! run checked for exact effects.
+//!
+//! The list: `messages` distinct credits (a UUIDv4 event id, one of `accounts` accounts, an
+//! amount of 1–100) and `redeliveries` exact copies of earlier ones, each inserted at a seeded
+//! random position after its original. Every row runs the whole list once per round on a reset
+//! database (both inboxes empty, the accounts recreated at balance 0, a `CHECKPOINT`), and must
+//! end with every balance equal to the sum of its account's distinct credits and its inbox
+//! holding exactly the distinct keys: a row that does not is reported as FAILED, not as a rate.
+//!
+//! The effect is the same statement in every row: [`EFFECT`]. The rows:
+//!
+//! * **pgbench** (`-M prepared`), the naive inbox ([`PGBENCH_SCRIPT`]): `BEGIN`; `INSERT INTO
+//!   peer_inbox (consumer, key) … ON CONFLICT DO NOTHING`; the effect only if a row was inserted
+//!   (`\aset` and `\if`); `COMMIT`: 4 round trips. Each transaction takes the next delivery of the
+//!   list from the table `peer_deliveries(seq, key, account, amount)` inside its `INSERT` (a CTE
+//!   on `seq = nextval('peer_seq')`: one primary-key lookup, no extra statement or round trip);
+//! * the **psycopg2 reference consumer** (`peers_psycopg2.py`, threads with one connection each,
+//!   the same naive statements; skipped, saying why, when `python3` cannot import `psycopg2`);
+//! * **ours**: `Dispatcher::dispatch_on` (N tasks, each with a held `ConnectionSlot`), and the
+//!   `Worker` over an in-memory source holding the list — one message per transaction, batches
+//!   of 100, and `Worker::new`'s defaults with only the concurrency set.
+//!
+//! Every row takes the deliveries in list order from one shared cursor (pgbench's sequence,
+//! psycopg2's counter, an atomic index, the Worker's source), N at a time.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use inbox_runtime::source::memory::MemorySource;
+use inbox_runtime::{ConnectionSlot, Dispatcher, Envelope, Outcome, Worker, WorkerReport};
+use serde::{Deserialize, Serialize};
+use sqlx::{PgConnection, PgPool, Postgres};
+use tokio_util::sync::CancellationToken;
+
+use crate::measure::{BoxError, CpuDelta, Rng};
+use crate::pgbench::Length;
+use crate::{Args, Out, Pg, Profile, median, progress};
+
+/// The consumer (inbox scope) of the section's handler, and of the naive inbox's rows.
+pub(crate) const CONSUMER: &str = "peers";
+/// The routing name of [`PeerCredit`].
+pub(crate) const MESSAGE: &str = "bench.peers";
+/// The effect of every row: `$1` the amount, `$2` the account.
+pub(crate) const EFFECT: &str = "UPDATE peer_accounts SET balance = balance + $1 WHERE id = $2";
+/// The list's seed: every run, every row and every round run the same deliveries.
+const SEED: u64 = 0x9EE5_0019_0006;
+/// Deliveries per transaction of the batched Worker row.
+pub(crate) const BATCH: usize = 100;
+/// The batched Worker row's longest wait for a batch to fill.
+const BATCH_WAIT: Duration = Duration::from_millis(5);
+/// The longest a Rust row may run before it is stopped (and reported as FAILED).
+const LIMIT: Duration = Duration::from_secs(900);
+
+/// pgbench's naive inbox: the next delivery of the list (`peer_deliveries`, by
+/// `nextval('peer_seq')`) read inside the claim, the effect only if the claim inserted a row.
+/// `\aset` assigns nothing when the `INSERT` returns no row (a duplicate), hence the `\set`.
+pub(crate) const PGBENCH_SCRIPT: &str = "\\set inserted 0\n\
+BEGIN;\n\
+WITH d AS (SELECT key, account, amount FROM peer_deliveries WHERE seq = (SELECT nextval('peer_seq'))) \
+INSERT INTO peer_inbox (consumer, key) SELECT 'peers', key FROM d ON CONFLICT DO NOTHING \
+RETURNING 1 AS inserted, (SELECT account FROM d) AS account, (SELECT amount FROM d) AS amount \\aset\n\
+\\if :inserted\n\
+UPDATE peer_accounts SET balance = balance + :amount WHERE id = :account;\n\
+\\endif\n\
+COMMIT;\n";
+
+/// The psycopg2 reference consumer, written to a temporary file to run.
+const PSYCOPG2_SCRIPT: &str = include_str!("peers_psycopg2.py");
+
+/// One credit of an account: the section's message.
+#[derive(Debug, Clone, Serialize, Deserialize, inbox_runtime::Message)]
+#[message(name = "bench.peers")]
+pub(crate) struct PeerCredit {
+    /// The producer's event id: the idempotency key.
+    #[message(key)]
+    pub(crate) event_id: uuid::Uuid,
+    pub(crate) account: i32,
+    pub(crate) amount: i64,
+}
+
+/// The effect, through the runtime: [`EFFECT`] in the claimed transaction.
+#[inbox_runtime::idempotent(consumer = "peers")]
+pub(crate) async fn peer_credit(
+    conn: &mut PgConnection,
+    msg: PeerCredit,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(EFFECT)
+        .bind(msg.amount)
+        .bind(msg.account)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// The sizes of the list.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sizes {
+    /// Distinct messages.
+    pub(crate) messages: usize,
+    /// Copies of earlier messages among the deliveries.
+    pub(crate) redeliveries: usize,
+    /// Accounts the credits spread over.
+    pub(crate) accounts: i32,
+}
+
+impl Sizes {
+    /// The profile's sizes (smoke: 200 + 30 over 50 accounts; quick: 5,000 + 750 over 1,000;
+    /// otherwise 20,000 + 3,000 over 1,000), with the command line's overrides.
+    pub(crate) fn of(p: &Profile, args: &Args) -> Sizes {
+        let (messages, redeliveries, accounts) = match p.name {
+            "smoke" => (200, 30, 50),
+            "quick" => (5_000, 750, 1_000),
+            _ => (20_000, 3_000, 1_000),
+        };
+        Sizes {
+            messages: args.peers_messages.unwrap_or(messages).max(1),
+            redeliveries: args.peers_redeliveries.unwrap_or(redeliveries),
+            accounts: args
+                .peers_accounts
+                .unwrap_or(accounts)
+                .clamp(1, i32::MAX as usize) as i32,
+        }
+    }
+}
+
+/// The seeded list: deliveries in order, and the balance each account must end with.
+pub(crate) struct Workload {
+    pub(crate) deliveries: Vec<PeerCredit>,
+    /// By account (index `account - 1`): the sum of its distinct credits.
+    pub(crate) expected: Vec<i64>,
+    pub(crate) messages: usize,
+    pub(crate) redeliveries: usize,
+}
+
+impl Workload {
+    pub(crate) fn new(seed: u64, sizes: Sizes) -> Self {
+        let mut rng = Rng::new(seed);
+        let mut expected = vec![0_i64; sizes.accounts as usize];
+        let mut list: Vec<PeerCredit> = (0..sizes.messages)
+            .map(|_| {
+                let account = rng.range(sizes.accounts as u64) as i32;
+                let amount = rng.range(100) as i64;
+                expected[(account - 1) as usize] += amount;
+                PeerCredit {
+                    event_id: rng.uuid_v4(),
+                    account,
+                    amount,
+                }
+            })
+            .collect();
+        // Each redelivery is a copy of a delivery before its position.
+        for _ in 0..sizes.redeliveries {
+            let at = rng.range(list.len() as u64) as usize;
+            let original = list[rng.next_u64() as usize % at].clone();
+            list.insert(at, original);
+        }
+        Self {
+            deliveries: list,
+            expected,
+            messages: sizes.messages,
+            redeliveries: sizes.redeliveries,
+        }
+    }
+
+    fn envelopes(&self) -> Result<Vec<Envelope>, BoxError> {
+        self.deliveries
+            .iter()
+            .map(|m| Ok(Envelope::new(MESSAGE, serde_json::to_vec(m)?)))
+            .collect()
+    }
+}
+
+/// One row of the section.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Row {
+    /// pgbench's naive inbox with this many clients.
+    Pgbench(usize),
+    /// The psycopg2 reference consumer with this many threads.
+    Psycopg2(usize),
+    /// `Dispatcher::dispatch_on` with this many tasks.
+    DispatchOn(usize),
+    /// The Worker, one message per transaction, at this concurrency.
+    Worker(usize),
+    /// The Worker, batches of [`BATCH`], at this concurrency.
+    WorkerBatch(usize),
+    /// `Worker::new`'s defaults with only the concurrency set (and a pool of one more).
+    WorkerDefault(usize),
+}
+
+/// The rows, in the order of the table.
+pub(crate) const ROWS: [Row; 10] = [
+    Row::Pgbench(4),
+    Row::Psycopg2(4),
+    Row::DispatchOn(4),
+    Row::Worker(4),
+    Row::WorkerBatch(4),
+    Row::WorkerDefault(4),
+    Row::Pgbench(16),
+    Row::Psycopg2(16),
+    Row::DispatchOn(16),
+    Row::Worker(16),
+];
+
+impl Row {
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Row::Pgbench(_) => {
+                "pgbench: naive inbox (BEGIN; INSERT … ON CONFLICT DO NOTHING; UPDATE if inserted; COMMIT)"
+            }
+            Row::Psycopg2(_) => "psycopg2 reference consumer (the same naive statements)",
+            Row::DispatchOn(_) => "ours: Dispatcher::dispatch_on, 1 message per transaction",
+            Row::Worker(_) => "ours: Worker, 1 message per transaction (one_per_transaction())",
+            Row::WorkerBatch(_) => "ours: Worker::batch(100, 5 ms)",
+            Row::WorkerDefault(_) => "ours: Worker with default settings (as printed above)",
+        }
+    }
+
+    pub(crate) fn workers(self) -> usize {
+        match self {
+            Row::Pgbench(n)
+            | Row::Psycopg2(n)
+            | Row::DispatchOn(n)
+            | Row::Worker(n)
+            | Row::WorkerBatch(n)
+            | Row::WorkerDefault(n) => n,
+        }
+    }
+
+    /// Whether the row writes the naive inbox (`peer_inbox`) rather than the runtime's.
+    fn naive(self) -> bool {
+        matches!(self, Row::Pgbench(_) | Row::Psycopg2(_))
+    }
+}
+
+/// One run of one row: its figures and what it got wrong.
+struct Run {
+    seconds: f64,
+    cpu: CpuDelta,
+    /// CPU of the client: this process (ours) or the waited child (pgbench, python3).
+    client_cpu: f64,
+    wal_bytes: Option<f64>,
+    failure: Option<String>,
+}
+
+/// A row over its rounds.
+#[derive(Default)]
+struct Acc {
+    rates: Vec<f64>,
+    deliveries: u64,
+    client_cpu: f64,
+    server_cpu: Option<f64>,
+    wal_bytes: Option<f64>,
+    failures: Vec<String>,
+    runs: usize,
+}
+
+impl Acc {
+    fn add(&mut self, deliveries: usize, run: Run) {
+        self.runs += 1;
+        if let Some(failure) = run.failure {
+            self.failures.push(failure);
+            return;
+        }
+        self.rates.push(deliveries as f64 / run.seconds.max(1e-9));
+        self.deliveries += deliveries as u64;
+        self.client_cpu += run.client_cpu;
+        self.server_cpu = match (self.rates.len(), self.server_cpu, run.cpu.server) {
+            (1, _, x) => x,
+            (_, Some(a), Some(b)) => Some(a + b),
+            _ => None,
+        };
+        self.wal_bytes = match (self.rates.len(), self.wal_bytes, run.wal_bytes) {
+            (1, _, x) => x,
+            (_, Some(a), Some(b)) => Some(a + b),
+            _ => None,
+        };
+    }
+
+    /// The median rate, if every run was exact.
+    fn rate(&self) -> Option<f64> {
+        (self.failures.is_empty() && !self.rates.is_empty()).then(|| median(&self.rates))
+    }
+
+    fn wal_per_delivery(&self) -> Option<f64> {
+        self.failures.is_empty().then_some(())?;
+        Some(self.wal_bytes? / self.deliveries.max(1) as f64)
+    }
+
+    fn per_delivery_us(&self, seconds: f64) -> String {
+        if self.deliveries == 0 {
+            return "—".into();
+        }
+        format!("{:.0}", seconds * 1e6 / self.deliveries as f64)
+    }
+}
+
+/// Creates the section's tables (dropped first) and loads the list into `peer_deliveries`.
+async fn setup(admin: &PgPool, workload: &Workload) -> Result<(), BoxError> {
+    for statement in [
+        "DROP TABLE IF EXISTS peer_deliveries, peer_inbox, peer_accounts",
+        "DROP SEQUENCE IF EXISTS peer_seq",
+        "CREATE TABLE peer_deliveries (seq bigint PRIMARY KEY, key text NOT NULL, \
+           account int NOT NULL, amount bigint NOT NULL)",
+        "CREATE TABLE peer_inbox (consumer text NOT NULL, key text NOT NULL, \
+           PRIMARY KEY (consumer, key))",
+        "CREATE TABLE peer_accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0)",
+        "CREATE SEQUENCE peer_seq",
+    ] {
+        sqlx::query(statement).execute(admin).await?;
+    }
+    let n = workload.deliveries.len();
+    let seq: Vec<i64> = (1..=n as i64).collect();
+    let keys: Vec<String> = workload
+        .deliveries
+        .iter()
+        .map(|m| m.event_id.to_string())
+        .collect();
+    let accounts: Vec<i32> = workload.deliveries.iter().map(|m| m.account).collect();
+    let amounts: Vec<i64> = workload.deliveries.iter().map(|m| m.amount).collect();
+    sqlx::query(
+        "INSERT INTO peer_deliveries (seq, key, account, amount) \
+         SELECT * FROM UNNEST($1::bigint[], $2::text[], $3::int[], $4::bigint[])",
+    )
+    .bind(seq)
+    .bind(keys)
+    .bind(accounts)
+    .bind(amounts)
+    .execute(admin)
+    .await?;
+    sqlx::query("VACUUM ANALYZE peer_deliveries")
+        .execute(admin)
+        .await?;
+    Ok(())
+}
+
+/// Both inboxes empty, the accounts recreated at balance 0, the sequence at the list's start;
+/// then (unless `checkpoint` is false) a `CHECKPOINT`, so that every row starts alike.
+async fn reset(admin: &PgPool, accounts: i32, checkpoint: bool) -> Result<(), BoxError> {
+    crate::scale::truncate(admin).await?;
+    sqlx::query("TRUNCATE peer_inbox, peer_accounts")
+        .execute(admin)
+        .await?;
+    sqlx::query("INSERT INTO peer_accounts (id) SELECT generate_series(1, $1)")
+        .bind(accounts)
+        .execute(admin)
+        .await?;
+    sqlx::query("SELECT setval('peer_seq', 1, false)")
+        .execute(admin)
+        .await?;
+    sqlx::query("VACUUM ANALYZE peer_accounts, peer_inbox")
+        .execute(admin)
+        .await?;
+    if checkpoint {
+        sqlx::query("CHECKPOINT").execute(admin).await?;
+    }
+    Ok(())
+}
+
+/// The exact-effect check: every balance (and their sum) as the distinct credits say, and the
+/// row's inbox holding exactly the distinct keys. `Err` says what is wrong.
+async fn check(admin: &PgPool, workload: &Workload, row: Row) -> Result<(), BoxError> {
+    let balances: Vec<(i32, i64)> =
+        sqlx::query_as("SELECT id, balance FROM peer_accounts ORDER BY id")
+            .fetch_all(admin)
+            .await?;
+    let mut problems = Vec::new();
+    let want_sum: i64 = workload.expected.iter().sum();
+    let got_sum: i64 = balances.iter().map(|(_, b)| b).sum();
+    if got_sum != want_sum {
+        problems.push(format!("sum of balances {got_sum}, expected {want_sum}"));
+    }
+    let wrong = balances
+        .iter()
+        .filter(|(id, balance)| workload.expected.get((*id - 1) as usize) != Some(balance))
+        .count();
+    if wrong > 0 || balances.len() != workload.expected.len() {
+        problems.push(format!(
+            "{wrong} of {} balances wrong ({} accounts)",
+            workload.expected.len(),
+            balances.len()
+        ));
+    }
+    // Rows in the inbox, and how many of them are keys of the list (primary keys: distinct).
+    let query = if row.naive() {
+        "SELECT (SELECT count(*) FROM peer_inbox), \
+                (SELECT count(*) FROM peer_inbox WHERE consumer = 'peers' \
+                   AND key IN (SELECT key FROM peer_deliveries))"
+    } else {
+        "SELECT (SELECT count(*) FROM inbox_messages), \
+                (SELECT count(*) FROM inbox_messages WHERE consumer = 'peers' \
+                   AND message_key::text IN (SELECT key FROM peer_deliveries))"
+    };
+    let (rows, keys): (i64, i64) = sqlx::query_as(query).fetch_one(admin).await?;
+    let want = workload.messages as i64;
+    if rows != want || keys != want {
+        problems.push(format!(
+            "the inbox holds {rows} rows, {keys} of them keys of the list; expected exactly the \
+             {want} distinct keys"
+        ));
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(problems.join("; ").into())
+    }
+}
+
+/// Whether `python3` can import `psycopg2`: `Err` says why not.
+fn psycopg2_available() -> Result<(), String> {
+    let output = std::process::Command::new("python3")
+        .args(["-c", "import psycopg2"])
+        .output()
+        .map_err(|e| format!("python3 not runnable: {e}"))?;
+    if output.status.success() {
+        return Ok(());
+    }
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    Err(format!(
+        "python3 cannot import psycopg2 ({}); `pip install psycopg2-binary` (scripts/bench.sh \
+         does when the section runs)",
+        stderr.lines().last().unwrap_or("no message").trim()
+    ))
+}
+
+/// The connection environment of pgbench's and python3's libpq.
+fn libpq_env(pg: &Pg, password: Option<&str>) -> Vec<(&'static str, String)> {
+    let mut env = vec![
+        ("PGHOST", pg.opts.get_host().to_owned()),
+        ("PGPORT", pg.opts.get_port().to_string()),
+        ("PGUSER", pg.opts.get_username().to_owned()),
+        (
+            "PGDATABASE",
+            pg.opts.get_database().unwrap_or_default().to_owned(),
+        ),
+        ("PGSSLMODE", "disable".into()),
+        ("PGGSSENCMODE", "disable".into()),
+    ];
+    if let Some(password) = password {
+        env.push(("PGPASSWORD", password.to_owned()));
+    }
+    env
+}
+
+/// What a run reports before its check: seconds, CPU, and a failure of its own if any.
+struct Ran {
+    seconds: f64,
+    cpu: CpuDelta,
+    client_cpu: f64,
+    failure: Option<String>,
+}
+
+/// pgbench's naive inbox over the whole list: `clients` clients, enough transactions each for
+/// the list (the last few find no delivery left and do nothing).
+async fn run_pgbench(pg: &Pg, workload: &Workload, clients: usize) -> Result<Ran, BoxError> {
+    let bench = pg.pgbench.as_ref().ok_or("pgbench not found")?;
+    let per_client = workload.deliveries.len().div_ceil(clients) as u64;
+    let run = bench
+        .run_text(
+            PGBENCH_SCRIPT,
+            &[],
+            clients,
+            Length::Transactions(per_client),
+            None,
+            &pg.cpu,
+        )
+        .await?;
+    let s = run.sample;
+    Ok(Ran {
+        seconds: s.elapsed.as_secs_f64(),
+        cpu: s.cpu,
+        client_cpu: s.cpu.children,
+        failure: s.first_error,
+    })
+}
+
+/// The psycopg2 reference consumer over the whole list with `workers` threads.
+async fn run_psycopg2(
+    pg: &Pg,
+    password: Option<&str>,
+    workload: &Workload,
+    workers: usize,
+) -> Result<Ran, BoxError> {
+    #[derive(Deserialize)]
+    struct Report {
+        deliveries: usize,
+        inserted: usize,
+        duplicates: usize,
+        seconds: f64,
+    }
+    let script = std::env::temp_dir().join(format!(
+        "inbox-bench-peers-{}-psycopg2.py",
+        std::process::id()
+    ));
+    std::fs::write(&script, PSYCOPG2_SCRIPT)?;
+    let mut cmd = std::process::Command::new("python3");
+    cmd.arg(&script)
+        .args(["--workers", &workers.to_string(), "--consumer", CONSUMER])
+        .envs(libpq_env(pg, password));
+    let before = pg.cpu.snapshot();
+    let output = tokio::task::spawn_blocking(move || cmd.output()).await??;
+    let cpu = pg.cpu.snapshot().since(&before);
+    let _ = std::fs::remove_file(&script);
+    if !output.status.success() {
+        return Err(format!(
+            "peers_psycopg2.py failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        )
+        .into());
+    }
+    let report: Report = serde_json::from_slice(&output.stdout)?;
+    let failure = (report.deliveries != workload.deliveries.len()
+        || report.inserted != workload.messages
+        || report.duplicates != workload.redeliveries)
+        .then(|| {
+            format!(
+                "{} deliveries: {} inserted, {} duplicates; expected {} and {}",
+                report.deliveries,
+                report.inserted,
+                report.duplicates,
+                workload.messages,
+                workload.redeliveries
+            )
+        });
+    Ok(Ran {
+        seconds: report.seconds,
+        cpu,
+        client_cpu: cpu.children,
+        failure,
+    })
+}
+
+/// `Dispatcher::dispatch_on` over the whole list: `workers` tasks, each with its own
+/// `ConnectionSlot` on a pool of `workers` connections, taking the next delivery of the list.
+async fn run_dispatch_on(
+    pg: &Pg,
+    workload: &Workload,
+    envelopes: &Arc<Vec<Envelope>>,
+    workers: usize,
+) -> Result<Ran, BoxError> {
+    let pool = crate::pg_pool(&pg.opts, workers).await?;
+    let dispatcher = Arc::new(Dispatcher::from_registry(pool.clone())?);
+    let next = Arc::new(AtomicUsize::new(0));
+    let start = Arc::new(tokio::sync::Barrier::new(workers + 1));
+    let mut tasks = Vec::with_capacity(workers);
+    for _ in 0..workers {
+        let (dispatcher, envelopes, next, start) = (
+            dispatcher.clone(),
+            envelopes.clone(),
+            next.clone(),
+            start.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut slot = ConnectionSlot::new();
+            let (mut processed, mut duplicates) = (0_usize, 0_usize);
+            start.wait().await;
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(envelope) = envelopes.get(i) else {
+                    break;
+                };
+                for outcome in dispatcher.dispatch_on(&mut slot, envelope).await? {
+                    match outcome.result {
+                        Ok(Outcome::Processed(())) => processed += 1,
+                        Ok(Outcome::Duplicate) => duplicates += 1,
+                        other => return Err(format!("delivery {i}: {other:?}").into()),
+                    }
+                }
+            }
+            Ok::<_, BoxError>((processed, duplicates))
+        }));
+    }
+    start.wait().await;
+    let before = pg.cpu.snapshot();
+    let started = Instant::now();
+    let (mut processed, mut duplicates, mut failure) = (0, 0, None);
+    for task in tasks {
+        match task.await? {
+            Ok((p, d)) => {
+                processed += p;
+                duplicates += d;
+            }
+            Err(error) => {
+                failure.get_or_insert(error.to_string());
+            }
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let cpu = pg.cpu.snapshot().since(&before);
+    pool.close().await;
+    if failure.is_none() && (processed != workload.messages || duplicates != workload.redeliveries)
+    {
+        failure = Some(format!(
+            "{processed} processed, {duplicates} duplicates; expected {} and {}",
+            workload.messages, workload.redeliveries
+        ));
+    }
+    Ok(Ran {
+        seconds,
+        cpu,
+        client_cpu: cpu.client,
+        failure,
+    })
+}
+
+/// The Worker's settings after `configure`, as its `Debug` shows them (the dispatcher left out).
+fn worker_settings(worker: &Worker<Postgres>) -> String {
+    let debug = format!("{worker:?}");
+    let Some(start) = debug.find("dispatcher: ") else {
+        return debug;
+    };
+    // The dispatcher's value ends at the first `,` or `}` outside brackets and quotes.
+    let mut depth = 0_i32;
+    let mut quoted = false;
+    let mut end = debug.len();
+    let mut chars = debug[start..].char_indices();
+    while let Some((i, c)) = chars.next() {
+        match c {
+            '\\' if quoted => {
+                chars.next();
+            }
+            '"' => quoted = !quoted,
+            '(' | '[' | '{' if !quoted => depth += 1,
+            ')' | ']' | '}' if !quoted && depth > 0 => depth -= 1,
+            ',' | '}' if !quoted && depth == 0 => {
+                end = start + i;
+                break;
+            }
+            _ => {}
+        }
+    }
+    let rest = debug[end..].trim_start_matches(',').trim();
+    let inner = rest.trim_end_matches('}').trim();
+    inner.to_owned()
+}
+
+/// The Worker over the whole list (an in-memory source holding it, closed): built by
+/// `configure` from `Worker::new` on a pool of `connections`.
+async fn run_worker(
+    pg: &Pg,
+    workload: &Workload,
+    envelopes: &[Envelope],
+    connections: usize,
+    configure: impl FnOnce(Worker<Postgres>) -> Worker<Postgres>,
+) -> Result<(Ran, String), BoxError> {
+    let pool = crate::pg_pool(&pg.opts, connections).await?;
+    let worker = configure(Worker::new(Dispatcher::from_registry(pool.clone())?));
+    let settings = worker_settings(&worker);
+    let source = MemorySource::new("peers");
+    let handle = source.handle();
+    for envelope in envelopes {
+        handle.push(envelope.clone());
+    }
+    handle.close();
+    let shutdown = CancellationToken::new();
+    let stop = shutdown.clone();
+    let timer = tokio::spawn(async move {
+        tokio::time::sleep(LIMIT).await;
+        stop.cancel();
+    });
+    let before = pg.cpu.snapshot();
+    let started = Instant::now();
+    let result = worker.run(source, shutdown).await;
+    let seconds = started.elapsed().as_secs_f64();
+    let cpu = pg.cpu.snapshot().since(&before);
+    timer.abort();
+    pool.close().await;
+    let failure = match result {
+        Err(error) => Some(error.to_string()),
+        Ok(report) => worker_failure(&report, workload),
+    };
+    Ok((
+        Ran {
+            seconds,
+            cpu,
+            client_cpu: cpu.client,
+            failure,
+        },
+        settings,
+    ))
+}
+
+/// What a Worker report says went wrong, if anything.
+fn worker_failure(report: &WorkerReport, workload: &Workload) -> Option<String> {
+    let deliveries = workload.deliveries.len() as u64;
+    let ok = report.stop == inbox_runtime::StopReason::SourceExhausted
+        && report.deliveries == deliveries
+        && report.acked == deliveries
+        && report.processed == workload.messages as u64
+        && report.duplicates == workload.redeliveries as u64;
+    (!ok).then(|| {
+        format!(
+            "stop {:?}: {} deliveries, {} acked, {} processed, {} duplicates, {} failed, {} \
+             requeued, {} abandoned; expected {} deliveries, {} processed, {} duplicates",
+            report.stop,
+            report.deliveries,
+            report.acked,
+            report.processed,
+            report.duplicates,
+            report.failed,
+            report.requeued,
+            report.abandoned,
+            deliveries,
+            workload.messages,
+            workload.redeliveries
+        )
+    })
+}
+
+/// Runs `row` once on a reset database and checks its effects.
+async fn run_row(
+    pg: &Pg,
+    p: &Profile,
+    password: Option<&str>,
+    workload: &Workload,
+    envelopes: &Arc<Vec<Envelope>>,
+    row: Row,
+    defaults: &mut Option<String>,
+) -> Result<Run, BoxError> {
+    reset(&pg.admin, workload.expected.len() as i32, p.name != "smoke").await?;
+    tokio::time::sleep(p.settle).await;
+    let before = crate::wal(pg).await;
+    let n = row.workers();
+    let ran = match row {
+        Row::Pgbench(_) => run_pgbench(pg, workload, n).await,
+        Row::Psycopg2(_) => run_psycopg2(pg, password, workload, n).await,
+        Row::DispatchOn(_) => run_dispatch_on(pg, workload, envelopes, n).await,
+        Row::Worker(_) => run_worker(pg, workload, envelopes, n + 1, |w| {
+            w.concurrency(n).one_per_transaction()
+        })
+        .await
+        .map(|(ran, _)| ran),
+        Row::WorkerBatch(_) => run_worker(pg, workload, envelopes, n + 1, |w| {
+            w.concurrency(n).batch(BATCH, BATCH_WAIT)
+        })
+        .await
+        .map(|(ran, _)| ran),
+        Row::WorkerDefault(_) => {
+            // Nothing but the concurrency set (and a pool of one connection more).
+            run_worker(pg, workload, envelopes, n + 1, |w| w.concurrency(n))
+                .await
+                .map(|(ran, settings)| {
+                    defaults.get_or_insert(settings);
+                    ran
+                })
+        }
+    };
+    // Closed backends report their WAL statistics as they exit.
+    tokio::time::sleep(p.settle).await;
+    let after = crate::wal(pg).await;
+    let ran = match ran {
+        Ok(ran) => ran,
+        Err(error) => Ran {
+            seconds: 0.0,
+            cpu: CpuDelta::default(),
+            client_cpu: 0.0,
+            failure: Some(error.to_string()),
+        },
+    };
+    let failure = match ran.failure {
+        Some(failure) => Some(failure),
+        None => check(&pg.admin, workload, row)
+            .await
+            .err()
+            .map(|e| e.to_string()),
+    };
+    Ok(Run {
+        seconds: ran.seconds,
+        cpu: ran.cpu,
+        client_cpu: ran.client_cpu,
+        wal_bytes: before.zip(after).map(|(b, a)| a.since(&b).bytes),
+        failure,
+    })
+}
+
+fn ratio_of(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) if a > 0.0 && b > 0.0 => Some(a / b),
+        _ => None,
+    }
+}
+
+fn times(x: Option<f64>) -> String {
+    x.map_or("—".into(), |x| format!("{x:.2}×"))
+}
+
+/// The section: every row over the rounds (order rotated each round), the table, the ratios.
+pub(crate) async fn section(
+    out: &mut Out,
+    pg: &Pg,
+    p: &Profile,
+    args: &Args,
+) -> Result<(), BoxError> {
+    let sizes = Sizes::of(p, args);
+    let workload = Workload::new(SEED, sizes);
+    let envelopes = Arc::new(workload.envelopes()?);
+    setup(&pg.admin, &workload).await?;
+    let password = args.database_url.as_deref().and_then(crate::url_password);
+    let python = psycopg2_available();
+    let skipped = |row: Row| -> Option<String> {
+        match row {
+            Row::Pgbench(_) if pg.pgbench.is_none() => Some("pgbench not found".into()),
+            Row::Psycopg2(_) => python.clone().err(),
+            _ => None,
+        }
+    };
+    let mut acc: HashMap<Row, Acc> = HashMap::new();
+    let mut defaults = None;
+    for round in 0..p.rounds {
+        let mut order = ROWS.to_vec();
+        order.rotate_left(round % ROWS.len());
+        for row in order {
+            if skipped(row).is_some() {
+                continue;
+            }
+            progress(format!(
+                "peers, round {}/{}: {} at {}",
+                round + 1,
+                p.rounds,
+                row.label(),
+                row.workers()
+            ));
+            let run = run_row(
+                pg,
+                p,
+                password.as_deref(),
+                &workload,
+                &envelopes,
+                row,
+                &mut defaults,
+            )
+            .await?;
+            if let Some(failure) = &run.failure {
+                progress(format!("peers: {} FAILED: {failure}", row.label()));
+            }
+            acc.entry(row)
+                .or_default()
+                .add(workload.deliveries.len(), run);
+        }
+    }
+    // Truncated: the next section starts from empty inboxes.
+    reset(&pg.admin, sizes.accounts, false).await?;
+
+    let rate = |row: Row| acc.get(&row).and_then(Acc::rate);
+    let wal = |row: Row| acc.get(&row).and_then(Acc::wal_per_delivery);
+    let mut table = Vec::new();
+    for row in ROWS {
+        let naive = Row::Pgbench(row.workers());
+        let mut cells = vec![row.label().to_owned(), row.workers().to_string()];
+        if let Some(reason) = skipped(row) {
+            cells.push(format!("skipped: {reason}"));
+            cells.resize(10, "—".into());
+            table.push(cells);
+            continue;
+        }
+        let Some(a) = acc.get(&row) else { continue };
+        let min = a.rates.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = a.rates.iter().copied().fold(0.0, f64::max);
+        cells.extend([
+            a.rate().map_or("**FAILED**".into(), |r| format!("{r:.0}")),
+            times(ratio_of(rate(row), rate(naive))),
+            a.per_delivery_us(a.client_cpu),
+            a.server_cpu
+                .map_or("—".into(), |server| a.per_delivery_us(server)),
+            wal(row).map_or("—".into(), |w| format!("{w:.0}")),
+            times(ratio_of(wal(row), wal(naive))),
+            if a.failures.is_empty() {
+                format!("exact ({} of {} runs)", a.runs, a.runs)
+            } else {
+                format!(
+                    "**FAILED** in {} of {} runs: {}",
+                    a.failures.len(),
+                    a.runs,
+                    a.failures[0]
+                )
+            },
+            if a.rates.len() >= 2 {
+                format!("{min:.0}–{max:.0}")
+            } else {
+                "—".into()
+            },
+        ]);
+        table.push(cells);
+    }
+
+    out.line(
+        "## The peers' workload (PostgreSQL): ours against pgbench's naive inbox and psycopg2",
+    );
+    out.line("");
+    out.line(format!(
+        "One seeded list of {} deliveries: {} distinct messages plus {} redeliveries of earlier \
+         ones at seeded random positions, each crediting an amount to one of {} accounts with \
+         `{EFFECT}`. Every row runs the whole list in each of {} round(s) (order rotated), on a \
+         reset database (both inboxes empty, the accounts recreated at 0, `CHECKPOINT`), taking \
+         the deliveries in list order from one shared cursor, N at a time. Rate: median \
+         deliveries/s (whole list ÷ wall time from the first delivery to the last); `× naive`: ÷ \
+         pgbench's naive inbox at the same N. CPU per delivery: the client (pgbench, python3 or \
+         this process) and the PostgreSQL cluster, over all rounds. WAL: `pg_stat_wal.wal_bytes` \
+         delta (cluster-wide, autovacuum included) ÷ deliveries. Effects: after each run, every \
+         balance and their sum equal the distinct credits', and the row's inbox holds exactly \
+         the distinct keys (`peer_inbox` for pgbench and psycopg2, the runtime's inbox for ours); \
+         a row wrong in any run is reported as failed, saying what was wrong, \
+         instead of a rate.",
+        workload.deliveries.len(),
+        workload.messages,
+        workload.redeliveries,
+        sizes.accounts,
+        p.rounds,
+    ));
+    out.line("");
+    out.line(
+        "pgbench (`-M prepared`, `-j min(N, CPUs)`) reads the next delivery from \
+         `peer_deliveries(seq, key, account, amount)` inside its INSERT (a CTE on \
+         `seq = nextval('peer_seq')`: a primary-key lookup, no extra statement); its script:",
+    );
+    out.line("");
+    for line in PGBENCH_SCRIPT.lines() {
+        out.line(format!("    {line}"));
+    }
+    out.line("");
+    out.line(format!(
+        "psycopg2: examples/bench/peers_psycopg2.py, N threads with one connection each (libpq's \
+         simple protocol, psycopg2's implicit BEGIN: 4 round trips per new message). Ours: \
+         `Dispatcher::dispatch_on` with N tasks each holding a `ConnectionSlot` (pool of N); the \
+         Worker over an in-memory source holding the list (pool of N + 1): `concurrency(N)` with \
+         `one_per_transaction()`, `concurrency(4)` with `batch({BATCH}, 5 \
+         ms)`, and `Worker::new` with nothing but `concurrency(4)`, whose settings at run time \
+         were: {}.",
+        defaults.as_deref().unwrap_or("(not run)")
+    ));
+    out.line("");
+    out.table(
+        &[
+            "path",
+            "N",
+            "deliveries/s",
+            "× naive",
+            "client CPU µs/delivery",
+            "server CPU µs/delivery",
+            "WAL bytes/delivery",
+            "WAL × naive",
+            "effects",
+            "rounds min–max deliveries/s",
+        ],
+        &table,
+    );
+
+    let mut lines = Vec::new();
+    let target = |value: Option<f64>, ok: &dyn Fn(f64) -> bool, text: &str| match value {
+        Some(v) if ok(v) => format!("{v:.2}× (target {text}: met)"),
+        Some(v) => format!("{v:.2}× (target {text}: **not met**)"),
+        None => format!("— (target {text}: not measured)"),
+    };
+    for n in [4, 16] {
+        let naive = rate(Row::Pgbench(n));
+        lines.push(format!(
+            "- {n}: Worker (1 message per transaction) ÷ pgbench naive = {}; dispatch_on ÷ \
+             pgbench naive = {}; Worker ÷ dispatch_on = {}",
+            target(
+                ratio_of(rate(Row::Worker(n)), naive),
+                &|v| v >= 0.85,
+                "≥ 0.85"
+            ),
+            target(
+                ratio_of(rate(Row::DispatchOn(n)), naive),
+                &|v| v >= 0.9,
+                "≥ 0.90"
+            ),
+            target(
+                ratio_of(rate(Row::Worker(n)), rate(Row::DispatchOn(n))),
+                &|v| v >= 0.95,
+                "≥ 0.95"
+            ),
+        ));
+    }
+    lines.push(format!(
+        "- 4: Worker with default settings ÷ psycopg2 = {}; Worker::batch(100) ÷ psycopg2 = {}",
+        target(
+            ratio_of(rate(Row::WorkerDefault(4)), rate(Row::Psycopg2(4))),
+            &|v| v >= 3.0,
+            "≥ 3"
+        ),
+        times(ratio_of(rate(Row::WorkerBatch(4)), rate(Row::Psycopg2(4)))),
+    ));
+    for row in ROWS.into_iter().filter(|r| !r.naive()) {
+        lines.push(format!(
+            "- WAL bytes per delivery, {} at {} ÷ pgbench naive's = {}",
+            row.label(),
+            row.workers(),
+            target(
+                ratio_of(wal(row), wal(Row::Pgbench(row.workers()))),
+                &|v| v <= 1.15,
+                "≤ 1.15"
+            )
+        ));
+    }
+    for n in [4, 16] {
+        lines.push(format!(
+            "- WAL bytes per delivery, psycopg2 at {n} ÷ pgbench naive's = {} (the same \
+             statements: about 1)",
+            times(ratio_of(wal(Row::Psycopg2(n)), wal(Row::Pgbench(n))))
+        ));
+    }
+    out.line("Ratios (issue 19, \"Must show\"; medians of this run):");
+    out.line("");
+    for line in lines {
+        out.line(line);
+    }
+    out.line("");
+    Ok(())
+}
