@@ -273,7 +273,7 @@ pub async fn db_state(url: &str) -> DbState {
             .await
             .unwrap();
     let processed: Vec<(String, String)> = sqlx::query_as(
-        "SELECT message_key, payload_hash FROM inbox_messages \
+        "SELECT message_key, encode(payload_hash, 'hex') FROM inbox_messages \
          WHERE consumer = 'ledger' AND status = 'processed'",
     )
     .fetch_all(&mut conn)

@@ -414,8 +414,11 @@ pub(crate) async fn consume<DB: PositionsDatabase>(
             connected
         }
     };
+    // One message per transaction: the demo's crash and outage tests bound what a kill can leave
+    // unacknowledged by `--concurrency` (a batching Worker may hold (concurrency + 1) × 100).
     let worker = Worker::new(dispatcher)
         .concurrency(usize::from(args.concurrency))
+        .one_per_transaction()
         .stop_when_idle(Duration::from_secs_f64(args.idle_exit));
     let report = worker
         .run(source, shutdown)
