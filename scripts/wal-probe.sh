@@ -97,16 +97,6 @@ script() { # variant -> pgbench script
   }
 }
 
-ticks() {
-  local pm total=0 pid f
-  pm=$(q postgres "SELECT pg_backend_pid()" >/dev/null; "${PSQL[@]}" "$URL" -c "SHOW data_directory" 2>/dev/null)
-  pm=$(head -n 1 /proc/$(pgrep -o -f "postgres.*-D $pm" 2>/dev/null || echo 1)/stat >/dev/null 2>&1; echo)
-  for pid in $(pgrep -f "postgres" ); do
-    :
-  done
-  echo 0
-}
-
 ticks() { # sum utime+stime(+cutime+cstime for the postmaster) of the server's processes
   local pm=$1 total=0 pid s
   s=($(cut -d' ' -f14-17 /proc/$pm/stat))

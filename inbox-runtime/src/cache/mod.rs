@@ -71,7 +71,7 @@ impl CacheEntry {
         })
     }
 
-    /// The entry's text form, as [`RedisCache`](redis::RedisCache) stores it:
+    /// The entry's text form, as `RedisCache` (feature `redis`) stores it:
     /// `<status> <fingerprint hex>`.
     pub fn to_text(&self) -> String {
         format!("{} {}", self.status.as_str(), self.fingerprint.to_hex())
