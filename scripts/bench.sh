@@ -10,7 +10,8 @@
 #   scripts/bench.sh --only kafka     # Kafka scale-out: 1, 2, 4 consumer processes in one group
 #   scripts/bench.sh --only mysql     # MariaDB: bare effect, one message per transaction, batch 100
 #   scripts/bench.sh --only contention  # Worker batches over hot rows: 4 vs 1 batch in flight
-#   scripts/bench.sh --only peers     # the peers' workload: pgbench naive, psycopg2, ours
+#   scripts/bench.sh --only peers     # the peers' workload: pgbench naive and with the runtime's
+#                                     # statements, psycopg2, ours
 #
 # Asking for the `peers` section installs psycopg2-binary from PyPI if python3 lacks psycopg2
 # (scripts/psycopg2.sh), for its psycopg2 reference consumer.

@@ -34,8 +34,8 @@
 //! * **Contention** (`--only contention`, only when named): `Worker` batches of 100 over 1,000 hot
 //!   accounts, 4 batches in flight vs 1, deadlocks and contention fallbacks (`contention.rs`).
 //! * **The peers' workload** (`--only peers`, and in `--smoke`): one seeded list of deliveries
-//!   with redeliveries, run by pgbench's naive inbox, the psycopg2 reference consumer,
-//!   `dispatch_on` and the `Worker` (one per transaction, batched, defaults), each run checked
+//!   with redeliveries, run by pgbench's naive inbox, pgbench running the runtime's own
+//!   statements, the psycopg2 reference consumer, `dispatch_on` and the `Worker` (one per transaction, batched, defaults), each run checked
 //!   for exact effects, with WAL bytes per delivery (`peers.rs`).
 //!
 //! Round trips per message are counted on the wire (a counting proxy between client and server,
@@ -202,8 +202,8 @@ enum Section {
     /// The Worker (one per transaction, and default batching) against `dispatch_on` at the same
     /// concurrency (only when named: `--only worker`; `worker.rs`).
     Worker,
-    /// The peers' workload: one seeded list of deliveries through pgbench's naive inbox, the
-    /// psycopg2 reference consumer and ours, with exact-effect checks (when named: `--only
+    /// The peers' workload: one seeded list of deliveries through pgbench's naive inbox,
+    /// pgbench running the runtime's statements, the psycopg2 reference consumer and ours, with exact-effect checks (when named: `--only
     /// peers`, and in `--smoke`'s default set).
     Peers,
 }

@@ -7,7 +7,9 @@
 //! random position after its original. Every row runs the whole list once per round on a reset
 //! database (both inboxes empty, the accounts recreated at balance 0, a `CHECKPOINT`), and must
 //! end with every balance equal to the sum of its account's distinct credits and its inbox
-//! holding exactly the distinct keys: a row that does not is reported as FAILED, not as a rate.
+//! holding exactly the distinct keys (the runtime's inbox, for every row writing it: each key
+//! `processed` with the fingerprint the runtime computes): a row that does not is reported as
+//! FAILED, not as a rate.
 //!
 //! The effect is the same statement in every row: [`EFFECT`]. The rows:
 //!
@@ -16,6 +18,16 @@
 //!   (`\aset` and `\if`); `COMMIT`: 4 round trips. Each transaction takes the next delivery of the
 //!   list from the table `peer_deliveries(seq, key, account, amount)` inside its `INSERT` (a CTE
 //!   on `seq = nextval('peer_seq')`: one primary-key lookup, no extra statement or round trip);
+//! * **pgbench running the runtime's statements** ([`PGBENCH_RUNTIME_SCRIPT`], the same options,
+//!   right after the naive row at each N): what `Dispatcher::dispatch_on` sends for one delivery
+//!   — `BEGIN`; the runtime's claim (a copy of `CLAIM` in inbox-runtime/src/store/postgres.rs,
+//!   to be kept in step with it); the effect and the verification (`VERIFY_CLAIM`) only if the
+//!   claim returned `claimed`; `COMMIT` — or, for a duplicate, `BEGIN`; the claim; `ROLLBACK` —
+//!   on the runtime's own migrated `inbox_messages` (consumer `peers`, message name
+//!   `bench.peers`, the fingerprint the runtime stores, precomputed into
+//!   `peer_deliveries.fingerprint`), taking the next delivery inside the claim as the naive row
+//!   does. It splits the gap between ours and the naive row: itself ÷ naive is the protocol's
+//!   statements (server side), ours ÷ itself the client (sqlx, the dispatcher, the Worker);
 //! * the **psycopg2 reference consumer** (`peers_psycopg2.py`, threads with one connection each,
 //!   the same naive statements; skipped, saying why, when `python3` cannot import `psycopg2`);
 //! * **ours**: `Dispatcher::dispatch_on` (N tasks, each with a held `ConnectionSlot`), and the
@@ -31,7 +43,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use inbox_runtime::source::memory::MemorySource;
-use inbox_runtime::{ConnectionSlot, Dispatcher, Envelope, Outcome, Worker, WorkerReport};
+use inbox_runtime::{
+    ConnectionSlot, Dispatcher, Envelope, Fingerprint, Outcome, Worker, WorkerReport,
+};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool, Postgres};
 use tokio_util::sync::CancellationToken;
@@ -67,6 +81,60 @@ RETURNING 1 AS inserted, (SELECT account FROM d) AS account, (SELECT amount FROM
 UPDATE peer_accounts SET balance = balance + :amount WHERE id = :account;\n\
 \\endif\n\
 COMMIT;\n";
+
+/// pgbench running the runtime's own statements for one delivery, on the runtime's migrated
+/// `inbox_messages` (consumer [`CONSUMER`], message name [`MESSAGE`]): what
+/// `Dispatcher::dispatch_on` sends for a fresh key — `BEGIN`; the claim; the effect; the
+/// verification (`VERIFY_CLAIM`); `COMMIT` — and for a duplicate — `BEGIN`; the claim;
+/// `ROLLBACK` (inbox-runtime/src/protocol: `begin_claim` rolls back a key it finds taken).
+///
+/// The claim is a copy of `CLAIM` in inbox-runtime/src/store/postgres.rs and MUST be kept in
+/// step with it: the same `WITH claim AS (INSERT … ON CONFLICT DO UPDATE … WHERE …) SELECT …
+/// UNION ALL SELECT …`, its parameters written in: `$1` `'peers'`, `$2` the delivery's key, `$3`
+/// `'bench.peers'`, `$4` the delivery's fingerprint (32 bytes, `Fingerprint::of(MESSAGE, msg)`
+/// as the Rust rows store it, precomputed into `peer_deliveries.fingerprint`), `$5`–`$7` NULL
+/// (no source metadata), `$8` `'deliver'`. Two departures, both needed for pgbench to take the
+/// next delivery of the list inside the claim, as the naive row does (no extra round trip): the
+/// `INSERT` reads its row from the CTE `d` (`INSERT … SELECT … FROM d` for `VALUES (…)`; the
+/// key of the second branch is `(SELECT key FROM d)`), and each branch returns four more
+/// columns (`claimed`, and the key, account and amount the effect and the verification use).
+/// When the list is exhausted (`d` empty) the claim returns no row, as it does when a
+/// concurrent claim of the key commits under it (the runtime then claims again): both roll
+/// back. `\aset` assigns nothing when no row is returned, hence the `\set`.
+pub(crate) const PGBENCH_RUNTIME_SCRIPT: &str = "\\set claimed 0\n\
+BEGIN;\n\
+WITH d AS (SELECT key COLLATE \"C\" AS key, fingerprint, account, amount FROM peer_deliveries \
+WHERE seq = (SELECT nextval('peer_seq'))), \
+claim AS ( \
+INSERT INTO inbox_messages \
+(consumer, message_key, message_name, payload_hash, status, attempts, received_at, \
+source, source_partition, source_offset) \
+SELECT 'peers', key, 'bench.peers', fingerprint, 'processed', 1, now(), NULL, NULL, NULL FROM d \
+ON CONFLICT (consumer, message_key) DO UPDATE SET \
+status = 'processed', attempts = inbox_messages.attempts + 1, processed_at = now(), \
+next_attempt_at = NULL, payload = NULL \
+WHERE inbox_messages.payload_hash = excluded.payload_hash \
+AND ((inbox_messages.status = 'failed' AND ('deliver' <> 'deliver' OR \
+(inbox_messages.next_attempt_at IS NULL OR inbox_messages.next_attempt_at <= now()))) \
+OR (inbox_messages.status = 'dead' AND 'deliver' = 'replay') \
+OR (inbox_messages.status = 'parked' AND 'deliver' IN ('resume', 'release'))) \
+RETURNING attempts) \
+SELECT 'claimed' AS status, NULL::bytea AS payload_hash, attempts, \
+NULL::bigint AS retry_in_ms, 1 AS claimed, d.key, d.account, d.amount FROM claim, d \
+UNION ALL \
+SELECT status, payload_hash, attempts, \
+CASE WHEN status = 'failed' AND next_attempt_at > now() \
+THEN CEIL(EXTRACT(EPOCH FROM (next_attempt_at - now())) * 1000)::bigint END, \
+0, NULL, NULL, NULL \
+FROM inbox_messages \
+WHERE consumer = 'peers' AND message_key = (SELECT key FROM d) AND NOT EXISTS (SELECT 1 FROM claim) \\aset\n\
+\\if :claimed\n\
+UPDATE peer_accounts SET balance = balance + :amount WHERE id = :account;\n\
+SELECT 1 FROM inbox_messages WHERE consumer = 'peers' AND message_key = :key;\n\
+COMMIT;\n\
+\\else\n\
+ROLLBACK;\n\
+\\endif\n";
 
 /// The psycopg2 reference consumer, written to a temporary file to run.
 const PSYCOPG2_SCRIPT: &str = include_str!("peers_psycopg2.py");
@@ -179,6 +247,9 @@ impl Workload {
 pub(crate) enum Row {
     /// pgbench's naive inbox with this many clients.
     Pgbench(usize),
+    /// pgbench running the runtime's statements ([`PGBENCH_RUNTIME_SCRIPT`]) with this many
+    /// clients.
+    PgbenchRuntime(usize),
     /// The psycopg2 reference consumer with this many threads.
     Psycopg2(usize),
     /// `Dispatcher::dispatch_on` with this many tasks.
@@ -192,14 +263,16 @@ pub(crate) enum Row {
 }
 
 /// The rows, in the order of the table.
-pub(crate) const ROWS: [Row; 10] = [
+pub(crate) const ROWS: [Row; 12] = [
     Row::Pgbench(4),
+    Row::PgbenchRuntime(4),
     Row::Psycopg2(4),
     Row::DispatchOn(4),
     Row::Worker(4),
     Row::WorkerBatch(4),
     Row::WorkerDefault(4),
     Row::Pgbench(16),
+    Row::PgbenchRuntime(16),
     Row::Psycopg2(16),
     Row::DispatchOn(16),
     Row::Worker(16),
@@ -210,6 +283,9 @@ impl Row {
         match self {
             Row::Pgbench(_) => {
                 "pgbench: naive inbox (BEGIN; INSERT … ON CONFLICT DO NOTHING; UPDATE if inserted; COMMIT)"
+            }
+            Row::PgbenchRuntime(_) => {
+                "pgbench: the runtime's statements (BEGIN; claim; UPDATE; verify; COMMIT, or BEGIN; claim; ROLLBACK)"
             }
             Row::Psycopg2(_) => "psycopg2 reference consumer (the same naive statements)",
             Row::DispatchOn(_) => "ours: Dispatcher::dispatch_on, 1 message per transaction",
@@ -222,6 +298,7 @@ impl Row {
     pub(crate) fn workers(self) -> usize {
         match self {
             Row::Pgbench(n)
+            | Row::PgbenchRuntime(n)
             | Row::Psycopg2(n)
             | Row::DispatchOn(n)
             | Row::Worker(n)
@@ -304,7 +381,7 @@ async fn setup(admin: &PgPool, workload: &Workload) -> Result<(), BoxError> {
         "DROP TABLE IF EXISTS peer_deliveries, peer_inbox, peer_accounts",
         "DROP SEQUENCE IF EXISTS peer_seq",
         "CREATE TABLE peer_deliveries (seq bigint PRIMARY KEY, key text NOT NULL, \
-           account int NOT NULL, amount bigint NOT NULL)",
+           account int NOT NULL, amount bigint NOT NULL, fingerprint bytea NOT NULL)",
         "CREATE TABLE peer_inbox (consumer text NOT NULL, key text NOT NULL, \
            PRIMARY KEY (consumer, key))",
         "CREATE TABLE peer_accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0)",
@@ -321,14 +398,22 @@ async fn setup(admin: &PgPool, workload: &Workload) -> Result<(), BoxError> {
         .collect();
     let accounts: Vec<i32> = workload.deliveries.iter().map(|m| m.account).collect();
     let amounts: Vec<i64> = workload.deliveries.iter().map(|m| m.amount).collect();
+    // What the runtime stores as the delivery's `payload_hash`, for the pgbench row that runs
+    // its statements.
+    let fingerprints = workload
+        .deliveries
+        .iter()
+        .map(|m| Ok(Fingerprint::of(MESSAGE, m)?.as_bytes().to_vec()))
+        .collect::<Result<Vec<Vec<u8>>, BoxError>>()?;
     sqlx::query(
-        "INSERT INTO peer_deliveries (seq, key, account, amount) \
-         SELECT * FROM UNNEST($1::bigint[], $2::text[], $3::int[], $4::bigint[])",
+        "INSERT INTO peer_deliveries (seq, key, account, amount, fingerprint) \
+         SELECT * FROM UNNEST($1::bigint[], $2::text[], $3::int[], $4::bigint[], $5::bytea[])",
     )
     .bind(seq)
     .bind(keys)
     .bind(accounts)
     .bind(amounts)
+    .bind(fingerprints)
     .execute(admin)
     .await?;
     sqlx::query("VACUUM ANALYZE peer_deliveries")
@@ -384,15 +469,19 @@ async fn check(admin: &PgPool, workload: &Workload, row: Row) -> Result<(), BoxE
             balances.len()
         ));
     }
-    // Rows in the inbox, and how many of them are keys of the list (primary keys: distinct).
+    // Rows in the inbox, and how many of them are keys of the list (primary keys: distinct);
+    // in the runtime's inbox, `processed` under the section's message name with the key's
+    // fingerprint (what the pgbench row running the runtime's statements must store alike).
     let query = if row.naive() {
         "SELECT (SELECT count(*) FROM peer_inbox), \
                 (SELECT count(*) FROM peer_inbox WHERE consumer = 'peers' \
                    AND key IN (SELECT key FROM peer_deliveries))"
     } else {
         "SELECT (SELECT count(*) FROM inbox_messages), \
-                (SELECT count(*) FROM inbox_messages WHERE consumer = 'peers' \
-                   AND message_key::text IN (SELECT key FROM peer_deliveries))"
+                (SELECT count(*) FROM inbox_messages m WHERE consumer = 'peers' \
+                   AND status = 'processed' AND message_name = 'bench.peers' \
+                   AND EXISTS (SELECT 1 FROM peer_deliveries d WHERE d.key = m.message_key::text \
+                     AND d.fingerprint = m.payload_hash))"
     };
     let (rows, keys): (i64, i64) = sqlx::query_as(query).fetch_one(admin).await?;
     let want = workload.messages as i64;
@@ -453,14 +542,20 @@ struct Ran {
     failure: Option<String>,
 }
 
-/// pgbench's naive inbox over the whole list: `clients` clients, enough transactions each for
-/// the list (the last few find no delivery left and do nothing).
-async fn run_pgbench(pg: &Pg, workload: &Workload, clients: usize) -> Result<Ran, BoxError> {
+/// pgbench's `script` ([`PGBENCH_SCRIPT`] or [`PGBENCH_RUNTIME_SCRIPT`]) over the whole list:
+/// `clients` clients, enough transactions each for the list (the last few find no delivery left
+/// and do nothing).
+async fn run_pgbench(
+    pg: &Pg,
+    workload: &Workload,
+    script: &str,
+    clients: usize,
+) -> Result<Ran, BoxError> {
     let bench = pg.pgbench.as_ref().ok_or("pgbench not found")?;
     let per_client = workload.deliveries.len().div_ceil(clients) as u64;
     let run = bench
         .run_text(
-            PGBENCH_SCRIPT,
+            script,
             &[],
             clients,
             Length::Transactions(per_client),
@@ -726,7 +821,8 @@ async fn run_row(
     let before = crate::wal(pg).await;
     let n = row.workers();
     let ran = match row {
-        Row::Pgbench(_) => run_pgbench(pg, workload, n).await,
+        Row::Pgbench(_) => run_pgbench(pg, workload, PGBENCH_SCRIPT, n).await,
+        Row::PgbenchRuntime(_) => run_pgbench(pg, workload, PGBENCH_RUNTIME_SCRIPT, n).await,
         Row::Psycopg2(_) => run_psycopg2(pg, password, workload, n).await,
         Row::DispatchOn(_) => run_dispatch_on(pg, workload, envelopes, n).await,
         Row::Worker(_) => run_worker(pg, workload, envelopes, n + 1, |w| {
@@ -803,7 +899,9 @@ pub(crate) async fn section(
     let python = psycopg2_available();
     let skipped = |row: Row| -> Option<String> {
         match row {
-            Row::Pgbench(_) if pg.pgbench.is_none() => Some("pgbench not found".into()),
+            Row::Pgbench(_) | Row::PgbenchRuntime(_) if pg.pgbench.is_none() => {
+                Some("pgbench not found".into())
+            }
             Row::Psycopg2(_) => python.clone().err(),
             _ => None,
         }
@@ -922,6 +1020,22 @@ pub(crate) async fn section(
         out.line(format!("    {line}"));
     }
     out.line("");
+    out.line(
+        "pgbench with the runtime's statements runs, with the same options, what \
+         `dispatch_on` sends for one delivery (a fresh key: BEGIN; the claim; the effect; the \
+         verification; COMMIT — a duplicate: BEGIN; the claim; ROLLBACK) on the runtime's \
+         migrated `inbox_messages` (consumer `peers`, message name `bench.peers`, the \
+         fingerprint the runtime computes, precomputed into `peer_deliveries.fingerprint`), the \
+         claim a copy of the runtime's (inbox-runtime/src/store/postgres.rs, `CLAIM`) reading \
+         the next delivery from `peer_deliveries` as the naive script does. Against the naive \
+         row it measures the protocol's statements (the server's side); ours against it, the \
+         client (sqlx, the dispatcher, the Worker). Its script:",
+    );
+    out.line("");
+    for line in PGBENCH_RUNTIME_SCRIPT.lines() {
+        out.line(format!("    {line}"));
+    }
+    out.line("");
     out.line(format!(
         "psycopg2: examples/bench/peers_psycopg2.py, N threads with one connection each (libpq's \
          simple protocol, psycopg2's implicit BEGIN: 4 round trips per new message). Ours: \
@@ -977,6 +1091,17 @@ pub(crate) async fn section(
             ),
         ));
     }
+    for n in [4, 16] {
+        let statements = rate(Row::PgbenchRuntime(n));
+        lines.push(format!(
+            "- {n}: protocol: pgbench with the runtime's statements ÷ naive pgbench = {}; client: \
+             dispatch_on ÷ pgbench with the runtime's statements = {}; client: Worker 1/tx ÷ \
+             pgbench with the runtime's statements = {}",
+            times(ratio_of(statements, rate(Row::Pgbench(n)))),
+            times(ratio_of(rate(Row::DispatchOn(n)), statements)),
+            times(ratio_of(rate(Row::Worker(n)), statements)),
+        ));
+    }
     lines.push(format!(
         "- 4: Worker with default settings ÷ psycopg2 = {}; Worker::batch(100) ÷ psycopg2 = {}",
         target(
@@ -986,7 +1111,11 @@ pub(crate) async fn section(
         ),
         times(ratio_of(rate(Row::WorkerBatch(4)), rate(Row::Psycopg2(4)))),
     ));
-    for row in ROWS.into_iter().filter(|r| !r.naive()) {
+    // The targets are the runtime's: not the pgbench row running its statements.
+    for row in ROWS
+        .into_iter()
+        .filter(|r| !r.naive() && !matches!(r, Row::PgbenchRuntime(_)))
+    {
         lines.push(format!(
             "- WAL bytes per delivery, {} at {} ÷ pgbench naive's = {}",
             row.label(),
@@ -1001,8 +1130,10 @@ pub(crate) async fn section(
     for n in [4, 16] {
         lines.push(format!(
             "- WAL bytes per delivery, psycopg2 at {n} ÷ pgbench naive's = {} (the same \
-             statements: about 1)",
-            times(ratio_of(wal(Row::Psycopg2(n)), wal(Row::Pgbench(n))))
+             statements: about 1); pgbench with the runtime's statements at {n} ÷ pgbench \
+             naive's = {} (the protocol's share)",
+            times(ratio_of(wal(Row::Psycopg2(n)), wal(Row::Pgbench(n)))),
+            times(ratio_of(wal(Row::PgbenchRuntime(n)), wal(Row::Pgbench(n))))
         ));
     }
     out.line("Ratios (issue 19, \"Must show\"; medians of this run):");
