@@ -362,8 +362,10 @@ pub(super) fn hash_bytes(hex_text: &str) -> Vec<u8> {
         && hex_text
             .bytes()
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-    match hex::decode(hex_text) {
-        Ok(bytes) if lower_hex => bytes,
+    // Decoded into a fixed buffer (one allocation, of the exact size): every claim binds one.
+    let mut bytes = [0_u8; 32];
+    match hex::decode_to_slice(hex_text, &mut bytes) {
+        Ok(()) if lower_hex => bytes.to_vec(),
         _ => hex_text.as_bytes().to_vec(),
     }
 }
