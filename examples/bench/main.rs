@@ -35,8 +35,9 @@
 //!   accounts, 4 batches in flight vs 1, deadlocks and contention fallbacks (`contention.rs`).
 //! * **The peers' workload** (`--only peers`, and in `--smoke`): one seeded list of deliveries
 //!   with redeliveries, run by pgbench's naive inbox, pgbench running the runtime's own
-//!   statements, the psycopg2 reference consumer, `dispatch_on` and the `Worker` (one per transaction, batched, defaults), each run checked
-//!   for exact effects, with WAL bytes per delivery (`peers.rs`).
+//!   statements, the psycopg2 reference consumer, `dispatch_on` and the `Worker` (one per
+//!   transaction, batched, defaults), each run checked for exact effects, with WAL bytes per
+//!   delivery (`peers.rs`).
 //!
 //! Round trips per message are counted on the wire (a counting proxy between client and server,
 //! see `proxy.rs`), as are the statements each path sends. The harness works in its own
@@ -203,8 +204,8 @@ enum Section {
     /// concurrency (only when named: `--only worker`; `worker.rs`).
     Worker,
     /// The peers' workload: one seeded list of deliveries through pgbench's naive inbox,
-    /// pgbench running the runtime's statements, the psycopg2 reference consumer and ours, with exact-effect checks (when named: `--only
-    /// peers`, and in `--smoke`'s default set).
+    /// pgbench running the runtime's statements, the psycopg2 reference consumer and ours, with
+    /// exact-effect checks (when named: `--only peers`, and in `--smoke`'s default set).
     Peers,
 }
 

@@ -139,11 +139,7 @@ impl Fingerprint {
 
     /// The 64 lower-case hex digits of the digest.
     pub fn to_hex(&self) -> String {
-        // Into a buffer at once: `hex::encode` builds the string a character at a time, and
-        // every claim of every delivery spells its fingerprint out.
-        let mut digits = [0_u8; 64];
-        hex::encode_to_slice(self.0, &mut digits).expect("64 digits for 32 bytes");
-        digits.iter().map(|&digit| char::from(digit)).collect()
+        hex::encode(self.0)
     }
 
     /// The raw 32-byte SHA-256 digest.
