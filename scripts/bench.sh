@@ -26,7 +26,9 @@
 # /tmp/inbox-bench-pg; $INBOX_BENCH_PG_PORT, default 54330), so that tests running meanwhile do
 # not disturb it, and stopped afterwards. That server keeps durability on (fsync=on,
 # synchronous_commit=on) and gets shared_buffers=1GB and max_wal_size=4GB (the 10 M-row inbox
-# does not fit the 128 MB default).
+# does not fit the 128 MB default), and checkpoint_timeout=1d: the sections that count WAL per
+# delivery start every run with a CHECKPOINT of their own, and a timed checkpoint in the middle
+# of one run (every 5 min by default) would add full-page images to that run only.
 #
 # Redis (the dedupe cache's rows): REDIS_URL, else a throwaway one ($INBOX_BENCH_REDIS_PORT,
 # default 6390; $INBOX_BENCH_REDIS_DIR, default /tmp/inbox-bench-redis). Brokers (the outbox
@@ -110,7 +112,8 @@ elif [ -z "$given" ]; then
   bin=$(dirname "$(ls -d /usr/lib/postgresql/*/bin/pg_ctl | sort -V | tail -n 1)")
   as_pg() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
   as_pg "$bin/psql" -h 127.0.0.1 -p "$INBOX_PG_PORT" -U postgres -d postgres -qAt \
-    -c "ALTER SYSTEM SET shared_buffers = '1GB'" -c "ALTER SYSTEM SET max_wal_size = '4GB'" >/dev/null
+    -c "ALTER SYSTEM SET shared_buffers = '1GB'" -c "ALTER SYSTEM SET max_wal_size = '4GB'" \
+    -c "ALTER SYSTEM SET checkpoint_timeout = '1d'" >/dev/null
   as_pg "$bin/pg_ctl" -D "$INBOX_PG_DIR/data" -l "$INBOX_PG_DIR/server.log" -w -t 60 -m fast restart >/dev/null
   echo "bench.sh: throwaway PostgreSQL at $url" >&2
   args+=(--database-url "$url")

@@ -266,3 +266,90 @@ async fn concurrency_does_not_bound_the_batch_size() {
             .unwrap();
     assert_eq!(sizes, [100, 100, 100]);
 }
+
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[message(name = "wc.timed")]
+pub struct Timed {
+    #[message(key)]
+    pub id: String,
+}
+
+/// Records when it ran, in which transaction, and when that transaction began; 2 ms each.
+#[inbox_runtime::idempotent(consumer = "wc-timed")]
+pub async fn timed(conn: &mut PgConnection, msg: Timed) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT pg_sleep(0.002)")
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query(
+        "INSERT INTO handler_log (id, tx, tx_began, ran_at) \
+         VALUES ($1, txid_current(), now(), clock_timestamp())",
+    )
+    .bind(&msg.id)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Four batches of 10 ready at once, `concurrency(4)`: until batches have stayed clean, one
+/// batch runs its handlers at a time (no two batches' handlers overlap), while the next batches
+/// have already begun their transactions (claimed) before the one running its handlers is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_claim_ahead_while_one_batch_runs_its_handlers() {
+    let pool = inbox_tests::pg_pool(12).await;
+    sqlx::query(
+        "CREATE TABLE handler_log (id TEXT PRIMARY KEY, tx BIGINT NOT NULL, \
+         tx_began TIMESTAMPTZ NOT NULL, ran_at TIMESTAMPTZ NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let source = MemorySource::new("mem");
+    let handle = source.handle();
+    for i in 0..40 {
+        handle.push(inbox_tests::envelope(&Timed {
+            id: format!("timed-{i}"),
+        }));
+    }
+    handle.close();
+    let worker = Worker::new(Dispatcher::from_registry(pool.clone()).unwrap())
+        .concurrency(4)
+        .batch_size(10)
+        .park_sweep(None);
+    let report = run_to_end(worker, source).await;
+    assert_eq!(
+        (
+            report.processed,
+            report.acked,
+            report.batches,
+            report.contention_fallbacks
+        ),
+        (40, 40, 4, 0),
+        "{report:?}"
+    );
+    // Per transaction: its handlers' first and last run, and when it began (microseconds).
+    let phases: Vec<(i64, i64, i64, i64)> = sqlx::query_as(
+        "SELECT COUNT(*), \
+           (EXTRACT(EPOCH FROM MIN(ran_at)) * 1e6)::bigint, \
+           (EXTRACT(EPOCH FROM MAX(ran_at)) * 1e6)::bigint, \
+           (EXTRACT(EPOCH FROM MIN(tx_began)) * 1e6)::bigint \
+         FROM handler_log GROUP BY tx ORDER BY MIN(ran_at)",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        phases.iter().map(|p| p.0).collect::<Vec<_>>(),
+        [10, 10, 10, 10]
+    );
+    for pair in phases.windows(2) {
+        let ((_, _, last, _), (_, first, _, began)) = (pair[0], pair[1]);
+        assert!(
+            last < first,
+            "handlers of two batches overlapped: {phases:?}"
+        );
+        assert!(
+            began < last,
+            "the next batch had not begun before the previous one's handlers ended: {phases:?}"
+        );
+    }
+}

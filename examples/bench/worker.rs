@@ -242,9 +242,10 @@ pub(crate) async fn section(
             rs.push(deliveries as f64 / run.seconds);
             if let Some(report) = &run.report {
                 txs.push(format!(
-                    "{}+{}",
+                    "{}+{} ({} fallbacks)",
                     report.batches,
-                    report.deliveries - report.batched
+                    report.deliveries - report.batched,
+                    report.contention_fallbacks
                 ));
             }
             *exact &= run.exact;
@@ -280,7 +281,8 @@ pub(crate) async fn section(
          fresh inbox and zeroed balances per run, a pool of concurrency + 1 connections, \
          {rounds} rounds interleaved, median deliveries/s. `× dispatch_on`: ÷ \
          `Dispatcher::dispatch_on` in as many tasks. Transactions: batches + deliveries run \
-         alone, of the first round. Exact: every balance equals the sum of its distinct events, \
+         alone, of the first round, and the batches that lost to concurrent transactions (run \
+         again alone or one delivery per transaction: `WorkerReport::contention_fallbacks`). Exact: every balance equals the sum of its distinct events, \
          every delivery acked.",
         deliveries / 10
     ));
