@@ -22,215 +22,22 @@ use crate::store::{ClaimRequest, ClaimResult, ClaimStore as _, InboxConnection, 
 /// How the [`Worker`](crate::Worker) asks for one batch to run.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct BatchOptions {
-    /// PostgreSQL: the `lock_timeout` of the batch's handlers (`set_config(…, true)`), when
-    /// another batch may run its handlers beside them, so that a batch that waits on a lock
-    /// longer than this (another batch holds it, perhaps waiting for this one in turn) gives
-    /// up at once instead of after the server's `deadlock_timeout`. `None`: the server's
-    /// setting.
+    /// PostgreSQL: the batch transaction's `lock_timeout` (`SET LOCAL`), so that a batch that
+    /// waits on a lock longer than this (another batch in flight holds it, perhaps waiting for
+    /// this one in turn) gives up at once instead of after the server's `deadlock_timeout`,
+    /// and its messages run alone. `None`: the server's setting.
     pub(crate) lock_timeout: Option<Duration>,
-    /// The Worker's effect gate: the batch runs its handlers (between its claim and its
-    /// commit) holding one of its permits, and a batch that lost to concurrent transactions
-    /// runs once more through it, with one batch's handlers at a time. `None`: no limit, and
-    /// such a batch's messages run one by one at once.
-    pub(crate) effects: Option<Arc<EffectGate>>,
-}
-
-/// Clean batches before one more batch may run its handlers beside the others, until a batch
-/// first lost to concurrent transactions: a Worker starts with one batch's handlers at a time
-/// and ramps up.
-const RAMP_BATCHES: usize = 4;
-/// Clean batches whose handlers run one batch at a time after the first contention, before one
-/// more batch may run its handlers beside them; four times as many after every further
-/// contention (up to [`CALM_BATCHES_MAX`]).
-const CALM_BATCHES: usize = 64;
-/// The most clean batches [`CALM_BATCHES`] grows to.
-const CALM_BATCHES_MAX: usize = 4096;
-
-/// How many of a Worker's batches may run their **handlers** at once. A batch claims its keys
-/// and commits outside the gate, so the claims and commits (a multi-row insert, a WAL flush)
-/// of the batches in flight overlap whatever the limit; only the handler phases, which take
-/// the effects' row locks in an order the runtime cannot sort, are limited.
-///
-/// With a limit of 1 the batches in flight cannot deadlock each other: the one running its
-/// handlers waits at most for the commits of those that ran theirs before it (which wait for
-/// no lock of it), and the claims take the inbox rows in one sorted order.
-///
-/// The limit adapts: 1 at first, up by one after every [`RAMP_BATCHES`] clean batches (up to
-/// the most given), back to 1 as soon as a batch loses to concurrent transactions, then up by
-/// one after [`CALM_BATCHES`] clean batches (four times as many after every further loss, up
-/// to [`CALM_BATCHES_MAX`]). Only batches that entered the gate under the current limit count.
-///
-/// A semaphore whose size changes: lowering it takes back the free permits at once and the
-/// others as their batches leave the gate.
-#[derive(Debug)]
-pub(crate) struct EffectGate {
-    permits: Arc<tokio::sync::Semaphore>,
-    /// The most the limit grows to.
-    most: usize,
-    state: std::sync::Mutex<GateState>,
-}
-
-#[derive(Debug)]
-struct GateState {
-    limit: usize,
-    /// Permits still to take back (held by batches when the limit was lowered).
-    owed: usize,
-    /// Batches running their handlers now.
-    running: usize,
-    /// Changes of the limit so far: a batch's entry is counted under the limit it entered at.
-    epoch: u64,
-    /// Clean batches under the current limit.
-    calm: usize,
-    /// Clean batches needed before the limit goes up by one.
-    calm_needed: usize,
-}
-
-impl EffectGate {
-    /// A gate that lets one batch run its handlers at a time at first, and up to `most` (at
-    /// least 1) while batches stay clean.
-    pub(crate) fn new(most: usize) -> Self {
-        Self {
-            permits: Arc::new(tokio::sync::Semaphore::new(1)),
-            most: most.max(1),
-            state: std::sync::Mutex::new(GateState {
-                limit: 1,
-                owed: 0,
-                running: 0,
-                epoch: 0,
-                calm: 0,
-                calm_needed: RAMP_BATCHES,
-            }),
-        }
-    }
-
-    fn state(&self) -> std::sync::MutexGuard<'_, GateState> {
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// The batches that may run their handlers at once now.
-    pub(crate) fn limit(&self) -> usize {
-        self.state().limit
-    }
-
-    /// Waits for a turn to run handlers (first come, first served); the turn ends when the
-    /// returned permit is dropped.
-    pub(crate) async fn enter(self: &Arc<Self>) -> EffectPermit {
-        let permit = Arc::clone(&self.permits)
-            .acquire_owned()
-            .await
-            .expect("the effect gate's semaphore is never closed");
-        let mut state = self.state();
-        state.running += 1;
-        EffectPermit {
-            gate: Arc::clone(self),
-            permit: Some(permit),
-            epoch: state.epoch,
-            shared: state.running > 1,
-        }
-    }
-
-    /// A batch that entered at `epoch` (`None`: it lost before its turn) lost to concurrent
-    /// transactions: one batch's handlers at a time from now on, for longer after every
-    /// further loss. A loss under an earlier limit was already answered.
-    pub(crate) fn lost(&self, epoch: Option<u64>) {
-        let mut state = self.state();
-        if epoch.is_some_and(|epoch| epoch != state.epoch) {
-            return;
-        }
-        if state.limit > 1 {
-            tracing::info!(
-                was = state.limit,
-                calm_batches = state.calm_needed,
-                "a batch lost to concurrent transactions; running one batch's handlers at a time for a while"
-            );
-        }
-        state.calm_needed = if state.limit > 1 || state.calm_needed < CALM_BATCHES {
-            (state.calm_needed * 4).clamp(CALM_BATCHES, CALM_BATCHES_MAX)
-        } else {
-            state.calm_needed
-        };
-        self.set_limit(&mut state, 1);
-    }
-
-    /// A batch that entered at `epoch` committed without losing: after enough of them under
-    /// the current limit, one more batch may run its handlers beside the others.
-    pub(crate) fn clean(&self, epoch: u64) {
-        let mut state = self.state();
-        if epoch != state.epoch || state.limit >= self.most {
-            return;
-        }
-        state.calm += 1;
-        if state.calm >= state.calm_needed {
-            let limit = state.limit + 1;
-            self.set_limit(&mut state, limit);
-        }
-    }
-
-    /// Sets the limit (a new epoch, no clean batch counted yet): raising it adds permits (or
-    /// cancels permits still owed), lowering it takes back free permits and owes the rest.
-    fn set_limit(&self, state: &mut GateState, limit: usize) {
-        if limit > state.limit {
-            let up = limit - state.limit;
-            let repaid = up.min(state.owed);
-            state.owed -= repaid;
-            self.permits.add_permits(up - repaid);
-        } else {
-            let down = state.limit - limit;
-            let taken = self.permits.forget_permits(down);
-            state.owed += down - taken;
-        }
-        state.limit = limit;
-        state.epoch += 1;
-        state.calm = 0;
-    }
-}
-
-/// A batch's turn to run its handlers (see [`EffectGate`]); ends when dropped.
-#[derive(Debug)]
-pub(crate) struct EffectPermit {
-    gate: Arc<EffectGate>,
-    permit: Option<tokio::sync::OwnedSemaphorePermit>,
-    /// The gate's epoch when the turn began.
-    epoch: u64,
-    /// Whether other batches were running their handlers when this one's turn began: of two
-    /// batches whose handlers wait for each other's locks, the later one gives up (see
-    /// [`BatchOptions::lock_timeout`]), the earlier one waits.
-    shared: bool,
-}
-
-impl Drop for EffectPermit {
-    fn drop(&mut self) {
-        let mut state = self.gate.state();
-        state.running -= 1;
-        if state.owed > 0 {
-            // The limit was lowered while this batch ran its handlers: this permit is taken back.
-            state.owed -= 1;
-            if let Some(permit) = self.permit.take() {
-                permit.forget();
-            }
-        }
-    }
-}
-
-/// How one run of the batch transaction runs its handlers: through the Worker's effect gate
-/// (if any), with a lock timeout when another batch's handlers run beside them.
-struct Gated<'a> {
-    /// The handlers' lock timeout (PostgreSQL), set only if another batch was running its
-    /// handlers when this run's turn began.
-    lock_timeout: Option<Duration>,
-    /// The Worker's effect gate.
-    gate: Option<&'a Arc<EffectGate>>,
-    /// The gate's epoch when the run's turn began (`None`: no gate, or the run ended before).
-    entered: Option<u64>,
+    /// The Worker's batch gate: held shared while the batch runs, exclusively when a batch
+    /// that lost to concurrent transactions runs again. `None`: such a batch's messages run
+    /// one by one at once.
+    pub(crate) gate: Option<Arc<tokio::sync::RwLock<()>>>,
 }
 
 /// What happened to one batch, beside its results.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct BatchStats {
     /// The batch transaction lost to concurrent transactions (a deadlock, a serialization
-    /// failure, a lock wait that timed out), and ran again or its messages ran alone.
+    /// failure, a lock wait that timed out) and its messages ran alone.
     pub(crate) contention: Option<Contention>,
 }
 
@@ -284,10 +91,9 @@ where
     /// the same order): called here, each of its messages runs alone on the one-message path,
     /// whose transactions each hold one message's locks and commit at once, so the batch makes
     /// progress whatever the others do. Through the [`Worker`](crate::Worker), the batch first
-    /// runs once more with no other batch's handlers beside its own (the Worker's gate goes
-    /// back to one batch's handlers at a time, see [`Worker::batch`](crate::Worker::batch)),
-    /// and only if it loses again (to transactions outside the Worker) do its messages run one
-    /// by one. The handlers that ran before the failure run
+    /// runs once more *alone* — after the Worker's other batches in flight have ended, with
+    /// none started beside it — and only if it loses again (to transactions outside the
+    /// Worker) do its messages run one by one. The handlers that ran before the failure run
     /// once more (their writes were rolled back with the batch: a handler re-runs its
     /// neighbours' transaction, not their effects). Each lost run is counted in the
     /// `inbox_batch_contention_total` counter (label `error`: `deadlock`, `serialization`,
@@ -376,15 +182,16 @@ where
         });
         let mut slot = slot.guard();
         if !batch.is_empty() {
-            // Whether this is the run again after a loss to concurrent transactions.
-            let mut again = false;
+            // Batches of one Worker share its gate: each runs holding it shared; one that lost to
+            // concurrent transactions runs again holding it exclusively (no other batch of the
+            // Worker beside it, none waiting for its locks), without a lock timeout.
+            let mut shared = match &options.gate {
+                Some(gate) => Some(Arc::clone(gate).read_owned().await),
+                None => None,
+            };
+            let mut exclusive = None;
             let run = loop {
-                // The effect gate's epoch at this run's turn to run its handlers.
-                let mut gated = Gated {
-                    lock_timeout: options.lock_timeout.filter(|_| !again),
-                    gate: options.effects.as_ref(),
-                    entered: None,
-                };
+                let lock_timeout = options.lock_timeout.filter(|_| exclusive.is_none());
                 // Optimistic only where a handler cannot end the transaction under the batch's
                 // feet: on PostgreSQL an error leaves it aborted (later statements fail, COMMIT
                 // is checked first), whereas on SQLite an `OR ROLLBACK` conflict or a trigger's
@@ -396,7 +203,7 @@ where
                         &prepared,
                         &batch,
                         Isolation::Optimistic,
-                        &mut gated,
+                        lock_timeout,
                     )
                     .await
                 } else {
@@ -413,39 +220,34 @@ where
                             &prepared,
                             &batch,
                             Isolation::Savepoints(failed),
-                            &mut gated,
+                            lock_timeout,
                         )
                         .await;
                 }
-                // A batch transaction that lost to concurrent transactions: run again (once,
-                // through the Worker's effect gate, now at one batch's handlers at a time), else
-                // its messages run one by one.
+                // A batch transaction that lost to concurrent transactions: run again alone
+                // (once, when a gate is given), else its messages run one by one.
                 let contention = match &run {
                     Ok(BatchRun::Contended(contention)) => Some(*contention),
                     Err(error) => Contention::of_sqlx(error),
                     Ok(_) => None,
                 };
                 let Some(contention) = contention else {
-                    if let (Some(gate), Some(epoch), Ok(BatchRun::Done(_))) =
-                        (&options.effects, gated.entered, &run)
-                    {
-                        gate.clean(epoch);
-                    }
                     break run;
                 };
                 stats.contention.get_or_insert(contention);
-                if let Some(gate) = &options.effects {
-                    gate.lost(gated.entered);
-                }
                 metrics::counter!("inbox_batch_contention_total", "error" => contention.as_str())
                     .increment(1);
-                if !again && options.effects.is_some() {
+                if exclusive.is_none()
+                    && let Some(gate) = shared
+                        .take()
+                        .map(|guard| Arc::clone(tokio::sync::OwnedRwLockReadGuard::rwlock(&guard)))
+                {
                     tracing::debug!(
                         error = contention.as_str(),
                         size = batch.len(),
-                        "batch lost to concurrent transactions; running it again, one batch's handlers at a time"
+                        "batch lost to concurrent transactions; running it again alone"
                     );
-                    again = true;
+                    exclusive = Some(gate.write_owned().await);
                     continue;
                 }
                 tracing::debug!(
@@ -455,6 +257,7 @@ where
                 );
                 break run;
             };
+            drop((shared, exclusive));
             let contention = match &run {
                 Ok(BatchRun::Contended(contention)) => Some(*contention),
                 Err(error) => Contention::of_sqlx(error),
@@ -564,7 +367,7 @@ where
         prepared: &[Result<Prepared<'_>, DispatchError>],
         batch: &[(usize, usize)],
         isolation: Isolation,
-        gated: &mut Gated<'_>,
+        lock_timeout: Option<Duration>,
     ) -> Result<BatchRun, sqlx::Error> {
         let (isolate, mut carried) = match isolation {
             Isolation::Optimistic => (false, None),
@@ -625,6 +428,16 @@ where
 
         let conn = slot.get(&self.pool).await?;
         let mut tx = conn.begin_inbox().await?;
+        if let Some(timeout) = lock_timeout
+            && let Some(pg) =
+                sqlx::PgConnection::from_any(DB::Connection::in_transaction(&mut tx).as_any())
+        {
+            let millis = timeout.as_millis().clamp(1, i32::MAX as u128).to_string();
+            sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+                .bind(format!("{millis}ms"))
+                .execute(&mut *pg)
+                .await?;
+        }
         let claimed = DB::Connection::in_transaction(&mut tx)
             .claim_batch(&requests)
             .await?;
@@ -646,28 +459,6 @@ where
             }
         }
 
-        // The handlers run in the Worker's effect gate (see `EffectGate`); the claim above and
-        // the check and commit below do not.
-        let turn = match gated.gate {
-            Some(gate) => Some(gate.enter().await),
-            None => None,
-        };
-        gated.entered = turn.as_ref().map(|turn| turn.epoch);
-        // The lock timeout bounds the handlers' lock waits only when another batch may run its
-        // handlers beside this one's (a claim waits for a key's earlier claim to commit, which
-        // may be a batch waiting for its turn).
-        if let Some(timeout) = gated
-            .lock_timeout
-            .filter(|_| turn.as_ref().is_none_or(|turn| turn.shared))
-            && let Some(pg) =
-                sqlx::PgConnection::from_any(DB::Connection::in_transaction(&mut tx).as_any())
-        {
-            let millis = timeout.as_millis().clamp(1, i32::MAX as u128).to_string();
-            sqlx::query("SELECT set_config('lock_timeout', $1, true)")
-                .bind(format!("{millis}ms"))
-                .execute(&mut *pg)
-                .await?;
-        }
         let mut settles = Vec::with_capacity(batch.len());
         // The batch positions whose handler ran and committed, for the after-commit hooks.
         let mut processed = Vec::new();
@@ -869,7 +660,6 @@ where
                 }
             }
         }
-        drop(turn);
         if !isolate {
             // A handler that swallowed a database error and returned `Ok` left the transaction
             // aborted (PostgreSQL), and COMMIT would silently roll it back: check once for the
@@ -919,116 +709,4 @@ enum BatchRun {
     Isolate(Option<(usize, BodyError)>),
     /// Rolled back after losing to concurrent transactions: every message runs alone.
     Contended(Contention),
-}
-
-#[cfg(test)]
-mod tests {
-    use std::sync::Arc;
-
-    use futures_util::FutureExt as _;
-
-    use super::{CALM_BATCHES, EffectGate, RAMP_BATCHES};
-
-    /// `n` clean batches that entered at `epoch`.
-    fn clean(gate: &EffectGate, epoch: u64, n: usize) {
-        for _ in 0..n {
-            gate.clean(epoch);
-        }
-    }
-
-    #[test]
-    fn the_limit_ramps_up_by_one_per_run_of_clean_batches_up_to_the_most() {
-        let gate = EffectGate::new(3);
-        assert_eq!(gate.limit(), 1);
-        clean(&gate, 0, RAMP_BATCHES - 1);
-        assert_eq!(gate.limit(), 1);
-        clean(&gate, 0, 1);
-        assert_eq!(gate.limit(), 2);
-        // Batches that entered under the previous limit no longer count.
-        clean(&gate, 0, RAMP_BATCHES);
-        assert_eq!(gate.limit(), 2);
-        clean(&gate, 1, RAMP_BATCHES);
-        assert_eq!(gate.limit(), 3);
-        clean(&gate, 2, 10 * RAMP_BATCHES);
-        assert_eq!(gate.limit(), 3);
-    }
-
-    #[test]
-    fn a_loss_goes_back_to_one_and_waits_longer_after_each_further_loss() {
-        let gate = EffectGate::new(4);
-        clean(&gate, 0, RAMP_BATCHES);
-        assert_eq!(gate.limit(), 2);
-        gate.lost(Some(1));
-        assert_eq!(gate.limit(), 1);
-        // A second loss of the same burst (entered under the old limit) is answered already.
-        gate.lost(Some(1));
-        assert_eq!(gate.state().calm_needed, CALM_BATCHES);
-        clean(&gate, 2, CALM_BATCHES - 1);
-        assert_eq!(gate.limit(), 1);
-        clean(&gate, 2, 1);
-        assert_eq!(gate.limit(), 2);
-        gate.lost(Some(3));
-        assert_eq!(
-            (gate.limit(), gate.state().calm_needed),
-            (1, 4 * CALM_BATCHES)
-        );
-        // A loss before the batch's turn (None) counts under the current limit.
-        gate.lost(None);
-        assert_eq!(gate.state().calm_needed, 4 * CALM_BATCHES);
-    }
-
-    #[test]
-    fn a_lowered_limit_takes_back_the_turns_held_as_they_end() {
-        let gate = Arc::new(EffectGate::new(2));
-        clean(&gate, 0, RAMP_BATCHES);
-        let first = gate.enter().now_or_never().expect("a free turn");
-        let second = gate.enter().now_or_never().expect("a second free turn");
-        assert_eq!((first.shared, second.shared), (false, true));
-        assert!(gate.enter().now_or_never().is_none(), "two turns at most");
-        gate.lost(Some(first.epoch));
-        assert_eq!(gate.limit(), 1);
-        drop(first);
-        // The first turn to end was taken back: the second still holds the only one.
-        assert!(gate.enter().now_or_never().is_none(), "one turn at most");
-        drop(second);
-        let third = gate
-            .enter()
-            .now_or_never()
-            .expect("the one turn, free again");
-        assert!(!third.shared);
-        assert!(
-            gate.enter().now_or_never().is_none(),
-            "still one turn at most"
-        );
-        drop(third);
-        // Raised again: a second turn beside the first.
-        clean(&gate, 2, CALM_BATCHES);
-        assert_eq!(gate.limit(), 2);
-        let a = gate.enter().now_or_never().expect("a turn");
-        let b = gate.enter().now_or_never().expect("a second turn");
-        assert_eq!((a.shared, b.shared), (false, true));
-    }
-
-    #[test]
-    fn raising_the_limit_cancels_turns_still_owed() {
-        let gate = Arc::new(EffectGate::new(3));
-        clean(&gate, 0, RAMP_BATCHES);
-        clean(&gate, 1, RAMP_BATCHES);
-        assert_eq!(gate.limit(), 3);
-        let held: Vec<_> = (0..3)
-            .map(|_| gate.enter().now_or_never().expect("a turn"))
-            .collect();
-        gate.lost(Some(2));
-        assert_eq!(gate.state().owed, 2);
-        let mut state = gate.state();
-        gate.set_limit(&mut state, 2);
-        assert_eq!(state.owed, 1);
-        drop(state);
-        drop(held);
-        // Two turns, not one and not three.
-        let a = gate.enter().now_or_never();
-        let b = gate.enter().now_or_never();
-        let c = gate.enter().now_or_never();
-        assert_eq!((a.is_some(), b.is_some(), c.is_some()), (true, true, false));
-    }
 }

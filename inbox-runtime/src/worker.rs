@@ -161,10 +161,10 @@ pub struct WorkerReport {
     /// ([`Delivery::is_current`] false: a Kafka partition revoked since they were fetched).
     pub revoked: u64,
     /// Batches that lost to concurrent transactions (a deadlock, a serialization failure, a
-    /// lock wait that timed out) and therefore ran again with no other batch's handlers beside
-    /// theirs, or (losing again) one delivery per transaction (see [`Worker::batch`]); each such
-    /// loss also made the worker run one batch's handlers at a time for a while. Each lost run
-    /// is also counted in the `inbox_batch_contention_total` counter.
+    /// lock wait that timed out) and therefore ran again alone, or (losing again) one delivery
+    /// per transaction (see [`Worker::batch`]); each such batch also made the worker run one
+    /// batch at a time for a while. Each lost run is also counted in the
+    /// `inbox_batch_contention_total` counter.
     pub contention_fallbacks: u64,
     /// Batch transactions run (two or more deliveries in one transaction, see
     /// [`Worker::batch_size`]); a batch that lost to concurrent transactions and ran again
@@ -243,11 +243,9 @@ pub struct WorkerError {
 /// * **Batches** (on by default, see [`batch_size`](Self::batch_size); off with
 ///   [`one_per_transaction`](Self::one_per_transaction)): deliveries that are ready together
 ///   run in one transaction (up to 100), each settled after its commit by its own outcome; one
-///   delivery ready alone runs alone, with no wait. Batches in flight overlap their claims
-///   and commits; their handlers run one batch at a time at first, side by side once batches
-///   stay clean. A batch that loses to concurrent transactions (a deadlock) runs again (or,
-///   losing again, one delivery per transaction), and the worker then runs one batch's
-///   handlers at a time for a while.
+///   delivery ready alone runs alone, with no wait. A batch
+///   that loses to concurrent transactions (a deadlock) runs again alone (or, losing again,
+///   one delivery per transaction), and the worker then runs one batch at a time for a while.
 /// * **Order**: deliveries with the same [ordering key](Delivery::ordering_key) run one at a
 ///   time, in the order the source handed them out. A requeued delivery comes back when the
 ///   source redelivers it, possibly after later ones of its key.
@@ -290,18 +288,25 @@ const SLOT_IDLE: Duration = Duration::from_secs(1);
 struct Done<DB: InboxDatabase> {
     /// The task's connection slot, back for the next delivery (if it may be kept).
     slot: Option<ConnectionSlot<DB>>,
+    /// Whether its batch lost to concurrent transactions (its deliveries then ran alone).
+    contended: bool,
 }
 
-/// The `lock_timeout` of a batch started while other batches may run their handlers beside it
-/// (PostgreSQL): a batch that waits this long for a row lock is most likely in a deadlock with
-/// another batch, which the server would only find after its `deadlock_timeout` (1 s by
-/// default). It gives up, and runs again with one batch's handlers at a time (without this
-/// timeout).
+/// The `lock_timeout` of a batch started while other batches run (PostgreSQL): a batch that
+/// waits this long for a row lock is most likely in a deadlock with another batch, which the
+/// server would only find after its `deadlock_timeout` (1 s by default). It gives up, and its
+/// deliveries run one per transaction (without this timeout).
 const BATCH_LOCK_TIMEOUT: Duration = Duration::from_millis(30);
 
-/// Batches in flight beyond those that may run their handlers at once: one committing and
-/// settling, one claimed and waiting for its turn (see [`crate::batch::EffectGate`]).
-const AHEAD: usize = 2;
+/// Clean batches before one more batch may run beside the others, until a batch first lost
+/// to concurrent transactions: the worker starts with one batch in flight and ramps up.
+const RAMP_BATCHES: usize = 4;
+/// Clean batches the worker runs one at a time after the first contention, before it lets one
+/// more batch run beside them; four times as many after every further contention (up to
+/// [`CALM_BATCHES_MAX`]).
+const CALM_BATCHES: usize = 64;
+/// The most clean batches [`CALM_BATCHES`] grows to.
+const CALM_BATCHES_MAX: usize = 4096;
 
 /// What a task has settled so far (read even if the task is aborted or panics).
 #[derive(Default)]
@@ -390,10 +395,15 @@ struct Running<DB: InboxDatabase> {
     batch_since: Option<Instant>,
     /// Batches running now.
     batches: usize,
-    /// How many batches may run their handlers at once (their claims and commits overlap
-    /// regardless): 1 at first, up by one after every `calm_needed` clean batches up to the
-    /// concurrency, back to 1 after a batch lost to concurrent transactions.
-    effects: Arc<crate::batch::EffectGate>,
+    /// How many batches may run at once: 1 at first, up by one after every `calm_needed` clean
+    /// batches up to the concurrency, back to 1 after a batch lost to concurrent transactions.
+    batch_limit: usize,
+    /// Clean batches since the limit last changed.
+    calm: usize,
+    /// Clean batches needed before the limit goes up by one.
+    calm_needed: usize,
+    /// The batches' gate (see [`crate::batch::BatchOptions::gate`]).
+    gate: Arc<tokio::sync::RwLock<()>>,
     /// Batches started, and the deliveries in them (for the report).
     batch_runs: u64,
     batched: u64,
@@ -414,10 +424,9 @@ impl<DB: InboxDatabase> Running<DB> {
     }
 
     /// Whether one more transaction (a batch) may start now: fewer than `concurrency`
-    /// transactions run, and fewer batches than [`AHEAD`] more than may run their handlers at
-    /// once (so that few batches wait for their turn with their transaction open).
+    /// transactions and fewer than the batch limit's batches run.
     fn can_start_batch(&self, worker: &Worker<DB>) -> bool {
-        self.tasks.len() < worker.concurrency && self.batches < self.effects.limit() + AHEAD
+        self.tasks.len() < worker.concurrency && self.batches < self.batch_limit
     }
 
     /// Starts full batches while they may start.
@@ -445,9 +454,31 @@ impl<DB: InboxDatabase> Running<DB> {
         }
     }
 
-    /// A batch ended (the effect gate heard of its contention, if any, from the batch).
-    fn batch_ended(&mut self) {
+    /// A batch ended: whether it lost to concurrent transactions adapts the batch limit.
+    fn batch_ended(&mut self, worker: &Worker<DB>, contended: bool) {
         self.batches = self.batches.saturating_sub(1);
+        if contended {
+            if self.batch_limit > 1 {
+                tracing::info!(
+                    was = self.batch_limit,
+                    calm_batches = self.calm_needed,
+                    "a batch lost to concurrent transactions; running one batch at a time for a while"
+                );
+            }
+            self.calm_needed = if self.batch_limit > 1 || self.calm_needed < CALM_BATCHES {
+                (self.calm_needed * 4).clamp(CALM_BATCHES, CALM_BATCHES_MAX)
+            } else {
+                self.calm_needed
+            };
+            self.batch_limit = 1;
+            self.calm = 0;
+        } else if self.batch_limit < worker.concurrency {
+            self.calm += 1;
+            if self.calm >= self.calm_needed {
+                self.batch_limit += 1;
+                self.calm = 0;
+            }
+        }
     }
 
     /// Runs `deliveries` (one, or a batch) in a task, on a kept slot if one is free.
@@ -455,12 +486,12 @@ impl<DB: InboxDatabase> Running<DB> {
         let dispatcher = Arc::clone(&worker.dispatcher);
         let requeue_delay = worker.requeue_delay;
         let is_batch = deliveries.len() > 1;
-        // A batch whose handlers run beside another batch's may be in a deadlock with it: its
-        // handlers wait for a lock at most `BATCH_LOCK_TIMEOUT` (see `run_batch`).
+        // A batch that starts while others run may be in a deadlock with them: it waits for
+        // a lock at most `BATCH_LOCK_TIMEOUT`.
         // Only a batch uses the options (a single delivery runs `dispatch_on`).
         let options = crate::batch::BatchOptions {
-            lock_timeout: is_batch.then_some(BATCH_LOCK_TIMEOUT),
-            effects: is_batch.then(|| Arc::clone(&self.effects)),
+            lock_timeout: (is_batch && self.batches > 0).then_some(BATCH_LOCK_TIMEOUT),
+            gate: is_batch.then(|| Arc::clone(&self.gate)),
         };
         if is_batch {
             self.batches += 1;
@@ -485,7 +516,7 @@ impl<DB: InboxDatabase> Running<DB> {
         let task = async move {
             // A task without a kept slot uses a connection for itself only.
             let mut slot = kept.unwrap_or_default();
-            process(
+            let contended = process(
                 &dispatcher,
                 &mut slot,
                 deliveries,
@@ -496,6 +527,7 @@ impl<DB: InboxDatabase> Running<DB> {
             .await;
             Done {
                 slot: keep.then_some(slot),
+                contended,
             }
         };
         self.meta.insert(id, meta);
@@ -607,26 +639,20 @@ impl<DB: InboxDatabase> Worker<DB> {
     ///
     /// **Contention.** Batches hold their effects' row locks until their one commit, and take
     /// them in the order of their handlers' effects, which the runtime cannot sort: concurrent
-    /// batches whose handlers touch the same rows in different orders deadlock. So the batches
-    /// in flight (up to `concurrency`) overlap their claims (one multi-row statement, keys in
-    /// one sorted order) and their commits, but run their **handlers** through a gate: one
-    /// batch's handlers at a time at first — then the batch running its handlers waits at most
-    /// for the commits of those that ran theirs before it, and no two batches can deadlock —
-    /// and one more batch's beside them after every 4 clean batches, up to `concurrency`. A
-    /// batch whose handlers run beside another batch's waits at most 30 ms for a lock on
-    /// PostgreSQL (the one whose turn came first waits as long as it takes), instead of the
-    /// server's 1 s `deadlock_timeout` before a deadlock is found. A batch that loses a
+    /// batches that touch the same rows in different orders deadlock. So a batch that loses a
     /// deadlock, a serialization failure or a lock wait is never run again against the same
-    /// competitors: the gate goes back to **one batch's handlers at a time** at once, the batch
-    /// runs once more through it (without a lock timeout), and if it loses even then (to
-    /// transactions outside the worker), its deliveries run one per transaction; counted in
-    /// [`WorkerReport::contention_fallbacks`]. After a loss, one more batch's handlers may run
-    /// beside the others after 64 clean batches (256, 1024, … up to 4096 after further
-    /// losses). A stream whose effects contend thus runs one batch's handlers at a time, its
-    /// claims and commits still overlapped; partition it by what the effects lock to run
-    /// handlers side by side. A fallback costs the batch's neighbours their transaction, not
-    /// their effects: the handlers that ran before the failure run again (their writes were
-    /// rolled back), each effect commits once.
+    /// competitors: it runs once more **alone** (after the batches in flight with it have
+    /// ended, none started beside it), and if it loses even then (to transactions outside the
+    /// worker), its deliveries run one per transaction; counted in
+    /// [`WorkerReport::contention_fallbacks`]. A batch started while others run waits at most
+    /// 30 ms for a lock on PostgreSQL (instead of the server's 1 s `deadlock_timeout` before a
+    /// deadlock is found). The worker starts with one batch in flight and lets one more run
+    /// beside them after every 4 clean batches, up to `concurrency`; after a fallback it runs
+    /// **one batch at a time** again, letting one more run beside it after 64 clean batches
+    /// (256, 1024, … after further fallbacks). A stream whose effects contend thus runs about as fast as one batch in
+    /// flight; partition it by what the effects lock to run batches side by side. A fallback
+    /// costs the batch's neighbours their transaction, not their effects: the handlers that ran
+    /// before the failure run again (their writes were rolled back), each effect commits once.
     ///
     /// `max_wait` is latency every delivery of a batch that does not fill may pay: keep it to
     /// milliseconds. A batch that cannot fill — the source has nothing more for now, or the
@@ -711,7 +737,10 @@ impl<DB: InboxDatabase> Worker<DB> {
             batch: Vec::new(),
             batch_since: None,
             batches: 0,
-            effects: Arc::new(crate::batch::EffectGate::new(self.concurrency)),
+            batch_limit: 1,
+            calm: 0,
+            calm_needed: RAMP_BATCHES,
+            gate: Arc::default(),
             batch_runs: 0,
             batched: 0,
         };
@@ -849,7 +878,8 @@ impl<DB: InboxDatabase> Worker<DB> {
                     in_flight -= meta.deliveries;
                     Running::<DB>::account(&meta, &mut report);
                     if meta.batch {
-                        running.batch_ended();
+                        let contended = matches!(&joined, Ok(done) if done.contended);
+                        running.batch_ended(self, contended);
                     }
                     match joined {
                         Ok(done) => {
@@ -1012,7 +1042,8 @@ fn add(total: &mut WorkerReport, one: &WorkerReport) {
 }
 
 /// One delivery (its own transaction) or a batch (one transaction): dispatch, then settle each,
-/// recording each settled delivery in `progress`.
+/// recording each settled delivery in `progress`. Returns whether the batch lost to concurrent
+/// transactions (its deliveries then ran one per transaction).
 ///
 /// A handler that panics is caught here: in a batch, the batch transaction is rolled back and
 /// its deliveries run one by one (so that one poison message does not hold back the others);
@@ -1025,7 +1056,7 @@ async fn process<DB: InboxDatabase>(
     requeue_delay: Duration,
     options: crate::batch::BatchOptions,
     progress: &SharedProgress,
-) {
+) -> bool {
     let record = |one: &WorkerReport| {
         let mut progress = progress
             .lock()
@@ -1065,7 +1096,7 @@ async fn process<DB: InboxDatabase>(
                 for (delivery, result) in deliveries.into_iter().zip(results) {
                     record(&settle(dispatcher, slot, delivery, result, requeue_delay).await);
                 }
-                return;
+                return stats.contention.is_some();
             }
             Err(_) => tracing::error!(
                 size = deliveries.len(),
@@ -1095,6 +1126,7 @@ async fn process<DB: InboxDatabase>(
             }
         }
     }
+    false
 }
 
 /// Settles one delivery by the dispatcher's `result` for it: decide, log, settle.
