@@ -282,8 +282,8 @@ pub(crate) async fn section(
          {rounds} rounds interleaved, median deliveries/s. `× dispatch_on`: ÷ \
          `Dispatcher::dispatch_on` in as many tasks. Transactions: batches + deliveries run \
          alone, of the first round, and the batches that lost to concurrent transactions (run \
-         again alone or one delivery per transaction: `WorkerReport::contention_fallbacks`). Exact: every balance equals the sum of its distinct events, \
-         every delivery acked.",
+         again alone or one delivery per transaction: `WorkerReport::contention_fallbacks`). \
+         Exact: every balance equals the sum of its distinct events, every delivery acked.",
         deliveries / 10
     ));
     out.line("");

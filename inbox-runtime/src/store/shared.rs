@@ -362,10 +362,8 @@ pub(super) fn hash_bytes(hex_text: &str) -> Vec<u8> {
         && hex_text
             .bytes()
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-    // Decoded into a fixed buffer (one allocation, of the exact size): every claim binds one.
-    let mut bytes = [0_u8; 32];
-    match hex::decode_to_slice(hex_text, &mut bytes) {
-        Ok(()) if lower_hex => bytes.to_vec(),
+    match hex::decode(hex_text) {
+        Ok(bytes) if lower_hex => bytes,
         _ => hex_text.as_bytes().to_vec(),
     }
 }
@@ -1145,4 +1143,31 @@ where
         sequence: row.try_get(13)?,
         result: row.try_get(14)?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{hash_bytes, hash_text};
+
+    #[test]
+    fn a_digest_is_stored_as_its_32_bytes_and_reads_back_as_hex() {
+        let digest = "00ff".repeat(16);
+        let stored = hash_bytes(&digest);
+        assert_eq!(stored, [0x00, 0xff].repeat(16));
+        assert_eq!(hash_text(stored), digest);
+    }
+
+    #[test]
+    fn other_text_is_stored_as_its_bytes_and_reads_back_unchanged() {
+        for text in [
+            "00FF".repeat(16),               // upper-case hex: not what the runtime writes
+            "00ff".repeat(15),               // 60 digits
+            format!("{}zz", "0".repeat(62)), // 64 characters, not all hex
+            "damaged".to_owned(),
+        ] {
+            let stored = hash_bytes(&text);
+            assert_eq!(stored, text.as_bytes(), "{text}");
+            assert_eq!(hash_text(stored), text);
+        }
+    }
 }
