@@ -9,9 +9,12 @@
 //! The kills must have hit work in flight, or the test proved nothing: the redeliveries the
 //! consumers saw (their `--trace-deliveries` lines) and the rows the relay published again after a
 //! kill (leased more than once, each published again with its message id) are printed and must be
-//! above 0. So that the second does not depend on luck, each relay kill waits (after its random
-//! delay, at most 3 s) until the relay holds freshly leased rows, and the relay is killed again
-//! (beyond its share, up to 12 times) until one kill has left rows leased and unmarked. On
+//! above 0. So that the second does not depend on luck, until one relay kill has left rows
+//! leased and unmarked, the relay is first stopped (SIGSTOP) at a moment it holds such rows, as
+//! the database shows once the server runs no statement of its, and only then SIGKILLed; later
+//! relay kills wait (after their random delay, at most 3 s) until the relay holds freshly leased
+//! rows, and the relay is killed again (beyond its share, up to 12 times) until one kill has left
+//! rows leased and unmarked. On
 //! RabbitMQ the copies that reached shipping are counted; on NATS, JetStream's duplicate window
 //! drops them (`Nats-Msg-Id`): its stream holds exactly one message per payment.
 //!
@@ -278,8 +281,58 @@ async fn relay_busy(pool: &PgPool, limit: Duration) {
     }
 }
 
-/// Starts `service`, SIGKILLs it a random 200-1200 ms after it became ready (the relay: then as
-/// soon as it holds fresh leases, within 3 s), and starts it again: [`KILLS_PER_SERVICE`] times,
+/// Sends `signal` (a name `kill -s` takes: STOP, CONT) to `child`.
+fn signal(child: &ChildGuard, signal: &str) {
+    let status = Command::new("kill")
+        .args(["-s", signal, &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -s {signal}");
+}
+
+/// Stops the relay (SIGSTOP) at a moment it holds rows it leased after `ready`, unmarked: waits
+/// until it holds fresh leases, stops it, waits until the server runs no statement of its (one
+/// sent just before the stop finishes first), and looks; if the rows were marked meanwhile, it
+/// lets the relay go on (SIGCONT) and tries again, for at most 20 s. A relay that is left
+/// stopped and then SIGKILLed is certain to leave leased rows behind, whatever the speed of the
+/// broker (on NATS a batch's publish can take less than the poll that sees its lease).
+async fn freeze_holding_leases(pool: &PgPool, child: &ChildGuard, ready: f64) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        relay_busy(pool, Duration::from_secs(3)).await;
+        signal(child, "STOP");
+        // Twice idle 20 ms apart: a statement still in the socket when the stop came has reached
+        // the server by the second look.
+        let mut idle = 0;
+        while idle < 2 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            idle = if active_statements(pool, "pipeline relay").await == 0 {
+                idle + 1
+            } else {
+                0
+            };
+        }
+        if leased_since(pool, ready).await > 0 {
+            return; // stopped with leases: the SIGKILL comes next
+        }
+        signal(child, "CONT");
+    }
+}
+
+/// Statements of `application_name`'s connections the server is running.
+async fn active_statements(pool: &PgPool, application_name: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1 AND state = 'active'",
+    )
+    .bind(application_name)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// Starts `service`, SIGKILLs it a random 200-1200 ms after it became ready (the relay: then
+/// stopped while it holds leases, [`freeze_holding_leases`], until a kill left leases, and
+/// afterwards as soon as it holds fresh leases, within 3 s), and starts it again: [`KILLS_PER_SERVICE`] times,
 /// and for the relay until at least one kill left rows leased and unmarked (at most
 /// [`MAX_RELAY_KILLS`] kills). Returns the last process, the kills, and how many relay kills left
 /// leases.
@@ -319,7 +372,11 @@ async fn kill_repeatedly(
         let delay = Duration::from_millis(rng.random_range(200..1200));
         tokio::time::sleep(delay).await;
         if service == Service::Relay {
-            relay_busy(&pool, Duration::from_secs(3)).await;
+            if left_leases == 0 {
+                freeze_holding_leases(&pool, &child, ready).await;
+            } else {
+                relay_busy(&pool, Duration::from_secs(3)).await;
+            }
         }
         assert!(
             child.try_wait().unwrap().is_none(),
