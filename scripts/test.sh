@@ -36,6 +36,12 @@ mkdir "$WORK/tmp"
 STARTED=$SECONDS
 INTERRUPTED=
 
+# Prints `test.sh: [Mm SSs] WHAT`: the time since the start, so that a slow run shows its slow part.
+phase() {
+  local elapsed=$((SECONDS - STARTED))
+  printf 'test.sh: [%dm %02ds] %s\n' $((elapsed / 60)) $((elapsed % 60)) "$*"
+}
+
 # The processes under $1 (children first, then theirs).
 descendants() {
   local child
@@ -157,6 +163,7 @@ echo "test.sh: Redis at $REDIS_URL"
 exports=$(scripts/sqs.sh start)
 eval "$exports"
 echo "test.sh: SQS (moto) at $SQS_ENDPOINT"
+phase "servers started"
 
 scope=(--workspace)
 targets=(--all-targets)
@@ -230,6 +237,7 @@ finish_alongside() {
   echo "test.sh: waiting for the command run beside the tests (INBOX_TEST_ALONGSIDE)"
   wait "$(cat "$WORK/alongside.pid")" || alongside_status=1
   rm -f "$WORK/alongside.pid"
+  phase "the command beside the tests ended"
   cat "$WORK/alongside.log"
 }
 
@@ -243,16 +251,19 @@ if [ $# -eq 0 ]; then
   # The build started before the servers.
   wait "$(cat "$WORK/build.pid")" || status=1
   rm -f "$WORK/build.pid"
+  phase "test binaries built"
   [ "$status" -eq 0 ] && { prebuild_examples || status=1; }
+  phase "demos built"
   if [ "$status" -eq 0 ]; then
     # At the lowest priority: the tests running meanwhile wait on servers and killed demos.
     (TMPDIR=$WORK/tmp exec nice -n 19 cargo test --workspace --test ui --no-fail-fast >"$WORK/ui.log" 2>&1) &
     echo $! >"$WORK/ui.pid"
     start_alongside
     run_cargo test --workspace --all-targets --exclude inbox-macro-ui --no-fail-fast || status=1
-    echo "test.sh: waiting for the UI tests (tests/macro-ui), run beside the others"
+    phase "tests run; waiting for the UI tests (tests/macro-ui), run beside them"
     wait "$(cat "$WORK/ui.pid")" || status=1
     rm -f "$WORK/ui.pid"
+    phase "UI tests run"
     tee -a "$LOG" <"$WORK/ui.log"
   fi
 else
@@ -262,6 +273,7 @@ fi
 # The doctests: not part of --all-targets.
 if [ -n "$doctests" ]; then
   run_cargo test "${scope[@]}" --doc --no-fail-fast "$@" || status=1
+  phase "doctests run"
 fi
 
 finish_alongside
@@ -287,6 +299,13 @@ sed 's/\x1b\[[0-9;]*[A-Za-z]//g' "$LOG" | awk -v status="$status" -v elapsed=$((
   }
   /^test result: / {
     has_result = 1
+    if (match($0, /finished in [0-9.]+s/)) {
+      secs = substr($0, RSTART + 12, RLENGTH - 13) + 0
+      for (i = 1; i <= 5; i++) if (secs > slow_secs[i]) {
+        for (j = 5; j > i; j--) { slow_secs[j] = slow_secs[j - 1]; slow_names[j] = slow_names[j - 1] }
+        slow_secs[i] = secs; slow_names[i] = binary; break
+      }
+    }
     for (i = 1; i <= NF; i++) {
       n = $(i - 1) + 0
       if ($i ~ /^passed/) passed += n
@@ -298,6 +317,11 @@ sed 's/\x1b\[[0-9;]*[A-Za-z]//g' "$LOG" | awk -v status="$status" -v elapsed=$((
   }
   END {
     close_binary()
+    if (slow_secs[1] > 0) {
+      printf "test.sh: the slowest test binaries (their own time):"
+      for (i = 1; i <= 5 && slow_secs[i] > 0; i++) printf "%s %s %.0fs", (i > 1 ? "," : ""), slow_names[i], slow_secs[i]
+      printf "\n"
+    }
     if (nfailed > 0) {
       printf "test.sh: FAILED binaries:\n"
       for (i = 1; i <= nfailed; i++) printf "  %s\n", failed_bins[i]
