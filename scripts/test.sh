@@ -11,7 +11,7 @@
 #
 # By default: `cargo test --workspace --all-targets` (built while the servers start; the demos the
 # tests run are built once and handed to them, INBOX_TEST_EXAMPLES_DIR; the UI tests of
-# tests/macro-ui run beside the rest), then the doctests. INBOX_TEST_ALONGSIDE names a command
+# tests/macro-ui and the Kafka tests, BESIDE_TESTS, run beside the rest), then the doctests. INBOX_TEST_ALONGSIDE names a command
 # to run beside the tests (CI's lints), whose failure fails the run. Arguments that pick packages
 # (-p, --exclude) or targets (--test NAME, --lib, …) replace the defaults they stand for (targets
 # picked: no doctest run), e.g.
@@ -80,7 +80,8 @@ cleanup() {
   local status=$? pids files
   trap - EXIT INT TERM HUP
   set +e
-  for pidfile in "$WORK/build.pid" "$WORK/cargo.pid" "$WORK/ui.pid" "$WORK/alongside.pid"; do
+  for pidfile in "$WORK/build.pid" "$WORK/cargo.pid" "$WORK/ui.pid" "$WORK/beside.pid" \
+    "$WORK/alongside.pid"; do
     if [ -f "$pidfile" ]; then
       stop_tree "$(cat "$pidfile")"
     fi
@@ -241,13 +242,31 @@ finish_alongside() {
   cat "$WORK/alongside.log"
 }
 
+# The test binaries run beside the rest in the whole suite's run: the Kafka tests mostly wait on
+# the consumer group's protocol (librdkafka's mock cluster, in the test process; vmstat: about 75 %
+# idle over their 5 minutes) and share no server state with the others (a database each).
+BESIDE_TESTS=(kafka kafka_crash)
+
+# The `--test NAME` arguments of every test target of the workspace but the UI tests and
+# BESIDE_TESTS, from `cargo metadata` (so that a new test file needs no edit here).
+other_test_targets() {
+  cargo metadata --no-deps --format-version 1 | python3 -c '
+import json, sys
+skip = set(sys.argv[1:]) | {"ui"}
+for package in json.load(sys.stdin)["packages"]:
+    for target in package["targets"]:
+        if "test" in target["kind"] and target["name"] not in skip:
+            print("--test", target["name"])
+' "${BESIDE_TESTS[@]}"
+}
+
 status=0
 if [ $# -eq 0 ]; then
   # The whole suite. The UI tests (trybuild: about 4 minutes of compiling, no server touched) run
   # beside the others, whose time goes mostly to waiting on servers and killed demos: build
-  # everything once, start the UI tests in the background, run the rest, then add the UI tests'
-  # output to the log. `--exclude` of the UI package changes no feature of the others (it
-  # enables none of its own), so nothing is built twice.
+  # everything once, start the UI tests and BESIDE_TESTS in the background, run the rest, then
+  # add their output to the log. `--exclude` of the UI package changes no feature of the others
+  # (it enables none of its own), so nothing is built twice.
   # The build started before the servers.
   wait "$(cat "$WORK/build.pid")" || status=1
   rm -f "$WORK/build.pid"
@@ -258,12 +277,24 @@ if [ $# -eq 0 ]; then
     # At the lowest priority: the tests running meanwhile wait on servers and killed demos.
     (TMPDIR=$WORK/tmp exec nice -n 19 cargo test --workspace --test ui --no-fail-fast >"$WORK/ui.log" 2>&1) &
     echo $! >"$WORK/ui.pid"
+    # shellcheck disable=SC2046
+    (TMPDIR=$WORK/tmp exec cargo test --workspace $(printf -- '--test %s ' "${BESIDE_TESTS[@]}") \
+      --no-fail-fast >"$WORK/beside.log" 2>&1) &
+    echo $! >"$WORK/beside.pid"
     start_alongside
-    run_cargo test --workspace --all-targets --exclude inbox-macro-ui --no-fail-fast || status=1
-    phase "tests run; waiting for the UI tests (tests/macro-ui), run beside them"
+    # Every target of --all-targets but the UI tests and BESIDE_TESTS.
+    others=$(other_test_targets) || status=1
+    # shellcheck disable=SC2086
+    [ "$status" -eq 0 ] && { run_cargo test --workspace --exclude inbox-macro-ui --lib --bins \
+      --examples --benches $others --no-fail-fast || status=1; }
+    phase "tests run; waiting for those run beside them (${BESIDE_TESTS[*]})"
+    wait "$(cat "$WORK/beside.pid")" || status=1
+    rm -f "$WORK/beside.pid"
+    phase "${BESIDE_TESTS[*]} run; waiting for the UI tests (tests/macro-ui)"
     wait "$(cat "$WORK/ui.pid")" || status=1
     rm -f "$WORK/ui.pid"
     phase "UI tests run"
+    tee -a "$LOG" <"$WORK/beside.log"
     tee -a "$LOG" <"$WORK/ui.log"
   fi
 else
