@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: installs the Debian packages the build and the browser tests need if missing
-# (scripts/deps.sh: librdkafka's build tools, chromium and chromium-driver, curl, python3 with pip),
+# (scripts/deps.sh: librdkafka's build tools first, then chromium and chromium-driver, curl, python3
+# with pip, the latter while the build runs),
 # checks the shipped monitoring files (scripts/monitoring.sh), starts a throwaway
 # PostgreSQL, MariaDB, RabbitMQ, NATS (JetStream) and Redis on loopback (installing them from
 # Debian's packages if needed) and an SQS-compatible server (moto, from PyPI if missing:
@@ -117,8 +118,9 @@ trap 'interrupted 130' INT
 trap 'interrupted 143' TERM
 trap 'interrupted 129' HUP
 
-# The system packages the build needs (librdkafka's: cmake, zlib, OpenSSL, libcurl headers).
-scripts/deps.sh
+# The system packages the build needs (librdkafka's: cmake, zlib, OpenSSL, libcurl headers); the
+# others (Chromium for the browser tests, curl, pip, psycopg2) once the build has started.
+scripts/deps.sh build
 
 # Runs `cargo ARGS` with the tests' temp dir, its output shown and appended to $LOG; returns its
 # exit status. In the background, so that a signal reaches the traps above at once.
@@ -143,6 +145,7 @@ if [ $# -eq 0 ]; then
   run_cargo test --workspace --all-targets --no-run &
   echo $! >"$WORK/build.pid"
 fi
+scripts/deps.sh
 
 # The shipped alert rules and Grafana dashboard (examples/monitoring/): promtool's check and unit
 # tests, the dashboard's queries against the runtime's metrics. Seconds; a failure ends the run.
