@@ -247,11 +247,15 @@ finish_alongside() {
 
 # The test binaries run beside the rest in the whole suite's run: the Kafka tests mostly wait on
 # the consumer group's protocol (librdkafka's mock cluster, in the test process; vmstat: about 75 %
-# idle over their 5 minutes) and share no server state with the others (a database each).
+# idle over their 5 minutes). They use PostgreSQL, MariaDB and SQLite, a database of their own
+# each, and no broker server.
 BESIDE_TESTS=(kafka kafka_crash)
+# The test binaries that must run alone, once BESIDE_TESTS have ended: outage restarts the
+# PostgreSQL server (`scripts/pg.sh restart`), which would cut every other test's connections.
+ALONE_TESTS=(outage)
 
-# The `--test NAME` arguments of every test target of the workspace but the UI tests and
-# BESIDE_TESTS, from `cargo metadata` (so that a new test file needs no edit here).
+# The `--test NAME` arguments of every test target of the workspace but the UI tests,
+# BESIDE_TESTS and ALONE_TESTS, from `cargo metadata` (so that a new test file needs no edit here).
 other_test_targets() {
   cargo metadata --no-deps --format-version 1 | python3 -c '
 import json, sys
@@ -260,7 +264,7 @@ for package in json.load(sys.stdin)["packages"]:
     for target in package["targets"]:
         if "test" in target["kind"] and target["name"] not in skip:
             print("--test", target["name"])
-' "${BESIDE_TESTS[@]}"
+' "${BESIDE_TESTS[@]}" "${ALONE_TESTS[@]}"
 }
 
 status=0
@@ -293,11 +297,15 @@ if [ $# -eq 0 ]; then
     phase "tests run; waiting for those run beside them (${BESIDE_TESTS[*]})"
     wait "$(cat "$WORK/beside.pid")" || status=1
     rm -f "$WORK/beside.pid"
-    phase "${BESIDE_TESTS[*]} run; waiting for the UI tests (tests/macro-ui)"
+    tee -a "$LOG" <"$WORK/beside.log"
+    phase "${BESIDE_TESTS[*]} run; now ${ALONE_TESTS[*]}, alone"
+    # shellcheck disable=SC2046
+    run_cargo test --workspace $(printf -- '--test %s ' "${ALONE_TESTS[@]}") --no-fail-fast ||
+      status=1
+    phase "${ALONE_TESTS[*]} run; waiting for the UI tests (tests/macro-ui)"
     wait "$(cat "$WORK/ui.pid")" || status=1
     rm -f "$WORK/ui.pid"
     phase "UI tests run"
-    tee -a "$LOG" <"$WORK/beside.log"
     tee -a "$LOG" <"$WORK/ui.log"
   fi
 else
@@ -351,16 +359,16 @@ sed 's/\x1b\[[0-9;]*[A-Za-z]//g' "$LOG" | awk -v status="$status" -v elapsed=$((
   }
   END {
     close_binary()
-    if (slow_secs[1] > 0) {
-      printf "test.sh: the slowest test binaries (their own time):"
-      for (i = 1; i <= 5 && slow_secs[i] > 0; i++) printf "%s %s %.0fs", (i > 1 ? "," : ""), slow_names[i], slow_secs[i]
-      printf "\n"
-    }
     if (nfailed > 0) {
       printf "test.sh: FAILED binaries:\n"
       for (i = 1; i <= nfailed; i++) printf "  %s\n", failed_bins[i]
     } else if (status != 0) {
       printf "test.sh: cargo failed before or between the test binaries (see its errors above)\n"
+    }
+    if (slow_secs[1] > 0) {
+      printf "test.sh: the slowest test binaries (their own time):"
+      for (i = 1; i <= 5 && slow_secs[i] > 0; i++) printf "%s %s %.0fs", (i > 1 ? "," : ""), slow_names[i], slow_secs[i]
+      printf "\n"
     }
     printf "test.sh: %d passed, %d failed, %d ignored (%d test binaries, %d doctest runs; %dm %02ds)\n", \
       passed, failed, ignored, bins, docs, elapsed / 60, elapsed % 60

@@ -6,7 +6,9 @@
 //!
 //! **Alone in its test binary on purpose**: restarting the server cuts every connection to it,
 //! so no other test may run at the same time. Cargo runs test binaries one after the other and
-//! only the tests of one binary in parallel; keep this the only test here. It needs the server
+//! only the tests of one binary in parallel; keep this the only test here. `scripts/test.sh`,
+//! which runs some test binaries beside the rest, runs this one alone (its `ALONE_TESTS`). It
+//! needs the server
 //! that `scripts/pg.sh start` runs (`scripts/test.sh` does), with the same `INBOX_PG_DIR` and
 //! `INBOX_PG_PORT`.
 //!
