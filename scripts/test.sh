@@ -12,8 +12,9 @@
 #
 # By default: `cargo test --workspace --all-targets` (built while the servers start; the demos the
 # tests run are built once and handed to them, INBOX_TEST_EXAMPLES_DIR; the UI tests of
-# tests/macro-ui and the Kafka tests, BESIDE_TESTS, run beside the rest), then the doctests. INBOX_TEST_ALONGSIDE names a command
-# to run beside the tests (CI's lints), whose failure fails the run. Arguments that pick packages
+# tests/macro-ui, then the Kafka tests (BESIDE_TESTS) run beside the rest, and outage
+# (ALONE_TESTS) alone after them), then the doctests. INBOX_TEST_ALONGSIDE names a command to run
+# beside the tests (CI's lints), whose failure fails the run. Arguments that pick packages
 # (-p, --exclude) or targets (--test NAME, --lib, …) replace the defaults they stand for (targets
 # picked: no doctest run), e.g.
 # `scripts/test.sh --test amqp --test nats`; arguments after `--` go to the test binaries.
@@ -36,6 +37,22 @@ LOG=$WORK/cargo.log
 mkdir "$WORK/tmp"
 STARTED=$SECONDS
 INTERRUPTED=
+
+# Runs `COMMAND…`, then creates the file MARKER (so that others can wait for its end, which
+# `wait` cannot tell another subshell); returns the command's exit status.
+#   marking MARKER COMMAND…
+marking() {
+  local marker=$1 rc=0
+  shift
+  "$@" || rc=$?
+  touch "$marker"
+  return "$rc"
+}
+
+# `--test NAME` for each NAME given.
+test_args() {
+  printf -- '--test %s ' "$@"
+}
 
 # Prints `test.sh: [Mm SSs] WHAT`: the time since the start, so that a slow run shows its slow part.
 phase() {
@@ -230,10 +247,7 @@ start_alongside() {
     # Colour codes stripped (on a terminal cargo colours its `Running` lines).
     until sed 's/\x1b\[[0-9;]*[A-Za-z]//g' "$LOG" 2>/dev/null | grep -q '^ *Running ' ||
       [ -e "$WORK/tests-ended" ]; do sleep 1; done
-    rc=0
-    nice -n 19 bash -c "$INBOX_TEST_ALONGSIDE" || rc=$?
-    touch "$WORK/alongside-ended"
-    exit "$rc"
+    marking "$WORK/alongside-ended" nice -n 19 bash -c "$INBOX_TEST_ALONGSIDE"
   ) >"$WORK/alongside.log" 2>&1 &
   echo $! >"$WORK/alongside.pid"
 }
@@ -257,7 +271,7 @@ BESIDE_TESTS=(kafka kafka_crash)
 # PostgreSQL server (`scripts/pg.sh restart`), which would cut every other test's connections.
 ALONE_TESTS=(outage)
 
-# The `--test NAME` arguments of every test target of the workspace but the UI tests,
+# The names of every test target of the workspace but the UI tests,
 # BESIDE_TESTS and ALONE_TESTS, from `cargo metadata` (so that a new test file needs no edit here).
 other_test_targets() {
   cargo metadata --no-deps --format-version 1 | python3 -c '
@@ -266,7 +280,7 @@ skip = set(sys.argv[1:]) | {"ui"}
 for package in json.load(sys.stdin)["packages"]:
     for target in package["targets"]:
         if "test" in target["kind"] and target["name"] not in skip:
-            print("--test", target["name"])
+            print(target["name"])
 ' "${BESIDE_TESTS[@]}" "${ALONE_TESTS[@]}"
 }
 
@@ -285,13 +299,8 @@ if [ $# -eq 0 ]; then
   phase "demos built"
   if [ "$status" -eq 0 ]; then
     # At the lowest priority: the tests running meanwhile wait on servers and killed demos.
-    (
-      rc=0
-      TMPDIR=$WORK/tmp nice -n 19 cargo test --workspace --test ui --no-fail-fast \
-        >"$WORK/ui.log" 2>&1 || rc=$?
-      touch "$WORK/ui-ended"
-      exit "$rc"
-    ) &
+    marking "$WORK/ui-ended" env TMPDIR="$WORK/tmp" nice -n 19 cargo test --workspace --test ui \
+      --no-fail-fast >"$WORK/ui.log" 2>&1 &
     echo $! >"$WORK/ui.pid"
     # BESIDE_TESTS once the compilers beside the tests (the UI tests, the lints) have ended: on a
     # fresh machine those fill the Kafka tests' idle time anyway. Started at once, in one run from
@@ -303,13 +312,14 @@ if [ $# -eq 0 ]; then
         sleep 1
       done
       # shellcheck disable=SC2046
-      TMPDIR=$WORK/tmp exec cargo test --workspace $(printf -- '--test %s ' "${BESIDE_TESTS[@]}") \
-        --no-fail-fast
+      TMPDIR=$WORK/tmp exec cargo test --workspace $(test_args "${BESIDE_TESTS[@]}") --no-fail-fast
     ) >"$WORK/beside.log" 2>&1 &
     echo $! >"$WORK/beside.pid"
     start_alongside
-    # Every target of --all-targets but the UI tests and BESIDE_TESTS.
-    others=$(other_test_targets) || status=1
+    # Every target of --all-targets but the UI tests, BESIDE_TESTS and ALONE_TESTS.
+    names=$(other_test_targets) || status=1
+    # shellcheck disable=SC2086
+    others=$(test_args $names)
     # shellcheck disable=SC2086
     [ "$status" -eq 0 ] && { run_cargo test --workspace --exclude inbox-macro-ui --lib --bins \
       --examples --benches $others --no-fail-fast || status=1; }
@@ -321,8 +331,7 @@ if [ $# -eq 0 ]; then
     tee -a "$LOG" <"$WORK/beside.log"
     phase "${BESIDE_TESTS[*]} run; now ${ALONE_TESTS[*]}, alone"
     # shellcheck disable=SC2046
-    run_cargo test --workspace $(printf -- '--test %s ' "${ALONE_TESTS[@]}") --no-fail-fast ||
-      status=1
+    run_cargo test --workspace $(test_args "${ALONE_TESTS[@]}") --no-fail-fast || status=1
     phase "${ALONE_TESTS[*]} run; waiting for the UI tests (tests/macro-ui)"
     wait "$(cat "$WORK/ui.pid")" || status=1
     rm -f "$WORK/ui.pid"
@@ -365,7 +374,9 @@ sed 's/\x1b\[[0-9;]*[A-Za-z]//g' "$LOG" | awk -v status="$status" -v elapsed=$((
     if (match($0, /finished in [0-9.]+s/)) {
       secs = substr($0, RSTART + 12, RLENGTH - 13) + 0
       for (i = 1; i <= 5; i++) if (secs > slow_secs[i]) {
-        for (j = 5; j > i; j--) { slow_secs[j] = slow_secs[j - 1]; slow_names[j] = slow_names[j - 1] }
+        for (j = 5; j > i; j--) {
+          slow_secs[j] = slow_secs[j - 1]; slow_names[j] = slow_names[j - 1]
+        }
         slow_secs[i] = secs; slow_names[i] = binary; break
       }
     }
@@ -388,7 +399,8 @@ sed 's/\x1b\[[0-9;]*[A-Za-z]//g' "$LOG" | awk -v status="$status" -v elapsed=$((
     }
     if (slow_secs[1] > 0) {
       printf "test.sh: the slowest test binaries (their own time):"
-      for (i = 1; i <= 5 && slow_secs[i] > 0; i++) printf "%s %s %.0fs", (i > 1 ? "," : ""), slow_names[i], slow_secs[i]
+      for (i = 1; i <= 5 && slow_secs[i] > 0; i++)
+        printf "%s %s %.0fs", (i > 1 ? "," : ""), slow_names[i], slow_secs[i]
       printf "\n"
     }
     printf "test.sh: %d passed, %d failed, %d ignored (%d test binaries, %d doctest runs; %dm %02ds)\n", \

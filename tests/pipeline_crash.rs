@@ -9,14 +9,14 @@
 //! The kills must have hit work in flight, or the test proved nothing: the redeliveries the
 //! consumers saw (their `--trace-deliveries` lines) and the rows a relay leased again after a kill
 //! (leased more than once: published then with their message id, whether or not the killed relay
-//! had published them) are printed and must be above 0. So that the second does not depend on luck, until one relay kill has left rows
-//! leased and unmarked, the relay is first stopped (SIGSTOP) at a moment it holds such rows, as
-//! the database shows once the server runs no statement of its, and only then SIGKILLed; later
-//! relay kills wait (after their random delay, at most 3 s) until the relay holds freshly leased
-//! rows, and the relay is killed again (beyond its share, up to 12 times) until one kill has left
-//! rows leased and unmarked. On
-//! RabbitMQ the copies that reached shipping are counted; on NATS, JetStream's duplicate window
-//! drops them (`Nats-Msg-Id`): its stream holds exactly one message per payment.
+//! had published them) are printed and must be above 0. So that the second does not depend on luck,
+//! until one relay kill has left rows leased and unmarked, the relay is first stopped (SIGSTOP) at
+//! a moment it holds such rows, as the database shows once the server runs no statement of its, and
+//! only then SIGKILLed; later relay kills wait (after their random delay, at most 3 s) until the
+//! relay holds freshly leased rows, and the relay is killed again (beyond its share, up to 12
+//! times) until one kill has left rows leased and unmarked. On RabbitMQ the copies that reached
+//! shipping are counted; on NATS, JetStream's duplicate window drops them (`Nats-Msg-Id`): its
+//! stream holds exactly one message per payment.
 //!
 //! The expectations do not depend on which of two racing deliveries wins: they are read from the
 //! database once every process has stopped.
@@ -259,13 +259,18 @@ async fn leased_since(pool: &PgPool, since: f64) -> i64 {
         .unwrap()
 }
 
-/// The server's connections of `application_name` (the demo names its services' connections).
-async fn connections(pool: &PgPool, application_name: &str) -> i64 {
-    sqlx::query_scalar("SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1")
-        .bind(application_name)
-        .fetch_one(pool)
-        .await
-        .unwrap()
+/// The server's connections of `application_name` (the demo names its services' connections);
+/// with `running`, only those running a statement.
+async fn connections(pool: &PgPool, application_name: &str, running: bool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1 \
+         AND (NOT $2 OR state = 'active')",
+    )
+    .bind(application_name)
+    .bind(running)
+    .fetch_one(pool)
+    .await
+    .unwrap()
 }
 
 /// Waits (at most `limit`) until the relay holds rows it leased within the last 250 ms: it is
@@ -281,7 +286,7 @@ async fn relay_busy(pool: &PgPool, limit: Duration) {
     }
 }
 
-/// Sends `signal` (a name `kill -s` takes: STOP, CONT) to `child`.
+/// Sends `signal` (a name `kill -s` takes: TERM, STOP, CONT) to `child`.
 fn signal(child: &ChildGuard, signal: &str) {
     let status = Command::new("kill")
         .args(["-s", signal, &child.id().to_string()])
@@ -308,7 +313,7 @@ async fn freeze_holding_leases(pool: &PgPool, child: &ChildGuard, ready: f64) {
         let mut idle = 0;
         while idle < 2 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
-            idle = if active_statements(pool, "pipeline relay").await == 0 {
+            idle = if connections(pool, "pipeline relay", true).await == 0 {
                 idle + 1
             } else {
                 0
@@ -321,20 +326,10 @@ async fn freeze_holding_leases(pool: &PgPool, child: &ChildGuard, ready: f64) {
     }
 }
 
-/// Statements of `application_name`'s connections the server is running.
-async fn active_statements(pool: &PgPool, application_name: &str) -> i64 {
-    sqlx::query_scalar(
-        "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1 AND state = 'active'",
-    )
-    .bind(application_name)
-    .fetch_one(pool)
-    .await
-    .unwrap()
-}
-
 /// Starts `service`, SIGKILLs it a random 200-1200 ms after it became ready (the relay: then
 /// stopped while it holds leases, [`freeze_holding_leases`], until a kill left leases, and
-/// afterwards as soon as it holds fresh leases, within 3 s), and starts it again: [`KILLS_PER_SERVICE`] times,
+/// afterwards as soon as it holds fresh leases, within 3 s), and starts it again:
+/// [`KILLS_PER_SERVICE`] times,
 /// and for the relay until at least one kill left rows leased and unmarked (at most
 /// [`MAX_RELAY_KILLS`] kills). Returns the last process, the kills, and how many relay kills left
 /// leases.
@@ -398,7 +393,7 @@ async fn kill_repeatedly(
             // PostgreSQL finishes a statement the relay sent before it died: wait until its
             // connections are gone, then look at what it left.
             let deadline = Instant::now() + Duration::from_secs(60);
-            while connections(&pool, "pipeline relay").await > 0 {
+            while connections(&pool, "pipeline relay", false).await > 0 {
                 assert!(
                     Instant::now() < deadline,
                     "the killed relay's connections stay"
@@ -444,11 +439,7 @@ fn deliveries(setup: &Setup, service: Service) -> Vec<(String, bool)> {
 
 /// Sends SIGTERM to `child` and waits (at most 60 s) for it to exit 0.
 async fn stop(mut child: ChildGuard, setup: &Setup, service: Service) {
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    signal(&child, "TERM");
     let deadline = Instant::now() + Duration::from_secs(60);
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
