@@ -10,8 +10,30 @@
 #   scripts/bench.sh --only kafka     # Kafka scale-out: 1, 2, 4 consumer processes in one group
 #   scripts/bench.sh --only mysql     # MariaDB: bare effect, one message per transaction, batch 100
 #   scripts/bench.sh --only contention  # Worker batches over hot rows: 4 vs 1 batch in flight
-#   scripts/bench.sh --only peers     # the peers' workload: pgbench naive and with the runtime's
-#                                     # statements, psycopg2, ours
+#   scripts/bench.sh --only contention --contention-aggregate
+#                                     # the same, and with the aggregate (the account) declared:
+#                                     # partitioned batches (skipped, saying why, where the
+#                                     # Worker has no partition API)
+#   scripts/bench.sh --only peers     # the peers' workload: round trips per delivery on the wire,
+#                                     # then at 1, 4 and 16 clients pgbench's naive inbox (without
+#                                     # and with its retention index), pgbench with the runtime's
+#                                     # statements, psycopg2, dispatch_on, the Worker
+#   scripts/bench.sh --only peers --peers-clients 4   # the same at 4 clients only
+#   scripts/bench.sh --compare REV --only peers --quick
+#                                     # the peers section of the harness built at REV and of this
+#                                     # tree, rounds interleaved on one server: both sets of ratios
+#
+# `--compare REV` (any git revision: a commit, a branch, a tag) builds the harness at REV in a
+# temporary git worktree under /tmp (removed after the build), in release mode, with its own
+# cargo target directory ($INBOX_BENCH_COMPARE_TARGET, default target/bench-compare-build; kept
+# and shared by every compared revision, so the dependencies build once; the binary is kept as
+# bench-REV there), builds this tree's harness as usual, and runs this tree's harness with
+# `--compare-bench` pointing at REV's: it runs the peers section of both binaries one round at a
+# time, alternating which goes first, against the same server, and reports both builds' rates
+# and ratios side by side (only the rows both revisions print; each child's full report is kept
+# in target/bench-compare/). The other options are passed to both binaries, so they must be
+# options both revisions know (`--quick`, `--rounds`, `--peers-messages`, …); `--rounds` counts
+# the rounds of each build.
 #
 # Asking for the `peers` section installs psycopg2-binary from PyPI if python3 lacks psycopg2
 # (scripts/psycopg2.sh), for its psycopg2 reference consumer.
@@ -54,7 +76,30 @@ stop_started() {
 }
 trap stop_started EXIT
 
-args=("$@")
+# `--compare REV` is this script's (see above); every other argument goes to the harness.
+args=()
+compare=
+previous=
+for arg in "$@"; do
+  if [ "$previous" = --compare ]; then
+    compare=$arg
+  elif [ "$arg" != --compare ]; then
+    case "$arg" in
+      --compare=*) compare=${arg#--compare=} ;;
+      *) args+=("$arg") ;;
+    esac
+  fi
+  previous=$arg
+done
+if [ "$previous" = --compare ]; then
+  echo "bench.sh: --compare needs a git revision" >&2
+  exit 2
+fi
+if [ -n "$compare" ]; then
+  # The comparison is of the peers section.
+  args+=(--only peers)
+fi
+set -- "${args[@]}"
 given=${BENCH_DATABASE_URL:-}
 # The sections asked for: every `--only A,B` (the option repeats) joined, empty for the default
 # set; and whether the harness only prints its help or version.
@@ -94,6 +139,36 @@ features=()
 if runs kafka; then
   features=(--features kafka)
   scripts/deps.sh
+fi
+
+# --compare REV: the harness built at REV, in a temporary worktree with its own target directory.
+compare_tree=
+remove_compare_tree() {
+  if [ -n "$compare_tree" ]; then
+    git worktree remove --force "$compare_tree/src" 2>/dev/null || true
+    rm -rf "$compare_tree"
+    compare_tree=
+  fi
+}
+trap 'remove_compare_tree; stop_started' EXIT
+if [ -n "$compare" ] && [ -z "$help" ]; then
+  rev=$(git rev-parse --short=12 --verify "$compare^{commit}")
+  # One target directory for every compared revision: the dependencies build once.
+  compare_target=${INBOX_BENCH_COMPARE_TARGET:-$PWD/target/bench-compare-build}
+  compare_tree=$(mktemp -d "/tmp/inbox-bench-$rev-XXXXXX")
+  git worktree add --quiet --detach "$compare_tree/src" "$rev"
+  echo "bench.sh: building the harness at $rev (target $compare_target)" >&2
+  # Its own target directory and nothing of this tree's cargo configuration: the two builds of
+  # the workspace's crates never share an artifact.
+  (cd "$compare_tree/src" &&
+    env -u CARGO_BUILD_BUILD_DIR CARGO_TARGET_DIR="$compare_target" \
+      cargo build --quiet --release -p inbox-examples "${features[@]}" --example bench)
+  remove_compare_tree
+  # A copy per revision: the next comparison's build overwrites release/examples/bench.
+  cp "$compare_target/release/examples/bench" "$compare_target/bench-$rev"
+  set -- "$@" --compare-bench "$compare_target/bench-$rev" --compare-label "$rev" \
+    --build-label "$(git rev-parse --short=12 HEAD)$(git diff --quiet HEAD 2>/dev/null || echo +changes)"
+  args=("$@")
 fi
 
 # The peers section's psycopg2 reference consumer: psycopg2-binary from PyPI if missing (never

@@ -191,7 +191,7 @@ inbox_tests::backend_matrix! {
 
     use std::time::Duration;
 
-    use inbox_runtime::admin::{self, Retention};
+    use inbox_runtime::ops::admin::{self, Retention};
     use inbox_runtime::{DispatchError, Dispatcher, Envelope, Outcome};
     use sqlx::Connection as _;
 
@@ -332,7 +332,7 @@ inbox_tests::backend_matrix! {
             .unwrap();
         match apply_note(&mut conn, changed()).await {
             Err(inbox_runtime::Error::Database(error)) => {
-                assert_eq!(error.operation, inbox_runtime::StoreOperation::Rejection);
+                assert_eq!(error.operation, inbox_runtime::types::StoreOperation::Rejection);
                 assert_eq!(error.consumer, "adv-note");
             }
             other => panic!("expected a database error, got {other:?}"),

@@ -402,7 +402,7 @@ async fn delete_queue(connection: &Connection, queue: &str) {
 }
 
 /// Relay rounds until `rows` rows went out (sent or dead), or 30 s passed; the sum of the rounds.
-async fn relay_rounds<DB: inbox_runtime::OutboxDatabase>(
+async fn relay_rounds<DB: inbox_runtime::store::OutboxDatabase>(
     relay: &inbox_runtime::outbox::Relay<DB>,
     rows: usize,
 ) -> inbox_runtime::outbox::RoundReport {

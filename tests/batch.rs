@@ -235,7 +235,7 @@ inbox_tests::backend_matrix! {
         .await
         .unwrap();
         assert_eq!(claims, 1);
-        let dead = inbox_runtime::admin::show(&pool, "bank", "t3").await.unwrap().unwrap();
+        let dead = inbox_runtime::ops::admin::show(&pool, "bank", "t3").await.unwrap().unwrap();
         assert_eq!((dead.status.as_str(), dead.attempts), ("dead", 1));
         assert!(dead.payload.is_some());
         let conflicts: i64 = sqlx::query_scalar(sql("SELECT COUNT(*) FROM inbox_rejections WHERE reason = 'conflict'"))

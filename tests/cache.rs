@@ -50,11 +50,11 @@ inbox_tests::backend_matrix! {
     use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
     use std::time::Duration;
 
-    use inbox_runtime::admin::Retention;
+    use inbox_runtime::ops::admin::Retention;
     use inbox_runtime::cache::{CacheEntry, DedupeCache, Fill, MemoryCache};
     use inbox_runtime::{
-        Classify, Dispatcher, ErrorClass, Fingerprint, Outcome, RetryPolicy, Status, admin,
-        handler,
+        Classify, Dispatcher, ErrorClass, Fingerprint, Outcome, RetryPolicy, Status, handler,
+        ops::admin,
     };
     use inbox_tests::{envelope, outcome_kinds};
 
@@ -319,7 +319,7 @@ mod redis_drills {
 
     use inbox_runtime::cache::redis::RedisCache;
     use inbox_runtime::source::memory::MemorySource;
-    use inbox_runtime::{CancellationToken, Dispatcher, Worker, admin::Retention, handler};
+    use inbox_runtime::{CancellationToken, Dispatcher, Worker, handler, ops::admin::Retention};
     use inbox_tests::{APPLY_EFFECT, ChildGuard, envelope, outcome_kinds};
     use sqlx::{PgConnection, PgPool};
 

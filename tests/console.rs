@@ -182,7 +182,7 @@ impl Logs {
             tracing_subscriber::fmt()
                 .with_writer(move || writer.clone())
                 .with_ansi(false)
-                .with_env_filter("inbox_runtime::console=info")
+                .with_env_filter("inbox_runtime::ops::console=info")
                 .finish()
                 .try_init()
                 .expect("no other global subscriber");
@@ -198,14 +198,16 @@ impl Logs {
 const ALICE: (&str, &str) = ("authorization", "Bearer alice-token");
 const MALLORY: (&str, &str) = ("authorization", "Bearer mallory-token");
 
+// The pool `ledger console` opens (examples/ledger/db.rs): 4 connections on PostgreSQL and
+// MariaDB, 1 on SQLite (the demo's, and a SQLite application's usual, single writer).
 inbox_tests::backend_matrix! {
-    connections(postgres = 8, sqlite = 4);
+    connections(postgres = 4, sqlite = 1, mysql = 4);
 
     use std::sync::Arc;
 
-    use inbox_runtime::admin;
-    use inbox_runtime::console::{Console, ConsoleError, Refusal};
-    use inbox_runtime::{Dispatcher, Status, StatsStatus};
+    use inbox_runtime::ops::admin;
+    use inbox_runtime::ops::console::{Console, ConsoleError, Refusal};
+    use inbox_runtime::{Dispatcher, Status, store::StatsStatus};
     use inbox_tests::effect;
 
     #[inbox_runtime::idempotent(consumer = "console")]
@@ -255,6 +257,13 @@ inbox_tests::backend_matrix! {
 
     async fn fixture_app() -> (Pool, Guard, Arc<Dispatcher<Db>>, axum::Router) {
         let (pool, guard) = fixture().await;
+        let (dispatcher, app) = console_over(&pool);
+        (pool, guard, dispatcher, app)
+    }
+
+    /// A dispatcher over `pool` and the console over it, nested at `/ops`, alice's token
+    /// accepted, mallory's refused.
+    fn console_over(pool: &Pool) -> (Arc<Dispatcher<Db>>, axum::Router) {
         let dispatcher = Arc::new(Dispatcher::from_registry(pool.clone()).unwrap());
         let console = Console::new(dispatcher.clone())
             .authorize(|parts| {
@@ -269,7 +278,7 @@ inbox_tests::backend_matrix! {
             .build()
             .unwrap();
         let app = axum::Router::new().nest("/ops", console);
-        (pool, guard, dispatcher, app)
+        (dispatcher, app)
     }
 
     fn key_query(tag: &str, name: &str) -> String {
@@ -843,7 +852,7 @@ inbox_tests::backend_matrix! {
         assert!(html.contains("1 shown (newest first)."), "{html}");
         assert!(html.contains(&format!("data-rejection=\"{}\"", ids[1])), "{html}");
         // A payload over the size limit: kept cut to it, with its real size.
-        let small = Dispatcher::from_registry(pool.clone()).unwrap().with_max_payload_bytes(4);
+        let small = Dispatcher::from_registry(pool.clone()).unwrap().with_max_payload_bytes(4).unwrap();
         let envelope = inbox_runtime::Envelope::new("console.task", b"0123456789".to_vec());
         let error = small.dispatch(&envelope).await.unwrap_err();
         small.record_rejection(&envelope, &error).await.unwrap();
@@ -918,7 +927,7 @@ inbox_tests::backend_matrix! {
 
     #[tokio::test]
     async fn the_outbox_page_counts_and_lists_pending_and_dead_rows() {
-        use inbox_runtime::{Component, OutboxRow, OutboxStore as _};
+        use inbox_runtime::{Component, store::{OutboxRow, OutboxStore as _}};
         use inbox_runtime::outbox::admin as outbox_admin;
         let (pool, _guard, _dispatcher, app) = fixture_app().await;
         let (status, html, _) = call(&app, "GET", "/ops/outbox", &[ALICE], None).await;
@@ -1105,6 +1114,223 @@ inbox_tests::backend_matrix! {
         }
         assert_eq!(admin::stats(&pool).await.unwrap(), before);
     }
+
+    /// An error page's request and what it answers: method, URI, headers, form body, status,
+    /// title.
+    type ErrorCase<'a> = (&'a str, &'a str, Headers<'a>, Option<String>, StatusCode, &'a str);
+
+    /// Every kind of error page is a page of the console: its stylesheet (under the prefix),
+    /// its navigation, the title as `<h1>`, the status; a refused request shows no operator.
+    #[tokio::test]
+    async fn error_pages_use_the_console_stylesheet() {
+        let (pool, _guard, dispatcher, app) = fixture_app().await;
+        seed(&dispatcher, "ep").await;
+        let styled = |html: &str, status: StatusCode, title: &str, operator: bool, base: &str| {
+            assert!(
+                html.contains(&format!("<title>{title} · inbox console</title><link rel=\"stylesheet\" href=\"{base}/style.css\">")),
+                "{status}: {html}"
+            );
+            assert!(html.contains(&format!("<a href=\"{base}/rates\">Rates</a></nav>")), "{status}: {html}");
+            assert!(html.contains(&format!("<main><h1>{title}</h1><p class=\"notice bad\" data-error>")), "{status}: {html}");
+            assert_eq!(html.contains("<span class=\"operator\">"), operator, "{status}: {html}");
+        };
+        let cases: Vec<ErrorCase<'_>> = vec![
+            ("GET", "/ops/messages?limit=0", vec![ALICE], None, StatusCode::BAD_REQUEST, "Bad request"),
+            ("GET", "/ops", vec![], None, StatusCode::UNAUTHORIZED, "Not signed in"),
+            ("GET", "/ops", vec![MALLORY], None, StatusCode::FORBIDDEN, "Forbidden"),
+            ("POST", "/ops/replay", vec![ALICE],
+                Some(form(&[("consumer", "console"), ("key", "ep-dead-1"), ("csrf", "0.0")])),
+                StatusCode::FORBIDDEN, "Invalid form token"),
+            ("GET", "/ops/nope", vec![ALICE], None, StatusCode::NOT_FOUND, "Not found"),
+            ("GET", "/ops/message?consumer=console&key=none", vec![ALICE], None, StatusCode::NOT_FOUND, "No such message"),
+            ("DELETE", "/ops/messages", vec![ALICE], None, StatusCode::METHOD_NOT_ALLOWED, "Method not allowed"),
+            ("GET", "/ops/replay?consumer=console&key=ep-ok", vec![ALICE], None, StatusCode::CONFLICT, "Nothing to do"),
+        ];
+        for (method, uri, headers, body, status, title) in cases {
+            let (got, html, _) = call(&app, method, uri, &headers, body).await;
+            assert_eq!(got, status, "{method} {uri}: {html}");
+            styled(&html, status, title, false, "/ops");
+        }
+        // Mounted at the root: the stylesheet at /style.css.
+        let root: axum::Router = Console::new(dispatcher.clone()).behind_own_auth().build().unwrap();
+        let (got, html, _) = call(&root, "GET", "/nope", &[], None).await;
+        assert_eq!(got, StatusCode::NOT_FOUND);
+        styled(&html, got, "Not found", false, "");
+        // The database gone: 503, the same page; the stylesheet is still served.
+        pool.close().await;
+        let (got, html, _) = call(&app, "GET", "/ops/rates", &[ALICE], None).await;
+        assert_eq!(got, StatusCode::SERVICE_UNAVAILABLE, "{html}");
+        styled(&html, got, "Database error", false, "/ops");
+        assert!(html.contains("The inbox&#39;s database failed: "), "{html}");
+        let (got, _, headers) = call(&app, "GET", "/ops/style.css", &[], None).await;
+        assert_eq!(got, StatusCode::OK);
+        assert_eq!(headers["content-type"], "text/css; charset=utf-8");
+    }
+
+    /// The text of a page's `<h1>`.
+    fn h1(html: &str) -> &str {
+        let at = html.find("<h1>").unwrap_or_else(|| panic!("no <h1> in {html}")) + 4;
+        &html[at..at + html[at..].find("</h1>").unwrap()]
+    }
+
+    /// The value of the hidden form field `name` of a confirmation page.
+    fn field(html: &str, name: &str) -> String {
+        let marker = format!("name=\"{name}\" value=\"");
+        let at = html.find(&marker).unwrap_or_else(|| panic!("no field {name} in {html}"));
+        let rest = &html[at + marker.len()..];
+        rest[..rest.find('"').unwrap()].to_owned()
+    }
+
+    /// Every page and action of the console through a pool of `connections`: each answers 200
+    /// with its exact figures, one request at a time, then every page `connections + 1` times
+    /// at once (more requests than connections: each waits for one in turn, none needs two).
+    async fn every_page_through(connections: u32, tag: &str) {
+        use inbox_runtime::{Component, store::{OutboxRow, OutboxStore as _}};
+        let (pool, _guard) = fixture_with(connections).await;
+        inbox_runtime::migrate_components(&pool, &[Component::Inbox, Component::Outbox])
+            .await
+            .unwrap();
+        let (dispatcher, app) = console_over(&pool);
+        seed(&dispatcher, tag).await;
+        // Aggregate order-1 applied up to 1, its 3 parked; one outbox row sent, one pending.
+        sqlx::query(sql(
+            "INSERT INTO inbox_aggregate_state (consumer, aggregate_id, last_sequence) \
+             VALUES ('console', 'order-1', 1)",
+        ))
+        .execute(&pool)
+        .await
+        .unwrap();
+        sqlx::query(sql(
+            "INSERT INTO inbox_messages (consumer, message_key, message_name, payload_hash, \
+             status, aggregate_id, sequence, payload) \
+             VALUES ('console', 'order-1#3', 'console.task', 'h', 'parked', 'order-1', 3, $1)",
+        ))
+        .bind(b"{}".to_vec())
+        .execute(&pool)
+        .await
+        .unwrap();
+        {
+            let mut conn = pool.acquire().await.unwrap();
+            for (id, sent) in [("m-1", true), ("m-2", false)] {
+                let row = OutboxRow::new(id, "orders", "console.task", b"{}", "{}", None)
+                    .settled(sent);
+                assert!(conn.enqueue_outbox(&row, false).await.unwrap());
+            }
+        }
+        let rejection: i64 = sqlx::query_scalar("SELECT id FROM inbox_rejections")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        let (dead_1, dead_2) = (id(tag, "dead-1"), id(tag, "dead-2"));
+        let pages: Vec<(String, String, Vec<String>)> = vec![
+            ("/ops".into(), "Overview".into(), vec![
+                "data-consumer=\"console\" data-status=\"processed\">1</td>".into(),
+                "data-consumer=\"console\" data-status=\"rejected\">1</td>".into(),
+            ]),
+            ("/ops/messages".into(), "Failed and dead messages".into(), vec!["<p>4 shown.</p>".into()]),
+            (format!("/ops/message?{}", key_query(tag, "dead-1")), "Message".into(), vec![
+                format!("data-field=\"key\">{dead_1}</dd>"),
+                "data-field=\"status\">dead</dd>".into(),
+            ]),
+            (format!("/ops/replay?{}", key_query(tag, "dead-1")), "Confirm: replay this message?".into(),
+                vec![format!("data-field=\"key\">{dead_1}</dd>")]),
+            (format!("/ops/discard?{}", key_query(tag, "dead-2")), "Confirm: discard this message?".into(),
+                vec![format!("data-field=\"key\">{dead_2}</dd>")]),
+            ("/ops/replay-all?status=dead".into(), "Confirm: replay 3 messages?".into(),
+                vec![format!("<li>console/<span class=\"key\">{dead_1}</span> (dead)</li>")]),
+            ("/ops/rejections".into(), "Rejected deliveries".into(), vec![
+                "data-consumer=\"console\" data-reason=\"conflict\">1</td>".into(),
+                "data-count=\"rejections\">1 shown (newest first).</p>".into(),
+            ]),
+            (format!("/ops/rejection?id={rejection}"), format!("Rejected delivery {rejection}"), vec![
+                "data-field=\"reason\">conflict</dd>".into(),
+                format!("data-field=\"key\">{}</dd>", id(tag, "ok")),
+            ]),
+            ("/ops/parked".into(), "Parked messages per aggregate".into(), vec![
+                "<p>1 parked message shown, in 1 aggregate.</p>".into(),
+                "data-field=\"gaps\">2</td>".into(),
+            ]),
+            ("/ops/outbox".into(), "Outbox".into(), vec![
+                "data-destination=\"orders\" data-status=\"pending\">1</td>".into(),
+                "data-destination=\"orders\" data-status=\"sent\">1</td>".into(),
+                "data-count=\"outbox\">1 shown (oldest first).</p>".into(),
+            ]),
+            ("/ops/rates".into(), "Rates, last 24 hours".into(), vec![
+                "data-series=\"processed\">1</td>".into(),
+                "data-series=\"dead\">3</td>".into(),
+                "data-series=\"parked\">1</td>".into(),
+                "data-destination=\"orders\">1</td>".into(),
+            ]),
+        ];
+        for (uri, title, needles) in &pages {
+            let (status, html, _) = call(&app, "GET", uri, &[ALICE], None).await;
+            assert_eq!(status, StatusCode::OK, "{uri}: {html}");
+            assert_eq!(h1(&html), title, "{uri}");
+            for needle in needles {
+                assert!(html.contains(needle.as_str()), "{uri}: no {needle} in {html}");
+            }
+        }
+        let (status, css, headers) = call(&app, "GET", "/ops/style.css", &[], None).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(headers["content-type"], "text/css; charset=utf-8");
+        assert!(css.starts_with("/* The operator console's only stylesheet"), "{css}");
+        // All at once, more requests than the pool has connections.
+        let times = connections as usize + 1;
+        let app_ref = &app;
+        let all = futures_util::future::join_all(
+            pages
+                .iter()
+                .flat_map(|page| std::iter::repeat_n(page, times))
+                .map(|(uri, title, _)| async move {
+                    let (status, html, _) = call(app_ref, "GET", uri, &[ALICE], None).await;
+                    (uri, title, status, html)
+                }),
+        )
+        .await;
+        assert_eq!(all.len(), pages.len() * times);
+        for (uri, title, status, html) in all {
+            assert_eq!(status, StatusCode::OK, "{uri} (at once): {html}");
+            assert_eq!(h1(&html), title, "{uri} (at once)");
+        }
+        // The actions: a replay (the cause fixed), a discard, a bulk replay (still broken).
+        fix_task(&format!("{BACKEND}:{dead_1}"));
+        for (verb, key, result) in [("replay", &dead_1, "processed"), ("discard", &dead_2, "discarded")] {
+            let query = format!("consumer=console&key={}", percent(key));
+            let (_, html, _) = call(&app, "GET", &format!("/ops/{verb}?{query}"), &[ALICE], None).await;
+            let body = form(&[("consumer", "console"), ("key", key), ("csrf", &csrf(&html))]);
+            let (status, html, _) = call(&app, "POST", &format!("/ops/{verb}"), &[ALICE], Some(body)).await;
+            assert_eq!(status, StatusCode::OK, "{verb}: {html}");
+            assert!(
+                html.contains(&format!("data-result=\"ok\">console/{key}: {result}</p>")),
+                "{verb}: {html}"
+            );
+            assert_eq!(cell_dd(&html, "status"), result);
+        }
+        assert_eq!(effect(&pool, &format!("task:{dead_1}")).await, Some((1, 10)));
+        let (status, html, _) = call(&app, "GET", "/ops/replay-all?status=dead", &[ALICE], None).await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        assert_eq!(h1(&html), "Confirm: replay 1 messages?");
+        let body = form(&[("items", &field(&html, "items")), ("csrf", &csrf(&html))]);
+        let (status, html, _) = call(&app, "POST", "/ops/replay-all", &[ALICE], Some(body)).await;
+        assert_eq!(status, StatusCode::OK, "{html}");
+        assert!(html.contains("data-result=\"bulk\">Replayed 1: 0 succeeded, 1 did not.</p>"), "{html}");
+        assert_eq!(status_of(&pool, EVIL).await, Status::Dead);
+    }
+
+    /// The regression of the rates page on the demo's SQLite (a pool of one connection): it
+    /// held its connection while asking the pool for another, and answered 503 after the
+    /// pool's 30 s timeout. Every page, on every backend, through one connection.
+    #[tokio::test]
+    async fn every_page_through_a_pool_of_one_connection() {
+        every_page_through(1, "one").await;
+    }
+
+    /// Every page through the pool `ledger console` opens (`CONNECTIONS`: 4 on PostgreSQL and
+    /// MariaDB, 1 on SQLite).
+    #[tokio::test]
+    async fn every_page_through_the_demos_pool() {
+        every_page_through(CONNECTIONS, "demo").await;
+    }
 }
 
 /// The console's reads over a large inbox: served by indexes (EXPLAIN), and, on PostgreSQL,
@@ -1113,10 +1339,12 @@ mod large {
     use super::*;
 
     inbox_tests::backend_matrix! {
+        connections(postgres = 4, sqlite = 1, mysql = 4);
+
         use std::sync::Arc;
         use std::time::Instant;
 
-        use inbox_runtime::console::Console;
+        use inbox_runtime::ops::console::Console;
         use inbox_runtime::Dispatcher;
         use sqlx::Row as _;
 

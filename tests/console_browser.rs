@@ -1,24 +1,29 @@
 //! The operator console in a real browser: headless Chromium driven through chromedriver
-//! (WebDriver, `fantoccini`), over a PostgreSQL database seeded by the ledger demo and served by
-//! `ledger console --token`, the way an operator meets it.
+//! (WebDriver, `fantoccini`), over a database seeded by the ledger demo and served by
+//! `ledger console --token` with the demo's own pool (one connection on SQLite, four on
+//! PostgreSQL and MariaDB), the way an operator meets it: once on PostgreSQL, once on SQLite,
+//! once on MariaDB.
 //!
 //! * Seed: the demo's file mode over a stream with two good events, a duplicate, a conflict, a
 //!   line that is not a message, two events for accounts that do not exist (dead at once: a
 //!   permanent error) and one for `acct-13` that the database refuses (a CHECK constraint on the
-//!   accounts table: a retryable error, dead at once with `--max-attempts 1`).
+//!   accounts table, a trigger on SQLite: dead at once with `--max-attempts 1`).
 //! * In the browser, signed in with HTTP Basic (`alice` and the token, in the URL): the overview's
 //!   counts equal [`admin::stats`] (and the numbers the stream implies); the dead list; the
-//!   `acct-13` event, replayed after the constraint is dropped (the cause fixed) → processed, its
-//!   credit applied once; a bad-account event discarded; the rejections; the overview again.
+//!   `acct-13` event, replayed after the refusal is dropped (the cause fixed) → processed, its
+//!   credit applied once; a bad-account event discarded; the rejections and the conflict's
+//!   detail; the parked messages, the outbox, the rates; the overview again; an error page,
+//!   styled as the others.
 //! * Over plain HTTP (reqwest): no or wrong credentials → `401` with the Basic challenge; forged
 //!   `POST`s (no CSRF token, another operator's token, cross-site) → `403`, nothing changed; a
 //!   second replay of the processed event → `409`, applied once still.
 //!
-//! A PNG screenshot of every page visited goes to `$CARGO_TARGET_DIR/test-artifacts/console/`
-//! (`target/…` when unset); their paths are printed.
+//! A PNG screenshot of every page visited goes to
+//! `$CARGO_TARGET_DIR/test-artifacts/console/<backend>/` (`target/…` when unset); their paths
+//! are printed. The three backends run one after the other (one browser at a time).
 //!
-//! Needs `DATABASE_URL` (scripts/test.sh) and Debian's `chromium` and `chromium-driver`
-//! (scripts/deps.sh installs them): without them the test fails and says so.
+//! Needs `DATABASE_URL` and `MYSQL_URL` (scripts/test.sh) and Debian's `chromium` and
+//! `chromium-driver` (scripts/deps.sh installs them): without them the test fails and says so.
 
 #![allow(missing_docs)]
 
@@ -30,12 +35,19 @@ use std::io::Read as _;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::str::FromStr as _;
 use std::time::{Duration, Instant};
 
 use fantoccini::{Client, ClientBuilder, Locator};
-use inbox_runtime::admin;
-use inbox_runtime::{StatsStatus, Status};
-use sqlx::{Connection as _, PgConnection};
+use inbox_runtime::ops::admin;
+use inbox_runtime::{
+    Status,
+    store::{StatsRow, StatsStatus},
+};
+use sqlx::mysql::MySqlPoolOptions;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+use sqlx::{Connection as _, MySqlPool, PgPool, SqlitePool};
 
 use support::{ChildGuard, fresh_database, run_ledger, scratch_dir, tail, unique};
 
@@ -94,9 +106,10 @@ fn program(name: &str, package: &str) -> PathBuf {
         })
 }
 
-/// Where the screenshots go: `$CARGO_TARGET_DIR/test-artifacts/console/` (relative to the
-/// workspace if relative), `target/test-artifacts/console/` when unset. Emptied first.
-fn artifacts_dir() -> PathBuf {
+/// Where the screenshots of `backend` go: `$CARGO_TARGET_DIR/test-artifacts/console/<backend>/`
+/// (relative to the workspace if relative), `target/test-artifacts/console/<backend>/` when
+/// unset. Emptied first.
+fn artifacts_dir(backend: Backend) -> PathBuf {
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("target"));
@@ -105,7 +118,7 @@ fn artifacts_dir() -> PathBuf {
     } else {
         support::root().join(target)
     };
-    let dir = target.join("test-artifacts/console");
+    let dir = target.join("test-artifacts/console").join(backend.name());
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
@@ -209,7 +222,7 @@ fn start_console(database_url: &str, log: &Path) -> (ChildGuard, SocketAddr) {
         Command::new(support::ledger_bin())
             .args(["console", "--listen", "127.0.0.1:0", "--token", TOKEN])
             .env("DATABASE_URL", database_url)
-            .env("RUST_LOG", "warn,inbox_runtime::console=info")
+            .env("RUST_LOG", "warn,inbox_runtime::ops::console=info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr)
@@ -377,10 +390,8 @@ async fn page_counts(browser: &Client, consumer: &str) -> BTreeMap<String, i64> 
 
 /// [`admin::stats`] of `consumer` in the overview's form: every status, and `rejected` (the sum
 /// of the rejection reasons).
-async fn stats_counts(url: &str, consumer: &str) -> BTreeMap<String, i64> {
-    let pool = sqlx::PgPool::connect(url).await.unwrap();
-    let rows = admin::stats(&pool).await.unwrap();
-    pool.close().await;
+async fn stats_counts(db: &Database, consumer: &str) -> BTreeMap<String, i64> {
+    let rows = db.stats().await;
     let mut counts: BTreeMap<String, i64> = Status::ALL
         .iter()
         .map(|status| (status.as_str().to_owned(), 0))
@@ -412,31 +423,212 @@ fn counts(expected: &[(&str, i64)]) -> BTreeMap<String, i64> {
     counts
 }
 
-/// Every inbox row of the ledger: key → (status, attempts, last error, payload kept).
-async fn inbox(url: &str) -> BTreeMap<String, (String, i32, Option<String>, bool)> {
-    let mut conn = PgConnection::connect(url).await.unwrap();
-    let rows: Vec<(String, String, i32, Option<String>, bool)> = sqlx::query_as(
-        "SELECT message_key, status, attempts, last_error, payload IS NOT NULL \
-         FROM inbox_messages WHERE consumer = 'ledger'",
-    )
-    .fetch_all(&mut conn)
-    .await
-    .unwrap();
-    conn.close().await.unwrap();
-    rows.into_iter()
-        .map(|(key, status, attempts, error, payload)| (key, (status, attempts, error, payload)))
-        .collect()
+/// The backends the console is served on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Backend {
+    Postgres,
+    Sqlite,
+    MariaDb,
 }
 
-/// Every account's balance.
-async fn balances(url: &str) -> BTreeMap<String, i64> {
-    let mut conn = PgConnection::connect(url).await.unwrap();
-    let rows: Vec<(String, i64)> = sqlx::query_as("SELECT id, balance_cents FROM accounts")
-        .fetch_all(&mut conn)
-        .await
-        .unwrap();
-    conn.close().await.unwrap();
-    rows.into_iter().collect()
+impl Backend {
+    fn name(self) -> &'static str {
+        match self {
+            Backend::Postgres => "postgres",
+            Backend::Sqlite => "sqlite",
+            Backend::MariaDb => "mariadb",
+        }
+    }
+
+    /// The demo's accounts table, made by hand before the demo makes it, refusing `acct-13`
+    /// (a CHECK constraint; SQLite cannot drop one, so a trigger there).
+    fn create_accounts(self) -> &'static str {
+        match self {
+            Backend::Postgres => {
+                "CREATE TABLE accounts (id TEXT PRIMARY KEY, balance_cents BIGINT NOT NULL, \
+                 CONSTRAINT not_acct_13 CHECK (id <> 'acct-13'))"
+            }
+            Backend::MariaDb => {
+                "CREATE TABLE accounts (id VARCHAR(64) COLLATE utf8mb4_bin PRIMARY KEY, \
+                 balance_cents BIGINT NOT NULL, CONSTRAINT not_acct_13 CHECK (id <> 'acct-13'))"
+            }
+            Backend::Sqlite => {
+                "CREATE TABLE accounts (id TEXT PRIMARY KEY, balance_cents BIGINT NOT NULL); \
+                 CREATE TRIGGER not_acct_13 BEFORE INSERT ON accounts WHEN NEW.id = 'acct-13' \
+                 BEGIN SELECT RAISE(ABORT, 'not_acct_13: acct-13 is refused'); END"
+            }
+        }
+    }
+
+    /// The statement that lifts [`Backend::create_accounts`]'s refusal (the cause fixed).
+    fn lift_refusal(self) -> &'static str {
+        match self {
+            Backend::Postgres | Backend::MariaDb => {
+                "ALTER TABLE accounts DROP CONSTRAINT not_acct_13"
+            }
+            Backend::Sqlite => "DROP TRIGGER not_acct_13",
+        }
+    }
+
+    /// Every inbox row of the ledger: key, status, attempts, last error, payload (keys are
+    /// bytes on MariaDB).
+    fn select_inbox(self) -> &'static str {
+        match self {
+            Backend::MariaDb => {
+                "SELECT CONVERT(message_key USING utf8mb4), status, attempts, last_error, payload \
+                 FROM inbox_messages WHERE consumer = 'ledger'"
+            }
+            Backend::Postgres | Backend::Sqlite => {
+                "SELECT message_key, status, attempts, last_error, payload \
+                 FROM inbox_messages WHERE consumer = 'ledger'"
+            }
+        }
+    }
+}
+
+/// A pool of one connection on the test's database, of its backend.
+enum Pool {
+    Postgres(PgPool),
+    Sqlite(SqlitePool),
+    MySql(MySqlPool),
+}
+
+/// `$body` with `$pool` bound to the pool, whatever its backend.
+macro_rules! on_pool {
+    ($pool:expr, |$p:ident| $body:expr) => {
+        match $pool {
+            Pool::Postgres($p) => $body,
+            Pool::Sqlite($p) => $body,
+            Pool::MySql($p) => $body,
+        }
+    };
+}
+
+/// An inbox row of the ledger: status, attempts, last error, whether the payload is kept.
+type InboxRow = (String, i32, Option<String>, bool);
+
+/// An inbox row as [`Backend::select_inbox`] reads it: key, status, attempts, last error,
+/// payload.
+type StoredRow = (String, String, i32, Option<String>, Option<Vec<u8>>);
+
+/// The test's database: its backend, the URL the demo is given, and the test's own pool on it.
+struct Database {
+    backend: Backend,
+    url: String,
+    pool: Pool,
+}
+
+impl Database {
+    /// A fresh database of `backend` (SQLite: a file in `dir`), with the accounts table that
+    /// refuses `acct-13`.
+    async fn fresh(backend: Backend, dir: &Path) -> Self {
+        let name = unique(&format!("console_browser_{}", backend.name()));
+        let url = match backend {
+            Backend::Postgres => fresh_database(&name).await,
+            Backend::Sqlite => {
+                let file = dir.join("ledger.db");
+                let _ = std::fs::remove_file(&file);
+                format!("sqlite:{}", file.display())
+            }
+            Backend::MariaDb => {
+                let server = inbox_tests::mysql_url();
+                let mut admin = sqlx::MySqlConnection::connect(&server).await.unwrap();
+                for statement in [
+                    format!("DROP DATABASE IF EXISTS {name}"),
+                    format!("CREATE DATABASE {name}"),
+                ] {
+                    sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+                        .execute(&mut admin)
+                        .await
+                        .unwrap();
+                }
+                admin.close().await.ok();
+                format!("{}/{name}", server.rsplit_once('/').unwrap().0)
+            }
+        };
+        let pool = match backend {
+            Backend::Postgres => Pool::Postgres(
+                PgPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&url)
+                    .await
+                    .unwrap(),
+            ),
+            Backend::Sqlite => Pool::Sqlite(
+                SqlitePoolOptions::new()
+                    .max_connections(1)
+                    .connect_with(
+                        SqliteConnectOptions::from_str(&url)
+                            .unwrap()
+                            .create_if_missing(true),
+                    )
+                    .await
+                    .unwrap(),
+            ),
+            Backend::MariaDb => Pool::MySql(
+                MySqlPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&url)
+                    .await
+                    .unwrap(),
+            ),
+        };
+        let db = Self { backend, url, pool };
+        db.execute(backend.create_accounts()).await;
+        db
+    }
+
+    /// Runs `sql` (one or more statements).
+    async fn execute(&self, sql: &'static str) {
+        on_pool!(&self.pool, |pool| {
+            sqlx::raw_sql(sql).execute(pool).await.unwrap();
+        });
+    }
+
+    /// [`admin::stats`].
+    async fn stats(&self) -> Vec<StatsRow> {
+        on_pool!(&self.pool, |pool| admin::stats(pool).await.unwrap())
+    }
+
+    /// Every inbox row of the ledger: key → (status, attempts, last error, payload kept).
+    async fn inbox(&self) -> BTreeMap<String, InboxRow> {
+        let sql = self.backend.select_inbox();
+        let rows: Vec<StoredRow> = on_pool!(&self.pool, |pool| sqlx::query_as(sql)
+            .fetch_all(pool)
+            .await
+            .unwrap());
+        rows.into_iter()
+            .map(|(key, status, attempts, error, payload)| {
+                (key, (status, attempts, error, payload.is_some()))
+            })
+            .collect()
+    }
+
+    /// Every account's balance.
+    async fn balances(&self) -> BTreeMap<String, i64> {
+        let sql = "SELECT id, balance_cents FROM accounts";
+        let rows: Vec<(String, i64)> = on_pool!(&self.pool, |pool| sqlx::query_as(sql)
+            .fetch_all(pool)
+            .await
+            .unwrap());
+        rows.into_iter().collect()
+    }
+
+    /// Closes the pool; drops the database on MariaDB (a database of its own on the shared
+    /// server).
+    async fn close(&self) {
+        on_pool!(&self.pool, |pool| pool.close().await);
+        if self.backend == Backend::MariaDb {
+            let server = inbox_tests::mysql_url();
+            let name = self.url.rsplit_once('/').unwrap().1;
+            let mut admin = sqlx::MySqlConnection::connect(&server).await.unwrap();
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP DATABASE {name}")))
+                .execute(&mut admin)
+                .await
+                .unwrap();
+            admin.close().await.ok();
+        }
+    }
 }
 
 fn balances_of(pairs: &[(&str, i64)]) -> BTreeMap<String, i64> {
@@ -452,27 +644,39 @@ fn form(pairs: &[(&str, &str)]) -> String {
         .join("&")
 }
 
+/// One browser at a time: the three backends' runs take turns.
+static ONE_BROWSER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_console_in_chromium_over_the_ledger_demo() {
+async fn the_console_in_chromium_over_the_ledger_demo_on_postgres() {
+    in_chromium(Backend::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_in_chromium_over_the_ledger_demo_on_sqlite() {
+    in_chromium(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_in_chromium_over_the_ledger_demo_on_mariadb() {
+    in_chromium(Backend::MariaDb).await;
+}
+
+/// The whole path on `backend`: seed with the demo, browse, plain HTTP checks, the action log.
+async fn in_chromium(backend: Backend) {
+    let _turn = ONE_BROWSER.lock().await;
     let started = Instant::now();
     // Fail early, and clearly, without a browser.
     program("chromium", "chromium");
     program("chromedriver", "chromium-driver");
-    let url = fresh_database(&unique("console_browser")).await;
-    let dir = scratch_dir().join("console_browser");
+    let dir = scratch_dir().join(format!("console_browser_{}", backend.name()));
     std::fs::create_dir_all(&dir).unwrap();
+    let db = std::sync::Arc::new(Database::fresh(backend, &dir).await);
+    let url = db.url.clone();
 
     // ----- Seed the database with the ledger demo -----
-    // The accounts table, made by hand before the demo makes it, refuses acct-13: the
-    // database's error is retryable, and with --max-attempts 1 the event is dead at once.
-    let mut conn = PgConnection::connect(&url).await.unwrap();
-    sqlx::query(
-        "CREATE TABLE accounts (id TEXT PRIMARY KEY, balance_cents BIGINT NOT NULL, \
-         CONSTRAINT not_acct_13 CHECK (id <> 'acct-13'))",
-    )
-    .execute(&mut conn)
-    .await
-    .unwrap();
+    // The accounts table refuses acct-13 (see `Backend::create_accounts`): with
+    // --max-attempts 1 the event is dead at once.
     let events = dir.join("events.jsonl");
     std::fs::write(&events, stream()).unwrap();
     let stdout = run_ledger(
@@ -485,7 +689,7 @@ async fn the_console_in_chromium_over_the_ledger_demo() {
         Some("summary: processed=2 duplicates=1 conflicts=1 rejected=1 balances=unchecked dead=3"),
         "{stdout}"
     );
-    let seeded = inbox(&url).await;
+    let seeded = db.inbox().await;
     let statuses: BTreeMap<&str, &str> = seeded
         .iter()
         .map(|(key, row)| (key.as_str(), row.0.as_str()))
@@ -505,7 +709,7 @@ async fn the_console_in_chromium_over_the_ledger_demo() {
         "one attempt each: {seeded:?}"
     );
     assert_eq!(
-        balances(&url).await,
+        db.balances().await,
         balances_of(&[("acct-1", 500), ("acct-2", 200)])
     );
 
@@ -517,15 +721,15 @@ async fn the_console_in_chromium_over_the_ledger_demo() {
     let _reaper = Reaper(format!("--user-data-dir={}", profile.path().display()));
     let browser = browser(&webdriver, profile.path()).await;
     let shots = Shots {
-        dir: artifacts_dir(),
+        dir: artifacts_dir(backend),
         taken: Vec::new(),
     };
     // On a task of its own, so that a failed assertion still closes the browser first.
     let task = tokio::spawn({
-        let (browser, url, base) = (browser.clone(), url.clone(), base.clone());
+        let (browser, db, base) = (browser.clone(), db.clone(), base.clone());
         async move {
             let mut shots = shots;
-            let token = browse(&browser, &mut shots, &url, &base).await;
+            let token = browse(&browser, &mut shots, &db, &base).await;
             (shots, token)
         }
     });
@@ -542,7 +746,7 @@ async fn the_console_in_chromium_over_the_ledger_demo() {
     closed.unwrap();
 
     // ----- Plain HTTP: authentication and forged actions -----
-    http_checks(&url, &base, &token).await;
+    http_checks(&db, &base, &token).await;
 
     // The console logged both actions with the operator's name.
     let log = std::fs::read_to_string(dir.join("console.log")).unwrap();
@@ -559,8 +763,10 @@ async fn the_console_in_chromium_over_the_ledger_demo() {
             "the {action} of {key} by alice is logged:\n{log}"
         );
     }
+    db.close().await;
     println!(
-        "console_browser: {} screenshots in {}, {:.1} s",
+        "console_browser on {}: {} screenshots in {}, {:.1} s",
+        backend.name(),
         shots.taken.len(),
         shots.dir.display(),
         started.elapsed().as_secs_f64()
@@ -572,7 +778,7 @@ async fn the_console_in_chromium_over_the_ledger_demo() {
 async fn browse(
     browser: &Client,
     shots: &mut Shots,
-    url: &str,
+    db: &Database,
     base: &str,
 ) -> Result<String, String> {
     // Signed in with HTTP Basic from the URL: Chromium answers the console's challenge with
@@ -585,7 +791,7 @@ async fn browse(
 
     // The counts on the page are the statistics, and the stream's numbers.
     let shown = page_counts(browser, "ledger").await;
-    assert_eq!(shown, stats_counts(url, "ledger").await);
+    assert_eq!(shown, stats_counts(db, "ledger").await);
     assert_eq!(
         shown,
         counts(&[("processed", 2), ("dead", 3), ("rejected", 1)])
@@ -624,22 +830,17 @@ async fn browse(
     assert_eq!(keys, [FIXABLE, BAD_ACCOUNT, LEFT_DEAD]);
 
     // The cause of acct-13's failure is fixed; the operator opens the message and replays it.
-    let mut conn = PgConnection::connect(url).await.unwrap();
-    sqlx::query("ALTER TABLE accounts DROP CONSTRAINT not_acct_13")
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    conn.close().await.unwrap();
+    db.execute(db.backend.lift_refusal()).await;
     let error = act_on(browser, shots, FIXABLE, "replay", "processed").await;
     assert!(error.contains("not_acct_13"), "{error}");
     // In the database: processed, the credit applied once.
-    let after = inbox(url).await;
+    let after = db.inbox().await;
     assert_eq!(
         (after[FIXABLE].0.as_str(), after[FIXABLE].1),
         ("processed", 2)
     );
     assert_eq!(
-        balances(url).await,
+        db.balances().await,
         balances_of(&[("acct-1", 500), ("acct-2", 200), ("acct-13", 700)])
     );
 
@@ -651,7 +852,7 @@ async fn browse(
         error.contains("`acct-x` is not a ledger account"),
         "{error}"
     );
-    let after = inbox(url).await;
+    let after = db.inbox().await;
     assert_eq!(after[BAD_ACCOUNT].0, "discarded");
     assert!(
         !after[BAD_ACCOUNT].3,
@@ -674,10 +875,9 @@ async fn browse(
         let n: i64 = cell.text().await.unwrap().parse().unwrap();
         shown.insert((consumer, reason), n);
     }
-    let pool = sqlx::PgPool::connect(url).await.unwrap();
-    let stats: BTreeMap<(String, String), i64> = admin::stats(&pool)
+    let stats: BTreeMap<(String, String), i64> = db
+        .stats()
         .await
-        .unwrap()
         .into_iter()
         .filter_map(|row| match row.status {
             StatsStatus::Rejected(reason) => Some((
@@ -690,7 +890,6 @@ async fn browse(
             StatsStatus::Message(_) => None,
         })
         .collect();
-    pool.close().await;
     assert_eq!(shown, stats);
     assert_eq!(
         shown,
@@ -700,12 +899,14 @@ async fn browse(
         ])
     );
 
+    more_pages(browser, shots).await;
+
     // The overview after both actions.
     click(browser, Locator::LinkText("Overview")).await;
     wait_css(browser, "table.overview").await;
     shots.take(browser, "overview-after").await;
     let shown = page_counts(browser, "ledger").await;
-    assert_eq!(shown, stats_counts(url, "ledger").await);
+    assert_eq!(shown, stats_counts(db, "ledger").await);
     assert_eq!(
         shown,
         counts(&[
@@ -730,6 +931,20 @@ async fn browse(
             .unwrap()
             .is_empty()
     );
+    // An error page (409) is a page of the console: its stylesheet applies.
+    assert_ne!(
+        wait_css(browser, "header")
+            .await
+            .css_value("background-color")
+            .await
+            .unwrap(),
+        "rgba(0, 0, 0, 0)",
+        "the console's stylesheet applies to an error page"
+    );
+    assert_eq!(
+        browser.title().await.unwrap(),
+        "Nothing to do · inbox console"
+    );
     shots.take(browser, "replay-refused").await;
 
     // A confirmation page of the message left dead: the CSRF token the forged requests reuse.
@@ -746,11 +961,104 @@ async fn browse(
     Ok(token)
 }
 
+/// From the rejections page: the conflict's detail; then the parked messages, the outbox and
+/// the rates, each from the navigation, with the figures the stream and the two actions imply.
+async fn more_pages(browser: &Client, shots: &mut Shots) {
+    let mut conflict = None;
+    for row in browser
+        .find_all(Locator::Css("table.rejection-list tr[data-rejection]"))
+        .await
+        .unwrap()
+    {
+        if row.text().await.unwrap().contains("conflict") {
+            conflict = Some(row.find(Locator::Css("a")).await.unwrap());
+        }
+    }
+    conflict
+        .expect("the conflict in the list")
+        .click()
+        .await
+        .unwrap();
+    wait_css(browser, "pre[data-field=\"payload-hex\"]").await;
+    assert!(
+        text_of(browser, "h1")
+            .await
+            .starts_with("Rejected delivery ")
+    );
+    assert_eq!(
+        text_of(browser, "dd[data-field=\"reason\"]").await,
+        "conflict"
+    );
+    assert_eq!(text_of(browser, "dd[data-field=\"key\"]").await, GOOD_2);
+    let text = text_of(browser, "pre[data-field=\"payload-text\"]").await;
+    assert!(text.contains("\"amount_cents\":999"), "{text}");
+    shots.take(browser, "rejection").await;
+
+    click(browser, Locator::LinkText("Parked")).await;
+    wait_css(browser, "table.parked").await;
+    assert_eq!(
+        text_of(browser, "h1").await,
+        "Parked messages per aggregate"
+    );
+    assert_eq!(
+        text_of(browser, "table.parked td.muted").await,
+        "No parked messages."
+    );
+    shots.take(browser, "parked").await;
+
+    // The demo migrates the inbox only: the outbox page says it is not installed.
+    click(browser, Locator::LinkText("Outbox")).await;
+    let absent = text_of(browser, "p[data-outbox=\"absent\"]").await;
+    assert!(
+        absent.starts_with("The outbox is not installed"),
+        "{absent}"
+    );
+    shots.take(browser, "outbox").await;
+
+    click(browser, Locator::LinkText("Rates")).await;
+    wait_css(browser, "section.rates").await;
+    assert_eq!(text_of(browser, "h1").await, "Rates, last 24 hours");
+    let mut totals = BTreeMap::new();
+    for cell in browser
+        .find_all(Locator::Css("section.rates td[data-series]"))
+        .await
+        .unwrap()
+    {
+        let n: i64 = cell.text().await.unwrap().parse().unwrap();
+        if n > 0 {
+            let series = cell.attr("data-series").await.unwrap().unwrap();
+            totals.insert(series, n);
+        }
+    }
+    // Both sections' non-zero totals: the ledger's rows by their status now and its
+    // conflict; the malformed line, of no consumer.
+    assert_eq!(
+        totals,
+        BTreeMap::from([
+            ("processed".to_owned(), 3),
+            ("dead".to_owned(), 1),
+            ("discarded".to_owned(), 1),
+            ("rejected:conflict".to_owned(), 1),
+            ("rejected:malformed".to_owned(), 1),
+        ])
+    );
+    assert_eq!(
+        browser
+            .find_all(Locator::Css("section.rates[data-consumer]"))
+            .await
+            .unwrap()
+            .len(),
+        2,
+        "the ledger and (no consumer)"
+    );
+    shots.take(browser, "rates").await;
+}
+
 /// `401` without the token, `403` for forged actions, `409` for a second replay; nothing
 /// changes.
-async fn http_checks(url: &str, base: &str, token: &str) {
+async fn http_checks(db: &Database, base: &str, token: &str) {
     let http = reqwest::Client::new();
-    let before = (inbox(url).await, balances(url).await);
+    let before = (db.inbox().await, db.balances().await);
 
     // No credentials, wrong ones: 401 with the Basic challenge (the browser asks again).
     for (who, request) in [
@@ -831,7 +1139,7 @@ async fn http_checks(url: &str, base: &str, token: &str) {
         assert!(page.contains(title), "{what}: {page}");
     }
     assert_eq!(
-        (inbox(url).await, balances(url).await),
+        (db.inbox().await, db.balances().await),
         before,
         "nothing changed"
     );
@@ -848,7 +1156,7 @@ async fn http_checks(url: &str, base: &str, token: &str) {
     let page = response.text().await.unwrap();
     assert!(page.contains("Nothing to do"), "{page}");
     assert_eq!(
-        (inbox(url).await, balances(url).await),
+        (db.inbox().await, db.balances().await),
         before,
         "nothing changed"
     );

@@ -4,7 +4,9 @@
 
 #![allow(missing_docs)]
 
-use inbox_runtime::{Backend, Dispatcher, Envelope, Message, Outcome, RegistryError, handler};
+use inbox_runtime::{
+    Dispatcher, Envelope, Message, Outcome, RegistryError, handler, store::Backend,
+};
 use serde::{Deserialize, Serialize};
 
 /// A charge, taken by two consumers.

@@ -110,7 +110,7 @@ const AGE_REJECTIONS_MYSQL: &str = "UPDATE inbox_rejections \
 inbox_tests::backend_matrix! {
     connections(postgres = 8, sqlite = 4);
 
-    use inbox_runtime::admin::{self, Retention};
+    use inbox_runtime::ops::admin::{self, Retention};
     use inbox_runtime::{Dispatcher, Disposition, Envelope, Error, RetryPolicy};
 
     #[inbox_runtime::idempotent(consumer = "jobs")]

@@ -451,7 +451,7 @@ fn the_readme_shows_every_row() {
 fn the_fingerprint_docs_show_every_row() {
     let source = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../inbox-runtime/src/fingerprint.rs"
+        "/../inbox-runtime/src/types/fingerprint.rs"
     ))
     .expect("read fingerprint.rs");
     let missing = missing_rows(&source, "/// ");

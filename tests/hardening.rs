@@ -63,8 +63,8 @@ inbox_tests::backend_matrix! {
     use std::time::Duration;
 
     use inbox_runtime::{
-        DispatchError, Dispatcher, Disposition, Error, Outcome, RetryPolicy, Status, admin,
-        handler, settlement_for,
+        DispatchError, Dispatcher, Disposition, Error, Outcome, RetryPolicy, Status, handler,
+        ops::admin, worker::settlement_for,
     };
     use inbox_runtime::source::Settlement;
 
@@ -179,7 +179,8 @@ inbox_tests::backend_matrix! {
         let (pool, _guard) = fixture().await;
         let dispatcher = Dispatcher::from_handlers(pool.clone(), [handler!(keep_blob)])
             .unwrap()
-            .with_max_payload_bytes(LIMIT);
+            .with_max_payload_bytes(LIMIT)
+            .unwrap();
         assert_eq!(dispatcher.max_payload_bytes(), LIMIT);
 
         // At the limit: processed.

@@ -3,7 +3,8 @@
 //! requests with one key take effect once; the same key with another body is a 422; another
 //! principal's key is another key; bad keys and bodies are refused with their documented status
 //! and write nothing; a handler error or panic stores nothing and a retry runs again; stored
-//! responses go with the inbox's retention purge.
+//! responses go with the inbox's retention purge; transaction hooks commit with the request, with
+//! a key or without.
 
 #![allow(missing_docs)]
 
@@ -129,8 +130,8 @@ inbox_tests::backend_matrix! {
     use axum::routing::{get, post};
     use axum::{Json, Router};
     use futures_util::StreamExt as _;
-    use inbox_runtime::StepKey;
-    use inbox_runtime::admin::{self, Retention};
+    use inbox_runtime::types::StepKey;
+    use inbox_runtime::ops::admin::{self, Retention};
     use inbox_runtime::http::{IdempotencyLayer, IdempotencyTx};
     use inbox_tests::{count, effect, effects};
 
@@ -512,6 +513,17 @@ inbox_tests::backend_matrix! {
         let not_json = send(server.post(Some(quoted("not-json")), Some("alice"), "account=acc&amount=5".into())).await;
         assert_problem(&not_json, 400, "request-body-invalid");
 
+        // A body declared JSON that is not Unicode text: an unpaired surrogate, even in a member
+        // the handler never reads.
+        let text = r#"{"account":"acc-bad","amount":5,"note":"\udc00"}"#;
+        let surrogate = send(server.post(Some(quoted("surrogate")), Some("alice"), text.into())).await;
+        assert_problem(&surrogate, 400, "request-body-invalid");
+        assert_eq!(
+            surrogate.json()["detail"],
+            "the body is declared JSON (Content-Type) but is not Unicode text: line 1, column 41: \
+             invalid Unicode: the escape `\\udc00` is an unpaired surrogate"
+        );
+
         // Nothing ran, nothing was written.
         assert_eq!(server.runs(), 0);
         assert!(effects(&pool).await.is_empty());
@@ -585,6 +597,89 @@ inbox_tests::backend_matrix! {
         let again = send(server.post(Some(quoted("o-1")), None, pay_body("acc-o", 1))).await;
         assert_eq!((again.status, again.replayed, &again.body), (201, true, &keyed.body));
         assert_eq!(effect(&pool, "acc-o").await, Some((2, 2)));
+    }
+
+    /// A hook that applies the effect `hook:<scope>:<key>` on the request's transaction (the
+    /// key empty without one), or fails when told to, and counts its after-commit calls.
+    struct Audit {
+        fail: Arc<std::sync::atomic::AtomicBool>,
+        after: Arc<AtomicUsize>,
+    }
+
+    impl inbox_runtime::TransactionHook<Db> for Audit {
+        fn before_commit<'c>(
+            &'c self,
+            conn: &'c mut Conn,
+            claim: &'c inbox_runtime::ClaimInfo<'c>,
+        ) -> inbox_runtime::BoxFuture<'c, Result<(), inbox_runtime::BoxError>> {
+            Box::pin(async move {
+                if self.fail.load(Ordering::SeqCst) {
+                    return Err("the audit hook fails".into());
+                }
+                assert_eq!(claim.message_name, "POST /pay");
+                sqlx::query(APPLY_EFFECT)
+                    .bind(format!("hook:{}:{}", claim.consumer, claim.key))
+                    .bind(1_i64)
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(())
+            })
+        }
+
+        fn after_commit(&self, _claim: &inbox_runtime::ClaimInfo<'_>) {
+            self.after.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[tokio::test]
+    async fn hooks_commit_with_the_request_with_or_without_a_key() {
+        let (pool, _guard) = fixture().await;
+        let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let after = Arc::new(AtomicUsize::new(0));
+        let audit = Audit { fail: fail.clone(), after: after.clone() };
+        let server = serve(&pool, |layer| layer.require_key(false).with_hook(audit)).await;
+        let hooked = |key: &str| format!("hook:http POST /pay:{key}");
+
+        // A claimed request: the hook's write commits with the handler's, the key and the
+        // response; its replay runs no hook.
+        let first = send(server.post(Some(quoted("h-1")), None, pay_body("acc-h", 5))).await;
+        assert_eq!((first.status, first.replayed), (201, false));
+        let again = send(server.post(Some(quoted("h-1")), None, pay_body("acc-h", 5))).await;
+        assert_eq!((again.status, again.replayed, &again.body), (201, true, &first.body));
+        assert_eq!(effect(&pool, &hooked("h-1")).await, Some((1, 1)));
+        // A request without a key: the hook runs in its plain transaction, with an empty key.
+        let plain = send(server.post(None, None, pay_body("acc-h", 5))).await;
+        assert_eq!(plain.status, 201);
+        assert_eq!(effect(&pool, &hooked("")).await, Some((1, 1)));
+        // A response the layer does not store runs no hook: rolled back.
+        let not_stored = send(server.post(
+            Some(quoted("h-2")),
+            None,
+            serde_json::json!({"account": "acc-h", "amount": 5, "fail": "500"}).to_string(),
+        ))
+        .await;
+        assert_eq!(not_stored.status, 500);
+        assert_eq!(effect(&pool, &hooked("h-2")).await, None);
+        assert_eq!(effect(&pool, "acc-h").await, Some((2, 10)));
+        assert_eq!(after.load(Ordering::SeqCst), 2);
+
+        // A failing hook rolls everything back (500), with a key or without; the key stays free.
+        fail.store(true, Ordering::SeqCst);
+        let failed = send(server.post(Some(quoted("h-3")), None, pay_body("acc-h", 5))).await;
+        assert_problem(&failed, 500, "transaction-failed");
+        let failed_plain = send(server.post(None, None, pay_body("acc-h", 5))).await;
+        assert_problem(&failed_plain, 500, "transaction-failed");
+        assert_eq!(effect(&pool, "acc-h").await, Some((2, 10)));
+        assert_eq!(after.load(Ordering::SeqCst), 2);
+        fail.store(false, Ordering::SeqCst);
+        let retried = send(server.post(Some(quoted("h-3")), None, pay_body("acc-h", 5))).await;
+        assert_eq!((retried.status, retried.replayed), (201, false));
+        assert_eq!(effect(&pool, &hooked("h-3")).await, Some((1, 1)));
+        assert_eq!(effect(&pool, "acc-h").await, Some((3, 15)));
+        assert_eq!(after.load(Ordering::SeqCst), 3);
+        // Keys h-1 and h-3 stored; the handler ran for every request but the replay.
+        assert_eq!(inbox_rows(&pool).await, 2);
+        assert_eq!(server.runs(), 6);
     }
 
     #[tokio::test]

@@ -72,6 +72,70 @@ fn hold(id: &str) -> (Arc<tokio::sync::Notify>, Arc<tokio::sync::Semaphore>) {
     (entered, release)
 }
 
+/// Stalls the claim transactions of the given keys after the source's position hook (its
+/// compare-and-set on the position) until the test sets when the stall ends ([`Stall::end_at`]).
+/// Added to the old owner's dispatcher in the stalled-owner test.
+#[derive(Clone, Default)]
+struct Stall {
+    keys: Arc<Vec<String>>,
+    state: Arc<StdMutex<StallState>>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct StallState {
+    /// Transactions that reached the stall.
+    entered: usize,
+    /// When the first one did.
+    first: Option<Instant>,
+    /// When every stall ends (set by the test).
+    until: Option<Instant>,
+    /// When the first stalled transaction went on to its `COMMIT`.
+    ended: Option<Instant>,
+}
+
+impl Stall {
+    fn new(keys: &[&str]) -> Self {
+        Self {
+            keys: Arc::new(keys.iter().map(|&key| key.to_owned()).collect()),
+            state: Arc::default(),
+        }
+    }
+
+    fn state(&self) -> StallState {
+        *self.state.lock().unwrap()
+    }
+
+    /// Ends every stall at `at`.
+    fn end_at(&self, at: Instant) {
+        self.state.lock().unwrap().until = Some(at);
+    }
+
+    /// Called by the hook for `key`: waits out the stall if `key` is one of the stalled.
+    async fn wait(&self, key: &str) {
+        if !self.keys.iter().any(|k| k == key) {
+            return;
+        }
+        {
+            let mut state = self.state.lock().unwrap();
+            state.entered += 1;
+            state.first.get_or_insert_with(Instant::now);
+        }
+        loop {
+            let until = self.state.lock().unwrap().until;
+            match until {
+                Some(until) if Instant::now() >= until => break,
+                Some(until) => tokio::time::sleep_until(until.into()).await,
+                None => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        }
+        self.state
+            .lock()
+            .unwrap()
+            .ended
+            .get_or_insert_with(Instant::now);
+    }
+}
+
 fn mock(brokers: i32) -> MockCluster<'static, rdkafka::producer::DefaultProducerContext> {
     MockCluster::new(brokers).expect("start librdkafka's mock cluster")
 }
@@ -127,6 +191,59 @@ fn credit(id: &str, amount: i64, part: i32, seq: i64) -> Vec<u8> {
     .unwrap()
 }
 
+/// Produces credits `s-{part}-{seq}` (sequences `0..per_partition`) to partitions
+/// `0..partitions` of `topic`, one round of partitions per sequence. Returns the sum of their
+/// amounts.
+async fn produce_rounds(
+    producer: &FutureProducer,
+    topic: &str,
+    partitions: i32,
+    per_partition: i64,
+) -> i64 {
+    let mut total = 0;
+    for seq in 0..per_partition {
+        for part in 0..partitions {
+            let id = format!("s-{part}-{seq}");
+            let amount = 1000 + seq * 3 + i64::from(part);
+            total += amount;
+            produce(
+                producer,
+                topic,
+                part,
+                Some("kafka.credit"),
+                Some(&id),
+                Some(&credit(&id, amount, part, seq)),
+            )
+            .await;
+        }
+    }
+    total
+}
+
+/// Settings for the stalled-owner test: `max.poll.interval.ms` at 4 s, as short as librdkafka
+/// allows (not below the session timeout); `revoke_wait` under it, so that the old owner hands
+/// the partition over while its transaction is still open.
+fn tight(config: KafkaConfig) -> KafkaConfig {
+    config
+        .commit_interval(Duration::from_millis(200))
+        .revoke_wait(Duration::from_secs(1))
+        .property("session.timeout.ms", "4000")
+        .property("heartbeat.interval.ms", "300")
+        .property("max.poll.interval.ms", "4000")
+        .property("topic.metadata.refresh.interval.ms", "1000")
+}
+
+/// The partitions of topic "stalled" a source holds.
+fn stalled_held(
+    handle: &inbox_runtime::source::kafka::AssignmentHandle,
+) -> Vec<(String, i32, i64)> {
+    handle
+        .assignment()
+        .into_iter()
+        .filter(|(topic, _, _)| topic == "stalled")
+        .collect()
+}
+
 /// Consumer settings for a mock cluster on a loaded machine: short sessions, quick commits.
 fn config(bootstrap: &str, group: &str, topic: &str) -> KafkaConfig {
     KafkaConfig::new(bootstrap, group, [topic])
@@ -170,7 +287,7 @@ impl Running {
 inbox_tests::backend_matrix! {
     connections(postgres = 16, sqlite = 4);
 
-    use inbox_runtime::{PositionRow, PositionStore as _};
+    use inbox_runtime::store::{PositionKey, PositionRow, PositionStore as _};
     use inbox_tests::{effects, inbox_row};
 
     #[inbox_runtime::idempotent(consumer = "kafka-credits")]
@@ -207,15 +324,28 @@ inbox_tests::backend_matrix! {
         Dispatcher::from_handlers(pool.clone(), [inbox_runtime::handler!(apply_credit)])
             .unwrap()
             .with_max_payload_bytes(4096)
+            .unwrap()
     }
 
     async fn start(pool: &Pool, config: KafkaConfig, concurrency: usize) -> (Running, inbox_runtime::source::kafka::AssignmentHandle) {
+        start_with(pool, config, concurrency, |dispatcher| dispatcher).await
+    }
+
+    /// [`start`], with `more` applied to the dispatcher the source gave back (hooks after the
+    /// source's own).
+    async fn start_with(
+        pool: &Pool,
+        config: KafkaConfig,
+        concurrency: usize,
+        more: impl FnOnce(Dispatcher<Db>) -> Dispatcher<Db>,
+    ) -> (Running, inbox_runtime::source::kafka::AssignmentHandle) {
         // The source's and the worker's logs, shown with a failing test's output.
         let _ = tracing_subscriber::fmt()
             .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "inbox_runtime=info".into()))
             .with_test_writer()
             .try_init();
         let (source, dispatcher) = KafkaSource::connect(config, dispatcher(pool)).await.unwrap();
+        let dispatcher = more(dispatcher);
         let handle = source.assignment_handle();
         let stop = CancellationToken::new();
         let worker = Worker::new(dispatcher)
@@ -368,6 +498,16 @@ inbox_tests::backend_matrix! {
                 bad("too_large", "kafka.credit", 4),
             ]
         );
+        // The oversized record is kept cut to the limit, with its real size (the source copies
+        // no more of it out of librdkafka's buffer).
+        let kept: (i64, Option<i64>) = sqlx::query_as(sql(
+            "SELECT CAST(length(payload) AS BIGINT), payload_size FROM inbox_rejections \
+             WHERE reason = 'too_large'",
+        ))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(kept, (4096, Some(i64::try_from(oversized.len()).unwrap())));
         assert_eq!(inbox_tests::effect::<Db>(&pool, "good").await, Some((1, 7)));
     }
 
@@ -534,5 +674,208 @@ inbox_tests::backend_matrix! {
         assert_eq!(stored, (0..6).map(|p| (p, Some(per_partition))).collect::<Vec<_>>());
         let redelivered: u64 = [&c1_report, &c2_report, &c3_report].iter().map(|r| r.duplicates).sum();
         println!("rebalance test: {redelivered} duplicates after handovers; reports {c1_report:?} {c2_report:?} {c3_report:?}");
+    }
+
+    impl inbox_runtime::TransactionHook<Db> for Stall {
+        fn before_commit<'c>(
+            &'c self,
+            _conn: &'c mut Conn,
+            claim: &'c inbox_runtime::ClaimInfo<'c>,
+        ) -> inbox_runtime::BoxFuture<'c, Result<(), inbox_runtime::BoxError>> {
+            Box::pin(async move {
+                self.wait(claim.key).await;
+                Ok(())
+            })
+        }
+    }
+
+    /// The connection's lock wait, as text: PostgreSQL's `lock_timeout`, SQLite's busy timeout
+    /// (ms), MySQL's `innodb_lock_wait_timeout` (s).
+    async fn lock_wait_setting(conn: &mut Conn) -> String {
+        match BACKEND {
+            Backend::Postgres => sqlx::query_scalar::<_, String>("SELECT current_setting('lock_timeout')").fetch_one(&mut *conn).await.unwrap(),
+            Backend::Sqlite => sqlx::query_scalar::<_, i64>("PRAGMA busy_timeout").fetch_one(&mut *conn).await.unwrap().to_string(),
+            _ => sqlx::query_scalar::<_, i64>("SELECT CAST(@@innodb_lock_wait_timeout AS SIGNED)").fetch_one(&mut *conn).await.unwrap().to_string(),
+        }
+    }
+
+    /// The bounded position statements the source's poll loop uses: while another transaction
+    /// holds the row (it wrote the position and has not committed), an attempt gives up after its
+    /// lock wait and changes nothing; once that transaction ended, it goes through. The lock wait
+    /// setting each backend changes for it is put back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn position_attempts_give_up_on_a_locked_row_and_change_nothing() {
+        let (pool, _guard) = setup().await;
+        let key = PositionKey::new("g-bounded", "t", 0);
+        let wait = Duration::from_millis(50);
+        let bounded = Duration::from_secs(30);
+        let mut conn = pool.acquire().await.unwrap();
+        let before = lock_wait_setting(&mut conn).await;
+        let first = (*conn).try_acquire_position(&key, "a", wait).await.unwrap().expect("a free row");
+        assert_eq!((first.epoch, first.next_offset), (1, None));
+
+        // The owner writes the position in a transaction that stays open.
+        let mut owner = pool.begin().await.unwrap();
+        assert!((*owner).advance_position(&key, 1, 5).await.unwrap());
+        let taken = tokio::time::timeout(bounded, (*conn).try_acquire_position(&key, "b", wait)).await.expect("gives up");
+        assert_eq!(taken.unwrap(), None);
+        let written = tokio::time::timeout(bounded, (*conn).try_advance_position(&key, 1, 7, wait)).await.expect("gives up");
+        assert_eq!(written.unwrap(), None);
+        owner.commit().await.unwrap();
+        let row = positions(&pool, "g-bounded").await.remove(0);
+        assert_eq!((row.epoch, row.next_offset, row.owner.as_str()), (1, Some(5), "a"), "nothing changed");
+
+        // Ended: the next attempt takes the partition, and fences the previous epoch.
+        let taken = (*conn).try_acquire_position(&key, "b", wait).await.unwrap().expect("a free row");
+        assert_eq!((taken.epoch, taken.next_offset), (2, Some(5)));
+        assert_eq!((*conn).try_advance_position(&key, 1, 9, wait).await.unwrap(), Some(false), "fenced");
+        assert_eq!((*conn).try_advance_position(&key, 2, 9, wait).await.unwrap(), Some(true));
+        assert_eq!(lock_wait_setting(&mut conn).await, before, "the lock wait setting is put back");
+        drop(conn);
+
+        // Inside a caller's transaction (a savepoint): its own lock wait is back afterwards.
+        let mut caller = pool.begin().await.unwrap();
+        let set = match BACKEND {
+            Backend::Postgres => "SET LOCAL lock_timeout = '7s'",
+            Backend::Sqlite => "PRAGMA busy_timeout = 7000",
+            _ => "SET SESSION innodb_lock_wait_timeout = 7",
+        };
+        sqlx::query(set).execute(&mut *caller).await.unwrap();
+        let set_to = lock_wait_setting(&mut caller).await;
+        assert_eq!((*caller).try_advance_position(&key, 2, 11, wait).await.unwrap(), Some(true));
+        let taken = (*caller).try_acquire_position(&key, "c", wait).await.unwrap().expect("its own row");
+        assert_eq!((taken.epoch, taken.next_offset), (3, Some(11)));
+        assert_eq!(lock_wait_setting(&mut caller).await, set_to);
+        caller.commit().await.unwrap();
+        assert_eq!(positions(&pool, "g-bounded").await[0].epoch, 3);
+    }
+
+    /// Issue 36: the old owner of a partition stalls inside its transaction, after the
+    /// position's compare-and-set, until twice `max.poll.interval.ms` after a new member was
+    /// given the partition. The new owner's poll loop must not wait on the locked position row
+    /// (it would pass `max.poll.interval.ms`, leave the group, and the group would rebalance
+    /// again and again): it holds the partition paused, takes its position once the old
+    /// transaction ended, and starts there.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_stalled_old_owner_makes_no_extra_rebalance() {
+        let _serial = SERIAL.lock().await;
+        let (pool, _guard) = setup().await;
+        let cluster = mock(1);
+        let bootstrap = cluster.bootstrap_servers();
+        // A holds 3 partitions, B joins: one moves to B.
+        const PARTS: i32 = 3;
+        let per_partition = 10_i64;
+        cluster.create_topic("stalled", PARTS, 1).unwrap();
+        cluster.create_topic("other", 1, 1).unwrap();
+        let expected_total = produce_rounds(&producer(&bootstrap), "stalled", PARTS, per_partition).await;
+        let max_poll = Duration::from_millis(4000);
+        let group = "g-stalled";
+        let stall = Stall::new(&["s-0-0", "s-1-0", "s-2-0"]);
+
+        // A takes the partitions; the first record of each stalls after its compare-and-set (on
+        // SQLite, one of them: its open transaction holds the database's write lock, the others
+        // wait for it before their compare-and-sets).
+        let hook = stall.clone();
+        let (a, a_handle) = start_with(&pool, tight(KafkaConfig::new(bootstrap.as_str(), group, ["stalled"])), 4, move |d| d.with_hook(hook)).await;
+        wait_until("A's first stall", Duration::from_secs(120), || async { stall.state().entered >= 1 }).await;
+
+        // B joins, subscribed to the topic "other" too (empty, B's alone). With the cooperative
+        // protocol it is first given "other" while A revokes the partition that moves (so B is a
+        // settled member, held to max.poll.interval.ms, as in the issue), then that partition:
+        // from then on, A's transaction stays open twice max.poll.interval.ms.
+        let (b, b_handle) = start(&pool, tight(KafkaConfig::new(bootstrap.as_str(), group, ["stalled", "other"])), 4).await;
+        wait_until("B given a partition of A's", Duration::from_secs(120), || async { b_handle.rebalances().partitions_assigned >= 2 }).await;
+        let given = Instant::now();
+        stall.end_at(given + 2 * max_poll);
+        // B holds the partition paused, not consumed, while A's transaction is open (on SQLite,
+        // "other" too: A's open transaction holds the database's write lock).
+        wait_until("B waits for the partition's position", Duration::from_secs(10), || async {
+            b_handle.waiting().iter().any(|(topic, _)| topic == "stalled")
+        })
+        .await;
+        assert!(stalled_held(&b_handle).is_empty(), "B consumes nothing of A's before A's transaction ended");
+        assert!(stall.state().ended.is_none());
+        let watch = b_handle.clone();
+        let b_first_held = tokio::spawn(async move {
+            while stalled_held(&watch).is_empty() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Instant::now()
+        });
+        wait_until("every effect", Duration::from_secs(180), || async { effect_count(&pool).await == 30 }).await;
+        let b_held_at = tokio::time::timeout(Duration::from_secs(60), b_first_held).await.expect("B holds a partition").unwrap();
+        let state = stall.state();
+        let ended = state.ended.expect("the stall ended");
+        // Settled: nothing moves for a session timeout.
+        let counts = (a_handle.rebalances(), b_handle.rebalances());
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let settled = (a_handle.rebalances(), b_handle.rebalances());
+        let (a_held, b_held) = (a_handle.assignment(), b_handle.assignment());
+        let b_report = b.stop().await;
+        let a_report = a.stop().await;
+        let takeover = b_held_at.saturating_duration_since(ended);
+        println!(
+            "{BACKEND} stalled owner: A's transaction open {:?} after its compare-and-set, {:?} after B was given the partition; B held it {:?} after the stall ended ({}); rebalances A {:?} B {:?} (4 s later: {:?}); positions {:?}; held A {a_held:?} B {b_held:?}; reports A {a_report:?} B {b_report:?}",
+            ended.saturating_duration_since(state.first.unwrap()),
+            ended.saturating_duration_since(given),
+            takeover,
+            if b_held_at >= ended { "after" } else { "BEFORE" },
+            counts.0, counts.1, settled,
+            positions(&pool, group).await,
+        );
+
+        // The group settled with at most one rebalance more than a handover without a stall
+        // takes (A: its first assignment, B's join while A revokes the partition, the partition
+        // given to B; B: the last two): nobody was kicked out, and nothing moved since.
+        assert_eq!(settled, counts, "the group settled");
+        assert_eq!((counts.0.lost, counts.1.lost), (0, 0), "nobody left the group: {counts:?}");
+        assert!(counts.0.assigned <= 3 + 1 && counts.1.assigned <= 2 + 1, "at most one extra rebalance: {counts:?}");
+        assert_eq!((counts.0.revoked, counts.1.partitions_assigned), (1, 2), "one partition moved, once: {counts:?}");
+        // B started only after A's transaction ended, within the bound of the design: the next
+        // attempt at the position (every 200 ms, each waiting up to 50 ms for the row's lock) from
+        // a poll loop that polls every 100 ms, plus the seek. 2 s leaves room for a loaded
+        // machine.
+        assert!(b_held_at >= ended, "B consumed before A's transaction ended");
+        assert!(takeover <= Duration::from_secs(2), "B took over {takeover:?} after A's transaction ended");
+        let moved = b_held.iter().find(|(topic, _, _)| topic == "stalled").map(|&(_, partition, _)| partition).expect("B holds a partition of A's");
+        assert_eq!(b_held, [("other".to_owned(), 0, 1), ("stalled".to_owned(), moved, 2)]);
+        let kept: Vec<i32> = (0..PARTS).filter(|&partition| partition != moved).collect();
+        assert_eq!(a_held, kept.iter().map(|&partition| ("stalled".to_owned(), partition, 1)).collect::<Vec<_>>());
+        let mut expected = vec![("other".to_owned(), 0, None, 1)];
+        expected.extend((0..PARTS).map(|partition| ("stalled".to_owned(), partition, Some(per_partition), if partition == moved { 2 } else { 1 })));
+        let stored: Vec<_> = positions(&pool, group).await.into_iter().map(|row| (row.topic, row.partition, row.next_offset, row.epoch)).collect();
+        assert_eq!(stored, expected, "each partition's position past its last record, at the epoch of its one handover");
+        assert_stalled_records_applied_once(&pool, PARTS, per_partition, expected_total, moved, &a_report, &b_report).await;
+    }
+
+    /// The stalled-owner test's records: every one applied once, in order, A's stalled one
+    /// included (it committed: B had not taken the partition yet, so A was not fenced; SQLite
+    /// aside, below).
+    async fn assert_stalled_records_applied_once(
+        pool: &Pool,
+        partitions: i32,
+        per_partition: i64,
+        expected_total: i64,
+        moved: i32,
+        a_report: &WorkerReport,
+        b_report: &WorkerReport,
+    ) {
+        let all = effects(pool).await;
+        assert_eq!(all.len() as i64, i64::from(partitions) * per_partition);
+        assert!(all.values().all(|&(applied, _)| applied == 1), "each effect applied once: {all:?}");
+        assert_eq!(all.values().map(|&(_, total)| total).sum::<i64>(), expected_total);
+        assert_partition_order(&seen(pool).await, partitions, per_partition);
+        assert_eq!(inbox_row::<Db>(pool, "kafka-credits", &format!("s-{moved}-0")).await, Some(("processed".to_owned(), 1)));
+        assert_eq!((a_report.processed + b_report.processed) as i64, i64::from(partitions) * per_partition, "{a_report:?} {b_report:?}");
+        assert_eq!(a_report.duplicates + b_report.duplicates, 0);
+        if BACKEND == Backend::Sqlite {
+            // One writer at a time: the moved partition's first record may not have reached its
+            // compare-and-set while another stalled (B waited on the same write lock). Then A
+            // either committed it before B took the partition, or B got in first and A's attempt
+            // was fenced (not recorded) and B applied it.
+            assert!(a_report.fenced <= 1 && b_report.fenced == 0, "{a_report:?} {b_report:?}");
+        } else {
+            assert_eq!((a_report.fenced, b_report.fenced), (0, 0), "{a_report:?} {b_report:?}");
+        }
     }
 }

@@ -6,7 +6,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use inbox_runtime::{KeyError, Message, Outcome, idempotent, registered_handlers};
+use inbox_runtime::{KeyError, Message, Outcome, dispatch::registered_handlers, idempotent};
 use serde::{Deserialize, Serialize};
 use sqlx::SqliteConnection;
 use sqlx::sqlite::SqlitePoolOptions;
@@ -60,6 +60,63 @@ fn derive_template_rejects_empty_parts() {
             field: "region"
         })
     );
+}
+
+/// A transfer locks both accounts: two partitions, one of them optional.
+#[derive(Clone, Serialize, Deserialize, Message)]
+#[message(name = "ledger.transfer")]
+struct Transfer {
+    #[message(key)]
+    id: String,
+    #[message(partition)]
+    from: String,
+    #[message(partition)]
+    to: Option<u64>,
+    amount: i64,
+}
+
+fn transfer(from: &str, to: Option<u64>) -> Transfer {
+    Transfer {
+        id: "t-1".to_owned(),
+        from: from.to_owned(),
+        to,
+        amount: 5,
+    }
+}
+
+#[test]
+fn derive_reads_partition_fields_in_order() {
+    assert_eq!(
+        transfer("acct-1", Some(2)).partitions(),
+        Some(vec!["acct-1".to_owned(), "2".to_owned()])
+    );
+    // The same value twice is one partition.
+    assert_eq!(
+        transfer("2", Some(2)).partitions(),
+        Some(vec!["2".to_owned()])
+    );
+    // An empty value is a partition like any other.
+    assert_eq!(
+        transfer("", Some(2)).partitions(),
+        Some(vec![String::new(), "2".to_owned()])
+    );
+    assert_eq!(transfer("a", None).amount, 5);
+}
+
+#[test]
+fn derive_a_null_partition_leaves_the_message_undeclared() {
+    assert_eq!(transfer("acct-1", None).partitions(), None);
+    // The key is not affected.
+    assert_eq!(
+        transfer("acct-1", None).idempotency_key().unwrap().as_str(),
+        "t-1"
+    );
+}
+
+#[test]
+fn derive_without_partition_fields_declares_none() {
+    assert_eq!(Default { id: 1 }.partitions(), None);
+    assert_eq!(order("eu", 7, None).partitions(), None);
 }
 
 static SHIPPED: AtomicUsize = AtomicUsize::new(0);

@@ -53,7 +53,8 @@ async fn peak_memory_of_a_dispatch_at_the_limit_is_a_small_multiple_of_it() {
     let pool = inbox_tests::pg_pool(2).await;
     let dispatcher = Dispatcher::from_handlers(pool.clone(), [handler!(keep)])
         .unwrap()
-        .with_max_payload_bytes(LIMIT);
+        .with_max_payload_bytes(LIMIT)
+        .unwrap();
     // Warm up the connection and the code paths with a small message.
     let small = Envelope::new(Blob::NAME, br#"{"id":"small","data":"x"}"#.to_vec());
     dispatcher.dispatch(&small).await.unwrap();

@@ -6,7 +6,7 @@
 //! failed; then 8 tasks deliver 20 fresh keys 8 times each, each key's first attempt failing
 //! while the other deliveries of it wait for its lock. Every key's effect is applied exactly once, no deadlock (1213) or lock wait timeout
 //! (1205) reaches a caller, and the store's internal retries are counted
-//! (`inbox_runtime::mysql_lock_retries()` and the metric `inbox_store_lock_retries_total`).
+//! (`inbox_runtime::store::mysql_lock_retries()` and the metric `inbox_store_lock_retries_total`).
 //!
 //! Also: a transaction InnoDB rolled back under a handler that did not notice (a swallowed
 //! deadlock) is caught before `COMMIT`.
@@ -150,7 +150,7 @@ async fn the_duplicate_storm_applies_every_key_once_and_hides_innodb_lock_errors
             .unwrap()
             .with_retry_policy(policy),
     );
-    let retries_before = inbox_runtime::mysql_lock_retries();
+    let retries_before = inbox_runtime::store::mysql_lock_retries();
 
     // 500 keys × 3 deliveries, shuffled; every 25th key's first attempt fails.
     let keys: Vec<String> = (0..500).map(|i| format!("k{i:03}")).collect();
@@ -232,7 +232,7 @@ async fn the_duplicate_storm_applies_every_key_once_and_hides_innodb_lock_errors
         521
     );
 
-    let retries = inbox_runtime::mysql_lock_retries() - retries_before;
+    let retries = inbox_runtime::store::mysql_lock_retries() - retries_before;
     let metric = counter(
         snapshotter.snapshot().into_vec(),
         "inbox_store_lock_retries_total",

@@ -9,7 +9,8 @@
 //! * A relay statement that meets a lock wait timeout (1205), or is chosen as a deadlock's
 //!   victim (1213), is retried internally and counted in `mysql_lock_retries()`.
 //! * The same under READ COMMITTED; writers queued on a lock row the retention purge deletes
-//!   still take turns.
+//!   still take turns; a later writer of an aggregate, whose transaction began first, waits at
+//!   its publish until the earlier writer has ended.
 //! * A publish, and a position's assignment and write, inside a transaction begun with a raw
 //!   `BEGIN` (which sqlx does not count) stay in it: the caller's `ROLLBACK` undoes them.
 //! * Limits of the columns: aggregate ids over 64 KiB, unicode and trailing spaces byte for byte;
@@ -28,7 +29,7 @@ use std::time::Duration;
 
 use inbox_runtime::outbox::{Outbox, OutboxMessage, Relay};
 use inbox_runtime::sink::MemorySink;
-use inbox_runtime::{Component, OutboxStore as _};
+use inbox_runtime::{Component, store::OutboxStore as _};
 use sqlx::MySqlPool;
 
 const OUTBOX: Outbox = Outbox::new(&["orders"]);
@@ -111,7 +112,7 @@ async fn writers_and_relays(pool: MySqlPool) {
     const TASKS: usize = 8;
     const ROWS: usize = 50;
     const AGGREGATES: usize = 4;
-    let retries_before = inbox_runtime::mysql_lock_retries();
+    let retries_before = inbox_runtime::store::mysql_lock_retries();
     // Per aggregate: the message ids in the order their transactions held its lock row
     // (recorded while the lock is held, after the publish, before the commit).
     let written: Arc<Mutex<BTreeMap<String, Vec<String>>>> = Arc::default();
@@ -177,7 +178,7 @@ async fn writers_and_relays(pool: MySqlPool) {
 
     println!(
         "ordering: InnoDB lock errors retried internally: {}",
-        inbox_runtime::mysql_lock_retries() - retries_before
+        inbox_runtime::store::mysql_lock_retries() - retries_before
     );
     let committed = TASKS * ROWS - TASKS * (ROWS / 10);
     assert_eq!(rolled_back.len(), TASKS * (ROWS / 10));
@@ -237,14 +238,15 @@ async fn writers_and_relays(pool: MySqlPool) {
 /// than `before`.
 async fn wait_retries(before: u64, n: u64) {
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while inbox_runtime::mysql_lock_retries() < before + n {
+    while inbox_runtime::store::mysql_lock_retries() < before + n {
         assert!(std::time::Instant::now() < deadline, "no retry seen");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
-/// Three sent-able rows (ids 1, 2, 3), leased by a relay round that never marks them.
-async fn three_leased_rows(pool: &MySqlPool) {
+/// Three sent-able rows (ids 1, 2, 3), leased by a relay round that never marks them; returns
+/// the lease's token.
+async fn three_leased_rows(pool: &MySqlPool) -> String {
     let mut tx = pool.begin().await.unwrap();
     for id in ["a", "b", "c"] {
         OUTBOX
@@ -262,13 +264,14 @@ async fn three_leased_rows(pool: &MySqlPool) {
         lease.records.iter().map(|r| r.id).collect::<Vec<_>>(),
         [1, 2, 3]
     );
+    lease.token
 }
 
 #[tokio::test]
 async fn a_lock_wait_timeout_of_the_relay_is_retried_and_counted() {
     let _serial = SERIAL.lock().await;
     let pool = outbox_pool(4).await;
-    three_leased_rows(&pool).await;
+    let token = three_leased_rows(&pool).await;
     // Another transaction holds row 1.
     let mut holder = pool.begin().await.unwrap();
     sqlx::query("SELECT id FROM inbox_outbox WHERE id = 1 FOR UPDATE")
@@ -280,10 +283,13 @@ async fn a_lock_wait_timeout_of_the_relay_is_retried_and_counted() {
         .execute(&mut relay_conn)
         .await
         .unwrap();
-    let before = inbox_runtime::mysql_lock_retries();
+    let before = inbox_runtime::store::mysql_lock_retries();
     let mark = tokio::spawn(async move {
-        let marked = relay_conn.mark_outbox_sent(&[1, 2]).await;
-        (marked.map_err(|e| e.to_string()), relay_conn)
+        let marked = relay_conn.mark_outbox_sent(&[1, 2], &token).await;
+        (
+            marked.map(|ids| ids.len()).map_err(|e| e.to_string()),
+            relay_conn,
+        )
     });
     // The mark waits a second for row 1, times out (1205), and is retried: only then does the
     // holder let go.
@@ -291,7 +297,7 @@ async fn a_lock_wait_timeout_of_the_relay_is_retried_and_counted() {
     holder.commit().await.unwrap();
     let (marked, _conn) = mark.await.unwrap();
     assert_eq!(marked, Ok(2));
-    assert_eq!(inbox_runtime::mysql_lock_retries() - before, 1);
+    assert_eq!(inbox_runtime::store::mysql_lock_retries() - before, 1);
     let states: Vec<(String, String)> =
         sqlx::query_as("SELECT message_id, status FROM inbox_outbox ORDER BY id")
             .fetch_all(&pool)
@@ -307,7 +313,7 @@ async fn a_lock_wait_timeout_of_the_relay_is_retried_and_counted() {
 async fn a_deadlock_of_the_relay_is_retried_and_counted() {
     let _serial = SERIAL.lock().await;
     let pool = outbox_pool(4).await;
-    three_leased_rows(&pool).await;
+    let token = three_leased_rows(&pool).await;
     // The other transaction changes rows 2 and 3 (it weighs more than the mark: InnoDB rolls
     // the lighter one back).
     let mut other = pool.begin().await.unwrap();
@@ -316,11 +322,14 @@ async fn a_deadlock_of_the_relay_is_retried_and_counted() {
         .await
         .unwrap();
     let mut relay_conn = pool.acquire().await.unwrap().detach();
-    let before = inbox_runtime::mysql_lock_retries();
+    let before = inbox_runtime::store::mysql_lock_retries();
     let mark = tokio::spawn(async move {
         // Locks row 1, then waits for row 2.
-        let marked = relay_conn.mark_outbox_sent(&[1, 2]).await;
-        (marked.map_err(|e| e.to_string()), relay_conn)
+        let marked = relay_conn.mark_outbox_sent(&[1, 2], &token).await;
+        (
+            marked.map(|ids| ids.len()).map_err(|e| e.to_string()),
+            relay_conn,
+        )
     });
     // Wait until the mark holds row 1 (and so waits for row 2), then close the cycle: the other
     // transaction asks for row 1. InnoDB rolls the mark back (1213); the store retries it, and
@@ -347,7 +356,7 @@ async fn a_deadlock_of_the_relay_is_retried_and_counted() {
     other.commit().await.unwrap();
     let (marked, _conn) = mark.await.unwrap();
     assert_eq!(marked, Ok(2));
-    assert_eq!(inbox_runtime::mysql_lock_retries() - before, 1);
+    assert_eq!(inbox_runtime::store::mysql_lock_retries() - before, 1);
     let states: Vec<(String, String, Option<String>)> =
         sqlx::query_as("SELECT message_id, status, last_error FROM inbox_outbox ORDER BY id")
             .fetch_all(&pool)
@@ -441,7 +450,9 @@ async fn long_and_unicode_ids_are_stored_and_leased_byte_exact() {
         );
         assert_eq!(record.message_name, "orders.päid 🦀");
         seen.push(record.message_id.clone());
-        conn.mark_outbox_sent(&[record.id]).await.unwrap();
+        conn.mark_outbox_sent(&[record.id], &lease.token)
+            .await
+            .unwrap();
     }
     assert_eq!(seen, ids);
 }
@@ -450,7 +461,7 @@ async fn long_and_unicode_ids_are_stored_and_leased_byte_exact() {
 /// caller's transaction, which its `ROLLBACK` undoes with the effect.
 #[tokio::test]
 async fn a_position_written_inside_a_raw_begin_stays_in_the_callers_transaction() {
-    use inbox_runtime::{PositionKey, PositionStore as _};
+    use inbox_runtime::store::{PositionKey, PositionStore as _};
     let _serial = SERIAL.lock().await;
     let pool = outbox_pool(2).await;
     inbox_runtime::migrate_components(&pool, &[Component::Positions])
@@ -522,10 +533,17 @@ async fn a_lease_or_delay_beyond_the_datetime_range_is_not_no_lease() {
     );
     // A failed publish retried "never": not due now.
     let failed = conn
-        .mark_outbox_failed(second.records[0].id, "boom", false, 5, i64::MAX)
+        .mark_outbox_failed(
+            second.records[0].id,
+            &second.token,
+            "boom",
+            false,
+            5,
+            i64::MAX,
+        )
         .await
         .unwrap();
-    assert_eq!(failed, Some(inbox_runtime::OutboxStatus::Pending));
+    assert_eq!(failed, Some(inbox_runtime::store::OutboxStatus::Pending));
     let third = conn.lease_outbox(10, 60_000, 5, "abandoned").await.unwrap();
     assert!(third.records.is_empty(), "{:?}", third.records);
 }
@@ -674,7 +692,7 @@ async fn writers_queued_on_a_lock_row_the_purge_deletes_still_take_turns() {
 /// byte; one byte more is refused ("data too long"), never truncated onto another position.
 #[tokio::test]
 async fn positions_at_the_maximum_group_and_topic_length() {
-    use inbox_runtime::{PositionKey, PositionStore as _};
+    use inbox_runtime::store::{PositionKey, PositionStore as _};
     let _serial = SERIAL.lock().await;
     let pool = outbox_pool(2).await;
     inbox_runtime::migrate_components(&pool, &[Component::Positions])
@@ -779,4 +797,68 @@ async fn a_duplicate_message_id_is_reported_and_the_transaction_stays_usable() {
         .await
         .unwrap();
     assert_eq!(ids, ["d", "e", "x", "y"]);
+}
+
+/// The per-aggregate order when the later writer began first (the README's "Per-aggregate
+/// order"): T2 writes first (as an inbox claim would), T1 then publishes `first` of aggregate
+/// `order-1`; T2's publish of `second` waits on the aggregate's lock row until T1 has ended, so
+/// T2 cannot commit its row before T1: the rows go out in creation order, which is also their
+/// commit order.
+#[tokio::test]
+async fn a_later_writer_of_an_aggregate_waits_at_its_publish_for_the_earlier_one() {
+    let _serial = SERIAL.lock().await;
+    let pool = outbox_pool(4).await;
+    sqlx::query("CREATE TABLE claims (id INT PRIMARY KEY)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut t2 = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO claims VALUES (2)")
+        .execute(&mut *t2)
+        .await
+        .unwrap();
+    let t2_thread: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+        .fetch_one(&mut *t2)
+        .await
+        .unwrap();
+    let mut t1 = pool.begin().await.unwrap();
+    OUTBOX
+        .publish(&mut *t1, message("first", "order-1"))
+        .await
+        .unwrap();
+    let writer = tokio::spawn(async move {
+        OUTBOX
+            .publish(&mut *t2, message("second", "order-1"))
+            .await
+            .unwrap();
+        t2.commit().await.unwrap();
+    });
+    let waiting = "SELECT COUNT(*) FROM information_schema.innodb_trx \
+         WHERE trx_mysql_thread_id = ? AND trx_state = 'LOCK WAIT'";
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while sqlx::query_scalar::<_, i64>(waiting)
+        .bind(t2_thread)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+        == 0
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "T2's publish never waited for T1"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let sink = MemorySink::new();
+    let relay = Relay::new(pool.clone(), sink.clone());
+    assert_eq!(
+        relay.run_once().await.unwrap().leased,
+        0,
+        "while T1 is open"
+    );
+    t1.commit().await.unwrap();
+    writer.await.unwrap();
+    while relay.run_once().await.unwrap().leased > 0 {}
+    let published: Vec<String> = sink.published().into_iter().map(|m| m.message_id).collect();
+    assert_eq!(published, ["first", "second"]);
 }

@@ -136,7 +136,7 @@ inbox_tests::backend_matrix! {
         if BACKEND == Backend::MySql { MYSQL_APPEND } else { APPEND }
     }
 
-    use inbox_runtime::{Dispatcher, ParkPolicy, ParkTimeout};
+    use inbox_runtime::{Dispatcher, types::{ParkPolicy, ParkTimeout}};
     use std::sync::Arc;
 
     #[inbox_runtime::idempotent(consumer = "orders-park", gaps = "park")]
@@ -271,7 +271,10 @@ inbox_tests::backend_matrix! {
         assert_eq!((report.parked, report.processed, report.acked), (1, 1, 1));
         assert_eq!(handle.settlements(), [(parked, inbox_runtime::source::Settlement::Ack)]);
         // The gap stayed open past the (zero) timeout: the sweep dead-lettered it.
-        let row = inbox_runtime::admin::show(&pool, "orders-park", "w/2").await.unwrap().unwrap();
+        let row = inbox_runtime::ops::admin::show(&pool, "orders-park", "w/2")
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(row.status, "dead");
     }
 
@@ -359,7 +362,7 @@ inbox_tests::backend_matrix! {
         }
         // Not yet expired: nothing happens.
         assert_eq!(dispatcher.sweep_parked().await.unwrap().dead_lettered, 0);
-        let stats = inbox_runtime::admin::stats(&pool).await.unwrap();
+        let stats = inbox_runtime::ops::admin::stats(&pool).await.unwrap();
         assert!(stats.iter().any(|s| s.consumer.as_deref() == Some("orders-park") && s.status == "parked" && s.count == 3), "{stats:?}");
 
         let zero = std::time::Duration::ZERO;
@@ -387,7 +390,10 @@ inbox_tests::backend_matrix! {
         assert_eq!(outcomes.iter().find(|o| o.consumer == "orders-park").unwrap().result.as_ref().unwrap(), &Outcome::Parked);
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         assert_eq!(dead.sweep_parked().await.unwrap().dead_lettered, 1);
-        let row = inbox_runtime::admin::show(&pool, "orders-park", "t3/5").await.unwrap().unwrap();
+        let row = inbox_runtime::ops::admin::show(&pool, "orders-park", "t3/5")
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(row.status, "dead");
         assert!(row.last_error.unwrap().contains("waiting for sequence 4 of aggregate `t3`"));
         assert!(row.payload.is_some());

@@ -1,8 +1,9 @@
 //! The transactional outbox: publish in the handler's transaction (committed with the effect,
 //! gone with a rollback, the same message ids when a handler runs again, bad input refused), and
 //! the relay (per-aggregate order, poison isolation, a crash between publish and mark, the
-//! retention purge) on both backends; on PostgreSQL the late-commit (no skip) rule and two relays
-//! at once; the NATS JetStream sink end to end.
+//! retention purge, lease-owned marks: two relays and a paused one) on every backend; on
+//! PostgreSQL the late-commit (no skip) rule, the per-aggregate order of writers that do and do
+//! not serialize on the aggregate, and two relays at once; the NATS JetStream sink end to end.
 
 #![allow(missing_docs)]
 
@@ -134,6 +135,87 @@ impl Sink for CrashAfterPublish {
         Box::pin(async move {
             let _ = self.0.publish_batch(messages).await;
             std::future::pending().await
+        })
+    }
+}
+
+/// Every confirmation the sinks of a lease test gave, in order: `(relay, message id)`.
+type Confirmations = Arc<Mutex<Vec<(&'static str, String)>>>;
+
+/// How a [`GatedSink`] holds a batch before answering.
+enum Gate {
+    /// Answers at once: accepts everything.
+    Open,
+    /// Blocks its thread until the test sends the verdict (`true`: accept): the relay is paused
+    /// between leasing and marking, as a stopped process or a long pause would be. Needs a
+    /// multi-threaded runtime (`block_in_place`).
+    Pause(Mutex<std::sync::mpsc::Receiver<bool>>),
+    /// Waits (asynchronously) until the test sends the verdict: the relay holds its lease.
+    Wait(tokio::sync::Mutex<tokio::sync::mpsc::UnboundedReceiver<bool>>),
+}
+
+/// A sink for the lease tests: tells the test which messages (with their attempt) it was given,
+/// holds them at its gate, then accepts or refuses them all, logging each confirmation.
+struct GatedSink {
+    relay: &'static str,
+    gate: Gate,
+    given: tokio::sync::mpsc::UnboundedSender<Vec<(String, u32)>>,
+    confirmations: Confirmations,
+}
+
+impl GatedSink {
+    /// A sink for `relay` with `gate`, and the receiver of what it is given.
+    fn new(
+        relay: &'static str,
+        gate: Gate,
+        confirmations: &Confirmations,
+    ) -> (
+        Self,
+        tokio::sync::mpsc::UnboundedReceiver<Vec<(String, u32)>>,
+    ) {
+        let (given, receiver) = tokio::sync::mpsc::unbounded_channel();
+        let sink = Self {
+            relay,
+            gate,
+            given,
+            confirmations: confirmations.clone(),
+        };
+        (sink, receiver)
+    }
+}
+
+impl Sink for GatedSink {
+    fn publish_batch<'a>(
+        &'a self,
+        messages: &'a [OutgoingMessage],
+    ) -> BoxFuture<'a, Vec<Result<(), SinkError>>> {
+        Box::pin(async move {
+            let batch = messages
+                .iter()
+                .map(|m| (m.message_id.clone(), m.attempt))
+                .collect();
+            let _ = self.given.send(batch);
+            let accept = match &self.gate {
+                Gate::Open => true,
+                Gate::Pause(verdict) => {
+                    tokio::task::block_in_place(|| verdict.lock().unwrap().recv().unwrap_or(false))
+                }
+                Gate::Wait(verdict) => verdict.lock().await.recv().await.unwrap_or(false),
+            };
+            messages
+                .iter()
+                .map(|m| {
+                    if accept {
+                        self.confirmations
+                            .lock()
+                            .unwrap()
+                            .push((self.relay, m.message_id.clone()));
+                        Ok(())
+                    } else {
+                        Err(SinkError::retryable("broker unreachable"))
+                    }
+                })
+                .collect()
         })
     }
 }
@@ -279,13 +361,13 @@ inbox_tests::backend_matrix! {
         assert_eq!(count(&pool, query).await, 1);
         assert_eq!(
             count(&pool, "SELECT COUNT(*) FROM _inbox_outbox_migrations").await,
-            2
+            3
         );
         // Idempotent.
         inbox_runtime::migrate_components(&pool, &[Component::Outbox]).await.unwrap();
         assert_eq!(
             count(&pool, "SELECT COUNT(*) FROM _inbox_outbox_migrations").await,
-            2
+            3
         );
     }
 
@@ -548,7 +630,8 @@ inbox_tests::backend_matrix! {
         enqueue(&pool, vec![raw("c1", Some("c")), raw("d1", None)]).await;
         let before = MemorySink::new();
         let crashing = Relay::new(pool.clone(), CrashAfterPublish(before.clone()))
-            .lease(Duration::from_millis(500));
+            .lease(Duration::from_millis(500))
+            .unwrap();
         // Wait for the rows to be publishable, then let the relay publish and "die".
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
         while before.published().is_empty() && std::time::Instant::now() < deadline {
@@ -606,6 +689,111 @@ inbox_tests::backend_matrix! {
         let left: Vec<String> = rows(&pool).await.into_iter().map(|r| r.0).collect();
         assert_eq!(left, ["s3"]);
     }
+
+    /// Runs `relay`'s rounds (spawned) until one leases a row, and returns that round's report.
+    fn spawn_until_leased(relay: Relay<Db>) -> tokio::task::JoinHandle<RoundReport> {
+        tokio::spawn(async move {
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            loop {
+                let report = relay.run_once().await.unwrap();
+                if report.leased > 0 {
+                    return report;
+                }
+                assert!(std::time::Instant::now() < deadline, "no row became leasable");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    }
+
+    /// What the sink tells the test it was given, waited for at most 60 s.
+    async fn given(
+        receiver: &mut tokio::sync::mpsc::UnboundedReceiver<Vec<(String, u32)>>,
+    ) -> Vec<(String, u32)> {
+        tokio::time::timeout(Duration::from_secs(60), receiver.recv())
+            .await
+            .expect("the relay reached its sink")
+            .expect("the sink is alive")
+    }
+
+    /// Two relays and a paused one, on rows `a1`, `a2` of one aggregate. Relay A leases `a1`
+    /// and is paused inside its publish until its lease has run out; relay B leases `a1` again
+    /// (an orphan, attempt 2) and holds it. A then wakes with its sink's verdict (`accepted`)
+    /// and marks `a1`: it must change nothing (B holds the row), so relay C finds nothing to
+    /// lease (`a1` is B's, `a2` waits behind it) until B has marked `a1` sent.
+    async fn a_paused_relay_cannot_mark_a_row_another_relay_holds(accepted: bool) {
+        let (pool, _guard) = outbox_fixture().await;
+        enqueue(&pool, vec![raw("a1", Some("a")), raw("a2", Some("a"))]).await;
+        let confirmations = Confirmations::default();
+        let (pause_a, resume_a) = std::sync::mpsc::channel();
+        let (sink_a, mut given_a) =
+            GatedSink::new("A", Gate::Pause(Mutex::new(resume_a)), &confirmations);
+        let (release_b, gate_b) = tokio::sync::mpsc::unbounded_channel();
+        let (sink_b, mut given_b) =
+            GatedSink::new("B", Gate::Wait(tokio::sync::Mutex::new(gate_b)), &confirmations);
+        let (sink_c, _given_c) = GatedSink::new("C", Gate::Open, &confirmations);
+        let lease = Duration::from_millis(400);
+        let relay_a = Relay::new(pool.clone(), sink_a)
+            .lease(lease)
+            .expect("a lease within the relay's bounds")
+            .backoff(Duration::ZERO, Duration::ZERO);
+        let relay_b = Relay::new(pool.clone(), sink_b)
+            .lease(Duration::from_secs(60))
+            .expect("a lease within the relay's bounds");
+        let relay_c = Relay::new(pool.clone(), sink_c).backoff(Duration::ZERO, Duration::ZERO);
+
+        // A leases a1 (a2 waits behind it) and pauses in its publish.
+        let round_a = spawn_until_leased(relay_a);
+        assert_eq!(given(&mut given_a).await, [("a1".to_owned(), 1)]);
+        // A's lease runs out; B leases a1 again and holds it.
+        tokio::time::sleep(lease * 2).await;
+        let round_b = spawn_until_leased(relay_b);
+        assert_eq!(given(&mut given_b).await, [("a1".to_owned(), 2)]);
+
+        // A wakes and marks a1 with its sink's verdict: nothing changes, A publishes nothing
+        // and fails nothing.
+        pause_a.send(accepted).unwrap();
+        let report_a = round_a.await.unwrap();
+        // a1 is still B's: C leases nothing (neither a1 again, nor a2 before a1 is sent).
+        assert_eq!(relay_c.run_once().await.unwrap(), round(0, 0, 0, 0), "C's round");
+        assert_eq!(
+            rows(&pool).await.into_iter().map(|r| (r.0, r.2, r.3)).collect::<Vec<_>>(),
+            [("a1", "pending", 2), ("a2", "pending", 0)]
+                .map(|(id, status, n)| (id.to_owned(), status.to_owned(), n))
+        );
+        assert_eq!(
+            (report_a.leased, report_a.published, report_a.failed, report_a.dead),
+            (1, 0, 0, 0),
+            "A's mark of a row B holds"
+        );
+        // A's mark is reported as a lost lease.
+        assert_eq!(report_a.lease_lost, 1);
+
+        // B's publish is confirmed and marked; then a2 goes.
+        release_b.send(true).unwrap();
+        assert_eq!(round_b.await.unwrap(), round(1, 1, 0, 0));
+        assert_eq!(relay_c.run_once().await.unwrap(), round(1, 1, 0, 0));
+        assert_eq!(relay_c.run_once().await.unwrap(), round(0, 0, 0, 0));
+        let mut expected = vec![("B", "a1".to_owned()), ("C", "a2".to_owned())];
+        if accepted {
+            expected.insert(0, ("A", "a1".to_owned()));
+        }
+        assert_eq!(*confirmations.lock().unwrap(), expected);
+        assert_eq!(
+            rows(&pool).await.into_iter().map(|r| (r.0, r.2, r.3)).collect::<Vec<_>>(),
+            [("a1", "sent", 2), ("a2", "sent", 1)]
+                .map(|(id, status, n)| (id.to_owned(), status.to_owned(), n))
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_paused_relay_whose_publish_succeeded_cannot_mark_a_row_another_relay_holds() {
+        a_paused_relay_cannot_mark_a_row_another_relay_holds(true).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_paused_relay_whose_publish_failed_cannot_release_a_row_another_relay_holds() {
+        a_paused_relay_cannot_mark_a_row_another_relay_holds(false).await;
+    }
 }
 
 mod postgres_only {
@@ -620,6 +808,192 @@ mod postgres_only {
             .await
             .unwrap();
         pool
+    }
+
+    /// Runs `relay`'s rounds until `sink` holds `n` messages (at most 30 s: on PostgreSQL a row
+    /// waits for every older transaction on the server, other tests' included), and returns
+    /// their message ids in publication order.
+    async fn published_ids(
+        relay: &Relay<sqlx::Postgres>,
+        sink: &MemorySink,
+        n: usize,
+    ) -> Vec<String> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while sink.published().len() < n {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{:?}",
+                ids(&sink.published())
+            );
+            if relay.run_once().await.unwrap().leased == 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        ids(&sink.published())
+            .into_iter()
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// The per-aggregate order of two unserialized writers (the README's "Per-aggregate order"):
+    /// T2 takes its transaction id first (as an inbox claim, the first statement of a handler's
+    /// transaction, does), T1 then creates `first` of aggregate `order-1`, T2 creates `second`
+    /// of it and commits while T1 is still open. `second` is published at once, before `first`
+    /// exists for any reader: rows of one aggregate go out in commit order, not creation order.
+    #[tokio::test]
+    async fn unserialized_writers_of_one_aggregate_publish_in_commit_order() {
+        let pool = outbox_pool(4).await;
+        let sink = MemorySink::new();
+        let relay = Relay::new(pool.clone(), sink.clone());
+        let mut t2 = pool.begin().await.unwrap();
+        sqlx::query("SELECT pg_current_xact_id()")
+            .execute(&mut *t2)
+            .await
+            .unwrap();
+        let mut t1 = pool.begin().await.unwrap();
+        OUTBOX
+            .publish(&mut *t1, raw("first", Some("order-1")))
+            .await
+            .unwrap();
+        OUTBOX
+            .publish(&mut *t2, raw("second", Some("order-1")))
+            .await
+            .unwrap();
+        t2.commit().await.unwrap();
+        assert_eq!(
+            published_ids(&relay, &sink, 1).await,
+            ["second"],
+            "while T1 is open"
+        );
+        t1.commit().await.unwrap();
+        assert_eq!(published_ids(&relay, &sink, 2).await, ["second", "first"]);
+        let order: Vec<(i64, String)> =
+            sqlx::query_as("SELECT id, message_id FROM inbox_outbox ORDER BY id")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert_eq!(
+            order.iter().map(|r| r.1.as_str()).collect::<Vec<_>>(),
+            ["first", "second"],
+            "creation (id) order"
+        );
+    }
+
+    /// The same two writers, but T1 took its transaction id first: T2's `second`, committed
+    /// first, waits until T1 has ended (PostgreSQL's horizon), then behind `first` (an earlier
+    /// row of its aggregate): creation order, although the commits were not.
+    #[tokio::test]
+    async fn a_row_of_a_younger_transaction_waits_for_the_older_writer_of_its_aggregate() {
+        let pool = outbox_pool(4).await;
+        let sink = MemorySink::new();
+        let relay = Relay::new(pool.clone(), sink.clone());
+        let mut t1 = pool.begin().await.unwrap();
+        OUTBOX
+            .publish(&mut *t1, raw("first", Some("order-1")))
+            .await
+            .unwrap();
+        let mut t2 = pool.begin().await.unwrap();
+        OUTBOX
+            .publish(&mut *t2, raw("second", Some("order-1")))
+            .await
+            .unwrap();
+        t2.commit().await.unwrap();
+        assert_eq!(
+            relay.run_once().await.unwrap(),
+            round(0, 0, 0, 0),
+            "while T1 is open"
+        );
+        t1.commit().await.unwrap();
+        assert_eq!(published_ids(&relay, &sink, 2).await, ["first", "second"]);
+    }
+
+    /// Writers that serialize on the aggregate (`lock`: the statement that takes the
+    /// aggregate's lock, bound with the aggregate id) get creation order, even when the later
+    /// writer took its transaction id first: T2 waits for T1's lock, so it creates `second`
+    /// after `first` is committed, and the relay sees `first` whenever it sees `second`.
+    async fn serialized_writers_publish_in_creation_order(lock: &'static str) {
+        let pool = outbox_pool(4).await;
+        sqlx::query("CREATE TABLE orders (id TEXT PRIMARY KEY)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        sqlx::query("INSERT INTO orders VALUES ('order-1')")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let sink = MemorySink::new();
+        let relay = Relay::new(pool.clone(), sink.clone());
+        let mut t2 = pool.begin().await.unwrap();
+        sqlx::query("SELECT pg_current_xact_id()")
+            .execute(&mut *t2)
+            .await
+            .unwrap();
+        let t2_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *t2)
+            .await
+            .unwrap();
+        let mut t1 = pool.begin().await.unwrap();
+        sqlx::query(lock)
+            .bind("order-1")
+            .execute(&mut *t1)
+            .await
+            .unwrap();
+        OUTBOX
+            .publish(&mut *t1, raw("first", Some("order-1")))
+            .await
+            .unwrap();
+        let writer = tokio::spawn(async move {
+            sqlx::query(lock)
+                .bind("order-1")
+                .execute(&mut *t2)
+                .await
+                .unwrap();
+            OUTBOX
+                .publish(&mut *t2, raw("second", Some("order-1")))
+                .await
+                .unwrap();
+            t2.commit().await.unwrap();
+        });
+        // T2 waits for T1's lock on the aggregate.
+        let waiting = "SELECT COUNT(*) FROM pg_locks WHERE pid = $1 AND NOT granted";
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while sqlx::query_scalar::<_, i64>(waiting)
+            .bind(t2_pid)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+            == 0
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "T2 never waited for T1's lock"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            relay.run_once().await.unwrap(),
+            round(0, 0, 0, 0),
+            "while T1 is open"
+        );
+        t1.commit().await.unwrap();
+        writer.await.unwrap();
+        assert_eq!(published_ids(&relay, &sink, 2).await, ["first", "second"]);
+    }
+
+    #[tokio::test]
+    async fn writers_that_lock_the_aggregates_row_publish_in_creation_order() {
+        serialized_writers_publish_in_creation_order(
+            "SELECT id FROM orders WHERE id = $1 FOR UPDATE",
+        )
+        .await;
+    }
+
+    #[tokio::test]
+    async fn writers_that_take_an_advisory_lock_on_the_aggregate_publish_in_creation_order() {
+        serialized_writers_publish_in_creation_order(
+            "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
+        )
+        .await;
     }
 
     #[tokio::test]

@@ -1,6 +1,7 @@
 //! Operating the transactional outbox, on both backends: the relay's metrics through a real
 //! `metrics` recorder, a row that crashes (or hangs) every relay that publishes it and ends dead
-//! without taking its batchmates along, the operators' functions (`outbox::admin`) and `outbox`
+//! without taking its batchmates along, lease-owned marks against the operators' retry and
+//! discard, the operators' functions (`outbox::admin`) and `outbox`
 //! commands of the CLI (`outbox discard` asking on a terminal, through the ledger demo's `ledger
 //! admin`), and the shared retention purge. On PostgreSQL: change data capture as Debezium reads
 //! it, with the README's publication and connector settings, from a `pgoutput` logical
@@ -12,7 +13,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use inbox_runtime::outbox::{Delivery, Outbox, OutboxMessage, Relay, RoundReport};
+use inbox_runtime::outbox::{Outbox, OutboxMessage, Relay, RoundReport, Transport};
 use inbox_runtime::sink::{MemorySink, OutgoingMessage, Sink, SinkError};
 use inbox_runtime::{BoxFuture, Component, Message};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
@@ -40,7 +41,7 @@ pub struct OrderPaid {
 const OUTBOX: Outbox = Outbox::new(&["orders", "audit"]);
 
 /// The outbox of a service whose rows Debezium publishes.
-const CDC: Outbox = Outbox::new(&["orders"]).delivery(Delivery::ChangeDataCapture);
+const CDC: Outbox = Outbox::new(&["orders"]).transport(Transport::ChangeDataCapture);
 
 /// A fixed time, long ago, for rows whose times the tests show or purge.
 const FIXED_SHOWN: &str = "2026-01-02 03:04:05 UTC";
@@ -193,10 +194,10 @@ inbox_tests::backend_matrix! {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use clap::Parser as _;
-    use inbox_runtime::admin::{self, Retention};
-    use inbox_runtime::cli::{AdminCli, CliError, execute_to};
+    use inbox_runtime::ops::admin::{self, Retention};
+    use inbox_runtime::ops::cli::{AdminCli, CliError, execute_to};
     use inbox_runtime::outbox::admin as outbox_admin;
-    use inbox_runtime::{OutboxStatus, Outcome, Permanent};
+    use inbox_runtime::{Outcome, Permanent, store::OutboxStatus};
     use inbox_tests::count;
 
     /// A fresh database with the inbox and the outbox.
@@ -474,6 +475,7 @@ inbox_tests::backend_matrix! {
         let start = || {
             let relay = Relay::new(pool.clone(), sink.clone())
                 .lease(Duration::from_millis(500))
+                .unwrap()
                 .poll_interval(Duration::from_millis(20))
                 .max_attempts(3);
             tokio::spawn(relay.run(inbox_runtime::CancellationToken::new()))
@@ -547,6 +549,7 @@ inbox_tests::backend_matrix! {
             Poisoned { poison: "h1", batches: tx, inner: accepted.clone() },
         )
         .lease(Duration::from_millis(300))
+        .unwrap()
         .max_attempts(2);
 
         wait_publishable(&pool).await;
@@ -698,6 +701,60 @@ inbox_tests::backend_matrix! {
             count(&pool, "SELECT COUNT(*) FROM inbox_outbox WHERE status = 'pending'").await,
             2
         );
+    }
+
+    /// Lease-owned marks and the operators' functions: a row dead-lettered as abandoned keeps
+    /// its last lease's token, so that relay's late confirmation still marks it sent (it was
+    /// sent); an operator's retry clears the token, so the old lease marks nothing (neither sent
+    /// nor failed) and only the new lease's marks count; a discarded row is gone for every mark.
+    /// A token that never leased the row marks nothing.
+    #[tokio::test]
+    async fn marks_need_the_rows_lease_and_operators_retry_and_discard_revoke_it() {
+        use inbox_runtime::store::OutboxStore as _;
+        let (pool, _guard) = outbox_fixture().await;
+        let message = |id: &str| OutboxMessage::raw("orders", "orders.paid", "{}").message_id(id);
+        enqueue(&pool, vec![message("x1"), message("x2"), message("x3")]).await;
+        wait_publishable(&pool).await;
+        let mut conn = pool.acquire().await.unwrap();
+        // One lease of 1 ms, then a lease with one attempt allowed: all three are abandoned.
+        let old = conn.lease_outbox(10, 1, 1, "abandoned").await.unwrap();
+        let ids: Vec<i64> = old.records.iter().map(|r| r.id).collect();
+        assert_eq!(ids.len(), 3);
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let lease = conn.lease_outbox(10, 60_000, 1, "abandoned").await.unwrap();
+            assert!(lease.records.is_empty());
+            if lease.abandoned.len() == 3 {
+                break;
+            }
+            assert!(lease.abandoned.is_empty(), "{:?}", lease.abandoned);
+            assert!(std::time::Instant::now() < deadline, "the 1 ms lease never ran out");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(states(&pool).await, state(&[("x1", "dead", 1), ("x2", "dead", 1), ("x3", "dead", 1)]));
+
+        // A token that never leased the rows marks nothing.
+        assert_eq!(conn.mark_outbox_sent(&ids, "not-a-lease").await.unwrap(), Vec::<i64>::new());
+        // The abandoned x1's last holder confirms it: it was sent.
+        assert_eq!(conn.mark_outbox_sent(&ids[..1], &old.token).await.unwrap(), [ids[0]]);
+        // x2 is retried, x3 discarded by an operator: the old lease marks neither.
+        assert!(outbox_admin::retry(&pool, "x2").await.unwrap());
+        assert!(outbox_admin::discard(&pool, "x3").await.unwrap());
+        assert_eq!(conn.mark_outbox_sent(&ids[1..], &old.token).await.unwrap(), Vec::<i64>::new());
+        for id in &ids[1..] {
+            let failed = conn.mark_outbox_failed(*id, &old.token, "late", true, 1, 0).await;
+            assert_eq!(failed.unwrap(), None);
+        }
+        assert_eq!(states(&pool).await, state(&[("x1", "sent", 1), ("x2", "pending", 0)]));
+
+        // The retried x2's new lease: its marks count, the old one's still do not.
+        wait_publishable(&pool).await;
+        let new = conn.lease_outbox(10, 60_000, 5, "abandoned").await.unwrap();
+        assert_eq!(new.records.iter().map(|r| r.id).collect::<Vec<_>>(), [ids[1]]);
+        assert_ne!(new.token, old.token);
+        assert_eq!(conn.mark_outbox_sent(&ids, &old.token).await.unwrap(), Vec::<i64>::new());
+        assert_eq!(conn.mark_outbox_sent(&ids, &new.token).await.unwrap(), [ids[1]]);
+        assert_eq!(states(&pool).await, state(&[("x1", "sent", 1), ("x2", "sent", 1)]));
     }
 
     /// Item 2, the CLI: `stats` with the outbox (nothing about it when it is not migrated),
@@ -1341,12 +1398,12 @@ mod debezium {
             .execute(&pool)
             .await
             .unwrap();
-        let retention = inbox_runtime::admin::Retention::new(
+        let retention = inbox_runtime::ops::admin::Retention::new(
             Duration::from_secs(3600),
             Duration::from_secs(3600),
         )
         .unwrap();
-        let purged = inbox_runtime::admin::purge(&pool, &retention, |_| {})
+        let purged = inbox_runtime::ops::admin::purge(&pool, &retention, |_| {})
             .await
             .unwrap();
         assert_eq!(purged.outbox_deleted, 1);

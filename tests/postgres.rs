@@ -315,7 +315,7 @@ async fn a_handler_that_swallows_a_database_error_is_not_reported_processed() {
         .await
         .unwrap();
     assert_eq!(effects, 0);
-    let row = inbox_runtime::admin::show(&pool, "careless", "c")
+    let row = inbox_runtime::ops::admin::show(&pool, "careless", "c")
         .await
         .unwrap()
         .unwrap();
@@ -326,7 +326,7 @@ async fn a_handler_that_swallows_a_database_error_is_not_reported_processed() {
         careless(&mut conn, msg()).await.unwrap_err().kind(),
         "database"
     );
-    let row = inbox_runtime::admin::show(&pool, "careless", "c")
+    let row = inbox_runtime::ops::admin::show(&pool, "careless", "c")
         .await
         .unwrap()
         .unwrap();
@@ -400,7 +400,9 @@ async fn a_held_connection_is_reused_and_replaced_when_killed() {
 /// as failed, and nothing of it is committed.
 #[tokio::test]
 async fn a_session_completed_on_an_aborted_transaction_is_a_verify_error() {
-    use inbox_runtime::{ClaimSession, ClaimState, Fingerprint, IdempotencyKey, StoreOperation};
+    use inbox_runtime::{
+        ClaimSession, ClaimState, Fingerprint, IdempotencyKey, types::StoreOperation,
+    };
     let pool = inbox_tests::pg_pool(2).await;
     let mut conn = pool.acquire().await.unwrap();
     let key = IdempotencyKey::new("k-aborted", "POST /x", "Idempotency-Key").unwrap();
@@ -427,7 +429,7 @@ async fn a_session_completed_on_an_aborted_transaction_is_a_verify_error() {
     assert_eq!(inbox_tests::effect(&pool, "aborted").await, None);
     // Nothing stored with the key: it is free again (storing the result failed first).
     assert_eq!(
-        inbox_runtime::admin::show(&pool, "tenant", "k-aborted")
+        inbox_runtime::ops::admin::show(&pool, "tenant", "k-aborted")
             .await
             .unwrap(),
         None
@@ -445,7 +447,7 @@ async fn a_session_completed_on_an_aborted_transaction_is_a_verify_error() {
     );
     let error = claim.complete(None).await.unwrap_err();
     assert_eq!(error.operation, StoreOperation::Verify);
-    let row = inbox_runtime::admin::show(&pool, "tenant", "k-aborted")
+    let row = inbox_runtime::ops::admin::show(&pool, "tenant", "k-aborted")
         .await
         .unwrap()
         .unwrap();
@@ -490,27 +492,33 @@ async fn migration_0006_converts_rows_written_at_the_previous_schema() {
         (
             1,
             "inbox",
-            include_str!("../inbox-runtime/migrations/postgres/0001_inbox.sql"),
+            include_str!("../inbox-runtime/src/store/postgres/migrations/inbox/0001_inbox.sql"),
         ),
         (
             2,
             "rejections",
-            include_str!("../inbox-runtime/migrations/postgres/0002_rejections.sql"),
+            include_str!(
+                "../inbox-runtime/src/store/postgres/migrations/inbox/0002_rejections.sql"
+            ),
         ),
         (
             3,
             "results",
-            include_str!("../inbox-runtime/migrations/postgres/0003_results.sql"),
+            include_str!("../inbox-runtime/src/store/postgres/migrations/inbox/0003_results.sql"),
         ),
         (
             4,
             "rejection sizes",
-            include_str!("../inbox-runtime/migrations/postgres/0004_rejection_sizes.sql"),
+            include_str!(
+                "../inbox-runtime/src/store/postgres/migrations/inbox/0004_rejection_sizes.sql"
+            ),
         ),
         (
             5,
             "console indexes",
-            include_str!("../inbox-runtime/migrations/postgres/0005_console_indexes.sql"),
+            include_str!(
+                "../inbox-runtime/src/store/postgres/migrations/inbox/0005_console_indexes.sql"
+            ),
         ),
     ];
     let mut migrator = Migrator::with_migrations(
@@ -527,7 +535,7 @@ async fn migration_0006_converts_rows_written_at_the_previous_schema() {
             })
             .collect(),
     );
-    migrator.dangerous_set_table_name(inbox_runtime::MIGRATIONS_TABLE);
+    migrator.dangerous_set_table_name(inbox_runtime::store::MIGRATIONS_TABLE);
     migrator.run(&pool).await.unwrap();
     sqlx::raw_sql(inbox_tests::EFFECTS_TABLE)
         .execute(&pool)
@@ -622,7 +630,7 @@ async fn migration_0006_converts_rows_written_at_the_previous_schema() {
     );
 
     // The admin's read gives the fingerprint back as hex, the status unchanged.
-    let fetched = inbox_runtime::admin::show(&pool, "ledger", &rows[0].0.event_id.to_string())
+    let fetched = inbox_runtime::ops::admin::show(&pool, "ledger", &rows[0].0.event_id.to_string())
         .await
         .unwrap()
         .unwrap();

@@ -54,9 +54,9 @@ inbox_tests::backend_matrix! {
     use std::time::Duration;
 
     use clap::Parser as _;
-    use inbox_runtime::admin::{self, Retention, RetentionError};
-    use inbox_runtime::cli::{AdminCli, CliError, execute_to};
-    use inbox_runtime::{AdminStore as _, Dispatcher, Envelope, Outcome};
+    use inbox_runtime::ops::admin::{self, Retention, RetentionError};
+    use inbox_runtime::ops::cli::{AdminCli, CliError, execute_to};
+    use inbox_runtime::{Dispatcher, Envelope, Outcome, store::AdminStore as _};
 
     #[inbox_runtime::idempotent(consumer = "ops")]
     async fn ops_note(conn: &mut Conn, msg: OpsNote) -> Result<(), Permanent> {
@@ -176,7 +176,7 @@ inbox_tests::backend_matrix! {
             "retention window of 30m is shorter than the redelivery horizon of 1h: \
              redeliveries after the window would be processed again"
         );
-        assert_eq!(Retention::new(hour, hour).unwrap().window, hour);
+        assert_eq!(Retention::new(hour, hour).unwrap().window(), hour);
 
         for args in [
             "purge --window 0s --redelivery-horizon 0s",
@@ -496,7 +496,7 @@ mod postgres_time_zone {
     use std::str::FromStr as _;
 
     use clap::Parser as _;
-    use inbox_runtime::cli::{AdminCli, execute_to};
+    use inbox_runtime::ops::cli::{AdminCli, execute_to};
     use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
     use super::FIXED_SHOWN;

@@ -63,6 +63,265 @@ async fn consume(pool: sqlx::PgPool) -> Result<WorkerReport, Box<dyn std::error:
 }
 // ---- end README block ----
 
+/// The README's RabbitMQ and NATS JetStream sources, compiled.
+#[rustfmt::skip]
+mod brokers {
+// ---- README block: brokers ----
+use std::time::Duration;
+
+use inbox_runtime::source::amqp::{AmqpConfig, AmqpSource};
+use inbox_runtime::source::nats::{NatsConfig, NatsSource};
+use inbox_runtime::{Dispatcher, Worker, WorkerReport};
+
+/// RabbitMQ (feature `amqp`): a consumer on the queue `payments`, with manual acks.
+async fn from_rabbitmq(pool: sqlx::PgPool) -> Result<WorkerReport, Box<dyn std::error::Error>> {
+    let config = AmqpConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f", "payments")
+        .prefetch(32) // unacked deliveries at most
+        .route("payments.captured.v1", "payments.captured"); // routing key → message name
+    let worker = Worker::new(Dispatcher::from_registry(pool)?).concurrency(32);
+    Ok(worker.run_until_signal(AmqpSource::connect(config).await?).await?)
+}
+
+/// NATS JetStream (feature `nats`): the durable pull consumer `ledger` of the stream `PAYMENTS`.
+async fn from_nats(pool: sqlx::PgPool) -> Result<WorkerReport, Box<dyn std::error::Error>> {
+    let config = NatsConfig::new("nats://127.0.0.1:4222", "PAYMENTS", "ledger")
+        .ack_wait(Duration::from_secs(30)) // redelivered when not acked by then
+        .max_ack_pending(32);
+    let worker = Worker::new(Dispatcher::from_registry(pool)?).concurrency(32);
+    Ok(worker.run_until_signal(NatsSource::connect(config).await?).await?)
+}
+// ---- end README block ----
+}
+
+/// The README's Kafka source, compiled.
+#[rustfmt::skip]
+mod kafka {
+// ---- README block: kafka ----
+use inbox_runtime::source::kafka::{KafkaConfig, KafkaSource};
+use inbox_runtime::{Component, Dispatcher, Worker, WorkerReport};
+
+/// Kafka (feature `kafka`): the consumer group `ledger` on the topic `payments`, its positions
+/// kept in the database.
+async fn from_kafka(pool: sqlx::PgPool) -> Result<WorkerReport, Box<dyn std::error::Error>> {
+    inbox_runtime::migrate_components(&pool, &[Component::Inbox, Component::Positions]).await?;
+    let config = KafkaConfig::new("kafka-1:9092,kafka-2:9092", "ledger", ["payments"]);
+    // The source installs its position hook on the dispatcher: run the one it gives back.
+    let (source, dispatcher) = KafkaSource::connect(config, Dispatcher::from_registry(pool)?).await?;
+    Ok(Worker::new(dispatcher).concurrency(16).run_until_signal(source).await?)
+}
+// ---- end README block ----
+}
+
+/// The README's SQS source, compiled.
+#[rustfmt::skip]
+mod sqs {
+// ---- README block: sqs ----
+use std::time::Duration;
+
+use inbox_runtime::source::sqs::{SqsConfig, SqsSource};
+use inbox_runtime::{Dispatcher, Worker, WorkerReport};
+
+/// Amazon SQS (feature `sqs`): the FIFO queue `payments.fifo`, until SIGINT or SIGTERM.
+async fn from_sqs(pool: sqlx::PgPool) -> Result<WorkerReport, Box<dyn std::error::Error>> {
+    let config = SqsConfig::new("payments.fifo") // a queue name or URL
+        .visibility_timeout(Duration::from_secs(30)) // renewed while a delivery is in flight
+        .max_processing_time(Duration::from_secs(30 * 60)) // then the renewals stop
+        .max_in_flight(32);
+    let worker = Worker::new(Dispatcher::from_registry(pool)?).concurrency(32);
+    Ok(worker.run_until_signal(SqsSource::connect(config).await?).await?)
+}
+// ---- end README block ----
+}
+
+/// The README's outbox: a handler that publishes, and the relay. Compiled.
+#[rustfmt::skip]
+mod outbox {
+// ---- README block: outbox ----
+use inbox_runtime::outbox::{Outbox, OutboxMessage, Relay, RelayReport};
+use inbox_runtime::sink::nats::NatsSink; // feature `nats`; `sink::MemorySink` for tests
+use inbox_runtime::{BoxError, CancellationToken, Component, Message, idempotent};
+
+/// The destinations this service publishes to.
+const OUTBOX: Outbox = Outbox::new(&["orders.events"]);
+
+#[derive(Clone, serde::Serialize, serde::Deserialize, Message)]
+#[message(name = "orders.payment_received")]
+struct PaymentReceived {
+    #[message(key)] event_id: uuid::Uuid,
+    order_id: String,
+}
+
+#[derive(Clone, serde::Serialize, serde::Deserialize, Message)]
+#[message(name = "orders.paid")]
+struct OrderPaid {
+    #[message(key)] order_id: String,
+}
+
+/// Marks the order paid and publishes `orders.paid`: both commit, or neither.
+#[idempotent(consumer = "orders")]
+async fn on_payment(conn: &mut sqlx::PgConnection, msg: PaymentReceived) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE orders SET paid = true WHERE id = $1")
+        .bind(&msg.order_id).execute(&mut *conn).await?;
+    let paid = OrderPaid { order_id: msg.order_id.clone() };
+    OUTBOX.publish(conn, OutboxMessage::new("orders.events", &paid).aggregate(&msg.order_id)).await?;
+    Ok(())
+}
+
+/// Sends the committed rows to NATS until `shutdown`; run it in one process or many.
+async fn relay(pool: sqlx::PgPool, shutdown: CancellationToken) -> Result<RelayReport, BoxError> {
+    // At start: the outbox is a schema component of its own.
+    inbox_runtime::migrate_components(&pool, &[Component::Inbox, Component::Outbox]).await?;
+    let sink = NatsSink::connect("nats://127.0.0.1:4222").await?;
+    Ok(Relay::new(pool, sink).run(shutdown).await)
+}
+// ---- end README block ----
+}
+
+/// The README's HTTP API with `Idempotency-Key`, compiled; the application's own types first.
+#[rustfmt::skip]
+mod http_api {
+#[derive(serde::Deserialize)]
+struct NewPayment { account: String, amount_cents: i64 }
+#[derive(serde::Serialize)]
+struct Payment { id: String, account: String, amount_cents: i64 }
+impl Payment {
+    fn new(p: NewPayment) -> Self {
+        Self { id: uuid::Uuid::now_v7().to_string(), account: p.account, amount_cents: p.amount_cents }
+    }
+}
+#[derive(Clone)]
+struct UserId(String);
+
+// ---- README block: http ----
+use axum::{Json, Router, http::StatusCode, routing::post};
+use inbox_runtime::http::{IdempotencyLayer, IdempotencyTx};
+
+/// `POST /payments`: the insert, the key and the stored response commit together.
+async fn create_payment(mut tx: IdempotencyTx<sqlx::Sqlite>, Json(p): Json<NewPayment>)
+    -> Result<(StatusCode, Json<Payment>), StatusCode>
+{
+    let payment = Payment::new(p);
+    sqlx::query("INSERT INTO payments (id, account, amount_cents) VALUES ($1, $2, $3)")
+        .bind(&payment.id).bind(&payment.account).bind(payment.amount_cents)
+        .execute(&mut *tx).await.map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+    Ok((StatusCode::CREATED, Json(payment))) // stored with the key, committed with the insert
+}
+
+/// The API on a migrated pool, keys scoped by the signed-in user (`UserId`, from your auth layer).
+fn payments_api(pool: sqlx::SqlitePool) -> Router {
+    Router::new()
+        .route("/payments", post(create_payment))
+        .route_layer(IdempotencyLayer::new(pool)
+            .principal(|parts| parts.extensions.get::<UserId>().map(|u| u.0.clone())))
+}
+// ---- end README block ----
+}
+
+/// The README's step key for a call to a payment provider, compiled; the message, the error
+/// and a stand-in for the provider's client first.
+#[rustfmt::skip]
+mod step_keys {
+#[derive(Clone, serde::Serialize, serde::Deserialize, inbox_runtime::Message)]
+#[message(name = "shop.order_placed")]
+struct OrderPlaced { #[message(key)] order_id: String, amount_cents: i64 }
+
+#[derive(Debug, thiserror::Error)]
+enum BillingError {
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+mod provider {
+    pub(super) struct Charge { pub(super) id: String }
+    pub(super) async fn charge(order_id: &str, _amount_cents: i64, idempotency_key: &str) -> Result<Charge, super::BillingError> {
+        Ok(Charge { id: format!("ch-{order_id}-{idempotency_key}") })
+    }
+}
+
+// ---- README block: step-key ----
+use inbox_runtime::{types::StepKey, idempotent};
+
+/// Charges the order once, however often it runs: the provider deduplicates on the step key.
+#[idempotent(consumer = "billing")]
+async fn charge(conn: &mut sqlx::PgConnection, msg: OrderPlaced) -> Result<(), BillingError> {
+    let key = StepKey::current("charge").expect("inside a handler"); // the same on every run
+    let charge = provider::charge(&msg.order_id, msg.amount_cents, &key.to_string()).await?;
+    sqlx::query("INSERT INTO charges (order_id, charge_id) VALUES ($1, $2)")
+        .bind(&msg.order_id).bind(&charge.id).execute(conn).await?;
+    Ok(())
+}
+// ---- end README block ----
+}
+
+/// The README's dedupe cache, compiled.
+#[rustfmt::skip]
+mod cache {
+// ---- README block: cache ----
+use std::time::Duration;
+
+use inbox_runtime::{Dispatcher, cache::MemoryCache, ops::admin::Retention};
+
+/// The registered handlers behind an in-process cache of at most a million settled keys.
+fn cached(pool: sqlx::PgPool) -> Result<Dispatcher<sqlx::Postgres>, Box<dyn std::error::Error>> {
+    let retention = Retention::new(Duration::from_secs(7 * 86_400), Duration::from_secs(3600))?;
+    let cache = MemoryCache::new(1_000_000, Duration::from_secs(3600)); // entries, time to live
+    // or one cache shared by every worker (feature `redis`):
+    // let cache = RedisCache::connect("redis://127.0.0.1:6379/", ttl).await?;
+    Ok(Dispatcher::from_registry(pool)?.with_cache(cache, &retention)?)
+}
+// ---- end README block ----
+}
+
+/// The README's operator console, compiled.
+#[rustfmt::skip]
+mod console {
+// ---- README block: console ----
+use inbox_runtime::Dispatcher;
+use inbox_runtime::ops::console::{Console, ConsoleError, Refusal};
+
+/// The console under `/ops`, for requests that carry the operators' bearer token.
+fn ops(dispatcher: Dispatcher<sqlx::Postgres>) -> Result<axum::Router, ConsoleError> {
+    let console = Console::new(dispatcher) // a Dispatcher, or the Arc your worker uses
+        .authorize(|parts| match parts.headers.get("authorization").and_then(|v| v.to_str().ok()) {
+            Some("Bearer s3cret") => Ok("alice".to_owned()),     // the operator's name, logged
+            Some(_) => Err(Refusal::forbidden("unknown token")), // 403
+            None => Err(Refusal::unauthenticated("Bearer")),     // 401 + WWW-Authenticate
+        })
+        .build()?; // no authorization, no console
+    Ok(axum::Router::new().nest("/ops", console)) // any prefix: links follow it
+}
+// ---- end README block ----
+}
+
+/// The README's retention read from a configuration file, compiled and run.
+#[rustfmt::skip]
+mod retention {
+// ---- README block: retention ----
+use inbox_runtime::ops::admin::Retention;
+
+/// A retention from a configuration file: checked as `Retention::new` checks it.
+fn from_config() -> Result<Retention, serde_json::Error> {
+    let retention: Retention =
+        serde_json::from_str(r#"{"window": "7d", "redelivery_horizon": "3d", "batch_size": 500}"#)?;
+    assert_eq!(retention.get_batch_size(), 500);
+    let refused = serde_json::from_str::<Retention>(r#"{"window": "1d", "redelivery_horizon": "3d"}"#);
+    assert_eq!(
+        refused.unwrap_err().to_string(),
+        "retention window of 1d is shorter than the redelivery horizon of 3d: \
+         redeliveries after the window would be processed again"
+    );
+    Ok(retention)
+}
+// ---- end README block ----
+
+#[test]
+fn the_readme_retention_is_checked() {
+    let retention = from_config().unwrap();
+    assert_eq!(retention.window(), std::time::Duration::from_secs(7 * 86_400));
+    assert_eq!(retention.redelivery_horizon(), std::time::Duration::from_secs(3 * 86_400));
+}
+}
+
 /// The blocks of this file marked `README block`, without `#[rustfmt::skip]` lines.
 fn blocks() -> Vec<(String, String)> {
     let source = include_str!("readme.rs");
@@ -88,12 +347,44 @@ fn the_readme_shows_these_blocks_word_for_word() {
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
         .expect("read README.md");
     let blocks = blocks();
-    assert_eq!(blocks.len(), 2);
+    assert_eq!(blocks.len(), 11);
     for (name, text) in blocks {
         let fenced = format!("```rust\n{text}```\n");
         assert!(
             readme.contains(&fenced),
             "README.md lacks the block `{name}`, word for word:\n{fenced}"
+        );
+    }
+}
+
+/// Every Rust block of the README is one of this file's blocks: none goes uncompiled.
+#[test]
+fn every_rust_block_of_the_readme_is_compiled_here() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
+        .expect("read README.md");
+    let compiled: Vec<String> = blocks().into_iter().map(|(_, text)| text).collect();
+    let mut fenced = Vec::new();
+    let mut current: Option<Vec<&str>> = None;
+    for line in readme.lines() {
+        match &mut current {
+            None if line.trim_start().starts_with("```rust") => current = Some(Vec::new()),
+            None => {}
+            Some(lines) if line.trim_start() == "```" => {
+                fenced.push(lines.join("\n") + "\n");
+                current = None;
+            }
+            Some(lines) => lines.push(line),
+        }
+    }
+    assert_eq!(
+        fenced.len(),
+        compiled.len(),
+        "Rust blocks in README.md vs. compiled here"
+    );
+    for block in fenced {
+        assert!(
+            compiled.contains(&block),
+            "README.md shows a Rust block that tests/readme.rs does not compile:\n{block}"
         );
     }
 }

@@ -3,7 +3,7 @@
 
 #![allow(missing_docs)]
 
-use inbox_runtime::{Backend, Dispatcher, Message, RegistryError};
+use inbox_runtime::{Dispatcher, Message, RegistryError, store::Backend};
 use serde::{Deserialize, Serialize};
 use sqlx::PgConnection;
 
@@ -58,7 +58,7 @@ async fn a_backend_without_handlers_is_refused() {
             other: 2
         }
     );
-    let listed: Vec<_> = inbox_runtime::registered_handlers()
+    let listed: Vec<_> = inbox_runtime::dispatch::registered_handlers()
         .into_iter()
         .map(|h| (h.message_name, h.consumer, h.function, h.backend))
         .collect();

@@ -83,7 +83,7 @@ inbox_tests::backend_matrix! {
 
     use inbox_runtime::{
         BoxError, BoxFuture, ClaimInfo, Dispatcher, Disposition, Error, Outcome, Status,
-        StatsStatus, TransactionHook, admin, handler,
+        TransactionHook, handler, store::StatsStatus, ops::admin,
     };
 
     #[inbox_runtime::idempotent(consumer = "notes")]

@@ -19,7 +19,7 @@ inbox_tests::backend_matrix! {
     use std::time::{Duration, Instant};
 
     use inbox_runtime::{
-        ClaimSession, ClaimState, Disposition, ErrorClass, RetryPolicy, Status, Wait, admin,
+        ClaimSession, ClaimState, Disposition, ErrorClass, RetryPolicy, Status, Wait, ops::admin,
     };
     use inbox_tests::effect;
 

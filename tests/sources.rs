@@ -12,7 +12,7 @@ use std::time::Duration;
 use inbox_runtime::source::file::{FilePosition, FileSource, read_offset_file};
 use inbox_runtime::source::memory::MemorySource;
 use inbox_runtime::source::{Settlement, Source};
-use inbox_runtime::{Dispatcher, Envelope, Message, StopReason, Worker, settlement_for};
+use inbox_runtime::{Dispatcher, Envelope, Message, StopReason, Worker, worker::settlement_for};
 use inbox_tests::{APPLY_EFFECT, effects};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, PgPool};

@@ -17,9 +17,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::time::Duration;
 
-use inbox_runtime::admin::{self, PurgeError, Retention, utc_time};
-use inbox_runtime::cli::{AdminCli, CliError, execute_to};
-use inbox_runtime::{AdminStore as _, Dispatcher, Message, Outcome};
+use inbox_runtime::ops::admin::{self, PurgeError, Retention, utc_time};
+use inbox_runtime::ops::cli::{AdminCli, CliError, execute_to};
+use inbox_runtime::{Dispatcher, Message, Outcome, store::AdminStore as _};
 use inbox_tests::{APPLY_EFFECT, effect, envelope, sqlite_pool};
 use libsqlite3_sys as ffi;
 use serde::{Deserialize, Serialize};

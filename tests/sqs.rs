@@ -56,16 +56,10 @@ fn logs() {
         .try_init();
 }
 
-static QUEUES: AtomicU32 = AtomicU32::new(0);
-
 /// A new queue (a unique name from `prefix`; FIFO if `fifo`) with the visibility timeout
 /// `visibility` seconds; returns its name and URL.
 async fn queue(client: &Client, prefix: &str, fifo: bool, visibility: u32) -> (String, String) {
-    let mut name = format!(
-        "{prefix}-{}-{}",
-        std::process::id(),
-        QUEUES.fetch_add(1, Ordering::Relaxed)
-    );
+    let mut name = format!("{prefix}-{}", inbox_tests::unique_name("q"));
     let mut create = client.create_queue().attributes(
         QueueAttributeName::VisibilityTimeout,
         visibility.to_string(),

@@ -220,7 +220,7 @@ async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
     }
 }
 
-async fn run_to_end<DB: inbox_runtime::InboxDatabase>(
+async fn run_to_end<DB: inbox_runtime::store::InboxDatabase>(
     worker: Worker<DB>,
     source: MemorySource,
 ) -> WorkerReport {

@@ -87,7 +87,7 @@ fn stream(deliveries: usize, redeliveries: usize) -> (Vec<(String, i32, i64)>, V
     (list, expected)
 }
 
-async fn run_to_end<DB: inbox_runtime::InboxDatabase>(
+async fn run_to_end<DB: inbox_runtime::store::InboxDatabase>(
     worker: Worker<DB>,
     source: MemorySource,
 ) -> WorkerReport {
@@ -103,7 +103,7 @@ async fn run_to_end<DB: inbox_runtime::InboxDatabase>(
 /// Runs [`stream`]`(2_000, 200)` of the messages `make` builds through a Worker with batches of
 /// 50 and 8 in flight; asserts that it finished with every delivery settled once and at least
 /// one contention fallback; returns the balances the accounts must end with.
-async fn run_contending<DB: inbox_runtime::InboxDatabase, M: Message>(
+async fn run_contending<DB: inbox_runtime::store::InboxDatabase, M: Message>(
     pool: sqlx::Pool<DB>,
     make: impl Fn(String, i32, i64) -> M,
 ) -> Vec<i64> {

@@ -49,6 +49,7 @@
 //! Output: a Markdown report on stdout (progress on stderr). `BENCHMARKS.md` explains the
 //! method and the figures.
 
+mod compare;
 mod contention;
 #[cfg(feature = "kafka")]
 mod kafka;
@@ -60,6 +61,7 @@ mod peers;
 mod pgbench;
 mod proxy;
 mod scale;
+mod wire;
 mod worker;
 
 use std::collections::HashMap;
@@ -159,6 +161,29 @@ struct Args {
     /// Peers section: accounts the credits spread over [default: 1000]
     #[arg(long)]
     peers_accounts: Option<usize>,
+    /// Peers section: client counts N of its rows (comma-separated) [default: 1,4,16]; the
+    /// batched and default Worker rows run at 4 only
+    #[arg(long, value_delimiter = ',')]
+    peers_clients: Option<Vec<usize>>,
+    /// Contention section: also run the Worker with the aggregate declared (each delivery's
+    /// account, what its effect locks: partitioned batches, issue 33), 4 and 1 batches in
+    /// flight, beside the undeclared rows. Reported as skipped, saying why, on a build whose
+    /// Worker cannot be told the aggregate (`contention::declare_aggregate`)
+    #[arg(long)]
+    contention_aggregate: bool,
+    /// Compare two builds: run the peers section of this binary and of the harness binary at
+    /// this path (another revision's build, see `scripts/bench.sh --compare REV`), one round at
+    /// a time, alternating which goes first, and report both builds' rates and ratios side by
+    /// side. Every other option is passed to both binaries (so both must know it); `--rounds`
+    /// counts the rounds of each build.
+    #[arg(long)]
+    compare_bench: Option<PathBuf>,
+    /// With `--compare-bench`: the other build's name in the report (e.g. its commit)
+    #[arg(long, default_value = "before")]
+    compare_label: String,
+    /// With `--compare-bench`: this build's name in the report
+    #[arg(long, default_value = "this build")]
+    build_label: String,
     /// Internal: run as one consumer process of the Kafka section, on these bootstrap servers
     #[arg(long, hide = true)]
     kafka_consumer: Option<String>,
@@ -699,6 +724,9 @@ fn opt(x: Option<f64>, digits: usize) -> String {
 }
 
 async fn run(args: &Args) -> Result<String, BoxError> {
+    if let Some(other) = &args.compare_bench {
+        return compare::run(args, other).await;
+    }
     measure::install_recorder();
     let p = Profile::of(args);
     let wanted = |s: Section| args.only.as_ref().is_none_or(|only| only.contains(&s));
@@ -766,58 +794,76 @@ async fn run(args: &Args) -> Result<String, BoxError> {
         mysql_section(&mut out, &p, args).await?;
     }
     if let Some(pg) = &mut pg {
-        if wanted(Section::Scale) {
-            scale_section(&mut out, pg, &p).await?;
-        }
-        if wanted(Section::Memory) {
-            memory_section(&mut out, pg, &p).await?;
-        }
-        if wanted(Section::Purge) {
-            purge_section(&mut out, pg, &p).await?;
-        }
-        if wanted(Section::Outbox) {
-            outbox_section(&mut out, pg, &p).await?;
-        }
-        if wanted(Section::Kafka) {
-            kafka_section(&mut out, pg, &p, args).await?;
-        }
-        if args
-            .only
-            .as_ref()
-            .is_some_and(|only| only.contains(&Section::Contention))
-        {
-            contention_section(&mut out, pg, &p).await?;
-        }
-        if args
-            .only
-            .as_ref()
-            .is_some_and(|only| only.contains(&Section::Worker))
-        {
-            worker::section(&mut out, &pg.admin, &pg.opts, p.name, p.rounds.max(3)).await?;
-        }
-        if args
-            .only
-            .as_ref()
-            .map_or(args.smoke, |only| only.contains(&Section::Peers))
-        {
-            peers::section(&mut out, pg, &p, args).await?;
-        }
-        targets(&mut out, pg, &p);
+        later_pg_sections(&mut out, pg, &p, args, &wanted).await?;
     }
     if let Some(pg) = pg {
-        pg.admin.close().await;
-        if let Some(bench) = &pg.pgbench {
-            let _ = std::fs::remove_dir_all(&bench.dir);
-        }
-        if args.drop_db {
-            drop_database(
-                args.database_url.as_deref().unwrap_or_default(),
-                &args.db_name,
-            )
-            .await?;
-        }
+        close_pg(pg, args).await?;
     }
     Ok(out.text)
+}
+
+/// The PostgreSQL sections after the SQLite and MySQL ones, then the targets.
+async fn later_pg_sections(
+    out: &mut Out,
+    pg: &mut Pg,
+    p: &Profile,
+    args: &Args,
+    wanted: &dyn Fn(Section) -> bool,
+) -> Result<(), BoxError> {
+    if wanted(Section::Scale) {
+        scale_section(out, pg, p).await?;
+    }
+    if wanted(Section::Memory) {
+        memory_section(out, pg, p).await?;
+    }
+    if wanted(Section::Purge) {
+        purge_section(out, pg, p).await?;
+    }
+    if wanted(Section::Outbox) {
+        outbox_section(out, pg, p).await?;
+    }
+    if wanted(Section::Kafka) {
+        kafka_section(out, pg, p, args).await?;
+    }
+    if args
+        .only
+        .as_ref()
+        .is_some_and(|only| only.contains(&Section::Contention))
+    {
+        contention_section(out, pg, p, args).await?;
+    }
+    if args
+        .only
+        .as_ref()
+        .is_some_and(|only| only.contains(&Section::Worker))
+    {
+        worker::section(out, &pg.admin, &pg.opts, p.name, p.rounds.max(3)).await?;
+    }
+    if args
+        .only
+        .as_ref()
+        .map_or(args.smoke, |only| only.contains(&Section::Peers))
+    {
+        peers::section(out, pg, p, args).await?;
+    }
+    targets(out, pg, p);
+    Ok(())
+}
+
+/// Closes the PostgreSQL pool, removes pgbench's files, drops the database if asked.
+async fn close_pg(pg: Pg, args: &Args) -> Result<(), BoxError> {
+    pg.admin.close().await;
+    if let Some(bench) = &pg.pgbench {
+        let _ = std::fs::remove_dir_all(&bench.dir);
+    }
+    if args.drop_db {
+        drop_database(
+            args.database_url.as_deref().unwrap_or_default(),
+            &args.db_name,
+        )
+        .await?;
+    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1012,6 +1058,13 @@ async fn wal(pg: &Pg) -> Option<Wal> {
 // Building and running the Rust paths.
 
 /// A pool of `n` connections, opened up front, with sqlx's defaults otherwise.
+/// The workspace's `target/` directory (where the harness keeps its recordings and reports),
+/// wherever the harness runs from.
+fn workspace_target() -> PathBuf {
+    let examples = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    examples.parent().unwrap_or(examples).join("target")
+}
+
 async fn pg_pool(opts: &PgConnectOptions, n: usize) -> Result<PgPool, BoxError> {
     Ok(PgPoolOptions::new()
         .max_connections(n as u32)
@@ -1305,48 +1358,7 @@ async fn round_trips(
     paths::insert_processed_pg(&pg.admin, dups).await?;
     let (proxy, popts) = start_proxy(pg).await?;
 
-    // Record what the runtime sends for one message, and for its redelivery, with values we
-    // know (an account and an amount no constant of the runtime's is likely to equal).
-    {
-        let pool = pg_pool(&popts, 1).await?;
-        let mut conn = pool.acquire().await?;
-        let mut rng = measure::Rng::new(seed());
-        for _ in 0..3 {
-            let _ = paths::credit_pg(&mut conn, paths::fresh(&mut rng, KeyKind::Random)).await?;
-        }
-        let mut msg = paths::fresh(&mut rng, KeyKind::Random);
-        msg.account_id = "77777".into();
-        msg.amount_cents = 987_654;
-        let key = msg.event_id.to_string();
-        let known = Known {
-            key: &key,
-            account: &msg.account_id,
-            amount: msg.amount_cents,
-        };
-        proxy.record();
-        let outcome = paths::credit_pg(&mut conn, msg.clone()).await?;
-        let log = proxy.take_log();
-        if !outcome.is_processed() {
-            return Err(format!("recording: unexpected outcome {outcome:?}").into());
-        }
-        let inbox = pgbench::from_recording(&log, &known, "s")?;
-        if inbox.claim.is_none() {
-            return Err("no statement bound to the message key was seen on the wire".into());
-        }
-        proxy.record();
-        let outcome = paths::credit_pg(&mut conn, msg.clone()).await?;
-        let log = proxy.take_log();
-        if !outcome.is_duplicate() {
-            return Err(format!("recording a duplicate: unexpected outcome {outcome:?}").into());
-        }
-        pg.rec = Recordings {
-            inbox: Some(inbox),
-            duplicate: Some(pgbench::from_recording(&log, &known, "d")?),
-        };
-        pg.dup_hash = Some(Fingerprint::of(paths::MESSAGE, &msg)?.to_hex());
-        drop(conn);
-        pool.close().await;
-    }
+    record_statements(pg, &proxy, &popts).await?;
     prefill_pgbench_dups(pg).await?;
 
     let n = p.rt_messages;
@@ -1368,47 +1380,114 @@ async fn round_trips(
     for kind in kinds {
         rows.push(count_round_trips(pg, &proxy, &popts, kind, n, Some(dups)).await?);
     }
-    if let Some(bench) = pg.pgbench.clone() {
-        let scripts = [
-            Script::Bare,
-            Script::BareTx,
-            Script::Runtime,
-            Script::Inbox,
-            Script::MinimalClaim,
-            Script::InboxBeginPipelined,
-            Script::InboxOneTrip,
-            Script::Duplicate {
-                keys: PGBENCH_DUP_KEYS,
-            },
-        ];
-        for script in scripts {
-            let before = proxy.counts();
-            bench
-                .run(
-                    script,
-                    &pg.rec,
-                    1,
-                    Length::Transactions(n),
-                    Some(("127.0.0.1".into(), proxy.addr().port())),
-                    &pg.cpu,
-                )
-                .await?;
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            let counts = proxy.counts().since(&before);
-            let per = |x: u64| x as f64 / n as f64;
-            pg.rt.insert(Kind::Pgb(script), per(counts.round_trips()));
-            rows.push(vec![
-                script.label().into(),
-                format!("{:.2}", per(counts.round_trips())),
-                format!("{:.2}", per(counts.statements())),
-                format!("{:.2}", per(counts.parses)),
-                format!(
-                    "(script: {} round trips)",
-                    pgbench::round_trips_of(&script.text(&pg.rec)?)
-                ),
-            ]);
-        }
+    pgbench_round_trips(pg, &proxy, n, &mut rows).await?;
+    write_round_trips(out, pg, n, &rows);
+    Ok(())
+}
+
+/// Records what the runtime sends for one message, and for its redelivery, with values we
+/// know (an account and an amount no constant of the runtime's is likely to equal).
+async fn record_statements(
+    pg: &mut Pg,
+    proxy: &proxy::Proxy,
+    popts: &PgConnectOptions,
+) -> Result<(), BoxError> {
+    let pool = pg_pool(popts, 1).await?;
+    let mut conn = pool.acquire().await?;
+    let mut rng = measure::Rng::new(seed());
+    for _ in 0..3 {
+        let _ = paths::credit_pg(&mut conn, paths::fresh(&mut rng, KeyKind::Random)).await?;
     }
+    let mut msg = paths::fresh(&mut rng, KeyKind::Random);
+    msg.account_id = "77777".into();
+    msg.amount_cents = 987_654;
+    let key = msg.event_id.to_string();
+    let known = Known {
+        key: &key,
+        account: &msg.account_id,
+        amount: msg.amount_cents,
+    };
+    proxy.record();
+    let outcome = paths::credit_pg(&mut conn, msg.clone()).await?;
+    let log = proxy.take_log();
+    if !outcome.is_processed() {
+        return Err(format!("recording: unexpected outcome {outcome:?}").into());
+    }
+    let inbox = pgbench::from_recording(&log, &known, "s")?;
+    if inbox.claim.is_none() {
+        return Err("no statement bound to the message key was seen on the wire".into());
+    }
+    proxy.record();
+    let outcome = paths::credit_pg(&mut conn, msg.clone()).await?;
+    let log = proxy.take_log();
+    if !outcome.is_duplicate() {
+        return Err(format!("recording a duplicate: unexpected outcome {outcome:?}").into());
+    }
+    pg.rec = Recordings {
+        inbox: Some(inbox),
+        duplicate: Some(pgbench::from_recording(&log, &known, "d")?),
+    };
+    pg.dup_hash = Some(Fingerprint::of(paths::MESSAGE, &msg)?.to_hex());
+    drop(conn);
+    pool.close().await;
+    Ok(())
+}
+
+/// pgbench's scripts through the proxy (when pgbench is there): their round trips per message,
+/// added to `rows` (and to `pg.rt`).
+async fn pgbench_round_trips(
+    pg: &mut Pg,
+    proxy: &proxy::Proxy,
+    n: u64,
+    rows: &mut Vec<Vec<String>>,
+) -> Result<(), BoxError> {
+    let Some(bench) = pg.pgbench.clone() else {
+        return Ok(());
+    };
+    let scripts = [
+        Script::Bare,
+        Script::BareTx,
+        Script::Runtime,
+        Script::Inbox,
+        Script::MinimalClaim,
+        Script::InboxBeginPipelined,
+        Script::InboxOneTrip,
+        Script::Duplicate {
+            keys: PGBENCH_DUP_KEYS,
+        },
+    ];
+    for script in scripts {
+        let before = proxy.counts();
+        bench
+            .run(
+                script,
+                &pg.rec,
+                1,
+                Length::Transactions(n),
+                Some(("127.0.0.1".into(), proxy.addr().port())),
+                &pg.cpu,
+            )
+            .await?;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let counts = proxy.counts().since(&before);
+        let per = |x: u64| x as f64 / n as f64;
+        pg.rt.insert(Kind::Pgb(script), per(counts.round_trips()));
+        rows.push(vec![
+            script.label().into(),
+            format!("{:.2}", per(counts.round_trips())),
+            format!("{:.2}", per(counts.statements())),
+            format!("{:.2}", per(counts.parses)),
+            format!(
+                "(script: {} round trips)",
+                pgbench::round_trips_of(&script.text(&pg.rec)?)
+            ),
+        ]);
+    }
+    Ok(())
+}
+
+/// The round-trip table (`rows`, `n` messages per path), then the statements recorded.
+fn write_round_trips(out: &mut Out, pg: &Pg, n: u64, rows: &[Vec<String>]) {
     out.line("## Round trips per message (PostgreSQL, counted on the wire)");
     out.line("");
     out.line(format!(
@@ -1426,7 +1505,7 @@ async fn round_trips(
             "parses/msg",
             "sequence",
         ],
-        &rows,
+        rows,
     );
     for (what, rec) in [
         ("one message", &pg.rec.inbox),
@@ -1451,7 +1530,6 @@ async fn round_trips(
         }
         out.line("");
     }
-    Ok(())
 }
 
 /// A counting proxy in front of the server, and connection options that go through it.
@@ -1616,7 +1694,7 @@ async fn with_filled_cache(
 ) -> Result<Dispatcher<sqlx::Postgres>, BoxError> {
     use inbox_runtime::cache::{MemoryCache, redis::RedisCache};
     let ttl = Duration::from_secs(3600);
-    let retention = inbox_runtime::admin::Retention::new(
+    let retention = inbox_runtime::ops::admin::Retention::new(
         Duration::from_secs(86_400),
         Duration::from_secs(3600),
     )?;
@@ -2163,7 +2241,7 @@ async fn purge_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), Bo
         ]);
     }
     scale::truncate(&pg.admin).await?;
-    out.line("## Retention purge (PostgreSQL, `inbox_runtime::admin::purge`)");
+    out.line("## Retention purge (PostgreSQL, `inbox_runtime::ops::admin::purge`)");
     out.line("");
     out.line(format!(
         "{} processed rows received 30 days ago and {recent} received a day ago; a 7-day \
@@ -2305,8 +2383,17 @@ const OUTBOX_KINDS: [Kind; 3] = [Kind::Direct, Kind::DirectOutbox, Kind::DirectO
 /// relays drain a backlog into each broker of the run against that broker's own publish rate.
 async fn outbox_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), BoxError> {
     inbox_runtime::migrate_components(&pg.admin, &[inbox_runtime::Component::Outbox]).await?;
-    let clear = "TRUNCATE inbox_outbox";
+    outbox_publish_cost(out, pg, p).await?;
+    outbox_sqlite(out, p).await?;
+    outbox_relays(out, pg, p).await
+}
 
+/// Empties the outbox between runs.
+const OUTBOX_CLEAR: &str = "TRUNCATE inbox_outbox";
+
+/// The outbox publish's cost on PostgreSQL: round trips, then the handler with and without it.
+async fn outbox_publish_cost(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), BoxError> {
+    let clear = OUTBOX_CLEAR;
     progress("outbox: counting round trips");
     scale::truncate(&pg.admin).await?;
     sqlx::query(clear).execute(&pg.admin).await?;
@@ -2361,9 +2448,12 @@ async fn outbox_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), B
     let mut header = HEADER;
     header[6] = "× without publish";
     out.table(&header, &rows);
+    Ok(())
+}
 
-    outbox_sqlite(out, p).await?;
-
+/// Relays draining the outbox into each broker configured, against the broker's raw rate.
+async fn outbox_relays(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), BoxError> {
+    let clear = OUTBOX_CLEAR;
     let brokers = outbox::Broker::from_env();
     let mut rows = Vec::new();
     for broker in &brokers {
@@ -2396,29 +2486,7 @@ async fn outbox_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), B
                     None,
                 ),
             ] {
-                let per_row = |seconds: f64| format!("{:.0}", seconds * 1e6 / run.rows as f64);
-                let rest = run.cpu.machine - run.cpu.client - run.cpu.server.unwrap_or(0.0);
-                rows.push(vec![
-                    broker.label().into(),
-                    what,
-                    run.rows.to_string(),
-                    format!("{:.2}", run.elapsed.as_secs_f64()),
-                    format!("{:.0}", run.rate()),
-                    ratio(run.rate(), reference),
-                    run.round.as_ref().map_or("—".into(), |h| ms(h, 0.5)),
-                    run.round.as_ref().map_or("—".into(), |h| ms(h, 0.99)),
-                    ms(&run.sink, 0.5),
-                    ms(&run.sink, 0.99),
-                    format!("{:.1}", run.rows as f64 / run.batches.max(1) as f64),
-                    per_row(run.cpu.client),
-                    run.cpu.server.map_or("—".into(), per_row),
-                    per_row(rest.max(0.0)),
-                    if run.cpu.wall > 0.0 {
-                        format!("{:.2}", run.cpu.machine / run.cpu.wall)
-                    } else {
-                        "—".into()
-                    },
-                ]);
+                rows.push(relay_row(broker, what, run, reference));
             }
         }
     }
@@ -2474,6 +2542,38 @@ async fn outbox_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), B
     Ok(())
 }
 
+/// One row of the relay table: `what` ran (`reference`: the raw rate to compare with, if any).
+fn relay_row(
+    broker: &outbox::Broker,
+    what: String,
+    run: &outbox::Run,
+    reference: Option<f64>,
+) -> Vec<String> {
+    let per_row = |seconds: f64| format!("{:.0}", seconds * 1e6 / run.rows as f64);
+    let rest = run.cpu.machine - run.cpu.client - run.cpu.server.unwrap_or(0.0);
+    vec![
+        broker.label().into(),
+        what,
+        run.rows.to_string(),
+        format!("{:.2}", run.elapsed.as_secs_f64()),
+        format!("{:.0}", run.rate()),
+        ratio(run.rate(), reference),
+        run.round.as_ref().map_or("—".into(), |h| ms(h, 0.5)),
+        run.round.as_ref().map_or("—".into(), |h| ms(h, 0.99)),
+        ms(&run.sink, 0.5),
+        ms(&run.sink, 0.99),
+        format!("{:.1}", run.rows as f64 / run.batches.max(1) as f64),
+        per_row(run.cpu.client),
+        run.cpu.server.map_or("—".into(), per_row),
+        per_row(rest.max(0.0)),
+        if run.cpu.wall > 0.0 {
+            format!("{:.2}", run.cpu.machine / run.cpu.wall)
+        } else {
+            "—".into()
+        },
+    ]
+}
+
 /// The outbox publish's cost on SQLite: the handler with and without it, side by side.
 async fn outbox_sqlite(out: &mut Out, p: &Profile) -> Result<(), BoxError> {
     let (dir, opts, setup) = sqlite_bench_db("outbox").await?;
@@ -2523,9 +2623,15 @@ async fn outbox_sqlite(out: &mut Out, p: &Profile) -> Result<(), BoxError> {
     Ok(())
 }
 
-/// Concurrent batches over hot rows: several batches in flight vs one, side by side per round.
-async fn contention_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), BoxError> {
-    use contention::{ACCOUNTS, BATCH, DELIVERIES, REDELIVERIES};
+/// Concurrent batches over hot rows: several batches in flight vs one, side by side per round
+/// (and, with `--contention-aggregate`, the same with the aggregate declared).
+async fn contention_section(
+    out: &mut Out,
+    pg: &mut Pg,
+    p: &Profile,
+    args: &Args,
+) -> Result<(), BoxError> {
+    use contention::{ACCOUNTS, DELIVERIES, REDELIVERIES};
     let (deliveries, redeliveries, limit) = match p.name {
         "smoke" => (2_000, 200, Duration::from_secs(30)),
         _ => (DELIVERIES, REDELIVERIES, Duration::from_secs(60)),
@@ -2533,54 +2639,101 @@ async fn contention_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(
     let rounds = p.rounds.max(3);
     contention::setup(&pg.admin).await?;
     let workload = contention::Workload::new(0xC0_17E4_7104, deliveries, redeliveries, ACCOUNTS);
-    let mut rows: Vec<contention::Row> = [4, 1].into_iter().map(contention::Row::new).collect();
+    let declare = contention::declare_aggregate(|m: &contention::Contended| m.account);
+    let mut rows: Vec<contention::Row> = [(4, false), (1, false)]
+        .into_iter()
+        .chain(
+            args.contention_aggregate
+                .then_some([(4, true), (1, true)])
+                .into_iter()
+                .flatten(),
+        )
+        .map(|(batches, declared)| contention::Row::new(batches, declared))
+        .collect();
     for round in 0..rounds {
-        for contention::Row {
-            batches,
-            rates,
-            deadlocks,
-            fallbacks,
-            exact,
-            unfinished,
-        } in &mut rows
-        {
+        for row in &mut rows {
+            let configure = match (row.declared, &declare) {
+                (false, _) => None,
+                (true, Ok(declare)) => Some(declare),
+                (true, Err(_)) => continue,
+            };
             progress(format!(
-                "contention: round {}/{rounds}, {batches} batch(es) in flight",
-                round + 1
+                "contention: round {}/{rounds}, {} batch(es) in flight{}",
+                round + 1,
+                row.batches,
+                if row.declared {
+                    ", aggregate declared"
+                } else {
+                    ""
+                }
             ));
-            let batches = *batches;
+            let batches = row.batches;
             let run = contention::run(&pg.admin, &pg.opts, &workload, 16, limit, |w| {
-                contention::configure(w, batches)
+                let w = contention::configure(w, batches);
+                match configure {
+                    Some(declare) => declare(w),
+                    None => w,
+                }
             })
             .await?;
             if run.finished {
-                rates.push(deliveries as f64 / run.seconds);
+                row.rates.push(deliveries as f64 / run.seconds);
             } else {
-                unfinished.push(format!(
+                row.unfinished.push(format!(
                     "{} of {} keys after {:.0} s",
                     run.applied,
                     deliveries - redeliveries,
                     run.seconds
                 ));
             }
-            deadlocks.push(run.deadlocks);
-            fallbacks.push(contention::fallbacks(&run.report));
-            *exact &= run.exact;
+            row.deadlocks.push(run.deadlocks);
+            row.fallbacks.push(contention::fallbacks(&run.report));
+            row.exact &= run.exact;
         }
     }
-    let one = rows
-        .iter()
-        .find(|r| r.batches == 1)
-        .filter(|r| !r.rates.is_empty())
-        .map(|r| median(&r.rates));
+    let skipped = declare.as_ref().err();
+    write_contention(
+        out,
+        &rows,
+        skipped.map(String::as_str),
+        (deliveries, redeliveries),
+        rounds,
+        limit,
+    );
+    Ok(())
+}
+
+/// The contention section's table, and the declared rows' target (issue 33).
+fn write_contention(
+    out: &mut Out,
+    rows: &[contention::Row],
+    skipped: Option<&str>,
+    (deliveries, redeliveries): (usize, usize),
+    rounds: usize,
+    limit: Duration,
+) {
+    use contention::{ACCOUNTS, BATCH};
+    let rate = |row: &contention::Row| (!row.rates.is_empty()).then(|| median(&row.rates));
+    let one = |declared: bool| {
+        rows.iter()
+            .find(|r| r.batches == 1 && r.declared == declared)
+            .and_then(rate)
+    };
     let table: Vec<Vec<String>> = rows
         .iter()
         .map(|row| {
-            let rate = (!row.rates.is_empty()).then(|| median(&row.rates));
+            let declared = if row.declared { "yes" } else { "no" }.to_owned();
+            if let (true, Some(why)) = (row.declared, skipped) {
+                let mut cells = vec![row.batches.to_string(), declared, format!("skipped: {why}")];
+                cells.resize(8, "—".into());
+                return cells;
+            }
+            let r = rate(row);
             vec![
                 row.batches.to_string(),
-                rate.map_or("—".into(), |r| format!("{r:.0}")),
-                rate.map_or("—".into(), |r| ratio(r, one)),
+                declared,
+                r.map_or("—".into(), |r| format!("{r:.0}")),
+                r.map_or("—".into(), |r| ratio(r, one(row.declared))),
                 format!("{:?}", row.deadlocks),
                 format!("{:?}", row.fallbacks),
                 if row.exact { "yes" } else { "no" }.into(),
@@ -2601,17 +2754,20 @@ async fn contention_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(
          shared accounts in different orders. The Worker runs batches of {BATCH} (5 ms max \
          wait) with 4 batches in flight and with 1, side by side in each of {rounds} rounds \
          (fresh inbox, zeroed balances; 16 pooled connections; a run is stopped after {} s). \
-         Rate: median deliveries/s of finished runs; `× one`: ÷ one batch in flight; deadlocks: \
-         the `pg_stat_database.deadlocks` delta per round; fallbacks: the Worker report's \
-         contention fallbacks per round (batches that lost a deadlock, a serialization failure \
-         or a lock wait and ran again alone); exact: every balance equals the sum of its distinct \
-         events in every finished round.",
+         `aggregate declared`: the Worker knows each delivery's account (partitioned batches: \
+         no two batches in flight share an account; `--contention-aggregate`). \
+         Rate: median deliveries/s of finished runs; `× one`: ÷ one batch in flight with the \
+         same declaration; deadlocks: the `pg_stat_database.deadlocks` delta per round; \
+         fallbacks: the Worker report's contention fallbacks per round (batches that lost a \
+         deadlock, a serialization failure or a lock wait and ran again alone); exact: every \
+         balance equals the sum of its distinct events in every finished round.",
         limit.as_secs()
     ));
     out.line("");
     out.table(
         &[
             "batches in flight",
+            "aggregate declared",
             "deliveries/s",
             "× one",
             "deadlocks",
@@ -2621,7 +2777,23 @@ async fn contention_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(
         ],
         &table,
     );
-    Ok(())
+    if let Some(four) = rows.iter().find(|r| r.batches == 4 && r.declared) {
+        let met = rate(four)
+            .zip(one(true))
+            .map(|(four_rate, one_rate)| four_rate / one_rate);
+        let deadlocks: i64 = four.deadlocks.iter().sum();
+        out.line(format!(
+            "Target (issue 33): with the aggregate declared, 4 batches in flight ≥ 1.8× one, 0 \
+             deadlocks: {}",
+            match met {
+                Some(x) if x >= 1.8 && deadlocks == 0 && four.exact =>
+                    format!("{x:.2}×, 0 deadlocks: met"),
+                Some(x) => format!("{x:.2}×, {deadlocks} deadlock(s): **not met**"),
+                None => "not measured".into(),
+            }
+        ));
+        out.line("");
+    }
 }
 
 /// `bench --kafka-consumer BROKERS`: one consumer process of the Kafka section.
@@ -2696,26 +2868,35 @@ async fn kafka_section(
     if widest > 1 {
         plan.push((1, concurrency * widest));
     }
+    let rates = kafka_rounds(&cluster, pg, p, &plan).await?;
+    scale::truncate(&pg.admin).await?;
+    let rows = kafka_rows(&rates, &plan, concurrency);
+    write_kafka(out, p, records, &rows);
+    Ok(())
+}
+
+/// Runs of the Kafka section, one `(processes, concurrency)` run per round, in `plan` order:
+/// the runs per plan entry.
+#[cfg(feature = "kafka")]
+async fn kafka_rounds(
+    cluster: &kafka::Cluster,
+    pg: &Pg,
+    p: &Profile,
+    plan: &[(usize, usize)],
+) -> Result<std::collections::BTreeMap<(usize, usize), Vec<kafka::Run>>, BoxError> {
     let mut rates: std::collections::BTreeMap<(usize, usize), Vec<kafka::Run>> =
         std::collections::BTreeMap::new();
     let mut group = 0;
     for round in 0..p.rounds {
-        for &(n, c) in &plan {
+        for &(n, c) in plan {
             group += 1;
             progress(format!(
                 "kafka: round {}/{}: {n} process(es) × concurrency {c}",
                 round + 1,
                 p.rounds
             ));
-            let run = kafka::run(
-                &cluster,
-                &pg.admin,
-                &pg.cpu,
-                &format!("bench-{group}"),
-                n,
-                c,
-            )
-            .await?;
+            let run =
+                kafka::run(cluster, &pg.admin, &pg.cpu, &format!("bench-{group}"), n, c).await?;
             if run.processed != run.records {
                 return Err(format!(
                     "kafka: {} processed over {n} processes, {} records",
@@ -2726,7 +2907,17 @@ async fn kafka_section(
             rates.entry((n, c)).or_default().push(run);
         }
     }
-    scale::truncate(&pg.admin).await?;
+    Ok(rates)
+}
+
+/// The Kafka table's rows: the median run of each plan entry, against one process at
+/// `concurrency`.
+#[cfg(feature = "kafka")]
+fn kafka_rows(
+    rates: &std::collections::BTreeMap<(usize, usize), Vec<kafka::Run>>,
+    plan: &[(usize, usize)],
+    concurrency: usize,
+) -> Vec<Vec<String>> {
     let median_run = |runs: &[kafka::Run]| -> usize {
         let mut order: Vec<usize> = (0..runs.len()).collect();
         order.sort_by(|&a, &b| runs[a].rate().total_cmp(&runs[b].rate()));
@@ -2736,7 +2927,7 @@ async fn kafka_section(
         .get(&(1, concurrency))
         .map(|runs| runs[median_run(runs)].rate());
     let mut rows = Vec::new();
-    for &(n, c) in &plan {
+    for &(n, c) in plan {
         let Some(runs) = rates.get(&(n, c)) else {
             continue;
         };
@@ -2758,6 +2949,12 @@ async fn kafka_section(
             format!("{:.2}", run.cpu.machine / wall),
         ]);
     }
+    rows
+}
+
+/// The Kafka section's text and table (`records` per run).
+#[cfg(feature = "kafka")]
+fn write_kafka(out: &mut Out, p: &Profile, records: u64, rows: &[Vec<String>]) {
     out.line("## Kafka scale-out (PostgreSQL)");
     out.line("");
     out.line(format!(
@@ -2789,10 +2986,9 @@ async fn kafka_section(
             "harness cores",
             "machine cores",
         ],
-        &rows,
+        rows,
     );
     out.line("");
-    Ok(())
 }
 
 /// The issue's targets against this run's figures.
@@ -2950,7 +3146,11 @@ mod tests {
         // The peers' workload: every row, with exact effects (psycopg2's may say it is skipped).
         if url.is_some() {
             expected.push("## The peers' workload".into());
-            for row in peers::ROWS {
+            expected.push("### Round trips per delivery on the wire".into());
+            for client in wire::CLIENTS {
+                expected.push(format!("| {} |", client.label()));
+            }
+            for row in peers::rows(&peers::CLIENTS) {
                 expected.push(format!("| {} | {} |", row.label(), row.workers()));
             }
         }

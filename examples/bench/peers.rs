@@ -18,6 +18,10 @@
 //!   (`\aset` and `\if`); `COMMIT`: 4 round trips. Each transaction takes the next delivery of the
 //!   list from the table `peer_deliveries(seq, key, account, amount)` inside its `INSERT` (a CTE
 //!   on `seq = nextval('peer_seq')`: one primary-key lookup, no extra statement or round trip);
+//! * **pgbench, the naive inbox with its retention index** (issue 33): the same script on
+//!   `peer_inbox_indexed`, which also has `received_at timestamptz NOT NULL DEFAULT now()` and
+//!   `CREATE INDEX … (received_at)`, the index the naive inbox's own retention purge would need
+//!   (the fair reference for the runtime's inbox row, whose purge is index-driven too);
 //! * **pgbench running the runtime's statements** ([`PGBENCH_RUNTIME_SCRIPT`], the same options,
 //!   right after the naive row at each N): what `Dispatcher::dispatch_on` sends for one delivery
 //!   — `BEGIN`; the runtime's claim (a copy of `CLAIM` in inbox-runtime/src/store/postgres.rs,
@@ -35,7 +39,11 @@
 //!   of 100, and `Worker::new`'s defaults with only the concurrency set.
 //!
 //! Every row takes the deliveries in list order from one shared cursor (pgbench's sequence,
-//! psycopg2's counter, an atomic index, the Worker's source), N at a time.
+//! psycopg2's counter, an atomic index, the Worker's source), N at a time; N is 1, 4 and 16
+//! (`--peers-clients`), the batched and default Worker rows at 4 only.
+//!
+//! Before the timed rows, `wire.rs` counts the round trips per delivery of each path on the
+//! wire (new message, duplicate, redelivered duplicate, batch of 100).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -81,6 +89,11 @@ RETURNING 1 AS inserted, (SELECT account FROM d) AS account, (SELECT amount FROM
 UPDATE peer_accounts SET balance = balance + :amount WHERE id = :account;\n\
 \\endif\n\
 COMMIT;\n";
+
+/// [`PGBENCH_SCRIPT`] on the naive inbox `inbox` (its table named in the `INSERT`).
+pub(crate) fn naive_script(inbox: Inbox) -> String {
+    PGBENCH_SCRIPT.replace("INTO peer_inbox ", &format!("INTO {} ", inbox.table()))
+}
 
 /// pgbench running the runtime's own statements for one delivery, on the runtime's migrated
 /// `inbox_messages` (consumer [`CONSUMER`], message name [`MESSAGE`]): what
@@ -234,7 +247,29 @@ impl Workload {
         }
     }
 
-    fn envelopes(&self) -> Result<Vec<Envelope>, BoxError> {
+    /// `n` distinct messages over `accounts` accounts, then the same `n` again in the same order
+    /// (every one a duplicate): the list of the round-trip counts (`wire.rs`).
+    pub(crate) fn repeated(seed: u64, n: usize, accounts: i32) -> Self {
+        let first = Self::new(
+            seed,
+            Sizes {
+                messages: n,
+                redeliveries: 0,
+                accounts,
+            },
+        );
+        let mut deliveries = first.deliveries.clone();
+        deliveries.extend(first.deliveries);
+        Self {
+            deliveries,
+            expected: first.expected,
+            messages: n,
+            redeliveries: n,
+        }
+    }
+
+    /// The deliveries as the runtime gets them (JSON payloads, no source metadata).
+    pub(crate) fn envelopes(&self) -> Result<Vec<Envelope>, BoxError> {
         self.deliveries
             .iter()
             .map(|m| Ok(Envelope::new(MESSAGE, serde_json::to_vec(m)?)))
@@ -247,6 +282,8 @@ impl Workload {
 pub(crate) enum Row {
     /// pgbench's naive inbox with this many clients.
     Pgbench(usize),
+    /// pgbench's naive inbox with a retention index on its arrival time, with this many clients.
+    PgbenchIndexed(usize),
     /// pgbench running the runtime's statements ([`PGBENCH_RUNTIME_SCRIPT`]) with this many
     /// clients.
     PgbenchRuntime(usize),
@@ -260,29 +297,48 @@ pub(crate) enum Row {
     WorkerBatch(usize),
     /// `Worker::new`'s defaults with only the concurrency set (and a pool of one more).
     WorkerDefault(usize),
+    /// The same with the aggregate declared (each delivery's account:
+    /// `contention::declare_aggregate`).
+    WorkerDefaultDeclared(usize),
 }
 
-/// The rows, in the order of the table.
-pub(crate) const ROWS: [Row; 12] = [
-    Row::Pgbench(4),
-    Row::PgbenchRuntime(4),
-    Row::Psycopg2(4),
-    Row::DispatchOn(4),
-    Row::Worker(4),
-    Row::WorkerBatch(4),
-    Row::WorkerDefault(4),
-    Row::Pgbench(16),
-    Row::PgbenchRuntime(16),
-    Row::Psycopg2(16),
-    Row::DispatchOn(16),
-    Row::Worker(16),
-];
+/// The client counts of the section by default (`--peers-clients`).
+pub(crate) const CLIENTS: [usize; 3] = [1, 4, 16];
+
+/// The rows at `clients`, in the order of the table: at each N pgbench's naive inbox (without
+/// and with its retention index), pgbench with the runtime's statements, psycopg2,
+/// `dispatch_on` and the Worker one message per transaction; at 4 also the batched and the
+/// default Worker.
+pub(crate) fn rows(clients: &[usize]) -> Vec<Row> {
+    let mut rows = Vec::new();
+    for &n in clients {
+        rows.extend([
+            Row::Pgbench(n),
+            Row::PgbenchIndexed(n),
+            Row::PgbenchRuntime(n),
+            Row::Psycopg2(n),
+            Row::DispatchOn(n),
+            Row::Worker(n),
+        ]);
+        if n == 4 {
+            rows.extend([
+                Row::WorkerBatch(4),
+                Row::WorkerDefault(4),
+                Row::WorkerDefaultDeclared(4),
+            ]);
+        }
+    }
+    rows
+}
 
 impl Row {
     pub(crate) fn label(self) -> &'static str {
         match self {
             Row::Pgbench(_) => {
                 "pgbench: naive inbox (BEGIN; INSERT … ON CONFLICT DO NOTHING; UPDATE if inserted; COMMIT)"
+            }
+            Row::PgbenchIndexed(_) => {
+                "pgbench: naive inbox with a retention index (the same on an inbox with received_at and CREATE INDEX … (received_at))"
             }
             Row::PgbenchRuntime(_) => {
                 "pgbench: the runtime's statements (BEGIN; claim; UPDATE; verify; COMMIT, or BEGIN; claim; ROLLBACK)"
@@ -292,24 +348,55 @@ impl Row {
             Row::Worker(_) => "ours: Worker, 1 message per transaction (one_per_transaction())",
             Row::WorkerBatch(_) => "ours: Worker::batch(100, 5 ms)",
             Row::WorkerDefault(_) => "ours: Worker with default settings (as printed above)",
+            Row::WorkerDefaultDeclared(_) => {
+                "ours: Worker with default settings, the aggregate (account) declared"
+            }
         }
     }
 
     pub(crate) fn workers(self) -> usize {
         match self {
             Row::Pgbench(n)
+            | Row::PgbenchIndexed(n)
             | Row::PgbenchRuntime(n)
             | Row::Psycopg2(n)
             | Row::DispatchOn(n)
             | Row::Worker(n)
             | Row::WorkerBatch(n)
-            | Row::WorkerDefault(n) => n,
+            | Row::WorkerDefault(n)
+            | Row::WorkerDefaultDeclared(n) => n,
         }
     }
 
-    /// Whether the row writes the naive inbox (`peer_inbox`) rather than the runtime's.
-    fn naive(self) -> bool {
-        matches!(self, Row::Pgbench(_) | Row::Psycopg2(_))
+    /// The inbox the row writes.
+    fn inbox(self) -> Inbox {
+        match self {
+            Row::Pgbench(_) | Row::Psycopg2(_) => Inbox::Naive,
+            Row::PgbenchIndexed(_) => Inbox::NaiveIndexed,
+            _ => Inbox::Runtime,
+        }
+    }
+}
+
+/// The inboxes of the section.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Inbox {
+    /// `peer_inbox (consumer, key)`, its primary key only.
+    Naive,
+    /// `peer_inbox_indexed (consumer, key, received_at)` with an index on `received_at`.
+    NaiveIndexed,
+    /// The runtime's `inbox_messages`.
+    Runtime,
+}
+
+impl Inbox {
+    /// The table.
+    fn table(self) -> &'static str {
+        match self {
+            Inbox::Naive => "peer_inbox",
+            Inbox::NaiveIndexed => "peer_inbox_indexed",
+            Inbox::Runtime => "inbox_messages",
+        }
     }
 }
 
@@ -376,14 +463,18 @@ impl Acc {
 }
 
 /// Creates the section's tables (dropped first) and loads the list into `peer_deliveries`.
-async fn setup(admin: &PgPool, workload: &Workload) -> Result<(), BoxError> {
+pub(crate) async fn setup(admin: &PgPool, workload: &Workload) -> Result<(), BoxError> {
     for statement in [
-        "DROP TABLE IF EXISTS peer_deliveries, peer_inbox, peer_accounts",
+        "DROP TABLE IF EXISTS peer_deliveries, peer_inbox, peer_inbox_indexed, peer_accounts",
         "DROP SEQUENCE IF EXISTS peer_seq",
         "CREATE TABLE peer_deliveries (seq bigint PRIMARY KEY, key text NOT NULL, \
            account int NOT NULL, amount bigint NOT NULL, fingerprint bytea NOT NULL)",
         "CREATE TABLE peer_inbox (consumer text NOT NULL, key text NOT NULL, \
            PRIMARY KEY (consumer, key))",
+        // The naive inbox with what its retention purge needs: the arrival time, indexed.
+        "CREATE TABLE peer_inbox_indexed (consumer text NOT NULL, key text NOT NULL, \
+           received_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (consumer, key))",
+        "CREATE INDEX peer_inbox_indexed_received_at ON peer_inbox_indexed (received_at)",
         "CREATE TABLE peer_accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0)",
         "CREATE SEQUENCE peer_seq",
     ] {
@@ -424,9 +515,9 @@ async fn setup(admin: &PgPool, workload: &Workload) -> Result<(), BoxError> {
 
 /// Both inboxes empty, the accounts recreated at balance 0, the sequence at the list's start;
 /// then (unless `checkpoint` is false) a `CHECKPOINT`, so that every row starts alike.
-async fn reset(admin: &PgPool, accounts: i32, checkpoint: bool) -> Result<(), BoxError> {
+pub(crate) async fn reset(admin: &PgPool, accounts: i32, checkpoint: bool) -> Result<(), BoxError> {
     crate::scale::truncate(admin).await?;
-    sqlx::query("TRUNCATE peer_inbox, peer_accounts")
+    sqlx::query("TRUNCATE peer_inbox, peer_inbox_indexed, peer_accounts")
         .execute(admin)
         .await?;
     sqlx::query("INSERT INTO peer_accounts (id) SELECT generate_series(1, $1)")
@@ -436,7 +527,7 @@ async fn reset(admin: &PgPool, accounts: i32, checkpoint: bool) -> Result<(), Bo
     sqlx::query("SELECT setval('peer_seq', 1, false)")
         .execute(admin)
         .await?;
-    sqlx::query("VACUUM ANALYZE peer_accounts, peer_inbox")
+    sqlx::query("VACUUM ANALYZE peer_accounts, peer_inbox, peer_inbox_indexed")
         .execute(admin)
         .await?;
     if checkpoint {
@@ -445,9 +536,13 @@ async fn reset(admin: &PgPool, accounts: i32, checkpoint: bool) -> Result<(), Bo
     Ok(())
 }
 
-/// The exact-effect check: every balance (and their sum) as the distinct credits say, and the
-/// row's inbox holding exactly the distinct keys. `Err` says what is wrong.
-async fn check(admin: &PgPool, workload: &Workload, row: Row) -> Result<(), BoxError> {
+/// The exact-effect check: every balance (and their sum) as the distinct credits say, and
+/// `inbox` holding exactly the distinct keys. `Err` says what is wrong.
+pub(crate) async fn check(
+    admin: &PgPool,
+    workload: &Workload,
+    inbox: Inbox,
+) -> Result<(), BoxError> {
     let balances: Vec<(i32, i64)> =
         sqlx::query_as("SELECT id, balance FROM peer_accounts ORDER BY id")
             .fetch_all(admin)
@@ -472,18 +567,23 @@ async fn check(admin: &PgPool, workload: &Workload, row: Row) -> Result<(), BoxE
     // Rows in the inbox, and how many of them are keys of the list (primary keys: distinct);
     // in the runtime's inbox, `processed` under the section's message name with the key's
     // fingerprint (what the pgbench row running the runtime's statements must store alike).
-    let query = if row.naive() {
-        "SELECT (SELECT count(*) FROM peer_inbox), \
-                (SELECT count(*) FROM peer_inbox WHERE consumer = 'peers' \
-                   AND key IN (SELECT key FROM peer_deliveries))"
-    } else {
-        "SELECT (SELECT count(*) FROM inbox_messages), \
+    let query = match inbox {
+        Inbox::Naive | Inbox::NaiveIndexed => format!(
+            "SELECT (SELECT count(*) FROM {table}), \
+                    (SELECT count(*) FROM {table} WHERE consumer = 'peers' \
+                       AND key IN (SELECT key FROM peer_deliveries))",
+            table = inbox.table()
+        ),
+        Inbox::Runtime => "SELECT (SELECT count(*) FROM inbox_messages), \
                 (SELECT count(*) FROM inbox_messages m WHERE consumer = 'peers' \
                    AND status = 'processed' AND message_name = 'bench.peers' \
                    AND EXISTS (SELECT 1 FROM peer_deliveries d WHERE d.key = m.message_key::text \
                      AND d.fingerprint = m.payload_hash))"
+            .to_owned(),
     };
-    let (rows, keys): (i64, i64) = sqlx::query_as(query).fetch_one(admin).await?;
+    let (rows, keys): (i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(query))
+        .fetch_one(admin)
+        .await?;
     let want = workload.messages as i64;
     if rows != want || keys != want {
         problems.push(format!(
@@ -499,7 +599,7 @@ async fn check(admin: &PgPool, workload: &Workload, row: Row) -> Result<(), BoxE
 }
 
 /// Whether `python3` can import `psycopg2`: `Err` says why not.
-fn psycopg2_available() -> Result<(), String> {
+pub(crate) fn psycopg2_available() -> Result<(), String> {
     let output = std::process::Command::new("python3")
         .args(["-c", "import psycopg2"])
         .output()
@@ -515,11 +615,17 @@ fn psycopg2_available() -> Result<(), String> {
     ))
 }
 
-/// The connection environment of pgbench's and python3's libpq.
-fn libpq_env(pg: &Pg, password: Option<&str>) -> Vec<(&'static str, String)> {
+/// The connection environment of python3's libpq: the server, or `target` (the proxy).
+fn libpq_env(
+    pg: &Pg,
+    password: Option<&str>,
+    target: Option<(String, u16)>,
+) -> Vec<(&'static str, String)> {
+    let (host, port) =
+        target.unwrap_or_else(|| (pg.opts.get_host().to_owned(), pg.opts.get_port()));
     let mut env = vec![
-        ("PGHOST", pg.opts.get_host().to_owned()),
-        ("PGPORT", pg.opts.get_port().to_string()),
+        ("PGHOST", host),
+        ("PGPORT", port.to_string()),
         ("PGUSER", pg.opts.get_username().to_owned()),
         (
             "PGDATABASE",
@@ -535,14 +641,14 @@ fn libpq_env(pg: &Pg, password: Option<&str>) -> Vec<(&'static str, String)> {
 }
 
 /// What a run reports before its check: seconds, CPU, and a failure of its own if any.
-struct Ran {
+pub(crate) struct Ran {
     seconds: f64,
     cpu: CpuDelta,
     client_cpu: f64,
-    failure: Option<String>,
+    pub(crate) failure: Option<String>,
 }
 
-/// pgbench's `script` ([`PGBENCH_SCRIPT`] or [`PGBENCH_RUNTIME_SCRIPT`]) over the whole list:
+/// pgbench's `script` ([`naive_script`] or [`PGBENCH_RUNTIME_SCRIPT`]) over the whole list:
 /// `clients` clients, enough transactions each for the list (the last few find no delivery left
 /// and do nothing).
 async fn run_pgbench(
@@ -572,12 +678,14 @@ async fn run_pgbench(
     })
 }
 
-/// The psycopg2 reference consumer over the whole list with `workers` threads.
-async fn run_psycopg2(
+/// The psycopg2 reference consumer over the whole list with `workers` threads, connecting to
+/// the server or to `target` (the proxy).
+pub(crate) async fn run_psycopg2(
     pg: &Pg,
     password: Option<&str>,
     workload: &Workload,
     workers: usize,
+    target: Option<(String, u16)>,
 ) -> Result<Ran, BoxError> {
     #[derive(Deserialize)]
     struct Report {
@@ -594,7 +702,7 @@ async fn run_psycopg2(
     let mut cmd = std::process::Command::new("python3");
     cmd.arg(&script)
         .args(["--workers", &workers.to_string(), "--consumer", CONSUMER])
-        .envs(libpq_env(pg, password));
+        .envs(libpq_env(pg, password, target));
     let before = pg.cpu.snapshot();
     let output = tokio::task::spawn_blocking(move || cmd.output()).await??;
     let cpu = pg.cpu.snapshot().since(&before);
@@ -821,9 +929,11 @@ async fn run_row(
     let before = crate::wal(pg).await;
     let n = row.workers();
     let ran = match row {
-        Row::Pgbench(_) => run_pgbench(pg, workload, PGBENCH_SCRIPT, n).await,
+        Row::Pgbench(_) | Row::PgbenchIndexed(_) => {
+            run_pgbench(pg, workload, &naive_script(row.inbox()), n).await
+        }
         Row::PgbenchRuntime(_) => run_pgbench(pg, workload, PGBENCH_RUNTIME_SCRIPT, n).await,
-        Row::Psycopg2(_) => run_psycopg2(pg, password, workload, n).await,
+        Row::Psycopg2(_) => run_psycopg2(pg, password, workload, n, None).await,
         Row::DispatchOn(_) => run_dispatch_on(pg, workload, envelopes, n).await,
         Row::Worker(_) => run_worker(pg, workload, envelopes, n + 1, |w| {
             w.concurrency(n).one_per_transaction()
@@ -844,6 +954,17 @@ async fn run_row(
                     ran
                 })
         }
+        Row::WorkerDefaultDeclared(_) => {
+            // Skipped (never run) where the declaration is not possible: see `skipped`.
+            match crate::contention::declare_aggregate(|m: &PeerCredit| m.account) {
+                Ok(declare) => run_worker(pg, workload, envelopes, n + 1, |w| {
+                    declare(w.concurrency(n))
+                })
+                .await
+                .map(|(ran, _)| ran),
+                Err(why) => Err(why.into()),
+            }
+        }
     };
     // Closed backends report their WAL statistics as they exit.
     tokio::time::sleep(p.settle).await;
@@ -859,7 +980,7 @@ async fn run_row(
     };
     let failure = match ran.failure {
         Some(failure) => Some(failure),
-        None => check(&pg.admin, workload, row)
+        None => check(&pg.admin, workload, row.inbox())
             .await
             .err()
             .map(|e| e.to_string()),
@@ -884,7 +1005,8 @@ fn times(x: Option<f64>) -> String {
     x.map_or("—".into(), |x| format!("{x:.2}×"))
 }
 
-/// The section: every row over the rounds (order rotated each round), the table, the ratios.
+/// The section: the round trips on the wire (`wire.rs`), then every row over the rounds (order
+/// rotated each round), the tables, the ratios.
 pub(crate) async fn section(
     out: &mut Out,
     pg: &Pg,
@@ -892,25 +1014,83 @@ pub(crate) async fn section(
     args: &Args,
 ) -> Result<(), BoxError> {
     let sizes = Sizes::of(p, args);
+    let password = args.database_url.as_deref().and_then(crate::url_password);
+    let python = psycopg2_available();
+    let wire = crate::wire::measure(pg, p, sizes, password.as_deref(), &python).await?;
     let workload = Workload::new(SEED, sizes);
     let envelopes = Arc::new(workload.envelopes()?);
     setup(&pg.admin, &workload).await?;
-    let password = args.database_url.as_deref().and_then(crate::url_password);
-    let python = psycopg2_available();
+    let clients = args
+        .peers_clients
+        .clone()
+        .unwrap_or_else(|| CLIENTS.to_vec());
+    let rows = rows(&clients);
     let skipped = |row: Row| -> Option<String> {
         match row {
-            Row::Pgbench(_) | Row::PgbenchRuntime(_) if pg.pgbench.is_none() => {
+            Row::Pgbench(_) | Row::PgbenchIndexed(_) | Row::PgbenchRuntime(_)
+                if pg.pgbench.is_none() =>
+            {
                 Some("pgbench not found".into())
             }
             Row::Psycopg2(_) => python.clone().err(),
+            Row::WorkerDefaultDeclared(_) => {
+                crate::contention::declare_aggregate(|m: &PeerCredit| m.account).err()
+            }
             _ => None,
         }
     };
+    let (acc, defaults) = measure(
+        pg,
+        p,
+        password.as_deref(),
+        &workload,
+        &envelopes,
+        &rows,
+        &skipped,
+    )
+    .await?;
+    // Truncated: the next section starts from empty inboxes.
+    reset(&pg.admin, sizes.accounts, false).await?;
+
+    describe(out, &workload, sizes, p, defaults.as_deref());
+    crate::wire::write(out, &wire);
+    out.table(&TABLE_HEADER, &table_rows(&acc, &rows, &skipped));
+    write_ratios(out, &acc, &clients, &crate::wire::summary(&wire));
+    Ok(())
+}
+
+/// The header of the section's main table (`compare.rs` finds its columns by these names).
+pub(crate) const TABLE_HEADER: [&str; 12] = [
+    "path",
+    "N",
+    "deliveries/s",
+    "× naive",
+    "× naive + index",
+    "client CPU µs/delivery",
+    "server CPU µs/delivery",
+    "WAL bytes/delivery",
+    "WAL × naive",
+    "WAL × naive + index",
+    "effects",
+    "rounds min–max deliveries/s",
+];
+
+/// Runs every row (not skipped) over the profile's rounds, the order rotated each round: what
+/// each row measured, and the default Worker's settings as run.
+async fn measure(
+    pg: &Pg,
+    p: &Profile,
+    password: Option<&str>,
+    workload: &Workload,
+    envelopes: &Arc<Vec<Envelope>>,
+    rows: &[Row],
+    skipped: &dyn Fn(Row) -> Option<String>,
+) -> Result<(HashMap<Row, Acc>, Option<String>), BoxError> {
     let mut acc: HashMap<Row, Acc> = HashMap::new();
     let mut defaults = None;
     for round in 0..p.rounds {
-        let mut order = ROWS.to_vec();
-        order.rotate_left(round % ROWS.len());
+        let mut order = rows.to_vec();
+        order.rotate_left(round % rows.len().max(1));
         for row in order {
             if skipped(row).is_some() {
                 continue;
@@ -922,16 +1102,7 @@ pub(crate) async fn section(
                 row.label(),
                 row.workers()
             ));
-            let run = run_row(
-                pg,
-                p,
-                password.as_deref(),
-                &workload,
-                &envelopes,
-                row,
-                &mut defaults,
-            )
-            .await?;
+            let run = run_row(pg, p, password, workload, envelopes, row, &mut defaults).await?;
             if let Some(failure) = &run.failure {
                 progress(format!("peers: {} FAILED: {failure}", row.label()));
             }
@@ -940,18 +1111,27 @@ pub(crate) async fn section(
                 .add(workload.deliveries.len(), run);
         }
     }
-    // Truncated: the next section starts from empty inboxes.
-    reset(&pg.admin, sizes.accounts, false).await?;
+    Ok((acc, defaults))
+}
 
+/// The table's rows: per row, its rate, CPU and WAL per delivery against pgbench's naive inbox
+/// (without and with its retention index), whether its effects were exact, and the spread over
+/// the rounds.
+fn table_rows(
+    acc: &HashMap<Row, Acc>,
+    rows: &[Row],
+    skipped: &dyn Fn(Row) -> Option<String>,
+) -> Vec<Vec<String>> {
     let rate = |row: Row| acc.get(&row).and_then(Acc::rate);
     let wal = |row: Row| acc.get(&row).and_then(Acc::wal_per_delivery);
     let mut table = Vec::new();
-    for row in ROWS {
+    for &row in rows {
         let naive = Row::Pgbench(row.workers());
+        let indexed = Row::PgbenchIndexed(row.workers());
         let mut cells = vec![row.label().to_owned(), row.workers().to_string()];
         if let Some(reason) = skipped(row) {
             cells.push(format!("skipped: {reason}"));
-            cells.resize(10, "—".into());
+            cells.resize(TABLE_HEADER.len(), "—".into());
             table.push(cells);
             continue;
         }
@@ -961,11 +1141,13 @@ pub(crate) async fn section(
         cells.extend([
             a.rate().map_or("**FAILED**".into(), |r| format!("{r:.0}")),
             times(ratio_of(rate(row), rate(naive))),
+            times(ratio_of(rate(row), rate(indexed))),
             a.per_delivery_us(a.client_cpu),
             a.server_cpu
                 .map_or("—".into(), |server| a.per_delivery_us(server)),
             wal(row).map_or("—".into(), |w| format!("{w:.0}")),
             times(ratio_of(wal(row), wal(naive))),
+            times(ratio_of(wal(row), wal(indexed))),
             if a.failures.is_empty() {
                 format!("exact ({} of {} runs)", a.runs, a.runs)
             } else {
@@ -985,6 +1167,11 @@ pub(crate) async fn section(
         table.push(cells);
     }
 
+    table
+}
+
+/// What the section measures and how (above its table).
+fn describe(out: &mut Out, workload: &Workload, sizes: Sizes, p: &Profile, defaults: Option<&str>) {
     out.line(
         "## The peers' workload (PostgreSQL): ours against pgbench's naive inbox and psycopg2",
     );
@@ -993,14 +1180,16 @@ pub(crate) async fn section(
         "One seeded list of {} deliveries: {} distinct messages plus {} redeliveries of earlier \
          ones at seeded random positions, each crediting an amount to one of {} accounts with \
          `{EFFECT}`. Every row runs the whole list in each of {} round(s) (order rotated), on a \
-         reset database (both inboxes empty, the accounts recreated at 0, `CHECKPOINT`), taking \
+         reset database (the inboxes empty, the accounts recreated at 0, `CHECKPOINT`), taking \
          the deliveries in list order from one shared cursor, N at a time. Rate: median \
          deliveries/s (whole list ÷ wall time from the first delivery to the last); `× naive`: ÷ \
-         pgbench's naive inbox at the same N. CPU per delivery: the client (pgbench, python3 or \
+         pgbench's naive inbox at the same N; `× naive + index`: ÷ the same on the naive inbox \
+         with its retention index (`received_at`, indexed). CPU per delivery: the client (pgbench, python3 or \
          this process) and the PostgreSQL cluster, over all rounds. WAL: `pg_stat_wal.wal_bytes` \
          delta (cluster-wide, autovacuum included) ÷ deliveries. Effects: after each run, every \
          balance and their sum equal the distinct credits', and the row's inbox holds exactly \
-         the distinct keys (`peer_inbox` for pgbench and psycopg2, the runtime's inbox for ours); \
+         the distinct keys (`peer_inbox` for pgbench and psycopg2, `peer_inbox_indexed` for \
+         pgbench with the index, the runtime's inbox for ours); \
          a row wrong in any run is reported as failed, saying what was wrong, \
          instead of a rate.",
         workload.deliveries.len(),
@@ -1019,6 +1208,13 @@ pub(crate) async fn section(
     for line in PGBENCH_SCRIPT.lines() {
         out.line(format!("    {line}"));
     }
+    out.line("");
+    out.line(
+        "The naive inbox with its retention index runs the same script on `peer_inbox_indexed \
+         (consumer text, key text, received_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY \
+         (consumer, key))` with `CREATE INDEX … ON peer_inbox_indexed (received_at)`: what the \
+         naive inbox needs to purge its old keys by a range scan, as the runtime's does.",
+    );
     out.line("");
     out.line(
         "pgbench with the runtime's statements runs, with the same options, what \
@@ -1043,104 +1239,110 @@ pub(crate) async fn section(
          Worker over an in-memory source holding the list (pool of N + 1): `concurrency(N)` with \
          `one_per_transaction()`, `concurrency(4)` with `batch({BATCH}, 5 \
          ms)`, and `Worker::new` with nothing but `concurrency(4)`, whose settings at run time \
-         were: {}.",
-        defaults.as_deref().unwrap_or("(not run)")
+         were: {}; the same with the aggregate declared (each delivery's account, what its \
+         effect locks: partitioned batches, `contention::declare_aggregate`).",
+        defaults.unwrap_or("(not run)")
     ));
     out.line("");
-    out.table(
-        &[
-            "path",
-            "N",
-            "deliveries/s",
-            "× naive",
-            "client CPU µs/delivery",
-            "server CPU µs/delivery",
-            "WAL bytes/delivery",
-            "WAL × naive",
-            "effects",
-            "rounds min–max deliveries/s",
-        ],
-        &table,
-    );
+}
 
-    let mut lines = Vec::new();
-    let target = |value: Option<f64>, ok: &dyn Fn(f64) -> bool, text: &str| match value {
-        Some(v) if ok(v) => format!("{v:.2}× (target {text}: met)"),
+/// A ratio against its target: `{v}× (target {text}: met)`, or not met, or not measured.
+fn target(value: Option<f64>, ok: bool, text: &str) -> String {
+    match value {
+        Some(v) if ok => format!("{v:.2}× (target {text}: met)"),
         Some(v) => format!("{v:.2}× (target {text}: **not met**)"),
         None => format!("— (target {text}: not measured)"),
-    };
-    for n in [4, 16] {
-        let naive = rate(Row::Pgbench(n));
-        lines.push(format!(
-            "- {n}: Worker (1 message per transaction) ÷ pgbench naive = {}; dispatch_on ÷ \
-             pgbench naive = {}; Worker ÷ dispatch_on = {}",
-            target(
-                ratio_of(rate(Row::Worker(n)), naive),
-                &|v| v >= 0.85,
-                "≥ 0.85"
-            ),
-            target(
-                ratio_of(rate(Row::DispatchOn(n)), naive),
-                &|v| v >= 0.9,
-                "≥ 0.90"
-            ),
-            target(
-                ratio_of(rate(Row::Worker(n)), rate(Row::DispatchOn(n))),
-                &|v| v >= 0.95,
-                "≥ 0.95"
-            ),
-        ));
     }
-    for n in [4, 16] {
-        let statements = rate(Row::PgbenchRuntime(n));
+}
+
+/// The ratios against the targets (issue 33, "Must show"), under the table: the round trips
+/// (`round_trips`, from `wire.rs`), throughput against the naive inbox at each N, the gap split
+/// into protocol and client, the default Worker against psycopg2, WAL against the naive inbox
+/// with its retention index (and without).
+fn write_ratios(out: &mut Out, acc: &HashMap<Row, Acc>, clients: &[usize], round_trips: &[String]) {
+    let rate = |row: Row| acc.get(&row).and_then(Acc::rate);
+    let wal = |row: Row| acc.get(&row).and_then(Acc::wal_per_delivery);
+    let at_least =
+        |v: Option<f64>, min: f64, text: &str| target(v, v.is_some_and(|v| v >= min), text);
+    let at_most =
+        |v: Option<f64>, max: f64, text: &str| target(v, v.is_some_and(|v| v <= max), text);
+    let mut lines = round_trips.to_vec();
+    for &n in clients {
+        let (naive, indexed) = (rate(Row::Pgbench(n)), rate(Row::PgbenchIndexed(n)));
+        for (row, name) in [
+            (Row::DispatchOn(n), "dispatch_on"),
+            (Row::Worker(n), "Worker (1 message per transaction)"),
+        ] {
+            lines.push(format!(
+                "- {n}: {name} ÷ pgbench naive = {}; ÷ pgbench naive with its retention index = {}",
+                at_least(ratio_of(rate(row), naive), 1.0, "≥ 1.00"),
+                times(ratio_of(rate(row), indexed)),
+            ));
+        }
         lines.push(format!(
-            "- {n}: protocol: pgbench with the runtime's statements ÷ naive pgbench = {}; client: \
-             dispatch_on ÷ pgbench with the runtime's statements = {}; client: Worker 1/tx ÷ \
-             pgbench with the runtime's statements = {}",
-            times(ratio_of(statements, rate(Row::Pgbench(n)))),
-            times(ratio_of(rate(Row::DispatchOn(n)), statements)),
-            times(ratio_of(rate(Row::Worker(n)), statements)),
+            "- {n}: Worker ÷ dispatch_on = {}; protocol: pgbench with the runtime's statements ÷ \
+             naive pgbench = {} (÷ naive with its index = {}); client: dispatch_on ÷ pgbench with \
+             the runtime's statements = {}, Worker 1/tx ÷ the same = {}",
+            times(ratio_of(rate(Row::Worker(n)), rate(Row::DispatchOn(n)))),
+            times(ratio_of(rate(Row::PgbenchRuntime(n)), naive)),
+            times(ratio_of(rate(Row::PgbenchRuntime(n)), indexed)),
+            times(ratio_of(
+                rate(Row::DispatchOn(n)),
+                rate(Row::PgbenchRuntime(n))
+            )),
+            times(ratio_of(rate(Row::Worker(n)), rate(Row::PgbenchRuntime(n)))),
         ));
     }
     lines.push(format!(
-        "- 4: Worker with default settings ÷ psycopg2 = {}; Worker::batch(100) ÷ psycopg2 = {}",
-        target(
-            ratio_of(rate(Row::WorkerDefault(4)), rate(Row::Psycopg2(4))),
-            &|v| v >= 3.0,
+        "- 4: Worker with default settings, the aggregate declared ÷ psycopg2 = {}; undeclared \
+         ÷ psycopg2 = {}; Worker::batch(100) ÷ psycopg2 = {}",
+        at_least(
+            ratio_of(rate(Row::WorkerDefaultDeclared(4)), rate(Row::Psycopg2(4))),
+            3.0,
             "≥ 3"
         ),
+        times(ratio_of(
+            rate(Row::WorkerDefault(4)),
+            rate(Row::Psycopg2(4))
+        )),
         times(ratio_of(rate(Row::WorkerBatch(4)), rate(Row::Psycopg2(4)))),
     ));
-    // The targets are the runtime's: not the pgbench row running its statements.
-    for row in ROWS
+    // The WAL targets are the runtime's rows': not the naive clients', nor pgbench's copy.
+    for row in rows(clients)
         .into_iter()
-        .filter(|r| !r.naive() && !matches!(r, Row::PgbenchRuntime(_)))
+        .filter(|r| r.inbox() == Inbox::Runtime && !matches!(r, Row::PgbenchRuntime(_)))
     {
+        let n = row.workers();
         lines.push(format!(
-            "- WAL bytes per delivery, {} at {} ÷ pgbench naive's = {}",
+            "- WAL bytes per delivery, {} at {n} ÷ pgbench naive with its retention index = {}; \
+             ÷ pgbench naive = {}",
             row.label(),
-            row.workers(),
-            target(
-                ratio_of(wal(row), wal(Row::Pgbench(row.workers()))),
-                &|v| v <= 1.15,
+            at_most(
+                ratio_of(wal(row), wal(Row::PgbenchIndexed(n))),
+                1.15,
                 "≤ 1.15"
-            )
+            ),
+            times(ratio_of(wal(row), wal(Row::Pgbench(n)))),
         ));
     }
-    for n in [4, 16] {
+    for &n in clients {
         lines.push(format!(
-            "- WAL bytes per delivery, psycopg2 at {n} ÷ pgbench naive's = {} (the same \
-             statements: about 1); pgbench with the runtime's statements at {n} ÷ pgbench \
-             naive's = {} (the protocol's share)",
+            "- WAL bytes per delivery at {n}: pgbench naive with its retention index ÷ without = \
+             {} (the index's share); psycopg2 ÷ pgbench naive = {} (the same statements: about \
+             1); pgbench with the runtime's statements ÷ pgbench naive with its index = {} (the \
+             protocol's share)",
+            times(ratio_of(wal(Row::PgbenchIndexed(n)), wal(Row::Pgbench(n)))),
             times(ratio_of(wal(Row::Psycopg2(n)), wal(Row::Pgbench(n)))),
-            times(ratio_of(wal(Row::PgbenchRuntime(n)), wal(Row::Pgbench(n))))
+            times(ratio_of(
+                wal(Row::PgbenchRuntime(n)),
+                wal(Row::PgbenchIndexed(n))
+            ))
         ));
     }
-    out.line("Ratios (issue 19, \"Must show\"; medians of this run):");
+    out.line("Ratios (issue 33, \"Must show\"; medians of this run):");
     out.line("");
     for line in lines {
         out.line(line);
     }
     out.line("");
-    Ok(())
 }

@@ -86,7 +86,7 @@ impl Drop for Proxy {
     }
 }
 
-const LOG_LIMIT: usize = 10_000;
+const LOG_LIMIT: usize = 200_000;
 
 impl Proxy {
     /// Listens on an ephemeral loopback port and forwards every connection to `upstream`.

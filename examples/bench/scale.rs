@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use inbox_runtime::admin::{PurgeReport, Retention};
+use inbox_runtime::ops::admin::{PurgeReport, Retention};
 use inbox_runtime::source::{Delivery, Settle, Settlement, Source, SourceError};
 use inbox_runtime::{Dispatcher, Envelope, SourceMetadata, Worker};
 use sqlx::PgPool;
@@ -103,7 +103,7 @@ pub(crate) struct PurgeRun {
 }
 
 /// Fills `old` rows received 30 days ago and `recent` rows received a day ago, then runs
-/// `inbox_runtime::admin::purge` with a 7-day window in batches of `batch`.
+/// `inbox_runtime::ops::admin::purge` with a 7-day window in batches of `batch`.
 pub(crate) async fn purge(
     pool: &PgPool,
     old: u64,
@@ -131,7 +131,7 @@ pub(crate) async fn purge(
     let started = Instant::now();
     let mut marks = vec![started];
     let report =
-        inbox_runtime::admin::purge(pool, &retention, |_| marks.push(Instant::now())).await?;
+        inbox_runtime::ops::admin::purge(pool, &retention, |_| marks.push(Instant::now())).await?;
     let elapsed = started.elapsed();
     let batches: Vec<Duration> = marks.windows(2).map(|w| w[1] - w[0]).collect();
     let tenth = (batches.len() / 10).max(1);

@@ -14,7 +14,7 @@ use std::time::Duration;
 use inbox_runtime::source::Source;
 use inbox_runtime::source::amqp::{AmqpConfig, AmqpSource};
 use inbox_runtime::source::nats::{NatsConfig, NatsSource};
-use inbox_runtime::{Dispatcher, PositionsDatabase, StopReason, Worker};
+use inbox_runtime::{Dispatcher, StopReason, Worker, store::PositionsDatabase};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, ConnectionProperties};

@@ -1,5 +1,5 @@
-//! `ledger console`: the runtime's operator console ([`inbox_runtime::console`]) in the browser,
-//! over the demo's database, replaying with the demo's own registered handlers.
+//! `ledger console`: the runtime's operator console ([`inbox_runtime::ops::console`]) in the
+//! browser, over the demo's database, replaying with the demo's own registered handlers.
 //!
 //! Who may use it: `--token TOKEN` (or `LEDGER_CONSOLE_TOKEN`) asks the browser for a sign-in
 //! (HTTP Basic: any user name, the token as the password; the user name is the operator's name
@@ -12,8 +12,8 @@ use std::net::SocketAddr;
 use axum::response::Redirect;
 use axum::routing::get;
 use base64::Engine as _;
-use inbox_runtime::console::{Console, Refusal};
-use inbox_runtime::{ConsoleDatabase, Dispatcher};
+use inbox_runtime::ops::console::{Console, Refusal};
+use inbox_runtime::{Dispatcher, store::ConsoleDatabase};
 use sqlx::Pool;
 
 use crate::db::Db;
@@ -49,8 +49,9 @@ pub(crate) async fn run(args: ConsoleArgs) -> Result<(), String> {
     if args.token.as_deref() == Some("") {
         return Err("--token is empty".to_owned());
     }
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,inbox_runtime::console=info"));
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("warn,inbox_runtime::ops::console=info")
+    });
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -141,7 +142,7 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::authorize;
-    use inbox_runtime::console::Refusal;
+    use inbox_runtime::ops::console::Refusal;
 
     fn parts(authorization: Option<&str>) -> axum::http::request::Parts {
         let mut request = axum::http::Request::builder();

@@ -1,8 +1,8 @@
 //! Feeding a JSON-lines stream through the dispatcher, one line after the other.
 
 use inbox_runtime::{
-    ClaimStore as _, DispatchError, Dispatcher, Envelope, Error, InboxDatabase, Outcome, Rejection,
-    RejectionReason, SourceMetadata,
+    ConsumerOutcome, DispatchError, Dispatcher, Envelope, Error, Outcome, SourceMetadata,
+    store::{ClaimStore as _, InboxDatabase, Rejection, RejectionReason},
 };
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -131,105 +131,120 @@ pub(crate) async fn feed<DB: InboxDatabase>(
             continue;
         }
         counts.lines += 1;
-
-        let metadata =
-            SourceMetadata::new(source).offset(i64::try_from(number).unwrap_or(i64::MAX));
-        let envelope = match serde_json::from_slice::<Line<'_>>(line) {
-            Ok(Line { message, payload }) => Envelope::new(message, payload.get()),
-            Err(parse) => {
-                // Not an envelope: kept, bytes as read, with the parse error as its reason.
-                let detail = format!("not a message envelope: {parse}");
-                match keep_non_envelope(dispatcher, line, &detail, &metadata).await {
-                    Ok(()) => reject(&mut counts, number, &detail),
-                    Err(db) => fail(
-                        &mut counts,
-                        number,
-                        "-",
-                        &format_args!("cannot keep the rejected line: {db}"),
-                    ),
-                }
-                continue;
-            }
-        };
-        let envelope = envelope.with_source(metadata);
-        let outcomes = match dispatcher.dispatch(&envelope).await {
-            Ok(outcomes) => outcomes,
-            Err(error) => {
-                // Kept in `inbox_rejections` with its payload (see `ledger admin stats`).
-                if let Err(db) = dispatcher.record_rejection(&envelope, &error).await {
-                    fail(
-                        &mut counts,
-                        number,
-                        "-",
-                        &format_args!("cannot keep the rejected line ({error}): {db}"),
-                    );
-                    continue;
-                }
-                match error {
-                    // serde_json's message already ends with the position: don't repeat it.
-                    DispatchError::Decode {
-                        message_name,
-                        source,
-                        ..
-                    } => reject(
-                        &mut counts,
-                        number,
-                        &format_args!("payload is not a valid `{message_name}`: {source}"),
-                    ),
-                    error => reject(&mut counts, number, &error),
-                }
-                continue;
-            }
-        };
-        for outcome in outcomes {
-            match outcome.result {
-                Ok(Outcome::Processed(())) => counts.processed += 1,
-                Ok(Outcome::Duplicate) => counts.duplicates += 1,
-                Err(Error::Conflict(conflict)) => {
-                    counts.conflicts += 1;
-                    crate::observe::note(format_args!(
-                        "line {number}: conflict: `{}` was applied with another payload \
-                         (fingerprint {:.12}…, now {:.12}…): not applied",
-                        conflict.key,
-                        conflict.stored.to_hex(),
-                        conflict.received.to_hex(),
-                    ));
-                }
-                Err(Error::Handler(failure)) if failure.disposition.is_settled() => {
-                    counts.dead += 1;
-                    crate::observe::note(format_args!(
-                        "line {number}: dead: consumer `{}`: {failure}",
-                        outcome.consumer
-                    ));
-                }
-                Ok(Outcome::Dead) => {
-                    counts.dead += 1;
-                    crate::observe::note(format_args!(
-                        "line {number}: already dead-lettered for consumer `{}`: not applied",
-                        outcome.consumer
-                    ));
-                }
-                Ok(Outcome::Discarded) => {
-                    counts.discarded += 1;
-                    crate::observe::note(format_args!(
-                        "line {number}: discarded by an operator for consumer `{}`: not applied",
-                        outcome.consumer
-                    ));
-                }
-                Err(Error::Key(error)) => reject(&mut counts, number, &error),
-                // A handler that failed (recorded `failed`), the database: this line is not
-                // applied; the next ones may well be.
-                Err(error) => fail(&mut counts, number, outcome.consumer, &error),
-                // A newer outcome this demo does not know.
-                #[allow(unreachable_patterns)]
-                Ok(other) => fail(
-                    &mut counts,
-                    number,
-                    outcome.consumer,
-                    &format_args!("unexpected outcome `{}`", other.kind()),
-                ),
-            }
-        }
+        feed_line(dispatcher, line, number, source, &mut counts).await;
     }
     Ok(counts)
+}
+
+/// Dispatches the non-blank line `number` of the stream `source`, counting its outcomes (or its
+/// rejection, or its failure) in `counts`.
+async fn feed_line<DB: InboxDatabase>(
+    dispatcher: &Dispatcher<DB>,
+    line: &[u8],
+    number: u64,
+    source: &str,
+    counts: &mut Counts,
+) {
+    let metadata = SourceMetadata::new(source).offset(i64::try_from(number).unwrap_or(i64::MAX));
+    let envelope = match serde_json::from_slice::<Line<'_>>(line) {
+        Ok(Line { message, payload }) => Envelope::new(message, payload.get()),
+        Err(parse) => {
+            // Not an envelope: kept, bytes as read, with the parse error as its reason.
+            let detail = format!("not a message envelope: {parse}");
+            match keep_non_envelope(dispatcher, line, &detail, &metadata).await {
+                Ok(()) => reject(counts, number, &detail),
+                Err(db) => fail(
+                    counts,
+                    number,
+                    "-",
+                    &format_args!("cannot keep the rejected line: {db}"),
+                ),
+            }
+            return;
+        }
+    };
+    let envelope = envelope.with_source(metadata);
+    let outcomes = match dispatcher.dispatch(&envelope).await {
+        Ok(outcomes) => outcomes,
+        Err(error) => {
+            // Kept in `inbox_rejections` with its payload (see `ledger admin stats`).
+            if let Err(db) = dispatcher.record_rejection(&envelope, &error).await {
+                fail(
+                    counts,
+                    number,
+                    "-",
+                    &format_args!("cannot keep the rejected line ({error}): {db}"),
+                );
+                return;
+            }
+            match error {
+                // serde_json's message already ends with the position: don't repeat it.
+                DispatchError::Decode {
+                    message_name,
+                    source,
+                    ..
+                } => reject(
+                    counts,
+                    number,
+                    &format_args!("payload is not a valid `{message_name}`: {source}"),
+                ),
+                error => reject(counts, number, &error),
+            }
+            return;
+        }
+    };
+    for outcome in outcomes {
+        count_outcome(counts, number, outcome);
+    }
+}
+
+/// Counts one consumer's outcome for line `number`, reporting the ones that were not applied.
+fn count_outcome(counts: &mut Counts, number: u64, outcome: ConsumerOutcome) {
+    match outcome.result {
+        Ok(Outcome::Processed(())) => counts.processed += 1,
+        Ok(Outcome::Duplicate) => counts.duplicates += 1,
+        Err(Error::Conflict(conflict)) => {
+            counts.conflicts += 1;
+            crate::observe::note(format_args!(
+                "line {number}: conflict: `{}` was applied with another payload \
+                 (fingerprint {:.12}…, now {:.12}…): not applied",
+                conflict.key,
+                conflict.stored.to_hex(),
+                conflict.received.to_hex(),
+            ));
+        }
+        Err(Error::Handler(failure)) if failure.disposition.is_settled() => {
+            counts.dead += 1;
+            crate::observe::note(format_args!(
+                "line {number}: dead: consumer `{}`: {failure}",
+                outcome.consumer
+            ));
+        }
+        Ok(Outcome::Dead) => {
+            counts.dead += 1;
+            crate::observe::note(format_args!(
+                "line {number}: already dead-lettered for consumer `{}`: not applied",
+                outcome.consumer
+            ));
+        }
+        Ok(Outcome::Discarded) => {
+            counts.discarded += 1;
+            crate::observe::note(format_args!(
+                "line {number}: discarded by an operator for consumer `{}`: not applied",
+                outcome.consumer
+            ));
+        }
+        Err(Error::Key(error)) => reject(counts, number, &error),
+        // A handler that failed (recorded `failed`), the database: this line is not
+        // applied; the next ones may well be.
+        Err(error) => fail(counts, number, outcome.consumer, &error),
+        // A newer outcome this demo does not know.
+        #[allow(unreachable_patterns)]
+        Ok(other) => fail(
+            counts,
+            number,
+            outcome.consumer,
+            &format_args!("unexpected outcome `{}`", other.kind()),
+        ),
+    }
 }

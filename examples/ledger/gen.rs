@@ -367,9 +367,9 @@ struct Output {
     expected: Expected,
 }
 
-fn generate(seed: u64) -> Output {
-    let mut g = Gen::new(seed);
-
+/// Every action of a stream, shuffled by `g`, a new event first (redeliveries and conflicts
+/// need an earlier one).
+fn shuffled_actions(g: &mut Gen) -> Vec<Action> {
     let mut actions = Vec::new();
     actions.extend(std::iter::repeat_n(Action::New, NEW_EVENTS));
     actions.extend(std::iter::repeat_n(Action::Redeliver, REDELIVERIES));
@@ -387,25 +387,32 @@ fn generate(seed: u64) -> Output {
         .position(|a| matches!(a, Action::New))
         .expect("there are new events");
     actions.swap(0, first_new);
+    actions
+}
 
-    let new_event = |g: &mut Gen| {
-        let kind = if g.chance(4, 5) {
-            Kind::Captured
-        } else {
-            Kind::Refunded
-        };
-        let amount = match kind {
-            Kind::Captured => g.range(100, 99_999),
-            Kind::Refunded => g.range(100, 25_000),
-        };
-        Event {
-            kind,
-            id: g.uuid(),
-            account: format!("acct-{:04}", g.below(ACCOUNTS)),
-            amount: i64::try_from(amount).expect("small amount"),
-        }
+/// A new well-formed event: mostly captures, some refunds, on one of the accounts.
+fn new_event(g: &mut Gen) -> Event {
+    let kind = if g.chance(4, 5) {
+        Kind::Captured
+    } else {
+        Kind::Refunded
     };
+    let amount = match kind {
+        Kind::Captured => g.range(100, 99_999),
+        Kind::Refunded => g.range(100, 25_000),
+    };
+    Event {
+        kind,
+        id: g.uuid(),
+        account: format!("acct-{:04}", g.below(ACCOUNTS)),
+        amount: i64::try_from(amount).expect("small amount"),
+    }
+}
 
+fn generate(seed: u64) -> Output {
+    let mut g = Gen::new(seed);
+
+    let actions = shuffled_actions(&mut g);
     let mut emitted: Vec<Event> = Vec::with_capacity(NEW_EVENTS);
     let mut conflicted = std::collections::HashSet::new();
     let mut malformed_seen = BTreeMap::<usize, usize>::new();

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use inbox_runtime::source::kafka::{KafkaConfig, KafkaSource};
 use inbox_runtime::source::{Delivery, Source, SourceError};
-use inbox_runtime::{BoxFuture, Component, Dispatcher, PositionsDatabase};
+use inbox_runtime::{BoxFuture, Component, Dispatcher, store::PositionsDatabase};
 use rdkafka::ClientConfig;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::mocking::MockCluster;

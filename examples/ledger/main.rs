@@ -21,12 +21,12 @@
 //! # The same stream through a worker over a file that resumes at its last acked line
 //! cargo run --example ledger -- --source file:examples/ledger/data/payments.jsonl --offset-file /tmp/ledger.offset
 //!
-//! # Operating it: the inbox's admin CLI (inbox_runtime::cli) on the demo's database
+//! # Operating it: the inbox's admin CLI (inbox_runtime::ops::cli) on the demo's database
 //! cargo run --example ledger -- admin stats
 //! cargo run --example ledger -- admin dead list
 //! cargo run --example ledger -- admin dead replay --all
 //!
-//! # The operator console in the browser (inbox_runtime::console) on the demo's database
+//! # The operator console in the browser (inbox_runtime::ops::console) on the demo's database
 //! cargo run --example ledger -- console --listen 127.0.0.1:8080 --token s3cret
 //!
 //! # Metrics table on stderr at exit (or --metrics-listen 127.0.0.1:9464), logs by RUST_LOG
@@ -134,11 +134,11 @@
 //!
 //! ## Operating it
 //!
-//! `ledger admin …` is [`inbox_runtime::cli`] on the demo's database (`--database-url` or
+//! `ledger admin …` is [`inbox_runtime::ops::cli`] on the demo's database (`--database-url` or
 //! `DATABASE_URL` after `admin`, else `./ledger.db`): `migrate`, `stats`,
 //! `dead list|show|replay|discard`, `purge --window 7d --redelivery-horizon 3d`.
 //!
-//! `ledger console --listen ADDR` serves [`inbox_runtime::console`] on the same database at
+//! `ledger console --listen ADDR` serves [`inbox_runtime::ops::console`] on the same database at
 //! `http://ADDR/console` (default `127.0.0.1:8080`): the overview, failed and dead messages,
 //! replay and discard (with the demo's handlers), rejections. `--token TOKEN` (or
 //! `LEDGER_CONSOLE_TOKEN`) is the password the browser asks for (any user name: it names the
@@ -174,7 +174,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use inbox_runtime::source::file::FileSource;
-use inbox_runtime::{Dispatcher, InboxDatabase};
+use inbox_runtime::{Dispatcher, store::InboxDatabase};
 use tokio::io::{AsyncBufRead, BufReader};
 
 use crate::check::Expected;
@@ -239,7 +239,7 @@ struct AdminArgs {
     #[arg(long, env = "DATABASE_URL", value_name = "URL", hide_env_values = true)]
     database_url: Option<String>,
     #[command(subcommand)]
-    command: inbox_runtime::cli::AdminCommand,
+    command: inbox_runtime::ops::cli::AdminCommand,
 }
 
 /// Whether the check passed.
@@ -259,7 +259,7 @@ pub(crate) async fn with_cache<DB: InboxDatabase>(
     spec: Option<&str>,
 ) -> Result<Dispatcher<DB>, String> {
     const TTL: Duration = Duration::from_secs(3600);
-    let retention = inbox_runtime::admin::Retention::new(
+    let retention = inbox_runtime::ops::admin::Retention::new(
         Duration::from_secs(7 * 86_400),
         Duration::from_secs(3600),
     )
@@ -608,9 +608,9 @@ async fn run_admin(args: AdminArgs) -> ExitCode {
         }
     };
     let result = match &db {
-        Db::Postgres(pool) => inbox_runtime::cli::execute(&args.command, pool).await,
-        Db::Sqlite(pool) => inbox_runtime::cli::execute(&args.command, pool).await,
-        Db::MySql(pool) => inbox_runtime::cli::execute(&args.command, pool).await,
+        Db::Postgres(pool) => inbox_runtime::ops::cli::execute(&args.command, pool).await,
+        Db::Sqlite(pool) => inbox_runtime::ops::cli::execute(&args.command, pool).await,
+        Db::MySql(pool) => inbox_runtime::ops::cli::execute(&args.command, pool).await,
     };
     db.close().await;
     match result {
@@ -838,7 +838,7 @@ mod tests {
     #[tokio::test]
     async fn admin_on_dead_letters() {
         use clap::Parser as _;
-        use inbox_runtime::cli::{AdminCli, CliError, execute_to};
+        use inbox_runtime::ops::cli::{AdminCli, CliError, execute_to};
 
         const K1: &str = "7b0e4c1a-93d2-4f0e-8a51-0c6f2d9e4a11";
         const K2: &str = "c2a9f7d4-15be-4b8c-9e3f-7d1a6b0c5e22";

@@ -37,7 +37,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use clap::Parser;
 use inbox_runtime::http::{IdempotencyLayer, IdempotencyTx};
-use inbox_runtime::{Message, Outcome, StepKey, idempotent};
+use inbox_runtime::{Message, Outcome, idempotent, types::StepKey};
 use serde::{Deserialize, Serialize};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{Sqlite, SqliteConnection, SqlitePool};
@@ -406,38 +406,7 @@ async fn consume(args: ConsumeArgs) -> Result<(), Box<dyn std::error::Error>> {
     );
 
     let mut conn = pool.acquire().await?;
-    let (mut processed, mut duplicates, mut retried) = (0, 0, 0);
-    for order in &orders {
-        // At least once: the broker delivers every event twice (a lost ack, say).
-        for _delivery in 0..2 {
-            // A failed run is retried at once here (a worker would retry with backoff).
-            loop {
-                match charge(&mut conn, order.clone()).await {
-                    Ok(Outcome::Processed(_)) => processed += 1,
-                    Ok(Outcome::Duplicate) => {
-                        println!(
-                            "  {} → duplicate delivery: already charged, no call",
-                            order.order_id
-                        );
-                        duplicates += 1;
-                    }
-                    Ok(Outcome::NotYet { retry_in }) => {
-                        // The failed run is recorded with its next attempt time; a worker would
-                        // see the redelivery then. Wait for it.
-                        tokio::time::sleep(retry_in).await;
-                        continue;
-                    }
-                    Ok(other) => println!("  {} → {other:?}", order.order_id),
-                    Err(error) => {
-                        println!("  {} → failed: {error}; rolled back", order.order_id);
-                        retried += 1;
-                        continue;
-                    }
-                }
-                break;
-            }
-        }
-    }
+    let (processed, duplicates, retried) = deliver_twice(&mut conn, &orders).await;
 
     // What the API holds for this run: one payment per order.
     let payments: Vec<Payment> = billing
@@ -474,6 +443,47 @@ async fn consume(args: ConsumeArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     println!("each order was charged exactly once");
     Ok(())
+}
+
+/// Delivers every order twice (at least once: a lost ack, say) to `charge`, retrying a failed
+/// run at once: how many runs were processed, duplicates, and failed (then retried).
+async fn deliver_twice(
+    conn: &mut sqlx::SqliteConnection,
+    orders: &[OrderPlaced],
+) -> (u32, u32, u32) {
+    let (mut processed, mut duplicates, mut retried) = (0, 0, 0);
+    for order in orders {
+        // At least once: the broker delivers every event twice (a lost ack, say).
+        for _delivery in 0..2 {
+            // A failed run is retried at once here (a worker would retry with backoff).
+            loop {
+                match charge(&mut *conn, order.clone()).await {
+                    Ok(Outcome::Processed(_)) => processed += 1,
+                    Ok(Outcome::Duplicate) => {
+                        println!(
+                            "  {} → duplicate delivery: already charged, no call",
+                            order.order_id
+                        );
+                        duplicates += 1;
+                    }
+                    Ok(Outcome::NotYet { retry_in }) => {
+                        // The failed run is recorded with its next attempt time; a worker would
+                        // see the redelivery then. Wait for it.
+                        tokio::time::sleep(retry_in).await;
+                        continue;
+                    }
+                    Ok(other) => println!("  {} → {other:?}", order.order_id),
+                    Err(error) => {
+                        println!("  {} → failed: {error}; rolled back", order.order_id);
+                        retried += 1;
+                        continue;
+                    }
+                }
+                break;
+            }
+        }
+    }
+    (processed, duplicates, retried)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -84,8 +84,8 @@ use inbox_runtime::sink::Sink;
 use inbox_runtime::source::Source;
 use inbox_runtime::source::memory::MemorySource;
 use inbox_runtime::{
-    CancellationToken, Dispatcher, Envelope, Message as _, OutboxDatabase, StopReason, Worker,
-    WorkerReport,
+    CancellationToken, Dispatcher, Envelope, Message as _, StopReason, Worker, WorkerReport,
+    store::OutboxDatabase,
 };
 
 use crate::broker::{Broker, ConsumeOptions, PAYMENTS_QUEUE, StandIn, Traced};
@@ -134,7 +134,13 @@ struct Common {
     concurrency: Option<u16>,
     /// NATS: redeliver a delivery neither acked nor nacked after this many seconds (consumers
     /// created by this run)
-    #[arg(long, value_name = "SECONDS", default_value_t = 5.0, global = true)]
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 5.0,
+        global = true,
+        value_parser = seconds
+    )]
     ack_wait: f64,
 }
 
@@ -155,7 +161,7 @@ enum Command {
 #[derive(clap::Args, Debug)]
 struct ServiceArgs {
     /// Stop once nothing has arrived for this many seconds
-    #[arg(long, value_name = "SECONDS")]
+    #[arg(long, value_name = "SECONDS", value_parser = seconds)]
     idle_exit: Option<f64>,
     /// Print a line per delivery: `delivery: <source> id=<message id> redelivered=<bool>`
     #[arg(long)]
@@ -165,7 +171,7 @@ struct ServiceArgs {
 #[derive(clap::Args, Debug, Clone, Copy)]
 struct RelayArgs {
     /// Stop once no outbox row has been pending for this many seconds
-    #[arg(long, value_name = "SECONDS")]
+    #[arg(long, value_name = "SECONDS", value_parser = seconds)]
     idle_exit: Option<f64>,
     #[command(flatten)]
     tuning: RelayTuning,
@@ -187,6 +193,18 @@ impl Default for RelayTuning {
             lease: 10.0,
             batch: 100,
         }
+    }
+}
+
+/// A number of seconds from 0 to 12 hours, as the ledger demo takes them: the runtime's
+/// durations cannot hold infinite, negative or astronomical seconds.
+fn seconds(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(value) if value.is_finite() && (0.0..=43_200.0).contains(&value) => Ok(value),
+        Ok(_) => Err(format!(
+            "`{text}` is not a number of seconds from 0 to 43200"
+        )),
+        Err(error) => Err(format!("`{text}` is not a number of seconds: {error}")),
     }
 }
 
@@ -219,18 +237,22 @@ fn consume_options(common: &Common) -> ConsumeOptions {
 }
 
 /// The demo's relay: `tuning`, a poll every 200 ms, and retries from 200 ms doubling to 5 s,
-/// 50 attempts (about 4 minutes: a relay should outlast a broker restart).
+/// 50 attempts (about 4 minutes: a relay should outlast a broker restart). A lease that is not
+/// a number of seconds, or that the relay refuses (outside 100 ms..=1 h), is an error.
 fn relay<DB: OutboxDatabase>(
     pool: sqlx::Pool<DB>,
     sink: Arc<dyn Sink>,
     tuning: RelayTuning,
-) -> Relay<DB> {
-    Relay::new(pool, sink)
+) -> Result<Relay<DB>, String> {
+    let lease = Duration::try_from_secs_f64(tuning.lease)
+        .map_err(|e| format!("--lease {}: {e}", tuning.lease))?;
+    Ok(Relay::new(pool, sink)
         .batch_size(tuning.batch)
-        .lease(Duration::from_secs_f64(tuning.lease.max(0.1)))
+        .lease(lease)
+        .map_err(|e| e.to_string())?
         .poll_interval(Duration::from_millis(200))
         .backoff(Duration::from_millis(200), Duration::from_secs(5))
-        .max_attempts(50)
+        .max_attempts(50))
 }
 
 /// What the three services of one run did.
@@ -286,7 +308,7 @@ async fn run_services<DB: OutboxDatabase>(
         orders = orders.stop_when_idle(idle);
     }
     let shipping = Worker::new(dispatcher()?).concurrency(usize::from(concurrency));
-    let relay = relay(pool.clone(), wiring.sink, RelayTuning::default());
+    let relay = relay(pool.clone(), wiring.sink, RelayTuning::default())?;
     let (relay_stop, shipping_stop) = (shutdown.child_token(), shutdown.child_token());
 
     let orders = {
@@ -672,8 +694,8 @@ async fn run_relay(
         }
         println!("relay: publishing to {ORDERS_DESTINATION}");
         let report = match &db {
-            Db::Postgres(pool) => relay(pool.clone(), sink, args.tuning).run(stop).await,
-            Db::Sqlite(pool) => relay(pool.clone(), sink, args.tuning).run(stop).await,
+            Db::Postgres(pool) => relay(pool.clone(), sink, args.tuning)?.run(stop).await,
+            Db::Sqlite(pool) => relay(pool.clone(), sink, args.tuning)?.run(stop).await,
         };
         println!(
             "relay: stopped; rounds={} published={} failed={} dead={} errors={}",
@@ -805,6 +827,39 @@ mod tests {
                 let _ = std::fs::remove_file(path);
             }
         }
+    }
+
+    /// Seconds the runtime cannot hold (`Duration::from_secs_f64` panicked on them after the
+    /// services had connected) are refused by the parser, with the ledger demo's bounds.
+    #[test]
+    fn seconds_out_of_range_are_refused_by_the_parser() {
+        for args in [
+            &["pipeline", "--ack-wait", "1e300"][..],
+            &["pipeline", "--ack-wait=-1"],
+            &["pipeline", "orders", "--idle-exit", "inf"],
+            &["pipeline", "shipping", "--idle-exit", "1e30"],
+            &["pipeline", "relay", "--idle-exit", "NaN"],
+        ] {
+            let error = Args::try_parse_from(args).unwrap_err();
+            assert_eq!(
+                error.kind(),
+                clap::error::ErrorKind::ValueValidation,
+                "{args:?}"
+            );
+            assert!(
+                error
+                    .to_string()
+                    .contains("is not a number of seconds from 0 to 43200"),
+                "{error}"
+            );
+        }
+        let args =
+            Args::try_parse_from(["pipeline", "--ack-wait", "0.5", "relay", "--idle-exit", "2"])
+                .unwrap();
+        assert_eq!(args.common.ack_wait, 0.5);
+        assert!(
+            matches!(args.command, Some(Command::Relay(relay)) if relay.idle_exit == Some(2.0))
+        );
     }
 
     fn common(database: String, payments: usize) -> Common {

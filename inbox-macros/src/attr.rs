@@ -125,6 +125,35 @@ pub(crate) fn parse(args: TokenStream, item: TokenStream) -> syn::Result<Handler
     })
 }
 
+/// A function `#[idempotent]` rejected, whose signature can still be expanded: see
+/// [`crate::expand::fallback`].
+pub(crate) struct Fallback {
+    /// The user's function, untouched.
+    pub(crate) func: ItemFn,
+    /// Its return type as written, which may be a `Result`.
+    pub(crate) output: Type,
+}
+
+/// The rejected `item`, if the handler's signature can be expanded anyway: a function, not a
+/// method, that returns something which may be a `Result`. Its other mistakes (qualifiers,
+/// generics, parameters) do not matter: the expanded signature keeps the parameters as written
+/// (all but a C-variadic `...`, which only a foreign function can have).
+///
+/// `None` when the signature is too broken to expand: the item is then emitted unchanged.
+pub(crate) fn fallback(item: TokenStream) -> Option<Fallback> {
+    let func = syn::parse2::<ItemFn>(item).ok()?;
+    let sig = &func.sig;
+    if sig
+        .inputs
+        .iter()
+        .any(|input| matches!(input, FnArg::Receiver(_)))
+    {
+        return None;
+    }
+    let output = output_type(sig).ok()?.clone();
+    Some(Fallback { func, output })
+}
+
 /// The checked arguments of `#[idempotent]`.
 struct Args {
     consumer: LitStr,
@@ -231,14 +260,30 @@ fn parse_metas(metas: &MetaList, errors: &mut Errors) -> Parsed {
         ),
         _ => {}
     }
-    let ordering = match (aggregate.get(), sequence.get()) {
+    let ordering = ordering_args(aggregate.get(), sequence.get(), errors);
+    Parsed {
+        consumer: consumer.get(),
+        key: key.get(),
+        ordering,
+        gaps: gaps.get(),
+        max_attempts: max_attempts.get(),
+    }
+}
+
+/// `aggregate` and `sequence` as a pair, if both were given, valid, and name different fields.
+fn ordering_args(
+    aggregate: Option<(FieldArg, LitStr)>,
+    sequence: Option<(FieldArg, LitStr)>,
+    errors: &mut Errors,
+) -> Option<OrderingArgs> {
+    match (aggregate, sequence) {
         (Some((aggregate, _)), Some((sequence, lit))) if aggregate.name == sequence.name => {
             errors.spanned(
                 lit,
                 format_args!(
                     "`sequence` names the same field as `aggregate`, `{}`: the aggregate field \
-                     says which entity the message is about, the sequence field where the \
-                     message stands among that entity's messages",
+                 says which entity the message is about, the sequence field where the \
+                 message stands among that entity's messages",
                     sequence.name
                 ),
             );
@@ -249,13 +294,6 @@ fn parse_metas(metas: &MetaList, errors: &mut Errors) -> Parsed {
             sequence,
         }),
         _ => None,
-    };
-    Parsed {
-        consumer: consumer.get(),
-        key: key.get(),
-        ordering,
-        gaps: gaps.get(),
-        max_attempts: max_attempts.get(),
     }
 }
 
@@ -413,27 +451,48 @@ fn check_params<'a>(
 fn check_output(sig: &Signature, errors: &mut Errors) -> Option<Type> {
     const NOT_A_RESULT: &str =
         "`#[idempotent]` handlers must return a `Result`, as in `-> Result<(), sqlx::Error>`";
-    match &sig.output {
-        ReturnType::Default => {
+    match output_type(sig) {
+        Ok(ty) => Some(ty.clone()),
+        Err(OutputProblem::Missing) => {
             // From `fn` to `)`: where the return type is missing.
             let mut signature = sig.fn_token.to_token_stream();
             signature.extend(quote_spanned!(sig.paren_token.span.close()=> ()));
             errors.spanned(signature, NOT_A_RESULT);
             None
         }
+        Err(OutputProblem::ImplTrait(ty)) => {
+            errors.spanned(
+                ty,
+                "`impl Trait` return types are not supported: return a `Result<T, E>`",
+            );
+            None
+        }
+        Err(OutputProblem::NotAResult(ty)) => {
+            errors.spanned(ty, NOT_A_RESULT);
+            None
+        }
+    }
+}
+
+/// Why a return type cannot be a handler's.
+enum OutputProblem<'a> {
+    /// No `->` at all.
+    Missing,
+    /// `-> impl Trait`.
+    ImplTrait(&'a Type),
+    /// `-> ()`, a tuple, or `-> !`: surely not a `Result`.
+    NotAResult(&'a Type),
+}
+
+/// The return type as written, if it can be a `Result` (a type alias can: whether it is one is
+/// left to the compiler, through `HandlerResult`).
+fn output_type(sig: &Signature) -> Result<&Type, OutputProblem<'_>> {
+    match &sig.output {
+        ReturnType::Default => Err(OutputProblem::Missing),
         ReturnType::Type(_, ty) => match peel(ty) {
-            Type::ImplTrait(_) => {
-                errors.spanned(
-                    ty,
-                    "`impl Trait` return types are not supported: return a `Result<T, E>`",
-                );
-                None
-            }
-            Type::Never(_) | Type::Tuple(_) => {
-                errors.spanned(ty, NOT_A_RESULT);
-                None
-            }
-            _ => Some((**ty).clone()),
+            Type::ImplTrait(_) => Err(OutputProblem::ImplTrait(ty)),
+            Type::Never(_) | Type::Tuple(_) => Err(OutputProblem::NotAResult(ty)),
+            _ => Ok(ty),
         },
     }
 }
@@ -560,12 +619,7 @@ pub(crate) fn parse_handler_path(input: TokenStream) -> syn::Result<Path> {
             });
         }
     };
-    let Some(last) = path.segments.last() else {
-        return Err(syn::Error::new(
-            Span::call_site(),
-            "expected the path of an `#[idempotent]` function",
-        ));
-    };
+    let last = path.segments.last().expect("a parsed path has a segment");
     if !last.arguments.is_none() {
         return Err(syn::Error::new_spanned(
             &last.arguments,

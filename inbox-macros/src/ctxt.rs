@@ -93,9 +93,9 @@ impl<T> Setting<T> {
     }
 }
 
-/// The tokens of a macro's output when parsing failed: the errors, plus `fallback` (usually the
-/// user's item unchanged, so that one mistake does not cascade into "cannot find function" errors
-/// everywhere the item is used).
+/// The tokens of a macro's output when parsing failed: the errors, plus `fallback` (what the item
+/// looks like to its users on success, or the item unchanged, so that one mistake does not
+/// cascade into errors everywhere the item is used).
 pub(crate) fn error_output(error: &syn::Error, fallback: TokenStream) -> TokenStream {
     let mut output = error.to_compile_error();
     output.extend(fallback);

@@ -4,13 +4,13 @@
 //! Generated code names only `::inbox_runtime::...` paths (and `::core`/`::std`), so it works
 //! wherever the user depends on `inbox-runtime`, under any import names.
 
-use crate::attr::{FieldArg, GapPolicy, Handler, OrderingArgs};
+use crate::attr::{Fallback, FieldArg, GapPolicy, Handler, OrderingArgs};
 use crate::message::{FieldRef, Key, MessageDef, OrderingFields, Segment};
-use proc_macro2::{Ident, Span, TokenStream};
-use quote::{format_ident, quote, quote_spanned};
-use syn::Attribute;
+use proc_macro2::{Ident, Span, TokenStream, TokenTree};
+use quote::{ToTokens, format_ident, quote, quote_spanned};
 use syn::ext::IdentExt;
 use syn::spanned::Spanned;
+use syn::{Attribute, ItemFn};
 
 /// `impl ::inbox_runtime::Message for ...`.
 pub(crate) fn message(def: &MessageDef) -> TokenStream {
@@ -19,9 +19,11 @@ pub(crate) fn message(def: &MessageDef) -> TokenStream {
         name,
         key,
         ordering,
+        partitions,
     } = def;
     let key_part_fn = key_part_fn();
     let ordering = ordering.as_ref().map(message_ordering);
+    let partitions = message_partitions(partitions);
     let body = match key {
         Key::Field(part) => {
             let value = field_ref(part);
@@ -70,6 +72,41 @@ pub(crate) fn message(def: &MessageDef) -> TokenStream {
             }
 
             #ordering
+            #partitions
+        }
+    }
+}
+
+/// What `#[derive(Message)]` emits next to its errors, for a type that is not generic: an
+/// `impl Message` whose functions never run, so that the handlers of the message and other uses
+/// of `Message` get no errors of their own.
+///
+/// The impl only holds if the type has the supertraits of `Message` (`Serialize`,
+/// `DeserializeOwned`, `Clone`, `Send`, `Sync`, `'static`), as a higher-ranked `where` clause
+/// says: for a type without them the impl does not apply (as without it), instead of adding an
+/// error for each missing supertrait. `NAME` is the type's name, whatever `name = "..."` said.
+pub(crate) fn message_fallback(ident: &Ident) -> TokenStream {
+    let private = quote!(::inbox_runtime::__private);
+    let name = syn::LitStr::new(&ident.unraw().to_string(), ident.span());
+    quote! {
+        #[automatically_derived]
+        impl ::inbox_runtime::Message for #ident
+        where
+            for<'__inbox> #ident: #private::Serialize
+                + #private::DeserializeOwned
+                + ::core::clone::Clone
+                + ::core::marker::Send
+                + ::core::marker::Sync
+                + 'static,
+        {
+            const NAME: &'static ::core::primitive::str = #name;
+
+            fn idempotency_key(
+                &self,
+            ) -> ::core::result::Result<::inbox_runtime::IdempotencyKey, ::inbox_runtime::KeyError>
+            {
+                ::core::unimplemented!()
+            }
         }
     }
 }
@@ -91,7 +128,7 @@ fn message_ordering(ordering: &OrderingFields) -> TokenStream {
         fn ordering(
             &self,
         ) -> ::core::result::Result<
-            ::core::option::Option<::inbox_runtime::Ordering>,
+            ::core::option::Option<::inbox_runtime::__private::Ordering>,
             ::inbox_runtime::KeyError,
         > {
             #key_part_fn
@@ -105,6 +142,24 @@ fn message_ordering(ordering: &OrderingFields) -> TokenStream {
             )
         }
     }
+}
+
+/// `fn partitions(&self)` of `impl Message`, when fields are marked `#[message(partition)]`;
+/// without them the trait's default (no partitions declared) applies.
+fn message_partitions(partitions: &[FieldRef]) -> Option<TokenStream> {
+    if partitions.is_empty() {
+        return None;
+    }
+    let key_part_fn = key_part_fn();
+    let values = partitions.iter().map(field_ref);
+    Some(quote! {
+        fn partitions(
+            &self,
+        ) -> ::core::option::Option<::std::vec::Vec<::std::string::String>> {
+            #key_part_fn
+            ::inbox_runtime::__private::partitions_from(&[#(#values),*])
+        }
+    })
 }
 
 /// `&self.field` as a `&dyn KeyPart`, through the function of [`key_part_fn`] so that a field
@@ -142,115 +197,146 @@ fn sequence_part_fn() -> TokenStream {
 fn key_part_fn() -> TokenStream {
     quote! {
         #[inline]
-        fn __inbox_key_part<T: ::inbox_runtime::KeyPart>(
+        fn __inbox_key_part<T: ::inbox_runtime::__private::KeyPart>(
             value: &T,
-        ) -> &dyn ::inbox_runtime::KeyPart {
+        ) -> &dyn ::inbox_runtime::__private::KeyPart {
             value
         }
     }
 }
 
-/// The items generated for an `#[idempotent]` handler.
+/// The items generated for an `#[idempotent]` handler, in this order: the hidden handler type and
+/// its `impl Handler`, the registration, and the function with its new signature.
 pub(crate) fn handler(handler: &Handler) -> TokenStream {
+    let names = Names::of(&handler.func.sig.ident);
+    let attrs = FnAttrs::split(&handler.func.attrs);
+    let result = ResultTypes::of(&handler.output);
+    let handler_type = handler_type(handler, &names, &attrs, &result);
+    let registration = registration_items(handler, &names, &attrs, &result);
+    let wrapper = wrapper(handler, &names, &attrs, &result);
+    quote! {
+        #handler_type
+        #registration
+        #wrapper
+    }
+}
+
+/// The names generated next to the function.
+struct Names {
+    /// `__inbox_handler_<name>`: the hidden type implementing `Handler`.
+    handler_ty: Ident,
+    /// `__inbox_registration_<name>`: the hidden registration constant, for `handler!`.
+    registration: Ident,
+    /// The function's name without `r#`, for `Handler::FUNCTION`.
+    function: String,
+}
+
+impl Names {
+    fn of(ident: &Ident) -> Self {
+        Self {
+            handler_ty: format_ident!(
+                "__inbox_handler_{}",
+                ident.unraw(),
+                span = Span::call_site()
+            ),
+            registration: registration_ident(ident, Span::call_site()),
+            function: ident.unraw().to_string(),
+        }
+    }
+}
+
+/// The function's attributes, by where they go.
+///
+/// `#[cfg]` applies to everything generated; lint levels also to the body, which lives in its own
+/// function; `#[expect]` only to the body (the outer function cannot trigger it).
+struct FnAttrs<'a> {
+    /// `#[cfg]`: on every item.
+    cfgs: Vec<&'a Attribute>,
+    /// Lint levels and `#[expect]`: on the nested function holding the body.
+    body: Vec<&'a Attribute>,
+    /// All but `#[expect]`: on the outer function.
+    outer: Vec<&'a Attribute>,
+}
+
+impl<'a> FnAttrs<'a> {
+    fn split(attrs: &'a [Attribute]) -> Self {
+        Self {
+            cfgs: attrs.iter().filter(|a| is_cfg(a)).collect(),
+            body: attrs
+                .iter()
+                .filter(|a| is_lint_level(a) || is_expect(a))
+                .collect(),
+            outer: attrs.iter().filter(|a| !is_expect(a)).collect(),
+        }
+    }
+}
+
+/// `T` and `E` of the handler's `Result<T, E>`, as `HandlerResult` projections spanned at the
+/// return type, so that a return type that is no `Result` is blamed there.
+struct ResultTypes {
+    ok: TokenStream,
+    err: TokenStream,
+    /// The return type's span.
+    span: Span,
+}
+
+impl ResultTypes {
+    fn of(output: &syn::Type) -> Self {
+        let span = output.span();
+        let private = quote!(::inbox_runtime::__private);
+        Self {
+            ok: quote_spanned!(span=> <#output as #private::HandlerResult>::Ok),
+            err: quote_spanned!(span=> <#output as #private::HandlerResult>::Err),
+            span,
+        }
+    }
+
+    /// What the function returns once `#[idempotent]` has rewritten it:
+    /// `Result<Outcome<T>, inbox_runtime::Error<E>>`.
+    fn outcome(&self) -> TokenStream {
+        let Self { ok, err, .. } = self;
+        quote! {
+            ::core::result::Result<
+                ::inbox_runtime::Outcome<#ok>,
+                ::inbox_runtime::Error<#err>,
+            >
+        }
+    }
+}
+
+/// The hidden handler type and its `impl Handler`, which holds the body.
+fn handler_type(
+    handler: &Handler,
+    names: &Names,
+    attrs: &FnAttrs<'_>,
+    result: &ResultTypes,
+) -> TokenStream {
     let Handler {
         consumer,
         key,
         ordering,
         gaps,
         max_attempts,
-        func,
         connection,
         message,
-        output,
-        conn_arg,
-        msg_arg,
+        ..
     } = handler;
-    let sig = &func.sig;
-    let ident = &sig.ident;
-    let vis = &func.vis;
-    let block = &func.block;
-    let inputs = &sig.inputs;
-    let asyncness = &sig.asyncness;
     let private = quote!(::inbox_runtime::__private);
-
-    let handler_ty = format_ident!(
-        "__inbox_handler_{}",
-        ident.unraw(),
-        span = Span::call_site()
-    );
-    let function = ident.unraw().to_string();
-    let registration_const = registration_ident(ident, Span::call_site());
-
-    // `#[cfg]` applies to everything generated; lint levels also to the body, which lives in
-    // its own function; `#[expect]` only to the body (the outer function cannot trigger it).
-    let cfgs: Vec<_> = func.attrs.iter().filter(|a| is_cfg(a)).collect();
-    let body_attrs = func
-        .attrs
-        .iter()
-        .filter(|a| is_lint_level(a) || is_expect(a));
-    let outer_attrs = func.attrs.iter().filter(|a| !is_expect(a));
-
-    // Errors about the return type (not a `Result`) point at the return type.
-    let output_span = output.span();
-    let ok = quote_spanned!(output_span=> <#output as #private::HandlerResult>::Ok);
-    let err = quote_spanned!(output_span=> <#output as #private::HandlerResult>::Err);
-    // The handler's error must convert into a `BoxError` to be registered: blame the return type.
-    let registered = {
-        let mut handler_ty = handler_ty.clone();
-        handler_ty.set_span(output_span);
-        quote_spanned!(output_span=> &#handler_ty)
-    };
-
-    let key_body = match key {
-        Some(field) => {
-            let member = &field.member;
-            let name = &field.name;
-            quote! {
-                #private::key_from_field(
-                    &msg.#member,
-                    <#message as ::inbox_runtime::Message>::NAME,
-                    #name,
-                )
-            }
-        }
-        None => quote! {
-            <#message as ::inbox_runtime::Message>::idempotency_key(msg)
-        },
-    };
-
+    let Names {
+        handler_ty,
+        function,
+        ..
+    } = names;
+    let cfgs = &attrs.cfgs;
+    let ResultTypes { ok, err, .. } = result;
+    let max_attempts = max_attempts.as_ref().map(max_attempts_const);
+    let gaps = gaps_const(*gaps);
+    let classify = classify_fn(result);
+    let key = key_fn(key.as_ref(), message);
     let ordering = ordering
         .as_ref()
         .map(|ordering| handler_ordering(ordering, message));
-
-    let gaps = match gaps {
-        Some(GapPolicy::Park) => Some(quote! {
-            const GAPS: ::inbox_runtime::GapPolicy = ::inbox_runtime::GapPolicy::Park;
-        }),
-        // `Apply` is the trait's default.
-        Some(GapPolicy::Apply) | None => None,
-    };
-
-    let max_attempts = max_attempts.as_ref().map(|n| {
-        quote! {
-            const MAX_ATTEMPTS: ::core::option::Option<::core::primitive::u32> =
-                ::core::option::Option::Some(#n);
-        }
-    });
-
-    // Spanned at the return type, like `ok`/`err`: a non-`Result` is blamed there.
-    let classify = quote_spanned! {output_span=>
-        fn classify(error: &#err) -> ::inbox_runtime::ErrorClass {
-            #[allow(unused_imports)]
-            use #private::{ViaAsRefError as _, ViaClassify as _, ViaFallback as _, ViaStdError as _};
-            (&&&#private::Probe(error)).inbox_class()
-        }
-    };
-
-    let (conn_ty, msg_ty) = match (sig.inputs.first(), sig.inputs.last()) {
-        (Some(syn::FnArg::Typed(conn)), Some(syn::FnArg::Typed(msg))) => (&conn.ty, &msg.ty),
-        _ => unreachable!("checked by attr::parse"),
-    };
-
+    let call = call_fn(handler, attrs);
     quote! {
         #(#cfgs)*
         #[doc(hidden)]
@@ -273,25 +359,124 @@ pub(crate) fn handler(handler: &Handler) -> TokenStream {
 
             #classify
 
-            fn key(
-                msg: &#message,
-            ) -> ::core::result::Result<::inbox_runtime::IdempotencyKey, ::inbox_runtime::KeyError>
-            {
-                #key_body
-            }
+            #key
 
             #ordering
 
-            fn call<'c>(
-                conn: &'c mut #connection,
-                msg: #message,
-            ) -> #private::BoxFuture<'c, #output> {
-                #(#body_attrs)*
-                async fn __inbox_body(#inputs) -> #output #block
-                ::std::boxed::Box::pin(__inbox_body(conn, msg))
+            #call
+        }
+    }
+}
+
+/// `const MAX_ATTEMPTS` of `impl Handler`, for `max_attempts = N`.
+fn max_attempts_const(n: &syn::LitInt) -> TokenStream {
+    quote! {
+        const MAX_ATTEMPTS: ::core::option::Option<::core::primitive::u32> =
+            ::core::option::Option::Some(#n);
+    }
+}
+
+/// `const GAPS` of `impl Handler`, for `gaps = "park"`; nothing for `"apply"`, the trait's
+/// default.
+fn gaps_const(gaps: Option<GapPolicy>) -> Option<TokenStream> {
+    match gaps {
+        Some(GapPolicy::Park) => Some(quote! {
+            const GAPS: ::inbox_runtime::GapPolicy = ::inbox_runtime::GapPolicy::Park;
+        }),
+        Some(GapPolicy::Apply) | None => None,
+    }
+}
+
+/// `fn classify` of `impl Handler`: the error's class, through the first of the probes that
+/// applies. Spanned at the return type, like [`ResultTypes`]: a non-`Result` is blamed there.
+fn classify_fn(result: &ResultTypes) -> TokenStream {
+    let private = quote!(::inbox_runtime::__private);
+    let err = &result.err;
+    quote_spanned! {result.span=>
+        fn classify(error: &#err) -> ::inbox_runtime::ErrorClass {
+            #[allow(unused_imports)]
+            use #private::{ViaAsRefError as _, ViaClassify as _, ViaFallback as _, ViaStdError as _};
+            (&&&#private::Probe(error)).inbox_class()
+        }
+    }
+}
+
+/// `fn key` of `impl Handler`: from the field named by `key = "..."`, else the message's own key.
+fn key_fn(key: Option<&FieldArg>, message: &syn::Type) -> TokenStream {
+    let private = quote!(::inbox_runtime::__private);
+    let key_body = match key {
+        Some(field) => {
+            let member = &field.member;
+            let name = &field.name;
+            quote! {
+                #private::key_from_field(
+                    &msg.#member,
+                    <#message as ::inbox_runtime::Message>::NAME,
+                    #name,
+                )
             }
         }
+        None => quote! {
+            <#message as ::inbox_runtime::Message>::idempotency_key(msg)
+        },
+    };
+    quote! {
+        fn key(
+            msg: &#message,
+        ) -> ::core::result::Result<::inbox_runtime::IdempotencyKey, ::inbox_runtime::KeyError>
+        {
+            #key_body
+        }
+    }
+}
 
+/// `fn call` of `impl Handler`: the user's body, in a nested function with the user's
+/// parameters and the body's lint attributes.
+fn call_fn(handler: &Handler, attrs: &FnAttrs<'_>) -> TokenStream {
+    let Handler {
+        func,
+        connection,
+        message,
+        output,
+        ..
+    } = handler;
+    let private = quote!(::inbox_runtime::__private);
+    let inputs = &func.sig.inputs;
+    let block = &func.block;
+    let body_attrs = &attrs.body;
+    let body = quote!(async fn __inbox_body(#inputs) -> #output #block);
+    quote! {
+        fn call<'c>(
+            conn: &'c mut #connection,
+            msg: #message,
+        ) -> #private::BoxFuture<'c, #output> {
+            #(#body_attrs)*
+            #body
+            ::std::boxed::Box::pin(__inbox_body(conn, msg))
+        }
+    }
+}
+
+/// The registration constant, its submission to the `inventory` registry, and a use of the
+/// function that keeps it from being dead code.
+fn registration_items(
+    handler: &Handler,
+    names: &Names,
+    attrs: &FnAttrs<'_>,
+    result: &ResultTypes,
+) -> TokenStream {
+    let private = quote!(::inbox_runtime::__private);
+    let vis = &handler.func.vis;
+    let ident = &handler.func.sig.ident;
+    let registration_const = &names.registration;
+    let cfgs = &attrs.cfgs;
+    // The handler's error must convert into a `BoxError` to be registered: blame the return type.
+    let registered = {
+        let mut handler_ty = names.handler_ty.clone();
+        handler_ty.set_span(result.span);
+        quote_spanned!(result.span=> &#handler_ty)
+    };
+    quote! {
         /// The registration of the handler, for `inbox_runtime::handler!`.
         #(#cfgs)*
         #[doc(hidden)]
@@ -309,20 +494,126 @@ pub(crate) fn handler(handler: &Handler) -> TokenStream {
         const _: () = {
             let _ = #ident;
         };
+    }
+}
 
+/// The function, now a wrapper that runs the handler through the runtime and returns
+/// `Result<Outcome<T>, inbox_runtime::Error<E>>`.
+fn wrapper(
+    handler: &Handler,
+    names: &Names,
+    attrs: &FnAttrs<'_>,
+    result: &ResultTypes,
+) -> TokenStream {
+    let Handler {
+        func,
+        conn_arg,
+        msg_arg,
+        ..
+    } = handler;
+    let private = quote!(::inbox_runtime::__private);
+    let sig = &func.sig;
+    let ident = &sig.ident;
+    let vis = &func.vis;
+    let asyncness = &sig.asyncness;
+    let handler_ty = &names.handler_ty;
+    let outer_attrs = &attrs.outer;
+    let returns = result.outcome();
+    let (conn_ty, msg_ty) = match (sig.inputs.first(), sig.inputs.last()) {
+        (Some(syn::FnArg::Typed(conn)), Some(syn::FnArg::Typed(msg))) => (&conn.ty, &msg.ty),
+        _ => unreachable!("checked by attr::parse"),
+    };
+    quote! {
         #(#outer_attrs)*
         #vis #asyncness fn #ident(
             #conn_arg: #conn_ty,
             #msg_arg: #msg_ty,
-        ) -> ::core::result::Result<
-            ::inbox_runtime::Outcome<#ok>,
-            ::inbox_runtime::Error<#err>,
-        > {
+        ) -> #returns {
             #private::run::<#handler_ty>(#conn_arg, #msg_arg).await
         }
     }
 }
 
+/// What `#[idempotent]` emits next to its errors when it rejected a function whose signature can
+/// still be expanded (see [`crate::attr::fallback`]): the function with the signature it would
+/// have had, `async` and returning `Result<Outcome<T>, inbox_runtime::Error<E>>`, so that its
+/// callers get no errors of their own; as in `tokio::main`, which keeps its expanded signature on
+/// error.
+///
+/// The parameters are kept as written (as `_`: the outer function does not run), and so are the
+/// generics, which they may use. The body is still checked, in a nested function with the
+/// signature as written (but `async`, like the body of a handler), so that its own mistakes are
+/// reported in the same compile; nothing runs it. Everything else is left out: without the
+/// handler type, there is nothing to register.
+pub(crate) fn fallback(fallback: &Fallback) -> TokenStream {
+    let Fallback { func, output } = fallback;
+    let attrs = FnAttrs::split(&func.attrs);
+    let returns = ResultTypes::of(output).outcome();
+    let sig = &func.sig;
+    let ident = &sig.ident;
+    let vis = &func.vis;
+    let generics = &sig.generics;
+    let where_clause = &generics.where_clause;
+    let params = sig.inputs.iter().filter_map(|input| match input {
+        syn::FnArg::Typed(param) => {
+            let param_attrs = &param.attrs;
+            let ty = &param.ty;
+            Some(quote!(#(#param_attrs)* _: #ty))
+        }
+        syn::FnArg::Receiver(_) => None,
+    });
+    let body = fallback_body(func, &attrs);
+    let (outer_attrs, cfgs) = (&attrs.outer, &attrs.cfgs);
+    // As on success, a use keeps the function from being dead code; a function with type or
+    // const parameters (`impl Trait` parameters are type parameters too) cannot be named without
+    // them, and is left alone.
+    let generic = generics.lifetimes().count() < generics.params.len()
+        || sig
+            .inputs
+            .iter()
+            .any(|input| mentions_impl(input.to_token_stream()));
+    let used = (!generic).then(|| {
+        quote! {
+            #(#cfgs)*
+            const _: () = {
+                let _ = #ident;
+            };
+        }
+    });
+    quote! {
+        #used
+
+        #(#outer_attrs)*
+        #vis async fn #ident #generics(#(#params),*) -> #returns #where_clause {
+            #body
+            ::core::unimplemented!()
+        }
+    }
+}
+
+/// Whether `tokens` hold the keyword `impl`: in a parameter, an `impl Trait` type.
+fn mentions_impl(tokens: TokenStream) -> bool {
+    tokens.into_iter().any(|token| match token {
+        TokenTree::Ident(ident) => ident == "impl",
+        TokenTree::Group(group) => mentions_impl(group.stream()),
+        TokenTree::Punct(_) | TokenTree::Literal(_) => false,
+    })
+}
+
+/// The user's function as the nested `__inbox_body` of [`fallback`]: as written, but `async`
+/// (like the body of a handler; and so not `const`), without a C-variadic `...`, with the body's
+/// attributes only.
+fn fallback_body(func: &ItemFn, attrs: &FnAttrs<'_>) -> ItemFn {
+    let mut body = func.clone();
+    body.attrs = attrs.body.iter().map(|&attr| attr.clone()).collect();
+    body.vis = syn::Visibility::Inherited;
+    body.sig.ident = Ident::new("__inbox_body", Span::call_site());
+    body.sig.constness = None;
+    body.sig.asyncness = Some(<syn::Token![async]>::default());
+    // Already reported, and rustc would report it again.
+    body.sig.variadic = None;
+    body
+}
 /// `#[cfg]`: applies to every item generated for the handler.
 fn is_cfg(attr: &Attribute) -> bool {
     attr.path().is_ident("cfg")
@@ -359,7 +650,7 @@ fn handler_ordering(ordering: &OrderingArgs, message: &syn::Type) -> TokenStream
         fn ordering(
             msg: &#message,
         ) -> ::core::result::Result<
-            ::core::option::Option<::inbox_runtime::Ordering>,
+            ::core::option::Option<::inbox_runtime::__private::Ordering>,
             ::inbox_runtime::KeyError,
         > {
             let #aggregate_msg = msg;

@@ -48,7 +48,9 @@
 //! ```
 //!
 //! Both macros check their input before generating anything and report every mistake they find
-//! in one compile, each at the token it is about.
+//! in one compile, each at the token it is about. After a mistake they still emit what the rest
+//! of the code relies on (the function with the signature `#[idempotent]` gives it, an
+//! `impl Message` for a type that is not generic), so that its uses get no errors of their own.
 
 mod args;
 mod attr;
@@ -90,7 +92,7 @@ use syn::DeriveInput;
 ///
 /// Exactly one key source is required:
 ///
-/// * **a key field**, `#[message(key)]`: its type must implement `inbox_runtime::KeyPart`
+/// * **a key field**, `#[message(key)]`: its type must implement `inbox_runtime::types::KeyPart`
 ///   (strings, integers, `char`, `bool`, `Uuid`, and `&`, `Box`, `Arc`, `Option` of those). A
 ///   `None` or empty value is a `KeyError` at run time.
 /// * **a key template**: each `{field}` is replaced by that field's value (a `KeyPart` too, which
@@ -107,9 +109,9 @@ use syn::DeriveInput;
 /// two markers go together, each on at most one field, and not on the same field; they combine
 /// with either key source (the key field can also be the aggregate).
 ///
-/// * The **aggregate** field's type must implement `inbox_runtime::KeyPart`, like a key field; a
-///   `None` or empty value is a `KeyError` at run time.
-/// * The **sequence** field's type must implement `inbox_runtime::SequencePart`: the integer
+/// * The **aggregate** field's type must implement `inbox_runtime::types::KeyPart`, like a key
+///   field; a `None` or empty value is a `KeyError` at run time.
+/// * The **sequence** field's type must implement `inbox_runtime::types::SequencePart`: the integer
 ///   types and `Option` of them (implement it for your own newtypes). Sequences are positive
 ///   integers starting at 1, one more for each message of the aggregate; `None`, a value below 1
 ///   or beyond `i64::MAX` is a `KeyError` at run time.
@@ -238,7 +240,7 @@ pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
 }
 
 /// The registration of one `#[idempotent]` function, named by its path:
-/// `handler!(crate::ledger::credit)` is an `inbox_runtime::Registration`, for
+/// `handler!(crate::ledger::credit)` is an `inbox_runtime::dispatch::Registration`, for
 /// `Dispatcher::from_handlers(pool, [handler!(credit), handler!(refund)])`: the explicit
 /// alternative to the `inventory` registry (which cannot see handlers in a crate that nothing
 /// references, since such a crate is not linked).
@@ -285,7 +287,8 @@ pub fn handler(input: TokenStream) -> TokenStream {
 // inside a macro invocation): parse and check everything ([`attr`], [`message`]), then generate
 // ([`expand`]).
 
-/// [`derive@Message`]: on error, the errors alone.
+/// [`derive@Message`]: on error, the errors and, for a type that is not generic, a placeholder
+/// `impl Message`, so that the uses of the message do not fail too.
 fn derive_message_impl(input: proc_macro2::TokenStream) -> proc_macro2::TokenStream {
     let input = match syn::parse2::<DeriveInput>(input) {
         Ok(input) => input,
@@ -293,19 +296,26 @@ fn derive_message_impl(input: proc_macro2::TokenStream) -> proc_macro2::TokenStr
     };
     match message::parse(&input) {
         Ok(def) => expand::message(&def),
-        Err(e) => e.to_compile_error(),
+        Err(e) => {
+            let fallback = message::fallback(&input).map(expand::message_fallback);
+            ctxt::error_output(&e, fallback.unwrap_or_default())
+        }
     }
 }
 
-/// [`macro@idempotent`]: on error, the item is emitted unchanged next to the errors, so that its
-/// uses do not fail too.
+/// [`macro@idempotent`]: on error, the errors and the function with the signature it would have
+/// had, so that its callers do not fail too; the item unchanged if that signature is too broken
+/// to expand.
 fn idempotent_impl(
     args: proc_macro2::TokenStream,
     item: proc_macro2::TokenStream,
 ) -> proc_macro2::TokenStream {
     match attr::parse(args, item.clone()) {
         Ok(handler) => expand::handler(&handler),
-        Err(e) => ctxt::error_output(&e, item),
+        Err(e) => {
+            let fallback = attr::fallback(item.clone()).map(|f| expand::fallback(&f));
+            ctxt::error_output(&e, fallback.unwrap_or(item))
+        }
     }
 }
 
@@ -415,6 +425,148 @@ mod tests {
         let text = output.to_string();
         assert!(text.contains("compile_error"), "{text}");
         assert!(text.contains("async fn kept () { }"), "{text}");
+    }
+
+    #[test]
+    fn idempotent_errors_keep_the_expanded_signature() {
+        let output = idempotent_impl(
+            quote!(consumer = "c", gaps = "wait"),
+            quote! {
+                /// Docs.
+                #[cfg(feature = "pg")]
+                #[expect(clippy::needless_return)]
+                pub fn credit<'c>(conn: &'c mut PgConnection, Msg { id }: Msg) -> Result<u8, E> {
+                    return Ok(id);
+                }
+            },
+        );
+        let file: syn::File = syn::parse2(output.clone()).unwrap_or_else(|e| panic!("{e}"));
+        // Three errors (the gap policy, not `async`, generic), the use of the function, the
+        // function.
+        assert_eq!(file.items.len(), 5, "{output}");
+        let text = output.to_string();
+        assert_eq!(text.matches("compile_error").count(), 3, "{text}");
+        assert!(
+            text.contains(
+                "pub async fn credit < 'c > (_ : & 'c mut PgConnection , _ : Msg) -> :: core :: \
+                 result :: Result < :: inbox_runtime :: Outcome < < Result < u8 , E > as :: \
+                 inbox_runtime :: __private :: HandlerResult > :: Ok > , :: inbox_runtime :: \
+                 Error < < Result < u8 , E > as :: inbox_runtime :: __private :: HandlerResult > \
+                 :: Err > , >"
+            ),
+            "{text}"
+        );
+        // The body, checked as written but `async`, with `#[expect]` moved to it.
+        assert!(
+            text.contains(
+                "# [expect (clippy :: needless_return)] async fn __inbox_body < 'c > (conn : & \
+                 'c mut PgConnection , Msg { id } : Msg) -> Result < u8 , E > { return Ok (id) ; }"
+            ),
+            "{text}"
+        );
+        assert_eq!(text.matches("# [expect").count(), 1, "{text}");
+        assert_eq!(
+            text.matches("# [cfg (feature = \"pg\")]").count(),
+            2,
+            "{text}"
+        );
+        assert!(
+            text.contains("const _ : () = { let _ = credit ; } ;"),
+            "{text}"
+        );
+        assert!(!text.contains("__inbox_handler"), "{text}");
+    }
+
+    #[test]
+    fn idempotent_fallback_keeps_generics_and_parameters() {
+        let text = idempotent_impl(
+            quote!(consumer = "c"),
+            quote!(
+                async unsafe fn h<M: Message>(c: &C, m: &M, extra: u8) -> anyhow::Result<()>
+                where
+                    M: Clone,
+                {
+                    Ok(())
+                }
+            ),
+        )
+        .to_string();
+        assert!(
+            text.contains("async fn h < M : Message > (_ : & C , _ : & M , _ : u8) ->"),
+            "{text}"
+        );
+        assert!(
+            text.contains("async unsafe fn __inbox_body < M : Message > (c : & C , m : & M"),
+            "{text}"
+        );
+        assert_eq!(text.matches("where M : Clone").count(), 2, "{text}");
+        // A function with a type parameter cannot be named alone, even an `impl Trait` one.
+        assert!(!text.contains("let _ = h"), "{text}");
+        let text = idempotent_impl(
+            quote!(consumer = "c"),
+            quote!(
+                async fn o(c: &mut C, m: impl M) -> Result<(), E> {
+                    Ok(())
+                }
+            ),
+        )
+        .to_string();
+        assert!(
+            text.contains("async fn o (_ : & mut C , _ : impl M)"),
+            "{text}"
+        );
+        assert!(!text.contains("let _ = o"), "{text}");
+    }
+
+    #[test]
+    fn idempotent_fallback_needs_an_expandable_signature() {
+        for item in [
+            quote!(
+                async fn none(c: &mut C, m: M) {}
+            ),
+            quote!(
+                async fn unit(c: &mut C, m: M) -> () {}
+            ),
+            quote!(
+                async fn opaque(c: &mut C, m: M) -> impl Sized {}
+            ),
+            quote!(
+                async fn method(&self, c: &mut C, m: M) -> Result<(), E> {
+                    Ok(())
+                }
+            ),
+            quote!(
+                struct NotAFunction;
+            ),
+        ] {
+            let text = idempotent_impl(quote!(consumer = "c"), item.clone()).to_string();
+            assert!(text.ends_with(&item.to_string()), "{text}");
+            assert!(!text.contains("__inbox_body"), "{text}");
+        }
+    }
+
+    #[test]
+    fn message_errors_keep_a_placeholder_impl() {
+        let output = derive_message_impl(quote! {
+            #[message(topic = "t")]
+            struct r#Placed { #[message(key)] id: u64 }
+        });
+        let file: syn::File = syn::parse2(output.clone()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(file.items.len(), 2, "{output}");
+        let text = output.to_string();
+        assert!(
+            text.contains(
+                "impl :: inbox_runtime :: Message for r#Placed where for < '__inbox > r#Placed : \
+                 :: inbox_runtime :: __private :: Serialize"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("const NAME : & 'static :: core :: primitive :: str = \"Placed\""));
+        // No placeholder for a generic type.
+        let output = derive_message_impl(quote! {
+            struct S<T> { #[message(key)] id: T }
+        });
+        assert!(!output.to_string().contains("impl"), "{output}");
     }
 
     #[test]

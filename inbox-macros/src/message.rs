@@ -11,7 +11,7 @@ use syn::{Attribute, Data, DeriveInput, Field, Fields, LitStr, Meta, Path, Type}
 const STRUCT_ARGUMENTS: &str = "`name`, `key`";
 
 /// Markers accepted on a field, for the "unknown field argument" error.
-const FIELD_ARGUMENTS: &str = "`key`, `aggregate`, `sequence`";
+const FIELD_ARGUMENTS: &str = "`key`, `aggregate`, `sequence`, `partition`";
 
 /// A fully checked message type, ready for [`crate::expand::message`].
 pub(crate) struct MessageDef {
@@ -23,6 +23,9 @@ pub(crate) struct MessageDef {
     pub(crate) key: Key,
     /// The fields marked `#[message(aggregate)]` and `#[message(sequence)]`, if any.
     pub(crate) ordering: Option<OrderingFields>,
+    /// The fields marked `#[message(partition)]`, in field order (none: the message declares
+    /// no partitions of its own).
+    pub(crate) partitions: Vec<FieldRef>,
 }
 
 /// The fields a message's ordering is read from.
@@ -84,7 +87,52 @@ pub(crate) fn parse(input: &DeriveInput) -> syn::Result<MessageDef> {
 
     let attrs = parse_struct_attrs(&input.attrs, &mut errors);
 
-    let fields = match &input.data {
+    let fields = named_fields(input, &mut errors);
+
+    let mut key = None;
+    let mut ordering = None;
+    let mut partitions = Vec::new();
+    if let Some(fields) = &fields {
+        let mut markers = parse_field_attrs(fields, attrs.template.as_ref(), &mut errors);
+        for &marker in &attrs.misplaced {
+            // Already reported: not also missing.
+            markers.get(marker).attempted = true;
+        }
+        if let Some(template) = &attrs.template {
+            key = check_template(&input.ident, template, fields, &mut errors);
+        } else if let Some((_, field)) = markers.key.field.take() {
+            key = Some(Key::Field(field));
+        } else if !attrs.key_given && !markers.key.attempted {
+            errors.spanned(
+                &input.ident,
+                format_args!(
+                    "`{}` has no idempotency key: mark the field that identifies the message \
+                     with `#[message(key)]`, or build the key from several fields with \
+                     `#[message(key = \"prefix:{{field}}\")]` on the struct",
+                    input.ident
+                ),
+            );
+        }
+        ordering = markers.ordering(&mut errors);
+        partitions = std::mem::take(&mut markers.partitions);
+    }
+
+    errors.finish()?;
+    let name = attrs
+        .name
+        .unwrap_or_else(|| LitStr::new(&args::unraw(&input.ident), input.ident.span()));
+    Ok(MessageDef {
+        ident: input.ident.clone(),
+        name,
+        key: key.expect("no key without an error"),
+        ordering,
+        partitions,
+    })
+}
+
+/// The fields of a struct with named fields; anything else is reported.
+fn named_fields<'a>(input: &'a DeriveInput, errors: &mut Errors) -> Option<Vec<&'a Field>> {
+    match &input.data {
         Data::Struct(data) => match &data.fields {
             Fields::Named(fields) => Some(fields.named.iter().collect::<Vec<_>>()),
             Fields::Unnamed(fields) => {
@@ -118,44 +166,15 @@ pub(crate) fn parse(input: &DeriveInput) -> syn::Result<MessageDef> {
             );
             None
         }
-    };
-
-    let mut key = None;
-    let mut ordering = None;
-    if let Some(fields) = &fields {
-        let mut markers = parse_field_attrs(fields, attrs.template.as_ref(), &mut errors);
-        for &marker in &attrs.misplaced {
-            // Already reported: not also missing.
-            markers.get(marker).attempted = true;
-        }
-        if let Some(template) = &attrs.template {
-            key = check_template(&input.ident, template, fields, &mut errors);
-        } else if let Some((_, field)) = markers.key.field.take() {
-            key = Some(Key::Field(field));
-        } else if !attrs.key_given && !markers.key.attempted {
-            errors.spanned(
-                &input.ident,
-                format_args!(
-                    "`{}` has no idempotency key: mark the field that identifies the message \
-                     with `#[message(key)]`, or build the key from several fields with \
-                     `#[message(key = \"prefix:{{field}}\")]` on the struct",
-                    input.ident
-                ),
-            );
-        }
-        ordering = markers.ordering(&mut errors);
     }
+}
 
-    errors.finish()?;
-    let name = attrs
-        .name
-        .unwrap_or_else(|| LitStr::new(&args::unraw(&input.ident), input.ident.span()));
-    Ok(MessageDef {
-        ident: input.ident.clone(),
-        name,
-        key: key.expect("no key without an error"),
-        ordering,
-    })
+/// The type `#[derive(Message)]` still implements `Message` for when it rejected the input (see
+/// [`crate::expand::message_fallback`]): any type but a generic one, whose impl would need bounds
+/// the derive cannot know.
+pub(crate) fn fallback(input: &DeriveInput) -> Option<&Ident> {
+    let generic = !input.generics.params.is_empty() || input.generics.where_clause.is_some();
+    (!generic).then_some(&input.ident)
 }
 
 /// The struct-level `#[message(...)]` arguments.
@@ -165,7 +184,8 @@ struct StructAttrs {
     /// `key` was given on the struct, maybe with an invalid value (so a missing key is not
     /// worth another error).
     key_given: bool,
-    /// Field markers (`aggregate`, `sequence`) wrongly given on the struct: already reported.
+    /// Field markers (`aggregate`, `sequence`, `partition`) wrongly given on the struct: already
+    /// reported.
     misplaced: Vec<Marker>,
 }
 
@@ -194,7 +214,7 @@ fn parse_struct_attrs(attrs: &[Attribute], errors: &mut Errors) -> StructAttrs {
                 _ => args::string_value(meta, errors, "\"order:{order_id}\""),
             };
             key.set(errors, path, lit);
-        } else if let Some(marker) = Marker::ORDERING
+        } else if let Some(marker) = Marker::FIELD_ONLY
             .into_iter()
             .find(|m| path.is_ident(m.name()))
         {
@@ -228,7 +248,8 @@ fn parse_struct_attrs(attrs: &[Attribute], errors: &mut Errors) -> StructAttrs {
     }
 }
 
-/// Checks the `#[message(...)]` markers of the fields: `key`, `aggregate`, `sequence`.
+/// Checks the `#[message(...)]` markers of the fields: `key`, `aggregate`, `sequence`,
+/// `partition`.
 fn parse_field_attrs(
     fields: &[&Field],
     template: Option<&LitStr>,
@@ -267,6 +288,9 @@ fn parse_field_attrs(
                 found.key.field = Some((path, field_ref()));
             }
         }
+        if marks.partition.is_some() {
+            found.partitions.push(field_ref());
+        }
         for (marker, path) in [
             (Marker::Aggregate, marks.aggregate),
             (Marker::Sequence, marks.sequence),
@@ -299,6 +323,7 @@ struct FieldMarks {
     key: Option<Path>,
     aggregate: Option<Path>,
     sequence: Option<Path>,
+    partition: Option<Path>,
 }
 
 /// Parses the `#[message(...)]` attributes of one field, reporting what is wrong in them, and
@@ -307,6 +332,7 @@ fn field_marks(field: &Field, errors: &mut Errors, found: &mut FieldMarkers) -> 
     let mut key = Setting::new("key");
     let mut aggregate = Setting::new("aggregate");
     let mut sequence = Setting::new("sequence");
+    let mut partition = Setting::new("partition");
     let parsed = message_attrs(&field.attrs, "key", errors);
     if parsed.malformed {
         // It may have been meant to be any marker: none is worth a "missing" error.
@@ -331,6 +357,7 @@ fn field_marks(field: &Field, errors: &mut Errors, found: &mut FieldMarkers) -> 
             Marker::Key => (&mut key, None),
             Marker::Aggregate => (&mut aggregate, Some(&sequence)),
             Marker::Sequence => (&mut sequence, Some(&aggregate)),
+            Marker::Partition => (&mut partition, None),
         };
         if !matches!(meta, Meta::Path(_)) {
             errors.spanned(meta, marker.takes_no_value());
@@ -351,6 +378,7 @@ fn field_marks(field: &Field, errors: &mut Errors, found: &mut FieldMarkers) -> 
         key: key.get(),
         aggregate: aggregate.get(),
         sequence: sequence.get(),
+        partition: partition.get(),
     }
 }
 
@@ -363,17 +391,21 @@ enum Marker {
     Aggregate,
     /// `#[message(sequence)]`.
     Sequence,
+    /// `#[message(partition)]`.
+    Partition,
 }
 
 impl Marker {
-    const ALL: [Self; 3] = [Self::Key, Self::Aggregate, Self::Sequence];
-    const ORDERING: [Self; 2] = [Self::Aggregate, Self::Sequence];
+    const ALL: [Self; 4] = [Self::Key, Self::Aggregate, Self::Sequence, Self::Partition];
+    /// The markers that exist only on fields (`key` on the struct takes a template).
+    const FIELD_ONLY: [Self; 3] = [Self::Aggregate, Self::Sequence, Self::Partition];
 
     fn name(self) -> &'static str {
         match self {
             Self::Key => "key",
             Self::Aggregate => "aggregate",
             Self::Sequence => "sequence",
+            Self::Partition => "partition",
         }
     }
 
@@ -383,6 +415,7 @@ impl Marker {
             Self::Key => "idempotency key",
             Self::Aggregate => "aggregate id",
             Self::Sequence => "sequence number",
+            Self::Partition => "partition (an aggregate id its handlers lock)",
         }
     }
 
@@ -401,6 +434,11 @@ impl Marker {
                 "`#[message(sequence)]` takes no value: it marks the field it is on as the \
                  message's sequence number"
             }
+            Self::Partition => {
+                "`#[message(partition)]` takes no value: it marks the field it is on as a \
+                 partition of the message (an aggregate id its handlers lock); mark several \
+                 fields for several partitions"
+            }
         }
     }
 }
@@ -411,6 +449,9 @@ struct FieldMarkers {
     key: Marked,
     aggregate: Marked,
     sequence: Marked,
+    partition: Marked,
+    /// The fields marked `#[message(partition)]` (any number), in field order.
+    partitions: Vec<FieldRef>,
 }
 
 impl FieldMarkers {
@@ -419,6 +460,7 @@ impl FieldMarkers {
             Marker::Key => &mut self.key,
             Marker::Aggregate => &mut self.aggregate,
             Marker::Sequence => &mut self.sequence,
+            Marker::Partition => &mut self.partition,
         }
     }
 
@@ -748,6 +790,73 @@ mod tests {
     }
 
     #[test]
+    fn partition_markers() {
+        let def = parse_tokens(quote! {
+            struct Transfer {
+                #[message(key)]
+                id: String,
+                #[message(partition)]
+                r#from: String,
+                amount: i64,
+                #[message(partition)]
+                to: Option<String>,
+            }
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        let names: Vec<&str> = def.partitions.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names, ["from", "to"]);
+        assert_eq!(def.partitions[0].member, "r#from");
+
+        // On the key field, or on the aggregate, too; in one attribute with them.
+        let def = parse_tokens(quote! {
+            struct Shipped {
+                #[message(key, partition)] id: String,
+                #[message(aggregate, partition)] order: u64,
+                #[message(sequence)] seq: u64,
+            }
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(def.partitions.len(), 2);
+        assert!(def.ordering.is_some());
+
+        let def = parse_tokens(quote! {
+            struct Plain { #[message(key)] id: u64 }
+        })
+        .unwrap();
+        assert!(def.partitions.is_empty());
+    }
+
+    #[test]
+    fn partition_marker_mistakes() {
+        assert_eq!(
+            errors_of(quote! {
+                struct S { #[message(key)] id: u64, #[message(partition = "x")] account: u64 }
+            }),
+            [
+                "`#[message(partition)]` takes no value: it marks the field it is on as a \
+                 partition of the message (an aggregate id its handlers lock); mark several \
+                 fields for several partitions"
+            ]
+        );
+        assert_eq!(
+            errors_of(quote! {
+                #[message(partition)]
+                struct S { #[message(key)] id: u64 }
+            }),
+            [
+                "`partition` is a field marker: put `#[message(partition)]` on the field that \
+                 holds the message's partition (an aggregate id its handlers lock)"
+            ]
+        );
+        assert_eq!(
+            errors_of(quote! {
+                struct S { #[message(key, partition, partition)] id: u64 }
+            }),
+            ["`partition` set multiple times"]
+        );
+    }
+
+    #[test]
     fn ordering_marker_mistakes() {
         assert_eq!(
             errors_of(quote! {
@@ -830,7 +939,10 @@ mod tests {
             errors_of(quote! {
                 struct S { #[message(key, ordered)] id: u64 }
             }),
-            ["unknown field argument `ordered`, expected one of: `key`, `aggregate`, `sequence`"]
+            [
+                "unknown field argument `ordered`, expected one of: `key`, `aggregate`, \
+                 `sequence`, `partition`"
+            ]
         );
     }
 }

@@ -64,6 +64,77 @@
 //! # Ok(()) }
 //! ```
 //!
+//! ## Consuming from a source
+//!
+//! A [`Worker`] takes deliveries from a [`source`] (here the in-memory one; RabbitMQ, NATS
+//! JetStream, Kafka, Amazon SQS and files behind their features), runs each through the
+//! [`Dispatcher`] (every consumer registered for its message name) and settles it with the
+//! source only after its transaction committed:
+//!
+//! ```no_run
+//! # use inbox_runtime::{idempotent, Message};
+//! # #[derive(Clone, serde::Serialize, serde::Deserialize, Message)]
+//! # #[message(name = "payments.captured")]
+//! # struct PaymentCaptured { #[message(key)] event_id: uuid::Uuid, amount_cents: i64 }
+//! # #[idempotent(consumer = "ledger")]
+//! # async fn credit(conn: &mut sqlx::PgConnection, msg: PaymentCaptured) -> Result<(), sqlx::Error> { Ok(()) }
+//! use inbox_runtime::source::memory::MemorySource;
+//! use inbox_runtime::{CancellationToken, Dispatcher, Envelope, Worker};
+//!
+//! # async fn consume(pool: sqlx::PgPool, event: PaymentCaptured) -> Result<(), Box<dyn std::error::Error>> {
+//! inbox_runtime::migrate(&pool).await?;
+//! let source = MemorySource::new("payments");
+//! let queue = source.handle();
+//! let payload = serde_json::to_vec(&event)?; // an envelope carries JSON bytes
+//! queue.push(Envelope::new(PaymentCaptured::NAME, payload.clone()));
+//! queue.push(Envelope::new(PaymentCaptured::NAME, payload)); // a redelivery
+//! queue.close();
+//!
+//! let worker = Worker::new(Dispatcher::from_registry(pool)?).concurrency(4);
+//! // A service passes `inbox_runtime::cancel_on_signal()?` (SIGINT, SIGTERM) instead.
+//! let report = worker.run(source, CancellationToken::new()).await?;
+//! assert_eq!((report.processed, report.duplicates, report.acked), (1, 1, 2));
+//! # Ok(()) }
+//! ```
+//!
+//! ## Publishing with the outbox
+//!
+//! A handler publishes by writing a row in its own transaction ([`Outbox::publish`]); a
+//! [`Relay`] sends the committed rows to a [`sink`] and marks them sent. Every (re-)publish
+//! carries the same message id, for the consuming inbox or the broker's duplicate window:
+//!
+//! ```no_run
+//! use inbox_runtime::outbox::OutboxMessage;
+//! use inbox_runtime::sink::MemorySink; // or sink::{amqp, kafka, nats, sqs} behind features
+//! use inbox_runtime::{CancellationToken, Component, Message, Outbox, Relay, idempotent};
+//!
+//! /// The destinations this service publishes to.
+//! const OUTBOX: Outbox = Outbox::new(&["orders.events"]);
+//!
+//! #[derive(Clone, serde::Serialize, serde::Deserialize, Message)]
+//! #[message(name = "orders.paid")]
+//! struct OrderPaid {
+//!     #[message(key)]
+//!     order_id: String,
+//! }
+//!
+//! /// Marks the order paid and publishes `orders.paid`: both commit, or neither.
+//! #[idempotent(consumer = "orders")]
+//! async fn pay(conn: &mut sqlx::PgConnection, msg: OrderPaid) -> Result<(), sqlx::Error> {
+//!     sqlx::query("UPDATE orders SET paid = true WHERE id = $1")
+//!         .bind(&msg.order_id)
+//!         .execute(&mut *conn)
+//!         .await?;
+//!     OUTBOX.publish(conn, OutboxMessage::new("orders.events", &msg)).await?;
+//!     Ok(())
+//! }
+//!
+//! # async fn relay(pool: sqlx::PgPool, shutdown: CancellationToken) -> Result<(), Box<dyn std::error::Error>> {
+//! inbox_runtime::migrate_components(&pool, &[Component::Inbox, Component::Outbox]).await?;
+//! let report = Relay::new(pool, MemorySink::new()).run(shutdown).await;
+//! # let _ = report; Ok(()) }
+//! ```
+//!
 //! ## How a delivery flows, and where each capability plugs in
 //!
 //! ```text
@@ -75,22 +146,42 @@
 //! * A [`source`] yields deliveries ([`Envelope`]: message name, payload bytes, source metadata)
 //!   and settles each (ack, requeue, reject) only when told.
 //! * The [`Worker`] runs deliveries with bounded concurrency, one at a time per ordering key,
-//!   and settles each after its transaction committed ([`settlement_for`]).
+//!   and settles each after its transaction committed ([`worker::settlement_for`]).
 //! * The [`Dispatcher`] decodes a payload once, routes it to every consumer registered for its
 //!   name (`inventory`, or [`Dispatcher::from_handlers`]), and runs each through the protocol,
 //!   alone or in a batch; its [`TransactionHook`]s run inside each claim's transaction (before
 //!   `COMMIT`) and after it.
-//! * The protocol owns the rules: the claim as the first statement, one decision function for a
-//!   key already taken (duplicate, conflict, dead, stale, parked, or take it over), the check
-//!   before `COMMIT`, and the failure record after a rollback. `#[idempotent]` handlers,
+//! * The [`protocol`] owns the rules: the claim as the first statement, one decision function
+//!   for a key already taken (duplicate, conflict, dead, stale, parked, or take it over), the
+//!   check before `COMMIT`, and the failure record after a rollback. `#[idempotent]` handlers,
 //!   batches, replays and parked successors are drivers of it; [`ClaimSession`] is its public
 //!   face for work that is not a message handler.
-//! * The [`outbox`] publishes from inside the handler's transaction: [`outbox::Outbox::publish`]
-//!   writes a row with a stable message id, and an [`outbox::Relay`] sends committed rows to a
-//!   [`sink::Sink`] (NATS JetStream, or memory) and marks them sent.
-//! * A store implements the statements behind small capability traits ([`ClaimStore`],
-//!   [`OrderingStore`], [`AdminStore`], [`OutboxStore`]) in its backend's SQL dialect; schema
-//!   migrations come per [`Component`].
+//! * The [`outbox`] publishes from inside the handler's transaction: [`Outbox::publish`] writes
+//!   a row with a stable message id, and a [`Relay`] sends committed rows to a [`sink::Sink`]
+//!   (RabbitMQ, NATS JetStream, Kafka, Amazon SQS, or memory) and marks them sent.
+//! * A [`store`] implements the statements behind small capability traits
+//!   ([`store::ClaimStore`], [`store::OrderingStore`], [`store::AdminStore`],
+//!   [`store::OutboxStore`], [`store::PositionStore`]) in its backend's SQL dialect, one folder
+//!   per backend (PostgreSQL, SQLite, MySQL/MariaDB); schema migrations come per [`Component`].
+//!
+//! ## Where things are
+//!
+//! The crate root holds what a service names: the macros, [`Message`], [`Outcome`],
+//! [`Dispatcher`], [`Worker`], [`ClaimSession`], [`Outbox`] and [`Relay`], the errors, and
+//! [`migrate`]. Everything else is in the module of its layer:
+//!
+//! | Module | What it holds |
+//! |---|---|
+//! | [`types`] | the types every layer uses: keys, fingerprints, statuses, ordering, limits, errors |
+//! | [`dispatch`] | the [`Dispatcher`], the handler registry, sweep reports |
+//! | [`protocol`] | the [`ClaimSession`] and [`TransactionHook`]s |
+//! | [`store`] | what a backend implements: the capability traits, their row types, migrations |
+//! | [`worker`] | the [`Worker`], its report, settlement and shutdown signals |
+//! | [`source`], [`sink`] | the [`source::Source`] and [`sink::Sink`] traits, one module per broker |
+//! | [`outbox`] | [`Outbox`], [`Relay`], the outbox's admin API |
+//! | [`cache`] | the dedupe caches (in-process; Redis behind `redis`) |
+//! | `http` | the `Idempotency-Key` layer (feature `http`) |
+//! | [`ops`] | the admin API ([`ops::admin`]), the command line (`cli`), the console (`console`) |
 //!
 //! ## Calling a handler on a connection already inside a transaction
 //!
@@ -104,99 +195,63 @@
 //! back, the claim goes with it and a redelivery is processed again.
 //!
 //! ## Crate features
-//! PostgreSQL, SQLite and MySQL/MariaDB support are always compiled in (MySQL/MariaDB: the inbox;
-//! the outbox and broker positions not yet). The payload format is JSON (serde).
-//! * `cli`: the module `cli`, the operator's command line (stats, dead letters, replay, purge),
-//!   to embed in a binary of yours.
-//! * `amqp`: `source::amqp`, the RabbitMQ source (lapin).
+//! PostgreSQL, SQLite and MySQL/MariaDB are always compiled in, each with the inbox, the outbox
+//! and broker positions; so are the memory and file sources, the memory sink, the [`Worker`],
+//! the in-process dedupe cache and the [`ops::admin`] API. The payload format is JSON (serde).
+//! Every feature is off by default:
+//! * `amqp`: `source::amqp`, the RabbitMQ source, and `sink::amqp`, the RabbitMQ sink with
+//!   publisher confirms (lapin).
 //! * `nats`: `source::nats`, the NATS JetStream source, and `sink::nats`, the NATS JetStream
-//!   sink for the outbox relay (async-nats).
+//!   sink (async-nats).
+//! * `kafka`: `source::kafka`, the Kafka source (a consumer group whose positions live in the
+//!   database, fenced against zombies), and `sink::kafka`, an idempotent producer (rdkafka;
+//!   builds librdkafka from source: cmake, a C toolchain, zlib and OpenSSL headers).
+//! * `sqs`: `source::sqs`, the Amazon SQS source (standard and FIFO queues: delete after
+//!   commit, visibility heartbeats), and `sink::sqs`, the SQS sink (the official aws-sdk-sqs,
+//!   rustls with ring).
+//! * `redis`: `cache::redis::RedisCache`, a dedupe cache shared by every worker (redis).
 //! * `http`: the module `http`, the HTTP `Idempotency-Key` layer for axum and tower, whose
 //!   handlers run on the claim's transaction (axum, tower, http, sfv).
-//! * `console`: the module `console`, the operator console in the browser: an axum router to
-//!   mount in your service (axum, http, hmac, form_urlencoded).
+//! * `cli`: `ops::cli`, the operator's command line (stats, dead letters, replay, the outbox,
+//!   purge), to embed in a binary of yours (clap, indicatif).
+//! * `console`: `ops::console`, the operator console in the browser: an axum router to mount in
+//!   your service (axum, http, hmac, form_urlencoded).
 //!
 //! Build these docs with `cargo doc --all-features` to see them all.
 
 #![warn(missing_docs, unreachable_pub, rust_2018_idioms)]
 
-pub mod admin;
-mod batch;
 pub mod cache;
-mod classify;
-#[cfg(feature = "cli")]
-pub mod cli;
-#[cfg(feature = "console")]
-pub mod console;
-mod dispatcher;
-mod envelope;
-mod error;
-mod fingerprint;
-mod handler;
+pub mod dispatch;
 #[cfg(feature = "http")]
 pub mod http;
-mod key;
-mod message;
-mod ordering;
+pub mod ops;
 pub mod outbox;
-mod outcome;
-mod policy;
-mod protocol;
-mod registry;
+mod partition;
+pub mod protocol;
 pub mod sink;
-mod slot;
 pub mod source;
-mod status;
-mod step_key;
-mod store;
-mod worker;
+pub mod store;
+pub mod types;
+pub mod worker;
 
 use std::future::Future;
 use std::pin::Pin;
 
-pub use classify::{BoxError, Classify, ErrorClass, Permanent, classify_error_chain};
-pub use dispatcher::{ConsumerOutcome, Dispatcher, SweepReport};
-pub use envelope::{Envelope, SourceMetadata};
-pub use error::{
-    Conflict, DispatchError, Disposition, Error, HandlerFailure, HookError, RegistryError,
-    ReplayError, StoreError, StoreOperation,
+// The user-facing surface: what a service that consumes, publishes or serves HTTP names. Every
+// other public item lives in its module (`types`, `dispatch`, `protocol`, `store`, `worker`,
+// `outbox`, `source`, `sink`, `cache`, `http`, `ops`).
+pub use crate::types::{
+    BoxError, Classify, Conflict, ConnectionSlot, DispatchError, Disposition, Envelope, Error,
+    ErrorClass, Fingerprint, GapPolicy, HandlerFailure, HookError, IdempotencyKey, KeyError,
+    Message, Outcome, Permanent, RegistryError, ReplayError, RetryPolicy, SourceMetadata, Status,
+    StoreError,
 };
-pub use fingerprint::{Fingerprint, FingerprintError};
-pub use key::{IdempotencyKey, KeyError, KeyPart, MAX_KEY_BYTES};
-pub use message::Message;
-pub use ordering::{GapPolicy, Ordering, ParkPolicy, ParkTimeout, SequencePart};
-pub use outcome::Outcome;
-pub use policy::RetryPolicy;
-pub use protocol::Wait;
-pub use protocol::hooks::{ClaimInfo, Fenced, TransactionHook};
-pub use protocol::session::{ClaimSession, ClaimState, ClaimedKey, Settled};
-pub use registry::{HandlerInfo, Registration, registered_handlers};
-pub use slot::ConnectionSlot;
-pub use status::{ClaimMode, Status, UnknownStatus};
-pub use step_key::{StepKey, step_key};
-pub use store::{
-    Acquired, POSITIONS_MIGRATIONS_TABLE, PositionKey, PositionRow, PositionStore,
-    PositionsDatabase,
-};
-pub use store::{
-    AdminStore, AnyConnection, Backend, ClaimRequest, ClaimResult, ClaimStore, Component,
-    ExistingRow, FailureRecord, InboxConnection, InboxDatabase, MIGRATIONS_TABLE, OrderingStore,
-    ParkedMessage, Rejection, RejectionReason, StatsRow, StatsStatus, StoredMessage,
-    mysql_lock_retries,
-};
-pub use store::{
-    ArrivalRow, ConsoleDatabase, ConsoleStore, ParkedEntry, RejectionEntry, RetryLag, SentRow,
-};
-pub use store::{
-    Lease, NOTIFY_CHANNEL, OUTBOX_MIGRATIONS_TABLE, OutboxAdminStore, OutboxBacklog,
-    OutboxDatabase, OutboxEntry, OutboxRecord, OutboxRow, OutboxStatsRow, OutboxStatus,
-    OutboxStore, Wakeups,
-};
-
-pub use worker::{
-    DEFAULT_BATCH_SIZE, StopReason, Worker, WorkerError, WorkerReport, cancel_on_signal,
-    settlement_for, shutdown_signal,
-};
+pub use dispatch::{ConsumerOutcome, Dispatcher};
+pub use outbox::{Outbox, Relay};
+pub use protocol::{ClaimInfo, ClaimSession, ClaimState, TransactionHook, Wait};
+pub use store::Component;
+pub use worker::{StopReason, Worker, WorkerError, WorkerReport, cancel_on_signal};
 
 /// The shutdown token [`Worker::run`] takes (`tokio-util`'s, re-exported so that a worker needs
 /// no dependency of its own on `tokio-util`): cancel it to stop the worker gracefully, or get
@@ -223,12 +278,12 @@ pub use sqlx::migrate::MigrateError;
 /// `inbox_rejections`) in the database behind `pool` (a `PgPool`, `SqlitePool` or `MySqlPool`): the
 /// [`Component::Inbox`] migrations. Idempotent: run it at every start.
 ///
-/// Applied versions are recorded in [`MIGRATIONS_TABLE`], apart from the application's own
+/// Applied versions are recorded in [`store::MIGRATIONS_TABLE`], apart from the application's own
 /// `_sqlx_migrations`; on PostgreSQL concurrent callers are serialized by an advisory lock.
 ///
 /// # Errors
 /// [`MigrateError`] if the database cannot be reached or a statement fails.
-pub async fn migrate<DB: InboxDatabase>(pool: &sqlx::Pool<DB>) -> Result<(), MigrateError> {
+pub async fn migrate<DB: store::InboxDatabase>(pool: &sqlx::Pool<DB>) -> Result<(), MigrateError> {
     migrate_components(pool, &[Component::Inbox]).await
 }
 
@@ -238,7 +293,7 @@ pub async fn migrate<DB: InboxDatabase>(pool: &sqlx::Pool<DB>) -> Result<(), Mig
 /// # Errors
 /// [`MigrateError`] if the database cannot be reached or a statement fails; the components
 /// before it stay migrated.
-pub async fn migrate_components<DB: InboxDatabase>(
+pub async fn migrate_components<DB: store::InboxDatabase>(
     pool: &sqlx::Pool<DB>,
     components: &[Component],
 ) -> Result<(), MigrateError> {
@@ -253,12 +308,17 @@ pub async fn migrate_components<DB: InboxDatabase>(
 #[doc(hidden)]
 pub mod __private {
     pub use crate::BoxFuture;
-    pub use crate::classify::probe::{Probe, ViaAsRefError, ViaClassify, ViaFallback, ViaStdError};
-    pub use crate::handler::run;
-    pub use crate::key::{KeyPart, KeySegment, key_from_field, key_from_template};
-    pub use crate::ordering::{SequencePart, ordering_from_fields};
+    pub use crate::dispatch::direct::run;
+    pub use crate::dispatch::registry::Registration;
+    pub use crate::partition::partitions_from;
     pub use crate::protocol::erased::DynHandler;
-    pub use crate::protocol::single::{Delivery, Handler, HandlerResult};
-    pub use crate::registry::Registration;
+    pub use crate::protocol::single::{Handler, HandlerResult};
+    pub use crate::types::classify::probe::{
+        Probe, ViaAsRefError, ViaClassify, ViaFallback, ViaStdError,
+    };
+    pub use crate::types::key::{KeyPart, KeySegment, key_from_field, key_from_template};
+    pub use crate::types::ordering::{Ordering, SequencePart, ordering_from_fields};
     pub use inventory;
+    // The bounds of the placeholder `impl Message` of a rejected `#[derive(Message)]`.
+    pub use serde::{Serialize, de::DeserializeOwned};
 }

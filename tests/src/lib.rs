@@ -39,9 +39,27 @@ use sqlx::{Connection, MySqlPool, PgPool, SqlitePool};
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
-fn unique_name(prefix: &str) -> String {
+/// A name no other test process of this run has used: `{prefix}_{pid}_{run}_{n}`, where `run` is
+/// fixed per process (the microseconds of its first call, in base 36) and `n` counts the calls.
+/// The process id alone is not enough: ids wrap (`pid_max` is 32,768 on the CI machines), and a
+/// later test binary with an earlier one's id found that one's databases still there
+/// (`CREATE DATABASE` failed with "already exists").
+pub fn unique_name(prefix: &str) -> String {
+    static RUN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let run = RUN.get_or_init(|| {
+        let micros = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |elapsed| elapsed.as_micros());
+        let mut left = micros % 36u128.pow(8);
+        let mut digits = Vec::new();
+        while digits.len() < 8 {
+            digits.push(char::from_digit((left % 36) as u32, 36).unwrap_or('0'));
+            left /= 36;
+        }
+        digits.into_iter().rev().collect()
+    });
     format!(
-        "{prefix}_{}_{}",
+        "{prefix}_{}_{run}_{}",
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::Relaxed)
     )
@@ -67,7 +85,7 @@ pub async fn pg_pool(max_connections: u32) -> PgPool {
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
         .execute(&mut admin)
         .await
-        .expect("create test database");
+        .unwrap_or_else(|error| panic!("create test database {name}: {error}"));
     admin.close().await.ok();
     let pool = PgPoolOptions::new()
         .max_connections(max_connections)
@@ -142,7 +160,7 @@ pub async fn mysql_pool(max_connections: u32) -> MySqlPool {
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
         .execute(&mut admin)
         .await
-        .expect("create test database");
+        .unwrap_or_else(|error| panic!("create test database {name}: {error}"));
     admin.close().await.ok();
     let pool = MySqlPoolOptions::new()
         .max_connections(max_connections)

@@ -18,10 +18,10 @@ use std::future::Future;
 
 use sqlx::{MySqlPool, PgPool, Pool, SqlitePool};
 
-pub use inbox_runtime::Backend;
+pub use inbox_runtime::store::Backend;
 
 /// What a test needs to know of one backend.
-pub trait TestBackend: inbox_runtime::InboxDatabase {
+pub trait TestBackend: inbox_runtime::store::InboxDatabase {
     /// The effect upsert the test handlers run, in this backend's dialect: binds the effect
     /// key and the amount (see [`crate::APPLY_EFFECT`]).
     const APPLY_EFFECT: &'static str;
@@ -307,7 +307,7 @@ macro_rules! backend_matrix {
             /// What keeps a fixture's database.
             type Guard = <Db as $crate::TestBackend>::Guard;
             /// This module's backend (`Display`: the module's name).
-            const BACKEND: Backend = <Db as $crate::__inbox_runtime::InboxDatabase>::BACKEND;
+            const BACKEND: Backend = <Db as $crate::__inbox_runtime::store::InboxDatabase>::BACKEND;
             /// The pool size of `fixture()`.
             const CONNECTIONS: u32 = $connections;
             /// The effect upsert in this backend's dialect (binds: effect key, amount).

@@ -46,9 +46,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::BoxFuture;
-use crate::classify::BoxError;
-use crate::fingerprint::Fingerprint;
-use crate::status::Status;
+use crate::types::classify::BoxError;
+use crate::types::fingerprint::Fingerprint;
+use crate::types::status::Status;
 
 /// What the cache keeps for one (consumer, idempotency key): a final state and the fingerprint
 /// stored with it in the inbox.

@@ -8,11 +8,11 @@ use axum::response::{IntoResponse, Response};
 use http::StatusCode;
 use http::request::Parts;
 
-use crate::key::IdempotencyKey;
-use crate::protocol::ClaimTx;
 use crate::protocol::session::ClaimedKey;
-use crate::step_key::StepKey;
+use crate::protocol::tx::ClaimTx;
 use crate::store::InboxDatabase;
+use crate::types::key::IdempotencyKey;
+use crate::types::step_key::StepKey;
 
 use super::problem::Problem;
 

@@ -67,9 +67,12 @@
 //!    **400** when [`require_key`](IdempotencyLayer::require_key) (the default); when optional,
 //!    the request runs without a claim, in a plain transaction.
 //! 2. **The body** is read whole, up to [`max_body_bytes`](IdempotencyLayer::max_body_bytes)
-//!    (1 MiB by default; a larger `Content-Length` is refused before reading): **413** above it.
-//!    A body declared JSON (`Content-Type: application/json` or `…+json`) that does not parse:
-//!    **400**.
+//!    (1 MiB by default, 256 MiB at most; a larger `Content-Length` is refused before reading):
+//!    **413** above it.
+//!    The body stops being read at the limit: a client cannot make the layer hold more. A body
+//!    declared JSON (`Content-Type: application/json` or `…+json`) that does not parse, or is
+//!    not Unicode text (bytes that are not UTF-8, an escape that decodes to an unpaired
+//!    surrogate, anywhere in it, as the dispatcher refuses them): **400**.
 //! 3. **The scope** the key is claimed in: `http <METHOD> <route>`, plus ` <principal>` when
 //!    [`principal`](IdempotencyLayer::principal) gives one. The route is axum's matched route
 //!    template (`/payments/{id}`) when the layer runs after routing (`Router::route_layer`, or
@@ -94,6 +97,11 @@
 //!    * held by a request still running: **409** at once, with `Retry-After`
 //!      ([`retry_after`](IdempotencyLayer::retry_after), 1 s by default).
 //!
+//! [`with_hook`](IdempotencyLayer::with_hook) adds [`TransactionHook`]s, as a dispatcher's are
+//! for messages: their `before_commit` runs on the request's transaction just before it commits
+//! (a claimed request's, after its response is stored; a request without a key's too), their
+//! `after_commit` once it committed.
+//!
 //! A handler that panics, a response body above the limit, or a transaction kept beyond the
 //! handler: rolled back, **500**, nothing stored. The database unreachable, or the commit's
 //! outcome unknown: **503** with `Retry-After` (retry with the same key: the retry finds out).
@@ -110,7 +118,7 @@
 //! | 400 | `idempotency-key-missing` | no `Idempotency-Key` where it is required |
 //! | 400 | `idempotency-key-malformed` | not an sf-string, sent twice, empty or blank |
 //! | 400 | `idempotency-key-too-long` | longer than `max_key_len` |
-//! | 400 | `request-body-invalid` | a JSON-typed body that does not parse, or an unreadable body |
+//! | 400 | `request-body-invalid` | a JSON-typed body that does not parse or is not Unicode text (bytes that are not UTF-8, an escape that decodes to an unpaired surrogate such as `"\ud800"`), or an unreadable body |
 //! | 413 | `request-body-too-large` | a body above `max_body_bytes` |
 //! | 409 | `idempotency-key-in-use` | a request with this key is still being processed (`Retry-After`) |
 //! | 422 | `idempotency-key-reused` | this key was used for a different request |
@@ -124,7 +132,7 @@
 //!
 //! Keys and stored responses are rows of the inbox table (`inbox_messages`, status
 //! `processed`, the response in its `result` column) under their `http …` scopes, so the
-//! inbox's retention purge ([`admin::purge`](crate::admin::purge), the `purge` command of the
+//! inbox's retention purge ([`admin::purge`](crate::ops::admin::purge), the `purge` command of the
 //! operator's CLI) removes them with every other settled key once they are older than the
 //! window; after that, the same key runs the handler again. Publish the window to your clients:
 //! the draft asks servers to document their key expiry. `stats` lists each scope like a
@@ -154,8 +162,9 @@ use std::time::Duration;
 use http::{HeaderName, Method, StatusCode, header};
 use sqlx::Pool;
 
-use crate::key::MAX_KEY_BYTES;
+use crate::protocol::hooks::{Hooks, TransactionHook};
 use crate::store::InboxDatabase;
+use crate::types::key::MAX_KEY_BYTES;
 
 pub use extract::{IdempotencyTx, MissingTransaction};
 pub use service::IdempotencyService;
@@ -205,6 +214,7 @@ pub(crate) struct Config<DB: InboxDatabase> {
     stored_headers: Vec<HeaderName>,
     retry_after: Duration,
     problem_base: String,
+    hooks: Hooks<DB>,
 }
 
 impl<DB: InboxDatabase> Clone for IdempotencyLayer<DB> {
@@ -230,6 +240,7 @@ impl<DB: InboxDatabase> Clone for Config<DB> {
             stored_headers: self.stored_headers.clone(),
             retry_after: self.retry_after,
             problem_base: self.problem_base.clone(),
+            hooks: self.hooks.clone(),
         }
     }
 }
@@ -248,6 +259,7 @@ impl<DB: InboxDatabase> std::fmt::Debug for IdempotencyLayer<DB> {
             .field("stored_headers", &c.stored_headers)
             .field("retry_after", &c.retry_after)
             .field("problem_type_base", &c.problem_base)
+            .field("hooks", &c.hooks.runner().is_some())
             .finish_non_exhaustive()
     }
 }
@@ -302,6 +314,7 @@ impl<DB: InboxDatabase> IdempotencyLayer<DB> {
                 stored_headers: default_stored_headers(),
                 retry_after: Duration::from_secs(1),
                 problem_base: DEFAULT_PROBLEM_BASE.to_owned(),
+                hooks: Hooks::default(),
             }),
         }
     }
@@ -342,18 +355,22 @@ impl<DB: InboxDatabase> IdempotencyLayer<DB> {
         self
     }
 
-    /// The largest request body read, in bytes (default 1 MiB); above it: 413, before the
-    /// handler and the claim. The whole body is held in memory to fingerprint it.
+    /// The largest request body read, in bytes (default 1 MiB; 0: only empty bodies); above it:
+    /// 413, before the handler and the claim. The whole body is held in memory to fingerprint
+    /// it, so values above [`PayloadLimit::MAX_BYTES`](crate::types::PayloadLimit::MAX_BYTES) (256
+    /// MiB, the largest payload the runtime holds) are lowered to it.
     pub fn max_body_bytes(mut self, bytes: usize) -> Self {
-        self.config_mut().max_body_bytes = bytes;
+        self.config_mut().max_body_bytes = bytes.min(crate::types::PayloadLimit::MAX_BYTES);
         self
     }
 
-    /// The largest response body stored, in bytes (default 1 MiB). A handler response above
-    /// it cannot be replayed, so it is not sent as a success: the transaction rolls back and
-    /// the client gets a 500 (`response-too-large`).
+    /// The largest response body stored, in bytes (default 1 MiB; 0: only empty bodies, as a
+    /// `204`). A handler response above it cannot be replayed, so it is not sent as a success:
+    /// the transaction rolls back and the client gets a 500 (`response-too-large`). Values above
+    /// [`PayloadLimit::MAX_BYTES`](crate::types::PayloadLimit::MAX_BYTES) (256 MiB) are lowered to
+    /// it: the body is held in memory and stored as one database value.
     pub fn max_response_bytes(mut self, bytes: usize) -> Self {
-        self.config_mut().max_response_bytes = bytes;
+        self.config_mut().max_response_bytes = bytes.min(crate::types::PayloadLimit::MAX_BYTES);
         self
     }
 
@@ -418,6 +435,25 @@ impl<DB: InboxDatabase> IdempotencyLayer<DB> {
     /// [`DEFAULT_PROBLEM_BASE`].
     pub fn problem_type_base(mut self, base: impl Into<String>) -> Self {
         self.config_mut().problem_base = base.into();
+        self
+    }
+
+    /// Adds a [`TransactionHook`], as
+    /// [`Dispatcher::with_hook`](crate::Dispatcher::with_hook) does for messages: its
+    /// `before_commit` runs on the request's transaction after the handler returned a response
+    /// the layer stores (after the hooks added before it, and after the response is stored with
+    /// the key), its `after_commit` once that transaction committed. Requests without a key
+    /// (where it is optional) run the hooks too, in their plain transaction.
+    ///
+    /// The hook's [`ClaimInfo`](crate::ClaimInfo): `consumer` is the scope (`http <METHOD>
+    /// <route>`, then the principal), `key` the `Idempotency-Key` (empty for a request without
+    /// one), `message_name` the method and target (`POST /orders?draft=1`); no `payload`, no
+    /// `source`. A hook's error rolls everything back (the handler's writes, the key, the
+    /// response) and answers **500** (`transaction-failed`); nothing is recorded, so a retry
+    /// with the same key runs the handler again. Replays, conflicts, requests in flight and
+    /// responses not stored run no hook.
+    pub fn with_hook(mut self, hook: impl TransactionHook<DB>) -> Self {
+        self.config_mut().hooks.push(Arc::new(hook));
         self
     }
 }

@@ -66,7 +66,9 @@ impl Problem {
 
 /// `Retry-After` delay-seconds (RFC 9110, section 10.2.3): whole seconds, rounded up, at least 1.
 pub(crate) fn retry_after_secs(after: Duration) -> u64 {
-    let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+    let secs = after
+        .as_secs()
+        .saturating_add(u64::from(after.subsec_nanos() > 0));
     secs.max(1)
 }
 

@@ -12,13 +12,17 @@ use futures_util::FutureExt as _;
 use http::{HeaderValue, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt as _, LengthLimitError, Limited};
 
-use crate::error::StoreOperation;
-use crate::fingerprint::Fingerprint;
-use crate::key::IdempotencyKey;
-use crate::protocol::session::{ClaimSession, ClaimState};
-use crate::protocol::{ClaimTx, Hold, Wait};
-use crate::status::Status;
+use crate::protocol::Wait;
+use crate::protocol::hooks::ClaimInfo;
+use crate::protocol::machine::{Uncommitted, commit, run_body};
+use crate::protocol::session::{ClaimSession, ClaimState, Incomplete, Settled};
+use crate::protocol::tx::{ClaimTx, Hold, Verify};
 use crate::store::InboxDatabase;
+use crate::types::classify::BoxError;
+use crate::types::error::StoreOperation;
+use crate::types::fingerprint::Fingerprint;
+use crate::types::key::IdempotencyKey;
+use crate::types::status::Status;
 
 use super::extract::{Held, TxSlot};
 use super::key::{self, KeyProblem};
@@ -86,10 +90,36 @@ where
     }
 }
 
+/// A body the layer reads whole: the handler's response body.
+trait ResponseBody: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
+
+impl<B> ResponseBody for B where
+    B: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static
+{
+}
+
 /// The label of the `route` in metrics and logs, and the scope's first part.
 struct Route {
     /// `POST /payments/{id}`.
     label: String,
+}
+
+/// What the layer knows of a request it runs.
+struct RequestInfo {
+    route: Route,
+    /// The scope its key is claimed in: `http <METHOD> <route>`, then the principal if any.
+    scope: String,
+    /// The method and target: `POST /payments/7?draft=1`.
+    name: String,
+}
+
+/// A request read, before its claim.
+struct Incoming {
+    info: RequestInfo,
+    /// The `Idempotency-Key`, unquoted, if one was sent.
+    key: Option<String>,
+    /// The body, read whole.
+    bytes: Bytes,
 }
 
 async fn handle<S, DB, ReqBody, ResBody>(
@@ -102,15 +132,36 @@ where
     DB: InboxDatabase,
     ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
     ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ResBody: ResponseBody,
 {
     if !config.methods.contains(request.method()) {
         return call(&mut inner, request.map(Body::new))
             .await
             .map(|r| r.map(Body::new));
     }
-    let (mut parts, body) = request.into_parts();
+    let (parts, body) = request.into_parts();
+    let mut incoming = match read(&config, &parts, body).await {
+        Ok(incoming) => incoming,
+        Err(problem) => return Ok(problem),
+    };
+    match incoming.key.take() {
+        None => run_keyless(&config, &mut inner, parts, incoming).await,
+        Some(key) => run_keyed(&config, &mut inner, parts, incoming, key).await,
+    }
+}
+
+/// Reads what the layer needs of a request: its route, key, body (up to the limit), scope and
+/// name. A bad key or body is answered (400, 413) and counted.
+async fn read<DB, ReqBody>(
+    config: &Config<DB>,
+    parts: &http::request::Parts,
+    body: ReqBody,
+) -> Result<Incoming, Response<Body>>
+where
+    DB: InboxDatabase,
+    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let route_text = parts
         .extensions
         .get::<MatchedPath>()
@@ -118,31 +169,23 @@ where
     let route = Route {
         label: format!("{} {route_text}", parts.method),
     };
-    let problem = |p: Problem| Ok(p.into_response(&config.problem_base));
-
+    let bad = |problem: Problem| {
+        count(&route, "bad_request");
+        problem.into_response(&config.problem_base)
+    };
     let key = match key::parse(&parts.headers, config.max_key_len, config.accept_unquoted) {
         Ok(Some(key)) => Some(key),
-        Ok(None) if config.require_key => {
-            count(&route, "bad_request");
-            return problem(key_problem(KeyProblem::Missing));
-        }
+        Ok(None) if config.require_key => return Err(bad(key_problem(KeyProblem::Missing))),
         Ok(None) => None,
-        Err(bad) => {
-            count(&route, "bad_request");
-            return problem(key_problem(bad));
-        }
+        Err(problem) => return Err(bad(key_problem(problem))),
     };
-    let bytes = match read_body(&parts.headers, body, config.max_body_bytes).await {
-        Ok(bytes) => bytes,
-        Err(bad) => {
-            count(&route, "bad_request");
-            return problem(bad);
-        }
-    };
+    let bytes = read_body(&parts.headers, body, config.max_body_bytes)
+        .await
+        .map_err(bad)?;
     let principal = config
         .principal
         .as_ref()
-        .and_then(|principal| principal(&parts))
+        .and_then(|principal| principal(parts))
         .filter(|p| !p.is_empty());
     let scope = match &principal {
         Some(principal) => format!("http {} {principal}", route.label),
@@ -153,28 +196,63 @@ where
         .path_and_query()
         .map_or_else(|| parts.uri.path().to_owned(), |pq| pq.as_str().to_owned());
     let name = format!("{} {target}", parts.method);
+    Ok(Incoming {
+        info: RequestInfo { route, scope, name },
+        key,
+        bytes,
+    })
+}
 
-    let Some(key) = key else {
-        // An optional key, absent: a plain transaction, nothing claimed or stored.
-        count(&route, "no_key");
-        let conn = match config.pool.acquire().await {
-            Ok(conn) => conn,
-            Err(error) => return problem(store_unavailable(&config, &error)),
-        };
-        let tx = match ClaimTx::begin(Hold::Owned(Box::new(conn))).await {
-            Ok(tx) => tx,
-            Err(error) => return problem(store_unavailable(&config, &error)),
-        };
-        let slot = TxSlot::<DB>::new(Held::Plain(tx), scope, None);
-        parts.extensions.insert(slot.clone());
-        let request = Request::from_parts(parts, Body::from(bytes));
-        return run(&config, &route, &mut inner, request, slot).await;
+/// A request without a key (where it is optional): the handler in a plain transaction,
+/// nothing claimed or stored.
+async fn run_keyless<S, DB, ResBody>(
+    config: &Config<DB>,
+    inner: &mut S,
+    mut parts: http::request::Parts,
+    incoming: Incoming,
+) -> Result<Response<Body>, S::Error>
+where
+    S: tower::Service<Request<Body>, Response = Response<ResBody>>,
+    DB: InboxDatabase,
+    ResBody: ResponseBody,
+{
+    let Incoming { info, bytes, .. } = incoming;
+    count(&info.route, "no_key");
+    let problem = |p: Problem| Ok(p.into_response(&config.problem_base));
+    let conn = match config.pool.acquire().await {
+        Ok(conn) => conn,
+        Err(error) => return problem(store_unavailable(config, &error)),
     };
+    let tx = match ClaimTx::begin(Hold::Owned(Box::new(conn))).await {
+        Ok(tx) => tx,
+        Err(error) => return problem(store_unavailable(config, &error)),
+    };
+    let slot = TxSlot::<DB>::new(Held::Plain(tx), info.scope.clone(), None);
+    parts.extensions.insert(slot.clone());
+    let request = Request::from_parts(parts, Body::from(bytes));
+    run(config, &info, inner, request, slot).await
+}
 
-    let fingerprint = match fingerprint(&parts.headers, &name, &bytes) {
+/// A request with a key: its fingerprint, its claim (no wait), then the handler if the key is
+/// claimed, else the answer the key's state gives.
+async fn run_keyed<S, DB, ResBody>(
+    config: &Config<DB>,
+    inner: &mut S,
+    mut parts: http::request::Parts,
+    incoming: Incoming,
+    key: String,
+) -> Result<Response<Body>, S::Error>
+where
+    S: tower::Service<Request<Body>, Response = Response<ResBody>>,
+    DB: InboxDatabase,
+    ResBody: ResponseBody,
+{
+    let Incoming { info, bytes, .. } = incoming;
+    let problem = |p: Problem| Ok(p.into_response(&config.problem_base));
+    let fingerprint = match fingerprint(&parts.headers, &info.name, &bytes) {
         Ok(fingerprint) => fingerprint,
         Err(bad) => {
-            count(&route, "bad_request");
+            count(&info.route, "bad_request");
             return problem(bad);
         }
     };
@@ -183,7 +261,7 @@ where
         Err(error) => {
             // Blank or NUL keys: refused by the inbox's own rules (the header parser already
             // refuses both; kept for any future relaxation of it).
-            count(&route, "bad_request");
+            count(&info.route, "bad_request");
             return problem(Problem::new(
                 StatusCode::BAD_REQUEST,
                 "idempotency-key-malformed",
@@ -192,75 +270,29 @@ where
             ));
         }
     };
-    let conn = match config.pool.acquire().await {
-        Ok(conn) => conn,
-        Err(error) => {
-            count(&route, "failed");
-            return problem(store_unavailable(&config, &error));
-        }
-    };
-    let session = ClaimSession::new(&scope, &key, &name, fingerprint).wait(Wait::NoWait);
-    let state = match session.open_owned(conn).await {
+    let state = match open_claim(config, &info, &key, fingerprint).await {
         Ok(state) => state,
-        Err(error) => {
-            count(&route, "failed");
-            tracing::warn!(scope = %scope, key = %key, error = %error, "idempotency claim failed");
-            return problem(
-                Problem::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "store-unavailable",
-                    "The idempotency store is unavailable",
-                    "the request could not be checked against its Idempotency-Key; \
-                     nothing was done: retry with the same key",
-                )
-                .retry_after(config.retry_after),
-            );
-        }
+        Err(unavailable) => return problem(unavailable),
     };
     match state {
         ClaimState::Claimed(claim) => {
             let slot = TxSlot::<DB>::new(
                 Held::Claimed(Box::new(claim)),
-                scope.clone(),
+                info.scope.clone(),
                 Some(key.clone()),
             );
             parts.extensions.insert(slot.clone());
             let request = Request::from_parts(parts, Body::from(bytes));
-            crate::outbox::scope(
-                &scope,
+            run_body(
+                &info.scope,
                 key.as_str(),
-                run(&config, &route, &mut inner, request, slot),
+                run(config, &info, inner, request, slot),
             )
             .await
         }
-        ClaimState::Settled(settled) => {
-            let replay = match (settled.status, settled.result) {
-                (Status::Processed, Some(result)) => {
-                    StoredResponse::decode(&result).map_err(|damaged| damaged.to_string())
-                }
-                (status, _) => Err(format!(
-                    "the key is settled as `{status}` without a stored response"
-                )),
-            };
-            match replay {
-                Ok(stored) => {
-                    count(&route, "replayed");
-                    Ok(replayed(stored))
-                }
-                Err(reason) => {
-                    count(&route, "failed");
-                    tracing::error!(scope = %scope, key = %key, reason = %reason, "stored response unreadable");
-                    problem(Problem::new(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        "stored-response-unreadable",
-                        "The stored response cannot be replayed",
-                        reason,
-                    ))
-                }
-            }
-        }
+        ClaimState::Settled(settled) => Ok(replay(config, &info, &key, settled)),
         ClaimState::Conflict(_) => {
-            count(&route, "mismatch");
+            count(&info.route, "mismatch");
             problem(Problem::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "idempotency-key-reused",
@@ -271,14 +303,78 @@ where
             ))
         }
         ClaimState::InProgress => {
-            count(&route, "in_flight");
+            count(&info.route, "in_flight");
             problem(in_flight(config.retry_after))
         }
         ClaimState::NotYet { retry_in, .. } => {
             // Keys of HTTP requests are never recorded as failed; a scope shared with a claim
             // session of your own could be.
-            count(&route, "in_flight");
+            count(&info.route, "in_flight");
             problem(in_flight(retry_in.max(config.retry_after)))
+        }
+    }
+}
+
+/// Opens the claim of `key` on a pooled connection that goes with it, without waiting. The
+/// database unavailable: a 503 problem (counted).
+async fn open_claim<DB: InboxDatabase>(
+    config: &Config<DB>,
+    info: &RequestInfo,
+    key: &IdempotencyKey,
+    fingerprint: Fingerprint,
+) -> Result<ClaimState<'static, DB::Connection>, Problem> {
+    let conn = match config.pool.acquire().await {
+        Ok(conn) => conn,
+        Err(error) => {
+            count(&info.route, "failed");
+            return Err(store_unavailable(config, &error));
+        }
+    };
+    let session = ClaimSession::new(&info.scope, key, &info.name, fingerprint).wait(Wait::NoWait);
+    session.open_owned(conn).await.map_err(|error| {
+        count(&info.route, "failed");
+        tracing::warn!(scope = %info.scope, key = %key, error = %error, "idempotency claim failed");
+        Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store-unavailable",
+            "The idempotency store is unavailable",
+            "the request could not be checked against its Idempotency-Key; \
+             nothing was done: retry with the same key",
+        )
+        .retry_after(config.retry_after)
+    })
+}
+
+/// The answer to a request whose key was settled before: its stored response, replayed.
+fn replay<DB: InboxDatabase>(
+    config: &Config<DB>,
+    info: &RequestInfo,
+    key: &IdempotencyKey,
+    settled: Settled,
+) -> Response<Body> {
+    let replay = match (settled.status, settled.result) {
+        (Status::Processed, Some(result)) => {
+            StoredResponse::decode(&result).map_err(|damaged| damaged.to_string())
+        }
+        (status, _) => Err(format!(
+            "the key is settled as `{status}` without a stored response"
+        )),
+    };
+    match replay {
+        Ok(stored) => {
+            count(&info.route, "replayed");
+            replayed(stored)
+        }
+        Err(reason) => {
+            count(&info.route, "failed");
+            tracing::error!(scope = %info.scope, key = %key, reason = %reason, "stored response unreadable");
+            Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "stored-response-unreadable",
+                "The stored response cannot be replayed",
+                reason,
+            )
+            .into_response(&config.problem_base)
         }
     }
 }
@@ -287,7 +383,7 @@ where
 /// (or rolls it back) and answers.
 async fn run<S, DB, ResBody>(
     config: &Config<DB>,
-    route: &Route,
+    info: &RequestInfo,
     inner: &mut S,
     request: Request<Body>,
     slot: TxSlot<DB>,
@@ -295,62 +391,13 @@ async fn run<S, DB, ResBody>(
 where
     S: tower::Service<Request<Body>, Response = Response<ResBody>>,
     DB: InboxDatabase,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ResBody: ResponseBody,
 {
+    let route = &info.route;
     let problem = |p: Problem| Ok(p.into_response(&config.problem_base));
-    let outcome = AssertUnwindSafe(call(inner, request)).catch_unwind().await;
-    let response = match outcome {
-        Ok(Ok(response)) => response,
-        Ok(Err(error)) => {
-            rollback(slot.take()).await;
-            count(route, "failed");
-            return Err(error);
-        }
-        Err(_panic) => {
-            rollback(slot.take()).await;
-            count(route, "failed");
-            tracing::error!(route = %route.label, "handler panicked; rolled back");
-            return problem(Problem::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "handler-panicked",
-                "The handler failed",
-                "the handler panicked; nothing was stored, and a retry with the same key runs \
-                 it again",
-            ));
-        }
-    };
-    let (head, body) = response.into_parts();
-    let body = match Limited::new(body, config.max_response_bytes)
-        .collect()
-        .await
-    {
-        Ok(collected) => collected.to_bytes(),
-        Err(error) => {
-            rollback(slot.take()).await;
-            count(route, "failed");
-            let too_large = error.downcast_ref::<LengthLimitError>().is_some();
-            tracing::error!(route = %route.label, too_large, "response body not stored; rolled back");
-            return problem(if too_large {
-                Problem::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "response-too-large",
-                    "The response is too large to store",
-                    format!(
-                        "the handler's response body is larger than the {} bytes an idempotent \
-                         response may have; nothing was stored",
-                        config.max_response_bytes
-                    ),
-                )
-            } else {
-                Problem::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "handler-panicked",
-                    "The handler failed",
-                    "the handler's response body failed; nothing was stored",
-                )
-            });
-        }
+    let (head, body) = match respond(config, route, inner, request, &slot).await? {
+        Ok(response) => response,
+        Err(failed) => return problem(failed),
     };
     let Some(held) = slot.take() else {
         // The handler kept the transaction (moved it into a spawned task, say): it can be
@@ -371,7 +418,102 @@ where
         return Ok(Response::from_parts(head, Body::from(body)));
     }
     let claimed = matches!(held, Held::Claimed(_));
-    let committed = match held {
+    match commit_held(config, info, held, &head, &body).await {
+        Ok(()) => {
+            if claimed {
+                // (A request without a key was counted as `no_key` already.)
+                count(route, "first");
+            }
+            Ok(Response::from_parts(head, Body::from(body)))
+        }
+        Err((operation, error)) => problem(uncommitted(route, operation, &error, config)),
+    }
+}
+
+/// Calls the handler and reads its response body whole (up to the limit). A handler that
+/// panics, or a body over the limit or failing: rolled back, counted, and the problem to answer
+/// as the `Err`; the handler's own error is returned as it is.
+async fn respond<S, DB, ResBody>(
+    config: &Config<DB>,
+    route: &Route,
+    inner: &mut S,
+    request: Request<Body>,
+    slot: &TxSlot<DB>,
+) -> Result<Result<(http::response::Parts, Bytes), Problem>, S::Error>
+where
+    S: tower::Service<Request<Body>, Response = Response<ResBody>>,
+    DB: InboxDatabase,
+    ResBody: ResponseBody,
+{
+    let outcome = AssertUnwindSafe(call(inner, request)).catch_unwind().await;
+    let response = match outcome {
+        Ok(Ok(response)) => response,
+        Ok(Err(error)) => {
+            rollback(slot.take()).await;
+            count(route, "failed");
+            return Err(error);
+        }
+        Err(_panic) => {
+            rollback(slot.take()).await;
+            count(route, "failed");
+            tracing::error!(route = %route.label, "handler panicked; rolled back");
+            return Ok(Err(Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "handler-panicked",
+                "The handler failed",
+                "the handler panicked; nothing was stored, and a retry with the same key runs \
+                 it again",
+            )));
+        }
+    };
+    let (head, body) = response.into_parts();
+    match Limited::new(body, config.max_response_bytes)
+        .collect()
+        .await
+    {
+        Ok(collected) => Ok(Ok((head, collected.to_bytes()))),
+        Err(error) => {
+            rollback(slot.take()).await;
+            count(route, "failed");
+            let too_large = error.downcast_ref::<LengthLimitError>().is_some();
+            tracing::error!(route = %route.label, too_large, "response body not stored; rolled back");
+            Ok(Err(if too_large {
+                Problem::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "response-too-large",
+                    "The response is too large to store",
+                    format!(
+                        "the handler's response body is larger than the {} bytes an idempotent \
+                         response may have; nothing was stored",
+                        config.max_response_bytes
+                    ),
+                )
+            } else {
+                Problem::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "handler-panicked",
+                    "The handler failed",
+                    "the handler's response body failed; nothing was stored",
+                )
+            }))
+        }
+    }
+}
+
+/// Commits the request's transaction through the protocol's last steps: the response stored
+/// with the key (a claimed request), the hooks, verify and `COMMIT`, the after-commit hooks.
+/// `Err`: the step that failed (`None`: a hook) and its error, everything rolled back (or, for
+/// [`StoreOperation::Commit`], the outcome unknown).
+async fn commit_held<DB: InboxDatabase>(
+    config: &Config<DB>,
+    info: &RequestInfo,
+    held: Held<DB>,
+    head: &http::response::Parts,
+    body: &Bytes,
+) -> Result<(), (Option<StoreOperation>, String)> {
+    let hooks = config.hooks.runner();
+    let hook_failed = |source: BoxError| (None, format!("before-commit hook failed: {source}"));
+    match held {
         Held::Claimed(claim) => {
             let stored = StoredResponse::select(
                 head.status,
@@ -380,50 +522,62 @@ where
                 body.clone(),
             );
             claim
-                .complete(Some(&stored.encode()))
+                .complete_with(Some(&stored.encode()), hooks)
                 .await
-                .map_err(|e| (e.operation, e.to_string()))
+                .map_err(|incomplete| match incomplete {
+                    Incomplete::Store(e) => (Some(e.operation), e.to_string()),
+                    Incomplete::Hook(source) => hook_failed(source),
+                })
         }
-        Held::Plain(mut tx) => tx
-            .commit()
-            .await
-            .map_err(|e| (StoreOperation::Commit, e.to_string())),
-    };
-    match committed {
-        Ok(()) => {
-            if claimed {
-                // (A request without a key was counted as `no_key` already.)
-                count(route, "first");
-            }
-            Ok(Response::from_parts(head, Body::from(body)))
-        }
-        Err((StoreOperation::Commit, error)) => {
-            count(route, "failed");
-            tracing::error!(route = %route.label, error = %error, "commit outcome unknown");
-            problem(
-                Problem::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "outcome-unknown",
-                    "The outcome is unknown",
-                    "the database did not confirm the commit; retry with the same \
-                     Idempotency-Key to learn whether the request took effect (the retry \
-                     replays its response if it did, and runs it if it did not)",
-                )
-                .retry_after(config.retry_after),
-            )
-        }
-        Err((_, error)) => {
-            count(route, "failed");
-            tracing::error!(route = %route.label, error = %error, "transaction failed; rolled back");
-            problem(Problem::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "transaction-failed",
-                "The transaction failed",
-                "the request's transaction could not be committed (a database error the \
-                 handler did not return, or storing the response failed); nothing was stored",
-            ))
+        Held::Plain(mut tx) => {
+            // No key, no claim: the hooks see the scope and an empty key.
+            let claim = ClaimInfo {
+                consumer: &info.scope,
+                key: "",
+                message_name: &info.name,
+                payload: None,
+                source: None,
+            };
+            commit(&mut tx, hooks, &claim, Verify::Nothing)
+                .await
+                .map_err(|uncommitted| match uncommitted {
+                    Uncommitted::Store(operation, e) => (Some(operation), e.to_string()),
+                    Uncommitted::Hook(source) => hook_failed(source),
+                })
         }
     }
+}
+
+/// The answer to a request whose transaction did not commit (counted as failed): the outcome
+/// unknown (503) after a failed `COMMIT`, else rolled back (500).
+fn uncommitted<DB: InboxDatabase>(
+    route: &Route,
+    operation: Option<StoreOperation>,
+    error: &str,
+    config: &Config<DB>,
+) -> Problem {
+    count(route, "failed");
+    if operation == Some(StoreOperation::Commit) {
+        tracing::error!(route = %route.label, error = %error, "commit outcome unknown");
+        return Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "outcome-unknown",
+            "The outcome is unknown",
+            "the database did not confirm the commit; retry with the same \
+             Idempotency-Key to learn whether the request took effect (the retry \
+             replays its response if it did, and runs it if it did not)",
+        )
+        .retry_after(config.retry_after);
+    }
+    tracing::error!(route = %route.label, error = %error, "transaction failed; rolled back");
+    Problem::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "transaction-failed",
+        "The transaction failed",
+        "the request's transaction could not be committed (a database error the \
+         handler did not return, storing the response failed, or a before-commit hook \
+         failed); nothing was stored",
+    )
 }
 
 /// Ends a transaction the layer does not commit: rolls it back, recording nothing (the key
@@ -504,8 +658,18 @@ fn fingerprint(headers: &http::HeaderMap, name: &str, body: &[u8]) -> Result<Fin
             format!("the body is declared JSON (Content-Type) but does not parse: {reason}"),
         )
     };
+    // The dispatcher's Unicode rule: UTF-8, and no escape that decodes to an unpaired
+    // surrogate (serde_json refuses both too, in less plain words).
+    let text = crate::types::json_text::json_text(body).map_err(|error| {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "request-body-invalid",
+            "The request body is not valid JSON",
+            format!("the body is declared JSON (Content-Type) but is not Unicode text: {error}"),
+        )
+    })?;
     let value: serde_json::Value =
-        serde_json::from_slice(body).map_err(|error| invalid(error.to_string()))?;
+        serde_json::from_str(text).map_err(|error| invalid(error.to_string()))?;
     Fingerprint::of(name, &value).map_err(|error| invalid(error.to_string()))
 }
 

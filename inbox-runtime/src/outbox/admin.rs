@@ -1,6 +1,6 @@
 //! Operating the outbox: statistics per destination and status, listing and inspecting rows,
 //! retrying dead ones, discarding them. The retention purge of `sent` rows is part of the
-//! shared [`crate::admin::purge`]; the `inbox_runtime::cli` entry point wraps all of them
+//! shared [`crate::ops::admin::purge`]; the `inbox_runtime::ops::cli` entry point wraps all of them
 //! (`stats`, `outbox list|show|retry|discard`, `purge`).
 //!
 //! Rows are named by their **message id** (the stable id the relay sends, what a broker's or a
@@ -9,7 +9,7 @@
 //!
 //! ```no_run
 //! # async fn demo(pool: sqlx::PgPool) -> Result<(), sqlx::Error> {
-//! use inbox_runtime::OutboxStatus;
+//! use inbox_runtime::store::OutboxStatus;
 //! use inbox_runtime::outbox::admin;
 //!
 //! if admin::installed(&pool).await? {
@@ -38,8 +38,8 @@ pub async fn installed<DB: OutboxDatabase>(pool: &Pool<DB>) -> Result<bool, sqlx
 }
 
 /// Per destination and status (`pending`, `sent`, `dead`; those with rows): how many rows and
-/// the oldest `created_at` (database text form: [`crate::admin::utc_time`] shows it in UTC), by
-/// destination, then status.
+/// the oldest `created_at` (database text form: [`crate::ops::admin::utc_time`] shows it in UTC),
+/// by destination, then status.
 ///
 /// # Errors
 /// The database's error (a missing table when the outbox is not migrated).

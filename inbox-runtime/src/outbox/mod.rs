@@ -13,14 +13,15 @@
 //!   writes the same ids. The relay sends the stored id with every (re-)publish, so the broker's
 //!   duplicate window or the consuming inbox drops a re-publish.
 //! * **Relay**: [`Relay`] leases committed rows (never skipping one that committed late),
-//!   publishes them, and marks them sent; rows of one aggregate go out one at a time in id
-//!   order; a failing row is retried with backoff and then dead-lettered, blocking only its own
-//!   aggregate; many relays can run at once; a row whose publish kills (or hangs) every relay is
-//!   dead-lettered after its attempts instead of looping.
-//! * **Change data capture**: with [`Delivery::ChangeDataCapture`] rows are written already
+//!   publishes them, and marks them sent (only while it still holds their lease); rows of one
+//!   aggregate go out one at a time (in which order: below); a failing row is retried with
+//!   backoff and then dead-lettered, blocking only its own aggregate; many relays can run at
+//!   once; a row whose publish kills (or hangs) every relay is dead-lettered after its attempts
+//!   instead of looping.
+//! * **Change data capture**: with [`Transport::ChangeDataCapture`] rows are written already
 //!   settled, for Debezium's outbox event router to read from the WAL instead of a relay.
 //! * **Operating it**: [`admin`] (statistics, list, show, retry, discard), the CLI's `outbox`
-//!   commands, and the shared retention purge ([`crate::admin::purge`]) for `sent` rows.
+//!   commands, and the shared retention purge ([`crate::ops::admin::purge`]) for `sent` rows.
 //!
 //! Enable the table with [`migrate_components`](crate::migrate_components)`(&pool,
 //! &[Component::Inbox, Component::Outbox])` ([`Component::Outbox`](crate::Component::Outbox);
@@ -48,11 +49,35 @@
 //! transaction, which holds the write lock until it commits, so rows commit in id order and a
 //! reader sees a prefix of the ids.
 //!
-//! Within an **aggregate** ([`OutboxMessage::aggregate`]), rows are published one at a time in
-//! id order: a row waits while an earlier row of its aggregate is `pending` or `dead`. Id order
-//! is the aggregate's commit order when its writers are serialized (they lock the aggregate's
-//! row before publishing, as they must for its state anyway); writers that are not serialized
-//! have no commit order to keep, and their rows go out in the order they became publishable.
+//! Within an **aggregate** ([`OutboxMessage::aggregate`]), rows are published one at a time: a
+//! row waits while an earlier-created row of its aggregate (a lower id) that the relay can see
+//! is `pending` or `dead`. A row the relay cannot see yet (its transaction is still open) holds
+//! nothing back. So, per aggregate:
+//!
+//! * a row is published only after its transaction commits, and never ahead of an
+//!   earlier-created row of its aggregate that had committed by then;
+//! * they are published in **creation order** (the order of the [`Outbox::publish`] calls,
+//!   which is id order) when the aggregate's writers are serialized, each writing its rows only
+//!   after the previous writer of the aggregate has ended: then a row is never visible before an
+//!   earlier one of its aggregate.
+//!
+//! Who serializes the writers, per backend:
+//!
+//! * **SQLite**: the database (one writer at a time): always creation order.
+//! * **MySQL/MariaDB**: the publish itself. It first locks the aggregate's row in
+//!   `inbox_outbox_aggregates`, held until the transaction ends, so a second writer of the aggregate waits
+//!   at its publish: always creation order, at the price of one writer of an aggregate at a time
+//!   from its first publish to its commit.
+//! * **PostgreSQL**: your writers. Lock the aggregate before publishing: its row
+//!   (`SELECT … FOR UPDATE`, or the `UPDATE` of its state, as a handler that changes the
+//!   aggregate does anyway), or an advisory lock keyed by it
+//!   (`SELECT pg_advisory_xact_lock(hashtextextended($1, 0))` with the aggregate id). Writers
+//!   that do not get commit order or creation order, as the horizon above decides. Say T1 creates row 1 of an
+//!   aggregate, then T2 creates row 2 and commits while T1 is still open: if T2 took its
+//!   transaction id first (in an `#[idempotent]` handler the claim, the transaction's first
+//!   statement, takes it), row 2 is published at once and row 1 after T1 commits (commit
+//!   order); if T1 took its id first, row 2 waits for T1 to end and then behind row 1
+//!   (creation order, although row 2 committed first).
 //!
 //! ## Where message ids come from
 //!
@@ -93,25 +118,25 @@
 //! ```
 
 pub mod admin;
-mod context;
 mod relay;
 
 use std::collections::BTreeMap;
 
 use sha2::{Digest as _, Sha256};
 
-use crate::classify::{Classify, ErrorClass};
-use crate::message::Message;
+use crate::protocol::context;
 use crate::store::{OutboxRow, OutboxStore};
+use crate::types::classify::{Classify, ErrorClass};
+use crate::types::message::Message;
 
-pub(crate) use context::current as current_claim;
-pub(crate) use context::scope;
-pub use relay::{Relay, RelayReport, RoundReport};
+pub use relay::{
+    MAX_BACKOFF, MAX_LEASE, MIN_LEASE, Relay, RelayConfigError, RelayReport, RoundReport,
+};
 
 /// How an [`Outbox`]'s rows reach the broker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
-pub enum Delivery {
+pub enum Transport {
     /// A [`Relay`] leases `pending` rows, publishes them to its sink and marks them `sent`
     /// (the default).
     Relay,
@@ -120,7 +145,7 @@ pub enum Delivery {
     /// are written already `sent` (`sent_at` = their creation), so that no relay leases them
     /// and no backlog gauge counts them while they wait for a relay that never runs; the
     /// table only ever sees inserts (what the event router expects) until the retention
-    /// purge ([`crate::admin::purge`]) deletes them, deletes the event router ignores. The
+    /// purge ([`crate::ops::admin::purge`]) deletes them, deletes the event router ignores. The
     /// commit is the publish: Debezium emits exactly the committed rows, in commit order, and
     /// a rolled-back publish never reaches the log's decoded stream.
     ChangeDataCapture,
@@ -141,7 +166,7 @@ pub const MAX_MESSAGE_ID_BYTES: usize = 255;
 pub struct Outbox {
     destinations: &'static [&'static str],
     notify: bool,
-    delivery: Delivery,
+    transport: Transport,
 }
 
 impl Outbox {
@@ -150,16 +175,16 @@ impl Outbox {
         Self {
             destinations,
             notify: true,
-            delivery: Delivery::Relay,
+            transport: Transport::Relay,
         }
     }
 
     /// How rows reach the broker: a [`Relay`] (the default) or change data capture
-    /// ([`Delivery::ChangeDataCapture`]: rows written already `sent`, no notification). Pick one
+    /// ([`Transport::ChangeDataCapture`]: rows written already `sent`, no notification). Pick one
     /// per table: a relay running beside a CDC connector would publish nothing (the rows are
     /// `sent`), while a CDC connector reading rows a relay also publishes would send each twice.
-    pub const fn delivery(mut self, delivery: Delivery) -> Self {
-        self.delivery = delivery;
+    pub const fn transport(mut self, transport: Transport) -> Self {
+        self.transport = transport;
         self
     }
 
@@ -188,6 +213,17 @@ impl Outbox {
     /// before in this run (0, 1, …), so that a run rolled back and run again publishes the same
     /// ids as long as it publishes in the same order; otherwise a fresh UUIDv7 (stable from
     /// then on: the relay re-publishes the stored id).
+    ///
+    /// # Order
+    /// The row becomes publishable when the transaction commits. Rows of one aggregate
+    /// ([`OutboxMessage::aggregate`]) are published one at a time, never one ahead of an
+    /// earlier-created row of the aggregate that had committed by then; in the order of their
+    /// `publish` calls (creation order) when the aggregate's writers are serialized:
+    /// always on SQLite and MySQL/MariaDB (there this call waits while another open transaction
+    /// has published to the aggregate), on PostgreSQL only if the writers lock the aggregate
+    /// before publishing (its row `FOR UPDATE`, or
+    /// `pg_advisory_xact_lock(hashtextextended(aggregate_id, 0))`). See the
+    /// [module docs](crate::outbox#no-skips-and-in-what-order).
     ///
     /// # Errors
     /// Nothing is written on error; return it from the handler so that its transaction rolls
@@ -257,9 +293,9 @@ impl Outbox {
             &headers_json,
             message.aggregate_id.as_deref(),
         )
-        .settled(self.delivery == Delivery::ChangeDataCapture);
+        .settled(self.transport == Transport::ChangeDataCapture);
         let written = conn
-            .enqueue_outbox(&row, self.notify && self.delivery == Delivery::Relay)
+            .enqueue_outbox(&row, self.notify && self.transport == Transport::Relay)
             .await?;
         if !written {
             return Err(OutboxError::DuplicateMessageId { message_id });
@@ -387,8 +423,10 @@ impl OutboxMessage {
         self
     }
 
-    /// Sets the aggregate: the relay publishes the rows of one aggregate one at a time, in the
-    /// order they were written, and a dead row blocks the rows after it.
+    /// Sets the aggregate: the relay publishes the rows of one aggregate one at a time, never
+    /// one ahead of an earlier-written row that had committed by then (in the order they were
+    /// written when the aggregate's writers are serialized: see [`Outbox::publish`]), and a
+    /// dead row blocks the rows after it.
     pub fn aggregate(mut self, aggregate_id: impl Into<String>) -> Self {
         self.aggregate_id = Some(aggregate_id.into());
         self

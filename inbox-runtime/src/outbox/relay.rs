@@ -17,20 +17,33 @@ use crate::store::{OutboxBacklog, OutboxDatabase, OutboxRecord, OutboxStatus, Ou
 /// publishable rows for [`lease`](Self::lease) (one short statement: rows are selected by
 /// status, so a row committed late is found by the next round; on PostgreSQL only rows whose
 /// transaction is older than every running one, see
-/// [`OutboxStore::lease_outbox`](crate::OutboxStore::lease_outbox)), **publishes**
+/// [`OutboxStore::lease_outbox`](crate::store::OutboxStore::lease_outbox)), **publishes**
 /// them with one [`Sink::publish_batch`], then **marks** the accepted ones `sent` and records
 /// each failure: retried after a backoff (`backoff` doubled per attempt, capped), `dead` once
 /// permanent or at [`max_attempts`](Self::max_attempts).
 ///
-/// * **Per-aggregate order**: a row is not leased while an earlier row of its aggregate is
-///   `pending` (unpublished, failing, or out with another relay) or `dead`; rows of an aggregate
-///   are published one at a time in id order, which is their commit order when the writers of
-///   one aggregate are serialized (they lock the aggregate's row, as they must for its state
-///   anyway). A poison row blocks only its own aggregate.
+/// * **Per-aggregate order**: a row is not leased while an earlier-created row of its aggregate
+///   (a lower id) that the relay can see is `pending` (unpublished, failing, or out with another
+///   relay) or `dead`; a row whose transaction is still open is not seen and holds nothing back.
+///   Rows of an aggregate therefore go out one at a time, never one ahead of an earlier-created
+///   row that had committed by then, and in creation order when the aggregate's writers are
+///   serialized: always on SQLite (one writer)
+///   and MySQL/MariaDB (the publish locks the aggregate's lock row until the transaction ends);
+///   on PostgreSQL only when the writers lock the aggregate (its row, `FOR UPDATE`, or
+///   `pg_advisory_xact_lock` keyed by it) before publishing; see the
+///   [module docs](crate::outbox#no-skips-and-in-what-order). A poison row blocks only its own
+///   aggregate.
 /// * **Many relays**: leases keep two relays off the same row (PostgreSQL: `FOR UPDATE SKIP
 ///   LOCKED`; SQLite: the single writer lock). A relay that dies after publishing and before
 ///   marking leaves the row leased; once the lease runs out another relay publishes it again,
 ///   with the **same** message id. Keep the lease longer than a batch's publish takes.
+/// * **Lease-owned marks**: each lease writes a token into its rows, and a relay marks a row
+///   sent or failed only while the row still carries its lease's token. A relay that was
+///   paused (or whose mark was slow) past its lease, while another relay leased the row again,
+///   changes nothing: it neither releases the other relay's lease nor marks the row sent ahead
+///   of the other's publish (which would let the aggregate's next row overtake it). Its mark is
+///   counted ([`RoundReport::lease_lost`], `inbox_outbox_lease_lost_total`) and logged, and
+///   the round goes on.
 /// * **Wake-up**: [`run`](Self::run) rounds back to back while there is work, then waits for a
 ///   PostgreSQL notification (a hint, see [`Outbox::notify`](super::Outbox::notify)) or the
 ///   [`poll_interval`](Self::poll_interval), whichever comes first: latency stays bounded by the
@@ -104,12 +117,19 @@ pub struct RoundReport {
     pub dead: usize,
     /// Rows this round's lease turned `dead` because their leases had run out
     /// [`max_attempts`](Relay::max_attempts) times unmarked (relays crashed, hung or were stopped
-    /// while publishing them): see [`OutboxStore::lease_outbox`](crate::OutboxStore::lease_outbox).
+    /// while publishing them): see
+    /// [`OutboxStore::lease_outbox`](crate::store::OutboxStore::lease_outbox).
     pub abandoned: usize,
     /// Rows whose publish did not answer within the lease: the relay stopped waiting and left
     /// them unmarked (their lease has run out; the next lease takes them as orphans, counting
     /// the attempt).
     pub timed_out: usize,
+    /// Rows whose mark (sent or failed) changed nothing because this relay's lease on them was
+    /// lost by the time it marked: their lease ran out and another relay leased them again, an
+    /// operator retried or discarded them, or (a failure) they were dead-lettered as abandoned.
+    /// The row stays as its current holder leaves it; a publish the sink accepted is published
+    /// again by that holder, with the same message id.
+    pub lease_lost: usize,
 }
 
 /// What [`Relay::run`] did until it stopped.
@@ -128,8 +148,59 @@ pub struct RelayReport {
     pub abandoned: u64,
     /// Rows whose publish did not answer within the lease ([`RoundReport::timed_out`]).
     pub timed_out: u64,
+    /// Marks that changed nothing, the lease having been lost ([`RoundReport::lease_lost`]).
+    pub lease_lost: u64,
     /// Rounds that failed on a database error (logged, retried after the poll interval).
     pub errors: u64,
+}
+
+/// The shortest lease [`Relay::lease`] accepts: 100 ms. Below it no sink answers a batch in
+/// time: every round would time out, and every row would be leased again and again until it went
+/// `dead` unpublished (or published, but never marked).
+pub const MIN_LEASE: Duration = Duration::from_millis(100);
+
+/// The longest lease [`Relay::lease`] accepts: 1 hour. A round waits for its sink up to the
+/// lease, and the rows of a relay that crashed wait that long for another: a longer lease is a
+/// unit slip, not a sink (and one beyond the databases' time arithmetic would fail every round).
+pub const MAX_LEASE: Duration = Duration::from_secs(3600);
+
+/// The longest backoff [`Relay::backoff`] sets: 30 days (larger values are lowered to it; beyond
+/// the databases' time arithmetic they would fail the failed row's mark).
+pub const MAX_BACKOFF: Duration = Duration::from_secs(30 * 86_400);
+
+/// A relay setting that [`Relay`]'s setters refuse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RelayConfigError {
+    /// The lease is below [`MIN_LEASE`] or above [`MAX_LEASE`].
+    #[error(
+        "relay lease of {} is outside {}..={}: a lease shorter than a publish times every round \
+         out and dead-letters rows unpublished; a longer one is a unit slip",
+        crate::ops::admin::format_duration(*lease),
+        crate::ops::admin::format_duration(*min),
+        crate::ops::admin::format_duration(*max)
+    )]
+    LeaseOutOfRange {
+        /// The lease asked for.
+        lease: Duration,
+        /// [`MIN_LEASE`].
+        min: Duration,
+        /// [`MAX_LEASE`].
+        max: Duration,
+    },
+}
+
+/// `Ok` if `lease` is within [`MIN_LEASE`]..=[`MAX_LEASE`].
+fn check_lease(lease: Duration) -> Result<(), RelayConfigError> {
+    if (MIN_LEASE..=MAX_LEASE).contains(&lease) {
+        Ok(())
+    } else {
+        Err(RelayConfigError::LeaseOutOfRange {
+            lease,
+            min: MIN_LEASE,
+            max: MAX_LEASE,
+        })
+    }
 }
 
 impl<DB: OutboxDatabase> Relay<DB> {
@@ -160,15 +231,23 @@ impl<DB: OutboxDatabase> Relay<DB> {
     /// How long a leased row stays with this relay before another may publish it again, and how
     /// long a round waits for the sink to answer: a publish that takes longer is abandoned
     /// ([`RoundReport::timed_out`]; the future is dropped) and its rows are leased again as
-    /// orphans, each lease an attempt. Keep it well above the sink's worst publish time.
-    pub fn lease(mut self, lease: Duration) -> Self {
+    /// orphans, each lease an attempt. Keep it well above the sink's worst publish time. Default
+    /// 30 s.
+    ///
+    /// # Errors
+    /// [`RelayConfigError::LeaseOutOfRange`] if `lease` is below [`MIN_LEASE`] (100 ms) or above
+    /// [`MAX_LEASE`] (1 hour); the relay is consumed.
+    pub fn lease(mut self, lease: Duration) -> Result<Self, RelayConfigError> {
+        check_lease(lease)?;
         self.lease = lease;
-        self
+        Ok(self)
     }
 
     /// The longest wait between rounds when idle (the latency bound without notifications).
+    /// Default 500 ms; at least 1 ms (0 counts as 1 ms: an idle relay never polls back to
+    /// back).
     pub fn poll_interval(mut self, interval: Duration) -> Self {
-        self.poll_interval = interval;
+        self.poll_interval = interval.max(Duration::from_millis(1));
         self
     }
 
@@ -180,10 +259,12 @@ impl<DB: OutboxDatabase> Relay<DB> {
         self
     }
 
-    /// The wait before a failed row's second attempt, doubled for each later one up to `max`.
+    /// The wait before a failed row's second attempt, doubled for each later one up to `max`
+    /// (default 1 s to 5 min). Both are lowered to [`MAX_BACKOFF`] (30 days) if above it, and
+    /// `max` is raised to `first` if below it.
     pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
-        self.backoff = first;
-        self.max_backoff = max.max(first);
+        self.backoff = first.min(MAX_BACKOFF);
+        self.max_backoff = max.min(MAX_BACKOFF).max(self.backoff);
         self
     }
 
@@ -207,10 +288,10 @@ impl<DB: OutboxDatabase> Relay<DB> {
     /// One round: lease, publish, mark. Returns what it did (`leased == 0`: nothing to do).
     ///
     /// Runs in the span `inbox.outbox.round` (fields `leased`, `published`, `failed`, `dead`,
-    /// `abandoned`, `timed_out`), the sink's call in `inbox.outbox.sink` (`messages`), and each
-    /// leased row in `inbox.outbox.publish` (`message_id`, `destination`, `message_name`,
-    /// `aggregate`, `attempt`, `outcome`: `sent`, `failed`, `dead` or `timed_out`), where its
-    /// warnings and errors are logged.
+    /// `abandoned`, `timed_out`, `lease_lost`), the sink's call in `inbox.outbox.sink`
+    /// (`messages`), and each leased row in `inbox.outbox.publish` (`message_id`,
+    /// `destination`, `message_name`, `aggregate`, `attempt`, `outcome`: `sent`, `failed`,
+    /// `dead`, `timed_out` or `lease_lost`), where its warnings and errors are logged.
     ///
     /// # Errors
     /// A database error while leasing or marking. Rows published but not marked stay leased
@@ -224,6 +305,7 @@ impl<DB: OutboxDatabase> Relay<DB> {
             dead = tracing::field::Empty,
             abandoned = tracing::field::Empty,
             timed_out = tracing::field::Empty,
+            lease_lost = tracing::field::Empty,
         );
         let report = self.round().instrument(span.clone()).await?;
         span.record("leased", report.leased);
@@ -232,9 +314,12 @@ impl<DB: OutboxDatabase> Relay<DB> {
         span.record("dead", report.dead);
         span.record("abandoned", report.abandoned);
         span.record("timed_out", report.timed_out);
+        span.record("lease_lost", report.lease_lost);
         Ok(report)
     }
 
+    /// One round's steps: lease (dead-lettering the abandoned rows), publish the leased rows in
+    /// one sink call bounded by the lease, then mark each sent or failed.
     async fn round(&self) -> Result<RoundReport, sqlx::Error> {
         let mut conn = self.pool.acquire().await?;
         let lease_ms = i64::try_from(self.lease.as_millis()).unwrap_or(i64::MAX);
@@ -252,21 +337,7 @@ impl<DB: OutboxDatabase> Relay<DB> {
             )
             .await?;
         let leased_at = Instant::now();
-        for record in &lease.abandoned {
-            metrics::counter!(
-                "inbox_outbox_dead_total",
-                "destination" => record.destination.clone(),
-                "reason" => "abandoned"
-            )
-            .increment(1);
-            message_span(record, "dead").in_scope(|| {
-                tracing::error!(
-                    attempts = record.attempts,
-                    error = %abandoned_error,
-                    "outbox message dead"
-                )
-            });
-        }
+        report_abandoned(&lease.abandoned, &abandoned_error);
         let records = lease.records;
         let mut report = RoundReport {
             leased: records.len(),
@@ -278,68 +349,83 @@ impl<DB: OutboxDatabase> Relay<DB> {
         }
         let spans: Vec<tracing::Span> = records.iter().map(|r| message_span(r, "")).collect();
         let (indices, messages, mut failures) = outgoing(&records);
-        let results = if messages.is_empty() {
-            Some(Vec::new())
-        } else {
-            let started = Instant::now();
-            let publish = self
-                .sink
-                .publish_batch(&messages)
-                .instrument(tracing::info_span!(
-                    "inbox.outbox.sink",
-                    messages = messages.len()
-                ));
-            let results = tokio::time::timeout(self.lease, publish).await.ok();
-            metrics::histogram!("inbox_outbox_sink_batch_seconds")
-                .record(started.elapsed().as_secs_f64());
-            results
-        };
+        let results = self.publish(&messages).await;
         let confirmed_at = Instant::now();
-        let Some(mut results) = results else {
+        let Some(results) = results else {
             // The lease ran out while the sink said nothing: stop waiting and leave the rows as
             // they are. They are orphans now; the next lease counts another attempt on each.
             for index in &indices {
-                let record = &records[*index];
+                report_timed_out(&records[*index], &spans[*index], lease_ms);
                 report.timed_out += 1;
-                metrics::counter!(
-                    "inbox_outbox_timed_out_total",
-                    "destination" => record.destination.clone()
-                )
-                .increment(1);
-                spans[*index].record("outcome", "timed_out");
-                spans[*index].in_scope(|| {
-                    tracing::warn!(
-                        attempts = record.attempts,
-                        lease_ms,
-                        "outbox publish did not answer within the lease; leaving it unmarked"
-                    )
-                });
             }
             return Ok(report);
         };
-        if results.len() != messages.len() {
-            let text = format!(
-                "the sink answered {} results for {} messages",
-                results.len(),
-                messages.len()
-            );
-            results = messages
-                .iter()
-                .map(|_| Err(SinkError::retryable(text.clone())))
-                .collect();
-        }
         let mut sent = Vec::new();
-        for (index, result) in indices.iter().zip(results) {
+        for (index, result) in indices.iter().zip(one_per_message(results, messages.len())) {
             match result {
                 Ok(()) => sent.push(*index),
                 Err(error) => failures.push((*index, error)),
             }
         }
-        let ids: Vec<i64> = sent.iter().map(|index| records[*index].id).collect();
-        conn.mark_outbox_sent(&ids).await?;
+        let leased = Leased {
+            token: &lease.token,
+            records: &records,
+            spans: &spans,
+        };
         let since_lease = confirmed_at.saturating_duration_since(leased_at);
-        for index in &sent {
-            let record = &records[*index];
+        self.mark_sent(&mut conn, &leased, &sent, since_lease, &mut report)
+            .await?;
+        failures.sort_by_key(|(index, _)| *index);
+        for (index, error) in failures {
+            self.mark_failed(&mut conn, &leased, index, &error, &mut report)
+                .await?;
+        }
+        Ok(report)
+    }
+
+    /// Publishes `messages` in one sink call (span `inbox.outbox.sink`), waiting at most the
+    /// lease: one result per message as the sink gave them, or `None` if it did not answer in
+    /// time. No messages: no call.
+    async fn publish(&self, messages: &[OutgoingMessage]) -> Option<Vec<Result<(), SinkError>>> {
+        if messages.is_empty() {
+            return Some(Vec::new());
+        }
+        let started = Instant::now();
+        let publish = self
+            .sink
+            .publish_batch(messages)
+            .instrument(tracing::info_span!(
+                "inbox.outbox.sink",
+                messages = messages.len()
+            ));
+        let results = tokio::time::timeout(self.lease, publish).await.ok();
+        metrics::histogram!("inbox_outbox_sink_batch_seconds")
+            .record(started.elapsed().as_secs_f64());
+        results
+    }
+
+    /// Marks the rows at `sent` (indices into the lease's records) sent, and reports each: the
+    /// published ones, and those whose lease was lost.
+    async fn mark_sent(
+        &self,
+        conn: &mut DB::Connection,
+        leased: &Leased<'_>,
+        sent: &[usize],
+        since_lease: Duration,
+        report: &mut RoundReport,
+    ) -> Result<(), sqlx::Error> {
+        let ids: Vec<i64> = sent.iter().map(|index| leased.records[*index].id).collect();
+        let marked: BTreeSet<i64> = conn
+            .mark_outbox_sent(&ids, leased.token)
+            .await?
+            .into_iter()
+            .collect();
+        for index in sent {
+            let record = &leased.records[*index];
+            if !marked.contains(&record.id) {
+                lease_lost(record, &leased.spans[*index], "sent", report);
+                continue;
+            }
             let destination = record.destination.clone();
             let latency = record.age + since_lease;
             metrics::counter!("inbox_outbox_published_total", "destination" => destination.clone())
@@ -349,32 +435,46 @@ impl<DB: OutboxDatabase> Relay<DB> {
                 "destination" => destination
             )
             .record(latency.as_secs_f64());
-            spans[*index].record("outcome", "sent");
-            spans[*index].in_scope(|| {
+            leased.spans[*index].record("outcome", "sent");
+            leased.spans[*index].in_scope(|| {
                 tracing::debug!(
                     latency_ms = latency.as_millis() as u64,
                     "outbox message published"
                 )
             });
+            report.published += 1;
         }
-        report.published = sent.len();
-        failures.sort_by_key(|(index, _)| *index);
-        for (index, error) in failures {
-            let record = &records[index];
-            let text = error.to_string();
-            let retry_in = self.retry_in(record.attempts);
-            let status = conn
-                .mark_outbox_failed(
-                    record.id,
-                    &text,
-                    error.is_permanent(),
-                    self.max_attempts,
-                    i64::try_from(retry_in.as_millis()).unwrap_or(i64::MAX),
-                )
-                .await?;
-            let destination = record.destination.clone();
-            let span = &spans[index];
-            if status == Some(OutboxStatus::Dead) {
+        Ok(())
+    }
+
+    /// Records the failed publish of the lease's record at `index`, and reports it: retried,
+    /// dead, or its lease lost.
+    async fn mark_failed(
+        &self,
+        conn: &mut DB::Connection,
+        leased: &Leased<'_>,
+        index: usize,
+        error: &SinkError,
+        report: &mut RoundReport,
+    ) -> Result<(), sqlx::Error> {
+        let record = &leased.records[index];
+        let span = &leased.spans[index];
+        let text = error.to_string();
+        let retry_in = self.retry_in(record.attempts);
+        let status = conn
+            .mark_outbox_failed(
+                record.id,
+                leased.token,
+                &text,
+                error.is_permanent(),
+                self.max_attempts,
+                i64::try_from(retry_in.as_millis()).unwrap_or(i64::MAX),
+            )
+            .await?;
+        let destination = record.destination.clone();
+        match status {
+            None => lease_lost(record, span, "failed", report),
+            Some(OutboxStatus::Dead) => {
                 report.dead += 1;
                 let reason = if error.is_permanent() {
                     "permanent"
@@ -395,7 +495,8 @@ impl<DB: OutboxDatabase> Relay<DB> {
                         "outbox message dead"
                     )
                 });
-            } else {
+            }
+            Some(_) => {
                 report.failed += 1;
                 metrics::counter!("inbox_outbox_failed_total", "destination" => destination)
                     .increment(1);
@@ -410,7 +511,7 @@ impl<DB: OutboxDatabase> Relay<DB> {
                 });
             }
         }
-        Ok(report)
+        Ok(())
     }
 
     /// Runs rounds until `shutdown` is cancelled (a round under way is finished first), then
@@ -430,6 +531,7 @@ impl<DB: OutboxDatabase> Relay<DB> {
                 Ok(round) => {
                     report.abandoned += round.abandoned as u64;
                     report.timed_out += round.timed_out as u64;
+                    report.lease_lost += round.lease_lost as u64;
                     if round.leased > 0 {
                         report.rounds += 1;
                         report.published += round.published as u64;
@@ -503,6 +605,99 @@ impl<DB: OutboxDatabase> Relay<DB> {
         *gauged = now;
         Ok(backlog)
     }
+}
+
+/// What a round's marks need of its lease: the token, the records and their spans.
+struct Leased<'a> {
+    token: &'a str,
+    records: &'a [OutboxRecord],
+    spans: &'a [tracing::Span],
+}
+
+/// Reports a mark (`mark`: `sent` or `failed`) that changed nothing because the lease on
+/// `record` was lost: counted, `inbox_outbox_lease_lost_total` (labels `destination`, `mark`),
+/// logged as a warning in the row's span (outcome `lease_lost`).
+fn lease_lost(
+    record: &OutboxRecord,
+    span: &tracing::Span,
+    mark: &'static str,
+    report: &mut RoundReport,
+) {
+    report.lease_lost += 1;
+    metrics::counter!(
+        "inbox_outbox_lease_lost_total",
+        "destination" => record.destination.clone(),
+        "mark" => mark
+    )
+    .increment(1);
+    span.record("outcome", "lease_lost");
+    span.in_scope(|| {
+        tracing::warn!(
+            attempts = record.attempts,
+            mark,
+            "outbox mark skipped: this relay's lease on the row was lost (its lease ran out and \
+             another relay leased it again, or an operator retried or discarded it)"
+        )
+    });
+}
+
+/// Reports the rows a lease turned dead as abandoned (`error`: their last error):
+/// `inbox_outbox_dead_total` (labels `destination`, `reason` `abandoned`), logged as an error in
+/// each row's span (outcome `dead`).
+fn report_abandoned(abandoned: &[OutboxRecord], error: &str) {
+    for record in abandoned {
+        metrics::counter!(
+            "inbox_outbox_dead_total",
+            "destination" => record.destination.clone(),
+            "reason" => "abandoned"
+        )
+        .increment(1);
+        message_span(record, "dead").in_scope(|| {
+            tracing::error!(
+                attempts = record.attempts,
+                error = %error,
+                "outbox message dead"
+            )
+        });
+    }
+}
+
+/// Reports a row whose publish did not answer within the lease (`lease_ms`):
+/// `inbox_outbox_timed_out_total` (label `destination`), logged as a warning in its span
+/// (outcome `timed_out`).
+fn report_timed_out(record: &OutboxRecord, span: &tracing::Span, lease_ms: i64) {
+    metrics::counter!(
+        "inbox_outbox_timed_out_total",
+        "destination" => record.destination.clone()
+    )
+    .increment(1);
+    span.record("outcome", "timed_out");
+    span.in_scope(|| {
+        tracing::warn!(
+            attempts = record.attempts,
+            lease_ms,
+            "outbox publish did not answer within the lease; leaving it unmarked"
+        )
+    });
+}
+
+/// The sink's `results`, or, if it did not answer one per message (of `messages`), a retryable
+/// error for each message.
+fn one_per_message(
+    results: Vec<Result<(), SinkError>>,
+    messages: usize,
+) -> Vec<Result<(), SinkError>> {
+    if results.len() == messages {
+        return results;
+    }
+    let text = format!(
+        "the sink answered {} results for {} messages",
+        results.len(),
+        messages
+    );
+    (0..messages)
+        .map(|_| Err(SinkError::retryable(text.clone())))
+        .collect()
 }
 
 /// The span of one leased row (`outcome` recorded when known).

@@ -2,16 +2,16 @@
 
 use std::any::{Any, TypeId};
 
-use super::single::{Delivery, Handler, run_delivery};
+use super::single::{AttemptPlan, Handler, run_delivery};
 use crate::BoxFuture;
-use crate::classify::{BoxError, ErrorClass};
-use crate::error::Error;
-use crate::fingerprint::{Fingerprint, FingerprintError};
-use crate::key::{IdempotencyKey, KeyError};
-use crate::message::Message;
-use crate::ordering::{GapPolicy, Ordering};
-use crate::outcome::Outcome;
 use crate::store::{AnyConnection, Backend, InboxConnection};
+use crate::types::classify::{BoxError, ErrorClass};
+use crate::types::error::Error;
+use crate::types::fingerprint::{Fingerprint, FingerprintError};
+use crate::types::key::{IdempotencyKey, KeyError};
+use crate::types::message::Message;
+use crate::types::ordering::{GapPolicy, Ordering};
+use crate::types::outcome::Outcome;
 
 /// A decoded message of any type.
 pub(crate) type AnyMessage = dyn Any + Send + Sync;
@@ -27,15 +27,18 @@ pub trait DynHandler: Send + Sync + 'static {
     fn decode(&self, payload: &str) -> Result<Box<AnyMessage>, serde_json::Error>;
     fn key(&self, msg: &AnyMessage) -> Result<IdempotencyKey, KeyError>;
     fn ordering(&self, msg: &AnyMessage) -> Result<Option<Ordering>, KeyError>;
+    /// The message's declared partitions ([`Message::partitions`]).
+    fn partitions(&self, msg: &AnyMessage) -> Option<Vec<String>>;
     fn gaps(&self) -> GapPolicy;
     fn fingerprint(&self, msg: &AnyMessage) -> Result<Fingerprint, FingerprintError>;
     fn invoke<'c>(
         &'c self,
         conn: AnyConnection<'c>,
         msg: &'c AnyMessage,
-        delivery: &'c Delivery<'c>,
+        delivery: &'c AttemptPlan<'c>,
     ) -> BoxFuture<'c, Result<Outcome<()>, Error<BoxError>>>;
-    /// Runs only the handler's body on `conn` (inside a caller's transaction), for batches.
+    /// Runs only the handler's body on `conn` (inside a caller's transaction, which set the
+    /// claim context), for batches.
     fn call_body<'c>(
         &'c self,
         conn: AnyConnection<'c>,
@@ -86,6 +89,9 @@ where
     fn ordering(&self, msg: &AnyMessage) -> Result<Option<Ordering>, KeyError> {
         H::ordering(downcast::<H::Message>(msg))
     }
+    fn partitions(&self, msg: &AnyMessage) -> Option<Vec<String>> {
+        downcast::<H::Message>(msg).partitions()
+    }
     fn gaps(&self) -> GapPolicy {
         H::GAPS
     }
@@ -96,7 +102,7 @@ where
         &'c self,
         conn: AnyConnection<'c>,
         msg: &'c AnyMessage,
-        delivery: &'c Delivery<'c>,
+        delivery: &'c AttemptPlan<'c>,
     ) -> BoxFuture<'c, Result<Outcome<()>, Error<BoxError>>> {
         Box::pin(async move {
             let conn = H::Connection::from_any(conn)
@@ -116,11 +122,7 @@ where
             let conn = H::Connection::from_any(conn)
                 .expect("dispatcher routes only handlers of its own backend");
             let msg = downcast::<H::Message>(msg).clone();
-            // The claim as the outbox sees it (the batch driver claimed this key already).
-            let key = H::key(&msg)
-                .map(|key| key.as_str().to_owned())
-                .unwrap_or_default();
-            crate::outbox::scope(H::CONSUMER, &key, H::call(conn, msg))
+            H::call(conn, msg)
                 .await
                 .map(|_| ())
                 .map_err(|error| BodyError {

@@ -2,13 +2,13 @@
 
 use std::time::Duration;
 
-use crate::classify::ErrorClass;
-use crate::envelope::SourceMetadata;
-use crate::error::{Conflict, Disposition};
-use crate::ordering::Ordering;
-use crate::policy::RetryPolicy;
-use crate::status::Status;
 use crate::store::{ClaimStore, FailureRecord, Rejection, RejectionReason};
+use crate::types::classify::ErrorClass;
+use crate::types::envelope::SourceMetadata;
+use crate::types::error::{Conflict, Disposition};
+use crate::types::ordering::Ordering;
+use crate::types::policy::RetryPolicy;
+use crate::types::status::Status;
 
 /// The message a failure or a conflict is recorded for.
 pub(crate) struct Subject<'a> {
@@ -44,7 +44,7 @@ impl Attempt {
     ) -> Self {
         Self {
             class,
-            max_attempts: max_attempts.unwrap_or(policy.max_attempts).max(1),
+            max_attempts: max_attempts.unwrap_or(policy.get_max_attempts()).max(1),
             last_error: policy.bounded_error(format!("{} error: {}", class.as_str(), text)),
             retry_delay: policy.retry_delay(attempts.max(1)),
         }
@@ -118,10 +118,12 @@ impl Attempt {
     }
 }
 
-/// The text recorded for a handler that returned `Ok` from an aborted transaction.
+/// The text recorded for a handler that returned `Ok` from an aborted transaction, or from one
+/// it ended itself.
 pub(crate) fn aborted_transaction_text(error: &sqlx::Error) -> String {
     format!(
-        "the handler returned Ok, but its transaction was aborted (a database error it did not return?): {error}"
+        "the handler returned Ok, but its transaction was aborted or ended before COMMIT \
+         (a database error it did not return? a COMMIT or ROLLBACK of its own?): {error}"
     )
 }
 

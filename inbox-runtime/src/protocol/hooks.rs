@@ -5,22 +5,26 @@
 use std::sync::Arc;
 
 use crate::BoxFuture;
-use crate::classify::BoxError;
-use crate::envelope::SourceMetadata;
 use crate::store::{AnyConnection, InboxConnection, InboxDatabase};
+use crate::types::classify::BoxError;
+use crate::types::envelope::SourceMetadata;
 
-/// The claim a hook runs for: one consumer's processing of one message.
+/// The claim a hook runs for: one consumer's processing of one message (or, on the HTTP layer,
+/// one request).
 #[derive(Debug, Clone, Copy)]
 #[non_exhaustive]
 pub struct ClaimInfo<'a> {
-    /// The consumer (inbox scope).
+    /// The consumer (inbox scope; for an HTTP request, `http <METHOD> <route>` and the
+    /// principal, if any).
     pub consumer: &'a str,
-    /// The idempotency key.
+    /// The idempotency key (empty for an HTTP request without one, where the HTTP layer's key
+    /// is optional).
     pub key: &'a str,
-    /// The message's routing name.
+    /// The message's routing name (for an HTTP request, its method and target:
+    /// `POST /orders?draft=1`).
     pub message_name: &'a str,
     /// The payload as delivered (JSON bytes), when the message came through the dispatcher;
-    /// `None` for a handler called directly.
+    /// `None` for a handler called directly, and for HTTP requests.
     pub payload: Option<&'a [u8]>,
     /// Where the delivery came from, if the source said.
     pub source: Option<&'a SourceMetadata>,
@@ -29,8 +33,8 @@ pub struct ClaimInfo<'a> {
 /// The error a [`TransactionHook::before_commit`] returns when the claim's transaction must not
 /// commit because the delivery no longer belongs to this consumer: its source partition was
 /// assigned to another consumer since it was fetched (this one is a **zombie**), as a fenced
-/// position write ([`PositionStore::advance_position`](crate::PositionStore::advance_position))
-/// found.
+/// position write
+/// ([`PositionStore::advance_position`](crate::store::PositionStore::advance_position)) found.
 ///
 /// Unlike any other hook error, nothing is recorded for it: the transaction (claim, handler
 /// writes, hook writes) rolls back, the attempt does not count, and the key stays as it was
@@ -81,7 +85,8 @@ impl Fenced {
 /// and after the commit. Configure it on a [`Dispatcher`](crate::Dispatcher) with
 /// [`with_hook`](crate::Dispatcher::with_hook); it runs for every message the dispatcher
 /// processes (single deliveries, batches, replays and parked successors alike), once per
-/// consumer whose handler ran and returned `Ok`.
+/// consumer whose handler ran and returned `Ok`. The HTTP layer takes the same hooks
+/// (`IdempotencyLayer::with_hook`, feature `http`), for each request whose response it stores.
 ///
 /// * [`before_commit`](Self::before_commit) writes on the claim's connection: its writes commit
 ///   or roll back with the claim and the handler's. An error rolls the whole transaction back;
@@ -167,8 +172,14 @@ impl<DB: InboxDatabase> Hooks<DB> {
         self.list.push(hook);
     }
 
-    pub(crate) fn is_empty(&self) -> bool {
-        self.list.is_empty()
+    /// The hooks as the protocol's drivers run them: `None` when there are none (nothing to
+    /// call).
+    pub(crate) fn runner(&self) -> Option<&dyn HookRunner> {
+        if self.list.is_empty() {
+            None
+        } else {
+            Some(self)
+        }
     }
 }
 

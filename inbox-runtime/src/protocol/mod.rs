@@ -1,42 +1,54 @@
 //! The claim protocol: the rules that make a delivery effectively once, written once.
 //!
 //! ```text
-//! source ──► worker ──► dispatcher ──► protocol ──► store (PostgreSQL | SQLite)
+//! source ──► worker ──► dispatcher ──► protocol ──► store (PostgreSQL | SQLite | MySQL)
+//! HTTP request ──► idempotency layer ──► protocol (claim session, no wait)
 //! ```
 //!
 //! Every way in — a single delivery, a batch, a replay, a parked successor, a claim session
-//! opened by hand (an HTTP request) — goes through the same steps:
+//! opened by hand, an HTTP request with or without an idempotency key — goes through the same
+//! steps of one state machine (`machine`):
 //!
-//! 1. **claim** the key as the transaction's first statement ([`begin_claim`] for one key, the
-//!    store's batch claim for many);
+//! 1. **claim** the key as the transaction's first statement (`machine::open` for one key,
+//!    the store's batch claim for many), in a transaction begun by `tx::ClaimTx`;
 //! 2. if the key was not free, **decide** what the stored row means for this delivery
-//!    ([`decide`]: duplicate, conflict, dead, stale, parked, or a row to take over);
-//! 3. run the **body** on the claim's transaction (a handler, or the caller's own writes);
-//! 4. run the **before-commit hooks** ([`hooks`]), then **verify** the transaction is still
-//!    usable and **commit** ([`finish`]);
-//! 5. on failure, roll back and **record** the attempt in its own short statement
-//!    ([`failure`]): `failed` with a next attempt time, or `dead`;
+//!    (`decide`: duplicate, conflict, dead, stale, parked, or a row to take over);
+//! 3. run the **body** on the claim's transaction (a handler, or the caller's own writes), with
+//!    the claim as the claim context (`context`, `machine::run_body`);
+//! 4. run the **before-commit hooks** (`hooks`), then **verify** the transaction is still
+//!    usable and **commit** (`tx::ClaimTx::finish`: `BEGIN`, verify, `COMMIT` and `ROLLBACK`
+//!    are written there only);
+//! 5. on failure, roll back and **record** the attempt (`failure`): `failed` with a next
+//!    attempt time, or `dead`;
 //! 6. after the commit, the **after-commit callbacks** (cache fills, relay wake-ups).
 //!
-//! [`single`] drives one delivery through them, the dispatcher's batch driver many at once;
-//! [`session`] exposes steps 1–5 to code that is not a `#[idempotent]` handler.
+//! Drivers: `single` (one delivery, its retries and its failure record), `batch` (many
+//! deliveries in one transaction), `park` (replays and parked successors), `session` (steps
+//! 1–6 for code that is not a `#[idempotent]` handler: the HTTP layer, a relay, your own).
+//! The protocol depends on the store and the core types only: modules above it (the dispatcher,
+//! the outbox, the HTTP layer) read what they need from it (`context` for the claim context).
+//!
+//! Public here: the [`ClaimSession`] (steps 1–6 for your own code: [`ClaimState`],
+//! [`ClaimedKey`], [`Settled`], [`Wait`]) and the [`TransactionHook`]s a dispatcher runs in
+//! each claim's transaction ([`ClaimInfo`], [`Fenced`]). The steps themselves are internal.
 
+pub(crate) mod batch;
+pub(crate) mod context;
 pub(crate) mod erased;
 pub(crate) mod failure;
 pub(crate) mod hooks;
+pub(crate) mod machine;
 pub(crate) mod park;
 pub(crate) mod session;
 pub(crate) mod single;
+pub(crate) mod tx;
 
-use std::ops::DerefMut;
+pub use hooks::{ClaimInfo, Fenced, TransactionHook};
+pub use session::{ClaimSession, ClaimState, ClaimedKey, Settled};
 
-use sqlx_core::transaction::TransactionManager as _;
-
-use crate::error::StoreOperation;
-use crate::fingerprint::Fingerprint;
-use crate::outcome::Outcome;
-use crate::status::{ClaimMode, Status};
-use crate::store::{ClaimRequest, ClaimResult, InboxConnection};
+use crate::types::fingerprint::Fingerprint;
+use crate::types::outcome::Outcome;
+use crate::types::status::{ClaimMode, Status};
 
 /// What a stored row means for a delivery whose claim did not take it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -114,7 +126,7 @@ pub enum Wait {
     /// message deliveries do: the outcome is then always known).
     #[default]
     Block,
-    /// Do not wait: report [`ClaimState::InProgress`](crate::ClaimState::InProgress) at once.
+    /// Do not wait: report [`ClaimState::InProgress`] at once.
     /// On PostgreSQL the claim gives up after [`Wait::NO_WAIT_GRACE`] (10 ms) of waiting for
     /// the key's lock, on SQLite when a claim session of this process holds the key; in both
     /// cases the key's committed row is then read once, and settles the claim if it can (a
@@ -129,172 +141,6 @@ impl Wait {
     /// How long a [`Wait::NoWait`] claim on PostgreSQL waits for the key's lock before it
     /// reports "in progress": 10 ms (`lock_timeout`), to ride out a concurrent commit.
     pub const NO_WAIT_GRACE: std::time::Duration = std::time::Duration::from_millis(10);
-}
-
-/// The connection a claim's transaction runs on: borrowed from the caller (every driver), or
-/// owned by the claim ([`ClaimSession::open_owned`](crate::ClaimSession::open_owned): a pooled
-/// connection that travels with the claimed key, as the HTTP layer's does).
-pub(crate) enum Hold<'c, C: InboxConnection> {
-    /// The caller's connection.
-    Borrowed(&'c mut C),
-    /// A connection the claim owns (a `PoolConnection`, say), dropped with it.
-    Owned(Box<dyn DerefMut<Target = C> + Send + 'c>),
-}
-
-impl<C: InboxConnection> Hold<'_, C> {
-    fn conn(&mut self) -> &mut C {
-        match self {
-            Hold::Borrowed(conn) => conn,
-            Hold::Owned(conn) => conn,
-        }
-    }
-
-    fn conn_ref(&self) -> &C {
-        match self {
-            Hold::Borrowed(conn) => conn,
-            Hold::Owned(conn) => conn,
-        }
-    }
-}
-
-/// The transaction of one claim, on a borrowed (or owned, see [`Hold`]) connection: `BEGIN` (a
-/// savepoint if the connection is already inside a transaction) to `COMMIT` or `ROLLBACK`,
-/// rolled back if dropped open (as sqlx's own transactions are). Unlike a `sqlx::Transaction`,
-/// it gives the connection back after the rollback, for the failure record that follows it.
-pub(crate) struct ClaimTx<'c, C: InboxConnection> {
-    conn: Hold<'c, C>,
-    open: bool,
-}
-
-impl<'c, C: InboxConnection> ClaimTx<'c, C> {
-    /// `BEGIN` on `conn`.
-    pub(crate) async fn begin(mut conn: Hold<'c, C>) -> Result<Self, sqlx::Error> {
-        let statement = conn.conn().begin_statement();
-        <C::Database as sqlx::Database>::TransactionManager::begin(conn.conn(), statement).await?;
-        Ok(Self { conn, open: true })
-    }
-
-    /// The transaction's connection.
-    pub(crate) fn conn(&mut self) -> &mut C {
-        self.conn.conn()
-    }
-
-    /// The transaction's connection, shared.
-    #[cfg_attr(not(feature = "http"), allow(dead_code))]
-    pub(crate) fn conn_ref(&self) -> &C {
-        self.conn.conn_ref()
-    }
-
-    /// `COMMIT`. On an error the outcome is unknown and the transaction is rolled back when
-    /// this is dropped.
-    pub(crate) async fn commit(&mut self) -> Result<(), sqlx::Error> {
-        <C::Database as sqlx::Database>::TransactionManager::commit(self.conn.conn()).await?;
-        self.open = false;
-        Ok(())
-    }
-
-    /// `ROLLBACK`; the connection stays usable through [`ClaimTx::conn`].
-    pub(crate) async fn rollback(&mut self) -> Result<(), sqlx::Error> {
-        self.open = false;
-        <C::Database as sqlx::Database>::TransactionManager::rollback(self.conn.conn()).await
-    }
-}
-
-impl<C: InboxConnection> Drop for ClaimTx<'_, C> {
-    fn drop(&mut self) {
-        if self.open {
-            <C::Database as sqlx::Database>::TransactionManager::start_rollback(self.conn.conn());
-        }
-    }
-}
-
-/// The first steps of every single claim: `BEGIN`, the claim statement, and, when the key is
-/// not free, `ROLLBACK`.
-pub(crate) enum Begun {
-    /// The key is held by the open transaction; `attempts` counts this one.
-    Claimed { attempts: u32 },
-    /// The key is taken; the transaction was rolled back.
-    Existing {
-        status: Status,
-        payload_hash: String,
-        attempts: u32,
-        retry_in: Option<std::time::Duration>,
-    },
-    /// Another transaction holds the key uncommitted ([`Wait::NoWait`] only); rolled back.
-    InProgress,
-}
-
-/// `BEGIN` and the claim (see [`Begun`]). On an error the transaction is rolled back and the
-/// failing step named.
-pub(crate) async fn begin_claim<'c, C: InboxConnection>(
-    conn: Hold<'c, C>,
-    request: &ClaimRequest<'_>,
-    wait: Wait,
-) -> Result<(ClaimTx<'c, C>, Begun), (StoreOperation, sqlx::Error)> {
-    let mut tx = ClaimTx::begin(conn)
-        .await
-        .map_err(|e| (StoreOperation::Begin, e))?;
-    let claimed = match wait {
-        Wait::Block => tx.conn().claim(request).await.map(Some),
-        Wait::NoWait => tx.conn().claim_no_wait(request).await,
-    };
-    match claimed {
-        Ok(Some(ClaimResult::Claimed { attempts })) => Ok((tx, Begun::Claimed { attempts })),
-        Ok(Some(ClaimResult::Existing {
-            status,
-            payload_hash,
-            attempts,
-            retry_in,
-        })) => {
-            tx.rollback()
-                .await
-                .map_err(|e| (StoreOperation::Rollback, e))?;
-            let begun = Begun::Existing {
-                status,
-                payload_hash,
-                attempts,
-                retry_in,
-            };
-            Ok((tx, begun))
-        }
-        Ok(None) => {
-            let _ = tx.rollback().await;
-            Ok((tx, Begun::InProgress))
-        }
-        Err(error) => {
-            // Nothing of ours is written. Roll back explicitly (a rollback on drop is deferred
-            // and reports nothing); the claim's error is the one to report.
-            let _ = tx.rollback().await;
-            Err((StoreOperation::Claim, error))
-        }
-    }
-}
-
-/// The last step of every successful claim: checks that the transaction holding the claim of
-/// `key` is still usable, then commits. A handler that swallowed a database error and returned
-/// `Ok` leaves a PostgreSQL transaction aborted, and `COMMIT` would then roll back without an
-/// error: the check makes such a message fail ([`StoreOperation::Verify`]) instead of being
-/// reported processed.
-pub(crate) async fn finish<C: InboxConnection>(
-    tx: &mut ClaimTx<'_, C>,
-    consumer: &str,
-    key: &str,
-) -> Result<(), (StoreOperation, sqlx::Error)> {
-    if let Err(error) = verify(tx.conn(), consumer, key).await {
-        let _ = tx.rollback().await;
-        return Err((StoreOperation::Verify, error));
-    }
-    tx.commit().await.map_err(|e| (StoreOperation::Commit, e))
-}
-
-/// The check of [`finish`] alone, on the transaction's connection (batches run it once for
-/// the whole transaction).
-pub(crate) async fn verify<C: InboxConnection>(
-    conn: &mut C,
-    consumer: &str,
-    key: &str,
-) -> Result<(), sqlx::Error> {
-    conn.verify_claim(consumer, key).await
 }
 
 #[cfg(test)]

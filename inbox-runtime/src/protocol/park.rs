@@ -3,14 +3,15 @@
 
 use super::erased::DynHandler;
 use super::hooks::HookRunner;
-use super::single::Delivery;
-use crate::classify::BoxError;
-use crate::error::{Error, ReplayError};
-use crate::ordering::Ordering;
-use crate::outcome::Outcome;
-use crate::policy::RetryPolicy;
-use crate::status::ClaimMode;
+use super::single::AttemptPlan;
+use super::tx::Owner;
 use crate::store::{AnyConnection, InboxConnection, StoredMessage};
+use crate::types::classify::BoxError;
+use crate::types::error::{Error, ReplayError};
+use crate::types::ordering::Ordering;
+use crate::types::outcome::Outcome;
+use crate::types::policy::RetryPolicy;
+use crate::types::status::ClaimMode;
 
 /// Which handler runs a stored message of a consumer: the dispatcher's own routes, or (for a
 /// handler called directly) every handler linked into the program.
@@ -46,6 +47,9 @@ pub(crate) async fn run_stored(
             error.valid_up_to()
         )))
     })?;
+    // The dispatcher's rule for escapes too, for payloads stored before it held.
+    crate::types::json_text::json_text(payload)
+        .map_err(|error| decode_error(<serde_json::Error as serde::de::Error>::custom(error)))?;
     let msg = handler.decode(text).map_err(decode_error)?;
     let message_key = handler.key(&*msg).map_err(ReplayError::Key)?;
     if message_key.as_str() != stored.message_key {
@@ -58,12 +62,15 @@ pub(crate) async fn run_stored(
     let fingerprint = handler
         .fingerprint(&*msg)
         .map_err(ReplayError::Fingerprint)?;
-    let delivery = Delivery {
+    let delivery = AttemptPlan {
         key: &message_key,
         fingerprint: &fingerprint,
         source: None,
         payload: Some(payload),
         policy,
+        // Replays and parked successors are rare: they end their transactions on the
+        // connection at once, wherever it comes from.
+        owner: Owner::Caller,
         mode,
         ordering: ordering.as_ref(),
         hooks,

@@ -5,16 +5,19 @@ use std::collections::HashMap;
 use std::sync::{LazyLock, Mutex};
 
 use super::failure::{Attempt, Subject, aborted_transaction_text};
-use super::{Begun, ClaimTx, Decision, Hold, Wait, begin_claim, decide, finish};
-use crate::classify::ErrorClass;
-use crate::envelope::SourceMetadata;
-use crate::error::{Conflict, Disposition, StoreError, StoreOperation};
-use crate::fingerprint::Fingerprint;
-use crate::key::IdempotencyKey;
-use crate::outcome::Outcome;
-use crate::policy::RetryPolicy;
-use crate::status::{ClaimMode, Status};
-use crate::store::{Backend, ClaimRequest, ClaimResult, InboxConnection};
+use super::hooks::{ClaimInfo, HookRunner};
+use super::machine::{Claimed, Opened, Uncommitted, commit, open, peek};
+use super::tx::{ClaimTx, Hold, Verify};
+use super::{Decision, Wait};
+use crate::store::{ClaimRequest, InboxConnection};
+use crate::types::classify::ErrorClass;
+use crate::types::envelope::SourceMetadata;
+use crate::types::error::{Conflict, Disposition, StoreError, StoreOperation};
+use crate::types::fingerprint::Fingerprint;
+use crate::types::key::IdempotencyKey;
+use crate::types::outcome::Outcome;
+use crate::types::policy::RetryPolicy;
+use crate::types::status::{ClaimMode, Status};
 
 /// A claim to open: an idempotency key in a scope, with the fingerprint of what is being done
 /// under it. The same protocol `#[idempotent]` handlers run on, without the macro.
@@ -204,13 +207,15 @@ impl<'a> ClaimSession<'a> {
 
     async fn open_with<'c, C: InboxConnection>(
         &self,
-        conn: Hold<'c, C>,
+        mut conn: Hold<'c, C>,
     ) -> Result<ClaimState<'c, C>, StoreError> {
-        let mut conn = conn;
-        let in_flight = match InFlight::enter(C::BACKEND, self.scope, self.key.as_str(), self.wait)
-        {
-            Some(in_flight) => in_flight,
-            None => return self.seen_while_held(conn.conn()).await,
+        let Some(in_flight) = InFlight::enter(
+            C::LOCAL_CLAIM_REGISTRY,
+            self.scope,
+            self.key.as_str(),
+            self.wait,
+        ) else {
+            return self.seen_while_held(conn.conn()).await;
         };
         let payload_hash = self.fingerprint.to_hex();
         let request = ClaimRequest {
@@ -221,11 +226,11 @@ impl<'a> ClaimSession<'a> {
             source: self.source,
             mode: ClaimMode::Deliver,
         };
-        let (mut tx, begun) = begin_claim(conn, &request, self.wait)
+        let opened = open(conn, &request, self.wait, &self.fingerprint)
             .await
             .map_err(|error| self.store_error(error))?;
-        match begun {
-            Begun::Claimed { attempts } => Ok(ClaimState::Claimed(ClaimedKey {
+        match opened {
+            Opened::Claimed(Claimed { tx, attempts }) => Ok(ClaimState::Claimed(ClaimedKey {
                 tx,
                 scope: self.scope.to_owned(),
                 key: self.key.clone(),
@@ -237,49 +242,21 @@ impl<'a> ClaimSession<'a> {
             })),
             // The key's row is locked (PostgreSQL, no wait): by the request that claims it (then
             // no committed row settles it), or by another session that only reads it.
-            Begun::InProgress => self.seen_while_held(tx.conn()).await,
-            Begun::Existing {
-                status,
-                payload_hash: stored_hash,
-                attempts,
-                retry_in,
-            } => {
-                let decision = decide(
-                    status,
-                    &stored_hash,
-                    &self.fingerprint,
-                    ClaimMode::Deliver,
-                    retry_in,
-                )
-                .map_err(|damaged| {
+            Opened::InProgress(mut tx) => self.seen_while_held(tx.conn()).await,
+            Opened::Found(mut tx, found) => {
+                let decision = found.decision.map_err(|damaged| {
                     self.store_error((StoreOperation::Claim, damaged.into_sqlx()))
                 })?;
                 match decision {
-                    Decision::Conflict { stored } => Ok(ClaimState::Conflict(Conflict {
-                        consumer: self.scope.to_owned(),
-                        message_name: self.name.to_owned(),
-                        key: self.key.clone(),
-                        stored,
-                        received: self.fingerprint,
-                    })),
-                    Decision::Settled(Outcome::NotYet { retry_in }) => {
-                        Ok(ClaimState::NotYet { retry_in, attempts })
+                    Decision::Conflict { stored } => {
+                        Ok(ClaimState::Conflict(self.conflict(stored)))
                     }
+                    Decision::Settled(Outcome::NotYet { retry_in }) => Ok(ClaimState::NotYet {
+                        retry_in,
+                        attempts: found.attempts,
+                    }),
                     Decision::Settled(_) => {
-                        let result = if status == Status::Processed {
-                            tx.conn()
-                                .fetch_result(self.scope, self.key.as_str())
-                                .await
-                                .map_err(|e| self.store_error((StoreOperation::Claim, e)))?
-                        } else {
-                            None
-                        };
-                        Ok(ClaimState::Settled(Settled {
-                            status,
-                            fingerprint: self.fingerprint,
-                            attempts,
-                            result,
-                        }))
+                        self.settled(tx.conn(), found.status, found.attempts).await
                     }
                     // The claim statement takes such rows itself, retrying when they change
                     // under it; one seen here changed again: report it as still in progress.
@@ -298,50 +275,59 @@ impl<'a> ClaimSession<'a> {
         &self,
         conn: &mut C,
     ) -> Result<ClaimState<'c, C>, StoreError> {
-        let existing = conn
-            .existing(self.scope, self.key.as_str())
-            .await
-            .map_err(|e| self.store_error((StoreOperation::Claim, e)))?;
-        let Some(ClaimResult::Existing {
-            status,
-            payload_hash,
-            attempts,
-            retry_in,
-        }) = existing
-        else {
-            return Ok(ClaimState::InProgress);
-        };
-        match decide(
-            status,
-            &payload_hash,
+        let found = peek(
+            conn,
+            self.scope,
+            self.key.as_str(),
             &self.fingerprint,
             ClaimMode::Deliver,
-            retry_in,
-        ) {
-            Ok(Decision::Conflict { stored }) => Ok(ClaimState::Conflict(Conflict {
-                consumer: self.scope.to_owned(),
-                message_name: self.name.to_owned(),
-                key: self.key.clone(),
-                stored,
-                received: self.fingerprint,
-            })),
+        )
+        .await
+        .map_err(|e| self.store_error((StoreOperation::Claim, e)))?;
+        let Some(found) = found else {
+            return Ok(ClaimState::InProgress);
+        };
+        match found.decision {
+            Ok(Decision::Conflict { stored }) => Ok(ClaimState::Conflict(self.conflict(stored))),
             Ok(Decision::Settled(outcome)) if !matches!(outcome, Outcome::NotYet { .. }) => {
-                let result = if status == Status::Processed {
-                    conn.fetch_result(self.scope, self.key.as_str())
-                        .await
-                        .map_err(|e| self.store_error((StoreOperation::Claim, e)))?
-                } else {
-                    None
-                };
-                Ok(ClaimState::Settled(Settled {
-                    status,
-                    fingerprint: self.fingerprint,
-                    attempts,
-                    result,
-                }))
+                self.settled(conn, found.status, found.attempts).await
             }
             // A failed key (its holder is retrying it now), or a damaged row the claim reports.
             _ => Ok(ClaimState::InProgress),
+        }
+    }
+
+    /// The key, settled as `status` after `attempts`, with its stored result (read on `conn`
+    /// for a `processed` key).
+    async fn settled<'c, C: InboxConnection>(
+        &self,
+        conn: &mut C,
+        status: Status,
+        attempts: u32,
+    ) -> Result<ClaimState<'c, C>, StoreError> {
+        let result = if status == Status::Processed {
+            conn.fetch_result(self.scope, self.key.as_str())
+                .await
+                .map_err(|e| self.store_error((StoreOperation::Claim, e)))?
+        } else {
+            None
+        };
+        Ok(ClaimState::Settled(Settled {
+            status,
+            fingerprint: self.fingerprint,
+            attempts,
+            result,
+        }))
+    }
+
+    /// The conflict of this session's fingerprint with the `stored` one.
+    fn conflict(&self, stored: Fingerprint) -> Conflict {
+        Conflict {
+            consumer: self.scope.to_owned(),
+            message_name: self.name.to_owned(),
+            key: self.key.clone(),
+            stored,
+            received: self.fingerprint,
         }
     }
 
@@ -406,7 +392,23 @@ impl<C: InboxConnection> ClaimedKey<'_, C> {
     /// back), [`StoreOperation::Verify`] (the transaction was aborted by an error you did not
     /// return; rolled back, and the attempt recorded as failed) or [`StoreOperation::Commit`]
     /// (the outcome is unknown: claim the key again to find out).
-    pub async fn complete(mut self, result: Option<&[u8]>) -> Result<(), StoreError> {
+    pub async fn complete(self, result: Option<&[u8]>) -> Result<(), StoreError> {
+        self.complete_with(result, None)
+            .await
+            .map_err(|incomplete| match incomplete {
+                Incomplete::Store(error) => error,
+                Incomplete::Hook(_) => unreachable!("no hook ran"),
+            })
+    }
+
+    /// [`complete`](Self::complete) with `hooks` run before the commit (on the claim's
+    /// transaction, after the result is stored) and after it. A hook's error rolls everything
+    /// back and records nothing: the key stays as it was.
+    pub(crate) async fn complete_with(
+        mut self,
+        result: Option<&[u8]>,
+        hooks: Option<&dyn HookRunner>,
+    ) -> Result<(), Incomplete> {
         if let Some(result) = result {
             let stored = self
                 .tx
@@ -415,17 +417,36 @@ impl<C: InboxConnection> ClaimedKey<'_, C> {
                 .await;
             if let Err(error) = stored {
                 let _ = self.tx.rollback().await;
-                return Err(self.store_error((StoreOperation::Complete, error)));
+                return Err(Incomplete::Store(
+                    self.store_error((StoreOperation::Complete, error)),
+                ));
             }
         }
-        match finish(&mut self.tx, &self.scope, self.key.as_str()).await {
+        let info = ClaimInfo {
+            consumer: &self.scope,
+            key: self.key.as_str(),
+            message_name: &self.name,
+            payload: None,
+            source: None,
+        };
+        let verify = Verify::Claim {
+            consumer: &self.scope,
+            key: self.key.as_str(),
+        };
+        let committed = commit(&mut self.tx, hooks, &info, verify).await;
+        match committed {
             Ok(()) => Ok(()),
-            Err((StoreOperation::Verify, error)) => {
+            Err(Uncommitted::Hook(source)) => Err(Incomplete::Hook(source)),
+            Err(Uncommitted::Store(StoreOperation::Verify, error)) => {
                 let text = aborted_transaction_text(&error);
                 self.record(ErrorClass::Retryable, &text, 0, &[]).await;
-                Err(self.store_error((StoreOperation::Verify, error)))
+                Err(Incomplete::Store(
+                    self.store_error((StoreOperation::Verify, error)),
+                ))
             }
-            Err(error) => Err(self.store_error(error)),
+            Err(Uncommitted::Store(operation, error)) => {
+                Err(Incomplete::Store(self.store_error((operation, error))))
+            }
         }
     }
 
@@ -487,6 +508,16 @@ impl<C: InboxConnection> ClaimedKey<'_, C> {
     }
 }
 
+/// Why [`ClaimedKey::complete_with`] did not commit.
+#[derive(Debug)]
+pub(crate) enum Incomplete {
+    /// A store operation failed (see [`ClaimedKey::complete`]).
+    Store(StoreError),
+    /// A before-commit hook failed: rolled back, nothing recorded.
+    #[cfg_attr(not(feature = "http"), allow(dead_code))]
+    Hook(crate::types::classify::BoxError),
+}
+
 /// The keys held by claim sessions of this process on SQLite, with how many sessions hold or
 /// wait for each, so that a [`Wait::NoWait`] session can answer "in progress" without waiting
 /// for SQLite's write lock (which any writer holds, whatever its key). Keyed by scope and key
@@ -500,8 +531,8 @@ struct InFlight(Option<(String, String)>);
 
 impl InFlight {
     /// Enters the key; `None` if `wait` is [`Wait::NoWait`] and another session holds it.
-    fn enter(backend: Backend, scope: &str, key: &str, wait: Wait) -> Option<Self> {
-        if backend != Backend::Sqlite {
+    fn enter(registry: bool, scope: &str, key: &str, wait: Wait) -> Option<Self> {
+        if !registry {
             return Some(Self(None));
         }
         let entry = (scope.to_owned(), key.to_owned());

@@ -6,24 +6,25 @@ use std::time::Instant;
 use serde::Serialize;
 use tracing::Instrument as _;
 
+use super::Decision;
+use super::Wait;
 use super::failure::{Attempt, Subject, aborted_transaction_text, record_conflict};
 use super::hooks::{ClaimInfo, Fenced, HookRunner};
-use super::{Begun, Decision, Hold, Wait, begin_claim, decide, finish};
+use super::machine::{Claimed, Found, Opened, Uncommitted, commit, open, peek, run_body};
+use super::tx::{ClaimTx, Hold, Owner, Verify};
 use crate::BoxFuture;
-use crate::classify::{BoxError, Classify as _, ErrorClass};
-use crate::envelope::SourceMetadata;
-use crate::error::StoreOperation;
-use crate::error::{Conflict, Disposition, Error, HandlerFailure, HookError, StoreError};
-use crate::fingerprint::Fingerprint;
-use crate::key::{IdempotencyKey, KeyError};
-use crate::message::Message;
-use crate::ordering::{GapPolicy, Ordering};
-use crate::outcome::Outcome;
-use crate::policy::RetryPolicy;
-use crate::status::{ClaimMode, Status};
-use crate::store::{
-    ClaimRequest, ClaimResult, ClaimStore as _, InboxConnection, OrderingStore as _,
-};
+use crate::store::{ClaimRequest, InboxConnection, OrderingStore as _};
+use crate::types::classify::{BoxError, Classify as _, ErrorClass};
+use crate::types::envelope::SourceMetadata;
+use crate::types::error::StoreOperation;
+use crate::types::error::{Conflict, Disposition, Error, HandlerFailure, HookError, StoreError};
+use crate::types::fingerprint::Fingerprint;
+use crate::types::key::{IdempotencyKey, KeyError};
+use crate::types::message::Message;
+use crate::types::ordering::{GapPolicy, Ordering};
+use crate::types::outcome::Outcome;
+use crate::types::policy::RetryPolicy;
+use crate::types::status::{ClaimMode, Status};
 
 /// The `Ok` and `Err` types of a handler's declared return type (any alias of `Result`).
 #[doc(hidden)]
@@ -80,13 +81,16 @@ pub trait Handler: Send + Sync + 'static {
 
 /// Everything about one delivery that stays the same across its attempts.
 #[doc(hidden)]
-pub struct Delivery<'a> {
+pub struct AttemptPlan<'a> {
     pub(crate) key: &'a IdempotencyKey,
     pub(crate) fingerprint: &'a Fingerprint,
     pub(crate) source: Option<&'a SourceMetadata>,
     /// The payload as delivered, if known (else the message is serialized when needed).
     pub(crate) payload: Option<&'a [u8]>,
     pub(crate) policy: &'a RetryPolicy,
+    /// Whose connection the delivery runs on: the caller's own (nothing is left open on it) or
+    /// one the runtime keeps (its transaction ends in one round trip where it can).
+    pub(crate) owner: Owner,
     /// Which existing rows the claim may take over.
     pub(crate) mode: ClaimMode,
     /// The message's place in its aggregate, if the handler orders it.
@@ -100,7 +104,7 @@ pub struct Delivery<'a> {
 pub(crate) async fn run_delivery<H: Handler>(
     conn: &mut H::Connection,
     msg: &H::Message,
-    delivery: &Delivery<'_>,
+    delivery: &AttemptPlan<'_>,
 ) -> Result<Outcome<H::Output>, Error<H::Error>> {
     let span = tracing::info_span!(
         "inbox.message",
@@ -111,7 +115,7 @@ pub(crate) async fn run_delivery<H: Handler>(
         attempts = tracing::field::Empty,
     );
     async move {
-        let mut delays = delivery.policy.transient_delays();
+        let mut delays = delivery.policy.transient_schedule();
         let mut result = attempt::<H>(conn, msg.clone(), delivery).await;
         while is_transient::<H, _>(&result) {
             let Some(delay) = delays.next() else { break };
@@ -152,7 +156,7 @@ enum Failed<E> {
 async fn record<H: Handler>(
     conn: &mut H::Connection,
     msg: &H::Message,
-    delivery: &Delivery<'_>,
+    delivery: &AttemptPlan<'_>,
     failed: Failed<H::Error>,
 ) -> Error<H::Error> {
     let failed = match failed {
@@ -280,154 +284,211 @@ impl<E> std::fmt::Display for ErrorDisplay<'_, E> {
     }
 }
 
+/// An attempt's result: its outcome, or how it failed. (A failure, a conflict above all, is as
+/// large as the other errors: the outcome of a rare path, never boxed; hence the
+/// `result_large_err` allowances of the steps that return it as their error.)
+type Done<H> = Result<Outcome<<H as Handler>::Output>, Failed<<H as Handler>::Error>>;
+
 /// One attempt: BEGIN, claim, body, hooks, verify, COMMIT — or ROLLBACK on a duplicate, a
 /// conflict or a handler error.
 async fn attempt<H: Handler>(
     conn: &mut H::Connection,
     msg: H::Message,
-    delivery: &Delivery<'_>,
-) -> Result<Outcome<H::Output>, Failed<H::Error>> {
-    let key = delivery.key;
-    let store_error = |(operation, source): (StoreOperation, sqlx::Error)| StoreError {
+    delivery: &AttemptPlan<'_>,
+) -> Done<H> {
+    match steps::<H>(conn, msg, delivery).await {
+        Ok(done) | Err(done) => done,
+    }
+}
+
+/// The steps of one attempt, in order; a step that ends the attempt early (a settled key, a
+/// failure) returns its result as the `Err`.
+async fn steps<H: Handler>(
+    conn: &mut H::Connection,
+    msg: H::Message,
+    delivery: &AttemptPlan<'_>,
+) -> Result<Done<H>, Done<H>> {
+    settle_redelivery::<H>(conn, delivery).await?;
+    let Claimed { mut tx, attempts } = claim::<H>(conn, delivery).await?;
+    tracing::Span::current().record("attempts", attempts);
+    if let Some(ordering) = delivery.ordering {
+        order_step::<H>(&mut tx, &msg, delivery, ordering).await?;
+    }
+    let value = run_handler::<H>(&mut tx, msg, delivery.key, attempts).await?;
+    commit_step::<H>(&mut tx, delivery, attempts).await?;
+    Ok(Ok(Outcome::Processed(value)))
+}
+
+/// The error of a failed store operation of `H`'s claim of `key`.
+fn store_error<H: Handler>(
+    key: &IdempotencyKey,
+    (operation, source): (StoreOperation, sqlx::Error),
+) -> StoreError {
+    StoreError {
         consumer: H::CONSUMER.to_owned(),
         key: key.clone(),
         operation,
         source,
-    };
-    let report = |error: (StoreOperation, sqlx::Error)| Failed::Report(store_error(error).into());
+    }
+}
+
+/// A failed store operation, reported as it is.
+#[allow(clippy::result_large_err)] // See `Done`.
+fn report<H: Handler>(key: &IdempotencyKey, error: (StoreOperation, sqlx::Error)) -> Done<H> {
+    Err(Failed::Report(store_error::<H>(key, error).into()))
+}
+
+/// A delivery the source marks as a redelivery is most likely a duplicate: one read, with no
+/// transaction, settles it. A key that is free or `failed` takes the usual path.
+#[allow(clippy::result_large_err)] // See `Done`.
+async fn settle_redelivery<H: Handler>(
+    conn: &mut H::Connection,
+    delivery: &AttemptPlan<'_>,
+) -> Result<(), Done<H>> {
+    if delivery.mode != ClaimMode::Deliver || !delivery.source.is_some_and(|s| s.redelivered) {
+        return Ok(());
+    }
+    let found = peek(
+        conn,
+        H::CONSUMER,
+        delivery.key.as_str(),
+        delivery.fingerprint,
+        delivery.mode,
+    )
+    .await
+    .map_err(|e| report::<H>(delivery.key, (StoreOperation::Claim, e)))?;
+    match found {
+        Some(found) if found.status != Status::Failed || found.retry_in.is_some() => {
+            Err(settle_found::<H>(found, delivery))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Steps 1 and 2: the claim; a key that is not free ends the attempt with its decision.
+#[allow(clippy::result_large_err)] // See `Done`.
+async fn claim<'c, H: Handler>(
+    conn: &'c mut H::Connection,
+    delivery: &AttemptPlan<'_>,
+) -> Result<Claimed<'c, H::Connection>, Done<H>> {
     let payload_hash = delivery.fingerprint.to_hex();
     let request = ClaimRequest {
         consumer: H::CONSUMER,
-        message_key: key.as_str(),
+        message_key: delivery.key.as_str(),
         message_name: <H::Message as Message>::NAME,
         payload_hash: &payload_hash,
         source: delivery.source,
         mode: delivery.mode,
     };
-
-    // A delivery the source marks as a redelivery is most likely a duplicate: one read, with no
-    // transaction, settles it. A key that is free or `failed` takes the usual path.
-    if delivery.mode == ClaimMode::Deliver && delivery.source.is_some_and(|s| s.redelivered) {
-        let existing = conn
-            .existing(H::CONSUMER, key.as_str())
-            .await
-            .map_err(|e| report((StoreOperation::Claim, e)))?;
-        if let Some(ClaimResult::Existing {
-            status,
-            payload_hash: stored_hash,
-            retry_in,
-            ..
-        }) = existing
-            && (status != Status::Failed || retry_in.is_some())
-        {
-            return settle_existing::<H>(status, &stored_hash, retry_in, delivery);
-        }
-    }
-
     let started = Instant::now();
-    let (mut tx, begun) = begin_claim(Hold::Borrowed(conn), &request, Wait::Block)
-        .await
-        .map_err(report)?;
+    let opened = open(
+        Hold::of(conn, delivery.owner),
+        &request,
+        Wait::Block,
+        delivery.fingerprint,
+    )
+    .await
+    .map_err(|error| report::<H>(delivery.key, error))?;
     metrics::histogram!("inbox_claim_duration_seconds", "consumer" => H::CONSUMER)
         .record(started.elapsed().as_secs_f64());
-    let attempts = match begun {
-        Begun::Claimed { attempts } => attempts,
-        Begun::Existing {
-            status,
-            payload_hash,
-            attempts,
-            retry_in,
-        } => {
-            tracing::Span::current().record("attempts", attempts);
-            return settle_existing::<H>(status, &payload_hash, retry_in, delivery);
+    match opened {
+        Opened::Claimed(claimed) => Ok(claimed),
+        Opened::Found(_, found) => {
+            tracing::Span::current().record("attempts", found.attempts);
+            Err(settle_found::<H>(found, delivery))
         }
-        Begun::InProgress => unreachable!("a blocking claim waits"),
-    };
-    tracing::Span::current().record("attempts", attempts);
-    if let Some(ordering) = delivery.ordering {
-        match order::<H>(tx.conn(), &msg, delivery, ordering).await {
-            Ok(None) => {}
-            Ok(Some(outcome)) => {
-                tx.commit()
-                    .await
-                    .map_err(|e| report((StoreOperation::Commit, e)))?;
-                return Ok(outcome);
-            }
-            Err(source) => {
-                let _ = tx.rollback().await;
-                return Err(report((StoreOperation::Order, source)));
-            }
+        Opened::InProgress(_) => unreachable!("a blocking claim waits"),
+    }
+}
+
+/// The sequence guard as a step: a message it settles (stale, parked) commits without its
+/// body.
+async fn order_step<H: Handler>(
+    tx: &mut ClaimTx<'_, H::Connection>,
+    msg: &H::Message,
+    delivery: &AttemptPlan<'_>,
+    ordering: &Ordering,
+) -> Result<(), Done<H>> {
+    match order::<H>(tx.conn(), msg, delivery, ordering).await {
+        Ok(None) => Ok(()),
+        Ok(Some(outcome)) => match tx.finish(Verify::Nothing).await {
+            Ok(()) => Err(Ok(outcome)),
+            Err(error) => Err(report::<H>(delivery.key, error)),
+        },
+        Err(source) => {
+            let _ = tx.rollback().await;
+            Err(report::<H>(delivery.key, (StoreOperation::Order, source)))
         }
     }
+}
+
+/// Step 3: the handler's body on the claim's transaction; its error rolls the transaction back.
+async fn run_handler<H: Handler>(
+    tx: &mut ClaimTx<'_, H::Connection>,
+    msg: H::Message,
+    key: &IdempotencyKey,
+    attempts: u32,
+) -> Result<H::Output, Done<H>> {
     let started = Instant::now();
-    // The claim as the outbox sees it: stable message ids for what the body publishes.
-    let result = crate::outbox::scope(H::CONSUMER, key.as_str(), H::call(tx.conn(), msg)).await;
+    let result = run_body(H::CONSUMER, key.as_str(), H::call(tx.conn(), msg)).await;
     metrics::histogram!("inbox_handler_duration_seconds", "consumer" => H::CONSUMER)
         .record(started.elapsed().as_secs_f64());
-    let value = match result {
-        Ok(value) => value,
+    match result {
+        Ok(value) => Ok(value),
         Err(error) => {
             // The handler's error is what the caller needs; a failing rollback means the
             // connection is gone, and the server rolls back with it.
             let _ = tx.rollback().await;
-            return Err(Failed::Handler(HandlerFailure {
+            Err(Err(Failed::Handler(HandlerFailure {
                 class: H::classify(&error),
                 error,
                 attempts,
                 disposition: Disposition::NotRecorded,
-            }));
+            })))
         }
-    };
+    }
+}
+
+/// Steps 4 to 6: hooks, verify, COMMIT, after-commit callbacks.
+async fn commit_step<H: Handler>(
+    tx: &mut ClaimTx<'_, H::Connection>,
+    delivery: &AttemptPlan<'_>,
+    attempts: u32,
+) -> Result<(), Done<H>> {
+    let key = delivery.key.as_str();
     let info = ClaimInfo {
         consumer: H::CONSUMER,
-        key: key.as_str(),
+        key,
         message_name: <H::Message as Message>::NAME,
         payload: delivery.payload,
         source: delivery.source,
     };
-    if let Some(hooks) = delivery.hooks
-        && let Err(source) = hooks.before_commit(tx.conn().as_any(), &info).await
-    {
-        let _ = tx.rollback().await;
-        return Err(Failed::Hook { source, attempts });
-    }
-    match finish(&mut tx, H::CONSUMER, key.as_str()).await {
-        Ok(()) => {}
-        Err(error @ (StoreOperation::Verify, _)) => {
-            return Err(Failed::Aborted(store_error(error)));
+    let verify = Verify::Claim {
+        consumer: H::CONSUMER,
+        key,
+    };
+    match commit(tx, delivery.hooks, &info, verify).await {
+        Ok(()) => Ok(()),
+        Err(Uncommitted::Hook(source)) => Err(Err(Failed::Hook { source, attempts })),
+        Err(Uncommitted::Store(StoreOperation::Verify, error)) => Err(Err(Failed::Aborted(
+            store_error::<H>(delivery.key, (StoreOperation::Verify, error)),
+        ))),
+        Err(Uncommitted::Store(operation, error)) => {
+            Err(report::<H>(delivery.key, (operation, error)))
         }
-        Err(error) => return Err(report(error)),
     }
-    if let Some(hooks) = delivery.hooks {
-        hooks.after_commit(&info);
-    }
-    Ok(Outcome::Processed(value))
 }
 
-/// The outcome of a delivery whose key is already taken in the inbox (by [`decide`]).
-// A conflict is as large as the other errors; it is the outcome of a rare path, never boxed.
-#[allow(clippy::result_large_err)]
-fn settle_existing<H: Handler>(
-    status: Status,
-    stored_hash: &str,
-    retry_in: Option<std::time::Duration>,
-    delivery: &Delivery<'_>,
-) -> Result<Outcome<H::Output>, Failed<H::Error>> {
-    let decision = decide(
-        status,
-        stored_hash,
-        delivery.fingerprint,
-        delivery.mode,
-        retry_in,
-    )
-    .map_err(|damaged| {
-        Failed::Report(Error::Database(StoreError {
-            consumer: H::CONSUMER.to_owned(),
-            key: delivery.key.clone(),
-            operation: StoreOperation::Claim,
-            source: damaged.into_sqlx(),
-        }))
-    })?;
+/// The outcome of a delivery whose key is already taken in the inbox (by
+/// [`decide`](super::decide)).
+#[allow(clippy::result_large_err)] // See `Done`.
+fn settle_found<H: Handler>(found: Found, delivery: &AttemptPlan<'_>) -> Done<H> {
+    let decision = match found.decision {
+        Ok(decision) => decision,
+        Err(damaged) => {
+            return report::<H>(delivery.key, (StoreOperation::Claim, damaged.into_sqlx()));
+        }
+    };
     match decision {
         Decision::Settled(outcome) => Ok(outcome.map(|()| unreachable!("settled, not processed"))),
         Decision::Conflict { stored } => Err(Failed::Conflict(Conflict {
@@ -439,12 +500,13 @@ fn settle_existing<H: Handler>(
         })),
         // The claim statement retries a row it would take over until it settles; the fast path
         // does not read such a row; seen here, it changed under the claim: a transient state.
-        Decision::Claimable => Err(Failed::Report(Error::Database(StoreError {
-            consumer: H::CONSUMER.to_owned(),
-            key: delivery.key.clone(),
-            operation: StoreOperation::Claim,
-            source: sqlx::Error::Protocol("inbox claim: key neither claimable nor settled".into()),
-        }))),
+        Decision::Claimable => report::<H>(
+            delivery.key,
+            (
+                StoreOperation::Claim,
+                sqlx::Error::Protocol("inbox claim: key neither claimable nor settled".into()),
+            ),
+        ),
     }
 }
 
@@ -454,7 +516,7 @@ fn settle_existing<H: Handler>(
 async fn order<H: Handler>(
     conn: &mut H::Connection,
     msg: &H::Message,
-    delivery: &Delivery<'_>,
+    delivery: &AttemptPlan<'_>,
     ordering: &Ordering,
 ) -> Result<Option<Outcome<H::Output>>, sqlx::Error> {
     let last = conn
@@ -478,7 +540,7 @@ async fn order<H: Handler>(
     Ok(None)
 }
 
-fn payload_of<M: Serialize>(msg: &M, delivery: &Delivery<'_>) -> Vec<u8> {
+fn payload_of<M: Serialize>(msg: &M, delivery: &AttemptPlan<'_>) -> Vec<u8> {
     match delivery.payload {
         Some(payload) => payload.to_vec(),
         // A message that fingerprinted serializes: the fingerprint was computed over it.

@@ -426,101 +426,137 @@ impl AmqpSink {
         results: &mut [Option<Result<(), SinkError>>],
     ) -> bool {
         let mut healthy = true;
-        let deadline = tokio::time::Instant::now() + self.config.confirm_timeout;
+        // A timeout no clock can add (`Duration::MAX`): a year, which is "without end" here.
+        let now = tokio::time::Instant::now();
+        let deadline = now
+            .checked_add(self.config.confirm_timeout)
+            .unwrap_or_else(|| now + Duration::from_secs(365 * 86_400));
         let mut confirms = Vec::with_capacity(prepared.len());
         for (index, entry) in prepared.iter().enumerate() {
             let Some(message) = entry else { continue };
-            let route = &message.route;
             if !healthy {
                 results[index] = Some(Err(SinkError::retryable(AmqpSinkError::NotSent)));
                 continue;
             }
-            if self.config.declare
-                && route.exchange.is_empty()
-                && !link.declared.contains(&route.routing_key)
-            {
-                let declared = link
-                    .channel
-                    .queue_declare(
-                        route.routing_key.as_str().into(),
-                        QueueDeclareOptions::durable(),
-                        FieldTable::default(),
-                    )
-                    .await;
-                match declared {
-                    Ok(_) => {
-                        link.declared.insert(route.routing_key.clone());
-                    }
-                    Err(error) => {
-                        results[index] = Some(Err(SinkError::retryable(AmqpSinkError::Declare {
-                            queue: route.routing_key.clone(),
-                            error: Box::new(error),
-                        })));
-                        healthy = link.usable();
-                        continue;
-                    }
-                }
+            if let Err(error) = self.declare(link, &message.route).await {
+                results[index] = Some(Err(error));
+                healthy = link.usable();
+                continue;
             }
-            let published = link
-                .channel
-                .basic_publish(
-                    route.exchange.as_str().into(),
-                    route.routing_key.as_str().into(),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        immediate: false,
-                    },
-                    message.payload,
-                    message.properties.clone(),
-                )
-                .await;
-            match published {
+            match publish(link, message).await {
                 Ok(confirm) => confirms.push((index, confirm)),
                 Err(error) => {
                     healthy = false;
-                    results[index] = Some(Err(SinkError::retryable(AmqpSinkError::Publish {
-                        exchange: route.exchange.clone(),
-                        routing_key: route.routing_key.clone(),
-                        error: Box::new(error),
-                    })));
+                    results[index] = Some(Err(error));
                 }
             }
         }
         for (index, confirm) in confirms {
             let route = &prepared[index].as_ref().expect("published").route;
-            let publish_error = |error| AmqpSinkError::Publish {
-                exchange: route.exchange.clone(),
-                routing_key: route.routing_key.clone(),
-                error: Box::new(error),
-            };
-            let result = match tokio::time::timeout_at(deadline, confirm).await {
-                Ok(Ok(Confirmation::Ack(None) | Confirmation::NotRequested)) => Ok(()),
-                Ok(Ok(Confirmation::Ack(Some(returned)))) => {
-                    Err(SinkError::retryable(AmqpSinkError::Unroutable {
-                        exchange: route.exchange.clone(),
-                        routing_key: route.routing_key.clone(),
-                        reply_code: returned.reply_code,
-                        reply_text: returned.reply_text.as_str().to_owned(),
-                    }))
-                }
-                Ok(Ok(Confirmation::Nack(_))) => Err(SinkError::retryable(AmqpSinkError::Nacked {
-                    exchange: route.exchange.clone(),
-                    routing_key: route.routing_key.clone(),
-                })),
-                Ok(Err(error)) => {
-                    healthy = false;
-                    Err(SinkError::retryable(publish_error(error)))
-                }
-                Err(_) => {
-                    healthy = false;
-                    Err(SinkError::retryable(AmqpSinkError::ConfirmTimeout {
-                        timeout: self.config.confirm_timeout,
-                    }))
-                }
-            };
+            let confirmed = tokio::time::timeout_at(deadline, confirm).await;
+            let (result, usable) = self.confirmed(route, confirmed);
+            healthy &= usable;
             results[index] = Some(result);
         }
         healthy && link.usable()
+    }
+
+    /// Declares the queue of `route` (durable) on `link` the first time it is used, when the
+    /// sink declares queues and the route publishes through the default exchange.
+    async fn declare(&self, link: &mut Link, route: &AmqpRoute) -> Result<(), SinkError> {
+        if !self.config.declare
+            || !route.exchange.is_empty()
+            || link.declared.contains(&route.routing_key)
+        {
+            return Ok(());
+        }
+        let declared = link
+            .channel
+            .queue_declare(
+                route.routing_key.as_str().into(),
+                QueueDeclareOptions::durable(),
+                FieldTable::default(),
+            )
+            .await;
+        match declared {
+            Ok(_) => {
+                link.declared.insert(route.routing_key.clone());
+                Ok(())
+            }
+            Err(error) => Err(SinkError::retryable(AmqpSinkError::Declare {
+                queue: route.routing_key.clone(),
+                error: Box::new(error),
+            })),
+        }
+    }
+
+    /// The result of one message from its publisher confirm (`confirmed`: the broker's answer,
+    /// or the confirm timeout passed), and whether the link is still usable after it.
+    fn confirmed(
+        &self,
+        route: &AmqpRoute,
+        confirmed: Result<Result<Confirmation, lapin::Error>, tokio::time::error::Elapsed>,
+    ) -> (Result<(), SinkError>, bool) {
+        let result = match confirmed {
+            Ok(Ok(Confirmation::Ack(None) | Confirmation::NotRequested)) => Ok(()),
+            Ok(Ok(Confirmation::Ack(Some(returned)))) => {
+                Err(SinkError::retryable(AmqpSinkError::Unroutable {
+                    exchange: route.exchange.clone(),
+                    routing_key: route.routing_key.clone(),
+                    reply_code: returned.reply_code,
+                    reply_text: returned.reply_text.as_str().to_owned(),
+                }))
+            }
+            Ok(Ok(Confirmation::Nack(_))) => Err(SinkError::retryable(AmqpSinkError::Nacked {
+                exchange: route.exchange.clone(),
+                routing_key: route.routing_key.clone(),
+            })),
+            Ok(Err(error)) => {
+                return (
+                    Err(SinkError::retryable(publish_error(route, error))),
+                    false,
+                );
+            }
+            Err(_) => {
+                return (
+                    Err(SinkError::retryable(AmqpSinkError::ConfirmTimeout {
+                        timeout: self.config.confirm_timeout,
+                    })),
+                    false,
+                );
+            }
+        };
+        (result, true)
+    }
+}
+
+/// Publishes one prepared message on `link` (mandatory): its publisher confirm, to await.
+async fn publish(
+    link: &Link,
+    message: &Prepared<'_>,
+) -> Result<lapin::PublisherConfirm, SinkError> {
+    let route = &message.route;
+    link.channel
+        .basic_publish(
+            route.exchange.as_str().into(),
+            route.routing_key.as_str().into(),
+            BasicPublishOptions {
+                mandatory: true,
+                immediate: false,
+            },
+            message.payload,
+            message.properties.clone(),
+        )
+        .await
+        .map_err(|error| SinkError::retryable(publish_error(route, error)))
+}
+
+/// A publish to `route` that failed with `error`.
+fn publish_error(route: &AmqpRoute, error: lapin::Error) -> AmqpSinkError {
+    AmqpSinkError::Publish {
+        exchange: route.exchange.clone(),
+        routing_key: route.routing_key.clone(),
+        error: Box::new(error),
     }
 }
 

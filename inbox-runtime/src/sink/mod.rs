@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use crate::BoxFuture;
-use crate::classify::BoxError;
+use crate::types::classify::BoxError;
 
 /// One message the relay hands a sink.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -28,6 +28,16 @@
 //! (quorum queues; it counts earlier deliveries, so 1 is added). Text, integer and boolean
 //! headers are copied into [`Envelope::headers`].
 //!
+//! **Payload limit** ([`Source::set_payload_limit`], the dispatcher's limit under a
+//! [`Worker`](crate::Worker); 1 MiB otherwise): lapin hands a message over whole (it assembles
+//! the body frames itself), so the limit cannot stop it from reading a large one. What bounds
+//! that is the broker: RabbitMQ refuses to accept a message over its `max_message_size`
+//! (16 MiB by default since RabbitMQ 4.0, 128 MiB in 3.8 to 3.13, at most 512 MiB), and the
+//! channel holds at most [`prefetch`](AmqpConfig::prefetch) unacked messages. Set
+//! `max_message_size` to what your consumers accept. A body over the limit is cut to its first
+//! `limit` bytes as soon as it is handed out (its memory given back, before any other copy), and
+//! the worker keeps that cut copy in `inbox_rejections` as `too_large` with its real size.
+//!
 //! **Settling**: ack → `basic.ack`; reject → `basic.nack` with `requeue=false` (the queue's
 //! dead-letter exchange gets it, if it has one); requeue → `basic.nack` with `requeue=true`,
 //! sent after the requeue delay (RabbitMQ has no delayed requeue). Unsettled deliveries go back
@@ -41,8 +51,9 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties, Consumer};
 
 use crate::BoxFuture;
-use crate::envelope::{Envelope, SourceMetadata};
 use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::types::envelope::{Envelope, SourceMetadata};
+use crate::types::limit::PayloadLimit;
 
 /// How to connect and consume. Build with [`AmqpConfig::new`] and the setters.
 #[derive(Debug, Clone)]
@@ -144,6 +155,7 @@ pub struct AmqpSource {
     connection: Connection,
     channel: Channel,
     consumer: Consumer,
+    limit: PayloadLimit,
 }
 
 impl AmqpSource {
@@ -190,6 +202,7 @@ impl AmqpSource {
             connection,
             channel,
             consumer,
+            limit: PayloadLimit::DEFAULT,
         })
     }
 
@@ -251,6 +264,7 @@ impl AmqpSource {
             metadata = metadata.delivery_count(count);
         }
         let mut envelope = Envelope::new(message_name, delivery.data).with_source(metadata);
+        envelope.limit_to(self.limit);
         envelope.headers = headers;
         let mut delivery = Delivery::new(
             envelope,
@@ -339,6 +353,12 @@ impl Settle for AmqpSettler {
 impl Source for AmqpSource {
     fn name(&self) -> &str {
         &self.config.queue
+    }
+
+    /// See the module documentation's "Payload limit": a body over `limit` is cut as it is
+    /// handed out, its memory given back.
+    fn set_payload_limit(&mut self, limit: PayloadLimit) {
+        self.limit = limit;
     }
 
     fn next(&mut self) -> BoxFuture<'_, Result<Option<Delivery>, SourceError>> {

@@ -10,7 +10,22 @@
 //! `message` is the routing name, `payload` the message's JSON (passed on byte for byte),
 //! `headers` (optional) an object of strings. A line that is not such an object is delivered
 //! with the empty message name and the line as its payload, so that the worker rejects it as an
-//! unknown message (and logs it); it counts as settled like any other.
+//! unknown message (and logs it); it counts as settled like any other. A line that is not
+//! Unicode text (bytes that are not UTF-8, an escape that decodes to an unpaired surrogate, in
+//! its payload, headers or anywhere) is delivered whole under its `message`, if that can be
+//! read, so that the dispatcher refuses it by the one Unicode rule (`NotUtf8`,
+//! `UnpairedSurrogate`) with the position in the line.
+//!
+//! **Size.** A line is read no further than the [payload limit](Source::set_payload_limit)
+//! (the dispatcher's under a [`Worker`](crate::Worker); 1 MiB otherwise) plus 64 KiB of room for
+//! the rest of its envelope (the message name, the headers): a longer line is not read whole.
+//! Its first `limit` bytes are kept, the rest is skipped to the next newline (or the end of the
+//! file) without being held, and it is delivered [cut](Envelope::cut), with the line's size and
+//! the `message` member if it comes before the cut, so that the worker keeps that cut copy in
+//! `inbox_rejections` as `too_large` with its real size. A line within that size whose payload is
+//! over the limit is refused by the dispatcher as before. The reader runs ahead of the worker by
+//! at most 256 lines and about twice that size in bytes, so that memory stays a small multiple of
+//! the limit whatever the file holds.
 //!
 //! **Position.** The source keeps the *contiguous settled prefix* of the file: the first `line`
 //! lines (ending at byte `byte`) have all been acked or rejected (blank lines count as settled).
@@ -24,18 +39,21 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::io::{self, BufRead as _, Seek as _, SeekFrom, Write as _};
+use std::io::{self, Seek as _, SeekFrom, Write as _};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use serde::de::{DeserializeSeed, IgnoredAny, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
-use tokio::sync::{Notify, mpsc, watch};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 
 use crate::BoxFuture;
-use crate::envelope::{Envelope, SourceMetadata};
 use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::types::envelope::{Envelope, SourceMetadata};
+use crate::types::limit::PayloadLimit;
 
 /// How far a [`FileSource`] has settled its file: every one of the first `line` lines (1-based
 /// numbering; `line = 0` is the start) is settled, and they end at byte offset `byte`.
@@ -106,8 +124,143 @@ impl OffsetFile {
 struct Line {
     number: u64,
     end: u64,
+    /// The line, or its first `limit` bytes if it was cut.
     bytes: Vec<u8>,
+    /// Set if the line was too long to read whole.
+    cut: Option<Cut>,
     deliveries: u64,
+}
+
+/// What is known of a line too long to read whole.
+#[derive(Debug, Clone)]
+struct Cut {
+    /// Its `message` member, if it came before the cut.
+    message_name: Option<String>,
+    /// Its length, in bytes (its newline excluded).
+    size: usize,
+}
+
+/// Room a line has beyond the payload limit for the rest of its envelope: the message name,
+/// the headers and the JSON around them (64 KiB).
+const LINE_ALLOWANCE: usize = 64 * 1024;
+
+/// One line as read: at most `budget + 1` bytes of it kept.
+struct ReadLine {
+    bytes: Vec<u8>,
+    /// Bytes of the file it spans, its newline included.
+    consumed: u64,
+    /// Whether it ended with a newline (not with the end of the file).
+    ended: bool,
+    /// Whether it is whitespace only (all of it, also past what was kept).
+    blank: bool,
+}
+
+/// Reads the next line, keeping at most `budget + 1` bytes of it and skipping the rest to its
+/// newline without holding it; `None` at the end of the file.
+fn read_line(reader: &mut impl io::BufRead, budget: usize) -> io::Result<Option<ReadLine>> {
+    let cap = budget.saturating_add(1);
+    let mut read = ReadLine {
+        bytes: Vec::new(),
+        consumed: 0,
+        ended: false,
+        blank: true,
+    };
+    loop {
+        let chunk = match reader.fill_buf() {
+            Ok(chunk) => chunk,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if chunk.is_empty() {
+            break;
+        }
+        let (take, ended) = match chunk.iter().position(|&b| b == b'\n') {
+            Some(newline) => (newline + 1, true),
+            None => (chunk.len(), false),
+        };
+        let part = &chunk[..take];
+        read.blank &= part.iter().all(u8::is_ascii_whitespace);
+        let keep = &part[..take.min(cap - read.bytes.len())];
+        if read.bytes.capacity() - read.bytes.len() < keep.len() {
+            // Grow by doubling, but never past the cap: no more than the cap is ever held.
+            let want = (read.bytes.capacity() * 2)
+                .max(read.bytes.len() + keep.len())
+                .max(256)
+                .min(cap);
+            read.bytes.reserve_exact(want - read.bytes.len());
+        }
+        read.bytes.extend_from_slice(keep);
+        read.consumed += take as u64;
+        reader.consume(take);
+        if ended {
+            read.ended = true;
+            break;
+        }
+    }
+    Ok((read.consumed > 0).then_some(read))
+}
+
+impl Line {
+    /// Line `number`, ending at byte `end`; cut to the first `limit` bytes if it is longer than
+    /// `budget` bytes.
+    fn new(number: u64, end: u64, read: ReadLine, limit: usize, budget: usize) -> Self {
+        let length = read.consumed - u64::from(read.ended);
+        let mut bytes = read.bytes;
+        let cut = (length > budget as u64).then(|| {
+            let message_name = message_name_of(&bytes);
+            bytes.truncate(limit);
+            bytes.shrink_to_fit();
+            Cut {
+                message_name,
+                size: usize::try_from(length).unwrap_or(usize::MAX),
+            }
+        });
+        Self {
+            number,
+            end,
+            bytes,
+            cut,
+            deliveries: 0,
+        }
+    }
+}
+
+/// The `message` member of a line cut short, if it is a string that comes before the cut.
+fn message_name_of(prefix: &[u8]) -> Option<String> {
+    /// Reads the members of the line's object in order until `message`.
+    struct Name<'a>(&'a mut Option<String>);
+
+    impl<'de> DeserializeSeed<'de> for Name<'_> {
+        type Value = ();
+
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_map(self)
+        }
+    }
+
+    impl<'de> Visitor<'de> for Name<'_> {
+        type Value = ();
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a message envelope")
+        }
+
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            while let Some(member) = map.next_key::<String>()? {
+                if member == "message" {
+                    *self.0 = Some(map.next_value()?);
+                    return Ok(());
+                }
+                map.next_value::<IgnoredAny>()?;
+            }
+            Ok(())
+        }
+    }
+
+    let mut name = None;
+    // The cut makes the line end early: the error that follows the name is expected.
+    let _ = Name(&mut name).deserialize(&mut serde_json::Deserializer::from_slice(prefix));
+    name
 }
 
 #[derive(Debug, Default)]
@@ -175,10 +328,68 @@ impl Shared {
 pub struct FileSource {
     shared: Arc<Shared>,
     offset: Arc<OffsetFile>,
-    lines: mpsc::Receiver<io::Result<Line>>,
+    lines: mpsc::Receiver<io::Result<(Line, OwnedSemaphorePermit)>>,
     redeliveries: mpsc::UnboundedReceiver<Line>,
+    /// The reader, until the first [`Source::next`] starts it (with the limit set by then).
+    reader: Option<Reader>,
     reader_done: bool,
     start: FilePosition,
+    /// The payload limit, in bytes, shared with the reader.
+    limit: Arc<AtomicUsize>,
+}
+
+/// The blocking thread that reads lines ahead of the worker: at most 256 lines, and about two
+/// of the longest lines it reads whole in bytes.
+#[derive(Debug)]
+struct Reader {
+    file: fs::File,
+    start: FilePosition,
+    shared: Arc<Shared>,
+    tx: mpsc::Sender<io::Result<(Line, OwnedSemaphorePermit)>>,
+    limit: Arc<AtomicUsize>,
+}
+
+impl Reader {
+    fn start(self) {
+        let runtime = tokio::runtime::Handle::current();
+        tokio::task::spawn_blocking(move || self.run(&runtime));
+    }
+
+    fn run(self, runtime: &tokio::runtime::Handle) {
+        let limit = self.limit.load(AtomicOrdering::Relaxed);
+        let bytes_ahead = 2 * (limit + LINE_ALLOWANCE + 1);
+        let ahead = Arc::new(Semaphore::new(bytes_ahead));
+        let mut reader = io::BufReader::with_capacity(1 << 16, self.file);
+        let mut number = self.start.line;
+        let mut at = self.start.byte;
+        loop {
+            let limit = self.limit.load(AtomicOrdering::Relaxed);
+            let budget = limit + LINE_ALLOWANCE;
+            let read = match read_line(&mut reader, budget) {
+                Ok(Some(read)) => read,
+                Ok(None) => break,
+                Err(e) => {
+                    let _ = self.tx.blocking_send(Err(e));
+                    break;
+                }
+            };
+            number += 1;
+            at += read.consumed;
+            if read.blank {
+                self.shared.complete(number, at, false);
+                continue;
+            }
+            let line = Line::new(number, at, read, limit, budget);
+            // Room for the line's bytes among those read ahead (given back when handed out).
+            let size = u32::try_from(line.bytes.len().clamp(1, bytes_ahead)).unwrap_or(u32::MAX);
+            let Ok(permit) = runtime.block_on(Arc::clone(&ahead).acquire_many_owned(size)) else {
+                break;
+            };
+            if self.tx.blocking_send(Ok((line, permit))).is_err() {
+                break; // the source is gone
+            }
+        }
+    }
 }
 
 impl FileSource {
@@ -266,49 +477,26 @@ impl FileSource {
             }
         });
 
-        // The reader: a blocking thread, 256 lines ahead at most.
+        // The reader: a blocking thread, 256 lines ahead at most, started by the first `next`.
         let (tx, lines) = mpsc::channel(256);
-        let reader_shared = Arc::clone(&shared);
-        tokio::task::spawn_blocking(move || {
-            let mut reader = io::BufReader::with_capacity(1 << 16, file);
-            let mut number = start.line;
-            let mut at = start.byte;
-            loop {
-                let mut bytes = Vec::with_capacity(256);
-                match reader.read_until(b'\n', &mut bytes) {
-                    Ok(0) => break,
-                    Ok(n) => {
-                        number += 1;
-                        at += n as u64;
-                        if bytes.iter().all(u8::is_ascii_whitespace) {
-                            reader_shared.complete(number, at, false);
-                            continue;
-                        }
-                        let line = Line {
-                            number,
-                            end: at,
-                            bytes,
-                            deliveries: 0,
-                        };
-                        if tx.blocking_send(Ok(line)).is_err() {
-                            break; // the source is gone
-                        }
-                    }
-                    Err(e) => {
-                        let _ = tx.blocking_send(Err(e));
-                        break;
-                    }
-                }
-            }
-        });
+        let limit = Arc::new(AtomicUsize::new(PayloadLimit::DEFAULT.bytes()));
+        let reader = Reader {
+            file,
+            start,
+            shared: Arc::clone(&shared),
+            tx,
+            limit: Arc::clone(&limit),
+        };
 
         Ok(Self {
             shared,
             offset,
             lines,
             redeliveries,
+            reader: Some(reader),
             reader_done: false,
             start,
+            limit,
         })
     }
 
@@ -333,7 +521,20 @@ impl FileSource {
             .offset(i64::try_from(line.number).unwrap_or(i64::MAX))
             .redelivered(line.deliveries > 1)
             .delivery_count(line.deliveries);
-        let envelope = parse(&line.bytes, &self.shared.name, line.number).with_source(metadata);
+        let envelope = match &line.cut {
+            Some(cut) => {
+                tracing::warn!(
+                    file = self.shared.name,
+                    line = line.number,
+                    size = cut.size,
+                    "line too long to read whole; delivered cut to the payload limit"
+                );
+                let name = cut.message_name.clone().unwrap_or_default();
+                Envelope::cut(name, line.bytes.clone(), cut.size)
+            }
+            None => parse(&line.bytes, &self.shared.name, line.number),
+        }
+        .with_source(metadata);
         Delivery::new(
             envelope,
             FileSettler {
@@ -361,6 +562,19 @@ fn parse(bytes: &[u8], file: &str, number: u64) -> Envelope {
             let mut envelope = Envelope::new(line.message, line.payload.get().as_bytes());
             envelope.headers = line.headers;
             envelope
+        }
+        // Text that is not Unicode (bytes that are not UTF-8, an unpaired surrogate escape)
+        // anywhere in the line fails its decoding: the line goes whole under its name, if that
+        // can be read, for the dispatcher to refuse by the one Unicode rule, with the position
+        // in the line (a surrogate in the payload alone decodes, and is refused in the payload).
+        Err(error) if crate::types::json_text::json_text(trimmed).is_err() => {
+            tracing::warn!(
+                file,
+                line = number,
+                %error,
+                "the line is not Unicode text; delivered whole so that it is rejected"
+            );
+            Envelope::new(message_name_of(trimmed).unwrap_or_default(), trimmed)
         }
         Err(error) => {
             tracing::warn!(
@@ -417,8 +631,18 @@ impl Source for FileSource {
         &self.shared.name
     }
 
+    /// Lines are read no further than `limit` plus 64 KiB (see the module documentation's
+    /// "Size"). Takes effect for the lines read after it; set it before the first
+    /// [`next`](Source::next) (the [`Worker`](crate::Worker) does) for all of them.
+    fn set_payload_limit(&mut self, limit: PayloadLimit) {
+        self.limit.store(limit.bytes(), AtomicOrdering::Relaxed);
+    }
+
     fn next(&mut self) -> BoxFuture<'_, Result<Option<Delivery>, SourceError>> {
         Box::pin(async move {
+            if let Some(reader) = self.reader.take() {
+                reader.start();
+            }
             loop {
                 let changed = self.shared.changed.notified();
                 if let Ok(line) = self.redeliveries.try_recv() {
@@ -437,7 +661,7 @@ impl Source for FileSource {
                     biased;
                     Some(line) = self.redeliveries.recv() => return Ok(Some(self.delivery(line))),
                     read = self.lines.recv() => match read {
-                        Some(Ok(line)) => {
+                        Some(Ok((line, _room))) => {
                             self.shared.lock().outstanding += 1;
                             return Ok(Some(self.delivery(line)));
                         }

@@ -18,15 +18,32 @@
 //! ## The database is the offset authority
 //!
 //! Positions are kept in `inbox_positions` ([`Component::Positions`](crate::Component::Positions),
-//! see [`PositionStore`](crate::PositionStore)): `(group, topic, partition) → next offset`, with
-//! a fencing **epoch**. As the seeds of this pattern prescribe: commit the business transaction
-//! and the offset in the same database transaction, then commit the Kafka offset separately.
+//! see [`PositionStore`](crate::store::PositionStore)): `(group, topic, partition) → next offset`,
+//! with a fencing **epoch**. As the seeds of this pattern prescribe: commit the business
+//! transaction and the offset in the same database transaction, then commit the Kafka offset
+//! separately.
 //!
 //! * **Assignment**: in the rebalance callback, *before* `assign`/`incremental_assign`, the source
 //!   takes each new partition in the database (its epoch incremented, the stored next offset read
 //!   in one statement) and sets that offset on the assignment itself. Consumption starts there;
 //!   there is no seek afterwards. A partition without a stored offset starts at the group's
 //!   committed offset in Kafka, else at `auto.offset.reset` (default here: `earliest`).
+//! * **A previous owner still in its transaction**: taking a partition waits for a transaction
+//!   that wrote its position and has not ended (a zombie's slow handler, a stall before
+//!   `COMMIT`). The callback never waits long for it, nor does the poll loop, so that the
+//!   consumer keeps polling (waiting longer than `max.poll.interval.ms` would get it kicked out
+//!   of the group, and the group would rebalance again and again). Each attempt waits at most
+//!   50 ms for the row's lock
+//!   ([`PositionStore::try_acquire_position`](crate::store::PositionStore::try_acquire_position):
+//!   PostgreSQL `lock_timeout`, SQLite's busy timeout, MySQL/MariaDB `FOR UPDATE NOWAIT`), and the
+//!   callback spends at most 500 ms on them. A partition not taken is assigned **paused**, nothing
+//!   of it is handed out ([`AssignmentHandle::waiting`] lists it), and the poll loop tries again
+//!   every 200 ms; once the previous owner's transaction has ended (committed: the stored offset
+//!   includes its record; rolled back: it does not), the partition is taken, sought to its stored
+//!   offset and resumed, within about 350 ms. Database errors are retried the same way, for up to
+//!   [`assign_timeout`](KafkaConfig::assign_timeout). The source's own position writes from the
+//!   poll loop (flushes, revocations) wait at most 50 ms too, and are left to a later write when
+//!   the row is locked.
 //! * **Processing**: the source's [`TransactionHook`] runs in each record's claim transaction,
 //!   after the handler: it writes the partition's next offset *if the epoch is still the one the
 //!   record was fetched under* (a compare-and-set). A consumer that lost the partition since (a
@@ -77,16 +94,28 @@
 //!
 //! **Message name**, first found of: the header named by
 //! [`name_header`](KafkaConfig::name_header) (default `message-name`, what this crate's sinks
-//! write); the name configured for the topic ([`KafkaConfig::topic_name`]). Otherwise the empty
-//! name, which the worker rejects (kept in `inbox_rejections`).
+//! write; a value that is not UTF-8 is read with U+FFFD for its invalid bytes, so that no
+//! handler knows the name and the record is kept in `inbox_rejections` as an unknown message);
+//! the name configured for the topic ([`KafkaConfig::topic_name`]), for records without the
+//! header. Otherwise the empty name, which the worker rejects (kept in `inbox_rejections`).
 //!
 //! **Metadata**: `source` = the topic, `partition`, `offset`, `record_key`, `published_at` = the
 //! record's timestamp, `message_id` = the `message-id` header, `epoch` = the position epoch.
 //! Headers whose value is UTF-8 are copied into [`Envelope::headers`] (others are skipped, with
 //! a debug log). A tombstone (null value) has an empty payload, which no message decodes.
+//!
+//! **Payload limit** (the dispatcher's, from [`KafkaSource::connect`];
+//! [`Source::set_payload_limit`] changes it): librdkafka fetches whole record batches into its
+//! own buffers, so the limit cannot stop it from reading a large record. What bounds that is
+//! the broker's `message.max.bytes` (about 1 MB by default; a topic's `max.message.bytes`) and
+//! the client's `fetch.message.max.bytes`, `fetch.max.bytes` and
+//! `queued.max.messages.kbytes` (set them with [`KafkaConfig::property`]). Of a value over the
+//! limit only the first `limit` bytes are copied out of librdkafka's buffer into the
+//! partition's buffer, and the worker keeps that cut copy in `inbox_rejections` as `too_large`
+//! with its real size.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -102,12 +131,27 @@ use rdkafka::types::RDKafkaRespErr;
 use sqlx::Pool;
 
 use crate::BoxFuture;
-use crate::classify::BoxError;
-use crate::dispatcher::Dispatcher;
-use crate::envelope::{Envelope, SourceMetadata};
+use crate::dispatch::dispatcher::Dispatcher;
 use crate::protocol::hooks::{ClaimInfo, Fenced, TransactionHook};
 use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
 use crate::store::{Acquired, PositionKey, PositionStore as _, PositionsDatabase};
+use crate::types::classify::BoxError;
+use crate::types::envelope::{Envelope, SourceMetadata};
+use crate::types::limit::PayloadLimit;
+
+/// How long one attempt at a position's row waits for a transaction that holds it (the previous
+/// owner's, not committed yet), in a rebalance callback or the poll loop.
+const LOCK_WAIT: Duration = Duration::from_millis(50);
+/// How often a partition waiting for its position is tried again.
+const RETRY_INTERVAL: Duration = Duration::from_millis(200);
+/// How long one rebalance callback, or one pass of the poll loop, may spend on the positions of
+/// partitions waiting for them; the others are tried at the next pass.
+const TAKEOVER_BUDGET: Duration = Duration::from_millis(500);
+/// How long one attempt at the database may take (a connection from the pool, the statements): a
+/// database that does not answer holds the poll loop no longer.
+const ATTEMPT_LIMIT: Duration = Duration::from_secs(2);
+/// How long a seek of a partition that waited for its position may take.
+const SEEK_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Which records of a partition may run at the same time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -146,8 +190,10 @@ pub struct KafkaConfig {
     /// before the partitions are handed over (the rebalance waits that long at most). Default
     /// 10 s; keep it under `max.poll.interval.ms`.
     pub revoke_wait: Duration,
-    /// On an assignment, how long the source keeps trying to read the positions from the
-    /// database before it gives up (and fails: the worker stops). Default 30 s.
+    /// On an assignment, how long the source keeps trying to read a partition's position while
+    /// the database fails (errors, no answer within 2 s) before it gives up (and fails: the
+    /// worker stops). Default 30 s. A position locked by the previous owner's open transaction
+    /// is no failure: the partition waits for it, however long (see the module documentation).
     pub assign_timeout: Duration,
     /// Further librdkafka consumer properties (`security.protocol`, `sasl.*`, `ssl.*`,
     /// `session.timeout.ms`, `auto.offset.reset`, `client.id`, …), applied over this source's
@@ -251,7 +297,10 @@ struct Record {
     partition: i32,
     offset: i64,
     key: Option<Vec<u8>>,
+    /// The value, cut to the payload limit.
     payload: Option<Vec<u8>>,
+    /// The value's real size, in bytes.
+    payload_size: usize,
     timestamp_ms: Option<i64>,
     headers: Vec<(String, Option<Vec<u8>>)>,
     /// Not to be handed out before (a retry's delay).
@@ -321,6 +370,39 @@ impl Part {
 
 type PartKey = (Arc<str>, i32);
 
+/// A partition the group assigned whose position is not taken yet: its row is locked by the
+/// previous owner's open transaction, or the database failed. Paused at the broker, no record of
+/// it handed out; the poll loop tries again every [`RETRY_INTERVAL`] and starts it once taken.
+#[derive(Debug)]
+struct Waiting {
+    /// When the group assigned it.
+    since: Instant,
+    /// Not tried again before.
+    next_attempt: Instant,
+    /// Since when the attempts fail (errors, not a lock): the source fails after
+    /// `assign_timeout` of them.
+    failing_since: Option<Instant>,
+    /// The delay before the next attempt after an error (doubled each time, up to 2 s).
+    delay: Duration,
+    /// Taken, not started at the broker yet (its seek failed: tried again).
+    acquired: Option<Acquired>,
+    /// When the log last said that it waits.
+    logged: Option<Instant>,
+}
+
+impl Waiting {
+    fn new(now: Instant) -> Self {
+        Self {
+            since: now,
+            next_attempt: now,
+            failing_since: None,
+            delay: Duration::from_millis(100),
+            acquired: None,
+            logged: None,
+        }
+    }
+}
+
 #[derive(Default)]
 struct State {
     parts: HashMap<PartKey, Part>,
@@ -328,6 +410,27 @@ struct State {
     turn: usize,
     /// A failure the worker is told at its next fetch.
     failure: Option<SourceError>,
+    /// The rebalance callbacks served so far.
+    rebalances: RebalanceCounts,
+    /// Assigned by the group, waiting for their positions (see [`Waiting`]).
+    waiting: HashMap<PartKey, Waiting>,
+}
+
+/// The rebalances a [`KafkaSource`] went through, by kind: the consumer group's rebalance
+/// callbacks it served ([`AssignmentHandle::rebalances`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RebalanceCounts {
+    /// Assignments: rebalances that gave this consumer its new partitions (with the default
+    /// cooperative protocol, also those that gave it none).
+    pub assigned: u64,
+    /// The partitions these assignments gave, in all.
+    pub partitions_assigned: u64,
+    /// Orderly revocations: partitions handed over to other members.
+    pub revoked: u64,
+    /// Losses: partitions taken away without a handover (the session expired,
+    /// `max.poll.interval.ms` passed between two polls, the coordinator forgot the member).
+    pub lost: u64,
 }
 
 /// What [`Shared::take`] found: a record with its epoch, or when one may be ready.
@@ -352,6 +455,8 @@ struct Shared {
     /// Something may be ready for `next`.
     wake: tokio::sync::Notify,
     stop: AtomicBool,
+    /// The payload limit, in bytes: a record's value is copied no further.
+    payload_limit: AtomicUsize,
 }
 
 impl Shared {
@@ -366,6 +471,51 @@ impl Shared {
         tracing::error!(source = %self.name, %error, "Kafka source failed");
         self.lock().failure.get_or_insert(error);
         self.wake.notify_one();
+    }
+
+    /// An attempt found `key`'s position locked by another transaction: tried again after
+    /// [`RETRY_INTERVAL`].
+    fn still_locked(&self, key: &PartKey) {
+        let mut state = self.lock();
+        let Some(waiting) = state.waiting.get_mut(key) else {
+            return;
+        };
+        let now = Instant::now();
+        waiting.next_attempt = now + RETRY_INTERVAL;
+        waiting.failing_since = None;
+        waiting.delay = Duration::from_millis(100);
+        let (topic, partition) = (&*key.0, key.1);
+        match waiting.logged {
+            None => {
+                tracing::info!(source = %self.name, topic, partition, "partition assigned; its position is locked by another transaction (the previous owner's, not ended yet): started once it ends");
+            }
+            Some(at) if now.duration_since(at) >= Duration::from_secs(10) => {
+                tracing::warn!(source = %self.name, topic, partition, waited_s = waiting.since.elapsed().as_secs(), "partition still waits for the previous owner's transaction to end");
+            }
+            Some(_) => return,
+        }
+        waiting.logged = Some(now);
+    }
+
+    /// An attempt at `key`'s position (or its seek) failed: tried again after a growing delay;
+    /// the source fails once the attempts have failed for `assign_timeout`.
+    fn attempt_failed(&self, key: &PartKey, operation: &'static str, error: BoxError) {
+        let now = Instant::now();
+        let failing_for = {
+            let mut state = self.lock();
+            let Some(waiting) = state.waiting.get_mut(key) else {
+                return;
+            };
+            waiting.next_attempt = now + waiting.delay;
+            waiting.delay = (waiting.delay * 2).min(Duration::from_secs(2));
+            now.duration_since(*waiting.failing_since.get_or_insert(now))
+        };
+        let (topic, partition) = (&*key.0, key.1);
+        if failing_for >= self.assign_timeout {
+            self.fail(operation, error);
+        } else {
+            tracing::warn!(source = %self.name, topic, partition, %error, operation, "cannot take the partition; retrying");
+        }
     }
 
     /// The next record to hand out, marked in flight, with its partition's epoch; and, if none,
@@ -444,10 +594,21 @@ impl Shared {
                 None => {}
             }
         }
+        // A name header that is there but not UTF-8 still names the record (U+FFFD for the
+        // bytes that are not, as the AMQP source reads it): never the topic's name, which is for
+        // records without the header.
         let message_name = self
             .name_header
             .as_ref()
-            .and_then(|header| headers.get(header).cloned())
+            .and_then(|header| {
+                record
+                    .headers
+                    .iter()
+                    .rev()
+                    .find(|(name, value)| name == header && value.is_some())
+            })
+            .and_then(|(_, value)| value.as_deref())
+            .map(|value| String::from_utf8_lossy(value).into_owned())
             .or_else(|| self.topic_names.get(&*record.topic).cloned())
             .unwrap_or_default();
         let mut metadata = SourceMetadata::new(&*record.topic)
@@ -463,52 +624,85 @@ impl Shared {
         if let Some(ms) = record.timestamp_ms.and_then(|ms| u64::try_from(ms).ok()) {
             metadata = metadata.published_at(SystemTime::UNIX_EPOCH + Duration::from_millis(ms));
         }
-        let mut envelope = Envelope::new(message_name, record.payload.clone().unwrap_or_default())
-            .with_source(metadata);
+        let payload = record.payload.clone().unwrap_or_default();
+        let mut envelope =
+            Envelope::cut(message_name, payload, record.payload_size).with_source(metadata);
         envelope.headers = headers;
         envelope
     }
 }
 
-/// Reads and writes positions in the source's database, whatever its backend.
+/// Reads and writes positions in the source's database, whatever its backend: one attempt each,
+/// waiting at most [`LOCK_WAIT`] for the row's lock (`Ok(None)`: still locked), within
+/// [`ATTEMPT_LIMIT`] in all.
 trait Positions: Send + Sync {
-    fn acquire<'a>(
+    fn try_acquire<'a>(
         &'a self,
         key: PositionKey<'a>,
         owner: &'a str,
-    ) -> BoxFuture<'a, Result<Acquired, sqlx::Error>>;
+    ) -> BoxFuture<'a, Result<Option<Acquired>, sqlx::Error>>;
 
-    fn advance<'a>(
+    fn try_advance<'a>(
         &'a self,
         key: PositionKey<'a>,
         epoch: i64,
         next_offset: i64,
-    ) -> BoxFuture<'a, Result<bool, sqlx::Error>>;
+    ) -> BoxFuture<'a, Result<Option<bool>, sqlx::Error>>;
 }
 
 struct PoolPositions<DB: PositionsDatabase>(Pool<DB>);
 
+/// Runs `$op` (a future on `$conn`, a connection of the pool `$pool`) within [`ATTEMPT_LIMIT`],
+/// the wait for the connection included. A connection whose statements ran out of time is closed,
+/// not given back to the pool (its state is unknown).
+macro_rules! within_limit {
+    ($pool:expr, |$conn:ident| $op:expr) => {{
+        let deadline = tokio::time::Instant::now() + ATTEMPT_LIMIT;
+        let mut pooled = tokio::time::timeout_at(deadline, $pool.acquire())
+            .await
+            .map_err(|_| sqlx::Error::PoolTimedOut)??;
+        let attempt = {
+            let $conn = &mut *pooled;
+            tokio::time::timeout_at(deadline, $op).await
+        };
+        match attempt {
+            Ok(done) => done,
+            Err(_) => {
+                drop(pooled.detach());
+                Err(sqlx::Error::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("the database did not answer within {ATTEMPT_LIMIT:?}"),
+                )))
+            }
+        }
+    }};
+}
+
 impl<DB: PositionsDatabase> Positions for PoolPositions<DB> {
-    fn acquire<'a>(
+    fn try_acquire<'a>(
         &'a self,
         key: PositionKey<'a>,
         owner: &'a str,
-    ) -> BoxFuture<'a, Result<Acquired, sqlx::Error>> {
+    ) -> BoxFuture<'a, Result<Option<Acquired>, sqlx::Error>> {
         Box::pin(async move {
-            let mut conn = self.0.acquire().await?;
-            (*conn).acquire_position(&key, owner).await
+            within_limit!(self.0, |conn| conn
+                .try_acquire_position(&key, owner, LOCK_WAIT))
         })
     }
 
-    fn advance<'a>(
+    fn try_advance<'a>(
         &'a self,
         key: PositionKey<'a>,
         epoch: i64,
         next_offset: i64,
-    ) -> BoxFuture<'a, Result<bool, sqlx::Error>> {
+    ) -> BoxFuture<'a, Result<Option<bool>, sqlx::Error>> {
         Box::pin(async move {
-            let mut conn = self.0.acquire().await?;
-            (*conn).advance_position(&key, epoch, next_offset).await
+            within_limit!(self.0, |conn| conn.try_advance_position(
+                &key,
+                epoch,
+                next_offset,
+                LOCK_WAIT
+            ))
         })
     }
 }
@@ -535,7 +729,12 @@ impl ConsumerContext for Context {
         );
         match err {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
-                let acquired = self.assign(tpl);
+                {
+                    let counts = &mut self.shared.lock().rebalances;
+                    counts.assigned += 1;
+                    counts.partitions_assigned += tpl.count() as u64;
+                }
+                let waiting = self.assign(tpl);
                 metrics::counter!("inbox_kafka_rebalances_total", "kind" => "assign").increment(1);
                 let assigned = if cooperative {
                     consumer.incremental_assign(tpl)
@@ -544,17 +743,23 @@ impl ConsumerContext for Context {
                 };
                 if let Err(error) = assigned {
                     self.shared.fail("assign", error);
-                } else if let Err(error) = acquired {
-                    // Assigned (the group protocol requires it) but never consumed: the worker
-                    // stops and the consumer leaves the group.
-                    let _ = consumer.pause(tpl);
-                    self.shared.fail("read positions", error);
+                } else if waiting.count() > 0 {
+                    self.pause_waiting(consumer, &waiting);
                 }
             }
             _ => {
                 let lost = err != RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS
                     || consumer.assignment_lost();
                 metrics::counter!("inbox_kafka_rebalances_total", "kind" => if lost { "lost" } else { "revoke" }).increment(1);
+                {
+                    let mut state = self.shared.lock();
+                    let counts = &mut state.rebalances;
+                    *if lost {
+                        &mut counts.lost
+                    } else {
+                        &mut counts.revoked
+                    } += 1;
+                }
                 self.revoke(consumer, tpl, lost);
                 let unassigned = if cooperative {
                     consumer.incremental_unassign(tpl)
@@ -577,48 +782,79 @@ impl ConsumerContext for Context {
 }
 
 impl Context {
-    /// Takes each partition of `tpl` in the database and sets its stored position on `tpl`.
-    fn assign(&self, tpl: &mut TopicPartitionList) -> Result<(), sqlx::Error> {
+    /// Takes each partition of `tpl` in the database, one bounded attempt each within
+    /// [`TAKEOVER_BUDGET`], and sets its stored position on `tpl`. Returns the partitions not
+    /// taken (locked by the previous owner's open transaction, or the database failed, or out of
+    /// time): they wait, paused, for the poll loop to take them ([`Poller::take_over`]).
+    fn assign(&self, tpl: &mut TopicPartitionList) -> TopicPartitionList {
         let partitions: Vec<(String, i32)> = tpl
             .elements()
             .iter()
             .map(|e| (e.topic().to_owned(), e.partition()))
             .collect();
         let shared = &self.shared;
-        let deadline = Instant::now() + shared.assign_timeout;
+        let now = Instant::now();
+        let until = now + TAKEOVER_BUDGET;
+        let mut trying = true;
+        let mut waiting = TopicPartitionList::new();
         for (topic, partition) in partitions {
-            let key = PositionKey::new(&shared.group, &topic, partition);
-            let mut delay = Duration::from_millis(100);
-            let acquired = loop {
-                match self
-                    .runtime
-                    .block_on(self.positions.acquire(key, &shared.owner))
-                {
-                    Ok(acquired) => break acquired,
-                    Err(error) if Instant::now() + delay < deadline => {
-                        tracing::warn!(source = %shared.name, topic, partition, %error, "cannot read the position; retrying");
-                        std::thread::sleep(delay);
-                        delay = (delay * 2).min(Duration::from_secs(2));
+            let key: PartKey = (Arc::from(topic.as_str()), partition);
+            let attempt =
+                (trying && Instant::now() < until).then(|| self.try_acquire(&topic, partition));
+            if let Some(Ok(Some(acquired))) = attempt {
+                if let Some(next) = acquired.next_offset {
+                    // Consumption starts exactly here: set on the assignment, never sought later.
+                    if let Err(error) =
+                        tpl.set_partition_offset(&topic, partition, Offset::Offset(next))
+                    {
+                        tracing::error!(%error, "cannot set the offset on the assignment");
                     }
-                    Err(error) => return Err(error),
                 }
-            };
-            if let Some(next) = acquired.next_offset {
-                // Consumption starts exactly here: set on the assignment, never sought later.
-                if let Err(error) =
-                    tpl.set_partition_offset(&topic, partition, Offset::Offset(next))
-                {
-                    tracing::error!(%error, "cannot set the offset on the assignment");
-                }
+                tracing::info!(source = %shared.name, topic, partition, epoch = acquired.epoch, next_offset = acquired.next_offset, "partition assigned");
+                shared
+                    .lock()
+                    .parts
+                    .insert(key, Part::new(acquired.epoch, acquired.next_offset));
+                continue;
             }
-            tracing::info!(source = %shared.name, topic, partition, epoch = acquired.epoch, next_offset = acquired.next_offset, "partition assigned");
-            shared.lock().parts.insert(
-                (Arc::from(topic.as_str()), partition),
-                Part::new(acquired.epoch, acquired.next_offset),
-            );
+            shared.lock().waiting.insert(key.clone(), Waiting::new(now));
+            match attempt {
+                Some(Ok(_)) => shared.still_locked(&key),
+                Some(Err(error)) => {
+                    // The database fails: the others are tried from the poll loop.
+                    trying = false;
+                    shared.attempt_failed(&key, "read positions", error.into());
+                }
+                None => {}
+            }
+            waiting.add_partition(&topic, partition);
         }
         shared.wake.notify_one();
-        Ok(())
+        waiting
+    }
+
+    /// Pauses the partitions that wait for their positions. Nothing is fetched for them until
+    /// they start; and no record of theirs reaches the poll loop, so that a partition without a
+    /// stored position resumes where its assignment put it (the group's committed offset, else
+    /// `auto.offset.reset`). One that cannot be paused fails the source.
+    fn pause_waiting(&self, consumer: &BaseConsumer<Self>, waiting: &TopicPartitionList) {
+        let paused = consumer.pause(waiting).and_then(|()| {
+            match waiting.elements().iter().find_map(|e| e.error().err()) {
+                Some(error) => Err(error),
+                None => Ok(()),
+            }
+        });
+        if let Err(error) = paused {
+            self.shared.fail("pause", error);
+        }
+    }
+
+    /// One bounded attempt at taking `topic`'s `partition` for this consumer: `Ok(None)` if its
+    /// row stayed locked for [`LOCK_WAIT`].
+    fn try_acquire(&self, topic: &str, partition: i32) -> Result<Option<Acquired>, sqlx::Error> {
+        let key = PositionKey::new(&self.shared.group, topic, partition);
+        self.runtime
+            .block_on(self.positions.try_acquire(key, &self.shared.owner))
     }
 
     /// Gives up the partitions of `tpl`: drops what has not started, waits for what runs, writes
@@ -633,6 +869,8 @@ impl Context {
         {
             let mut state = shared.lock();
             for key in &keys {
+                // Not started: nothing of it was handed out or written.
+                state.waiting.remove(key);
                 if let Some(part) = state.parts.get_mut(key) {
                     part.revoking = true;
                     if let Some(first) = part.buffer.front().map(|r| r.offset) {
@@ -642,7 +880,7 @@ impl Context {
                 }
             }
         }
-        let deadline = Instant::now() + shared.revoke_wait;
+        let deadline = later(Instant::now(), shared.revoke_wait);
         loop {
             let running: usize = {
                 let state = shared.lock();
@@ -678,11 +916,16 @@ impl Context {
                 let key = PositionKey::new(&shared.group, topic, *partition);
                 match self
                     .runtime
-                    .block_on(self.positions.advance(key, part.epoch, next))
+                    .block_on(self.positions.try_advance(key, part.epoch, next))
                 {
-                    Ok(true) => {}
-                    Ok(false) => {
+                    Ok(Some(true)) => {}
+                    Ok(Some(false)) => {
                         tracing::warn!(source = %shared.name, topic = &**topic, partition, "position fenced at revocation")
+                    }
+                    Ok(None) => {
+                        // Held by a transaction of this consumer still running: the next owner
+                        // waits for it, then starts at the position last committed.
+                        tracing::warn!(source = %shared.name, topic = &**topic, partition, "position locked at revocation; not written")
                     }
                     Err(error) => {
                         tracing::warn!(source = %shared.name, %error, "cannot write the position at revocation")
@@ -811,7 +1054,7 @@ impl Settle for KafkaSettler {
     ) -> BoxFuture<'static, Result<(), SourceError>> {
         let retry_at = match settlement {
             Settlement::Ack | Settlement::Reject => None,
-            Settlement::Requeue { delay } => Some(Instant::now() + delay.unwrap_or_default()),
+            Settlement::Requeue { delay } => Some(later(Instant::now(), delay.unwrap_or_default())),
         };
         self.finish(retry_at);
         Box::pin(async { Ok(()) })
@@ -898,6 +1141,7 @@ impl KafkaSource {
             state: Mutex::new(State::default()),
             wake: tokio::sync::Notify::new(),
             stop: AtomicBool::new(false),
+            payload_limit: AtomicUsize::new(dispatcher.max_payload_bytes()),
         });
         let context = Context {
             shared: Arc::clone(&shared),
@@ -955,6 +1199,13 @@ impl KafkaSource {
     }
 }
 
+/// `at + after`, or a year after `at` if no clock can add `after` (a revocation wait or a
+/// requeue delay of `Duration::MAX`: "without end").
+fn later(at: Instant, after: Duration) -> Instant {
+    at.checked_add(after)
+        .unwrap_or_else(|| at + Duration::from_secs(365 * 86_400))
+}
+
 fn assignment_of(shared: &Shared) -> Vec<(String, i32, i64)> {
     let mut all: Vec<(String, i32, i64)> = shared
         .lock()
@@ -986,6 +1237,27 @@ impl AssignmentHandle {
     pub fn assignment(&self) -> Vec<(String, i32, i64)> {
         assignment_of(&self.shared)
     }
+
+    /// The rebalances the source went through since it connected.
+    pub fn rebalances(&self) -> RebalanceCounts {
+        self.shared.lock().rebalances
+    }
+
+    /// The partitions the group assigned to the source that wait for their positions, as
+    /// `(topic, partition)`, sorted: their rows are locked by the previous owners' open
+    /// transactions (or the database fails). Not consumed until they are taken; not in
+    /// [`assignment`](Self::assignment) until then.
+    pub fn waiting(&self) -> Vec<(String, i32)> {
+        let mut all: Vec<(String, i32)> = self
+            .shared
+            .lock()
+            .waiting
+            .keys()
+            .map(|(topic, partition)| (topic.to_string(), *partition))
+            .collect();
+        all.sort();
+        all
+    }
 }
 
 impl Drop for KafkaSource {
@@ -998,6 +1270,15 @@ impl Drop for KafkaSource {
 impl Source for KafkaSource {
     fn name(&self) -> &str {
         &self.shared.name
+    }
+
+    /// See the module documentation's "Payload limit": of a value over `limit` only the first
+    /// `limit` bytes are copied out of librdkafka's buffer. [`KafkaSource::connect`] starts
+    /// with its dispatcher's limit.
+    fn set_payload_limit(&mut self, limit: PayloadLimit) {
+        self.shared
+            .payload_limit
+            .store(limit.bytes(), AtomicOrdering::Relaxed);
     }
 
     fn next(&mut self) -> BoxFuture<'_, Result<Option<Delivery>, SourceError>> {
@@ -1065,6 +1346,7 @@ impl Poller {
                 None => {}
             }
             self.flow();
+            self.take_over();
             if last_commit.elapsed() >= self.commit_interval {
                 self.commit();
                 last_commit = Instant::now();
@@ -1092,6 +1374,7 @@ impl Poller {
         {
             return;
         }
+        let limit = self.shared.payload_limit.load(AtomicOrdering::Relaxed);
         let headers = message
             .headers()
             .map(|headers| {
@@ -1107,7 +1390,10 @@ impl Poller {
             partition: message.partition(),
             offset: message.offset(),
             key: message.key().map(<[u8]>::to_vec),
-            payload: message.payload().map(<[u8]>::to_vec),
+            payload: message
+                .payload()
+                .map(|value| value[..value.len().min(limit)].to_vec()),
+            payload_size: message.payload_len(),
             timestamp_ms: message.timestamp().to_millis(),
             headers,
             not_before: None,
@@ -1145,6 +1431,85 @@ impl Poller {
         }
     }
 
+    /// Tries again to take the positions of the partitions waiting for them (those due, within
+    /// [`TAKEOVER_BUDGET`]), and starts those taken. Never waits longer than [`LOCK_WAIT`] on a
+    /// row: the poll loop keeps its cadence while a previous owner's transaction stays open.
+    fn take_over(&self) {
+        let now = Instant::now();
+        let mut due: Vec<(PartKey, Option<Acquired>)> = self
+            .shared
+            .lock()
+            .waiting
+            .iter()
+            .filter(|(_, waiting)| waiting.next_attempt <= now)
+            .map(|(key, waiting)| (key.clone(), waiting.acquired))
+            .collect();
+        due.sort_by(|a, b| a.0.cmp(&b.0));
+        let until = now + TAKEOVER_BUDGET;
+        for (key, acquired) in due {
+            if Instant::now() >= until {
+                break;
+            }
+            let acquired = match acquired {
+                Some(acquired) => acquired,
+                None => match self.consumer.context().try_acquire(&key.0, key.1) {
+                    Ok(Some(acquired)) => acquired,
+                    Ok(None) => {
+                        self.shared.still_locked(&key);
+                        continue;
+                    }
+                    Err(error) => {
+                        // The others at their next attempts: the database fails.
+                        self.shared
+                            .attempt_failed(&key, "read positions", error.into());
+                        break;
+                    }
+                },
+            };
+            self.start(&key, acquired);
+        }
+    }
+
+    /// Starts a partition whose position was taken after it waited: a seek to the stored offset
+    /// (which also drops whatever was fetched before it), then the partition is resumed. Without
+    /// a stored offset it resumes where its assignment put it.
+    fn start(&self, key: &PartKey, acquired: Acquired) {
+        let (topic, partition) = (&*key.0, key.1);
+        if let Some(next) = acquired.next_offset
+            && let Err(error) =
+                self.consumer
+                    .seek(topic, partition, Offset::Offset(next), SEEK_TIMEOUT)
+        {
+            // Taken: only the seek is tried again.
+            if let Some(waiting) = self.shared.lock().waiting.get_mut(key) {
+                waiting.acquired = Some(acquired);
+            }
+            self.shared.attempt_failed(key, "seek", error.into());
+            return;
+        }
+        let waited = {
+            let mut state = self.shared.lock();
+            let Some(waiting) = state.waiting.remove(key) else {
+                return; // revoked meanwhile
+            };
+            state
+                .parts
+                .insert(key.clone(), Part::new(acquired.epoch, acquired.next_offset));
+            waiting.since.elapsed()
+        };
+        let mut resume = TopicPartitionList::new();
+        resume.add_partition(topic, partition);
+        if let Err(error) = self.consumer.resume(&resume) {
+            // Resumed by `flow` at its next pass.
+            tracing::warn!(source = %self.shared.name, %error, topic, partition, "cannot resume the partition (retried)");
+            if let Some(part) = self.shared.lock().parts.get_mut(key) {
+                part.paused = true;
+            }
+        }
+        tracing::info!(source = %self.shared.name, topic, partition, epoch = acquired.epoch, next_offset = acquired.next_offset, waited_ms = waited.as_millis() as u64, "partition assigned, after its previous owner's transaction ended");
+        self.shared.wake.notify_one();
+    }
+
     /// Writes the positions that moved without a transaction of their own, then commits every
     /// held partition's position to Kafka (advisory).
     fn commit(&self) {
@@ -1171,7 +1536,14 @@ impl Poller {
         let runtime = &self.consumer.context().runtime;
         for ((topic, partition), epoch, next) in flush {
             let key = PositionKey::new(&self.shared.group, &topic, partition);
-            let written = runtime.block_on(positions.advance(key, epoch, next));
+            let written = match runtime.block_on(positions.try_advance(key, epoch, next)) {
+                Ok(written) => written,
+                Err(error) => {
+                    // The others at the next commit too: the database fails.
+                    tracing::warn!(source = %self.shared.name, %error, "cannot write the position (retried later)");
+                    break;
+                }
+            };
             let mut state = self.shared.lock();
             let Some(part) = state.parts.get_mut(&(topic.clone(), partition)) else {
                 continue;
@@ -1180,13 +1552,14 @@ impl Poller {
                 continue;
             }
             match written {
-                Ok(true) => part.written = Some(part.written.map_or(next, |w| w.max(next))),
-                Ok(false) => {
+                Some(true) => part.written = Some(part.written.map_or(next, |w| w.max(next))),
+                Some(false) => {
                     tracing::warn!(source = %self.shared.name, topic = &*topic, partition, "position fenced: another consumer owns the partition");
                     part.fenced = true;
                 }
-                Err(error) => {
-                    tracing::warn!(source = %self.shared.name, %error, "cannot write the position (retried later)")
+                None => {
+                    // Held by a transaction of this consumer, which writes it anyway.
+                    tracing::debug!(source = %self.shared.name, topic = &*topic, partition, "position locked; written later");
                 }
             }
         }
@@ -1225,6 +1598,7 @@ mod tests {
             offset,
             key: None,
             payload: None,
+            payload_size: 0,
             timestamp_ms: None,
             headers: Vec::new(),
             not_before: None,

@@ -25,8 +25,9 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use crate::BoxFuture;
-use crate::envelope::{Envelope, SourceMetadata};
 use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::types::envelope::{Envelope, SourceMetadata};
+use crate::types::limit::PayloadLimit;
 
 /// One queued message.
 #[derive(Debug, Clone)]
@@ -82,6 +83,7 @@ impl Shared {
 pub struct MemorySource {
     name: String,
     shared: Arc<Shared>,
+    limit: PayloadLimit,
 }
 
 /// Pushes into a [`MemorySource`] and inspects it; cheap to clone, usable from any task.
@@ -96,6 +98,7 @@ impl MemorySource {
         Self {
             name: name.into(),
             shared: Arc::default(),
+            limit: PayloadLimit::DEFAULT,
         }
     }
 
@@ -220,6 +223,12 @@ impl Source for MemorySource {
         &self.name
     }
 
+    /// Envelopes are pushed whole (they are the caller's memory already); one over `limit` is
+    /// cut to its first `limit` bytes when it is handed out, before any copy.
+    fn set_payload_limit(&mut self, limit: PayloadLimit) {
+        self.limit = limit;
+    }
+
     fn next(&mut self) -> BoxFuture<'_, Result<Option<Delivery>, SourceError>> {
         Box::pin(async move {
             loop {
@@ -232,6 +241,8 @@ impl Source for MemorySource {
                         state.outstanding += 1;
                         state.deliveries += 1;
                         drop(state);
+                        // Cut in the queue too: a redelivery is the same cut copy.
+                        queued.envelope.limit_to(self.limit);
                         let metadata = SourceMetadata::new(&self.name)
                             .offset(i64::try_from(queued.id).unwrap_or(i64::MAX))
                             .redelivered(queued.deliveries > 1)

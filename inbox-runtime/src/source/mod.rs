@@ -25,8 +25,9 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::BoxFuture;
-use crate::classify::BoxError;
-use crate::envelope::Envelope;
+use crate::types::classify::BoxError;
+use crate::types::envelope::Envelope;
+use crate::types::limit::PayloadLimit;
 
 #[cfg(feature = "amqp")]
 pub mod amqp;
@@ -254,6 +255,21 @@ pub trait Source: Send {
     /// then stops fetching, finishes its in-flight work, and returns the error.
     fn next(&mut self) -> BoxFuture<'_, Result<Option<Delivery>, SourceError>>;
 
+    /// Sets the largest payload this source hands out whole: a delivery over `limit` is read
+    /// no further than the source can help (see each source's documentation) and handed out
+    /// [cut](Envelope::cut) to its first `limit` bytes, with its real size, for the dispatcher
+    /// to refuse as too large and keep in `inbox_rejections`. The [`Worker`](crate::Worker)
+    /// calls it with its dispatcher's [`payload_limit`](crate::Dispatcher::payload_limit)
+    /// before its first [`next`](Self::next); call it yourself if you drive a source without a
+    /// worker.
+    ///
+    /// The sources of this crate start with [`PayloadLimit::DEFAULT`] (1 MiB). The default
+    /// implementation does nothing: a source that keeps no limit of its own hands out what it
+    /// got, and the dispatcher still refuses a payload over its limit.
+    fn set_payload_limit(&mut self, limit: PayloadLimit) {
+        let _ = limit;
+    }
+
     /// Called once by the worker after every delivery it fetched was settled or abandoned, before
     /// it returns: flush pending acks, persist positions, close connections (which makes a
     /// broker redeliver the abandoned deliveries at once). The default does nothing.
@@ -272,6 +288,10 @@ impl<S: Source + ?Sized> Source for Box<S> {
 
     fn next(&mut self) -> BoxFuture<'_, Result<Option<Delivery>, SourceError>> {
         (**self).next()
+    }
+
+    fn set_payload_limit(&mut self, limit: PayloadLimit) {
+        (**self).set_payload_limit(limit);
     }
 
     fn close(&mut self) -> BoxFuture<'_, Result<(), SourceError>> {

@@ -32,6 +32,14 @@
 //! `message_id` = the `Nats-Msg-Id` header. Headers (first value of each) are copied into
 //! [`Envelope::headers`].
 //!
+//! **Payload limit** ([`Source::set_payload_limit`], the dispatcher's limit under a
+//! [`Worker`](crate::Worker); 1 MiB otherwise): async-nats hands a message over whole, so the
+//! limit cannot stop it from reading a large one. What bounds that is the server: it refuses to
+//! accept a message over its `max_payload` (1 MB by default, at most 64 MB), and the client
+//! buffers one pull batch (up to 200 messages) ahead of the worker. Of a payload over the limit
+//! only the first `limit` bytes are copied out of the client's buffer (which is then dropped),
+//! and the worker keeps that cut copy in `inbox_rejections` as `too_large` with its real size.
+//!
 //! **Settling**: ack → `+ACK`; reject → `+TERM` (no redelivery); requeue → `-NAK` with the
 //! requeue delay (JetStream redelivers after it). A delivery neither acked nor nacked is
 //! redelivered once `AckWait` has passed since it was delivered. Acks are sent without waiting
@@ -45,8 +53,9 @@ use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt as _;
 
 use crate::BoxFuture;
-use crate::envelope::{Envelope, SourceMetadata};
 use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::types::envelope::{Envelope, SourceMetadata};
+use crate::types::limit::PayloadLimit;
 
 /// How to connect and consume. Build with [`NatsConfig::new`] and the setters.
 #[derive(Debug, Clone)]
@@ -150,6 +159,7 @@ pub struct NatsSource {
     name: String,
     client: async_nats::Client,
     messages: pull::Stream,
+    limit: PayloadLimit,
 }
 
 impl std::fmt::Debug for NatsSource {
@@ -202,6 +212,7 @@ impl NatsSource {
             name,
             client,
             messages,
+            limit: PayloadLimit::DEFAULT,
         })
     }
 
@@ -252,7 +263,7 @@ impl NatsSource {
         }
         let (message, acker) = message.split();
         let mut envelope =
-            Envelope::new(message_name, message.payload.to_vec()).with_source(metadata);
+            Envelope::within(message_name, &message.payload, self.limit).with_source(metadata);
         envelope.headers = headers;
         let mut delivery = Delivery::new(
             envelope,
@@ -295,6 +306,12 @@ impl Settle for NatsSettler {
 impl Source for NatsSource {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    /// See the module documentation's "Payload limit": only the first `limit` bytes of a
+    /// larger payload are copied out of the client's buffer.
+    fn set_payload_limit(&mut self, limit: PayloadLimit) {
+        self.limit = limit;
     }
 
     fn next(&mut self) -> BoxFuture<'_, Result<Option<Delivery>, SourceError>> {

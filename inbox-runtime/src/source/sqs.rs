@@ -38,6 +38,15 @@
 //! `message-name`, as [`SqsSink`](crate::sink::sqs::SqsSink) writes it). A message without it
 //! gets the empty name, which no handler has. The payload is the message body.
 //!
+//! **Payload limit** ([`Source::set_payload_limit`], the dispatcher's limit under a
+//! [`Worker`](crate::Worker); 1 MiB otherwise): the SDK reads each `ReceiveMessage` answer whole
+//! (up to 10 messages), so the limit cannot stop it from reading a large body. What bounds that
+//! is SQS itself: a message body is at most 1 MiB (256 KiB before August 2025; a queue's
+//! `MaximumMessageSize` may lower it), and at most [`SqsConfig::max_in_flight`] messages are
+//! held. A body over the limit is cut to its first `limit` bytes as soon as it is handed out
+//! (its memory given back, before any other copy), and the worker keeps that cut copy in
+//! `inbox_rejections` as `too_large` with its real size.
+//!
 //! **Metadata**: `source` = the queue name, `message_id` = SQS's `MessageId`, `delivery_count` =
 //! `ApproximateReceiveCount`, `redelivered` = that count > 1, `published_at` = `SentTimestamp`;
 //! on FIFO queues `partition` = `MessageGroupId`, `deduplication_id` = `MessageDeduplicationId`
@@ -100,8 +109,8 @@ use std::time::{Duration, SystemTime};
 use aws_sdk_sqs::Client;
 use aws_sdk_sqs::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
 use aws_sdk_sqs::types::{
-    ChangeMessageVisibilityBatchRequestEntry, DeleteMessageBatchRequestEntry, Message,
-    MessageSystemAttributeName,
+    BatchResultErrorEntry, ChangeMessageVisibilityBatchRequestEntry,
+    DeleteMessageBatchRequestEntry, Message, MessageSystemAttributeName,
 };
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::task::{JoinHandle, JoinSet};
@@ -109,8 +118,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::BoxFuture;
-use crate::envelope::{Envelope, SourceMetadata};
 use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::types::envelope::{Envelope, SourceMetadata};
+use crate::types::limit::PayloadLimit;
 
 /// SQS's cap on the visibility of one receive: 12 hours, in seconds.
 const MAX_VISIBILITY_SECS: u64 = 12 * 60 * 60;
@@ -170,13 +180,15 @@ impl AwsSettings {
 
 /// An SQS client from the standard AWS configuration with `settings` applied, on hyper and
 /// rustls (ring). Every call attempt times out after `longest_call` + 10 s (connect: 5 s); pass
-/// at least the long poll's wait time. The SDK's standard retry policy applies (3 attempts).
+/// at least the long poll's wait time (at most 20 s; a `longest_call` above an hour is lowered
+/// to an hour: the SDK's timer arithmetic panics on durations near `Duration::MAX`). The SDK's
+/// standard retry policy applies (3 attempts).
 pub async fn client(settings: &AwsSettings, longest_call: Duration) -> Client {
     use aws_smithy_http_client::tls::{Provider, rustls_provider::CryptoMode};
     let http = aws_smithy_http_client::Builder::new()
         .tls_provider(Provider::Rustls(CryptoMode::Ring))
         .build_https();
-    let attempt = longest_call + Duration::from_secs(10);
+    let attempt = longest_call.min(Duration::from_secs(3600)) + Duration::from_secs(10);
     let timeouts = aws_config::timeout::TimeoutConfig::builder()
         .connect_timeout(Duration::from_secs(5))
         .read_timeout(attempt)
@@ -535,6 +547,7 @@ pub struct SqsSource {
     stop: CancellationToken,
     receiver: Option<JoinHandle<()>>,
     heartbeat: Option<JoinHandle<()>>,
+    limit: PayloadLimit,
 }
 
 impl std::fmt::Debug for SqsSource {
@@ -613,6 +626,7 @@ impl SqsSource {
             stop,
             receiver: Some(receiver),
             heartbeat: Some(heartbeat),
+            limit: PayloadLimit::DEFAULT,
         })
     }
 
@@ -945,7 +959,12 @@ async fn batcher(
         if !sendable {
             deadline = None;
         } else if deadline.is_none() {
-            deadline = Some(Instant::now() + linger);
+            // A linger no clock can add (`Duration::MAX`): sent at the next flush or close.
+            deadline = Some(
+                Instant::now()
+                    .checked_add(linger)
+                    .unwrap_or_else(|| Instant::now() + Duration::from_secs(365 * 86_400)),
+            );
         }
         if queued.is_empty() && calls.is_empty() {
             for done in flushes.drain(..) {
@@ -1017,126 +1036,181 @@ async fn send_once(
 ) -> Vec<usize> {
     let counters = &stats.0;
     let timeouts = call_timeouts(attempt_timeout);
-    let failed = match kind {
+    let failed = batch_call(kind, client, url, batch, counters, timeouts).await;
+    let call = BatchCall {
+        kind,
+        url,
+        counters,
+        last,
+    };
+    match failed {
+        Ok(failed) => failed
+            .iter()
+            .filter_map(|entry| call.failed_entry(entry))
+            .collect(),
+        Err(error) => call.failed_call(batch.len(), &error),
+    }
+}
+
+/// Sends one SQS batch request (`$request`: the client's fluent builder) with `$entries` to
+/// `$url` under `$timeouts`: the entries that failed, or why the call did.
+macro_rules! send_batch_request {
+    ($request:expr, $url:expr, $entries:expr, $timeouts:expr) => {
+        $request
+            .queue_url($url)
+            .set_entries(Some($entries))
+            .customize()
+            .config_override($timeouts)
+            .send()
+            .await
+            .map(|output| output.failed)
+            .map_err(|e| DisplayErrorContext(e).to_string())
+    };
+}
+
+/// `DeleteMessageBatch` or `ChangeMessageVisibilityBatch` of `batch` (entry ids: their
+/// indices), counted in `counters`: the entries that failed, or why the call did.
+async fn batch_call(
+    kind: BatchKind,
+    client: &Client,
+    url: &str,
+    batch: &[Entry],
+    counters: &Counters,
+    timeouts: aws_sdk_sqs::config::Builder,
+) -> Result<Vec<BatchResultErrorEntry>, String> {
+    let (calls, entries) = match kind {
+        BatchKind::Delete => (&counters.delete_calls, &counters.deleted),
+        BatchKind::Visibility => (&counters.visibility_calls, &counters.visibility_changes),
+    };
+    calls.fetch_add(1, Ordering::Relaxed);
+    entries.fetch_add(batch.len() as u64, Ordering::Relaxed);
+    let ids = batch
+        .iter()
+        .enumerate()
+        .map(|(i, entry)| (i.to_string(), entry));
+    match kind {
         BatchKind::Delete => {
-            counters.delete_calls.fetch_add(1, Ordering::Relaxed);
-            counters
-                .deleted
-                .fetch_add(batch.len() as u64, Ordering::Relaxed);
-            let entries = batch.iter().enumerate().filter_map(|(i, entry)| {
+            let entries = ids.filter_map(|(id, entry)| {
                 DeleteMessageBatchRequestEntry::builder()
-                    .id(i.to_string())
+                    .id(id)
                     .receipt_handle(&entry.receipt_handle)
                     .build()
                     .ok()
             });
-            client
-                .delete_message_batch()
-                .queue_url(url)
-                .set_entries(Some(entries.collect()))
-                .customize()
-                .config_override(timeouts)
-                .send()
-                .await
-                .map(|output| output.failed)
-                .map_err(|e| DisplayErrorContext(e).to_string())
+            send_batch_request!(
+                client.delete_message_batch(),
+                url,
+                entries.collect(),
+                timeouts
+            )
         }
         BatchKind::Visibility => {
-            counters.visibility_calls.fetch_add(1, Ordering::Relaxed);
-            counters
-                .visibility_changes
-                .fetch_add(batch.len() as u64, Ordering::Relaxed);
-            let entries = batch.iter().enumerate().filter_map(|(i, entry)| {
+            let entries = ids.filter_map(|(id, entry)| {
                 ChangeMessageVisibilityBatchRequestEntry::builder()
-                    .id(i.to_string())
+                    .id(id)
                     .receipt_handle(&entry.receipt_handle)
                     .visibility_timeout(entry.visibility)
                     .build()
                     .ok()
             });
-            client
-                .change_message_visibility_batch()
-                .queue_url(url)
-                .set_entries(Some(entries.collect()))
-                .customize()
-                .config_override(timeouts)
-                .send()
-                .await
-                .map(|output| output.failed)
-                .map_err(|e| DisplayErrorContext(e).to_string())
+            let request = client.change_message_visibility_batch();
+            send_batch_request!(request, url, entries.collect(), timeouts)
         }
-    };
-    let operation = match kind {
-        BatchKind::Delete => "delete",
-        BatchKind::Visibility => "change visibility",
-    };
-    let mut again = Vec::new();
-    match failed {
-        Ok(failed) => {
-            for entry in failed {
-                let stale =
-                    entry.code == "ReceiptHandleIsInvalid" || entry.code == "MessageNotInflight";
-                if stale && kind == BatchKind::Visibility {
-                    counters.invalid_receipts.fetch_add(1, Ordering::Relaxed);
-                    // A heartbeat that crossed the delete of its message, or a message received
-                    // again meanwhile: nothing to extend.
-                    tracing::debug!(
-                        queue = url,
-                        operation,
-                        code = entry.code,
-                        "SQS visibility change for a message no longer in flight under this \
-                         receipt handle"
-                    );
-                } else if stale {
-                    counters.invalid_receipts.fetch_add(1, Ordering::Relaxed);
-                    // After a commit: the message was received again (its visibility timeout
-                    // had passed), and that delivery is a duplicate in the inbox.
-                    tracing::info!(
-                        queue = url,
-                        operation,
-                        code = entry.code,
-                        "SQS receipt handle no longer valid; the message's redelivery will be a \
-                         duplicate"
-                    );
-                } else if !last && let Ok(i) = entry.id.parse::<usize>() {
-                    tracing::info!(
-                        queue = url,
-                        operation,
-                        code = entry.code,
-                        message = entry.message.as_deref().unwrap_or(""),
-                        "SQS batch entry failed; sending it once more"
-                    );
-                    again.push(i);
-                } else {
-                    tracing::warn!(
-                        queue = url,
-                        operation,
-                        code = entry.code,
-                        message = entry.message.as_deref().unwrap_or(""),
-                        "SQS batch entry failed (sent twice)"
-                    );
-                }
-            }
-        }
-        Err(error) if !last => {
-            tracing::info!(
-                queue = url,
-                operation,
-                entries = batch.len(),
-                %error,
-                "SQS batch call failed; sending it once more"
-            );
-            again.extend(0..batch.len());
-        }
-        Err(error) => tracing::warn!(
-            queue = url,
-            operation,
-            entries = batch.len(),
-            %error,
-            "SQS batch call failed (sent twice); the messages will be received again"
-        ),
     }
-    again
+}
+
+/// One batch call, for what its failures mean.
+struct BatchCall<'a> {
+    kind: BatchKind,
+    url: &'a str,
+    counters: &'a Counters,
+    /// Whether it was the second (last) try: failures are logged, not sent again.
+    last: bool,
+}
+
+impl BatchCall<'_> {
+    fn operation(&self) -> &'static str {
+        match self.kind {
+            BatchKind::Delete => "delete",
+            BatchKind::Visibility => "change visibility",
+        }
+    }
+
+    /// The index of a failed `entry` to send again, if any; logged as what its failure means.
+    fn failed_entry(&self, entry: &BatchResultErrorEntry) -> Option<usize> {
+        let (queue, operation) = (self.url, self.operation());
+        let stale = entry.code == "ReceiptHandleIsInvalid" || entry.code == "MessageNotInflight";
+        if stale && self.kind == BatchKind::Visibility {
+            self.counters
+                .invalid_receipts
+                .fetch_add(1, Ordering::Relaxed);
+            // A heartbeat that crossed the delete of its message, or a message received again
+            // meanwhile: nothing to extend.
+            tracing::debug!(
+                queue,
+                operation,
+                code = entry.code,
+                "SQS visibility change for a message no longer in flight under this receipt \
+                 handle"
+            );
+        } else if stale {
+            self.counters
+                .invalid_receipts
+                .fetch_add(1, Ordering::Relaxed);
+            // After a commit: the message was received again (its visibility timeout had
+            // passed), and that delivery is a duplicate in the inbox.
+            tracing::info!(
+                queue,
+                operation,
+                code = entry.code,
+                "SQS receipt handle no longer valid; the message's redelivery will be a duplicate"
+            );
+        } else if !self.last
+            && let Ok(i) = entry.id.parse::<usize>()
+        {
+            tracing::info!(
+                queue,
+                operation,
+                code = entry.code,
+                message = entry.message.as_deref().unwrap_or(""),
+                "SQS batch entry failed; sending it once more"
+            );
+            return Some(i);
+        } else {
+            tracing::warn!(
+                queue,
+                operation,
+                code = entry.code,
+                message = entry.message.as_deref().unwrap_or(""),
+                "SQS batch entry failed (sent twice)"
+            );
+        }
+        None
+    }
+
+    /// The whole call failed (`error`): all `entries` indices to send again, or none (logged)
+    /// when it was the last try.
+    fn failed_call(&self, entries: usize, error: &str) -> Vec<usize> {
+        let (queue, operation) = (self.url, self.operation());
+        if self.last {
+            tracing::warn!(
+                queue,
+                operation,
+                entries,
+                %error,
+                "SQS batch call failed (sent twice); the messages will be received again"
+            );
+            return Vec::new();
+        }
+        tracing::info!(
+            queue,
+            operation,
+            entries,
+            %error,
+            "SQS batch call failed; sending it once more"
+        );
+        (0..entries).collect()
+    }
 }
 
 struct SqsSettler {
@@ -1229,10 +1303,19 @@ impl Source for SqsSource {
         &self.shared.name
     }
 
+    /// See the module documentation's "Payload limit": a body over `limit` is cut as it is
+    /// handed out, its memory given back.
+    fn set_payload_limit(&mut self, limit: PayloadLimit) {
+        self.limit = limit;
+    }
+
     fn next(&mut self) -> BoxFuture<'_, Result<Option<Delivery>, SourceError>> {
         Box::pin(async move {
             match self.received.recv().await {
-                Some(Ok(delivery)) => Ok(Some(delivery)),
+                Some(Ok(mut delivery)) => {
+                    delivery.envelope.limit_to(self.limit);
+                    Ok(Some(delivery))
+                }
                 Some(Err(error)) => Err(error),
                 None => Ok(None),
             }

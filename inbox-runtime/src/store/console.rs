@@ -1,10 +1,13 @@
-//! The operator console's reads (see [`crate::console`]): rejected deliveries with their
+//! The operator console's reads (see [`crate::ops::console`]): rejected deliveries with their
 //! payloads, parked messages per aggregate, and arrivals per hour. Each reads through an index
 //! (the `inbox_messages_console` and `inbox_rejections_console` indexes of the inbox's console
 //! migration, the rejections' primary key, the aggregate state's primary key).
+//!
+//! [`ConsoleStore`] is written once, for every connection of a database that implements
+//! [`ConsoleDialect`] (each backend's statements live in its folder: `postgres/console.rs`,
+//! `sqlite/console.rs`, `mysql/console.rs`).
 
-use sqlx::{MySqlConnection, PgConnection, SqliteConnection};
-
+use super::sql::{Arg, Sql, text};
 use super::{RejectionReason, StatsStatus};
 use crate::BoxFuture;
 
@@ -26,7 +29,7 @@ pub struct RejectionEntry {
     pub detail: String,
     /// The payload's fingerprint, when one was computed.
     pub payload_hash: Option<String>,
-    /// When it was recorded (database text form: [`crate::admin::utc_time`] shows it in UTC).
+    /// When it was recorded (database text form: [`crate::ops::admin::utc_time`] shows it in UTC).
     pub received_at: String,
     /// The source it came from, if known.
     pub source: Option<String>,
@@ -89,8 +92,8 @@ pub struct RetryLag {
     pub oldest_due: String,
 }
 
-/// The console's reads, per backend. Implemented for `sqlx::PgConnection`,
-/// `sqlx::SqliteConnection` and `sqlx::MySqlConnection`.
+/// The console's reads. Implemented for `sqlx::PgConnection`, `sqlx::SqliteConnection` and
+/// `sqlx::MySqlConnection`.
 pub trait ConsoleStore: Send {
     /// Rejections, newest first, of `consumer` and `reason` if given, at most `limit`, without
     /// their payloads.
@@ -135,68 +138,36 @@ pub trait ConsoleStore: Send {
 /// A database whose connections have the console's reads: PostgreSQL, SQLite, MySQL.
 pub trait ConsoleDatabase: super::OutboxDatabase<Connection: ConsoleStore> {}
 
-impl ConsoleDatabase for sqlx::Postgres {}
-impl ConsoleDatabase for sqlx::Sqlite {}
-impl ConsoleDatabase for sqlx::MySql {}
+impl<DB> ConsoleDatabase for DB where DB: ConsoleDialect + super::OutboxDatabase {}
 
-/// `id, consumer, key, name, reason, detail, hash, received, source, kept, size`.
-type RejectionTuple = (
-    i64,
-    Option<String>,
-    Option<String>,
-    String,
-    String,
-    String,
-    Option<String>,
-    String,
-    Option<String>,
-    i64,
-    Option<i64>,
-);
-
-fn rejection(row: RejectionTuple, payload: Option<Vec<u8>>) -> Result<RejectionEntry, sqlx::Error> {
-    let (id, consumer, message_key, message_name, reason, detail, payload_hash, received_at) =
-        (row.0, row.1, row.2, row.3, row.4, row.5, row.6, row.7);
-    Ok(RejectionEntry {
-        id,
-        consumer,
-        message_key,
-        message_name,
-        reason: reason
-            .parse()
-            .map_err(|error: String| sqlx::Error::Decode(error.into()))?,
-        detail,
-        payload_hash,
-        received_at,
-        source: row.8,
-        kept_bytes: row.9,
-        payload_size: row.10,
-        payload,
-    })
+/// One backend's console statements; [`ConsoleStore`] is written once on top of them, for every
+/// connection of a database that implements this. Parameters appear once each, in order (a
+/// value used twice is bound twice), so that `$N` and `?` dialects bind alike.
+pub(crate) trait ConsoleDialect: Sql {
+    /// `id, consumer, key, name, reason, detail, hash, received (text), source, kept bytes,
+    /// size` of rejections, newest first. Binds: consumer twice, reason twice, limit.
+    const LIST_REJECTIONS: &'static str;
+    /// The columns of [`LIST_REJECTIONS`](Self::LIST_REJECTIONS), then the payload, of one
+    /// rejection. Binds: the id.
+    const FETCH_REJECTION: &'static str = "SELECT id, consumer, message_key, message_name, \
+         reason, detail, payload_hash, CAST(received_at AS TEXT), source, \
+         CAST(LENGTH(payload) AS BIGINT), payload_size, payload FROM inbox_rejections WHERE id = $1";
+    /// `consumer, aggregate, sequence, key, received (text), last applied sequence` of parked
+    /// messages. Binds: consumer twice, limit.
+    const LIST_PARKED: &'static str;
+    /// The database clock's hour (hours since the epoch).
+    const NOW_HOUR: &'static str;
+    /// `consumer, series, hour, count` of the inbox rows and rejections of the last hours.
+    /// Binds: the hours twice.
+    const ARRIVALS: &'static str;
+    /// `consumer, due, oldest due (text)` of failed messages whose retry is due.
+    const RETRIES_DUE: &'static str;
+    /// `destination, hour, count` of outbox rows sent in the last hours. Binds: the hours.
+    const OUTBOX_SENT: &'static str;
 }
 
-fn arrival(row: (Option<String>, String, i64, i64)) -> Result<ArrivalRow, sqlx::Error> {
-    Ok(ArrivalRow {
-        consumer: row.0,
-        series: super::shared::stats_status(&row.1)?,
-        hour: row.2,
-        count: row.3,
-    })
-}
-
-/// The statements of one backend. Parameters appear once each, in order (a value used twice is
-/// bound twice), so that `$N` and `?` dialects bind alike.
-struct Sql {
-    list_rejections: &'static str,
-    fetch_rejection: &'static str,
-    list_parked: &'static str,
-    now_hour: &'static str,
-    arrivals: &'static str,
-    retries_due: &'static str,
-    outbox_sent: &'static str,
-}
-
-/// Rejections of PostgreSQL and SQLite, `$null` the cast an untyped NULL test needs.
+/// The listing of rejections of the `$N` dialects, `$null` the cast an untyped `NULL` test
+/// needs.
 macro_rules! list_rejections {
     ($null:literal) => {
         concat!(
@@ -210,8 +181,9 @@ macro_rules! list_rejections {
         )
     };
 }
+pub(crate) use list_rejections;
 
-/// Parked rows of PostgreSQL and SQLite, `$null` as in `list_rejections!`.
+/// The listing of parked messages of the `$N` dialects, `$null` as in `list_rejections!`.
 macro_rules! list_parked {
     ($null:literal) => {
         concat!(
@@ -226,236 +198,187 @@ macro_rules! list_parked {
         )
     };
 }
+pub(crate) use list_parked;
 
-/// One rejection with its payload, on PostgreSQL and SQLite.
-const FETCH_REJECTION: &str = "SELECT id, consumer, message_key, message_name, reason, detail, \
-     payload_hash, CAST(received_at AS TEXT), source, CAST(LENGTH(payload) AS BIGINT), \
-     payload_size, payload FROM inbox_rejections WHERE id = $1";
-
-const POSTGRES: Sql = Sql {
-    list_rejections: list_rejections!("::TEXT"),
-    fetch_rejection: FETCH_REJECTION,
-    list_parked: list_parked!("::TEXT"),
-    now_hour: "SELECT CAST(FLOOR(EXTRACT(EPOCH FROM now()) / 3600) AS BIGINT)",
-    arrivals: "SELECT consumer, status, CAST(FLOOR(EXTRACT(EPOCH FROM received_at) / 3600) AS BIGINT), \
-         COUNT(*) FROM inbox_messages \
-         WHERE status IN ('processed', 'failed', 'dead', 'parked', 'stale', 'discarded') \
-           AND received_at >= now() - $1 * interval '1 hour' \
-         GROUP BY 1, 2, 3 \
-         UNION ALL \
-         SELECT consumer, 'rejected:' || reason, \
-           CAST(FLOOR(EXTRACT(EPOCH FROM received_at) / 3600) AS BIGINT), COUNT(*) \
-         FROM inbox_rejections WHERE received_at >= now() - $2 * interval '1 hour' \
-         GROUP BY 1, 2, 3",
-    retries_due: "SELECT consumer, COUNT(*), CAST(MIN(next_attempt_at) AS TEXT) \
-         FROM inbox_messages WHERE status = 'failed' AND next_attempt_at <= now() \
-         GROUP BY consumer",
-    outbox_sent: "SELECT destination, CAST(FLOOR(EXTRACT(EPOCH FROM sent_at) / 3600) AS BIGINT), \
-         COUNT(*) FROM inbox_outbox \
-         WHERE status = 'sent' AND sent_at >= now() - $1 * interval '1 hour' GROUP BY 1, 2",
-};
-
-const SQLITE: Sql = Sql {
-    list_rejections: list_rejections!(""),
-    fetch_rejection: FETCH_REJECTION,
-    list_parked: list_parked!(""),
-    now_hour: "SELECT CAST(strftime('%s', 'now') AS INTEGER) / 3600",
-    arrivals: "SELECT consumer, status, CAST(strftime('%s', received_at) AS INTEGER) / 3600, \
-         COUNT(*) FROM inbox_messages \
-         WHERE status IN ('processed', 'failed', 'dead', 'parked', 'stale', 'discarded') \
-           AND received_at >= strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-' || $1 || ' hours') \
-         GROUP BY 1, 2, 3 \
-         UNION ALL \
-         SELECT consumer, 'rejected:' || reason, \
-           CAST(strftime('%s', received_at) AS INTEGER) / 3600, COUNT(*) \
-         FROM inbox_rejections \
-         WHERE received_at >= strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-' || $2 || ' hours') \
-         GROUP BY 1, 2, 3",
-    retries_due: "SELECT consumer, COUNT(*), CAST(MIN(next_attempt_at) AS TEXT) \
-         FROM inbox_messages WHERE status = 'failed' \
-           AND next_attempt_at <= strftime('%Y-%m-%dT%H:%M:%fZ', 'now') \
-         GROUP BY consumer",
-    outbox_sent: "SELECT destination, CAST(strftime('%s', sent_at) AS INTEGER) / 3600, COUNT(*) \
-         FROM inbox_outbox WHERE status = 'sent' \
-           AND sent_at >= strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-' || $1 || ' hours') \
-         GROUP BY 1, 2",
-};
-
-const MYSQL: Sql = Sql {
-    list_rejections: "SELECT id, consumer, message_key, message_name, reason, detail, \
-         payload_hash, DATE_FORMAT(received_at, '%Y-%m-%d %H:%i:%s.%f'), source, \
-         CAST(LENGTH(payload) AS SIGNED), payload_size FROM inbox_rejections \
-         WHERE (? IS NULL OR consumer = ?) AND (? IS NULL OR reason = ?) \
-         ORDER BY id DESC LIMIT ?",
-    fetch_rejection: "SELECT id, consumer, message_key, message_name, reason, detail, \
-         payload_hash, DATE_FORMAT(received_at, '%Y-%m-%d %H:%i:%s.%f'), source, \
-         CAST(LENGTH(payload) AS SIGNED), payload_size, payload FROM inbox_rejections WHERE id = ?",
-    list_parked: "SELECT CONVERT(m.consumer USING utf8mb4), CONVERT(m.aggregate_id USING utf8mb4), \
-         m.sequence, CONVERT(m.message_key USING utf8mb4), \
-         DATE_FORMAT(m.received_at, '%Y-%m-%d %H:%i:%s.%f'), COALESCE(s.last_sequence, 0) \
-         FROM inbox_messages m LEFT JOIN inbox_aggregate_state s \
-           ON s.consumer = m.consumer AND s.aggregate_id = m.aggregate_id \
-         WHERE m.status = 'parked' AND m.aggregate_id IS NOT NULL AND m.sequence IS NOT NULL \
-           AND (? IS NULL OR m.consumer = ?) \
-         ORDER BY m.consumer, m.aggregate_id, m.sequence LIMIT ?",
-    now_hour: "SELECT CAST(TIMESTAMPDIFF(SECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP()) DIV 3600 \
-         AS SIGNED)",
-    arrivals: "SELECT CONVERT(consumer USING utf8mb4), status, \
-         CAST(TIMESTAMPDIFF(SECOND, '1970-01-01 00:00:00', received_at) DIV 3600 AS SIGNED) AS h, \
-         COUNT(*) FROM inbox_messages \
-         WHERE status IN ('processed', 'failed', 'dead', 'parked', 'stale', 'discarded') \
-           AND received_at >= UTC_TIMESTAMP(6) - INTERVAL ? HOUR \
-         GROUP BY 1, 2, 3 \
-         UNION ALL \
-         SELECT consumer, CONCAT('rejected:', reason), \
-           CAST(TIMESTAMPDIFF(SECOND, '1970-01-01 00:00:00', received_at) DIV 3600 AS SIGNED), \
-           COUNT(*) FROM inbox_rejections WHERE received_at >= UTC_TIMESTAMP(6) - INTERVAL ? HOUR \
-         GROUP BY 1, 2, 3",
-    retries_due: "SELECT CONVERT(consumer USING utf8mb4), COUNT(*), \
-         DATE_FORMAT(MIN(next_attempt_at), '%Y-%m-%d %H:%i:%s.%f') \
-         FROM inbox_messages WHERE status = 'failed' AND next_attempt_at <= UTC_TIMESTAMP(6) \
-         GROUP BY consumer",
-    outbox_sent: "SELECT destination, \
-         CAST(TIMESTAMPDIFF(SECOND, '1970-01-01 00:00:00', sent_at) DIV 3600 AS SIGNED), \
-         COUNT(*) FROM inbox_outbox \
-         WHERE status = 'sent' AND sent_at >= UTC_TIMESTAMP(6) - INTERVAL ? HOUR GROUP BY 1, 2",
-};
-
-macro_rules! impl_console_store {
-    ($conn:ty, $sql:expr) => {
-        impl ConsoleStore for $conn {
-            fn list_rejections<'c>(
-                &'c mut self,
-                consumer: Option<&'c str>,
-                reason: Option<RejectionReason>,
-                limit: i64,
-            ) -> BoxFuture<'c, Result<Vec<RejectionEntry>, sqlx::Error>> {
-                Box::pin(async move {
-                    let reason = reason.map(RejectionReason::as_str);
-                    let rows: Vec<RejectionTuple> = sqlx::query_as($sql.list_rejections)
-                        .bind(consumer)
-                        .bind(consumer)
-                        .bind(reason)
-                        .bind(reason)
-                        .bind(limit)
-                        .fetch_all(&mut *self)
-                        .await?;
-                    rows.into_iter().map(|row| rejection(row, None)).collect()
-                })
-            }
-
-            fn fetch_rejection(
-                &mut self,
-                id: i64,
-            ) -> BoxFuture<'_, Result<Option<RejectionEntry>, sqlx::Error>> {
-                Box::pin(async move {
-                    let row = sqlx::query($sql.fetch_rejection)
-                        .bind(id)
-                        .fetch_optional(&mut *self)
-                        .await?;
-                    let Some(row) = row else { return Ok(None) };
-                    use sqlx::Row as _;
-                    let tuple: RejectionTuple = (
-                        row.try_get(0)?,
-                        row.try_get(1)?,
-                        row.try_get(2)?,
-                        row.try_get(3)?,
-                        row.try_get(4)?,
-                        row.try_get(5)?,
-                        row.try_get(6)?,
-                        row.try_get(7)?,
-                        row.try_get(8)?,
-                        row.try_get(9)?,
-                        row.try_get(10)?,
-                    );
-                    let payload: Vec<u8> = row.try_get(11)?;
-                    rejection(tuple, Some(payload)).map(Some)
-                })
-            }
-
-            fn list_parked<'c>(
-                &'c mut self,
-                consumer: Option<&'c str>,
-                limit: i64,
-            ) -> BoxFuture<'c, Result<Vec<ParkedEntry>, sqlx::Error>> {
-                Box::pin(async move {
-                    let rows: Vec<(String, String, i64, String, String, i64)> =
-                        sqlx::query_as($sql.list_parked)
-                            .bind(consumer)
-                            .bind(consumer)
-                            .bind(limit)
-                            .fetch_all(&mut *self)
-                            .await?;
-                    Ok(rows
-                        .into_iter()
-                        .map(
-                            |(consumer, aggregate_id, sequence, message_key, received_at, last)| {
-                                ParkedEntry {
-                                    consumer,
-                                    aggregate_id,
-                                    sequence,
-                                    message_key,
-                                    received_at,
-                                    last_sequence: last,
-                                }
-                            },
-                        )
-                        .collect())
-                })
-            }
-
-            fn arrivals(
-                &mut self,
-                hours: i64,
-            ) -> BoxFuture<'_, Result<(i64, Vec<ArrivalRow>), sqlx::Error>> {
-                Box::pin(async move {
-                    let (now,): (i64,) =
-                        sqlx::query_as($sql.now_hour).fetch_one(&mut *self).await?;
-                    let rows: Vec<(Option<String>, String, i64, i64)> =
-                        sqlx::query_as($sql.arrivals)
-                            .bind(hours)
-                            .bind(hours)
-                            .fetch_all(&mut *self)
-                            .await?;
-                    let rows = rows
-                        .into_iter()
-                        .map(arrival)
-                        .collect::<Result<Vec<_>, _>>()?;
-                    Ok((now, rows))
-                })
-            }
-
-            fn retries_due(&mut self) -> BoxFuture<'_, Result<Vec<RetryLag>, sqlx::Error>> {
-                Box::pin(async move {
-                    let rows: Vec<(String, i64, String)> = sqlx::query_as($sql.retries_due)
-                        .fetch_all(&mut *self)
-                        .await?;
-                    Ok(rows
-                        .into_iter()
-                        .map(|(consumer, due, oldest_due)| RetryLag {
-                            consumer,
-                            due,
-                            oldest_due,
-                        })
-                        .collect())
-                })
-            }
-
-            fn outbox_sent(
-                &mut self,
-                hours: i64,
-            ) -> BoxFuture<'_, Result<Vec<SentRow>, sqlx::Error>> {
-                Box::pin(async move {
-                    sqlx::query_as($sql.outbox_sent)
-                        .bind(hours)
-                        .fetch_all(&mut *self)
-                        .await
-                })
-            }
-        }
-    };
+/// A [`RejectionEntry`] from the columns of [`ConsoleDialect::LIST_REJECTIONS`], with the
+/// payload column after them if `with_payload`.
+fn rejection<D: Sql>(row: &D::Row, with_payload: bool) -> Result<RejectionEntry, sqlx::Error> {
+    let reason = D::text_required(row, 4)?;
+    Ok(RejectionEntry {
+        id: D::i64_required(row, 0)?,
+        consumer: D::text(row, 1)?,
+        message_key: D::text(row, 2)?,
+        message_name: D::text_required(row, 3)?,
+        reason: reason
+            .parse()
+            .map_err(|error: String| sqlx::Error::Decode(error.into()))?,
+        detail: D::text_required(row, 5)?,
+        payload_hash: D::text(row, 6)?,
+        received_at: D::text_required(row, 7)?,
+        source: D::text(row, 8)?,
+        kept_bytes: D::i64_required(row, 9)?,
+        payload_size: D::i64(row, 10)?,
+        payload: if with_payload {
+            Some(D::required(row, 11, D::bytes)?)
+        } else {
+            None
+        },
+    })
 }
 
-impl_console_store!(PgConnection, POSTGRES);
-impl_console_store!(SqliteConnection, SQLITE);
-impl_console_store!(MySqlConnection, MYSQL);
+/// A [`ParkedEntry`] from the columns of [`ConsoleDialect::LIST_PARKED`].
+fn parked<D: Sql>(row: &D::Row) -> Result<ParkedEntry, sqlx::Error> {
+    Ok(ParkedEntry {
+        consumer: D::text_required(row, 0)?,
+        aggregate_id: D::text_required(row, 1)?,
+        sequence: D::i64_required(row, 2)?,
+        message_key: D::text_required(row, 3)?,
+        received_at: D::text_required(row, 4)?,
+        last_sequence: D::i64_required(row, 5)?,
+    })
+}
+
+/// An [`ArrivalRow`] from the columns of [`ConsoleDialect::ARRIVALS`].
+fn arrival<D: Sql>(row: &D::Row) -> Result<ArrivalRow, sqlx::Error> {
+    Ok(ArrivalRow {
+        consumer: D::text(row, 0)?,
+        series: super::types::stats_status(&D::text_required(row, 1)?)?,
+        hour: D::i64_required(row, 2)?,
+        count: D::i64_required(row, 3)?,
+    })
+}
+
+/// A [`RetryLag`] from the columns of [`ConsoleDialect::RETRIES_DUE`].
+fn retry_lag<D: Sql>(row: &D::Row) -> Result<RetryLag, sqlx::Error> {
+    Ok(RetryLag {
+        consumer: D::text_required(row, 0)?,
+        due: D::i64_required(row, 1)?,
+        oldest_due: D::text_required(row, 2)?,
+    })
+}
+
+/// A [`SentRow`] from the columns of [`ConsoleDialect::OUTBOX_SENT`].
+fn sent<D: Sql>(row: &D::Row) -> Result<SentRow, sqlx::Error> {
+    Ok((
+        D::text_required(row, 0)?,
+        D::i64_required(row, 1)?,
+        D::i64_required(row, 2)?,
+    ))
+}
+
+/// Every connection whose database has the console's dialect.
+impl<C> ConsoleStore for C
+where
+    C: sqlx::Connection,
+    C::Database: ConsoleDialect<Connection = C>,
+{
+    fn list_rejections<'c>(
+        &'c mut self,
+        consumer: Option<&'c str>,
+        reason: Option<RejectionReason>,
+        limit: i64,
+    ) -> BoxFuture<'c, Result<Vec<RejectionEntry>, sqlx::Error>> {
+        Box::pin(async move {
+            let reason = reason.map(RejectionReason::as_str);
+            let args = [
+                consumer.into(),
+                consumer.into(),
+                reason.into(),
+                reason.into(),
+                limit.into(),
+            ];
+            let sql = text(C::Database::LIST_REJECTIONS);
+            let rows = C::Database::fetch_all(self, sql, &args).await?;
+            rows.iter()
+                .map(|row| rejection::<C::Database>(row, false))
+                .collect()
+        })
+    }
+
+    fn fetch_rejection(
+        &mut self,
+        id: i64,
+    ) -> BoxFuture<'_, Result<Option<RejectionEntry>, sqlx::Error>> {
+        Box::pin(async move {
+            let sql = text(C::Database::FETCH_REJECTION);
+            let row = C::Database::fetch_optional(self, sql, &[id.into()]).await?;
+            row.map(|row| rejection::<C::Database>(&row, true))
+                .transpose()
+        })
+    }
+
+    fn list_parked<'c>(
+        &'c mut self,
+        consumer: Option<&'c str>,
+        limit: i64,
+    ) -> BoxFuture<'c, Result<Vec<ParkedEntry>, sqlx::Error>> {
+        Box::pin(async move {
+            let args = [consumer.into(), consumer.into(), limit.into()];
+            let sql = text(C::Database::LIST_PARKED);
+            let rows = C::Database::fetch_all(self, sql, &args).await?;
+            rows.iter().map(parked::<C::Database>).collect()
+        })
+    }
+
+    fn arrivals(
+        &mut self,
+        hours: i64,
+    ) -> BoxFuture<'_, Result<(i64, Vec<ArrivalRow>), sqlx::Error>> {
+        Box::pin(async move {
+            let now = C::Database::fetch_one(self, text(C::Database::NOW_HOUR), &[]).await?;
+            let now = C::Database::i64_required(&now, 0)?;
+            let args: [Arg<'_>; 2] = [hours.into(), hours.into()];
+            let sql = text(C::Database::ARRIVALS);
+            let rows = C::Database::fetch_all(self, sql, &args).await?;
+            let rows = rows
+                .iter()
+                .map(arrival::<C::Database>)
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok((now, rows))
+        })
+    }
+
+    fn retries_due(&mut self) -> BoxFuture<'_, Result<Vec<RetryLag>, sqlx::Error>> {
+        Box::pin(async move {
+            let sql = text(C::Database::RETRIES_DUE);
+            let rows = C::Database::fetch_all(self, sql, &[]).await?;
+            rows.iter().map(retry_lag::<C::Database>).collect()
+        })
+    }
+
+    fn outbox_sent(&mut self, hours: i64) -> BoxFuture<'_, Result<Vec<SentRow>, sqlx::Error>> {
+        Box::pin(async move {
+            let sql = text(C::Database::OUTBOX_SENT);
+            let rows = C::Database::fetch_all(self, sql, &[hours.into()]).await?;
+            rows.iter().map(sent::<C::Database>).collect()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::sql::placeholders;
+
+    fn every_statement<D: ConsoleDialect>() {
+        for (sql, args) in [
+            (D::LIST_REJECTIONS, 5),
+            (D::FETCH_REJECTION, 1),
+            (D::LIST_PARKED, 3),
+            (D::NOW_HOUR, 0),
+            (D::ARRIVALS, 2),
+            (D::RETRIES_DUE, 0),
+            (D::OUTBOX_SENT, 1),
+        ] {
+            assert_eq!(placeholders(sql), args, "{sql}");
+        }
+    }
+
+    /// Every dialect's statements take the arguments the console binds.
+    #[test]
+    fn every_dialect_takes_what_the_console_binds() {
+        every_statement::<sqlx::Postgres>();
+        every_statement::<sqlx::Sqlite>();
+        every_statement::<sqlx::MySql>();
+    }
+}

@@ -1,16 +1,23 @@
-//! Inbox stores: small capability traits ([`ClaimStore`], [`OrderingStore`], [`AdminStore`],
-//! joined by [`InboxConnection`]), implemented for `PgConnection`, `SqliteConnection` and
-//! `MySqlConnection` (MySQL and MariaDB).
+//! Stores: small capability traits — the inbox's ([`ClaimStore`], [`OrderingStore`],
+//! [`AdminStore`], joined by [`InboxConnection`]), the outbox's ([`OutboxStore`],
+//! [`OutboxAdminStore`]), broker positions' ([`PositionStore`]) and the console's
+//! ([`ConsoleStore`]) — implemented for `PgConnection`, `SqliteConnection` and `MySqlConnection`
+//! (MySQL and MariaDB).
 //!
-//! The protocol calls only these traits; each backend implements them in its own SQL dialect.
-//! The backend of a handler follows from its connection type. Statements whose text is the same
-//! on PostgreSQL and SQLite live in `shared` (both accept `$N` parameters when each first
-//! appears in order); those that differ (clock arithmetic, the claim, no-wait claims) live in
-//! the backend's `sql` module, its dialect. The Rust side of every operation is written once, in
-//! `impl_inbox_connection!`, and instantiated for both; a backend whose SQL differs more (MySQL:
-//! no `RETURNING`, no `ON CONFLICT … WHERE`) implements the traits itself.
+//! The protocol calls only these traits. They are implemented once, in `inbox`, for every sqlx
+//! connection whose database states an inbox dialect: its SQL (each statement with the values
+//! it binds) and its behavioural hooks. Each backend is one folder (`postgres/`, `sqlite/`,
+//! `mysql/`) with its dialect and its migrations; `dialect` is what every backend says about
+//! itself (its name, its migrations, what its errors mean), `retry` the lock-error retries of a
+//! backend that has them, `sql` the sqlx glue the generic code runs statements with, `types`
+//! the values the traits take and return. The backend of a handler follows from its connection
+//! type.
 //!
 //! Schema migrations come per [`Component`], each with its own version record.
+//!
+//! What is here serves whoever implements or calls a store directly (a new backend, a test, an
+//! operator's tool); a service needs only [`Component`] (also at the crate root) and
+//! [`crate::migrate_components`].
 
 use std::borrow::Cow;
 
@@ -18,26 +25,26 @@ use sqlx::migrate::{Migration, MigrationType, Migrator};
 use sqlx::{SqlSafeStr as _, Transaction};
 
 use crate::BoxFuture;
-use crate::envelope::SourceMetadata;
-use crate::status::Status;
+use crate::types::status::Status;
 
-#[macro_use]
-mod shared;
 mod console;
+mod dialect;
+mod inbox;
 mod mysql;
 mod outbox;
 mod positions;
 mod postgres;
+mod retry;
+#[allow(dead_code)]
+// The glue is shared with the outbox, positions and console stores as they move onto it.
+pub(crate) mod sql;
 mod sqlite;
+mod types;
 
 pub use console::{
     ArrivalRow, ConsoleDatabase, ConsoleStore, ParkedEntry, RejectionEntry, RetryLag, SentRow,
 };
 pub use mysql::mysql_lock_retries;
-pub(crate) use mysql::{
-    ER_LOCK_DEADLOCK, ER_LOCK_WAIT_TIMEOUT, ER_NET_PACKET_TOO_LARGE,
-    error_number as mysql_error_number,
-};
 
 pub use outbox::{
     Lease, NOTIFY_CHANNEL, OutboxAdminStore, OutboxBacklog, OutboxDatabase, OutboxEntry,
@@ -46,10 +53,21 @@ pub use outbox::{
 
 pub use positions::{Acquired, PositionKey, PositionRow, PositionStore, PositionsDatabase};
 
-pub use shared::{
-    ClaimRequest, ClaimResult, FailureRecord, ParkedMessage, PurgeClock, Rejection,
-    RejectionReason, StatsRow, StatsStatus, StoredMessage,
+pub use types::{
+    Backend, ClaimRequest, ClaimResult, ExistingRow, FailureRecord, ParkedMessage, PurgeClock,
+    Rejection, RejectionReason, StatsRow, StatsStatus, StoredMessage,
 };
+pub(crate) use types::{request_index, source_parts};
+
+pub(crate) use dialect::{Contention, ErrorKind, database_error_kind};
+
+/// Every shipped backend's answers about its driver's errors, asked in this order (each answers
+/// only for its own driver's errors).
+const ERROR_HOOKS: [dialect::ErrorHooks; 3] = [
+    dialect::ErrorHooks::of::<sqlx::MySql>(),
+    dialect::ErrorHooks::of::<sqlx::Postgres>(),
+    dialect::ErrorHooks::of::<sqlx::Sqlite>(),
+];
 
 /// Name of the table where the inbox's own schema migrations are recorded.
 ///
@@ -64,46 +82,6 @@ pub const OUTBOX_MIGRATIONS_TABLE: &str = "_inbox_outbox_migrations";
 /// are recorded.
 pub const POSITIONS_MIGRATIONS_TABLE: &str = "_inbox_positions_migrations";
 
-/// Which database an inbox lives in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Backend {
-    /// PostgreSQL (12 or newer), through `sqlx::PgConnection`.
-    Postgres,
-    /// SQLite (3.35 or newer, for `RETURNING`), through `sqlx::SqliteConnection`.
-    Sqlite,
-    /// MySQL (8.0.16 or newer) or MariaDB (10.6 or newer), InnoDB, through
-    /// `sqlx::MySqlConnection`.
-    MySql,
-    /// A backend implemented outside this crate (see [`ClaimStore`]), by its name.
-    Other(&'static str),
-}
-
-impl std::fmt::Display for Backend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Backend::Postgres => "postgres",
-            Backend::Sqlite => "sqlite",
-            Backend::MySql => "mysql",
-            Backend::Other(name) => name,
-        })
-    }
-}
-
-/// Where each `(consumer, key)` of a batch's requests is (keys are unique within a batch).
-pub(crate) fn request_index<'a>(
-    requests: &'a [ClaimRequest<'a>],
-) -> std::collections::HashMap<(&'a str, &'a str), usize> {
-    requests
-        .iter()
-        .enumerate()
-        .map(|(index, r)| ((r.consumer, r.message_key), index))
-        .collect()
-}
-
-/// A stored row found by [`ClaimStore::existing_batch`]: `(consumer, key, Existing { .. })`.
-pub type ExistingRow = (String, String, ClaimResult);
-
 /// A borrowed connection of any backend, its type erased (what the type-erased dispatcher hands
 /// a handler; [`InboxConnection::from_any`] narrows it back).
 pub struct AnyConnection<'c>(&'c mut (dyn std::any::Any + Send));
@@ -116,11 +94,10 @@ impl std::fmt::Debug for AnyConnection<'_> {
 
 /// The claim protocol's statements on one connection: the capability every backend must have.
 ///
-/// Implemented for `sqlx::PgConnection`, `sqlx::SqliteConnection` and `sqlx::MySqlConnection`
-/// (whose claim is an upsert and a locking read: see the `mysql` store). A backend of your own
-/// implements it (with [`OrderingStore`], [`AdminStore`] and [`InboxConnection`]) in its own SQL
-/// dialect; the protocol only ever calls these methods, so a backend without `RETURNING` or
-/// `ON CONFLICT … WHERE` (MySQL) can be added without touching it. Every method runs on the
+/// Implemented once for `sqlx::PgConnection`, `sqlx::SqliteConnection` and
+/// `sqlx::MySqlConnection`, over each backend's SQL dialect (MySQL's claim is an upsert and a
+/// locking read: see the `mysql` store). The protocol only ever calls these methods, so a
+/// backend without `RETURNING` or `ON CONFLICT … WHERE` (MySQL) is added without touching it. Every method runs on the
 /// connection it is called on, inside whatever transaction that connection is in; the contract
 /// of each is what the protocol relies on.
 pub trait ClaimStore: Send {
@@ -242,7 +219,7 @@ pub trait OrderingStore: Send {
         consumer: &'c str,
         key: &'c str,
         status: Status,
-        ordering: &'c crate::Ordering,
+        ordering: &'c crate::types::Ordering,
         payload: Option<&'c [u8]>,
     ) -> BoxFuture<'c, Result<(), sqlx::Error>>;
 
@@ -342,10 +319,10 @@ pub trait AdminStore: Send {
 /// A connection type an `#[idempotent]` handler can take as its first parameter: the backend's
 /// transactions plus its store capabilities.
 ///
-/// Implemented for `sqlx::PgConnection`, `sqlx::SqliteConnection` and `sqlx::MySqlConnection`.
-/// To add a backend,
-/// implement this and the three capability traits for its sqlx connection type, and
-/// [`InboxDatabase`] for its sqlx database type.
+/// Implemented for `sqlx::PgConnection`, `sqlx::SqliteConnection` and `sqlx::MySqlConnection`
+/// (one implementation, over each backend's SQL dialect). A backend of your own implements this
+/// and the three capability traits for its connection type, and [`InboxDatabase`] for its sqlx
+/// database type.
 pub trait InboxConnection:
     sqlx::Connection + ClaimStore + OrderingStore + AdminStore + Send + Sized + 'static
 {
@@ -365,6 +342,62 @@ pub trait InboxConnection:
     /// The connection inside a transaction opened by [`InboxConnection::begin_inbox`].
     fn in_transaction<'t>(tx: &'t mut Transaction<'_, Self::Database>) -> &'t mut Self;
 
+    /// Whether a batch may first run optimistically, every handler straight on the batch's
+    /// transaction (a failure then rolls the batch back and it runs again with a savepoint
+    /// per handler): only where a handler cannot end the transaction under the batch's feet.
+    /// On PostgreSQL an error leaves the transaction aborted (later statements fail, and COMMIT
+    /// is checked first); elsewhere (`false`, the default) every handler runs in a savepoint.
+    const OPTIMISTIC_BATCHES: bool = false;
+
+    /// Whether claims on this backend wait on a lock that any writer holds, whatever its key
+    /// (SQLite's one write lock), so that the database cannot tell a no-wait claim whether
+    /// another claim holds the key: claim sessions then register their keys in a registry of
+    /// this process, which a no-wait session checks first. `false` by default.
+    const LOCAL_CLAIM_REGISTRY: bool = false;
+
+    /// Ends the claim's transaction (the outermost one, not a savepoint) in one round trip, if
+    /// the backend can: checks that the transaction still holds its claim, commits, and begins
+    /// the next transaction, left empty and open (`None`: the backend cannot; the protocol then
+    /// checks with [`ClaimStore::verify_claim`] and commits, two round trips). The connection's
+    /// transaction depth stays 1, truthfully: the caller ends the empty transaction (the claim
+    /// protocol queues its `ROLLBACK`, which goes out with the connection's next statement, or
+    /// with the pool's check when the connection goes back to its pool).
+    ///
+    /// PostgreSQL: one simple query, `SELECT 1/(coalesce(current_setting('inbox.claim', true),
+    /// '') = '1')::int; COMMIT; BEGIN`, where `inbox.claim` is a transaction-local setting that
+    /// the claim statement sets: an aborted transaction fails at the first statement (SQLSTATE
+    /// `25P02`), one that the handler ended itself (a `COMMIT` or `ROLLBACK` of its own) has lost
+    /// the setting, and `COMMIT` is never reached. `None` elsewhere (the default).
+    ///
+    /// # Errors
+    /// [`StoreOperation::Verify`](crate::types::StoreOperation::Verify) if the check failed (nothing
+    /// committed; the transaction is left to roll back), [`StoreOperation::Commit`](crate::types::StoreOperation::Commit)
+    /// if `COMMIT` failed (a deferred constraint, a serialization failure: rolled back; a lost
+    /// connection: unknown). An error after `COMMIT` completed (the connection terminated
+    /// before the `BEGIN`) is not one: the transaction committed, and the connection's next
+    /// statement finds it gone.
+    fn verify_commit_begin(
+        &mut self,
+    ) -> Option<BoxFuture<'_, Result<(), (crate::types::StoreOperation, sqlx::Error)>>> {
+        None
+    }
+
+    /// Gives up on any lock the rest of this transaction waits for longer than `timeout`
+    /// (whole milliseconds, at least 1): PostgreSQL's `lock_timeout`, set for the transaction
+    /// (`SET LOCAL`). A batch that runs beside others sets it, so that a lock cycle between
+    /// batches ends at once instead of after the server's deadlock detection. Nothing on a
+    /// backend without such a setting (the default).
+    ///
+    /// # Errors
+    /// The statement's error.
+    fn set_lock_timeout(
+        &mut self,
+        timeout: std::time::Duration,
+    ) -> BoxFuture<'_, Result<(), sqlx::Error>> {
+        let _ = timeout;
+        Box::pin(async { Ok(()) })
+    }
+
     /// Type-erases this connection (for the type-erased dispatcher and hooks).
     fn as_any(&mut self) -> AnyConnection<'_> {
         AnyConnection(self)
@@ -376,8 +409,8 @@ pub trait InboxConnection:
     }
 }
 
-/// A database an inbox can live in: `sqlx::Postgres`, `sqlx::Sqlite` or `sqlx::MySql` (or a backend of your
-/// own: see [`ClaimStore`]).
+/// A database an inbox can live in: `sqlx::Postgres`, `sqlx::Sqlite` or `sqlx::MySql` (or a
+/// backend of your own: see [`ClaimStore`]).
 pub trait InboxDatabase:
     sqlx::Database<Connection: InboxConnection + sqlx::migrate::Migrate>
 {
@@ -440,12 +473,4 @@ pub(crate) fn migrator<DB: InboxDatabase>(component: Component) -> Migrator {
     );
     migrator.dangerous_set_table_name(component.version_table());
     migrator
-}
-
-/// Where a record's source metadata comes from.
-fn source_parts(source: Option<&SourceMetadata>) -> (Option<&str>, Option<&str>, Option<i64>) {
-    match source {
-        Some(s) => (Some(s.source.as_str()), s.partition.as_deref(), s.offset),
-        None => (None, None, None),
-    }
 }

@@ -1,5 +1,7 @@
-//! Broker positions ([`PositionStore`]) and their three dialects, with the
-//! [`Component::Positions`](super::Component::Positions) migrations.
+//! Broker positions ([`PositionStore`]), written once for every backend whose database
+//! implements [`PositionsDialect`] (each backend's statements and hooks live in its folder:
+//! `postgres/positions.rs`, `sqlite/positions.rs`, `mysql/positions.rs`, with the
+//! [`Component::Positions`](super::Component::Positions) migrations beside them).
 //!
 //! A position is `(consumer group, topic, partition) → next offset`, plus a fencing **epoch**:
 //!
@@ -13,28 +15,19 @@
 //! the position and not committed yet, and then reads what it committed; a write made after the
 //! assignment fails. Positions only move forward.
 //!
-//! **MySQL/MariaDB** (no `RETURNING`): the assignment is an `INSERT … ON DUPLICATE KEY UPDATE`
-//! (an exclusive lock on the row's primary-key record, waiting for a transaction that wrote the
-//! position, under REPEATABLE READ and READ COMMITTED alike) followed by a locking read of the
-//! row (`FOR UPDATE`: the latest committed version, whatever the isolation level; it never
-//! waits, the row being locked already), both in one transaction (a savepoint inside the
-//! caller's). The fenced write is one `UPDATE` by primary key (a record lock). A deadlock (1213)
-//! or lock wait timeout (1205) of an assignment made outside a transaction is retried
-//! internally and counted in [`mysql_lock_retries`](crate::mysql_lock_retries), and so is one
-//! of a fenced write in autocommit; inside the caller's transaction it is returned (transient:
-//! see [`crate::Classify`]). Inside: sqlx counts a transaction, or the server reports one (a raw
-//! `BEGIN`, which sqlx does not count): there the assignment runs in it (a `BEGIN` of ours would
-//! commit it implicitly) and nothing is retried (a deadlock rolled the caller's back).
+//! A consumer's poll loop must not wait on that lock for as long as the other transaction stays
+//! open (a stalled handler would make the consumer miss `max.poll.interval.ms`): it uses the
+//! bounded forms, [`PositionStore::try_acquire_position`] and
+//! [`PositionStore::try_advance_position`], which give up after a lock wait of their caller's
+//! choosing, having changed nothing, and tries again later.
+//!
+//! How each backend takes the row's lock and bounds the wait is in its module; MySQL/MariaDB,
+//! which has no `RETURNING`, reads the row it upserted in the same transaction.
 
-use sqlx::{
-    Connection as _, MySql, MySqlConnection, PgConnection, Postgres, Row as _, Sqlite,
-    SqliteConnection,
-};
-
-use sqlx_core::transaction::TransactionManager as _;
+use std::time::Duration;
 
 use super::InboxDatabase;
-use super::mysql::retry_lock_errors;
+use super::sql::{self, Arg, Done, Run, Scope, Scoped, Sql, Step, Stmt};
 use crate::BoxFuture;
 
 /// Which position: a consumer group's partition of a topic.
@@ -114,6 +107,49 @@ pub trait PositionStore: Send {
         next_offset: i64,
     ) -> BoxFuture<'c, Result<bool, sqlx::Error>>;
 
+    /// [`acquire_position`](Self::acquire_position), waiting at most `lock_wait` for a
+    /// transaction that holds the row (a write of the previous owner, not committed yet):
+    /// `Ok(None)` if one still held it then, and nothing changed (the epoch is not incremented;
+    /// the previous owner's transaction goes on, and may commit). Try again later.
+    ///
+    /// How the wait is bounded: **PostgreSQL**, `lock_timeout` set to `lock_wait` (at least
+    /// 1 ms) for a transaction of its own (a savepoint inside the caller's, after which the
+    /// caller's `lock_timeout` is put back); **SQLite**, the connection's busy timeout set to
+    /// `lock_wait` for the statement, then put back (on SQLite any open write transaction holds
+    /// the lock, not only one that wrote this row); **MySQL/MariaDB** (8.0 / 10.3 or later), a
+    /// locking read of the row with `NOWAIT`, tried again every 10 ms until `lock_wait` has
+    /// passed, then the assignment in the same transaction (a savepoint inside the caller's; in
+    /// a raw `BEGIN` sqlx does not count, in that one). On PostgreSQL, do not call it inside a
+    /// raw `BEGIN` (sqlx would not know of it: the `COMMIT` of its own transaction would end
+    /// it). A future dropped midway rolls its transaction back on PostgreSQL and MySQL; on
+    /// SQLite it may leave the connection's busy timeout at `lock_wait` (close that
+    /// connection).
+    ///
+    /// # Errors
+    /// Any database error but the end of the lock wait; on MySQL/MariaDB, a lock wait timeout
+    /// (1205) if the refusal ended the caller's transaction (`innodb_rollback_on_timeout`).
+    fn try_acquire_position<'c>(
+        &'c mut self,
+        key: &'c PositionKey<'c>,
+        owner: &'c str,
+        lock_wait: Duration,
+    ) -> BoxFuture<'c, Result<Option<Acquired>, sqlx::Error>>;
+
+    /// [`advance_position`](Self::advance_position), waiting at most `lock_wait` for a
+    /// transaction that holds the row, as [`try_acquire_position`](Self::try_acquire_position)
+    /// bounds it: `Ok(None)` if one still held it then (nothing written), else `Ok(Some(_))`
+    /// with what `advance_position` returns (`false`: fenced).
+    ///
+    /// # Errors
+    /// As [`try_acquire_position`](Self::try_acquire_position).
+    fn try_advance_position<'c>(
+        &'c mut self,
+        key: &'c PositionKey<'c>,
+        epoch: i64,
+        next_offset: i64,
+        lock_wait: Duration,
+    ) -> BoxFuture<'c, Result<Option<bool>, sqlx::Error>>;
+
     /// Every stored position of `group`, by topic and partition.
     fn fetch_positions<'c>(
         &'c mut self,
@@ -125,242 +161,172 @@ pub trait PositionStore: Send {
 /// `sqlx::Postgres`, `sqlx::Sqlite` and `sqlx::MySql`.
 pub trait PositionsDatabase: InboxDatabase<Connection: PositionStore> {}
 
-impl PositionsDatabase for Postgres {}
-impl PositionsDatabase for Sqlite {}
-impl PositionsDatabase for MySql {}
+impl<DB> PositionsDatabase for DB where DB: PositionsDialect + InboxDatabase {}
 
-/// The positions component's migrations on PostgreSQL.
-pub(super) const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "positions",
-    include_str!("../../migrations/postgres/positions/0001_positions.sql"),
-)];
-
-/// The positions component's migrations on SQLite.
-pub(super) const SQLITE_MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "positions",
-    include_str!("../../migrations/sqlite/positions/0001_positions.sql"),
-)];
-
-/// The positions component's migrations on MySQL/MariaDB.
-pub(super) const MYSQL_MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "positions",
-    include_str!("../../migrations/mysql/positions/0001_positions.sql"),
-)];
-
-const FETCH: &str = "SELECT consumer_group, topic, partition_id, next_offset, epoch, owner \
-     FROM inbox_positions WHERE consumer_group = $1 ORDER BY topic, partition_id";
-
-mod postgres {
-    pub(super) const ACQUIRE: &str = "INSERT INTO inbox_positions \
-         (consumer_group, topic, partition_id, owner) VALUES ($1, $2, $3, $4) \
-       ON CONFLICT (consumer_group, topic, partition_id) DO UPDATE \
-         SET epoch = inbox_positions.epoch + 1, owner = EXCLUDED.owner, \
-             assigned_at = now(), updated_at = now() \
-       RETURNING epoch, next_offset";
-
-    pub(super) const ADVANCE: &str = "UPDATE inbox_positions SET \
-         next_offset = GREATEST(COALESCE(next_offset, $5), $5), updated_at = now() \
-       WHERE consumer_group = $1 AND topic = $2 AND partition_id = $3 AND epoch = $4";
+/// The positions component's migrations on a backend whose migration of each version is `sql`
+/// (in version order): `(version, description, SQL)`.
+pub(crate) const fn migrations(sql: [&'static str; 1]) -> [(i64, &'static str, &'static str); 1] {
+    let [positions] = sql;
+    [(1, "positions", positions)]
 }
 
-mod sqlite {
-    pub(super) const ACQUIRE: &str = "INSERT INTO inbox_positions \
-         (consumer_group, topic, partition_id, owner) VALUES ($1, $2, $3, $4) \
-       ON CONFLICT (consumer_group, topic, partition_id) DO UPDATE \
-         SET epoch = inbox_positions.epoch + 1, owner = excluded.owner, \
-             assigned_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now'), \
-             updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') \
-       RETURNING epoch, next_offset";
+/// The assignment's upsert on the `$N` dialects (`ON CONFLICT … DO UPDATE … RETURNING`),
+/// `$now` the database clock.
+macro_rules! acquire_upsert {
+    ($now:literal) => {
+        concat!(
+            "INSERT INTO inbox_positions \
+             (consumer_group, topic, partition_id, owner) VALUES ($1, $2, $3, $4) \
+           ON CONFLICT (consumer_group, topic, partition_id) DO UPDATE \
+             SET epoch = inbox_positions.epoch + 1, owner = EXCLUDED.owner, \
+                 assigned_at = ",
+            $now,
+            ", updated_at = ",
+            $now,
+            " RETURNING epoch, next_offset"
+        )
+    };
+}
+pub(crate) use acquire_upsert;
 
-    pub(super) const ADVANCE: &str = "UPDATE inbox_positions SET \
-         next_offset = max(COALESCE(next_offset, $5), $5), \
-         updated_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now') \
-       WHERE consumer_group = $1 AND topic = $2 AND partition_id = $3 AND epoch = $4";
+/// One backend's positions statements and behavioural hooks; [`PositionStore`] is written once
+/// on top of them, for every connection of a database that implements this.
+///
+/// The statements' parameters (see [`Stmt`]): [`ACQUIRE`](Self::ACQUIRE) and
+/// [`ACQUIRED`](Self::ACQUIRED): group, topic, partition (`i32`), owner;
+/// [`ADVANCE`](Self::ADVANCE): group, topic, partition, epoch, next offset (all `i64` but the
+/// partition); [`FETCH`](Self::FETCH): group.
+pub(crate) trait PositionsDialect: Scoped {
+    /// Creates the row (epoch 1, no offset) or increments its epoch and records the owner,
+    /// locking it; returns `epoch, next_offset` unless [`ACQUIRED`](Self::ACQUIRED) reads them.
+    const ACQUIRE: Stmt;
+    /// On a dialect whose upsert returns no row: the locking read of the row
+    /// [`ACQUIRE`](Self::ACQUIRE) wrote (`epoch, next_offset`), in the same transaction.
+    const ACQUIRED: Option<Stmt> = None;
+    /// The fenced write: the next offset (never lowered) if the epoch is still the writer's.
+    const ADVANCE: Stmt;
+    /// `group, topic, partition, next_offset, epoch, owner` of every row of a group, by topic
+    /// and partition.
+    const FETCH: Stmt = Stmt::new(
+        "SELECT consumer_group, topic, partition_id, next_offset, epoch, owner \
+         FROM inbox_positions WHERE consumer_group = $1 ORDER BY topic, partition_id",
+    );
+
+    /// Runs `run`'s step (on its connection, or on a transaction of the hook's) waiting at most
+    /// `lock.wait` for a transaction that holds the row of the position `lock.key`: `Ok(None)`
+    /// if one still held it then (and the step changed nothing). See
+    /// [`PositionStore::try_acquire_position`] for how each backend bounds the wait.
+    fn bounded<'c, A: Sync, T: Send + 'c>(run: Run<'c, Self, A, T>, row: Lock<'c>) -> Tried<'c, T>;
 }
 
-mod mysql {
-    /// Binds: group, topic, partition, owner.
-    pub(super) const ACQUIRE: &str = "INSERT INTO inbox_positions \
-         (consumer_group, topic, partition_id, owner) VALUES (?, ?, ?, ?) \
-       ON DUPLICATE KEY UPDATE epoch = epoch + 1, owner = VALUES(owner), \
-         assigned_at = UTC_TIMESTAMP(6), updated_at = UTC_TIMESTAMP(6)";
+/// What a bounded step gives, in time: `None` if the lock wait ran out.
+pub(crate) type Tried<'c, T> = Done<'c, Option<T>>;
 
-    /// The row [`ACQUIRE`] locked. Binds: group, topic, partition.
-    pub(super) const ACQUIRED: &str = "SELECT epoch, next_offset FROM inbox_positions \
-       WHERE consumer_group = ? AND topic = ? AND partition_id = ? FOR UPDATE";
-
-    /// Binds: the next offset twice, group, topic, partition, epoch.
-    pub(super) const ADVANCE: &str = "UPDATE inbox_positions SET \
-         next_offset = GREATEST(COALESCE(next_offset, ?), ?), updated_at = UTC_TIMESTAMP(6) \
-       WHERE consumer_group = ? AND topic = ? AND partition_id = ? AND epoch = ?";
-
-    pub(super) const FETCH: &str = "SELECT CONVERT(consumer_group USING utf8mb4), \
-         CONVERT(topic USING utf8mb4), partition_id, next_offset, epoch, owner \
-       FROM inbox_positions WHERE consumer_group = ? ORDER BY topic, partition_id";
+/// A bounded lock wait ([`PositionsDialect::bounded`]): the position whose row is waited for,
+/// and for how long at most.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Lock<'c> {
+    /// The position.
+    pub(crate) key: &'c PositionKey<'c>,
+    /// The longest wait.
+    pub(crate) wait: Duration,
 }
 
-/// A [`PositionRow`] from `group, topic, partition, next offset, epoch, owner`.
-fn position_row<R>(row: &R) -> Result<PositionRow, sqlx::Error>
-where
-    R: sqlx::Row,
-    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    usize: sqlx::ColumnIndex<R>,
-{
-    Ok(PositionRow {
-        group: row.try_get(0)?,
-        topic: row.try_get(1)?,
-        partition: row.try_get(2)?,
-        next_offset: row.try_get(3)?,
-        epoch: row.try_get(4)?,
-        owner: row.try_get(5)?,
+impl<'c> Lock<'c> {
+    /// The row of `key`, waited for at most `wait`.
+    fn new(key: &'c PositionKey<'c>, wait: Duration) -> Self {
+        Self { key, wait }
+    }
+}
+
+/// Runs `step` on `conn` with `args` (moved into the future), waiting at most `lock.wait` for
+/// a transaction that holds the row of `lock.key` ([`PositionsDialect::bounded`]).
+fn bounded<'c, D: PositionsDialect, A: Send + Sync + 'c, T: Send + 'c>(
+    conn: &'c mut D::Connection,
+    lock: Lock<'c>,
+    args: A,
+    step: Step<D::Connection, A, T>,
+) -> Tried<'c, T> {
+    Box::pin(async move {
+        let run = Run::new(conn, (Scope::Transaction, "bounded"), &args, step);
+        D::bounded(run, lock).await
     })
 }
 
-/// [`PositionStore::fetch_positions`] with the dialect's statement `$fetch` (binds: the group).
-macro_rules! fetch_positions_method {
-    ($fetch:expr) => {
-        fn fetch_positions<'c>(
-            &'c mut self,
-            group: &'c str,
-        ) -> BoxFuture<'c, Result<Vec<PositionRow>, sqlx::Error>> {
-            Box::pin(async move {
-                let rows = sqlx::query($fetch)
-                    .bind(group)
-                    .fetch_all(&mut *self)
-                    .await?;
-                rows.iter().map(position_row).collect()
-            })
-        }
-    };
+/// An assignment's arguments: the position and the new owner.
+type AcquireArgs<'a> = (&'a PositionKey<'a>, &'a str);
+
+/// A fenced write's arguments: the position, the writer's epoch, the next offset.
+type AdvanceArgs<'a> = (&'a PositionKey<'a>, i64, i64);
+
+/// The parameters of the statements about `key` (see [`PositionsDialect`]): the position,
+/// then `rest` (the owner; or the epoch and the next offset).
+fn params<'a>(key: &PositionKey<'a>, rest: &[Arg<'a>]) -> Vec<Arg<'a>> {
+    let mut params = vec![
+        key.group.into(),
+        key.topic.into(),
+        Arg::I32(Some(key.partition)),
+    ];
+    params.extend_from_slice(rest);
+    params
 }
 
-macro_rules! impl_position_store {
-    ($conn:ty, $dialect:ident) => {
-        impl PositionStore for $conn {
-            fn acquire_position<'c>(
-                &'c mut self,
-                key: &'c PositionKey<'c>,
-                owner: &'c str,
-            ) -> BoxFuture<'c, Result<Acquired, sqlx::Error>> {
-                Box::pin(async move {
-                    let row = sqlx::query($dialect::ACQUIRE)
-                        .bind(key.group)
-                        .bind(key.topic)
-                        .bind(key.partition)
-                        .bind(owner)
-                        .fetch_one(&mut *self)
-                        .await?;
-                    Ok(Acquired {
-                        epoch: row.try_get(0)?,
-                        next_offset: row.try_get(1)?,
-                    })
-                })
-            }
-
-            fn advance_position<'c>(
-                &'c mut self,
-                key: &'c PositionKey<'c>,
-                epoch: i64,
-                next_offset: i64,
-            ) -> BoxFuture<'c, Result<bool, sqlx::Error>> {
-                Box::pin(async move {
-                    let done = sqlx::query($dialect::ADVANCE)
-                        .bind(key.group)
-                        .bind(key.topic)
-                        .bind(key.partition)
-                        .bind(epoch)
-                        .bind(next_offset)
-                        .execute(&mut *self)
-                        .await?;
-                    Ok(done.rows_affected() == 1)
-                })
-            }
-
-            fetch_positions_method!(FETCH);
-        }
-    };
+/// The assignment's statements, in whatever transaction `conn` is in.
+fn acquire_step<'t, D: PositionsDialect>(
+    conn: &'t mut D::Connection,
+    (key, owner): &'t AcquireArgs<'_>,
+) -> BoxFuture<'t, Result<Acquired, sqlx::Error>> {
+    Box::pin(async move {
+        let params = params(key, &[(*owner).into()]);
+        let row = sql::write_returning::<D>(conn, D::ACQUIRE, D::ACQUIRED, &params)
+            .await?
+            .ok_or(sqlx::Error::RowNotFound)?;
+        Ok(Acquired {
+            epoch: D::i64_required(&row, 0)?,
+            next_offset: D::i64(&row, 1)?,
+        })
+    })
 }
 
-impl_position_store!(PgConnection, postgres);
-impl_position_store!(SqliteConnection, sqlite);
-
-/// The assignment in a transaction of its own (a savepoint inside the caller's): the upsert,
-/// then the locking read of the row it locked.
-async fn mysql_acquire_once(
-    conn: &mut MySqlConnection,
-    key: &PositionKey<'_>,
-    owner: &str,
-) -> Result<Acquired, sqlx::Error> {
-    let mut tx = conn.begin().await?;
-    let acquired = mysql_acquire_statements(&mut tx, key, owner).await?;
-    tx.commit().await?;
-    Ok(acquired)
+/// The fenced write, in whatever transaction `conn` is in: whether it was still the owner's.
+fn advance_step<'t, D: PositionsDialect>(
+    conn: &'t mut D::Connection,
+    (key, epoch, next_offset): &'t AdvanceArgs<'_>,
+) -> BoxFuture<'t, Result<bool, sqlx::Error>> {
+    Box::pin(async move {
+        let params = params(key, &[(*epoch).into(), (*next_offset).into()]);
+        Ok(D::ADVANCE.run(conn, &params, D::execute).await? == 1)
+    })
 }
 
-/// The assignment's two statements, in whatever transaction `conn` is in.
-async fn mysql_acquire_statements(
-    conn: &mut MySqlConnection,
-    key: &PositionKey<'_>,
-    owner: &str,
-) -> Result<Acquired, sqlx::Error> {
-    sqlx::query(mysql::ACQUIRE)
-        .bind(key.group)
-        .bind(key.topic)
-        .bind(key.partition)
-        .bind(owner)
-        .execute(&mut *conn)
-        .await?;
-    let (epoch, next_offset): (i64, Option<i64>) = sqlx::query_as(mysql::ACQUIRED)
-        .bind(key.group)
-        .bind(key.topic)
-        .bind(key.partition)
-        .fetch_one(&mut *conn)
-        .await?;
-    Ok(Acquired { epoch, next_offset })
+/// A [`PositionRow`] from `group, topic, partition, next offset, epoch, owner`.
+fn position_row<D: Sql>(row: &D::Row) -> Result<PositionRow, sqlx::Error> {
+    Ok(PositionRow {
+        group: D::text_required(row, 0)?,
+        topic: D::text_required(row, 1)?,
+        partition: D::required(row, 2, D::i32)?,
+        next_offset: D::i64(row, 3)?,
+        epoch: D::i64_required(row, 4)?,
+        owner: D::text_required(row, 5)?,
+    })
 }
 
-/// The fenced write, in whatever transaction `conn` is in.
-async fn mysql_advance(
-    conn: &mut MySqlConnection,
-    key: &PositionKey<'_>,
-    epoch: i64,
-    next_offset: i64,
-) -> Result<sqlx::mysql::MySqlQueryResult, sqlx::Error> {
-    sqlx::query(mysql::ADVANCE)
-        .bind(next_offset)
-        .bind(next_offset)
-        .bind(key.group)
-        .bind(key.topic)
-        .bind(key.partition)
-        .bind(epoch)
-        .execute(&mut *conn)
-        .await
-}
-
-impl PositionStore for MySqlConnection {
+/// Every connection whose database has the positions dialect. An assignment runs in a
+/// transaction of its own (a savepoint inside the caller's; in a raw `BEGIN` sqlx does not
+/// count, in that one), a fenced write in the caller's transaction or on its own: on MySQL a
+/// deadlock or lock wait timeout of one outside the caller's transaction is retried.
+impl<C> PositionStore for C
+where
+    C: sqlx::Connection,
+    C::Database: PositionsDialect<Connection = C>,
+{
     fn acquire_position<'c>(
         &'c mut self,
         key: &'c PositionKey<'c>,
         owner: &'c str,
     ) -> BoxFuture<'c, Result<Acquired, sqlx::Error>> {
-        Box::pin(async move {
-            // Inside a transaction sqlx does not count (a raw `BEGIN`), a `BEGIN` of ours would
-            // commit the caller's implicitly: the statements run in it, unretried.
-            let depth = <MySql as sqlx::Database>::TransactionManager::get_transaction_depth(self);
-            if depth == 0 && super::mysql::in_transaction(self).await? {
-                return mysql_acquire_statements(self, key, owner).await;
-            }
-            retry_lock_errors!(
-                self,
-                "acquire_position",
-                mysql_acquire_once(self, key, owner)
-            )
-        })
+        let scope = (Scope::RawElseTransaction, "acquire_position");
+        sql::scoped::<C::Database, _, _>(self, scope, (key, owner), acquire_step::<C::Database>)
     }
 
     fn advance_position<'c>(
@@ -369,22 +335,63 @@ impl PositionStore for MySqlConnection {
         epoch: i64,
         next_offset: i64,
     ) -> BoxFuture<'c, Result<bool, sqlx::Error>> {
-        Box::pin(async move {
-            // Retried only in autocommit: a deadlock in the caller's transaction (also one
-            // sqlx does not count, a raw `BEGIN`) rolled it back, and a retry would write the
-            // position alone.
-            let done = if super::mysql::in_transaction(self).await? {
-                mysql_advance(self, key, epoch, next_offset).await?
-            } else {
-                retry_lock_errors!(
-                    self,
-                    "advance_position",
-                    mysql_advance(self, key, epoch, next_offset)
-                )?
-            };
-            Ok(done.rows_affected() == 1)
-        })
+        let args = (key, epoch, next_offset);
+        let scope = (Scope::JoinElseStatement, "advance_position");
+        sql::scoped::<C::Database, _, _>(self, scope, args, advance_step::<C::Database>)
     }
 
-    fetch_positions_method!(mysql::FETCH);
+    fn try_acquire_position<'c>(
+        &'c mut self,
+        key: &'c PositionKey<'c>,
+        owner: &'c str,
+        lock_wait: Duration,
+    ) -> BoxFuture<'c, Result<Option<Acquired>, sqlx::Error>> {
+        let step = acquire_step::<C::Database>;
+        bounded::<C::Database, _, _>(self, Lock::new(key, lock_wait), (key, owner), step)
+    }
+
+    fn try_advance_position<'c>(
+        &'c mut self,
+        key: &'c PositionKey<'c>,
+        epoch: i64,
+        next_offset: i64,
+        lock_wait: Duration,
+    ) -> BoxFuture<'c, Result<Option<bool>, sqlx::Error>> {
+        let args = (key, epoch, next_offset);
+        let step = advance_step::<C::Database>;
+        bounded::<C::Database, _, _>(self, Lock::new(key, lock_wait), args, step)
+    }
+
+    fn fetch_positions<'c>(
+        &'c mut self,
+        group: &'c str,
+    ) -> BoxFuture<'c, Result<Vec<PositionRow>, sqlx::Error>> {
+        Box::pin(async move {
+            let read = position_row::<C::Database>;
+            sql::read_all::<C::Database, _>(self, C::Database::FETCH, &[group.into()], read).await
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::sql::check_binds;
+
+    fn every_statement<D: PositionsDialect>() {
+        check_binds("ACQUIRE", D::ACQUIRE, 4);
+        if let Some(read) = D::ACQUIRED {
+            check_binds("ACQUIRED", read, 4);
+        }
+        check_binds("ADVANCE", D::ADVANCE, 5);
+        check_binds("FETCH", D::FETCH, 1);
+    }
+
+    /// Every dialect's statements bind as many arguments as their text takes.
+    #[test]
+    fn every_dialect_binds_what_its_statements_take() {
+        every_statement::<sqlx::Postgres>();
+        every_statement::<sqlx::Sqlite>();
+        every_statement::<sqlx::MySql>();
+    }
 }

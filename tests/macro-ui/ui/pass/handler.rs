@@ -1,6 +1,6 @@
 #![allow(unused)]
 
-use inbox_runtime::{handler, idempotent, Dispatcher, Message, Registration};
+use inbox_runtime::{handler, idempotent, Dispatcher, Message, dispatch::Registration};
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Serialize, Deserialize, Message)]

@@ -4,7 +4,7 @@
 
 // The hidden handler types are named here only to check what the macro generated.
 use inbox_runtime::__private::Handler;
-use inbox_runtime::{idempotent, GapPolicy, KeyError, Message, Ordering};
+use inbox_runtime::{idempotent, GapPolicy, KeyError, Message, types::Ordering};
 use serde::{Deserialize, Serialize};
 use sqlx::PgConnection;
 
