@@ -564,10 +564,11 @@ async fn relay(
 }
 
 /// Round trips per delivery on a held connection, counted on the wire, for a one-statement
-/// handler (and per batch of three): a new message takes 4 (`BEGIN`, the claim, the handler's statement, then verify,
-/// `COMMIT` and the next `BEGIN` in one), a duplicate 3 (`BEGIN`, the claim, `ROLLBACK`). The
-/// direct call on the caller's connection takes 5 for a new message (verify and `COMMIT`
-/// apart, nothing left open).
+/// handler (and per batch of three). In steady state a new message takes 3: the claim (in the
+/// slot's spare transaction, no `BEGIN` of its own), the handler's statement, then verify,
+/// `COMMIT` and the next `BEGIN` in one; a duplicate takes 2: the claim, then `ROLLBACK` and
+/// the next `BEGIN` in one. The direct call on the caller's connection takes 5 for a new
+/// message (`BEGIN`, verify and `COMMIT` apart, nothing left open).
 #[tokio::test]
 async fn round_trips_per_delivery() {
     let pool = fixture().await;
@@ -621,18 +622,20 @@ async fn round_trips_per_delivery() {
     assert_eq!(
         trips,
         [
-            ("processed", 4),
-            ("processed", 4),
-            ("duplicate", 3),
-            ("processed", 4),
-            ("duplicate", 3),
+            ("processed", 3),
+            ("processed", 3),
+            ("duplicate", 2),
+            ("processed", 3),
+            ("duplicate", 2),
         ]
     );
     assert_eq!(effects(&pool).await.len(), 5);
 
-    // A batch of three new messages: BEGIN, the batch claim, the three statements, then the
-    // check, COMMIT and the next BEGIN in one: 6. The same three again: BEGIN, the batch claim
-    // (nothing claimed), the read of the rows found, COMMIT (nothing to check): 4.
+    // A batch of three new messages after the warm-up's batch of duplicates (which ended with
+    // a plain COMMIT, no spare transaction left): BEGIN, the batch claim, the three
+    // statements, then the check, COMMIT and the next BEGIN in one: 6. The same three again,
+    // in the spare transaction that left: the batch claim (nothing claimed), the read of the
+    // rows found, COMMIT (nothing to check): 3.
     // Warmed up first: each statement is prepared once per connection (the batch claim once
     // per batch size), a round trip more the first time.
     let warm: Vec<_> = ["bw-1", "bw-2", "bw-3"]
@@ -646,7 +649,7 @@ async fn round_trips_per_delivery() {
     let batch: Vec<_> = ["b-1", "b-2", "b-3"]
         .map(|id| envelope(&early(id, "ok")))
         .into();
-    for (kind, expected) in [("processed", 6), ("duplicate", 4)] {
+    for (kind, expected) in [("processed", 6), ("duplicate", 3)] {
         let before = proxy.turns();
         let results = dispatcher.dispatch_batch_on(&mut slot, &batch).await;
         let trips = proxy.turns() - before;
@@ -802,4 +805,60 @@ inbox_tests::backend_matrix! {
             }
         }
     }
+}
+
+/// The slot's spare transaction (the one the chained `COMMIT` of `dispatch_on` leaves open for
+/// the next claim) is invisible: a conflict found by a claim in it is kept in
+/// `inbox_rejections` at once (seen from another connection), and stays there when the slot
+/// gives its connection back (a record written inside the spare transaction would be rolled
+/// back then); once given back, no transaction is left open.
+#[tokio::test]
+async fn the_spare_transaction_is_invisible() {
+    let pool = fixture().await;
+    let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+    let mut slot = ConnectionSlot::new();
+    let first = only(
+        dispatcher
+            .dispatch_on(&mut slot, &envelope(&early("spare-1", "ok")))
+            .await
+            .unwrap(),
+    );
+    assert!(matches!(first.result, Ok(Outcome::Processed(()))));
+    // The spare transaction: begun, nothing run in it.
+    assert_eq!(open_transactions(&pool).await, 1);
+    // The same key with another payload: the claim runs in the spare transaction and finds
+    // the key processed with another payload.
+    let conflicting = only(
+        dispatcher
+            .dispatch_on(&mut slot, &envelope(&early("spare-1", "commit")))
+            .await
+            .unwrap(),
+    );
+    assert!(
+        matches!(conflicting.result, Err(Error::Conflict(_))),
+        "{conflicting:?}"
+    );
+    let conflicts = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM inbox_rejections WHERE reason = 'conflict' AND message_key = 'spare-1'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(conflicts().await, 1);
+    slot.release();
+    // The pool's check of the returned connection sends the spare transaction's ROLLBACK.
+    for _ in 0..200 {
+        if open_transactions(&pool).await == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(open_transactions(&pool).await, 0);
+    assert_eq!(conflicts().await, 1);
+    assert_eq!(
+        effects(&pool).await,
+        [("spare-1".to_owned(), (1, 1))].into_iter().collect()
+    );
 }

@@ -324,7 +324,7 @@ impl<DB: InboxDatabase> Batch<'_, DB> {
             Isolation::Optimistic => (false, None),
             Isolation::Savepoints(failed) => (true, failed),
         };
-        let conn: &mut DB::Connection = slot.get(self.env.pool).await?;
+        let conn: &mut DB::Connection = slot.get_for_claim(self.env.pool).await?;
         let mut tx = ClaimTx::begin(Hold::Kept(conn)).await?;
         set_lock_timeout(&mut tx, lock_timeout).await?;
         let (claimed, mut existing) = self.claim(&mut tx).await?;

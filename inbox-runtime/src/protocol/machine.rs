@@ -133,7 +133,7 @@ pub(crate) async fn open<'c, C: InboxConnection>(
             attempts,
             retry_in,
         })) => {
-            tx.rollback()
+            tx.rollback_to_spare()
                 .await
                 .map_err(|e| (StoreOperation::Rollback, e))?;
             let found = Found::new(

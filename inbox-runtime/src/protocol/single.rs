@@ -11,7 +11,7 @@ use super::Wait;
 use super::failure::{Attempt, Subject, aborted_transaction_text, record_conflict};
 use super::hooks::{ClaimInfo, Fenced, HookRunner};
 use super::machine::{Claimed, Found, Opened, Uncommitted, commit, open, peek, run_body};
-use super::tx::{ClaimTx, Hold, Owner, Verify};
+use super::tx::{ClaimTx, Hold, Owner, Verify, end_spare};
 use crate::BoxFuture;
 use crate::store::{ClaimRequest, InboxConnection, OrderingStore as _};
 use crate::types::classify::{BoxError, Classify as _, ErrorClass};
@@ -163,6 +163,8 @@ async fn record<H: Handler>(
         Failed::Report(error) => return error,
         failed => failed,
     };
+    // What follows writes outside any transaction: not in the slot's spare one.
+    end_spare(conn, delivery.owner);
     let payload = payload_of(msg, delivery);
     let payload_hash = delivery.fingerprint.to_hex();
     let subject = Subject {
@@ -348,6 +350,8 @@ async fn settle_redelivery<H: Handler>(
     if delivery.mode != ClaimMode::Deliver || !delivery.source.is_some_and(|s| s.redelivered) {
         return Ok(());
     }
+    // A read outside any transaction: not in the slot's spare one.
+    end_spare(conn, delivery.owner);
     let found = peek(
         conn,
         H::CONSUMER,

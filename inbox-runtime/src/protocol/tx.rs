@@ -8,10 +8,14 @@
 //! backend can ([`InboxConnection::verify_commit_begin`]: PostgreSQL) and the runtime owns the
 //! connection ([`Hold::Kept`], [`Hold::Owned`]): the verify, `COMMIT` and the next `BEGIN` in
 //! one simple query. The next transaction is left empty (no snapshot, no transaction id, no
-//! lock) and its `ROLLBACK` is queued on the connection: it goes out in the same write as the
-//! connection's next statement (the next claim's `BEGIN`, or the pool's check when the
-//! connection goes back to its pool), so sqlx's transaction depth stays truthful and no round
-//! trip is added. On the caller's own connection ([`Hold::Borrowed`]), in a savepoint, and on
+//! lock). On a connection a [`ConnectionSlot`](crate::ConnectionSlot) keeps ([`Hold::Kept`]) it
+//! is the slot's *spare* transaction: the next delivery's claim on the slot runs in it, with no
+//! `BEGIN` of its own (so a new message costs the claim, the handler's statements and this one
+//! round trip), and the slot rolls it back before anything else uses the connection (see
+//! [`ConnectionSlot`](crate::ConnectionSlot)). On an owned connection its `ROLLBACK` is queued:
+//! it goes out in the same write as the connection's next statement (or the pool's check when
+//! the connection goes back to its pool). Either way sqlx's transaction depth stays truthful
+//! and no round trip is added. On the caller's own connection ([`Hold::Borrowed`]), in a savepoint, and on
 //! the other backends, the verify and `COMMIT` are two round trips, and nothing is left open.
 
 use std::ops::DerefMut;
@@ -44,6 +48,18 @@ pub(crate) enum Owner {
     Caller,
     /// A connection the runtime keeps or gives back to its pool ([`Hold::Kept`]).
     Runtime,
+}
+
+/// Ends the spare transaction a [`ConnectionSlot`](crate::ConnectionSlot) keeps open on a
+/// connection the runtime owns (see the module's documentation), before a statement that must
+/// run outside any transaction: its `ROLLBACK` is queued, sent with that statement.
+pub(crate) fn end_spare<C: InboxConnection>(conn: &mut C, owner: Owner) {
+    if owner == Owner::Runtime
+        && C::CHAINED_TRANSACTIONS
+        && <C::Database as sqlx::Database>::TransactionManager::get_transaction_depth(conn) == 1
+    {
+        <C::Database as sqlx::Database>::TransactionManager::start_rollback(conn);
+    }
 }
 
 impl<'c, C: InboxConnection> Hold<'c, C> {
@@ -105,6 +121,14 @@ impl<'c, C: InboxConnection> ClaimTx<'c, C> {
     /// `BEGIN` on `conn` (the backend's own statement: `BEGIN IMMEDIATE` on SQLite), or a
     /// savepoint if `conn` is inside a transaction already.
     pub(crate) async fn begin(mut conn: Hold<'c, C>) -> Result<Self, sqlx::Error> {
+        if let Hold::Kept(kept) = &conn
+            && C::CHAINED_TRANSACTIONS
+            && <C::Database as sqlx::Database>::TransactionManager::get_transaction_depth(kept) == 1
+        {
+            // The spare transaction the previous delivery's `COMMIT` began (see the module's
+            // documentation): this claim runs in it, no `BEGIN` sent.
+            return Ok(Self { conn, open: true });
+        }
         let statement = conn.conn().begin_statement();
         <C::Database as sqlx::Database>::TransactionManager::begin(conn.conn(), statement).await?;
         Ok(Self { conn, open: true })
@@ -166,9 +190,14 @@ impl<'c, C: InboxConnection> ClaimTx<'c, C> {
         let ended = self.conn().verify_commit_begin()?.await;
         match ended {
             Ok(()) => {
-                // Committed; the empty transaction begun with it ends with the connection's
-                // next statement.
-                <C::Database as sqlx::Database>::TransactionManager::start_rollback(self.conn());
+                // Committed. The empty transaction begun with it is the slot's spare one on a
+                // kept connection (the next claim runs in it; the slot ends it before anything
+                // else does); on an owned one, it ends with the connection's next statement.
+                if !matches!(self.conn, Hold::Kept(_)) {
+                    <C::Database as sqlx::Database>::TransactionManager::start_rollback(
+                        self.conn(),
+                    );
+                }
                 self.open = false;
                 Some(Ok(()))
             }
@@ -179,6 +208,27 @@ impl<'c, C: InboxConnection> ClaimTx<'c, C> {
             // The COMMIT failed: as in `finish`, rolled back when this is dropped.
             Err(failed) => Some(Err(failed)),
         }
+    }
+
+    /// `ROLLBACK` of a claim that found its key taken and runs nothing more on the connection:
+    /// on a kept connection that can, `ROLLBACK` and `BEGIN` in one round trip, the new
+    /// transaction the slot's spare one (see the module's documentation); else
+    /// [`rollback`](Self::rollback).
+    pub(crate) async fn rollback_to_spare(&mut self) -> Result<(), sqlx::Error> {
+        if !matches!(self.conn, Hold::Kept(_))
+            || <C::Database as sqlx::Database>::TransactionManager::get_transaction_depth(
+                self.conn.conn_ref(),
+            ) != 1
+        {
+            return self.rollback().await;
+        }
+        let Some(ended) = self.conn().rollback_begin() else {
+            return self.rollback().await;
+        };
+        // Failed: the transaction is rolled back (queued) when this is dropped.
+        ended.await?;
+        self.open = false;
+        Ok(())
     }
 
     /// `ROLLBACK`; the connection stays usable through [`ClaimTx::conn`]. As with sqlx's own

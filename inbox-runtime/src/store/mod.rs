@@ -355,6 +355,13 @@ pub trait InboxConnection:
     /// this process, which a no-wait session checks first. `false` by default.
     const LOCAL_CLAIM_REGISTRY: bool = false;
 
+    /// Whether a transaction can end and the next begin in one round trip
+    /// ([`verify_commit_begin`](Self::verify_commit_begin),
+    /// [`rollback_begin`](Self::rollback_begin)), so that a connection the runtime keeps may
+    /// hold an empty *spare* transaction between deliveries (see
+    /// [`ConnectionSlot`](crate::ConnectionSlot)). PostgreSQL: `true`; `false` by default.
+    const CHAINED_TRANSACTIONS: bool = false;
+
     /// Ends the claim's transaction (the outermost one, not a savepoint) in one round trip, if
     /// the backend can: checks that the transaction still holds its claim, commits, and begins
     /// the next transaction, left empty and open (`None`: the backend cannot; the protocol then
@@ -379,6 +386,18 @@ pub trait InboxConnection:
     fn verify_commit_begin(
         &mut self,
     ) -> Option<BoxFuture<'_, Result<(), (crate::types::StoreOperation, sqlx::Error)>>> {
+        None
+    }
+
+    /// `ROLLBACK` and `BEGIN` in one round trip, for a claim's transaction that found its key
+    /// taken (a duplicate) on a connection the runtime keeps: the next delivery's claim runs in
+    /// the new, empty transaction. PostgreSQL: one simple query, `ROLLBACK; BEGIN`; `None`
+    /// elsewhere (the default).
+    ///
+    /// # Errors
+    /// The database's error if either statement failed (a lost connection): the transaction
+    /// is then ended as after a failed `ROLLBACK`.
+    fn rollback_begin(&mut self) -> Option<BoxFuture<'_, Result<(), sqlx::Error>>> {
         None
     }
 

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection as _, Database, Pool};
+use sqlx_core::transaction::TransactionManager as _;
 
 /// One pooled connection, held across deliveries by one caller at a time: the argument of
 /// [`Dispatcher::dispatch_on`](crate::Dispatcher::dispatch_on),
@@ -31,7 +32,15 @@ use sqlx::{Connection as _, Database, Pool};
 /// * a slot used with dispatchers of different pools hands its connection back whenever the
 ///   pool changes (a slot per dispatcher keeps its connection);
 /// * if a dispatch on the slot is cancelled (its future dropped mid-transaction), the connection
-///   goes back to the pool at once, which rolls the transaction back and releases its locks.
+///   goes back to the pool at once, which rolls the transaction back and releases its locks;
+/// * on PostgreSQL, a delivery's verify, `COMMIT` and the next delivery's `BEGIN` go out in one
+///   round trip, and the next claim on the slot runs in that transaction (a *spare*
+///   transaction: begun, nothing run in it, so it holds no snapshot, transaction id or lock).
+///   The spare transaction is used only by a claim within [`IDLE_CHECK`](Self::IDLE_CHECK) of
+///   the previous delivery (so `now()` in the claim is at most 1 s before the claim itself); it
+///   is rolled back, in the same write as the next statement, before anything else runs on the
+///   connection, before an idle connection's ping, and when the connection goes back to the
+///   pool. Nothing of it is visible to your code.
 ///
 /// Dropping the slot (or [`release`](Self::release)) gives the connection back to the pool.
 /// While a slot holds a connection, the pool has one less to hand out: size the pool for the
@@ -94,8 +103,24 @@ impl<DB: Database> ConnectionSlot<DB> {
     }
 
     /// The held connection, acquiring one from `pool` if the slot is empty, its connection was
-    /// held too long, or it was idle and no longer answers a ping.
+    /// held too long, or it was idle and no longer answers a ping. A spare transaction left
+    /// open on it (see the type's documentation) is ended first: its `ROLLBACK` goes out with
+    /// the connection's next statement.
     pub(crate) async fn get(
+        &mut self,
+        pool: &Pool<DB>,
+    ) -> Result<&mut PoolConnection<DB>, sqlx::Error> {
+        let conn = self.get_for_claim(pool).await?;
+        end_spare::<DB>(conn);
+        Ok(conn)
+    }
+
+    /// [`get`](Self::get) for a delivery whose first statement is its claim's `BEGIN`
+    /// ([`ClaimTx::begin`](crate::protocol::tx::ClaimTx::begin) on [`Hold::Kept`]
+    /// (crate::protocol::tx::Hold::Kept)): a spare transaction left open by the previous
+    /// delivery less than [`IDLE_CHECK`](Self::IDLE_CHECK) ago stays open, for that claim to
+    /// run in.
+    pub(crate) async fn get_for_claim(
         &mut self,
         pool: &Pool<DB>,
     ) -> Result<&mut PoolConnection<DB>, sqlx::Error> {
@@ -115,9 +140,12 @@ impl<DB: Database> ConnectionSlot<DB> {
         }
         if let Some(held) = &mut self.held
             && held.used.elapsed() >= Self::IDLE_CHECK
-            && held.conn.ping().await.is_err()
         {
-            self.discard();
+            // The spare transaction's `ROLLBACK` goes out with the ping.
+            end_spare::<DB>(&mut held.conn);
+            if held.conn.ping().await.is_err() {
+                self.discard();
+            }
         }
         let now = Instant::now();
         let held = match self.held.take() {
@@ -129,7 +157,8 @@ impl<DB: Database> ConnectionSlot<DB> {
                 used: now,
             },
         };
-        let held = self.held.insert(Held { used: now, ..held });
+        let held = self.held.insert(held);
+        held.used = now;
         Ok(&mut held.conn)
     }
 
@@ -159,6 +188,23 @@ impl<DB: Database> ConnectionSlot<DB> {
             slot: self,
             done: false,
         }
+    }
+}
+
+impl<DB: Database> Drop for Held<DB> {
+    /// A spare transaction does not go back to the pool: its `ROLLBACK` goes out with the
+    /// pool's own check of the returned connection.
+    fn drop(&mut self) {
+        end_spare::<DB>(&mut self.conn);
+    }
+}
+
+/// Ends the spare transaction open on `conn`, if any (sqlx's transaction depth above 0 between
+/// the operations of a slot): its `ROLLBACK` is queued, sent with the connection's next
+/// statement.
+fn end_spare<DB: Database>(conn: &mut DB::Connection) {
+    if DB::TransactionManager::get_transaction_depth(conn) > 0 {
+        DB::TransactionManager::start_rollback(conn);
     }
 }
 

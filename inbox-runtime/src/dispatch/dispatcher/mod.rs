@@ -655,7 +655,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         msg: &AnyMessage,
         delivery: &AttemptPlan<'_>,
     ) -> Result<Outcome<()>, Error<BoxError>> {
-        match slot.get(&self.pool).await {
+        match slot.get_for_claim(&self.pool).await {
             Ok(conn) => handler.invoke(conn.as_any(), msg, delivery).await,
             Err(source) => Err(Error::Database(StoreError {
                 consumer: handler.consumer().to_owned(),

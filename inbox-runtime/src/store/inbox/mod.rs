@@ -192,6 +192,9 @@ pub(crate) trait InboxDialect: Dialect {
     /// See [`InboxConnection::LOCAL_CLAIM_REGISTRY`].
     const LOCAL_CLAIM_REGISTRY: bool = false;
 
+    /// See [`InboxConnection::CHAINED_TRANSACTIONS`].
+    const CHAINED_TRANSACTIONS: bool = false;
+
     /// Fingerprints are stored as their 32 bytes (PostgreSQL's `BYTEA`) rather than as their
     /// hex text.
     const DIGEST_HASHES: bool = false;
@@ -306,6 +309,14 @@ pub(crate) trait InboxDialect: Dialect {
     fn verify_commit_begin(
         conn: &mut Self::Connection,
     ) -> Option<BoxFuture<'_, Result<(), (crate::types::StoreOperation, sqlx::Error)>>> {
+        let _ = conn;
+        None
+    }
+
+    /// See [`InboxConnection::rollback_begin`]. `None` by default.
+    fn rollback_begin(
+        conn: &mut Self::Connection,
+    ) -> Option<BoxFuture<'_, Result<(), sqlx::Error>>> {
         let _ = conn;
         None
     }
@@ -608,6 +619,7 @@ where
     const BACKEND: super::Backend = <C::Database as Dialect>::BACKEND;
     const OPTIMISTIC_BATCHES: bool = <C::Database as InboxDialect>::OPTIMISTIC_BATCHES;
     const LOCAL_CLAIM_REGISTRY: bool = <C::Database as InboxDialect>::LOCAL_CLAIM_REGISTRY;
+    const CHAINED_TRANSACTIONS: bool = <C::Database as InboxDialect>::CHAINED_TRANSACTIONS;
 
     fn begin_inbox(
         &mut self,
@@ -635,6 +647,10 @@ where
         &mut self,
     ) -> Option<BoxFuture<'_, Result<(), (crate::types::StoreOperation, sqlx::Error)>>> {
         C::Database::verify_commit_begin(self)
+    }
+
+    fn rollback_begin(&mut self) -> Option<BoxFuture<'_, Result<(), sqlx::Error>>> {
+        C::Database::rollback_begin(self)
     }
 }
 

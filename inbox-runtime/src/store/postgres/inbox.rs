@@ -61,6 +61,10 @@ macro_rules! has_mark {
 /// that fails.
 const VERIFY_COMMIT_BEGIN: &str = concat!("SELECT ", has_mark!(), "; COMMIT; BEGIN");
 
+/// [`InboxConnection::rollback_begin`](crate::InboxConnection::rollback_begin): one simple
+/// query, one round trip.
+const ROLLBACK_BEGIN: &str = "ROLLBACK; BEGIN";
+
 /// No-wait claims: the `lock_timeout` set for the claim (returning the previous one).
 const NO_WAIT: &str =
     "SELECT current_setting('lock_timeout') AS previous, set_config('lock_timeout', $1, true)";
@@ -77,6 +81,7 @@ const BATCH_TAKEOVER: &str = concat!("inbox_messages.status = 'failed' AND ", du
 
 impl InboxDialect for Postgres {
     const OPTIMISTIC_BATCHES: bool = true;
+    const CHAINED_TRANSACTIONS: bool = true;
 
     const DIGEST_HASHES: bool = true;
 
@@ -214,6 +219,14 @@ impl InboxDialect for Postgres {
                     }
                 }
             }
+            Ok(())
+        }))
+    }
+
+    /// `ROLLBACK_BEGIN`.
+    fn rollback_begin(conn: &mut PgConnection) -> Option<BoxFuture<'_, Result<(), sqlx::Error>>> {
+        Some(Box::pin(async move {
+            sqlx::raw_sql(ROLLBACK_BEGIN).execute(conn).await?;
             Ok(())
         }))
     }
