@@ -553,10 +553,7 @@ impl Params {
 // ----- Pages -----
 
 async fn overview<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
-    let (parts, _) = request.into_parts();
-    run(&parts, async {
-        let ctx = inner.begin(&parts)?;
-        Params::query(&parts, &[])?;
+    get_page(&inner, request, &[], async |ctx, _params| {
         let mut conn = inner.conn().await?;
         let rows = conn.stats().await.map_err(database)?;
         let consumers = inner.consumers(&mut conn, Some(&rows)).await?;
@@ -702,103 +699,102 @@ fn overview_notes(body: &mut String, ctx: &Ctx, rows: &[StatsRow]) {
 }
 
 async fn messages<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
-    let (parts, _) = request.into_parts();
-    run(&parts, async {
-        let ctx = inner.begin(&parts)?;
-        let params = Params::query(&parts, &["consumer", "status", "limit"])?;
-        let mut conn = inner.conn().await?;
-        let Filter {
-            consumer,
-            status,
-            limit,
-            rows,
-        } = Filter::read(&inner, &mut conn, &params, false).await?;
-        let known = inner.consumers(&mut conn, None).await?;
-        drop(conn);
-        let mut body = String::from("<h1>Failed and dead messages</h1>");
-        let _ = write!(
-            body,
-            "<form class=\"filter\" method=\"get\" action=\"{}\">\
-             <label>consumer<select name=\"consumer\"><option value=\"\">all</option>",
-            escape(&ctx.link("/messages"))
-        );
-        for name in &known {
-            let selected = if consumer.as_deref() == Some(name.as_str()) {
-                " selected"
-            } else {
-                ""
-            };
+    get_page(
+        &inner,
+        request,
+        &["consumer", "status", "limit"],
+        async |ctx, params| {
+            let mut conn = inner.conn().await?;
+            let Filter {
+                consumer,
+                status,
+                limit,
+                rows,
+            } = Filter::read(&inner, &mut conn, &params, false).await?;
+            let known = inner.consumers(&mut conn, None).await?;
+            drop(conn);
+            let mut body = String::from("<h1>Failed and dead messages</h1>");
             let _ = write!(
                 body,
-                "<option value=\"{0}\"{selected}>{0}</option>",
-                escape(name)
+                "<form class=\"filter\" method=\"get\" action=\"{}\">\
+             <label>consumer<select name=\"consumer\"><option value=\"\">all</option>",
+                escape(&ctx.link("/messages"))
             );
-        }
-        body.push_str("</select></label><label>status<select name=\"status\">");
-        for (value, label) in [
-            ("", "failed and dead"),
-            ("failed", "failed"),
-            ("dead", "dead"),
-            ("parked", "parked"),
-        ] {
-            let selected = if value == status { " selected" } else { "" };
-            let _ = write!(body, "<option value=\"{value}\"{selected}>{label}</option>");
-        }
-        let _ = write!(
-            body,
-            "</select></label><label>limit<input name=\"limit\" type=\"number\" min=\"1\" \
+            for name in &known {
+                let selected = if consumer.as_deref() == Some(name.as_str()) {
+                    " selected"
+                } else {
+                    ""
+                };
+                let _ = write!(
+                    body,
+                    "<option value=\"{0}\"{selected}>{0}</option>",
+                    escape(name)
+                );
+            }
+            body.push_str("</select></label><label>status<select name=\"status\">");
+            for (value, label) in [
+                ("", "failed and dead"),
+                ("failed", "failed"),
+                ("dead", "dead"),
+                ("parked", "parked"),
+            ] {
+                let selected = if value == status { " selected" } else { "" };
+                let _ = write!(body, "<option value=\"{value}\"{selected}>{label}</option>");
+            }
+            let _ = write!(
+                body,
+                "</select></label><label>limit<input name=\"limit\" type=\"number\" min=\"1\" \
              max=\"{MAX_LIMIT}\" value=\"{limit}\"></label><button>Show</button></form>"
-        );
-        let _ = write!(
-            body,
-            "<form class=\"filter\" method=\"get\" action=\"{}\">\
+            );
+            let _ = write!(
+                body,
+                "<form class=\"filter\" method=\"get\" action=\"{}\">\
              <label>consumer<input name=\"consumer\" required value=\"{}\"></label>\
              <label>key<input name=\"key\" required></label><button>Find by key</button></form>",
-            escape(&ctx.link("/message")),
-            escape(consumer.as_deref().unwrap_or(""))
-        );
-        let filter = filter_query(consumer.as_deref(), status, limit);
-        let _ = write!(body, "<p>{}.</p>", shown(rows.len(), limit));
-        if !rows.is_empty() && status != "parked" {
-            let _ = write!(
-                body,
-                "<div class=\"actions\"><a href=\"{}\">Replay these {}…</a></div>",
-                escape(&format!("{}?{filter}", ctx.link("/replay-all"))),
-                rows.len()
+                escape(&ctx.link("/message")),
+                escape(consumer.as_deref().unwrap_or(""))
             );
-        }
-        body.push_str(
-            "<table class=\"messages\"><thead><tr><th>consumer</th><th>key</th><th>message</th>\
+            let filter = filter_query(consumer.as_deref(), status, limit);
+            let _ = write!(body, "<p>{}.</p>", shown(rows.len(), limit));
+            if !rows.is_empty() && status != "parked" {
+                let _ = write!(
+                    body,
+                    "<div class=\"actions\"><a href=\"{}\">Replay these {}…</a></div>",
+                    escape(&format!("{}?{filter}", ctx.link("/replay-all"))),
+                    rows.len()
+                );
+            }
+            body.push_str(
+                "<table class=\"messages\"><thead><tr><th>consumer</th><th>key</th><th>message</th>\
              <th>status</th><th class=\"num\">attempts</th><th>received</th><th>last error</th>\
              </tr></thead><tbody>",
-        );
-        for row in &rows {
-            let _ = write!(
-                body,
-                "<tr><td>{}</td><td class=\"key\"><a href=\"{}\">{}</a></td><td>{}</td>\
+            );
+            for row in &rows {
+                let _ = write!(
+                    body,
+                    "<tr><td>{}</td><td class=\"key\"><a href=\"{}\">{}</a></td><td>{}</td>\
                  <td class=\"status-{status}\">{status}</td><td class=\"num\">{}</td><td>{}</td>\
                  <td class=\"error\">{}</td></tr>",
-                escape(&row.consumer),
-                escape(&message_link(&ctx, "/message", row)),
-                escape(&row.message_key),
-                escape(&row.message_name),
-                row.attempts,
-                escape(&admin::utc_time(&row.received_at)),
-                escape(&cut(row.last_error.as_deref().unwrap_or(""), 200)),
-                status = row.status,
-            );
-        }
-        body.push_str("</tbody></table>");
-        Ok(layout(&ctx, StatusCode::OK, "Messages", &body))
-    })
+                    escape(&row.consumer),
+                    escape(&message_link(&ctx, "/message", row)),
+                    escape(&row.message_key),
+                    escape(&row.message_name),
+                    row.attempts,
+                    escape(&admin::utc_time(&row.received_at)),
+                    escape(&cut(row.last_error.as_deref().unwrap_or(""), 200)),
+                    status = row.status,
+                );
+            }
+            body.push_str("</tbody></table>");
+            Ok(layout(&ctx, StatusCode::OK, "Messages", &body))
+        },
+    )
     .await
 }
 
 async fn message<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
-    let (parts, _) = request.into_parts();
-    run(&parts, async {
-        let ctx = inner.begin(&parts)?;
-        let params = Params::query(&parts, &["consumer", "key"])?;
+    get_page(&inner, request, &["consumer", "key"], async |ctx, params| {
         let row = target(&inner, &params).await?;
         let mut body = String::from("<h1>Message</h1>");
         describe_row(&mut body, &row, true);
@@ -850,10 +846,7 @@ async fn confirm<DB: ConsoleDatabase>(
     request: Request,
     action: Action,
 ) -> Response {
-    let (parts, _) = request.into_parts();
-    run(&parts, async {
-        let ctx = inner.begin(&parts)?;
-        let params = Params::query(&parts, &["consumer", "key"])?;
+    get_page(inner, request, &["consumer", "key"], async |ctx, params| {
         let row = target(inner, &params).await?;
         actionable(&row, action)?;
         let verb = action.verb();
@@ -900,18 +893,7 @@ async fn discard<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request
 
 /// A confirmed action on one message.
 async fn act<DB: ConsoleDatabase>(inner: &Inner<DB>, request: Request, action: Action) -> Response {
-    let (parts, body) = request.into_parts();
-    run(&parts, async {
-        let ctx = inner.begin(&parts)?;
-        let params = form(
-            inner,
-            &ctx,
-            &parts,
-            body,
-            MAX_FORM_BYTES,
-            &["consumer", "key", "csrf"],
-        )
-        .await?;
+    post_page(inner, request, MAX_FORM_BYTES, &["consumer", "key", "csrf"], async |ctx, params| {
         // The connection `target` reads through is back in the pool before the action takes
         // its own.
         let row = target(inner, &params).await?;
@@ -979,68 +961,70 @@ async fn confirm_replay_all<DB: ConsoleDatabase>(
     State(inner): Shared<DB>,
     request: Request,
 ) -> Response {
-    let (parts, _) = request.into_parts();
-    run(&parts, async {
-        let ctx = inner.begin(&parts)?;
-        let params = Params::query(&parts, &["consumer", "status", "limit"])?;
-        let Filter {
-            consumer,
-            status,
-            limit,
-            rows,
-        } = Filter::read(&inner, &mut inner.conn().await?, &params, true).await?;
-        let mut body = format!(
-            "<h1>Confirm: replay {} messages?</h1><p class=\"notice\">Each of the {} {} \
+    get_page(
+        &inner,
+        request,
+        &["consumer", "status", "limit"],
+        async |ctx, params| {
+            let Filter {
+                consumer,
+                status,
+                limit,
+                rows,
+            } = Filter::read(&inner, &mut inner.conn().await?, &params, true).await?;
+            let mut body = format!(
+                "<h1>Confirm: replay {} messages?</h1><p class=\"notice\">Each of the {} {} \
              messages{} below (oldest first, at most {limit}) is replayed once with its \
              registered handler: exactly these, also if others fail meanwhile (one that is \
              no longer failed or dead by then is skipped).</p><ul>",
-            rows.len(),
-            rows.len(),
-            if status.is_empty() {
-                "failed and dead"
-            } else {
-                status
-            },
-            consumer
-                .as_deref()
-                .map(|c| format!(" of consumer {}", escape(c)))
-                .unwrap_or_default(),
-        );
-        for row in &rows {
+                rows.len(),
+                rows.len(),
+                if status.is_empty() {
+                    "failed and dead"
+                } else {
+                    status
+                },
+                consumer
+                    .as_deref()
+                    .map(|c| format!(" of consumer {}", escape(c)))
+                    .unwrap_or_default(),
+            );
+            for row in &rows {
+                let _ = write!(
+                    body,
+                    "<li>{}/<span class=\"key\">{}</span> ({})</li>",
+                    escape(&row.consumer),
+                    escape(&row.message_key),
+                    row.status
+                );
+            }
+            let items: Vec<String> = rows
+                .iter()
+                .map(|row| {
+                    format!(
+                        "{}.{}",
+                        hex::encode(&row.consumer),
+                        hex::encode(&row.message_key)
+                    )
+                })
+                .collect();
             let _ = write!(
                 body,
-                "<li>{}/<span class=\"key\">{}</span> ({})</li>",
-                escape(&row.consumer),
-                escape(&row.message_key),
-                row.status
-            );
-        }
-        let items: Vec<String> = rows
-            .iter()
-            .map(|row| {
-                format!(
-                    "{}.{}",
-                    hex::encode(&row.consumer),
-                    hex::encode(&row.message_key)
-                )
-            })
-            .collect();
-        let _ = write!(
-            body,
-            "</ul><form method=\"post\" action=\"{}\"><input type=\"hidden\" name=\"items\" \
+                "</ul><form method=\"post\" action=\"{}\"><input type=\"hidden\" name=\"items\" \
              value=\"{}\">{}<div class=\"actions\">\
              <button>Yes, replay them</button><a href=\"{}\">Cancel</a></div></form>",
-            escape(&ctx.link("/replay-all")),
-            items.join(","),
-            csrf_field(&inner, &ctx),
-            escape(&format!(
-                "{}?{}",
-                ctx.link("/messages"),
-                filter_query(consumer.as_deref(), status, limit)
-            )),
-        );
-        Ok(layout(&ctx, StatusCode::OK, "Confirm", &body))
-    })
+                escape(&ctx.link("/replay-all")),
+                items.join(","),
+                csrf_field(&inner, &ctx),
+                escape(&format!(
+                    "{}?{}",
+                    ctx.link("/messages"),
+                    filter_query(consumer.as_deref(), status, limit)
+                )),
+            );
+            Ok(layout(&ctx, StatusCode::OK, "Confirm", &body))
+        },
+    )
     .await
 }
 
@@ -1095,77 +1079,72 @@ async fn bulk_items<DB: ConsoleDatabase>(
 }
 
 async fn replay_all<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
-    let (parts, body) = request.into_parts();
-    run(&parts, async {
-        let ctx = inner.begin(&parts)?;
-        let params = form(
-            &inner,
-            &ctx,
-            &parts,
-            body,
-            MAX_BULK_FORM_BYTES,
-            &["items", "csrf"],
-        )
-        .await?;
-        let items = bulk_items(&inner, &mut inner.conn().await?, &params).await?;
-        let mut table = String::new();
-        let (mut succeeded, mut failed) = (0_u32, 0_u32);
-        for (consumer, key) in &items {
-            // Its own connection, back in the pool before the replay takes one.
-            let current = inner
-                .conn()
-                .await?
-                .fetch_message(consumer, key)
-                .await
-                .map_err(database)?;
-            let (text, ok) = match current {
-                None => ("skipped: no such message any more".to_owned(), false),
-                Some(row) if !matches!(row.status, Status::Failed | Status::Dead) => (
-                    format!("skipped: it is {} now, nothing to replay", row.status),
-                    false,
-                ),
-                Some(_) => match inner.dispatcher.replay(consumer, key).await {
-                    Ok(outcome) => describe(&outcome),
-                    Err(error) => (error.to_string(), false),
-                },
-            };
-            if ok {
-                succeeded += 1;
-            } else {
-                failed += 1;
+    post_page(
+        &inner,
+        request,
+        MAX_BULK_FORM_BYTES,
+        &["items", "csrf"],
+        async |ctx, params| {
+            let items = bulk_items(&inner, &mut inner.conn().await?, &params).await?;
+            let mut table = String::new();
+            let (mut succeeded, mut failed) = (0_u32, 0_u32);
+            for (consumer, key) in &items {
+                // Its own connection, back in the pool before the replay takes one.
+                let current = inner
+                    .conn()
+                    .await?
+                    .fetch_message(consumer, key)
+                    .await
+                    .map_err(database)?;
+                let (text, ok) = match current {
+                    None => ("skipped: no such message any more".to_owned(), false),
+                    Some(row) if !matches!(row.status, Status::Failed | Status::Dead) => (
+                        format!("skipped: it is {} now, nothing to replay", row.status),
+                        false,
+                    ),
+                    Some(_) => match inner.dispatcher.replay(consumer, key).await {
+                        Ok(outcome) => describe(&outcome),
+                        Err(error) => (error.to_string(), false),
+                    },
+                };
+                if ok {
+                    succeeded += 1;
+                } else {
+                    failed += 1;
+                }
+                tracing::info!(
+                    target: "inbox_runtime::ops::console",
+                    operator = ?ctx.operator,
+                    action = "replay",
+                    consumer = ?consumer,
+                    key = ?key,
+                    result = %text,
+                    "console: replay (bulk)"
+                );
+                let _ = write!(
+                    table,
+                    "<tr><td>{}</td><td class=\"key\"><a href=\"{}\">{}</a></td><td>{}</td></tr>",
+                    escape(consumer),
+                    escape(&format!(
+                        "{}?consumer={}&key={}",
+                        ctx.link("/message"),
+                        encode(consumer),
+                        encode(key)
+                    )),
+                    escape(key),
+                    escape(&text)
+                );
             }
-            tracing::info!(
-                target: "inbox_runtime::ops::console",
-                operator = ?ctx.operator,
-                action = "replay",
-                consumer = ?consumer,
-                key = ?key,
-                result = %text,
-                "console: replay (bulk)"
-            );
-            let _ = write!(
-                table,
-                "<tr><td>{}</td><td class=\"key\"><a href=\"{}\">{}</a></td><td>{}</td></tr>",
-                escape(consumer),
-                escape(&format!(
-                    "{}?consumer={}&key={}",
-                    ctx.link("/message"),
-                    encode(consumer),
-                    encode(key)
-                )),
-                escape(key),
-                escape(&text)
-            );
-        }
-        let body = format!(
-            "<h1>Bulk replay</h1><p class=\"notice {}\" data-result=\"bulk\">Replayed {}: \
+            let body = format!(
+                "<h1>Bulk replay</h1><p class=\"notice {}\" data-result=\"bulk\">Replayed {}: \
              {succeeded} succeeded, {failed} did not.</p><table><thead><tr><th>consumer</th>\
              <th>key</th><th>result</th></tr></thead><tbody>{table}</tbody></table>",
-            if failed == 0 { "ok" } else { "bad" },
-            items.len()
-        );
-        Ok(layout(&ctx, StatusCode::OK, "Bulk replay", &body))
-    })
+                if failed == 0 { "ok" } else { "bad" },
+                items.len()
+            );
+            Ok(layout(&ctx, StatusCode::OK, "Bulk replay", &body))
+        },
+    )
     .await
 }
 
@@ -1208,51 +1187,53 @@ impl Filter {
 }
 
 async fn rejections<DB: ConsoleDatabase>(State(inner): Shared<DB>, request: Request) -> Response {
-    let (parts, _) = request.into_parts();
-    run(&parts, async {
-        let ctx = inner.begin(&parts)?;
-        let params = Params::query(&parts, &["consumer", "reason", "limit"])?;
-        let mut conn = inner.conn().await?;
-        let rows = conn.stats().await.map_err(database)?;
-        let now = now_secs();
-        let mut body = String::from(
-            "<h1>Rejected deliveries</h1><p class=\"muted\">Deliveries the dispatcher refused \
+    get_page(
+        &inner,
+        request,
+        &["consumer", "reason", "limit"],
+        async |ctx, params| {
+            let mut conn = inner.conn().await?;
+            let rows = conn.stats().await.map_err(database)?;
+            let now = now_secs();
+            let mut body = String::from(
+                "<h1>Rejected deliveries</h1><p class=\"muted\">Deliveries the dispatcher refused \
              and recorded in <code>inbox_rejections</code>: the same key with another payload \
              (conflict), payloads that do not decode (malformed), names no handler serves \
              (unknown_message), bad keys (invalid_key), payloads over the limit (too_large).</p>\
              <table class=\"rejections\"><thead><tr><th>consumer</th><th>reason</th>\
              <th class=\"num\">count</th><th>oldest</th></tr></thead><tbody>",
-        );
-        let mut any = false;
-        for row in &rows {
-            let StatsStatus::Rejected(reason) = row.status else {
-                continue;
-            };
-            any = true;
-            let consumer = row.consumer.as_deref().unwrap_or("(none)");
-            let _ = write!(
-                body,
-                "<tr><td>{c}</td><td>{r}</td><td class=\"num\" data-consumer=\"{c}\" \
+            );
+            let mut any = false;
+            for row in &rows {
+                let StatsStatus::Rejected(reason) = row.status else {
+                    continue;
+                };
+                any = true;
+                let consumer = row.consumer.as_deref().unwrap_or("(none)");
+                let _ = write!(
+                    body,
+                    "<tr><td>{c}</td><td>{r}</td><td class=\"num\" data-consumer=\"{c}\" \
                  data-reason=\"{r}\">{}</td><td>{}</td></tr>",
-                row.count,
-                escape(
-                    &row.oldest
-                        .as_deref()
-                        .map_or_else(|| "—".to_owned(), |oldest| age(oldest, now))
-                ),
-                c = escape(consumer),
-                r = reason_str(reason),
-            );
-        }
-        if !any {
-            body.push_str(
-                "<tr><td colspan=\"4\" class=\"muted\">No rejected deliveries.</td></tr>",
-            );
-        }
-        body.push_str("</tbody></table>");
-        rejections::rejection_list(&inner, &mut conn, &ctx, &params, &mut body).await?;
-        Ok(layout(&ctx, StatusCode::OK, "Rejections", &body))
-    })
+                    row.count,
+                    escape(
+                        &row.oldest
+                            .as_deref()
+                            .map_or_else(|| "—".to_owned(), |oldest| age(oldest, now))
+                    ),
+                    c = escape(consumer),
+                    r = reason_str(reason),
+                );
+            }
+            if !any {
+                body.push_str(
+                    "<tr><td colspan=\"4\" class=\"muted\">No rejected deliveries.</td></tr>",
+                );
+            }
+            body.push_str("</tbody></table>");
+            rejections::rejection_list(&inner, &mut conn, &ctx, &params, &mut body).await?;
+            Ok(layout(&ctx, StatusCode::OK, "Rejections", &body))
+        },
+    )
     .await
 }
 
@@ -1307,6 +1288,44 @@ async fn wrong_method(request: Request) -> Response {
 }
 
 // ----- Helpers -----
+
+/// Serves a page that reads: authorizes the request (`Inner::begin`), parses its query string
+/// allowing only the parameters `allowed` (others are refused with 400), then runs `page` with
+/// the request's context and parameters; an [`ErrorPage`] from any step becomes its response.
+async fn get_page<DB: ConsoleDatabase>(
+    inner: &Inner<DB>,
+    request: Request,
+    allowed: &[&str],
+    page: impl AsyncFnOnce(Ctx, Params) -> Result<Response, ErrorPage>,
+) -> Response {
+    let (parts, _) = request.into_parts();
+    run(&parts, async {
+        let ctx = inner.begin(&parts)?;
+        let params = Params::query(&parts, allowed)?;
+        page(ctx, params).await
+    })
+    .await
+}
+
+/// Serves an action posted by a form: authorizes the request, reads and checks its
+/// `application/x-www-form-urlencoded` body (at most `max_bytes` bytes, only the fields
+/// `allowed`, a valid CSRF token: [`form`]), then runs `page`; an [`ErrorPage`] from any step
+/// becomes its response.
+async fn post_page<DB: ConsoleDatabase>(
+    inner: &Inner<DB>,
+    request: Request,
+    max_bytes: usize,
+    allowed: &[&str],
+    page: impl AsyncFnOnce(Ctx, Params) -> Result<Response, ErrorPage>,
+) -> Response {
+    let (parts, body) = request.into_parts();
+    run(&parts, async {
+        let ctx = inner.begin(&parts)?;
+        let params = form(inner, &ctx, &parts, body, max_bytes, allowed).await?;
+        page(ctx, params).await
+    })
+    .await
+}
 
 /// Runs a page of the request `parts`, turning its early refusal into its response.
 async fn run(parts: &Parts, page: impl Future<Output = Result<Response, ErrorPage>>) -> Response {

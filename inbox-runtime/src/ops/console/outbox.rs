@@ -7,7 +7,9 @@ use axum::extract::{Request, State};
 use axum::response::Response;
 use http::StatusCode;
 
-use super::{ErrorPage, Params, Shared, age, bad_request, database, escape, layout, now_secs, run};
+use super::{
+    ErrorPage, Params, Shared, age, bad_request, database, escape, get_page, layout, now_secs,
+};
 use crate::store::OutboxStatus;
 use crate::store::{ConsoleDatabase, OutboxAdminStore as _, OutboxEntry, OutboxStatsRow};
 
@@ -32,10 +34,7 @@ pub(super) async fn outbox<DB: ConsoleDatabase>(
     State(inner): Shared<DB>,
     request: Request,
 ) -> Response {
-    let (parts, _) = request.into_parts();
-    run(&parts, async {
-        let ctx = inner.begin(&parts)?;
-        let params = Params::query(&parts, &["status", "destination", "limit"])?;
+    get_page(&inner, request, &["status", "destination", "limit"], async |ctx, params| {
         let statuses = params.outbox_statuses()?;
         let limit = params.limit()?;
         let destination = params.get("destination").filter(|d| !d.is_empty());

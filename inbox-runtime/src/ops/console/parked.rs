@@ -7,7 +7,7 @@ use axum::extract::{Request, State};
 use axum::response::Response;
 use http::StatusCode;
 
-use super::{Params, Shared, age, database, encode, escape, layout, now_secs, run};
+use super::{Shared, age, database, encode, escape, get_page, layout, now_secs};
 use crate::store::{ConsoleDatabase, ConsoleStore as _, ParkedEntry};
 
 /// One aggregate with parked messages: its consumer, id, last applied sequence and the
@@ -85,83 +85,87 @@ pub(super) async fn parked<DB: ConsoleDatabase>(
     State(inner): Shared<DB>,
     request: Request,
 ) -> Response {
-    let (parts, _) = request.into_parts();
-    run(&parts, async {
-        let ctx = inner.begin(&parts)?;
-        let params = Params::query(&parts, &["consumer", "limit"])?;
-        let limit = params.limit()?;
-        let mut conn = inner.conn().await?;
-        let consumer = params.consumer(&inner, &mut conn, false).await?;
-        let rows = conn
-            .list_parked(consumer.as_deref(), i64::from(limit))
-            .await
-            .map_err(database)?;
-        drop(conn);
-        let shown = rows.len();
-        let groups = aggregates(rows);
-        let now = now_secs();
-        let mut body = format!(
-            "<h1>Parked messages per aggregate</h1><p class=\"muted\">A message that arrives \
+    get_page(
+        &inner,
+        request,
+        &["consumer", "limit"],
+        async |ctx, params| {
+            let limit = params.limit()?;
+            let mut conn = inner.conn().await?;
+            let consumer = params.consumer(&inner, &mut conn, false).await?;
+            let rows = conn
+                .list_parked(consumer.as_deref(), i64::from(limit))
+                .await
+                .map_err(database)?;
+            drop(conn);
+            let shown = rows.len();
+            let groups = aggregates(rows);
+            let now = now_secs();
+            let mut body = format!(
+                "<h1>Parked messages per aggregate</h1><p class=\"muted\">A message that arrives \
              before its predecessor waits, parked, until the missing sequences have been \
              applied. Per aggregate: the sequence it waits for (one after the last applied), \
              the parked sequences, and the sequences still missing between them.</p>\
              <p>{shown} parked message{} shown{}, in {} aggregate{}.</p>",
-            if shown == 1 { "" } else { "s" },
-            if shown as u64 == u64::from(limit) {
-                " (the limit: there may be more, and the last aggregate may have more)"
-            } else {
-                ""
-            },
-            groups.len(),
-            if groups.len() == 1 { "" } else { "s" },
-        );
-        body.push_str(
-            "<table class=\"parked\"><thead><tr><th>consumer</th><th>aggregate</th>\
+                if shown == 1 { "" } else { "s" },
+                if shown as u64 == u64::from(limit) {
+                    " (the limit: there may be more, and the last aggregate may have more)"
+                } else {
+                    ""
+                },
+                groups.len(),
+                if groups.len() == 1 { "" } else { "s" },
+            );
+            body.push_str(
+                "<table class=\"parked\"><thead><tr><th>consumer</th><th>aggregate</th>\
              <th class=\"num\">last applied</th><th class=\"num\">waits for</th>\
              <th>missing</th><th>parked</th><th>oldest parked</th></tr></thead><tbody>",
-        );
-        for group in &groups {
-            let c = escape(&group.consumer);
-            let a = escape(&group.aggregate_id);
-            let mut parked = String::new();
-            for (sequence, key, _) in &group.parked {
+            );
+            for group in &groups {
+                let c = escape(&group.consumer);
+                let a = escape(&group.aggregate_id);
+                let mut parked = String::new();
+                for (sequence, key, _) in &group.parked {
+                    let _ = write!(
+                        parked,
+                        "<a href=\"{}\" title=\"{}\">#{sequence}</a> ",
+                        escape(&format!(
+                            "{}?consumer={}&key={}",
+                            ctx.link("/message"),
+                            encode(&group.consumer),
+                            encode(key)
+                        )),
+                        escape(key)
+                    );
+                }
+                let oldest = group
+                    .parked
+                    .iter()
+                    .map(|(_, _, at)| at.as_str())
+                    .min()
+                    .map_or_else(|| "—".to_owned(), |at| age(at, now));
                 let _ = write!(
-                    parked,
-                    "<a href=\"{}\" title=\"{}\">#{sequence}</a> ",
-                    escape(&format!(
-                        "{}?consumer={}&key={}",
-                        ctx.link("/message"),
-                        encode(&group.consumer),
-                        encode(key)
-                    )),
-                    escape(key)
-                );
-            }
-            let oldest = group
-                .parked
-                .iter()
-                .map(|(_, _, at)| at.as_str())
-                .min()
-                .map_or_else(|| "—".to_owned(), |at| age(at, now));
-            let _ = write!(
-                body,
-                "<tr data-consumer=\"{c}\" data-aggregate=\"{a}\"><td>{c}</td>\
+                    body,
+                    "<tr data-consumer=\"{c}\" data-aggregate=\"{a}\"><td>{c}</td>\
                  <td class=\"key\">{a}</td><td class=\"num\" data-field=\"last\">{}</td>\
                  <td class=\"num\" data-field=\"expected\">{}</td>\
                  <td data-field=\"gaps\">{}</td><td data-field=\"parked\">{}</td><td>{}</td></tr>",
-                group.last_sequence,
-                group.expected(),
-                ranges(&group.gaps()),
-                parked.trim_end(),
-                escape(&oldest),
-            );
-        }
-        if groups.is_empty() {
-            body.push_str("<tr><td colspan=\"7\" class=\"muted\">No parked messages.</td></tr>");
-        }
-        body.push_str("</tbody></table>");
-        Ok(layout(&ctx, StatusCode::OK, "Parked", &body))
-    })
+                    group.last_sequence,
+                    group.expected(),
+                    ranges(&group.gaps()),
+                    parked.trim_end(),
+                    escape(&oldest),
+                );
+            }
+            if groups.is_empty() {
+                body.push_str(
+                    "<tr><td colspan=\"7\" class=\"muted\">No parked messages.</td></tr>",
+                );
+            }
+            body.push_str("</tbody></table>");
+            Ok(layout(&ctx, StatusCode::OK, "Parked", &body))
+        },
+    )
     .await
 }
 

@@ -8,7 +8,7 @@ use axum::extract::{Request, State};
 use axum::response::Response;
 use http::StatusCode;
 
-use super::{Params, Shared, database, escape, layout, run};
+use super::{Shared, database, escape, get_page, layout};
 use crate::Status;
 use crate::store::{
     ArrivalRow, ConsoleDatabase, ConsoleStore as _, OutboxAdminStore as _, RejectionReason,
@@ -35,10 +35,7 @@ pub(super) async fn rates<DB: ConsoleDatabase>(
     State(inner): Shared<DB>,
     request: Request,
 ) -> Response {
-    let (parts, _) = request.into_parts();
-    run(&parts, async {
-        let ctx = inner.begin(&parts)?;
-        Params::query(&parts, &[])?;
+    get_page(&inner, request, &[], async |ctx, _params| {
         // One connection for the page's three reads: the arrivals, whether the outbox is
         // installed, what it sent (asking the pool for a second one while holding it starved a
         // pool of one connection until the pool's acquire timeout).

@@ -8,7 +8,7 @@ use axum::response::Response;
 use http::StatusCode;
 
 use super::{
-    Conn, ErrorPage, Inner, Params, Shared, bad_request, bare, database, escape, layout, run,
+    Conn, ErrorPage, Inner, Params, Shared, bad_request, bare, database, escape, get_page, layout,
 };
 use crate::store::{ConsoleDatabase, ConsoleStore as _, RejectionEntry, RejectionReason};
 
@@ -86,10 +86,7 @@ pub(super) async fn rejection<DB: ConsoleDatabase>(
     State(inner): Shared<DB>,
     request: Request,
 ) -> Response {
-    let (parts, _) = request.into_parts();
-    run(&parts, async {
-        let ctx = inner.begin(&parts)?;
-        let params = Params::query(&parts, &["id"])?;
+    get_page(&inner, request, &["id"], async |ctx, params| {
         let text = params.required("id")?;
         let id = match text.parse::<i64>() {
             Ok(id) if id > 0 => id,
