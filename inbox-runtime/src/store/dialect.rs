@@ -14,6 +14,17 @@ use sqlx::error::DatabaseError;
 use super::sql::Sql;
 use super::{Backend, Component};
 
+/// A backend's schema migrations per component, each `(version, description, SQL)` in version
+/// order (see [`Dialect::migrations`]).
+pub(crate) struct Migrations {
+    /// The inbox's tables (`migrations/inbox/`).
+    pub(crate) inbox: &'static [(i64, &'static str, &'static str)],
+    /// The outbox's (`migrations/outbox/`).
+    pub(crate) outbox: &'static [(i64, &'static str, &'static str)],
+    /// The source positions' (`migrations/positions/`).
+    pub(crate) positions: &'static [(i64, &'static str, &'static str)],
+}
+
 /// A backend: the sqlx database it is, what its errors mean, and its schema migrations.
 pub(crate) trait Dialect: Sql {
     /// The backend's name.
@@ -22,9 +33,17 @@ pub(crate) trait Dialect: Sql {
     /// The driver's database error (what `sqlx::Error::Database` holds for this backend).
     type DatabaseError: DatabaseError;
 
-    /// The schema migrations of `component`: `(version, description, SQL)` in version order;
-    /// empty if the backend does not have the component.
-    fn migrations(component: Component) -> &'static [(i64, &'static str, &'static str)];
+    /// The schema migrations of each component: `(version, description, SQL)` in version order.
+    const MIGRATIONS: Migrations;
+
+    /// The schema migrations of `component` (from [`MIGRATIONS`](Self::MIGRATIONS)).
+    fn migrations(component: Component) -> &'static [(i64, &'static str, &'static str)] {
+        match component {
+            Component::Inbox => Self::MIGRATIONS.inbox,
+            Component::Outbox => Self::MIGRATIONS.outbox,
+            Component::Positions => Self::MIGRATIONS.positions,
+        }
+    }
 
     /// What `error`'s code says about retrying the failed work, if anything.
     fn error_kind(error: &Self::DatabaseError) -> Option<ErrorKind> {

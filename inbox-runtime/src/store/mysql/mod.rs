@@ -55,9 +55,9 @@ use sqlx::mysql::MySqlDatabaseError;
 use sqlx::{MySql, MySqlConnection};
 use sqlx_core::transaction::TransactionManager as _;
 
-use super::dialect::{Contention, Dialect, ErrorKind};
+use super::Backend;
+use super::dialect::{Contention, Dialect, ErrorKind, Migrations};
 use super::retry;
-use super::{Backend, Component};
 
 pub(super) use super::retry::LOCK_ATTEMPTS;
 
@@ -175,13 +175,11 @@ impl Dialect for MySql {
 
     const LOCK_RETRIES: bool = true;
 
-    fn migrations(component: Component) -> &'static [(i64, &'static str, &'static str)] {
-        match component {
-            Component::Inbox => INBOX_MIGRATIONS,
-            Component::Outbox => outbox::MIGRATIONS,
-            Component::Positions => positions::MIGRATIONS,
-        }
-    }
+    const MIGRATIONS: Migrations = Migrations {
+        inbox: INBOX_MIGRATIONS,
+        outbox: outbox::MIGRATIONS,
+        positions: positions::MIGRATIONS,
+    };
 
     /// [`ErrorKind::Permanent`]: error 1153, a statement larger than the server's
     /// `max_allowed_packet` (SQLSTATE `08S01`, but no connection problem: the same statement

@@ -10,8 +10,8 @@ mod scope;
 use sqlx::Postgres;
 use sqlx::postgres::PgDatabaseError;
 
-use super::dialect::{Contention, Dialect, ErrorKind};
-use super::{Backend, Component};
+use super::Backend;
+use super::dialect::{Contention, Dialect, ErrorKind, Migrations};
 
 /// The inbox component's migrations (`migrations/inbox/`).
 const INBOX_MIGRATIONS: &[(i64, &str, &str)] = super::dialect::migrations! { "inbox":
@@ -25,13 +25,11 @@ impl Dialect for Postgres {
 
     type DatabaseError = PgDatabaseError;
 
-    fn migrations(component: Component) -> &'static [(i64, &'static str, &'static str)] {
-        match component {
-            Component::Inbox => INBOX_MIGRATIONS,
-            Component::Outbox => outbox::MIGRATIONS,
-            Component::Positions => positions::MIGRATIONS,
-        }
-    }
+    const MIGRATIONS: Migrations = Migrations {
+        inbox: INBOX_MIGRATIONS,
+        outbox: outbox::MIGRATIONS,
+        positions: positions::MIGRATIONS,
+    };
 
     /// Transient: SQLSTATE `40001` serialization failure, `40P01` deadlock, `55P03` lock not
     /// available, class `08` connection exceptions, `53300` too many connections,

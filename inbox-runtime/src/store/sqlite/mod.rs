@@ -11,8 +11,8 @@ use sqlx::Sqlite;
 use sqlx::error::DatabaseError as _;
 use sqlx::sqlite::SqliteError;
 
-use super::dialect::{Dialect, ErrorKind};
-use super::{Backend, Component};
+use super::Backend;
+use super::dialect::{Dialect, ErrorKind, Migrations};
 
 /// The inbox component's migrations (`migrations/inbox/`).
 const INBOX_MIGRATIONS: &[(i64, &str, &str)] = super::dialect::migrations! { "inbox":
@@ -25,13 +25,11 @@ impl Dialect for Sqlite {
 
     type DatabaseError = SqliteError;
 
-    fn migrations(component: Component) -> &'static [(i64, &'static str, &'static str)] {
-        match component {
-            Component::Inbox => INBOX_MIGRATIONS,
-            Component::Outbox => outbox::MIGRATIONS,
-            Component::Positions => positions::MIGRATIONS,
-        }
-    }
+    const MIGRATIONS: Migrations = Migrations {
+        inbox: INBOX_MIGRATIONS,
+        outbox: outbox::MIGRATIONS,
+        positions: positions::MIGRATIONS,
+    };
 
     /// Transient: `SQLITE_BUSY` and `SQLITE_LOCKED` with their extended codes (5, 6, 261, 262,
     /// 517).
