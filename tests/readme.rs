@@ -293,6 +293,28 @@ fn ops(dispatcher: Dispatcher<sqlx::Postgres>) -> Result<axum::Router, ConsoleEr
 // ---- end README block ----
 }
 
+/// The README's PostgreSQL schema, compiled.
+#[rustfmt::skip]
+#[allow(dead_code)]
+mod schema {
+// ---- README block: schema ----
+use inbox_runtime::PgSchema;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+
+/// The billing service's pool: its inbox, outbox and positions in the schema `billing`.
+async fn billing_pool(url: &str) -> Result<PgPool, Box<dyn std::error::Error>> {
+    let schema = PgSchema::new("billing")?; // checked: letters, digits, '_'; quoted in SQL
+    let options: PgConnectOptions = url.parse()?;
+    let pool = PgPoolOptions::new()
+        .connect_with(schema.connect_options(options)) // search_path "billing",public
+        .await?;
+    schema.create(&pool).await?; // CREATE SCHEMA IF NOT EXISTS "billing"
+    inbox_runtime::migrate(&pool).await?; // billing.inbox_messages, …
+    Ok(pool)
+}
+// ---- end README block ----
+}
+
 /// The README's retention read from a configuration file, compiled and run.
 #[rustfmt::skip]
 mod retention {
@@ -347,7 +369,7 @@ fn the_readme_shows_these_blocks_word_for_word() {
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
         .expect("read README.md");
     let blocks = blocks();
-    assert_eq!(blocks.len(), 11);
+    assert_eq!(blocks.len(), 12);
     for (name, text) in blocks {
         let fenced = format!("```rust\n{text}```\n");
         assert!(

@@ -45,6 +45,7 @@ pub use console::{
     ArrivalRow, ConsoleDatabase, ConsoleStore, ParkedEntry, RejectionEntry, RetryLag, SentRow,
 };
 pub use mysql::mysql_lock_retries;
+pub use postgres::{PgSchema, PgSchemaError};
 
 pub use outbox::{
     Lease, NOTIFY_CHANNEL, OutboxAdminStore, OutboxBacklog, OutboxDatabase, OutboxEntry,

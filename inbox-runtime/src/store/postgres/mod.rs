@@ -5,7 +5,10 @@ mod console;
 mod inbox;
 mod outbox;
 mod positions;
+mod schema;
 mod scope;
+
+pub use schema::{PgSchema, PgSchemaError};
 
 use sqlx::Postgres;
 use sqlx::postgres::PgDatabaseError;

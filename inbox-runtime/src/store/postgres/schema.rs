@@ -1,0 +1,197 @@
+//! The runtime's tables in a PostgreSQL schema of the user's choice ([`PgSchema`]).
+
+use std::fmt;
+
+use sqlx::PgPool;
+use sqlx::postgres::PgConnectOptions;
+
+/// A PostgreSQL schema for the runtime's tables (`inbox_messages`, `inbox_rejections`,
+/// `inbox_outbox`, `inbox_positions` and their migration histories), so that services sharing
+/// one database keep theirs apart, each deduplicating on its own.
+///
+/// How: the runtime's statements name their tables unqualified, so they resolve through the
+/// session's `search_path` (PostgreSQL, "Schema Search Path", section 5.9.3 of the manual).
+/// [`connect_options`](Self::connect_options) sets the `search_path` of every connection of a
+/// pool to this schema, then `public`: the runtime's tables are created in and read from this
+/// schema, and a handler's unqualified names find the service's own tables in it, then in
+/// `public`. [`create`](Self::create) creates the schema; run it before
+/// [`migrate`](crate::migrate) (PostgreSQL creates an unqualified table in the first schema of
+/// the path that exists).
+///
+/// The name is checked when the value is built and can be nothing else: 1 to 63 bytes
+/// (PostgreSQL's identifier limit), ASCII letters, digits and `_`, not starting with a digit,
+/// not starting with `pg_` (reserved for system schemas). It is double-quoted wherever it is
+/// written into SQL or the `search_path`, so its case is kept (`Billing` and `billing` are
+/// two schemas).
+///
+/// What stays shared between schemas of one database: the outbox's `LISTEN`/`NOTIFY` channel
+/// (a relay may be woken by another schema's commit: it then finds nothing due and waits
+/// again) and the advisory lock of migrations (two services migrate one after the other).
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use inbox_runtime::PgSchema;
+/// use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+///
+/// let schema = PgSchema::new("billing")?;
+/// let options: PgConnectOptions = "postgres://billing@db/shop".parse()?;
+/// let pool = PgPoolOptions::new().connect_with(schema.connect_options(options)).await?;
+/// schema.create(&pool).await?;
+/// inbox_runtime::migrate(&pool).await?; // billing.inbox_messages, …
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PgSchema {
+    name: String,
+}
+
+/// Why a schema name was refused by [`PgSchema::new`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PgSchemaError {
+    /// The name is empty.
+    Empty,
+    /// The name is longer than PostgreSQL's 63-byte identifier limit (`bytes` long).
+    TooLong {
+        /// The name's length, in bytes.
+        bytes: usize,
+    },
+    /// The name holds a character other than an ASCII letter, digit or `_`, or starts with a
+    /// digit.
+    Character {
+        /// The first character refused.
+        found: char,
+        /// Its byte offset in the name.
+        at: usize,
+    },
+    /// The name starts with `pg_`, which PostgreSQL reserves for system schemas.
+    Reserved,
+}
+
+impl fmt::Display for PgSchemaError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Empty => f.write_str("schema name is empty"),
+            Self::TooLong { bytes } => write!(
+                f,
+                "schema name is {bytes} bytes long; PostgreSQL identifiers have at most {} bytes",
+                PgSchema::MAX_BYTES
+            ),
+            Self::Character { found, at } => write!(
+                f,
+                "schema name holds {found:?} at byte {at}; only ASCII letters, digits and '_' \
+                 are allowed, and not a digit first"
+            ),
+            Self::Reserved => f.write_str(
+                "schema name starts with 'pg_', which PostgreSQL reserves for system schemas",
+            ),
+        }
+    }
+}
+
+impl std::error::Error for PgSchemaError {}
+
+impl PgSchema {
+    /// The longest name: 63 bytes (PostgreSQL's `NAMEDATALEN` - 1).
+    pub const MAX_BYTES: usize = 63;
+
+    /// The schema `name`.
+    ///
+    /// # Errors
+    /// [`PgSchemaError`] if `name` is empty, longer than [`MAX_BYTES`](Self::MAX_BYTES), holds
+    /// anything but ASCII letters, digits and `_` (or starts with a digit), or starts with
+    /// `pg_` (any case).
+    pub fn new(name: &str) -> Result<Self, PgSchemaError> {
+        if name.is_empty() {
+            return Err(PgSchemaError::Empty);
+        }
+        if let Some((at, found)) = name.char_indices().find(|&(at, c)| {
+            !(c.is_ascii_alphanumeric() || c == '_') || (at == 0 && c.is_ascii_digit())
+        }) {
+            return Err(PgSchemaError::Character { found, at });
+        }
+        if name.len() > Self::MAX_BYTES {
+            return Err(PgSchemaError::TooLong { bytes: name.len() });
+        }
+        if name.get(..3).is_some_and(|p| p.eq_ignore_ascii_case("pg_")) {
+            return Err(PgSchemaError::Reserved);
+        }
+        Ok(Self {
+            name: name.to_owned(),
+        })
+    }
+
+    /// The schema's name, as given.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The name double-quoted, as SQL and `search_path` take it (the name holds no quote).
+    fn quoted(&self) -> String {
+        format!("\"{}\"", self.name)
+    }
+
+    /// `options` with the session's `search_path` set to this schema, then `public` (a
+    /// connection startup parameter: every connection of a pool built with them has it, from
+    /// its first statement on). Replaces a `search_path` set in `options` before.
+    pub fn connect_options(&self, options: PgConnectOptions) -> PgConnectOptions {
+        options.options([("search_path", format!("{},public", self.quoted()))])
+    }
+
+    /// `CREATE SCHEMA IF NOT EXISTS` this schema, in its own statement on `pool`.
+    ///
+    /// # Errors
+    /// The database's error: the role may not create schemas (`42501`), the connection failed.
+    pub async fn create(&self, pool: &PgPool) -> Result<(), sqlx::Error> {
+        let sql = format!("CREATE SCHEMA IF NOT EXISTS {}", self.quoted());
+        // The name is checked (letters, digits, `_`) and quoted: no user text reaches SQL
+        // otherwise.
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(pool)
+            .await?;
+        Ok(())
+    }
+}
+
+impl fmt::Display for PgSchema {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        assert_eq!(PgSchema::new("billing").unwrap().name(), "billing");
+        assert_eq!(
+            PgSchema::new("Billing_2").unwrap().quoted(),
+            "\"Billing_2\""
+        );
+        assert_eq!(PgSchema::new(""), Err(PgSchemaError::Empty));
+        assert_eq!(
+            PgSchema::new("billing; DROP TABLE accounts"),
+            Err(PgSchemaError::Character { found: ';', at: 7 })
+        );
+        assert_eq!(
+            PgSchema::new("bill\"ing"),
+            Err(PgSchemaError::Character { found: '"', at: 4 })
+        );
+        assert_eq!(
+            PgSchema::new("1billing"),
+            Err(PgSchemaError::Character { found: '1', at: 0 })
+        );
+        assert_eq!(
+            PgSchema::new("bïlling"),
+            Err(PgSchemaError::Character { found: 'ï', at: 1 })
+        );
+        assert_eq!(
+            PgSchema::new(&"a".repeat(64)),
+            Err(PgSchemaError::TooLong { bytes: 64 })
+        );
+        assert!(PgSchema::new(&"a".repeat(63)).is_ok());
+        assert_eq!(PgSchema::new("PG_catalog"), Err(PgSchemaError::Reserved));
+    }
+}
