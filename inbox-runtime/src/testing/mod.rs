@@ -512,8 +512,9 @@ enum Expect {
     /// A [`TransactionHook`] error: the kit's rollback.
     Hook,
     Conflict,
-    /// Any error (the commit's answer lost).
-    AnError,
+    /// Any error, or a duplicate: the commit's answer lost, the runtime's reconnect found the
+    /// key committed.
+    LostAnswer,
 }
 
 impl Expect {
@@ -523,7 +524,7 @@ impl Expect {
             Expect::Duplicate => "duplicate",
             Expect::Hook => "hook (the kit's rollback)",
             Expect::Conflict => "conflict",
-            Expect::AnError => "an error (the commit's answer lost)",
+            Expect::LostAnswer => "duplicate or an error (the commit's answer lost)",
         }
     }
 
@@ -534,7 +535,7 @@ impl Expect {
                 | (Expect::Duplicate, Ok(Outcome::Duplicate))
                 | (Expect::Hook, Err(Error::Hook(_)))
                 | (Expect::Conflict, Err(Error::Conflict(_)))
-                | (Expect::AnError, Err(_))
+                | (Expect::LostAnswer, Ok(Outcome::Duplicate) | Err(_))
         )
     }
 }
@@ -647,7 +648,7 @@ async fn lose_commit<DB: InboxDatabase, S>(
     drop(kit);
     proxied.close().await;
     if proxy.has_cut() {
-        return run.expect(delivered, Expect::AnError);
+        return run.expect(delivered, Expect::LostAnswer);
     }
     let result = delivered.map_err(|source| CheckError::Dispatch { scenario, source })?;
     run.deliveries.push(short(&result));

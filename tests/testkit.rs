@@ -1,0 +1,329 @@
+//! The test kit for users' handlers (`inbox_runtime::testing`, feature `testing`) on PostgreSQL,
+//! SQLite and MariaDB: a correct handler (the ledger's kind: a balance update in the claim's
+//! transaction) passes every scenario with the exact outcomes of each delivery; the pitfalls fail
+//! with the scenario that shows them: a write through a second pool, a swallowed database error,
+//! an effect outside the transaction (an "e-mail" counter).
+
+use inbox_runtime::Message;
+use inbox_runtime::testing::{CheckError, CheckReport, Scenario};
+
+/// The message every handler here takes.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, Message)]
+#[message(name = "testkit.captured")]
+struct Captured {
+    #[message(key)]
+    event_id: String,
+    account_id: String,
+    amount_cents: i64,
+}
+
+fn captured() -> Captured {
+    Captured {
+        event_id: "evt-1".into(),
+        account_id: "alice".into(),
+        amount_cents: 250,
+    }
+}
+
+/// Each scenario's deliveries, as a report lists them.
+fn runs<S>(report: &CheckReport<S>) -> Vec<(Scenario, Vec<&str>)> {
+    report
+        .scenarios
+        .iter()
+        .map(|run| {
+            let deliveries = run.deliveries.iter().map(String::as_str).collect();
+            (run.scenario, deliveries)
+        })
+        .collect()
+}
+
+/// What a correct handler's report lists; `lost` is the first delivery of the lost commit.
+fn passed(lost: &'static str) -> Vec<(Scenario, Vec<&'static str>)> {
+    vec![
+        (Scenario::Once, vec!["processed"]),
+        (Scenario::Twice, vec!["processed", "duplicate"]),
+        (Scenario::LostCommit, vec![lost, "duplicate"]),
+        (Scenario::RolledBack, vec!["hook", "processed"]),
+        (Scenario::Conflict, vec!["processed", "conflict"]),
+    ]
+}
+
+/// The error's text; panics if the check passed.
+fn failure<S: std::fmt::Debug>(result: Result<CheckReport<S>, CheckError<S>>) -> String {
+    match result {
+        Ok(report) => panic!("the check passed: {report:?}"),
+        Err(error) => error.to_string(),
+    }
+}
+
+/// One backend's handlers and tests. `$p1`, `$p2`: the first two placeholders of its dialect.
+macro_rules! kit_tests {
+    (
+        mod $backend:ident,
+        conn: $conn:ty,
+        pool: $pool:ty,
+        fixture: $fixture:expr,
+        p: [$p1:literal, $p2:literal],
+        text: $text:literal,
+        second_pool: $second:expr $(,)?
+    ) => {
+        mod $backend {
+            use std::sync::OnceLock;
+            use std::sync::atomic::{AtomicU64, Ordering};
+
+            use inbox_runtime::testing::{Check, CheckError, Scenario};
+            use inbox_runtime::{handler, idempotent};
+
+            use super::{Captured, captured, failure, passed, runs};
+
+            const CREDIT: &str =
+                concat!("UPDATE accounts SET balance = balance + ", $p1, " WHERE id = ", $p2);
+            const AUDIT: &str = concat!("INSERT INTO audit (id) VALUES (", $p1, ")");
+
+            /// The second pool of [`credit_through_second_pool`].
+            static SECOND: OnceLock<$pool> = OnceLock::new();
+            /// The "e-mails" [`credit_and_email`] sends.
+            static EMAILS: AtomicU64 = AtomicU64::new(0);
+
+            /// Correct: the balance update runs in the claim's transaction.
+            #[idempotent(consumer = "ledger")]
+            async fn credit(conn: &mut $conn, msg: Captured) -> Result<(), sqlx::Error> {
+                sqlx::query(CREDIT)
+                    .bind(msg.amount_cents)
+                    .bind(&msg.account_id)
+                    .execute(conn)
+                    .await?;
+                Ok(())
+            }
+
+            /// Pitfall (a): the update goes through another pool, outside the claim's
+            /// transaction.
+            #[idempotent(consumer = "ledger_second_pool")]
+            async fn credit_through_second_pool(
+                _conn: &mut $conn,
+                msg: Captured,
+            ) -> Result<(), sqlx::Error> {
+                let second = SECOND.get().expect("the test sets the second pool");
+                sqlx::query(CREDIT)
+                    .bind(msg.amount_cents)
+                    .bind(&msg.account_id)
+                    .execute(second)
+                    .await?;
+                Ok(())
+            }
+
+            /// Pitfall (b): the audit insert fails (the row is there already) and the handler
+            /// swallows the error.
+            #[idempotent(consumer = "ledger_swallow")]
+            async fn credit_swallowing(conn: &mut $conn, msg: Captured) -> Result<(), sqlx::Error> {
+                sqlx::query(CREDIT)
+                    .bind(msg.amount_cents)
+                    .bind(&msg.account_id)
+                    .execute(&mut *conn)
+                    .await?;
+                if let Err(error) = sqlx::query(AUDIT).bind(&msg.account_id).execute(&mut *conn).await {
+                    let _ = error; // "already audited": ignored
+                }
+                Ok(())
+            }
+
+            /// Pitfall (c): an effect outside the transaction, with no key of its own (an
+            /// e-mail, counted here).
+            #[idempotent(consumer = "ledger_email")]
+            async fn credit_and_email(conn: &mut $conn, msg: Captured) -> Result<(), sqlx::Error> {
+                sqlx::query(CREDIT)
+                    .bind(msg.amount_cents)
+                    .bind(&msg.account_id)
+                    .execute(conn)
+                    .await?;
+                EMAILS.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            }
+
+            async fn pool() -> ($pool, impl Sized) {
+                let (pool, guard) = $fixture;
+                sqlx::raw_sql(concat!(
+                    "CREATE TABLE accounts (id ", $text, " PRIMARY KEY, balance BIGINT NOT NULL);",
+                    "CREATE TABLE audit (id ", $text, " PRIMARY KEY)"
+                ))
+                .execute(&pool)
+                .await
+                .expect("create the tables");
+                (pool, guard)
+            }
+
+            /// Alice at 0, already audited; no e-mail sent.
+            async fn setup(pool: &$pool) -> Result<(), sqlx::Error> {
+                sqlx::raw_sql(
+                    "DELETE FROM accounts; DELETE FROM audit; \
+                     INSERT INTO accounts (id, balance) VALUES ('alice', 0); \
+                     INSERT INTO audit (id) VALUES ('alice')",
+                )
+                .execute(pool)
+                .await?;
+                EMAILS.store(0, Ordering::SeqCst);
+                Ok(())
+            }
+
+            async fn balance(pool: &$pool) -> Result<i64, sqlx::Error> {
+                sqlx::query_scalar("SELECT balance FROM accounts WHERE id = 'alice'")
+                    .fetch_one(pool)
+                    .await
+            }
+
+            #[tokio::test]
+            async fn a_balance_update_in_the_claims_transaction_passes_every_scenario() {
+                let (pool, _guard) = pool().await;
+                let report = Check::new(handler!(credit), &captured())
+                    .run(&pool, async |p: &$pool| setup(p).await, async |p: &$pool| balance(p).await)
+                    .await
+                    .unwrap_or_else(|error| panic!("{error}"));
+                assert_eq!(report.state, 250);
+                assert_eq!(runs(&report), passed(super::lost_first(stringify!($backend))));
+            }
+
+            #[tokio::test]
+            async fn a_write_through_a_second_pool_fails() {
+                let (pool, _guard) = pool().await;
+                let _ = SECOND.set(($second)(&pool).await);
+                let result = Check::new(handler!(credit_through_second_pool), &captured())
+                    .run(&pool, async |p: &$pool| setup(p).await, async |p: &$pool| balance(p).await)
+                    .await;
+                assert_eq!(failure(result), super::second_pool_failure(stringify!($backend)));
+            }
+
+            #[tokio::test]
+            async fn a_swallowed_database_error() {
+                let (pool, _guard) = pool().await;
+                let result = Check::new(handler!(credit_swallowing), &captured())
+                    .run(&pool, async |p: &$pool| setup(p).await, async |p: &$pool| balance(p).await)
+                    .await;
+                super::swallowed(stringify!($backend), result);
+            }
+
+            #[tokio::test]
+            async fn an_email_outside_the_transaction_fails() {
+                let (pool, _guard) = pool().await;
+                let result = Check::new(handler!(credit_and_email), &captured())
+                    .run(&pool, async |p: &$pool| setup(p).await, async |p: &$pool| {
+                        Ok((balance(p).await?, EMAILS.load(Ordering::SeqCst)))
+                    })
+                    .await;
+                let error = result.expect_err("sent the e-mail twice");
+                assert!(matches!(
+                    &error,
+                    CheckError::Diverged { scenario: Scenario::RolledBack, reference: (250, 1), state: (250, 2) }
+                ));
+                assert_eq!(
+                    error.to_string(),
+                    "scenario \"rolled back first attempt\" diverged: state (250, 2), but the single delivery left (250, 1)"
+                );
+            }
+        }
+    };
+}
+
+kit_tests! {
+    mod postgres,
+    conn: sqlx::PgConnection,
+    pool: sqlx::PgPool,
+    fixture: (inbox_tests::pg_pool(4).await, ()),
+    p: ["$1", "$2"],
+    text: "TEXT",
+    second_pool: async |pool: &sqlx::PgPool| {
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with((*pool.connect_options()).clone())
+            .await
+            .expect("second pool")
+    },
+}
+
+kit_tests! {
+    mod sqlite,
+    conn: sqlx::SqliteConnection,
+    pool: sqlx::SqlitePool,
+    fixture: inbox_tests::sqlite_pool(4).await,
+    p: ["?", "?"],
+    text: "TEXT",
+    // No busy timeout: the write lock the claim's transaction holds is reported at once.
+    second_pool: async |pool: &sqlx::SqlitePool| {
+        sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(
+                (*pool.connect_options())
+                    .clone()
+                    .busy_timeout(std::time::Duration::ZERO),
+            )
+            .await
+            .expect("second pool")
+    },
+}
+
+kit_tests! {
+    mod mysql,
+    conn: sqlx::MySqlConnection,
+    pool: sqlx::MySqlPool,
+    fixture: (inbox_tests::mysql_pool(4).await, ()),
+    p: ["?", "?"],
+    text: "VARCHAR(64)",
+    second_pool: async |pool: &sqlx::MySqlPool| {
+        sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(1)
+            .connect_with((*pool.connect_options()).clone())
+            .await
+            .expect("second pool")
+    },
+}
+
+/// The first delivery of the lost commit, per backend.
+fn lost_first(backend: &str) -> &'static str {
+    match backend {
+        "sqlite" => "processed (answer dropped)",
+        // The runtime replaced the lost connection and ran the delivery again: its claim found
+        // the key committed.
+        _ => "duplicate",
+    }
+}
+
+/// How the write through a second pool shows, per backend.
+fn second_pool_failure(backend: &str) -> &'static str {
+    match backend {
+        // The claim's transaction holds SQLite's write lock: the second connection cannot write.
+        "sqlite" => {
+            "scenario \"once\", delivery 1: expected processed, got handler error: handler \
+             failed (transient error, attempt 1, retry in 0 ms): error returned from database: \
+             (code: 5) database is locked"
+        }
+        _ => {
+            "scenario \"rolled back first attempt\" diverged: state 500, but the single delivery left 250"
+        }
+    }
+}
+
+/// How a swallowed database error shows, per backend.
+fn swallowed<S: std::fmt::Debug + PartialEq + From<i64>>(
+    backend: &str,
+    result: Result<CheckReport<S>, CheckError<S>>,
+) {
+    match backend {
+        // The failed statement aborted the transaction; the check before COMMIT finds it. (The
+        // text ends with the server's source line, which changes with its version.)
+        "postgres" => {
+            let text = failure(result);
+            let expected = "scenario \"once\", delivery 1: expected processed, got database \
+                error: inbox verify failed for consumer `ledger_swallow`, key `evt-1`: error \
+                returned from database: current transaction is aborted, commands ignored until \
+                end of transaction block";
+            assert!(text.starts_with(expected), "{text}");
+        }
+        // A failed statement rolls back only itself: the balance update commits, the same on
+        // every delivery, and the kit passes the handler (the missing audit row is for the
+        // user's own assertion on the reference state).
+        _ => {
+            let report = result.unwrap_or_else(|error| panic!("{error}"));
+            assert_eq!(report.state, S::from(250));
+            assert_eq!(runs(&report), passed(lost_first(backend)));
+        }
+    }
+}
