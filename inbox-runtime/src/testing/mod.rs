@@ -74,12 +74,12 @@
 //!    that crashed between the commit and the ack would (expected: `Processed`, dropped).
 //!    Then, on every backend, expected `Duplicate`.
 //! 4. [`Scenario::RolledBack`]: the first attempt runs your handler to its end, then fails
-//!    before `COMMIT` (a [`TransactionHook`](crate::TransactionHook) of the kit returns an
+//!    before `COMMIT` (a [`TransactionHook`] of the kit returns an
 //!    error from `before_commit`, as a failed `COMMIT`, a deadlock or a crash at that point
 //!    would), so its transaction rolls back; the message comes again. Expected: a hook error,
 //!    then `Processed`.
 //! 5. [`Scenario::Conflict`]: the message, then another payload under the same idempotency
-//!    key. Expected `Processed`, then a conflict ([`Error::Conflict`](crate::Error::Conflict)),
+//!    key. Expected `Processed`, then a conflict ([`Error::Conflict`]),
 //!    with the state left as the single delivery left it. The other payload is yours
 //!    ([`Check::conflicting`]) or the kit's: the first field of the message's JSON (in
 //!    document order; a number gets 1 added, a `bool` flipped, a string `"-conflict"` appended)
