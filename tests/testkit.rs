@@ -327,3 +327,192 @@ fn swallowed<S: std::fmt::Debug + PartialEq + From<i64>>(
         }
     }
 }
+
+/// MariaDB: a swallowed error that ends the whole transaction (InnoDB rolls back the
+/// transaction on a deadlock; here a `ROLLBACK` the handler does not see as one, as in
+/// `tests/mysql.rs`) is caught: the claim is gone, the check before `COMMIT` fails, and the kit
+/// names scenario `once`.
+mod mysql_rolled_back_under_the_handler {
+    use inbox_runtime::testing::Check;
+    use inbox_runtime::{handler, idempotent};
+
+    use super::{Captured, captured, failure};
+
+    #[idempotent(consumer = "ledger_deadlock")]
+    async fn credit_after_a_deadlock(
+        conn: &mut sqlx::MySqlConnection,
+        msg: Captured,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await?; // the deadlock, swallowed
+        sqlx::query("UPDATE accounts SET balance = balance + ? WHERE id = ?")
+            .bind(msg.amount_cents)
+            .bind(&msg.account_id)
+            .execute(&mut *conn)
+            .await?;
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_swallowed_deadlock_fails_once() {
+        let pool = inbox_tests::mysql_pool(4).await;
+        sqlx::raw_sql(
+            "CREATE TABLE accounts (id VARCHAR(64) PRIMARY KEY, balance BIGINT NOT NULL)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let result = Check::new(handler!(credit_after_a_deadlock), &captured())
+            .run(
+                &pool,
+                async |pool: &sqlx::MySqlPool| {
+                    sqlx::raw_sql(
+                        "DELETE FROM accounts; INSERT INTO accounts (id, balance) VALUES ('alice', 0)",
+                    )
+                    .execute(pool)
+                    .await?;
+                    Ok(())
+                },
+                async |pool: &sqlx::MySqlPool| {
+                    sqlx::query_scalar::<_, i64>("SELECT balance FROM accounts WHERE id = 'alice'")
+                        .fetch_one(pool)
+                        .await
+                },
+            )
+            .await;
+        assert_eq!(
+            failure(result),
+            "scenario \"once\", delivery 1: expected processed, got database error: inbox \
+             verify failed for consumer `ledger_deadlock`, key `evt-1`: encountered unexpected \
+             or invalid data: the claim is gone from the handler's transaction (rolled back by \
+             InnoDB?)"
+        );
+    }
+}
+
+/// The kit's own refusals, before any delivery, and a conflicting payload of the user's.
+mod refusals {
+    use inbox_runtime::testing::{Check, CheckError, Scenario};
+    use inbox_runtime::{Message, handler, idempotent};
+
+    use super::{Captured, captured, runs};
+
+    /// A message whose only field is its key: no other payload keeps the key.
+    #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, Message)]
+    #[message(name = "testkit.ping")]
+    struct Ping {
+        #[message(key)]
+        id: String,
+    }
+
+    #[idempotent(consumer = "pings")]
+    async fn ping(_conn: &mut sqlx::SqliteConnection, _msg: Ping) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
+
+    #[idempotent(consumer = "ledger")]
+    async fn credit(conn: &mut sqlx::SqliteConnection, msg: Captured) -> Result<(), sqlx::Error> {
+        sqlx::query("UPDATE accounts SET balance = balance + ? WHERE id = ?")
+            .bind(msg.amount_cents)
+            .bind(&msg.account_id)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn pool() -> (sqlx::SqlitePool, inbox_tests::TempFile) {
+        let (pool, guard) = inbox_tests::sqlite_pool(4).await;
+        sqlx::raw_sql("CREATE TABLE accounts (id TEXT PRIMARY KEY, balance BIGINT NOT NULL)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        (pool, guard)
+    }
+
+    async fn setup(pool: &sqlx::SqlitePool) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(
+            "DELETE FROM accounts; INSERT INTO accounts (id, balance) VALUES ('alice', 0)",
+        )
+        .execute(pool)
+        .await?;
+        Ok(())
+    }
+
+    async fn balance(pool: &sqlx::SqlitePool) -> Result<i64, sqlx::Error> {
+        sqlx::query_scalar("SELECT balance FROM accounts WHERE id = 'alice'")
+            .fetch_one(pool)
+            .await
+    }
+
+    #[tokio::test]
+    async fn a_message_the_handler_does_not_take_is_refused() {
+        let (pool, _guard) = pool().await;
+        let ping = Ping { id: "p".into() };
+        let error = Check::new(handler!(credit), &ping)
+            .run(
+                &pool,
+                async |p: &sqlx::SqlitePool| setup(p).await,
+                async |p: &sqlx::SqlitePool| balance(p).await,
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(error, CheckError::WrongMessage { .. }));
+        assert_eq!(
+            error.to_string(),
+            "testkit::refusals::credit takes `testkit.captured` messages, not `testkit.ping`"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_message_with_no_field_but_its_key_needs_a_conflicting_payload() {
+        let (pool, _guard) = pool().await;
+        let check = Check::new(handler!(ping), &Ping { id: "p".into() });
+        let error = check
+            .run(
+                &pool,
+                async |_: &sqlx::SqlitePool| Ok(()),
+                async |_: &sqlx::SqlitePool| Ok(()),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "no field of `testkit.ping` changes into a conflicting payload (same key, other \
+             fingerprint): give one with Check::conflicting"
+        );
+        // A payload of the user's under another key is no conflict: the scenario says what came.
+        let error = check
+            .conflicting(&Ping { id: "q".into() })
+            .run(
+                &pool,
+                async |_: &sqlx::SqlitePool| Ok(()),
+                async |_: &sqlx::SqlitePool| Ok(()),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "scenario \"conflicting payload\", delivery 2: expected conflict, got processed"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_conflicting_payload_of_the_users() {
+        let (pool, _guard) = pool().await;
+        let mut other = captured();
+        other.amount_cents = 1_000_000;
+        let report = Check::new(handler!(credit), &captured())
+            .conflicting(&other)
+            .run(
+                &pool,
+                async |p: &sqlx::SqlitePool| setup(p).await,
+                async |p: &sqlx::SqlitePool| balance(p).await,
+            )
+            .await
+            .unwrap_or_else(|error| panic!("{error}"));
+        assert_eq!(report.state, 250);
+        assert_eq!(
+            runs(&report)[4],
+            (Scenario::Conflict, vec!["processed", "conflict"])
+        );
+    }
+}
