@@ -68,11 +68,13 @@
 //!    the message comes again, marked as a redelivery. On **PostgreSQL and MySQL/MariaDB** the
 //!    first delivery runs on a connection of the kit's own through a TCP proxy on loopback
 //!    that forwards the `COMMIT`, reads the server's answer (so the commit ran), and cuts the
-//!    connection instead of passing the answer on: the runtime sees a failed `COMMIT`
-//!    (expected: an error). On **SQLite** there is no connection to cut (the database is in
-//!    the process): the first delivery commits and the kit drops its answer, as a process
-//!    that crashed between the commit and the ack would (expected: `Processed`, dropped).
-//!    Then, on every backend, expected `Duplicate`.
+//!    connection instead of passing the answer on (later connections pass through). The
+//!    runtime sees its `COMMIT` fail with the connection lost, replaces the connection and
+//!    runs the delivery again, and that claim finds the key committed (expected: `Duplicate`;
+//!    an error is admitted too, a lost answer's other ending). On **SQLite** there is no
+//!    connection to cut (the database is in the process): the first delivery commits and the
+//!    kit drops its answer, as a process that crashed between the commit and the ack would
+//!    (expected: `Processed`, dropped). Then, on every backend, expected `Duplicate`.
 //! 4. [`Scenario::RolledBack`]: the first attempt runs your handler to its end, then fails
 //!    before `COMMIT` (a [`TransactionHook`] of the kit returns an
 //!    error from `before_commit`, as a failed `COMMIT`, a deadlock or a crash at that point
@@ -110,6 +112,9 @@
 //!   passes it: only your assertion on the reference state can see the missing write.
 //!
 //! # Shapes
+//!
+//! State outside the database (a counter of sent e-mails in a `static`, say) is yours to reset
+//! in `setup`; tests run in parallel threads, so give each test its own.
 //!
 //! `setup` and `state` are async closures taking the pool: `async |pool: &Pool<DB>| { … }`,
 //! returning `Result<(), sqlx::Error>` and `Result<S, sqlx::Error>`, where `S` is any
