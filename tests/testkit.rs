@@ -283,7 +283,9 @@ kit_tests! {
 /// The first delivery of the lost commit, per backend.
 fn lost_first(backend: &str) -> &'static str {
     match backend {
-        "sqlite" => "processed (answer dropped)",
+        // The WAL hook's error: the COMMIT reports it although the transaction committed (the
+        // redelivery is a duplicate).
+        "sqlite" => "database (commit)",
         // The runtime replaced the lost connection and ran the delivery again: its claim found
         // the key committed.
         _ => "duplicate",
@@ -496,6 +498,39 @@ mod refusals {
         assert_eq!(
             error.to_string(),
             "scenario \"conflicting payload\", delivery 2: expected conflict, got processed"
+        );
+    }
+
+    /// Not in WAL mode, SQLite calls no WAL hook: the kit drops the first delivery's answer.
+    #[tokio::test]
+    async fn without_wal_the_lost_commit_answer_is_dropped() {
+        let path =
+            inbox_tests::scratch_dir().join(format!("{}.db", inbox_tests::unique_name("kit")));
+        let _guard = inbox_tests::TempFile(path.clone());
+        let options = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(&path)
+            .create_if_missing(true)
+            .journal_mode(sqlx::sqlite::SqliteJournalMode::Delete);
+        let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
+        sqlx::raw_sql("CREATE TABLE accounts (id TEXT PRIMARY KEY, balance BIGINT NOT NULL)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let report = Check::new(handler!(credit), &captured())
+            .run(
+                &pool,
+                async |p: &sqlx::SqlitePool| setup(p).await,
+                async |p: &sqlx::SqlitePool| balance(p).await,
+            )
+            .await
+            .unwrap_or_else(|error| panic!("{error}"));
+        assert_eq!(report.state, 250);
+        assert_eq!(
+            runs(&report)[2],
+            (
+                Scenario::LostCommit,
+                vec!["processed (answer dropped)", "duplicate"]
+            )
         );
     }
 

@@ -122,6 +122,7 @@
 //! `Send` (your closures' futures need not be): await it in your test (`#[tokio::test]`).
 
 mod proxy;
+mod sqlite;
 
 use std::any::Any;
 use std::fmt;
@@ -131,13 +132,13 @@ use sqlx::Pool;
 
 use crate::dispatch::Registration;
 use crate::protocol::erased::DynHandler;
-use crate::store::{Backend, InboxDatabase};
+use crate::store::InboxDatabase;
 use crate::types::classify::BoxError;
 use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::error::{DispatchError, Error, RegistryError};
 use crate::types::message::Message;
 use crate::types::outcome::Outcome;
-use crate::{ClaimInfo, Dispatcher, RetryPolicy, TransactionHook};
+use crate::{ClaimInfo, ConnectionSlot, Dispatcher, RetryPolicy, TransactionHook};
 
 use proxy::{CutProxy, Wire};
 
@@ -638,12 +639,21 @@ async fn lose_commit<DB: InboxDatabase, S>(
     envelope: &Envelope,
 ) -> Result<(), CheckError<S>> {
     let scenario = Scenario::LostCommit;
-    if DB::BACKEND == Backend::Sqlite {
-        run.expect(deliver(dispatcher, envelope).await, Expect::Processed)?;
-        if let Some(last) = run.deliveries.last_mut() {
-            last.push_str(" (answer dropped)");
-        }
-        return Ok(());
+    if let Some(sqlite) = (pool as &dyn Any).downcast_ref::<sqlx::SqlitePool>() {
+        let kit = kit_dispatcher(sqlite.clone(), handler, None)?;
+        let hooked = lose_sqlite_commit(sqlite, &kit, envelope)
+            .await
+            .map_err(|e| harness(scenario, "WAL hook", e))?;
+        return match hooked {
+            Some(delivered) => run.expect(delivered, Expect::LostAnswer),
+            None => {
+                run.expect(deliver(dispatcher, envelope).await, Expect::Processed)?;
+                if let Some(last) = run.deliveries.last_mut() {
+                    last.push_str(" (answer dropped)");
+                }
+                Ok(())
+            }
+        };
     }
     let (proxy, proxied) = through_proxy(pool)
         .await
@@ -663,6 +673,31 @@ async fn lose_commit<DB: InboxDatabase, S>(
         expected: "a COMMIT (to cut its answer)",
         got: full(&result),
     })
+}
+
+/// The first delivery of [`Scenario::LostCommit`] on SQLite in WAL mode: on a connection of
+/// `pool` whose `COMMIT` reports an error after committing (see `sqlite`), closed afterwards.
+/// `None` (nothing delivered) if the database is not in WAL mode.
+async fn lose_sqlite_commit(
+    pool: &sqlx::SqlitePool,
+    dispatcher: &Dispatcher<sqlx::Sqlite>,
+    envelope: &Envelope,
+) -> Result<Option<Delivered>, sqlx::Error> {
+    let mut slot = ConnectionSlot::new();
+    let conn = slot.get(pool).await?;
+    if !sqlite::in_wal_mode(conn).await? {
+        slot.release();
+        return Ok(None);
+    }
+    sqlite::fail_commits(conn).await?;
+    let delivered = dispatcher
+        .dispatch_on(&mut slot, envelope)
+        .await
+        .map(|mut outcomes| outcomes.remove(0).result);
+    // Closed, never reused: it has the kit's hook, and sqlx still counts the transaction whose
+    // COMMIT failed as open.
+    slot.discard();
+    Ok(Some(delivered))
 }
 
 /// A lost-commit proxy to `pool`'s server and a pool of one connection through it (`pool`'s
