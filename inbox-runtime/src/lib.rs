@@ -220,7 +220,8 @@
 //! * `testing`: `testing`, a test kit for your handlers, for your own `#[tokio::test]`s: one
 //!   handler and one message through the deliveries a broker and a database produce (twice, a
 //!   commit whose answer is lost, a rolled-back first attempt, a conflicting payload), each
-//!   state compared with what one delivery left (tokio's TCP, for its lost-commit proxy).
+//!   state compared with what one delivery left (tokio's TCP, for its lost-commit proxy;
+//!   sqlx's `libsqlite3-sys`, for its WAL hook on SQLite).
 //!
 //! Build these docs with `cargo doc --all-features` to see them all.
 

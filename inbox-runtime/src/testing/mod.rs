@@ -71,10 +71,15 @@
 //!    connection instead of passing the answer on (later connections pass through). The
 //!    runtime sees its `COMMIT` fail with the connection lost, replaces the connection and
 //!    runs the delivery again, and that claim finds the key committed (expected: `Duplicate`;
-//!    an error is admitted too, a lost answer's other ending). On **SQLite** there is no
-//!    connection to cut (the database is in the process): the first delivery commits and the
-//!    kit drops its answer, as a process that crashed between the commit and the ack would
-//!    (expected: `Processed`, dropped). Then, on every backend, expected `Duplicate`.
+//!    an error is admitted too, a lost answer's other ending). On **SQLite** (in the process:
+//!    no connection to cut), in WAL mode, the first delivery runs on a connection with a WAL
+//!    hook (`sqlite3_wal_hook`, called after a transaction committed) that returns
+//!    `SQLITE_IOERR`: the `COMMIT` reports "disk I/O error" although the transaction committed
+//!    (expected: an error, `database (commit)`; the connection is closed afterwards). Not in
+//!    WAL mode (SQLite calls no WAL hook then), the first delivery commits and the kit drops
+//!    its answer, as a process that crashed between the commit and the ack would (expected:
+//!    `Processed`, reported `processed (answer dropped)`). Then, on every backend, the
+//!    redelivery: expected `Duplicate`.
 //! 4. [`Scenario::RolledBack`]: the first attempt runs your handler to its end, then fails
 //!    before `COMMIT` (a [`TransactionHook`] of the kit returns an
 //!    error from `before_commit`, as a failed `COMMIT`, a deadlock or a crash at that point
@@ -192,7 +197,7 @@ impl fmt::Display for Scenario {
 /// outcome's [`kind`](crate::Outcome::kind) (`"processed"`, `"duplicate"`, …), an error's
 /// [`kind`](crate::Error::kind) (`"hook"`, `"conflict"`, …) with, for a database error, its
 /// operation (`"database (commit)"`); `" (answer dropped)"` is appended to a delivery whose
-/// result the kit threw away (scenario 3 on SQLite).
+/// result the kit threw away (scenario 3 on SQLite not in WAL mode).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ScenarioRun {
@@ -268,12 +273,13 @@ pub enum CheckError<S> {
         message_name: &'static str,
     },
     /// A step around the deliveries failed: the kit's migration or clean-up, your `setup` or
-    /// `state`, the lost-commit proxy (which needs a TCP connection: not a Unix socket), or a
-    /// backend the kit does not know (`Backend::Other`).
+    /// `state`, the lost-commit proxy (which needs a TCP connection: not a Unix socket) or WAL
+    /// hook, or a backend the kit does not know (`Backend::Other`).
     Harness {
         /// The scenario it was running.
         scenario: Scenario,
-        /// The step: `"migrate"`, `"clean up"`, `"setup"`, `"state"` or `"proxy"`.
+        /// The step: `"migrate"`, `"clean up"`, `"setup"`, `"state"`, `"proxy"` or `"WAL
+        /// hook"`.
         step: &'static str,
         /// What failed.
         source: BoxError,
