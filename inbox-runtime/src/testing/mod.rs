@@ -684,6 +684,8 @@ async fn lose_commit<DB: InboxDatabase, S>(
 /// The first delivery of [`Scenario::LostCommit`] on SQLite in WAL mode: on a connection of
 /// `pool` whose `COMMIT` reports an error after committing (see `sqlite`), closed afterwards.
 /// `None` (nothing delivered) if the database is not in WAL mode.
+// A delivery's result is the dispatcher's (`ConsumerOutcome::result`), as large as it is.
+#[allow(clippy::result_large_err)]
 async fn lose_sqlite_commit(
     pool: &sqlx::SqlitePool,
     dispatcher: &Dispatcher<sqlx::Sqlite>,
