@@ -88,9 +88,10 @@
 //! 5. [`Scenario::Conflict`]: the message, then another payload under the same idempotency
 //!    key. Expected `Processed`, then a conflict ([`Error::Conflict`]),
 //!    with the state left as the single delivery left it. The other payload is yours
-//!    ([`Check::conflicting`]) or the kit's: the first field of the message's JSON (in
-//!    document order; a number gets 1 added, a `bool` flipped, a string `"-conflict"` appended)
-//!    whose change decodes, keeps the key and changes the fingerprint.
+//!    ([`Check::conflicting`]) or the kit's: the first leaf of the message's JSON (members by
+//!    name, or as written if serde_json's `preserve_order` is on; depth first) whose change (a
+//!    number + 1, a `bool` flipped, `"-conflict"` appended to a string) decodes, keeps the key
+//!    and changes the fingerprint.
 //!
 //! The deliveries go through a [`Dispatcher`] with just your handler, which retries nothing in
 //! process and lets a failed message be delivered again at once ([`RetryPolicy`]:
@@ -118,13 +119,13 @@
 //!
 //! # Shapes
 //!
-//! State outside the database (a counter of sent e-mails in a `static`, say) is yours to reset
-//! in `setup`; tests run in parallel threads, so give each test its own.
-//!
 //! `setup` and `state` are async closures taking the pool: `async |pool: &Pool<DB>| { … }`,
 //! returning `Result<(), sqlx::Error>` and `Result<S, sqlx::Error>`, where `S` is any
 //! `PartialEq + Debug` value (a number, a tuple, a `Vec` of rows). The kit's future is not
 //! `Send` (your closures' futures need not be): await it in your test (`#[tokio::test]`).
+//!
+//! State outside the database (a counter of sent e-mails in a `static`, say) is yours to reset
+//! in `setup`; tests run in parallel threads, so give each test its own.
 
 mod proxy;
 mod sqlite;
@@ -458,7 +459,7 @@ impl Check {
                     run.expect(deliver(&dispatcher, &redelivery).await, Expect::Duplicate)?;
                 }
                 Scenario::RolledBack => {
-                    let failing = kit_dispatcher(pool.clone(), self.handler, Some(RollBackOnce))?;
+                    let failing = kit_dispatcher(pool.clone(), self.handler, Some(RollBack))?;
                     run.expect(deliver(&failing, &envelope).await, Expect::Hook)?;
                     run.expect(deliver(&dispatcher, &redelivery).await, Expect::Processed)?;
                 }
@@ -601,7 +602,7 @@ impl Run {
 fn kit_dispatcher<DB: InboxDatabase, S>(
     pool: Pool<DB>,
     handler: Registration,
-    hook: Option<RollBackOnce>,
+    hook: Option<RollBack>,
 ) -> Result<Dispatcher<DB>, CheckError<S>> {
     let policy = RetryPolicy::default()
         .transient_retries(0)
@@ -615,18 +616,19 @@ fn kit_dispatcher<DB: InboxDatabase, S>(
     })
 }
 
-/// The hook of [`Scenario::RolledBack`]: fails the first `before_commit` it runs (after the
-/// handler returned `Ok`), so that the attempt's transaction rolls back.
-struct RollBackOnce;
+/// The hook of [`Scenario::RolledBack`]: fails `before_commit` (after the handler returned
+/// `Ok`), so that the attempt's transaction rolls back. Its dispatcher runs the scenario's first
+/// delivery only.
+struct RollBack;
 
-/// The error [`RollBackOnce`] fails the attempt with.
+/// The error [`RollBack`] fails the attempt with.
 #[derive(Debug, thiserror::Error)]
 #[error(
     "the test kit rolled back this attempt after the handler ran (scenario \"rolled back first attempt\")"
 )]
 struct KitRollback;
 
-impl<DB: InboxDatabase> TransactionHook<DB> for RollBackOnce {
+impl<DB: InboxDatabase> TransactionHook<DB> for RollBack {
     fn before_commit<'c>(
         &'c self,
         _conn: &'c mut DB::Connection,
