@@ -63,6 +63,45 @@ async fn consume(pool: sqlx::PgPool) -> Result<WorkerReport, Box<dyn std::error:
 }
 // ---- end README block ----
 
+// ---- README block: testing ----
+use inbox_runtime::{handler, testing::Check};
+
+#[rustfmt::skip]
+/// `credit` through every scenario, on a test database: call it from your `#[tokio::test]`.
+async fn credit_is_effectively_once(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    sqlx::query("CREATE TABLE IF NOT EXISTS accounts (id TEXT PRIMARY KEY, balance BIGINT NOT NULL)")
+        .execute(&pool).await?;
+    let msg = PaymentCaptured {
+        event_id: uuid::Uuid::now_v7(),
+        account_id: "acct-1".into(),
+        amount_cents: 500,
+    };
+    let report = Check::new(handler!(credit), &msg)
+        .run(
+            &pool,
+            async |pool: &sqlx::PgPool| { // before each scenario: the state the message meets
+                sqlx::query("DELETE FROM accounts").execute(pool).await?;
+                sqlx::query("INSERT INTO accounts VALUES ('acct-1', 0)").execute(pool).await?;
+                Ok(())
+            },
+            async |pool: &sqlx::PgPool| { // after each: the state to compare (any PartialEq + Debug)
+                sqlx::query_scalar::<_, i64>("SELECT balance FROM accounts WHERE id = 'acct-1'")
+                    .fetch_one(pool).await
+            },
+        )
+        .await?; // Err(CheckError): the scenario that diverged, both states
+    assert_eq!(report.state, 500); // what one delivery leaves: every scenario left it too
+    Ok(())
+}
+// ---- end README block ----
+
+/// The README's test kit example, run on PostgreSQL (a fresh database).
+#[tokio::test]
+async fn the_readme_test_kit_runs() {
+    let pool = inbox_tests::pg_pool(4).await;
+    credit_is_effectively_once(pool).await.unwrap();
+}
+
 /// The README's RabbitMQ and NATS JetStream sources, compiled.
 #[rustfmt::skip]
 mod brokers {
@@ -369,7 +408,7 @@ fn the_readme_shows_these_blocks_word_for_word() {
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
         .expect("read README.md");
     let blocks = blocks();
-    assert_eq!(blocks.len(), 12);
+    assert_eq!(blocks.len(), 13);
     for (name, text) in blocks {
         let fenced = format!("```rust\n{text}```\n");
         assert!(

@@ -182,6 +182,7 @@
 //! | [`cache`] | the dedupe caches (in-process; Redis behind `redis`) |
 //! | `http` | the `Idempotency-Key` layer (feature `http`) |
 //! | [`ops`] | the admin API ([`ops::admin`]), the command line (`cli`), the console (`console`) |
+//! | `testing` | the test kit for your handlers (feature `testing`) |
 //!
 //! ## Calling a handler on a connection already inside a transaction
 //!
@@ -216,6 +217,11 @@
 //!   purge), to embed in a binary of yours (clap, indicatif).
 //! * `console`: `ops::console`, the operator console in the browser: an axum router to mount in
 //!   your service (axum, http, hmac, form_urlencoded).
+//! * `testing`: `testing`, a test kit for your handlers, for your own `#[tokio::test]`s: one
+//!   handler and one message through the deliveries a broker and a database produce (twice, a
+//!   commit whose answer is lost, a rolled-back first attempt, a conflicting payload), each
+//!   state compared with what one delivery left (tokio's TCP, for its lost-commit proxy;
+//!   sqlx's `libsqlite3-sys`, for its WAL hook on SQLite).
 //!
 //! Build these docs with `cargo doc --all-features` to see them all.
 
@@ -232,6 +238,8 @@ pub mod protocol;
 pub mod sink;
 pub mod source;
 pub mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod types;
 pub mod worker;
 
