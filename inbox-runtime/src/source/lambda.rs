@@ -35,12 +35,14 @@
 //! | --- | --- | --- |
 //! | ack | committed; a duplicate; dead-lettered in the inbox (a permanent handler failure, or retries exhausted: status `dead`, payload kept for replay); stale, parked, discarded; bad input kept in `inbox_rejections` | not listed: deleted |
 //! | reject | a conflict (the same idempotency key with another payload; kept in `inbox_rejections` by the dispatcher), a bad key | not listed: deleted |
-//! | requeue | a retryable handler failure, a database error, bad input that could not be kept (database down) | listed: received again after the queue's visibility timeout |
+//! | requeue | a retryable handler failure, a database error, a redelivery before the inbox's retry delay has passed (not yet due: not run), bad input that could not be kept (database down) | listed: received again after the queue's visibility timeout |
 //! | dropped unsettled | a later record of a FIFO group whose earlier record is listed | listed |
 //!
 //! A requeue's own delay is not carried out: Lambda has no per-message delay in its response,
 //! so a listed record is received again when its visibility timeout (the queue's, at least six
-//! times the function's timeout as AWS recommends) has passed. Set the queue's redrive policy
+//! times the function's timeout as AWS recommends) has passed; a visibility timeout shorter than
+//! the dispatcher's retry delays only lists the record again unrun until its retry is due. Set
+//! the queue's redrive policy
 //! `maxReceiveCount` above the number of retries you want: a permanent failure is dead-lettered
 //! in the inbox and deleted from the queue, so the queue's own dead-letter queue only receives
 //! messages that kept failing for a passing reason.
@@ -115,6 +117,17 @@ pub enum LambdaSqsError {
         /// The record's position in the event's `Records`, from 0.
         index: usize,
     },
+}
+
+/// The invocation's error as Lambda reports it (`errorType` `LambdaSqsError`, `errorMessage`
+/// the error's text).
+impl From<LambdaSqsError> for lambda_runtime::Diagnostic {
+    fn from(error: LambdaSqsError) -> Self {
+        Self {
+            error_type: "LambdaSqsError".to_owned(),
+            error_message: error.to_string(),
+        }
+    }
 }
 
 /// Runs an SQS event source mapping's batches through a [`Worker`], answering each with the
@@ -221,11 +234,7 @@ impl<DB: InboxDatabase> LambdaSqs<DB> {
     pub async fn run(self) -> Result<(), lambda_runtime::Error> {
         lambda_runtime::run(service_fn(move |event: LambdaEvent<SqsEvent>| {
             let this = self.clone();
-            async move {
-                this.handle(event.payload)
-                    .await
-                    .map_err(lambda_runtime::Error::from)
-            }
+            async move { this.handle(event.payload).await }
         }))
         .await
     }
