@@ -42,10 +42,10 @@
 //! so a listed record is received again when its visibility timeout (the queue's, at least six
 //! times the function's timeout as AWS recommends) has passed; a visibility timeout shorter than
 //! the dispatcher's retry delays only lists the record again unrun until its retry is due. Set
-//! the queue's redrive policy
-//! `maxReceiveCount` above the number of retries you want: a permanent failure is dead-lettered
-//! in the inbox and deleted from the queue, so the queue's own dead-letter queue only receives
-//! messages that kept failing for a passing reason.
+//! the queue's redrive policy `maxReceiveCount` above the number of receives you want the inbox
+//! to retry over: a permanent failure is dead-lettered in the inbox and deleted from the queue,
+//! so the queue's own dead-letter queue only receives messages that kept failing for a passing
+//! reason.
 //!
 //! **Bad input** is treated as the other sources treat it (see
 //! [`source::sqs`](crate::source) with feature `sqs`): a record without a body (the empty
@@ -95,6 +95,9 @@ use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::limit::PayloadLimit;
 use crate::worker::{Worker, WorkerReport};
 
+/// The event and response shapes of aws_lambda_events (`SqsEvent`, `SqsMessage`,
+/// `SqsBatchResponse`, `BatchItemFailure`), so that callers of [`LambdaSqs::handle`] need no
+/// dependency of their own.
 pub use aws_lambda_events::event::sqs;
 
 /// The message attribute that names a message unless [`LambdaSqs::name_attribute`] says
