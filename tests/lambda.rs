@@ -91,7 +91,7 @@ async fn credit(conn: &mut sqlx::PgConnection, msg: Credit) -> Result<(), Credit
 /// The runtime API's state: events waiting for a `next`, answers posted back.
 #[derive(Clone)]
 struct Api {
-    events: Arc<Mutex<mpsc::UnboundedReceiver<(String, Value)>>>,
+    events: Arc<Mutex<mpsc::UnboundedReceiver<(String, Value, u128)>>>,
     answers: mpsc::UnboundedSender<Answer>,
 }
 
@@ -106,17 +106,12 @@ struct Answer {
 
 async fn next(State(api): State<Api>) -> impl IntoResponse {
     let mut events = api.events.lock().await;
-    let Some((request_id, event)) = events.recv().await else {
+    let Some((request_id, event, deadline)) = events.recv().await else {
         // No more events: the function waits, as it does between invocations.
         drop(events);
         std::future::pending::<()>().await;
         unreachable!();
     };
-    let deadline = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis()
-        + 60_000;
     let mut headers = HeaderMap::new();
     headers.insert(
         "lambda-runtime-aws-request-id",
@@ -151,7 +146,7 @@ async fn answer(
 /// A runtime API on loopback per function instance, and the instances that poll them.
 struct Harness {
     /// The events of the current instance's runtime API.
-    events: Option<mpsc::UnboundedSender<(String, Value)>>,
+    events: Option<mpsc::UnboundedSender<(String, Value, u128)>>,
     answers_tx: mpsc::UnboundedSender<Answer>,
     answers: mpsc::UnboundedReceiver<Answer>,
     invocations: u32,
@@ -211,14 +206,24 @@ impl Harness {
         tokio::spawn(function.run())
     }
 
-    /// One invocation with `records`: what the function answered.
+    /// One invocation with `records`, due in 60 s: what the function answered.
     async fn invoke(&mut self, records: Vec<Value>) -> Answer {
+        self.invoke_within(records, Duration::from_secs(60)).await
+    }
+
+    /// One invocation with `records`, whose deadline is `left` from now.
+    async fn invoke_within(&mut self, records: Vec<Value>, left: Duration) -> Answer {
         self.invocations += 1;
         let request_id = format!("request-{}", self.invocations);
+        let deadline = (std::time::SystemTime::now() + left)
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis();
+        let event = json!({ "Records": records });
         self.events
             .as_ref()
             .expect("a function instance started")
-            .send((request_id.clone(), json!({ "Records": records })))
+            .send((request_id.clone(), event, deadline))
             .unwrap();
         let answer = tokio::time::timeout(Duration::from_secs(60), self.answers.recv())
             .await
@@ -231,6 +236,10 @@ impl Harness {
     /// One invocation that must succeed: the ids it lists in `batchItemFailures`, in order.
     async fn failures(&mut self, records: Vec<Value>) -> Vec<String> {
         let answer = self.invoke(records).await;
+        Self::listed(answer)
+    }
+
+    fn listed(answer: Answer) -> Vec<String> {
         assert_eq!(answer.kind, "response", "{answer:?}");
         answer.body["batchItemFailures"]
             .as_array()
@@ -606,4 +615,32 @@ async fn a_cold_start_replaying_a_batch_applies_each_effect_once() {
         3
     );
     third.abort();
+}
+
+/// An invocation whose deadline is within the function's margin (3 s by default): no record
+/// starts, all are listed in the event's order, nothing is applied; with time, all commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_not_started_before_the_deadline_margin_are_listed() {
+    let _serial = SERIAL.lock().await;
+    let mut api = Harness::start().await;
+    set_unavailable(&[]);
+    let function = api.cold_start().await;
+
+    let batch = || {
+        vec![
+            credit_record("m-1", "c-1", "alice", 1),
+            credit_record("m-2", "c-2", "alice", 2),
+            credit_record("m-3", "c-3", "bob", 4),
+        ]
+    };
+    let answer = api.invoke_within(batch(), Duration::from_secs(2)).await;
+    assert_eq!(answer.kind, "response", "{answer:?}");
+    assert_eq!(Harness::listed(answer), ["m-1", "m-2", "m-3"]);
+    assert_eq!(api.count("SELECT COUNT(*) FROM inbox_messages").await, 0);
+    assert_eq!(api.effect("alice").await, None);
+
+    assert_eq!(api.failures(batch()).await, Vec::<String>::new());
+    assert_eq!(api.effect("alice").await, Some((2, 3)));
+    assert_eq!(api.effect("bob").await, Some((1, 4)));
+    function.abort();
 }

@@ -14,6 +14,8 @@
 //! A credit of a negative amount is refused for good: dead-lettered in the inbox (payload kept
 //! for `dead replay`) and deleted from the queue.
 
+use std::time::Duration;
+
 use inbox_runtime::source::lambda::LambdaSqs;
 use inbox_runtime::{Dispatcher, ErrorClass, Message, Worker, idempotent};
 
@@ -81,6 +83,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     )
     .execute(&pool)
     .await?;
-    let worker = Worker::new(Dispatcher::<sqlx::Postgres>::from_registry(pool)?).concurrency(4);
-    LambdaSqs::new(worker).run().await
+    // Records still running 3 s before the function's timeout get 2 s to commit; the rest are
+    // listed in `batchItemFailures`, so that the function answers before Lambda stops it.
+    let worker = Worker::new(Dispatcher::<sqlx::Postgres>::from_registry(pool)?)
+        .concurrency(4)
+        .drain_timeout(Duration::from_secs(2));
+    LambdaSqs::new(worker)
+        .deadline_margin(Duration::from_secs(3))
+        .run()
+        .await
 }

@@ -36,7 +36,7 @@
 //! | ack | committed; a duplicate; dead-lettered in the inbox (a permanent handler failure, or retries exhausted: status `dead`, payload kept for replay); stale, parked, discarded; bad input kept in `inbox_rejections` | not listed: deleted |
 //! | reject | a conflict (the same idempotency key with another payload; kept in `inbox_rejections` by the dispatcher), a bad key | not listed: deleted |
 //! | requeue | a retryable handler failure, a database error, a redelivery before the inbox's retry delay has passed (not yet due: not run), bad input that could not be kept (database down) | listed: received again after the queue's visibility timeout |
-//! | dropped unsettled | a later record of a FIFO group whose earlier record is listed | listed |
+//! | not started, or dropped unsettled | a later record of a FIFO group whose earlier record is listed; a record not started when the invocation's deadline is near, or not committed within the worker's drain timeout after that | listed |
 //!
 //! A requeue's own delay is not carried out: Lambda has no per-message delay in its response,
 //! so a listed record is received again when its visibility timeout (the queue's, at least six
@@ -78,7 +78,9 @@
 //! listed, since Lambda treats an empty identifier as a failure of the whole batch:
 //! [`LambdaSqs::handle`] then returns [`LambdaSqsError::MissingMessageId`], the invocation
 //! fails, and Lambda makes the whole batch visible again (what committed is a duplicate on its
-//! next receive). A function that times out is treated the same way by Lambda.
+//! next receive). A function that times out is treated the same way by Lambda; to answer
+//! before that, [`LambdaSqs::run`] stops starting records [`LambdaSqs::deadline_margin`] before
+//! the invocation's deadline and lists those it did not settle.
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -103,6 +105,10 @@ pub use aws_lambda_events::event::sqs;
 /// The message attribute that names a message unless [`LambdaSqs::name_attribute`] says
 /// otherwise: `message-name`, as the SQS sink writes it.
 pub const DEFAULT_NAME_ATTRIBUTE: &str = "message-name";
+
+/// How long before an invocation's deadline the worker stops starting records unless
+/// [`LambdaSqs::deadline_margin`] says otherwise: 3 s.
+pub const DEFAULT_DEADLINE_MARGIN: Duration = Duration::from_secs(3);
 
 /// An invocation that cannot be answered with a partial batch response.
 #[derive(Debug, thiserror::Error)]
@@ -142,6 +148,7 @@ impl From<LambdaSqsError> for lambda_runtime::Diagnostic {
 pub struct LambdaSqs<DB: InboxDatabase> {
     worker: Arc<Worker<DB>>,
     name_attribute: Arc<str>,
+    deadline_margin: Duration,
 }
 
 impl<DB: InboxDatabase> Clone for LambdaSqs<DB> {
@@ -149,18 +156,32 @@ impl<DB: InboxDatabase> Clone for LambdaSqs<DB> {
         Self {
             worker: Arc::clone(&self.worker),
             name_attribute: Arc::clone(&self.name_attribute),
+            deadline_margin: self.deadline_margin,
         }
     }
 }
 
 impl<DB: InboxDatabase> LambdaSqs<DB> {
-    /// Batches run by `worker` (its concurrency, batch size, requeue delay and dispatcher), with
-    /// the message name in the attribute [`DEFAULT_NAME_ATTRIBUTE`].
+    /// Batches run by `worker` (its concurrency, batch size, drain timeout and dispatcher), with
+    /// the message name in the attribute [`DEFAULT_NAME_ATTRIBUTE`] and a deadline margin of
+    /// [`DEFAULT_DEADLINE_MARGIN`].
     pub fn new(worker: Worker<DB>) -> Self {
         Self {
             worker: Arc::new(worker),
             name_attribute: Arc::from(DEFAULT_NAME_ATTRIBUTE),
+            deadline_margin: DEFAULT_DEADLINE_MARGIN,
         }
+    }
+
+    /// Sets how long before the invocation's deadline (the function's timeout) the worker stops
+    /// starting records (default [`DEFAULT_DEADLINE_MARGIN`], 3 s): the records not started
+    /// are listed, those running get the worker's
+    /// [`drain_timeout`](Worker::drain_timeout) to commit (keep it below the margin; past it
+    /// they are rolled back and listed), and the function answers before Lambda stops it. A
+    /// function stopped at its timeout has its whole batch retried instead.
+    pub fn deadline_margin(mut self, margin: Duration) -> Self {
+        self.deadline_margin = margin;
+        self
     }
 
     /// Sets the String message attribute that holds the message name (default
@@ -197,16 +218,58 @@ impl<DB: InboxDatabase> LambdaSqs<DB> {
         &self,
         event: SqsEvent,
     ) -> Result<(SqsBatchResponse, WorkerReport), LambdaSqsError> {
+        self.run_batch(event, None).await
+    }
+
+    /// [`handle_reporting`](Self::handle_reporting) for an invocation that must answer by
+    /// `deadline` (Lambda's `Lambda-Runtime-Deadline-Ms`, [`lambda_runtime::Context::deadline`]):
+    /// the worker stops starting records [`deadline_margin`](Self::deadline_margin) before it,
+    /// and the records it did not settle by then are listed.
+    ///
+    /// # Errors
+    /// As [`handle`](Self::handle).
+    pub async fn handle_by(
+        &self,
+        event: SqsEvent,
+        deadline: SystemTime,
+    ) -> Result<(SqsBatchResponse, WorkerReport), LambdaSqsError> {
+        self.run_batch(event, Some(deadline)).await
+    }
+
+    async fn run_batch(
+        &self,
+        event: SqsEvent,
+        deadline: Option<SystemTime>,
+    ) -> Result<(SqsBatchResponse, WorkerReport), LambdaSqsError> {
         let (source, batch) = BatchSource::new(event.records, &self.name_attribute);
+        let stop = CancellationToken::new();
+        let timer = deadline.map(|deadline| {
+            let left = deadline
+                .duration_since(SystemTime::now())
+                .unwrap_or_default()
+                .saturating_sub(self.deadline_margin);
+            if left.is_zero() {
+                stop.cancel();
+            }
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(left).await;
+                tracing::warn!("the invocation's deadline is near: no more SQS records start");
+                stop.cancel();
+            })
+        });
         // The source never fails and its close does nothing: an error here only carries the
         // report of a run that still settled or dropped every delivery.
-        let report = match self.worker.run(source, CancellationToken::new()).await {
+        let report = match self.worker.run(source, stop).await {
             Ok(report) => report,
             Err(error) => {
                 tracing::warn!(error = %error.error, "worker run over an SQS batch failed");
                 error.report
             }
         };
+        if let Some(timer) = timer {
+            timer.abort();
+        }
         let response = batch.response()?;
         tracing::info!(
             records = batch.len(),
@@ -222,8 +285,8 @@ impl<DB: InboxDatabase> LambdaSqs<DB> {
     }
 
     /// Runs the function: polls the Lambda runtime API (`AWS_LAMBDA_RUNTIME_API`) for SQS
-    /// events, answers each with [`handle`](Self::handle)'s response, until the runtime API
-    /// stops answering.
+    /// events, answers each with [`handle_by`](Self::handle_by)'s response under the
+    /// invocation's deadline, until the runtime API stops answering.
     ///
     /// # Errors
     /// What [`lambda_runtime::run`] returns: the runtime API could not be reached or answered
@@ -237,7 +300,11 @@ impl<DB: InboxDatabase> LambdaSqs<DB> {
     pub async fn run(self) -> Result<(), lambda_runtime::Error> {
         lambda_runtime::run(service_fn(move |event: LambdaEvent<SqsEvent>| {
             let this = self.clone();
-            async move { this.handle(event.payload).await }
+            async move {
+                let deadline = event.context.deadline();
+                let (response, _report) = this.handle_by(event.payload, deadline).await?;
+                Ok::<_, LambdaSqsError>(response)
+            }
         }))
         .await
     }
