@@ -172,6 +172,23 @@ async fn from_sqs(pool: sqlx::PgPool) -> Result<WorkerReport, Box<dyn std::error
 // ---- end README block ----
 }
 
+/// The README's Lambda function, compiled.
+#[rustfmt::skip]
+mod lambda {
+// ---- README block: lambda ----
+use inbox_runtime::source::lambda::LambdaSqs;
+use inbox_runtime::{Dispatcher, Worker};
+
+/// AWS Lambda (feature `lambda`): the function's `main`, polling the Lambda runtime API for the
+/// SQS event source mapping's batches and answering each with its `batchItemFailures`.
+async fn lambda_main(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    // Once per execution environment: every invocation reuses the worker and its pool.
+    let worker = Worker::new(Dispatcher::from_registry(pool)?).concurrency(4);
+    LambdaSqs::new(worker).run().await
+}
+// ---- end README block ----
+}
+
 /// The README's outbox: a handler that publishes, and the relay. Compiled.
 #[rustfmt::skip]
 mod outbox {
@@ -408,7 +425,7 @@ fn the_readme_shows_these_blocks_word_for_word() {
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
         .expect("read README.md");
     let blocks = blocks();
-    assert_eq!(blocks.len(), 13);
+    assert_eq!(blocks.len(), 14);
     for (name, text) in blocks {
         let fenced = format!("```rust\n{text}```\n");
         assert!(

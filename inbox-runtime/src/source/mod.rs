@@ -19,7 +19,8 @@
 //! `amqp::AmqpSource` (`amqp`, RabbitMQ on lapin), `nats::NatsSource` (`nats`, a JetStream
 //! durable pull consumer on async-nats), `kafka::KafkaSource` (`kafka`) and `sqs::SqsSource`
 //! (`sqs`, Amazon SQS standard and FIFO queues on aws-sdk-sqs: ack deletes, requeue changes the
-//! visibility timeout).
+//! visibility timeout). With the cargo feature `lambda`, `lambda::LambdaSqs` runs AWS Lambda's SQS
+//! batches through a [`Worker`](crate::Worker) and answers each with the partial batch response.
 
 use std::fmt;
 use std::time::Duration;
@@ -34,6 +35,8 @@ pub mod amqp;
 pub mod file;
 #[cfg(feature = "kafka")]
 pub mod kafka;
+#[cfg(feature = "lambda")]
+pub mod lambda;
 pub mod memory;
 #[cfg(feature = "nats")]
 pub mod nats;
