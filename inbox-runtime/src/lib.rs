@@ -232,6 +232,7 @@ pub mod protocol;
 pub mod sink;
 pub mod source;
 pub mod store;
+pub mod trace;
 pub mod types;
 pub mod worker;
 
