@@ -1,0 +1,401 @@
+//! W3C Trace Context propagation (feature `otel`) with OpenTelemetry's SDK and its in-memory
+//! exporter behind a `tracing` subscriber with the tracing-opentelemetry layer: one trace from
+//! an HTTP request through its handler, the outbox row, the relay and NATS JetStream (NATS_URL)
+//! to the consumer's handler, on PostgreSQL, with every span's exact name and parent; a batch's
+//! span linked to each of its deliveries' traces; a malformed `traceparent` ignored (a new
+//! trace, the delivery processed).
+#![allow(missing_docs)]
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use axum::routing::post;
+use axum::{Json, Router};
+use inbox_runtime::http::{IdempotencyLayer, IdempotencyTx};
+use inbox_runtime::outbox::{Outbox, OutboxMessage, Relay};
+use inbox_runtime::store::Component;
+use inbox_runtime::{Dispatcher, Envelope, Message as _, idempotent};
+use opentelemetry::trace::{SpanId, TraceContextExt as _, TraceId, TracerProvider as _};
+use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use sqlx::{PgConnection, PgPool, Postgres};
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+use tracing_subscriber::layer::SubscriberExt as _;
+
+/// The subject the HTTP handler publishes to, and the stream that holds it.
+const SUBJECT: &str = "inbox-trace-test.orders";
+const STREAM: &str = "INBOX_TRACE_TEST";
+const OUTBOX: Outbox = Outbox::new(&[SUBJECT]);
+
+/// An order, placed over HTTP and shipped downstream.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, inbox_runtime::Message)]
+#[message(name = "trace.orders.placed")]
+struct OrderPlaced {
+    #[message(key)]
+    order_id: String,
+    amount: i64,
+}
+
+/// The trace id each run of the downstream handler saw in its own span, by order id.
+static SEEN: Mutex<BTreeMap<String, TraceId>> = Mutex::new(BTreeMap::new());
+
+/// The downstream consumer: applies the order's effect and notes its span's trace id.
+#[idempotent(consumer = "trace-shipping")]
+async fn ship(conn: &mut PgConnection, msg: OrderPlaced) -> Result<(), sqlx::Error> {
+    let trace_id = tracing::Span::current()
+        .context()
+        .span()
+        .span_context()
+        .trace_id();
+    SEEN.lock().unwrap().insert(msg.order_id.clone(), trace_id);
+    sqlx::query(inbox_tests::APPLY_EFFECT)
+        .bind(&msg.order_id)
+        .bind(msg.amount)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// `POST /orders`: publishes the order through the outbox on the request's transaction, in the
+/// handler's own span `orders.place`.
+#[tracing::instrument(name = "orders.place", skip_all)]
+async fn place(mut tx: IdempotencyTx<Postgres>, Json(order): Json<OrderPlaced>) -> StatusCode {
+    OUTBOX
+        .publish(&mut *tx, OutboxMessage::new(SUBJECT, &order))
+        .await
+        .expect("the outbox row");
+    StatusCode::CREATED
+}
+
+/// The in-memory exporter behind the process's global subscriber (installed once).
+fn exporter() -> &'static InMemorySpanExporter {
+    static EXPORTER: OnceLock<InMemorySpanExporter> = OnceLock::new();
+    EXPORTER.get_or_init(|| {
+        let exporter = InMemorySpanExporter::default();
+        let provider = SdkTracerProvider::builder()
+            .with_simple_exporter(exporter.clone())
+            .build();
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("inbox-tests")));
+        tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
+        exporter
+    })
+}
+
+/// The finished spans of trace `trace_id`.
+fn spans_of(trace_id: TraceId) -> Vec<SpanData> {
+    exporter()
+        .get_finished_spans()
+        .unwrap()
+        .into_iter()
+        .filter(|span| span.span_context.trace_id() == trace_id)
+        .collect()
+}
+
+/// The value of a span's attribute `key` (a `tracing` field), as text.
+fn attribute(span: &SpanData, key: &str) -> Option<String> {
+    span.attributes
+        .iter()
+        .find(|kv| kv.key.as_str() == key)
+        .map(|kv| kv.value.as_str().into_owned())
+}
+
+/// A fresh random trace id and span id, as a sampled W3C `traceparent`.
+fn remote_parent() -> (TraceId, SpanId, String) {
+    let trace = uuid::Uuid::new_v4().simple().to_string();
+    let span = &uuid::Uuid::new_v4().simple().to_string()[..16];
+    let header = format!("00-{trace}-{span}-01");
+    (
+        TraceId::from_hex(&trace).unwrap(),
+        SpanId::from_hex(span).unwrap(),
+        header,
+    )
+}
+
+async fn pool() -> PgPool {
+    let pool = inbox_tests::pg_pool(6).await;
+    inbox_runtime::migrate_components(&pool, &[Component::Inbox, Component::Outbox])
+        .await
+        .unwrap();
+    pool
+}
+
+/// HTTP request → `inbox.http` → `orders.place` (publishes) → the relay's
+/// `inbox.outbox.publish` → NATS JetStream → the consumer's `inbox.message`: one trace, each
+/// span the child of the one before.
+#[tokio::test]
+async fn one_trace_from_the_http_request_to_the_downstream_handler() {
+    use async_nats::jetstream::{self, stream};
+    use inbox_runtime::sink::nats::NatsSink;
+    use inbox_runtime::source::Source as _;
+    use inbox_runtime::source::nats::{NatsConfig, NatsSource};
+
+    exporter();
+    let pool = pool().await;
+    let url = std::env::var("NATS_URL").expect("NATS_URL (scripts/brokers.sh) is set");
+    let context = jetstream::new(async_nats::connect(&url).await.unwrap());
+    let _ = context.delete_stream(STREAM).await;
+    context
+        .create_stream(stream::Config {
+            name: STREAM.into(),
+            subjects: vec![SUBJECT.into()],
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+
+    // Hop 1: the request, with the client's trace context.
+    let app = Router::new()
+        .route("/orders", post(place))
+        .route_layer(IdempotencyLayer::new(pool.clone()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let (trace_id, client_span, traceparent) = remote_parent();
+    let response = reqwest::Client::new()
+        .post(format!("http://{addr}/orders"))
+        .header("content-type", "application/json")
+        .header("idempotency-key", "\"order-1\"")
+        .header("traceparent", &traceparent)
+        .header("tracestate", "inbox=t1")
+        .body(r#"{"order_id": "order-1", "amount": 250}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 201);
+    server.abort();
+
+    // Hop 2: the outbox row holds the handler's span context.
+    let stored: Option<String> = sqlx::query_scalar("SELECT trace_context FROM inbox_outbox")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let stored: BTreeMap<String, String> = serde_json::from_str(&stored.unwrap()).unwrap();
+
+    // Hop 3: the relay sends it to NATS.
+    let relay = Relay::new(pool.clone(), NatsSink::new(context.clone()));
+    let mut published = 0;
+    for _ in 0..100 {
+        published += relay.run_once().await.unwrap().published;
+        if published == 1 {
+            break;
+        }
+    }
+    assert_eq!(published, 1);
+
+    // Hop 4: the downstream consumer reads it and runs its handler.
+    let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+    let mut source = NatsSource::connect(NatsConfig::new(url, STREAM, "shipping"))
+        .await
+        .unwrap();
+    let delivery = tokio::time::timeout(Duration::from_secs(10), source.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let headers = delivery.envelope().headers.clone();
+    let outcomes = dispatcher.dispatch(delivery.envelope()).await.unwrap();
+    assert_eq!(inbox_tests::outcome_kinds(&outcomes), [Ok("processed")]);
+    delivery.ack().await.unwrap();
+    let _ = context.delete_stream(STREAM).await;
+
+    let spans = spans_of(trace_id);
+    let named = |name: &str| -> &SpanData {
+        let found: Vec<&SpanData> = spans.iter().filter(|s| s.name == name).collect();
+        assert_eq!(found.len(), 1, "one span {name} in the trace: {spans:#?}");
+        found[0]
+    };
+    let http = named("inbox.http");
+    let place = named("orders.place");
+    let relayed = named("inbox.outbox.publish");
+    let handled = named("inbox.message");
+    let mut names: Vec<&str> = spans.iter().map(|s| &*s.name).collect();
+    names.sort_unstable();
+    assert_eq!(
+        names,
+        [
+            "inbox.http",
+            "inbox.message",
+            "inbox.outbox.publish",
+            "orders.place"
+        ]
+    );
+    // The chain: client → inbox.http → orders.place → inbox.outbox.publish → inbox.message.
+    assert_eq!(http.parent_span_id, client_span);
+    assert!(http.parent_span_is_remote);
+    assert_eq!(http.span_context.trace_state().header(), "inbox=t1");
+    assert_eq!(place.parent_span_id, http.span_context.span_id());
+    assert_eq!(relayed.parent_span_id, place.span_context.span_id());
+    assert!(
+        relayed.parent_span_is_remote,
+        "continued from the stored row"
+    );
+    assert_eq!(handled.parent_span_id, relayed.span_context.span_id());
+    assert!(
+        handled.parent_span_is_remote,
+        "continued from the NATS headers"
+    );
+    assert_eq!(
+        attribute(handled, "consumer").as_deref(),
+        Some("trace-shipping")
+    );
+    assert_eq!(attribute(handled, "key").as_deref(), Some("order-1"));
+    assert_eq!(attribute(handled, "outcome").as_deref(), Some("processed"));
+    // What travelled: the row holds orders.place's context, the NATS headers the relay's.
+    assert_eq!(
+        stored,
+        BTreeMap::from([
+            (
+                "traceparent".to_owned(),
+                format!("00-{trace_id}-{}-01", place.span_context.span_id())
+            ),
+            ("tracestate".to_owned(), "inbox=t1".to_owned()),
+        ])
+    );
+    assert_eq!(
+        headers.get("traceparent"),
+        Some(&format!(
+            "00-{trace_id}-{}-01",
+            relayed.span_context.span_id()
+        ))
+    );
+    assert_eq!(
+        headers.get("tracestate").map(String::as_str),
+        Some("inbox=t1")
+    );
+    // The handler ran in that trace, once.
+    assert_eq!(SEEN.lock().unwrap().get("order-1"), Some(&trace_id));
+    let applied: i64 =
+        sqlx::query_scalar("SELECT applied FROM effects WHERE effect_key = 'order-1'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(applied, 1);
+}
+
+/// A batch transaction serves deliveries of several traces: its span `inbox.batch` is linked to
+/// each, and is the child of none.
+#[tokio::test]
+async fn a_batch_links_each_of_its_traces() {
+    exporter();
+    let pool = pool().await;
+    let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+    let parents: Vec<(TraceId, SpanId, String)> = (0..3).map(|_| remote_parent()).collect();
+    let envelopes: Vec<Envelope> = parents
+        .iter()
+        .enumerate()
+        .map(|(i, (_, _, traceparent))| {
+            let order = OrderPlaced {
+                order_id: format!("batch-{i}"),
+                amount: 10,
+            };
+            Envelope::new(OrderPlaced::NAME, serde_json::to_vec(&order).unwrap())
+                .with_header("traceparent", traceparent.clone())
+        })
+        .collect();
+    let results = dispatcher.dispatch_batch(&envelopes).await;
+    let kinds: Vec<_> = results
+        .iter()
+        .map(|r| inbox_tests::outcome_kinds(r.as_ref().unwrap()))
+        .collect();
+    assert_eq!(kinds, vec![vec![Ok("processed")]; 3]);
+
+    let batch: Vec<SpanData> = exporter()
+        .get_finished_spans()
+        .unwrap()
+        .into_iter()
+        .filter(|s| {
+            s.name == "inbox.batch"
+                && s.links
+                    .iter()
+                    .any(|l| l.span_context.trace_id() == parents[0].0)
+        })
+        .collect();
+    assert_eq!(batch.len(), 1, "one batch span linked to the first trace");
+    let batch = &batch[0];
+    assert_eq!(attribute(batch, "messages").as_deref(), Some("3"));
+    assert_eq!(batch.parent_span_id, SpanId::INVALID, "a child of none");
+    let mut linked: Vec<(TraceId, SpanId)> = batch
+        .links
+        .iter()
+        .map(|l| (l.span_context.trace_id(), l.span_context.span_id()))
+        .collect();
+    let mut expected: Vec<(TraceId, SpanId)> = parents.iter().map(|(t, s, _)| (*t, *s)).collect();
+    linked.sort_unstable_by_key(|(t, s)| (t.to_string(), s.to_string()));
+    expected.sort_unstable_by_key(|(t, s)| (t.to_string(), s.to_string()));
+    assert_eq!(linked, expected);
+    // No span joined any of the three traces: the batch did not claim one for itself.
+    for (trace_id, _, _) in &parents {
+        assert_eq!(spans_of(*trace_id).len(), 0);
+    }
+}
+
+/// Malformed or unsupported `traceparent`s are ignored: the delivery is processed in a span of
+/// a new trace (no parent); an outbox row published outside any span stores `NULL`.
+#[tokio::test]
+async fn a_malformed_traceparent_starts_a_new_trace_and_fails_nothing() {
+    exporter();
+    let pool = pool().await;
+    let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+    let bad = [
+        "not a traceparent",
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331",
+        "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+        "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
+        "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "00-0af7651916cd43dd8448eb211c80319g-b7ad6b7169203331-01",
+        "",
+    ];
+    for (i, traceparent) in bad.iter().enumerate() {
+        let key = format!("malformed-{i}");
+        let order = OrderPlaced {
+            order_id: key.clone(),
+            amount: 1,
+        };
+        let envelope = Envelope::new(OrderPlaced::NAME, serde_json::to_vec(&order).unwrap())
+            .with_header("traceparent", *traceparent)
+            .with_header("tracestate", "inbox=bad");
+        let outcomes = dispatcher.dispatch(&envelope).await.unwrap();
+        assert_eq!(
+            inbox_tests::outcome_kinds(&outcomes),
+            [Ok("processed")],
+            "{traceparent:?}"
+        );
+        let spans: Vec<SpanData> = exporter()
+            .get_finished_spans()
+            .unwrap()
+            .into_iter()
+            .filter(|s| s.name == "inbox.message" && attribute(s, "key") == Some(key.clone()))
+            .collect();
+        assert_eq!(spans.len(), 1, "{traceparent:?}");
+        assert_eq!(
+            spans[0].parent_span_id,
+            SpanId::INVALID,
+            "{traceparent:?}: a root"
+        );
+        assert!(!spans[0].parent_span_is_remote);
+        assert_ne!(spans[0].span_context.trace_id(), TraceId::INVALID);
+        assert_eq!(
+            SEEN.lock().unwrap().get(&key),
+            Some(&spans[0].span_context.trace_id())
+        );
+    }
+    // Outside any span: the column stays NULL.
+    let mut tx = pool.begin().await.unwrap();
+    let order = OrderPlaced {
+        order_id: "untraced".into(),
+        amount: 1,
+    };
+    OUTBOX
+        .publish(&mut *tx, OutboxMessage::new(SUBJECT, &order))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let stored: Option<String> = sqlx::query_scalar("SELECT trace_context FROM inbox_outbox")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, None);
+}
