@@ -399,3 +399,80 @@ async fn a_malformed_traceparent_starts_a_new_trace_and_fails_nothing() {
         .unwrap();
     assert_eq!(stored, None);
 }
+
+/// Publishes one order inside a span that continues `traceparent`, relays it into a
+/// [`MemorySink`](inbox_runtime::sink::MemorySink), and checks the stored column, the sent
+/// headers and the relay span's parent (the outbox row → headers hop, on any backend).
+macro_rules! stored_and_relayed {
+    ($pool:expr) => {{
+        use inbox_runtime::sink::MemorySink;
+        let pool = $pool;
+        inbox_runtime::migrate_components(&pool, &[Component::Inbox, Component::Outbox])
+            .await
+            .unwrap();
+        let (trace_id, parent, traceparent) = remote_parent();
+        let span = tracing::info_span!("test.publish");
+        let remote = opentelemetry_sdk::propagation::TraceContextPropagator::new();
+        let headers = std::collections::HashMap::from([("traceparent".to_owned(), traceparent)]);
+        let _ = span.set_parent(opentelemetry::propagation::TextMapPropagator::extract(
+            &remote, &headers,
+        ));
+        let order = OrderPlaced {
+            order_id: "relayed".into(),
+            amount: 5,
+        };
+        let mut tx = pool.begin().await.unwrap();
+        OUTBOX
+            .publish(&mut *tx, OutboxMessage::new(SUBJECT, &order))
+            .instrument(span.clone())
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        drop(span);
+        let stored: Option<String> = sqlx::query_scalar("SELECT trace_context FROM inbox_outbox")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        let sink = MemorySink::new();
+        let relay = Relay::new(pool.clone(), sink.clone());
+        assert_eq!(relay.run_once().await.unwrap().published, 1);
+        let spans = spans_of(trace_id);
+        let publish = spans.iter().find(|s| s.name == "test.publish").unwrap();
+        let relayed = spans
+            .iter()
+            .find(|s| s.name == "inbox.outbox.publish")
+            .unwrap();
+        assert_eq!(publish.parent_span_id, parent);
+        assert_eq!(relayed.parent_span_id, publish.span_context.span_id());
+        assert_eq!(
+            stored.as_deref(),
+            Some(
+                format!(
+                    r#"{{"traceparent":"00-{trace_id}-{}-01"}}"#,
+                    publish.span_context.span_id()
+                )
+                .as_str()
+            )
+        );
+        let sent = sink.published();
+        assert_eq!(sent.len(), 1);
+        assert_eq!(
+            sent[0].headers,
+            BTreeMap::from([(
+                "traceparent".to_owned(),
+                format!("00-{trace_id}-{}-01", relayed.span_context.span_id())
+            )])
+        );
+    }};
+}
+
+/// The outbox row → headers hop on SQLite and MySQL/MariaDB (PostgreSQL: the end-to-end test):
+/// the new column is there after the migrations, and the relay continues it.
+#[tokio::test]
+async fn sqlite_and_mysql_store_and_relay_the_trace_context() {
+    use tracing::Instrument as _;
+    exporter();
+    let (sqlite, _file) = inbox_tests::sqlite_pool(2).await;
+    stored_and_relayed!(sqlite);
+    stored_and_relayed!(inbox_tests::mysql_pool(2).await);
+}

@@ -63,12 +63,15 @@ mod enabled {
         }
     }
 
-    /// A map to write a context into.
+    /// A map to write a context into; an empty value (a `tracestate` with no entries) is left
+    /// out, as the recommendation allows, so that it takes no header (nor an SQS attribute).
     struct Into<'a>(&'a mut BTreeMap<String, String>);
 
     impl Injector for Into<'_> {
         fn set(&mut self, key: &str, value: String) {
-            self.0.insert(key.to_owned(), value);
+            if !value.is_empty() {
+                self.0.insert(key.to_owned(), value);
+            }
         }
     }
 
