@@ -181,6 +181,7 @@
 //! | [`outbox`] | [`Outbox`], [`Relay`], the outbox's admin API |
 //! | [`cache`] | the dedupe caches (in-process; Redis behind `redis`) |
 //! | `http` | the `Idempotency-Key` layer (feature `http`) |
+//! | [`trace`] | W3C Trace Context propagation (feature `otel`): which span continues which |
 //! | [`ops`] | the admin API ([`ops::admin`]), the command line (`cli`), the console (`console`) |
 //!
 //! ## Calling a handler on a connection already inside a transaction
@@ -216,6 +217,10 @@
 //!   purge), to embed in a binary of yours (clap, indicatif).
 //! * `console`: `ops::console`, the operator console in the browser: an axum router to mount in
 //!   your service (axum, http, hmac, form_urlencoded).
+//! * `otel`: W3C Trace Context propagation, see [`trace`]: the current span's `traceparent` and
+//!   `tracestate` stored with each outbox row, sent in every sink's headers, and continued by
+//!   the handler's span of every delivery and of the HTTP layer (opentelemetry,
+//!   tracing-opentelemetry). Without it the row's column stays `NULL`.
 //!
 //! Build these docs with `cargo doc --all-features` to see them all.
 
