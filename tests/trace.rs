@@ -476,3 +476,173 @@ async fn sqlite_and_mysql_store_and_relay_the_trace_context() {
     stored_and_relayed!(sqlite);
     stored_and_relayed!(inbox_tests::mysql_pool(2).await);
 }
+
+/// An outbox whose only destination is `destination` (made `'static` for the test).
+fn outbox_to(destination: &str) -> (Outbox, &'static str) {
+    let destination: &'static str = Box::leak(destination.to_owned().into_boxed_str());
+    let destinations: &'static [&'static str] = Box::leak(Box::new([destination]));
+    (Outbox::new(destinations), destination)
+}
+
+/// The broker hop on any sink and source: an order published in a span that continues a remote
+/// parent, relayed through `sink`, read back from `source` and dispatched. The consumer's
+/// `inbox.message` is the child of the relay's `inbox.outbox.publish`, itself the child of the
+/// publishing span, all in the remote parent's trace; the delivery's headers carry the relay
+/// span's `traceparent` and the publisher's `tracestate`.
+async fn through_broker(
+    pool: &PgPool,
+    destination: &str,
+    sink: impl inbox_runtime::sink::Sink,
+    mut source: impl inbox_runtime::source::Source,
+    order_id: &str,
+) {
+    use tracing::Instrument as _;
+    let (outbox, destination) = outbox_to(destination);
+    let (trace_id, parent, traceparent) = remote_parent();
+    let span = tracing::info_span!("test.publish");
+    let carrier = std::collections::HashMap::from([
+        ("traceparent".to_owned(), traceparent),
+        ("tracestate".to_owned(), "inbox=broker".to_owned()),
+    ]);
+    let _ = span.set_parent(opentelemetry::propagation::TextMapPropagator::extract(
+        &opentelemetry_sdk::propagation::TraceContextPropagator::new(),
+        &carrier,
+    ));
+    let order = OrderPlaced {
+        order_id: order_id.to_owned(),
+        amount: 7,
+    };
+    let mut tx = pool.begin().await.unwrap();
+    outbox
+        .publish(&mut *tx, OutboxMessage::new(destination, &order))
+        .instrument(span.clone())
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    drop(span);
+    let relay = Relay::new(pool.clone(), sink);
+    let mut published = 0;
+    for _ in 0..100 {
+        published += relay.run_once().await.unwrap().published;
+        if published == 1 {
+            break;
+        }
+    }
+    assert_eq!(published, 1);
+    let delivery = tokio::time::timeout(Duration::from_secs(20), source.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let headers = delivery.envelope().headers.clone();
+    let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+    let outcomes = dispatcher.dispatch(delivery.envelope()).await.unwrap();
+    assert_eq!(inbox_tests::outcome_kinds(&outcomes), [Ok("processed")]);
+    delivery.ack().await.unwrap();
+
+    let spans = spans_of(trace_id);
+    let one = |name: &str| -> &SpanData {
+        let found: Vec<&SpanData> = spans.iter().filter(|s| s.name == name).collect();
+        assert_eq!(found.len(), 1, "one span {name}: {spans:#?}");
+        found[0]
+    };
+    let publish = one("test.publish");
+    let relayed = one("inbox.outbox.publish");
+    let handled = one("inbox.message");
+    assert_eq!(spans.len(), 3, "{spans:#?}");
+    assert_eq!(publish.parent_span_id, parent);
+    assert_eq!(relayed.parent_span_id, publish.span_context.span_id());
+    assert_eq!(handled.parent_span_id, relayed.span_context.span_id());
+    assert_eq!(attribute(handled, "key").as_deref(), Some(order_id));
+    assert_eq!(
+        headers.get("traceparent"),
+        Some(&format!(
+            "00-{trace_id}-{}-01",
+            relayed.span_context.span_id()
+        ))
+    );
+    assert_eq!(
+        headers.get("tracestate").map(String::as_str),
+        Some("inbox=broker")
+    );
+    assert_eq!(SEEN.lock().unwrap().get(order_id), Some(&trace_id));
+}
+
+/// RabbitMQ (AMQP_URL): the trace context in the AMQP headers table, sink to source.
+#[tokio::test]
+async fn rabbitmq_headers_carry_the_trace() {
+    use inbox_runtime::sink::amqp::{AmqpSink, AmqpSinkConfig};
+    use inbox_runtime::source::amqp::{AmqpConfig, AmqpSource};
+    use lapin::options::QueueDeclareOptions;
+    use lapin::types::FieldTable;
+
+    exporter();
+    let pool = pool().await;
+    let url = std::env::var("AMQP_URL").expect("AMQP_URL (scripts/brokers.sh) is set");
+    let queue = inbox_tests::unique_name("trace");
+    let connection = lapin::Connection::connect(&url, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let sink = AmqpSink::connect(
+        AmqpSinkConfig::new(url.clone())
+            .route("trace-orders", "", &queue)
+            .declare(false),
+    )
+    .await
+    .unwrap();
+    let source = AmqpSource::connect(AmqpConfig::new(url, &queue))
+        .await
+        .unwrap();
+    through_broker(&pool, "trace-orders", sink, source, "amqp-1").await;
+    channel
+        .queue_delete(queue.as_str().into(), Default::default())
+        .await
+        .ok();
+}
+
+/// Amazon SQS (SQS_ENDPOINT, a moto server): the trace context in String message attributes.
+#[tokio::test]
+async fn sqs_message_attributes_carry_the_trace() {
+    use inbox_runtime::sink::sqs::SqsSink;
+    use inbox_runtime::source::sqs::{AwsSettings, SqsConfig, SqsSource};
+
+    exporter();
+    let pool = pool().await;
+    let endpoint = std::env::var("SQS_ENDPOINT").expect("SQS_ENDPOINT (scripts/sqs.sh) is set");
+    let settings = AwsSettings::default().endpoint_url(endpoint);
+    let client = inbox_runtime::source::sqs::client(&settings, Duration::from_secs(20)).await;
+    let name = inbox_tests::unique_name("trace");
+    let url = client
+        .create_queue()
+        .queue_name(&name)
+        .send()
+        .await
+        .unwrap()
+        .queue_url
+        .unwrap();
+    let source = SqsSource::connect(
+        SqsConfig::new(&url)
+            .aws(settings.clone())
+            .wait_time(Duration::from_secs(1)),
+    )
+    .await
+    .unwrap();
+    through_broker(
+        &pool,
+        &name,
+        SqsSink::connect(&settings).await,
+        source,
+        "sqs-1",
+    )
+    .await;
+    client.delete_queue().queue_url(&url).send().await.ok();
+}

@@ -18,7 +18,7 @@
 //! | every broker [source](crate::source) | the headers come back in [`Envelope::headers`](crate::Envelope::headers) (RabbitMQ, NATS JetStream, Kafka, SQS; the file and memory sources carry whatever headers their envelopes have) |
 //! | one delivery | the handler's span `inbox.message` is a **child** of the remote context |
 //! | a batch transaction | the span `inbox.batch` (field `messages`) has one **link** per message carrying a context: a span has one parent, and a batch serves deliveries of many traces; a link keeps each trace reachable from the batch without claiming it for one of them. A message that the batch does not settle runs alone afterwards, in its own `inbox.message` span, a child of its own context |
-//! | the [HTTP layer](crate::http) | the request's span `inbox.http` is a **child** of the request's `traceparent`/`tracestate` headers; the handler runs in it, so its outbox rows carry the same trace |
+//! | the HTTP layer (module `http`, feature `http`) | the request's span `inbox.http` is a **child** of the request's `traceparent`/`tracestate` headers; the handler runs in it, so its outbox rows carry the same trace |
 //!
 //! **Bad input**: a missing, malformed or unsupported `traceparent` (a wrong length, a version
 //! `ff`, an all-zero trace or span id, non-hex digits) is ignored: the propagator yields no
