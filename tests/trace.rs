@@ -1,9 +1,11 @@
 //! W3C Trace Context propagation (feature `otel`) with OpenTelemetry's SDK and its in-memory
 //! exporter behind a `tracing` subscriber with the tracing-opentelemetry layer: one trace from
 //! an HTTP request through its handler, the outbox row, the relay and NATS JetStream (NATS_URL)
-//! to the consumer's handler, on PostgreSQL, with every span's exact name and parent; a batch's
-//! span linked to each of its deliveries' traces; a malformed `traceparent` ignored (a new
-//! trace, the delivery processed).
+//! to the consumer's handler, on PostgreSQL, with every span's exact name and parent; the
+//! broker hop on RabbitMQ (AMQP_URL), Kafka (librdkafka's mock cluster) and SQS (SQS_ENDPOINT);
+//! the outbox row → headers hop on SQLite and MariaDB (MYSQL_URL); a batch's span linked to each
+//! of its deliveries' traces; a malformed `traceparent` ignored (a new trace, the delivery
+//! processed, the request served).
 #![allow(missing_docs)]
 
 use std::collections::BTreeMap;
@@ -332,8 +334,9 @@ async fn a_batch_links_each_of_its_traces() {
     }
 }
 
-/// Malformed or unsupported `traceparent`s are ignored: the delivery is processed in a span of
-/// a new trace (no parent); an outbox row published outside any span stores `NULL`.
+/// Malformed or unsupported `traceparent`s are ignored: the delivery is processed, and the HTTP
+/// request served, in a span of a new trace (no parent); an outbox row published outside any
+/// span stores `NULL`.
 #[tokio::test]
 async fn a_malformed_traceparent_starts_a_new_trace_and_fails_nothing() {
     exporter();
@@ -382,6 +385,47 @@ async fn a_malformed_traceparent_starts_a_new_trace_and_fails_nothing() {
             Some(&spans[0].span_context.trace_id())
         );
     }
+    // An HTTP request with a malformed traceparent is served, in a span of a new trace.
+    let app = Router::new()
+        .route("/malformed", post(place))
+        .route_layer(IdempotencyLayer::new(pool.clone()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let response = reqwest::Client::new()
+        .post(format!("http://{addr}/malformed"))
+        .header("content-type", "application/json")
+        .header("idempotency-key", "\"malformed-http\"")
+        .header("traceparent", "00-xyz-01")
+        .body(r#"{"order_id": "malformed-http", "amount": 1}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 201);
+    server.abort();
+    let http: Vec<SpanData> = exporter()
+        .get_finished_spans()
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.name == "inbox.http" && attribute(s, "path").as_deref() == Some("/malformed"))
+        .collect();
+    assert_eq!(http.len(), 1);
+    assert_eq!(http[0].parent_span_id, SpanId::INVALID, "a root");
+    let stored: Option<String> = sqlx::query_scalar("SELECT trace_context FROM inbox_outbox")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let stored: BTreeMap<String, String> = serde_json::from_str(&stored.unwrap()).unwrap();
+    assert_eq!(
+        stored["traceparent"].split('-').nth(1),
+        Some(http[0].span_context.trace_id().to_string().as_str()),
+        "the row continues the new trace"
+    );
+    sqlx::query("DELETE FROM inbox_outbox")
+        .execute(&pool)
+        .await
+        .unwrap();
+
     // Outside any span: the column stays NULL.
     let mut tx = pool.begin().await.unwrap();
     let order = OrderPlaced {
@@ -494,6 +538,7 @@ async fn through_broker(
     destination: &str,
     sink: impl inbox_runtime::sink::Sink,
     mut source: impl inbox_runtime::source::Source,
+    dispatcher: Dispatcher<Postgres>,
     order_id: &str,
 ) {
     use tracing::Instrument as _;
@@ -535,7 +580,6 @@ async fn through_broker(
         .unwrap()
         .unwrap();
     let headers = delivery.envelope().headers.clone();
-    let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
     let outcomes = dispatcher.dispatch(delivery.envelope()).await.unwrap();
     assert_eq!(inbox_tests::outcome_kinds(&outcomes), [Ok("processed")]);
     delivery.ack().await.unwrap();
@@ -602,7 +646,8 @@ async fn rabbitmq_headers_carry_the_trace() {
     let source = AmqpSource::connect(AmqpConfig::new(url, &queue))
         .await
         .unwrap();
-    through_broker(&pool, "trace-orders", sink, source, "amqp-1").await;
+    let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+    through_broker(&pool, "trace-orders", sink, source, dispatcher, "amqp-1").await;
     channel
         .queue_delete(queue.as_str().into(), Default::default())
         .await
@@ -636,13 +681,36 @@ async fn sqs_message_attributes_carry_the_trace() {
     )
     .await
     .unwrap();
-    through_broker(
-        &pool,
-        &name,
-        SqsSink::connect(&settings).await,
-        source,
-        "sqs-1",
-    )
-    .await;
+    let sink = SqsSink::connect(&settings).await;
+    let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+    through_broker(&pool, &name, sink, source, dispatcher, "sqs-1").await;
     client.delete_queue().queue_url(&url).send().await.ok();
+}
+
+/// Kafka (librdkafka's mock cluster, in process): the trace context in the record headers; the
+/// source's position hook on the dispatcher, as the Worker runs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_record_headers_carry_the_trace() {
+    use inbox_runtime::sink::kafka::KafkaSink;
+    use inbox_runtime::source::kafka::{KafkaConfig, KafkaSource};
+
+    exporter();
+    let pool = pool().await;
+    inbox_runtime::migrate_components(&pool, &[Component::Positions])
+        .await
+        .unwrap();
+    let cluster =
+        rdkafka::mocking::MockCluster::<rdkafka::producer::DefaultProducerContext>::new(1)
+            .expect("start librdkafka's mock cluster");
+    let bootstrap = cluster.bootstrap_servers();
+    cluster.create_topic("trace-orders", 1, 1).unwrap();
+    let config = KafkaConfig::new(&bootstrap, "trace-shipping", ["trace-orders"])
+        .property("session.timeout.ms", "6000")
+        .property("heartbeat.interval.ms", "300");
+    let (source, dispatcher) =
+        KafkaSource::connect(config, Dispatcher::from_registry(pool.clone()).unwrap())
+            .await
+            .unwrap();
+    let sink = KafkaSink::new(&bootstrap).unwrap();
+    through_broker(&pool, "trace-orders", sink, source, dispatcher, "kafka-1").await;
 }
