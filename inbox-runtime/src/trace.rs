@@ -14,7 +14,7 @@
 //! | --- | --- |
 //! | [`Outbox::publish`](crate::outbox::Outbox::publish) | the **current span**'s context is stored with the row, in the nullable column `inbox_outbox.trace_context` (a JSON object `{"traceparent": …, "tracestate": …}`; `NULL` without the feature or without a valid current span) |
 //! | the [`Relay`](crate::outbox::Relay) | each row's span `inbox.outbox.publish` is a **child** of the stored context, and its own context is written into the message's headers (replacing any publisher header of the same names) |
-//! | every [sink](crate::sink) | the headers as every sink sends headers: AMQP headers table, NATS headers, Kafka record headers, SQS message attributes (String) |
+//! | every [sink](crate::sink) | the headers as every sink sends headers: AMQP headers table, NATS headers, Kafka record headers, SQS message attributes (String; SQS allows 10 per message, and the context takes one or two of them: `tracestate` is left out when empty) |
 //! | every broker [source](crate::source) | the headers come back in [`Envelope::headers`](crate::Envelope::headers) (RabbitMQ, NATS JetStream, Kafka, SQS; the file and memory sources carry whatever headers their envelopes have) |
 //! | one delivery | the handler's span `inbox.message` is a **child** of the remote context |
 //! | a batch transaction | the span `inbox.batch` (field `messages`) has one **link** per message carrying a context: a span has one parent, and a batch serves deliveries of many traces; a link keeps each trace reachable from the batch without claiming it for one of them. A message that the batch does not settle runs alone afterwards, in its own `inbox.message` span, a child of its own context |
@@ -26,6 +26,11 @@
 //! it was created). It never fails a delivery, a publish or a request, and is not logged (a
 //! producer's bad header would otherwise log once per delivery). A stored context that is not a
 //! JSON object of strings (a row written by hand) is ignored the same way.
+//!
+//! An outbox read by change data capture ([`Transport::ChangeDataCapture`](crate::outbox::Transport))
+//! has no relay: the column is there for the connector to map (Debezium:
+//! `table.fields.additional.placement=…,trace_context:header:inbox-trace-context`), and the
+//! consumer reads the context from headers named `traceparent`/`tracestate` only.
 //!
 //! [W3C Trace Context]: https://www.w3.org/TR/trace-context/
 
