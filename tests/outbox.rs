@@ -361,13 +361,13 @@ inbox_tests::backend_matrix! {
         assert_eq!(count(&pool, query).await, 1);
         assert_eq!(
             count(&pool, "SELECT COUNT(*) FROM _inbox_outbox_migrations").await,
-            3
+            4
         );
         // Idempotent.
         inbox_runtime::migrate_components(&pool, &[Component::Outbox]).await.unwrap();
         assert_eq!(
             count(&pool, "SELECT COUNT(*) FROM _inbox_outbox_migrations").await,
-            3
+            4
         );
     }
 

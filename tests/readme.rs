@@ -400,6 +400,39 @@ fn the_readme_retention_is_checked() {
 }
 }
 
+/// The README's tracing subscriber (feature `otel`), compiled and installed.
+#[rustfmt::skip]
+mod tracing_otel {
+// ---- README block: tracing ----
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_sdk::trace::{SdkTracerProvider, SpanExporter};
+use tracing_subscriber::layer::SubscriberExt as _;
+
+/// `tracing` spans exported as OpenTelemetry spans by `exporter` (OTLP, stdout, in memory…).
+fn install(exporter: impl SpanExporter + 'static) -> SdkTracerProvider {
+    let provider = SdkTracerProvider::builder().with_simple_exporter(exporter).build();
+    let layer = tracing_opentelemetry::layer().with_tracer(provider.tracer("orders"));
+    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(layer))
+        .expect("no other global subscriber");
+    provider // keep it: dropping its last clone shuts the exporter down
+}
+// ---- end README block ----
+
+#[test]
+fn the_readme_subscriber_exports_spans() {
+    use opentelemetry::trace::TraceContextExt as _;
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    let exporter = opentelemetry_sdk::trace::InMemorySpanExporter::default();
+    let _provider = install(exporter.clone());
+    let span = tracing::info_span!("readme.span");
+    assert!(span.context().span().span_context().is_valid());
+    drop(span);
+    // The other tests of this binary may export their spans too: count this one.
+    let spans = exporter.get_finished_spans().unwrap();
+    assert_eq!(spans.iter().filter(|s| s.name == "readme.span").count(), 1);
+}
+}
+
 /// The blocks of this file marked `README block`, without `#[rustfmt::skip]` lines.
 fn blocks() -> Vec<(String, String)> {
     let source = include_str!("readme.rs");
@@ -425,7 +458,7 @@ fn the_readme_shows_these_blocks_word_for_word() {
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
         .expect("read README.md");
     let blocks = blocks();
-    assert_eq!(blocks.len(), 14);
+    assert_eq!(blocks.len(), 15);
     for (name, text) in blocks {
         let fenced = format!("```rust\n{text}```\n");
         assert!(

@@ -181,6 +181,7 @@
 //! | [`outbox`] | [`Outbox`], [`Relay`], the outbox's admin API |
 //! | [`cache`] | the dedupe caches (in-process; Redis behind `redis`) |
 //! | `http` | the `Idempotency-Key` layer (feature `http`) |
+//! | [`trace`] | W3C Trace Context propagation (feature `otel`): which span continues which |
 //! | [`ops`] | the admin API ([`ops::admin`]), the command line (`cli`), the console (`console`) |
 //! | `testing` | the test kit for your handlers (feature `testing`) |
 //!
@@ -226,6 +227,10 @@
 //!   commit whose answer is lost, a rolled-back first attempt, a conflicting payload), each
 //!   state compared with what one delivery left (tokio's TCP, for its lost-commit proxy;
 //!   sqlx's `libsqlite3-sys`, for its WAL hook on SQLite).
+//! * `otel`: W3C Trace Context propagation, see [`trace`]: the current span's `traceparent` and
+//!   `tracestate` stored with each outbox row, sent in every sink's headers, and continued by
+//!   the handler's span of every delivery and of the HTTP layer (opentelemetry,
+//!   tracing-opentelemetry). Without it the row's column stays `NULL`.
 //!
 //! Build these docs with `cargo doc --all-features` to see them all.
 
@@ -244,6 +249,7 @@ pub mod source;
 pub mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod trace;
 pub mod types;
 pub mod worker;
 

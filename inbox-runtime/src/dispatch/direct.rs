@@ -30,6 +30,7 @@ pub async fn run<H: Handler>(
         key: &key,
         fingerprint: &fingerprint,
         source: None,
+        headers: None,
         payload: None,
         policy: &policy,
         owner: Owner::Caller,

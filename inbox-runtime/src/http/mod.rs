@@ -146,6 +146,13 @@
 //! status was not stored: rolled back), `no_key` (an optional key absent: plain transaction),
 //! `bad_request` (400 and 413), `failed` (500 and 503).
 //!
+//! # Tracing
+//!
+//! With the feature `otel`, every request runs in the span `inbox.http` (fields `method`,
+//! `path`), a child of the request's W3C Trace Context headers `traceparent`/`tracestate` if they
+//! carry a valid one (a malformed one is ignored: a new trace; the request is served as without
+//! it). The handler, and so its outbox rows, continue that trace: see [`crate::trace`].
+//!
 //! [draft-ietf-httpapi-idempotency-key-header-07]: https://datatracker.ietf.org/doc/draft-ietf-httpapi-idempotency-key-header/07/
 //! [`Fingerprint::of`]: crate::Fingerprint::of
 //! [`Fingerprint::of_bytes`]: crate::Fingerprint::of_bytes

@@ -86,6 +86,21 @@ where
         let ready = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, ready);
         let config = Arc::clone(&self.config);
+        #[cfg(feature = "otel")]
+        {
+            use tracing::Instrument as _;
+            // The request continues its client's trace: `inbox.http` is a child of the request's
+            // W3C Trace Context (a malformed or missing one is ignored, see `crate::trace`), and
+            // the handler, its claim and its outbox rows run in it.
+            let span = tracing::info_span!(
+                "inbox.http",
+                method = %request.method(),
+                path = request.uri().path(),
+            );
+            crate::trace::continue_http(&span, request.headers());
+            Box::pin(handle(config, inner, request).instrument(span))
+        }
+        #[cfg(not(feature = "otel"))]
         Box::pin(handle(config, inner, request))
     }
 }

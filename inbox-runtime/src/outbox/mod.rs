@@ -214,6 +214,12 @@ impl Outbox {
     /// ids as long as it publishes in the same order; otherwise a fresh UUIDv7 (stable from
     /// then on: the relay re-publishes the stored id).
     ///
+    /// # Trace context
+    /// With the feature `otel`, the current span's W3C Trace Context (`traceparent`,
+    /// `tracestate`) is stored with the row, and the relay continues it and sends it in the
+    /// message's headers (see [`crate::trace`]). Without the feature, or without a valid current
+    /// span, the column stays `NULL`.
+    ///
     /// # Order
     /// The row becomes publishable when the transaction commits. Rows of one aggregate
     /// ([`OutboxMessage::aggregate`]) are published one at a time, never one ahead of an
@@ -285,6 +291,7 @@ impl Outbox {
             },
         };
         let headers_json = serde_json::to_string(&message.headers).expect("strings serialize");
+        let trace_context = crate::trace::current_json();
         let row = OutboxRow::new(
             &message_id,
             destination,
@@ -293,7 +300,8 @@ impl Outbox {
             &headers_json,
             message.aggregate_id.as_deref(),
         )
-        .settled(self.transport == Transport::ChangeDataCapture);
+        .settled(self.transport == Transport::ChangeDataCapture)
+        .traced(trace_context.as_deref());
         let written = conn
             .enqueue_outbox(&row, self.notify && self.transport == Transport::Relay)
             .await?;

@@ -291,7 +291,10 @@ impl<DB: OutboxDatabase> Relay<DB> {
     /// `abandoned`, `timed_out`, `lease_lost`), the sink's call in `inbox.outbox.sink`
     /// (`messages`), and each leased row in `inbox.outbox.publish` (`message_id`,
     /// `destination`, `message_name`, `aggregate`, `attempt`, `outcome`: `sent`, `failed`,
-    /// `dead`, `timed_out` or `lease_lost`), where its warnings and errors are logged.
+    /// `dead`, `timed_out` or `lease_lost`), where its warnings and errors are logged. With the
+    /// feature `otel`, a row's `inbox.outbox.publish` is a child of the trace context stored
+    /// with it, and its own context is sent in the message's `traceparent`/`tracestate`
+    /// headers (see [`crate::trace`]).
     ///
     /// # Errors
     /// A database error while leasing or marking. Rows published but not marked stay leased
@@ -348,7 +351,7 @@ impl<DB: OutboxDatabase> Relay<DB> {
             return Ok(report);
         }
         let spans: Vec<tracing::Span> = records.iter().map(|r| message_span(r, "")).collect();
-        let (indices, messages, mut failures) = outgoing(&records);
+        let (indices, messages, mut failures) = outgoing(&records, &spans);
         let results = self.publish(&messages).await;
         let confirmed_at = Instant::now();
         let Some(results) = results else {
@@ -714,18 +717,22 @@ fn message_span(record: &OutboxRecord, outcome: &str) -> tracing::Span {
     if !outcome.is_empty() {
         span.record("outcome", outcome);
     }
+    crate::trace::continue_stored(&span, record.trace_context.as_deref());
     span
 }
 
 /// The sink's messages for `records`, with their records' indices, and the records whose
-/// stored headers do not parse (a damaged row: dead at once), by index.
-fn outgoing(records: &[OutboxRecord]) -> Outgoing {
+/// stored headers do not parse (a damaged row: dead at once), by index. Each message's headers
+/// carry the W3C Trace Context of its record's span in `spans` (feature `otel`, see
+/// [`crate::trace`]).
+fn outgoing(records: &[OutboxRecord], spans: &[tracing::Span]) -> Outgoing {
     let mut indices = Vec::with_capacity(records.len());
     let mut messages = Vec::with_capacity(records.len());
     let mut unreadable = Vec::new();
     for (index, record) in records.iter().enumerate() {
         match serde_json::from_str(&record.headers_json) {
-            Ok(headers) => {
+            Ok(mut headers) => {
+                crate::trace::inject_headers(&spans[index], &mut headers);
                 indices.push(index);
                 messages.push(OutgoingMessage {
                     message_id: record.message_id.clone(),

@@ -13,6 +13,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use tracing::Instrument as _;
+
 use sqlx::Pool;
 
 use super::Decision;
@@ -75,6 +77,8 @@ pub(crate) struct BatchItem<'a> {
     pub(crate) payload: &'a [u8],
     /// Where it came from.
     pub(crate) source: Option<&'a SourceMetadata>,
+    /// The delivery's headers, where its W3C Trace Context is read (feature `otel`), if any.
+    pub(crate) headers: Option<&'a std::collections::BTreeMap<String, String>>,
 }
 
 /// What the batch did for one item.
@@ -134,7 +138,17 @@ pub(crate) async fn run<DB: InboxDatabase>(
         hashes: &hashes,
         requests: &requests,
     };
-    match batch.run_gated(slot, options, &mut stats).await {
+    // One transaction for deliveries of many traces: linked to each, a child of none (a span has
+    // one parent; see `crate::trace`).
+    let span = tracing::info_span!("inbox.batch", messages = items.len());
+    for item in &items {
+        crate::trace::link_headers(&span, item.headers);
+    }
+    let run = batch
+        .run_gated(slot, options, &mut stats)
+        .instrument(span)
+        .await;
+    match run {
         Ok(BatchRun::Done(done)) => {
             for (&at, result) in order.iter().zip(done) {
                 results[at] = result;

@@ -66,6 +66,7 @@ pub(crate) async fn run_stored(
         key: &message_key,
         fingerprint: &fingerprint,
         source: None,
+        headers: None,
         payload: Some(payload),
         policy,
         // Replays and parked successors are rare: they end their transactions on the

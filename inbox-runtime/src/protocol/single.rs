@@ -85,6 +85,8 @@ pub struct AttemptPlan<'a> {
     pub(crate) key: &'a IdempotencyKey,
     pub(crate) fingerprint: &'a Fingerprint,
     pub(crate) source: Option<&'a SourceMetadata>,
+    /// The delivery's headers, where its W3C Trace Context is read (feature `otel`), if any.
+    pub(crate) headers: Option<&'a std::collections::BTreeMap<String, String>>,
     /// The payload as delivered, if known (else the message is serialized when needed).
     pub(crate) payload: Option<&'a [u8]>,
     pub(crate) policy: &'a RetryPolicy,
@@ -114,6 +116,9 @@ pub(crate) async fn run_delivery<H: Handler>(
         outcome = tracing::field::Empty,
         attempts = tracing::field::Empty,
     );
+    // A single delivery continues its producer's trace: the span is a child of the remote
+    // context (a malformed or missing one is ignored, see `crate::trace`).
+    crate::trace::continue_headers(&span, delivery.headers);
     async move {
         let mut delays = delivery.policy.transient_schedule();
         let mut result = attempt::<H>(conn, msg.clone(), delivery).await;

@@ -45,6 +45,10 @@ pub struct OutboxRow<'a> {
     pub headers_json: &'a str,
     /// The aggregate whose rows are published in order, if any.
     pub aggregate_id: Option<&'a str>,
+    /// The publishing span's W3C Trace Context, a JSON object of the `traceparent` and
+    /// `tracestate` headers (see [`crate::trace`]); `None` ([`OutboxRow::new`]) without the
+    /// feature `otel` or a valid current span: the column stays `NULL`.
+    pub trace_context: Option<&'a str>,
     /// Write the row already `sent` (its `sent_at` its creation time), for an outbox that change
     /// data capture reads ([`Transport::ChangeDataCapture`](crate::outbox::Transport)): no relay
     /// ever leases it, and only the retention purge removes it. `false` ([`OutboxRow::new`]):
@@ -69,8 +73,15 @@ impl<'a> OutboxRow<'a> {
             payload,
             headers_json,
             aggregate_id,
+            trace_context: None,
             sent: false,
         }
+    }
+
+    /// The same row with this W3C Trace Context (see [`OutboxRow::trace_context`]).
+    pub fn traced(mut self, trace_context: Option<&'a str>) -> Self {
+        self.trace_context = trace_context;
+        self
     }
 
     /// The same row, written already `sent` if `sent` (see [`OutboxRow::sent`]).
@@ -98,6 +109,9 @@ pub struct OutboxRecord {
     pub headers_json: String,
     /// The aggregate, if any.
     pub aggregate_id: Option<String>,
+    /// The publishing span's W3C Trace Context as stored (a JSON object of the `traceparent`
+    /// and `tracestate` headers, see [`crate::trace`]), if any.
+    pub trace_context: Option<String>,
     /// Leases so far, this one included (≥ 1): each lease counts as an attempt, whether its
     /// publish then succeeded, failed, or never finished.
     pub attempts: u32,
@@ -414,12 +428,13 @@ where
 
 /// The outbox component's migrations on a backend whose migration of each version is `sql`
 /// (in version order): `(version, description, SQL)`.
-pub(crate) const fn migrations(sql: [&'static str; 3]) -> [(i64, &'static str, &'static str); 3] {
-    let [outbox, leases, tokens] = sql;
+pub(crate) const fn migrations(sql: [&'static str; 4]) -> [(i64, &'static str, &'static str); 4] {
+    let [outbox, leases, tokens, trace] = sql;
     [
         (1, "outbox", outbox),
         (2, "outbox leases", leases),
         (3, "outbox lease tokens", tokens),
+        (4, "outbox trace context", trace),
     ]
 }
 
@@ -432,7 +447,8 @@ pub const NOTIFY_CHANNEL: &str = "inbox_outbox";
 ///
 /// The statements take their parameters (see [`Stmt`]) from each operation's list:
 /// * [`ENQUEUE`](Self::ENQUEUE): message id, destination, message name, payload (bytes),
-///   headers (JSON text), aggregate id (text or `NULL`), notify (bool), sent (bool);
+///   headers (JSON text), aggregate id (text or `NULL`), notify (bool), sent (bool), trace
+///   context (JSON text or `NULL`);
 /// * [`LOCK_AGGREGATE`](Self::LOCK_AGGREGATE): the aggregate id;
 /// * [`MARK_FAILED`](Self::MARK_FAILED) and [`MARK_FAILED_READ`](Self::MARK_FAILED_READ):
 ///   permanent (bool), the maximum attempts ([`attempts_arg`](Self::attempts_arg)), the error,
@@ -590,6 +606,8 @@ macro_rules! leased_columns {
             $t,
             "aggregate_id, ",
             $t,
+            "trace_context, ",
+            $t,
             "attempts, ",
             $age
         )
@@ -617,8 +635,8 @@ pub(crate) use entry_columns;
 
 /// A leased row, from the [`leased_columns`] starting at column `from`.
 pub(crate) fn record<D: Sql>(row: &D::Row, from: usize) -> Result<OutboxRecord, sqlx::Error> {
-    let attempts = D::required(row, from + 7, D::i32)?;
-    let age_ms = D::i64(row, from + 8)?;
+    let attempts = D::required(row, from + 8, D::i32)?;
+    let age_ms = D::i64(row, from + 9)?;
     Ok(OutboxRecord {
         id: D::i64_required(row, from)?,
         message_id: D::text_required(row, from + 1)?,
@@ -627,6 +645,7 @@ pub(crate) fn record<D: Sql>(row: &D::Row, from: usize) -> Result<OutboxRecord, 
         payload: D::required(row, from + 4, D::bytes)?,
         headers_json: D::text_required(row, from + 5)?,
         aggregate_id: D::text(row, from + 6)?,
+        trace_context: D::text(row, from + 7)?,
         attempts: u32::try_from(attempts).unwrap_or(0),
         age: std::time::Duration::from_millis(u64::try_from(age_ms.unwrap_or(0)).unwrap_or(0)),
     })
@@ -736,6 +755,7 @@ fn enqueue_step<'t, D: OutboxDialect>(
             row.aggregate_id.into(),
             (*notify).into(),
             row.sent.into(),
+            row.trace_context.into(),
         ];
         D::insert(conn, &params).await
     })

@@ -137,6 +137,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
                     fingerprint,
                     payload: &p.envelope.payload,
                     source: p.envelope.source.as_ref(),
+                    headers: Some(&p.envelope.headers),
                 }
             })
             .collect();

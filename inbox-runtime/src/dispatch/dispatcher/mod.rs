@@ -572,6 +572,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             key: &item.key,
             fingerprint,
             source: prepared.envelope.source.as_ref(),
+            headers: Some(&prepared.envelope.headers),
             payload: Some(&prepared.envelope.payload),
             policy: &self.policy,
             owner: crate::protocol::tx::Owner::Runtime,

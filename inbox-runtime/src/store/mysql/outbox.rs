@@ -84,6 +84,7 @@ pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &outbox::migrations([
     include_str!("migrations/outbox/0001_outbox.sql"),
     include_str!("migrations/outbox/0002_outbox_leases.sql"),
     include_str!("migrations/outbox/0003_outbox_lease_tokens.sql"),
+    include_str!("migrations/outbox/0004_outbox_trace_context.sql"),
 ]);
 
 /// MySQL's error number of a duplicate key (`ER_DUP_ENTRY`): here, a message id already stored.
@@ -224,13 +225,14 @@ macro_rules! entry_columns_mysql {
 /// [`mysql_lock_retries`](crate::store::mysql_lock_retries)); the enqueue runs in the caller's
 /// transaction if there is one, and returns them (transient: see [`crate::Classify`]).
 impl OutboxDialect for MySql {
-    /// Binds: message id, destination, name, payload, headers, aggregate, then sent twice.
+    /// Binds: message id, destination, name, payload, headers, aggregate, sent twice, then the
+    /// trace context.
     const ENQUEUE: Stmt = Stmt::binding(
         "INSERT INTO inbox_outbox \
          (message_id, destination, message_name, payload, headers, aggregate_id, status, \
-          sent_at) \
-       VALUES (?, ?, ?, ?, ?, ?, IF(?, 'sent', 'pending'), IF(?, UTC_TIMESTAMP(6), NULL))",
-        &[0, 1, 2, 3, 4, 5, 7, 7],
+          sent_at, trace_context) \
+       VALUES (?, ?, ?, ?, ?, ?, IF(?, 'sent', 'pending'), IF(?, UTC_TIMESTAMP(6), NULL), ?)",
+        &[0, 1, 2, 3, 4, 5, 7, 7, 8],
     );
 
     /// Upserted (and so locked until the writing transaction ends) before the row is inserted.

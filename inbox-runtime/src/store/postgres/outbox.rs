@@ -26,6 +26,7 @@ pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &outbox::migrations([
     include_str!("migrations/outbox/0001_outbox.sql"),
     include_str!("migrations/outbox/0002_outbox_leases.sql"),
     include_str!("migrations/outbox/0003_outbox_lease_tokens.sql"),
+    include_str!("migrations/outbox/0004_outbox_trace_context.sql"),
 ]);
 
 /// A leased row's age in milliseconds.
@@ -105,9 +106,9 @@ impl OutboxDialect for Postgres {
         "WITH ins AS ( \
          INSERT INTO inbox_outbox \
            (message_id, destination, message_name, payload, headers, aggregate_id, status, \
-            sent_at) \
+            sent_at, trace_context) \
          VALUES ($1, $2, $3, $4, $5, $6, CASE WHEN $8 THEN 'sent' ELSE 'pending' END, \
-           CASE WHEN $8 THEN now() END) \
+           CASE WHEN $8 THEN now() END, $9) \
          ON CONFLICT (message_id) DO NOTHING RETURNING id), \
        note AS (SELECT pg_notify('inbox_outbox', '') FROM ins WHERE $7 AND NOT $8) \
        SELECT id, (SELECT count(*) FROM note) AS notified FROM ins",

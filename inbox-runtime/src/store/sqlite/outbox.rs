@@ -19,6 +19,7 @@ pub(super) const MIGRATIONS: &[(i64, &str, &str)] = &outbox::migrations([
     include_str!("migrations/outbox/0001_outbox.sql"),
     include_str!("migrations/outbox/0002_outbox_leases.sql"),
     include_str!("migrations/outbox/0003_outbox_lease_tokens.sql"),
+    include_str!("migrations/outbox/0004_outbox_trace_context.sql"),
 ]);
 
 /// The database clock, as the outbox stores it.
@@ -90,14 +91,14 @@ impl OutboxDialect for Sqlite {
         concat!(
             "INSERT INTO inbox_outbox \
              (message_id, destination, message_name, payload, headers, aggregate_id, status, \
-              sent_at) \
+              sent_at, trace_context) \
            VALUES ($1, $2, $3, $4, $5, $6, CASE WHEN $7 THEN 'sent' ELSE 'pending' END, \
              CASE WHEN $7 THEN ",
             now!(),
-            " END) \
+            " END, $8) \
            ON CONFLICT (message_id) DO NOTHING RETURNING id"
         ),
-        &[0, 1, 2, 3, 4, 5, 7],
+        &[0, 1, 2, 3, 4, 5, 7, 8],
     );
 
     const MARK_SENT: &'static str = concat!(
