@@ -1042,7 +1042,7 @@ mod tests {
     use crate::store::sql::check_binds;
 
     fn every_statement<D: OutboxDialect>() {
-        check_binds("ENQUEUE", D::ENQUEUE, 8);
+        check_binds("ENQUEUE", D::ENQUEUE, 9);
         for (name, stmt) in [("LOCK_AGGREGATE", D::LOCK_AGGREGATE), ("NOTIFY", D::NOTIFY)] {
             if let Some(stmt) = stmt {
                 check_binds(name, stmt, if name == "NOTIFY" { 0 } else { 1 });
