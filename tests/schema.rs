@@ -167,3 +167,38 @@ fn hostile_schema_names_are_refused() {
          and not a digit first"
     );
 }
+
+/// Review: a `PgSchema` whose schema was never created (`create` not called, or a typo in
+/// the name of one created by hand). Its `search_path` is `"<schema>",public`, and PostgreSQL
+/// skips a schema that does not exist: the service's migration and its rows silently land in
+/// (or use) `public`, the tables of another service of the same database. Expected: an error
+/// before anything is written, and `public` keeping no row of this service.
+#[tokio::test]
+async fn a_schema_never_created_does_not_fall_back_to_public() {
+    let base = inbox_tests::pg_pool(2).await;
+    let orders = PgSchema::new("orders").unwrap();
+    let options = (*base.connect_options()).clone();
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(orders.connect_options(options))
+        .await
+        .unwrap();
+    // No `orders.create(&pool)`.
+    let migrated = inbox_runtime::migrate(&pool).await;
+    let mut conn = pool.acquire().await.unwrap();
+    let outcome = credit(
+        &mut conn,
+        Payment {
+            id: "ord-1".into(),
+            amount: 5,
+        },
+    )
+    .await
+    .map(|outcome| outcome.kind());
+    drop(conn);
+    assert_eq!(
+        inbox_rows(&base, "public").await,
+        [],
+        "migrate: {migrated:?}, delivery: {outcome:?}"
+    );
+}
