@@ -202,3 +202,43 @@ async fn a_schema_never_created_does_not_fall_back_to_public() {
         "migrate: {migrated:?}, delivery: {outcome:?}"
     );
 }
+
+/// Review: a service in its own schema, without the outbox, purges the outbox of the service
+/// that uses `public`. The purge asks whether the outbox is installed with
+/// `to_regclass('inbox_outbox')`, which resolves through the `search_path` `"<schema>",public`
+/// and finds `public.inbox_outbox`; its `DELETE FROM inbox_outbox` then deletes there.
+/// Expected: the schema's purge touches no row of `public`.
+#[tokio::test]
+async fn a_schema_without_the_outbox_does_not_purge_the_public_outbox() {
+    let base = inbox_tests::pg_pool(2).await;
+    inbox_runtime::migrate_components(&base, &[inbox_runtime::Component::Outbox])
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO public.inbox_outbox (message_id, destination, message_name, payload, \
+         status, sent_at) VALUES ('public-1', 'orders', 'test.sent', '\\x00', 'sent', \
+         now() - interval '30 days')",
+    )
+    .execute(&base)
+    .await
+    .unwrap();
+    let billing = PgSchema::new("billing").unwrap();
+    let billing_pool = service(&base, &billing).await;
+    let retention: inbox_runtime::ops::admin::Retention =
+        serde_json::from_str(r#"{"window": "7d", "redelivery_horizon": "3d"}"#).unwrap();
+    let preview = inbox_runtime::ops::admin::purge_preview(&billing_pool, &retention)
+        .await
+        .unwrap();
+    let report = inbox_runtime::ops::admin::purge(&billing_pool, &retention, |_| {})
+        .await
+        .unwrap();
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM public.inbox_outbox")
+        .fetch_one(&base)
+        .await
+        .unwrap();
+    assert_eq!(
+        (preview.outbox.len(), report.outbox_deleted, left),
+        (0, 0, 1),
+        "the billing service's purge saw and deleted the public service's outbox"
+    );
+}
