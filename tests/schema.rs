@@ -7,7 +7,7 @@
 #![allow(missing_docs)]
 
 use inbox_runtime::store::PgSchemaError;
-use inbox_runtime::{Message, Outcome, PgSchema};
+use inbox_runtime::{Message, PgSchema};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
