@@ -862,3 +862,58 @@ async fn the_spare_transaction_is_invisible() {
         [("spare-1".to_owned(), (1, 1))].into_iter().collect()
     );
 }
+
+#[derive(Debug, Clone, Serialize, Deserialize, Message)]
+#[message(name = "test.clock")]
+pub struct Clock {
+    #[message(key)]
+    pub id: String,
+}
+
+/// Keeps how far the transaction's `now()` lags behind the wall clock when the handler runs.
+#[inbox_runtime::idempotent(consumer = "clock")]
+async fn read_clock(conn: &mut sqlx::PgConnection, msg: Clock) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO clock_lag (id, lag_ms) \
+         VALUES ($1, EXTRACT(EPOCH FROM clock_timestamp() - now()) * 1000)",
+    )
+    .bind(&msg.id)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Review: the spare transaction is visible to the handler. Its `now()` (and the runtime's
+/// own `received_at`, `processed_at`, lease and retry times) is the time of the previous
+/// delivery's `COMMIT; BEGIN`, not of this delivery: a handler that checks a deadline
+/// (`WHERE expires_at > now()`) accepts what expired up to `IDLE_CHECK` (1 s) ago. Here the
+/// slot waits 400 ms between two deliveries; the second handler's `now()` is expected within
+/// 100 ms of its wall clock, as on a transaction begun for it.
+#[tokio::test]
+async fn the_handlers_now_is_this_deliverys() {
+    let pool = fixture().await;
+    sqlx::raw_sql("CREATE TABLE clock_lag (id TEXT PRIMARY KEY, lag_ms FLOAT8 NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+    let mut slot = ConnectionSlot::new();
+    for id in ["clock-1", "clock-2"] {
+        let outcome = only(
+            dispatcher
+                .dispatch_on(&mut slot, &envelope(&Clock { id: id.into() }))
+                .await
+                .unwrap(),
+        );
+        assert!(matches!(outcome.result, Ok(Outcome::Processed(()))));
+        tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    }
+    let lag: f64 = sqlx::query_scalar("SELECT lag_ms FROM clock_lag WHERE id = 'clock-2'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(
+        lag < 100.0,
+        "the handler's now() lags its wall clock by {lag:.0} ms"
+    );
+}

@@ -167,3 +167,78 @@ fn hostile_schema_names_are_refused() {
          and not a digit first"
     );
 }
+
+/// Review: a `PgSchema` whose schema was never created (`create` not called, or a typo in
+/// the name of one created by hand). Its `search_path` is `"<schema>",public`, and PostgreSQL
+/// skips a schema that does not exist: the service's migration and its rows silently land in
+/// (or use) `public`, the tables of another service of the same database. Expected: an error
+/// before anything is written, and `public` keeping no row of this service.
+#[tokio::test]
+async fn a_schema_never_created_does_not_fall_back_to_public() {
+    let base = inbox_tests::pg_pool(2).await;
+    let orders = PgSchema::new("orders").unwrap();
+    let options = (*base.connect_options()).clone();
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(orders.connect_options(options))
+        .await
+        .unwrap();
+    // No `orders.create(&pool)`.
+    let migrated = inbox_runtime::migrate(&pool).await;
+    let mut conn = pool.acquire().await.unwrap();
+    let outcome = credit(
+        &mut conn,
+        Payment {
+            id: "ord-1".into(),
+            amount: 5,
+        },
+    )
+    .await
+    .map(|outcome| outcome.kind());
+    drop(conn);
+    assert_eq!(
+        inbox_rows(&base, "public").await,
+        [],
+        "migrate: {migrated:?}, delivery: {outcome:?}"
+    );
+}
+
+/// Review: a service in its own schema, without the outbox, purges the outbox of the service
+/// that uses `public`. The purge asks whether the outbox is installed with
+/// `to_regclass('inbox_outbox')`, which resolves through the `search_path` `"<schema>",public`
+/// and finds `public.inbox_outbox`; its `DELETE FROM inbox_outbox` then deletes there.
+/// Expected: the schema's purge touches no row of `public`.
+#[tokio::test]
+async fn a_schema_without_the_outbox_does_not_purge_the_public_outbox() {
+    let base = inbox_tests::pg_pool(2).await;
+    inbox_runtime::migrate_components(&base, &[inbox_runtime::Component::Outbox])
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO public.inbox_outbox (message_id, destination, message_name, payload, \
+         status, sent_at) VALUES ('public-1', 'orders', 'test.sent', '\\x00', 'sent', \
+         now() - interval '30 days')",
+    )
+    .execute(&base)
+    .await
+    .unwrap();
+    let billing = PgSchema::new("billing").unwrap();
+    let billing_pool = service(&base, &billing).await;
+    let retention: inbox_runtime::ops::admin::Retention =
+        serde_json::from_str(r#"{"window": "7d", "redelivery_horizon": "3d"}"#).unwrap();
+    let preview = inbox_runtime::ops::admin::purge_preview(&billing_pool, &retention)
+        .await
+        .unwrap();
+    let report = inbox_runtime::ops::admin::purge(&billing_pool, &retention, |_| {})
+        .await
+        .unwrap();
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM public.inbox_outbox")
+        .fetch_one(&base)
+        .await
+        .unwrap();
+    assert_eq!(
+        (preview.outbox.len(), report.outbox_deleted, left),
+        (0, 0, 1),
+        "the billing service's purge saw and deleted the public service's outbox"
+    );
+}

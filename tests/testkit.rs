@@ -555,3 +555,61 @@ mod refusals {
         );
     }
 }
+
+/// A message that is its own key (content-addressed: the key is the whole payload).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, Message)]
+#[message(name = "testkit.content_keyed")]
+struct ContentKeyed {
+    #[message(key)]
+    digest: String,
+}
+
+/// Correct: the effect runs in the claim's transaction.
+#[inbox_runtime::idempotent(consumer = "content_keyed")]
+async fn record_digest(
+    conn: &mut sqlx::PgConnection,
+    msg: ContentKeyed,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO digests (digest) VALUES ($1)")
+        .bind(&msg.digest)
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
+/// Review: a correct handler of a message whose key is its whole content cannot pass the
+/// check. No other payload keeps the key and changes the fingerprint, so the kit refuses with
+/// `NoConflictingPayload` before any delivery, and [`Check::conflicting`] cannot help (there is
+/// no such payload to give). Expected: the conflict scenario is skipped (reported as not
+/// applicable), the four others run and pass.
+#[tokio::test]
+async fn a_content_keyed_message_can_be_checked() {
+    let pool = inbox_tests::pg_pool(4).await;
+    sqlx::raw_sql("CREATE TABLE digests (digest TEXT PRIMARY KEY)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let result = inbox_runtime::testing::Check::new(
+        inbox_runtime::handler!(record_digest),
+        &ContentKeyed {
+            digest: "sha256:9f86d0".into(),
+        },
+    )
+    .run(
+        &pool,
+        async |pool: &sqlx::PgPool| {
+            sqlx::query("DELETE FROM digests").execute(pool).await?;
+            Ok(())
+        },
+        async |pool: &sqlx::PgPool| {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM digests")
+                .fetch_one(pool)
+                .await
+        },
+    )
+    .await;
+    match result {
+        Ok(report) => assert_eq!(report.state, 1),
+        Err(error) => panic!("a correct handler failed the check: {error}"),
+    }
+}

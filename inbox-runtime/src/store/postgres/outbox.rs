@@ -139,7 +139,14 @@ impl OutboxDialect for Postgres {
        FROM inbox_outbox WHERE status = 'pending' GROUP BY destination ORDER BY destination",
     );
 
-    const INSTALLED: Stmt = Stmt::new("SELECT to_regclass('inbox_outbox') IS NOT NULL");
+    /// In the schema the runtime's tables are created in (`current_schema()`, the first
+    /// existing schema of the `search_path`: a [`PgSchema`](crate::PgSchema)'s), not wherever
+    /// the `search_path` finds one: a service whose schema has no outbox must not see (and
+    /// purge) the outbox of the service that uses `public`.
+    const INSTALLED: Stmt = Stmt::new(
+        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_tables \
+         WHERE schemaname = current_schema() AND tablename = 'inbox_outbox')",
+    );
 
     const STATS: Stmt = Stmt::new(
         "SELECT destination, status, COUNT(*), \
