@@ -179,8 +179,9 @@ mod lambda {
 use inbox_runtime::source::lambda::LambdaSqs;
 use inbox_runtime::{Dispatcher, Worker};
 
-/// AWS Lambda (feature `lambda`): the function's `main`, polling the Lambda runtime API for the
-/// SQS event source mapping's batches and answering each with its `batchItemFailures`.
+/// AWS Lambda (feature `lambda`): what the function's `main` awaits (after building the pool and
+/// `migrate`; the binary registers its handlers), polling the Lambda runtime API for the SQS
+/// event source mapping's batches and answering each with its `batchItemFailures`.
 async fn lambda_main(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     // Once per execution environment: every invocation reuses the worker and its pool.
     let worker = Worker::new(Dispatcher::from_registry(pool)?).concurrency(4);
@@ -357,12 +358,13 @@ mod schema {
 use inbox_runtime::PgSchema;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
-/// The billing service's pool: its inbox, outbox and positions in the schema `billing`.
+/// The billing service's pool: its inbox in the schema `billing` (`migrate_components` adds the
+/// outbox and positions there).
 async fn billing_pool(url: &str) -> Result<PgPool, Box<dyn std::error::Error>> {
     let schema = PgSchema::new("billing")?; // checked: letters, digits, '_'; quoted in SQL
     let options: PgConnectOptions = url.parse()?;
     let pool = PgPoolOptions::new()
-        .connect_with(schema.connect_options(options)) // search_path "billing",public
+        .connect_with(schema.connect_options(options)) // search_path "billing", alone
         .await?;
     schema.create(&pool).await?; // CREATE SCHEMA IF NOT EXISTS "billing"
     inbox_runtime::migrate(&pool).await?; // billing.inbox_messages, …

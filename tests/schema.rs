@@ -168,11 +168,12 @@ fn hostile_schema_names_are_refused() {
     );
 }
 
-/// Review: a `PgSchema` whose schema was never created (`create` not called, or a typo in
-/// the name of one created by hand). Its `search_path` is `"<schema>",public`, and PostgreSQL
-/// skips a schema that does not exist: the service's migration and its rows silently land in
-/// (or use) `public`, the tables of another service of the same database. Expected: an error
-/// before anything is written, and `public` keeping no row of this service.
+/// A `PgSchema` whose schema was never created (`create` not called, or a typo in the name of
+/// one created by hand). Found by review when the `search_path` was `"<schema>",public`:
+/// PostgreSQL skips a schema that does not exist, so the service's migration and its rows
+/// silently landed in (or used) `public`, the tables of another service of the same database.
+/// Now the path holds the schema alone: `migrate` and the delivery fail with the server's
+/// reason, and `public` keeps no row of this service.
 #[tokio::test]
 async fn a_schema_never_created_does_not_fall_back_to_public() {
     let base = inbox_tests::pg_pool(2).await;
@@ -201,11 +202,22 @@ async fn a_schema_never_created_does_not_fall_back_to_public() {
         [],
         "migrate: {migrated:?}, delivery: {outcome:?}"
     );
+    // Both refused, with the server's word for why.
+    let migrate_error = migrated.unwrap_err().to_string();
+    assert!(
+        migrate_error.contains("no schema has been selected to create in"),
+        "{migrate_error}"
+    );
+    let delivery_error = outcome.unwrap_err().to_string();
+    assert!(
+        delivery_error.contains("relation \"inbox_messages\" does not exist"),
+        "{delivery_error}"
+    );
 }
 
 /// Review: a service in its own schema, without the outbox, purges the outbox of the service
 /// that uses `public`. The purge asks whether the outbox is installed with
-/// `to_regclass('inbox_outbox')`, which resolves through the `search_path` `"<schema>",public`
+/// `to_regclass('inbox_outbox')`, which resolved through the `search_path` `"<schema>",public`
 /// and finds `public.inbox_outbox`; its `DELETE FROM inbox_outbox` then deletes there.
 /// Expected: the schema's purge touches no row of `public`.
 #[tokio::test]

@@ -580,8 +580,8 @@ async fn record_digest(
 /// Review: a correct handler of a message whose key is its whole content cannot pass the
 /// check. No other payload keeps the key and changes the fingerprint, so the kit refuses with
 /// `NoConflictingPayload` before any delivery, and [`Check::conflicting`] cannot help (there is
-/// no such payload to give). Expected: the conflict scenario is skipped (reported as not
-/// applicable), the four others run and pass.
+/// no such payload to give). Found by review; now `Check::without_conflict` skips the conflict
+/// scenario and the four others run and pass.
 #[tokio::test]
 async fn a_content_keyed_message_can_be_checked() {
     let pool = inbox_tests::pg_pool(4).await;
@@ -595,6 +595,7 @@ async fn a_content_keyed_message_can_be_checked() {
             digest: "sha256:9f86d0".into(),
         },
     )
+    .without_conflict()
     .run(
         &pool,
         async |pool: &sqlx::PgPool| {
@@ -609,7 +610,19 @@ async fn a_content_keyed_message_can_be_checked() {
     )
     .await;
     match result {
-        Ok(report) => assert_eq!(report.state, 1),
+        Ok(report) => {
+            assert_eq!(report.state, 1);
+            let scenarios: Vec<_> = report.scenarios.iter().map(|r| r.scenario.name()).collect();
+            assert_eq!(
+                scenarios,
+                [
+                    "once",
+                    "delivered twice",
+                    "commit answer lost",
+                    "rolled back first attempt"
+                ]
+            );
+        }
         Err(error) => panic!("a correct handler failed the check: {error}"),
     }
 }

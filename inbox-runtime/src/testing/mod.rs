@@ -350,13 +350,15 @@ impl<S: fmt::Debug> std::error::Error for CheckError<S> {
 }
 
 /// A check of one handler with one message: [`new`](Self::new), optionally
-/// [`conflicting`](Self::conflicting), then [`run`](Self::run).
+/// [`conflicting`](Self::conflicting) or [`without_conflict`](Self::without_conflict), then
+/// [`run`](Self::run).
 #[derive(Debug, Clone)]
 pub struct Check {
     handler: Registration,
     message_name: &'static str,
     payload: Result<Vec<u8>, String>,
     conflicting: Option<Result<Vec<u8>, String>>,
+    without_conflict: bool,
 }
 
 impl Check {
@@ -367,7 +369,17 @@ impl Check {
             message_name: M::NAME,
             payload: serde_json::to_vec(message).map_err(|e| e.to_string()),
             conflicting: None,
+            without_conflict: false,
         }
+    }
+
+    /// Skips [`Scenario::Conflict`], for a message whose idempotency key is its whole payload
+    /// (a content digest, say): no other payload has its key, so no conflict can happen, and
+    /// none can be derived ([`CheckError::NoConflictingPayload`] otherwise). The report then
+    /// lists the four other scenarios.
+    pub fn without_conflict(mut self) -> Self {
+        self.without_conflict = true;
+        self
     }
 
     /// Uses `message` as the conflicting payload of [`Scenario::Conflict`] instead of deriving
@@ -415,6 +427,7 @@ impl Check {
         };
         let payload = encode(&self.payload)?;
         let conflicting = match &self.conflicting {
+            _ if self.without_conflict => Vec::new(),
             Some(conflicting) => encode(conflicting)?,
             None => {
                 conflicting_payload(handler, &payload).ok_or(CheckError::NoConflictingPayload {
@@ -436,6 +449,9 @@ impl Check {
         let mut runs = Vec::new();
         let mut reference = None;
         for scenario in Scenario::ALL {
+            if scenario == Scenario::Conflict && self.without_conflict {
+                continue;
+            }
             clean_up(pool, handler.consumer())
                 .await
                 .map_err(|e| harness(scenario, "clean up", e))?;

@@ -36,11 +36,13 @@ use sqlx_core::transaction::TransactionManager as _;
 /// * on PostgreSQL, a delivery's verify, `COMMIT` and the next delivery's `BEGIN` go out in one
 ///   round trip, and the next claim on the slot runs in that transaction (a *spare*
 ///   transaction: begun, nothing run in it, so it holds no snapshot, transaction id or lock).
-///   The spare transaction is used only by a claim within [`IDLE_CHECK`](Self::IDLE_CHECK) of
-///   the previous delivery (so `now()` in the claim is at most 1 s before the claim itself); it
-///   is rolled back, in the same write as the next statement, before anything else runs on the
-///   connection, before an idle connection's ping, and when the connection goes back to the
-///   pool. Nothing of it is visible to your code.
+///   The spare transaction is used only by a claim within [`SPARE_WINDOW`](Self::SPARE_WINDOW)
+///   (50 ms) of the previous delivery's start: `now()` in that claim's transaction, and in your
+///   handler, is the time of the spare transaction's `BEGIN`, so at most 50 ms early (use
+///   `clock_timestamp()` where a deadline check needs the instant itself). It is rolled back,
+///   in the same write as the next statement, before anything else runs on the connection,
+///   before a later claim, before an idle connection's ping, and when the connection goes
+///   back to the pool.
 ///
 /// Dropping the slot (or [`release`](Self::release)) gives the connection back to the pool.
 /// While a slot holds a connection, the pool has one less to hand out: size the pool for the
@@ -82,6 +84,13 @@ impl<DB: Database> ConnectionSlot<DB> {
     /// A held connection unused for this long (1 s) is pinged before its next use.
     pub const IDLE_CHECK: Duration = Duration::from_secs(1);
 
+    /// A spare transaction (see the type's documentation) is used by the next claim only if
+    /// the slot was last handed out less than this long ago (50 ms): `now()` in that claim's
+    /// transaction, and in its handler, is the time of the spare transaction's `BEGIN`, so at
+    /// most this much earlier than the claim. An older one is rolled back and the claim sends
+    /// its own `BEGIN`.
+    pub const SPARE_WINDOW: Duration = Duration::from_millis(50);
+
     /// An empty slot: it acquires a connection on first use.
     pub fn new() -> Self {
         Self { held: None }
@@ -118,8 +127,8 @@ impl<DB: Database> ConnectionSlot<DB> {
     /// [`get`](Self::get) for a delivery whose first statement is its claim's `BEGIN`
     /// ([`ClaimTx::begin`](crate::protocol::tx::ClaimTx::begin) on [`Hold::Kept`]
     /// (crate::protocol::tx::Hold::Kept)): a spare transaction left open by the previous
-    /// delivery less than [`IDLE_CHECK`](Self::IDLE_CHECK) ago stays open, for that claim to
-    /// run in.
+    /// delivery, begun less than [`SPARE_WINDOW`](Self::SPARE_WINDOW) ago, stays open for that
+    /// claim to run in.
     pub(crate) async fn get_for_claim(
         &mut self,
         pool: &Pool<DB>,
@@ -138,12 +147,14 @@ impl<DB: Database> ConnectionSlot<DB> {
         {
             self.held = None;
         }
-        if let Some(held) = &mut self.held
-            && held.used.elapsed() >= Self::IDLE_CHECK
-        {
-            // The spare transaction's `ROLLBACK` goes out with the ping.
-            end_spare::<DB>(&mut held.conn);
-            if held.conn.ping().await.is_err() {
+        if let Some(held) = &mut self.held {
+            let unused = held.used.elapsed();
+            if unused >= Self::SPARE_WINDOW {
+                // Its `now()` would be too early for this claim: its `ROLLBACK` goes out with
+                // this claim's `BEGIN` (or with the ping).
+                end_spare::<DB>(&mut held.conn);
+            }
+            if unused >= Self::IDLE_CHECK && held.conn.ping().await.is_err() {
                 self.discard();
             }
         }

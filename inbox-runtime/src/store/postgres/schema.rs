@@ -12,11 +12,14 @@ use sqlx::postgres::PgConnectOptions;
 /// How: the runtime's statements name their tables unqualified, so they resolve through the
 /// session's `search_path` (PostgreSQL, "Schema Search Path", section 5.9.3 of the manual).
 /// [`connect_options`](Self::connect_options) sets the `search_path` of every connection of a
-/// pool to this schema, then `public`: the runtime's tables are created in and read from this
-/// schema, and a handler's unqualified names find the service's own tables in it, then in
-/// `public`. [`create`](Self::create) creates the schema; run it before
-/// [`migrate`](crate::migrate) (PostgreSQL creates an unqualified table in the first schema of
-/// the path that exists).
+/// pool to this schema **alone**: the runtime's tables are created in and read from this
+/// schema, and so are your handlers' unqualified names; name a table of another schema
+/// qualified (`public.accounts`). Nothing falls back to `public`: a schema that does not exist
+/// makes [`migrate`](crate::migrate) fail (SQLSTATE `3F000`, "no schema has been selected to
+/// create in") and every delivery fail (`42P01`, the table does not exist) instead of running
+/// on another service's tables, and a component not migrated into the schema (the outbox, say)
+/// is missing, not borrowed from `public`. [`create`](Self::create) creates the schema; run it
+/// before [`migrate`](crate::migrate).
 ///
 /// The name is checked when the value is built and can be nothing else: 1 to 63 bytes
 /// (PostgreSQL's identifier limit), ASCII letters, digits and `_`, not starting with a digit,
@@ -131,11 +134,12 @@ impl PgSchema {
         format!("\"{}\"", self.name)
     }
 
-    /// `options` with the session's `search_path` set to this schema, then `public` (a
-    /// connection startup parameter: every connection of a pool built with them has it, from
-    /// its first statement on). Replaces a `search_path` set in `options` before.
+    /// `options` with the session's `search_path` set to this schema alone (a connection
+    /// startup parameter: every connection of a pool built with them has it, from its first
+    /// statement on; `pg_catalog` is searched first, as always). Overrides a `search_path` set
+    /// in `options` before.
     pub fn connect_options(&self, options: PgConnectOptions) -> PgConnectOptions {
-        options.options([("search_path", format!("{},public", self.quoted()))])
+        options.options([("search_path", self.quoted())])
     }
 
     /// `CREATE SCHEMA IF NOT EXISTS` this schema, in its own statement on `pool`.
