@@ -340,6 +340,39 @@ async fn pg_deadlocks(pool: PgPool) -> i64 {
         .unwrap()
 }
 
+/// The declared-partition workload on `pool`: 2,000 deliveries (200 redeliveries) over
+/// `accounts`, each the message `message` makes of `(id, account, amount)`, through a Worker of
+/// batches of 50, 4 in flight, to the end of its source. Asserts that it ran to the end with
+/// every delivery settled and batches side by side; returns the balances and per-account order
+/// the list expects.
+async fn declared_workload<DB: inbox_runtime::store::InboxDatabase, M: Message>(
+    pool: &sqlx::Pool<DB>,
+    accounts: i32,
+    message: impl Fn(String, i32, i64) -> M,
+) -> (Vec<i64>, HashMap<i32, Vec<String>>) {
+    let list = stream(2_000, 200, accounts);
+    let (balances, order) = expected(&list, accounts);
+    let source = MemorySource::new("mem");
+    let handle = source.handle();
+    for (id, account, amount) in list {
+        handle.push(inbox_tests::envelope(&message(id, account, amount)));
+    }
+    handle.close();
+    let worker = Worker::new(Dispatcher::from_registry(pool.clone()).unwrap())
+        .concurrency(4)
+        .batch(50, Duration::from_millis(5))
+        .park_sweep(None);
+    let report = run_to_end(worker, source).await;
+    assert_eq!(report.stop, StopReason::SourceExhausted);
+    assert_eq!(
+        counts(&report),
+        (2_000, 1_800, 200, 2_000, 0, 0, 0),
+        "{report:?}"
+    );
+    assert!(report.max_batches_in_flight > 1, "{report:?}");
+    (balances, order)
+}
+
 /// The counts every run of a stream of `n` deliveries with `r` redeliveries must end with:
 /// `(deliveries, processed, duplicates, acked, failed, abandoned, contention fallbacks)`.
 fn counts(report: &WorkerReport) -> (u64, u64, u64, u64, u64, u64, u64) {
@@ -362,30 +395,12 @@ fn counts(report: &WorkerReport) -> (u64, u64, u64, u64, u64, u64, u64) {
 async fn declared_partitions_run_batches_side_by_side_without_deadlocks() {
     const ACCOUNTS: i32 = 200;
     let pool = pg_pool(ACCOUNTS).await;
-    let list = stream(2_000, 200, ACCOUNTS);
-    let (balances, order) = expected(&list, ACCOUNTS);
-    let source = MemorySource::new("mem");
-    let handle = source.handle();
-    for (id, account, amount) in list {
-        handle.push(inbox_tests::envelope(&Credit {
-            id,
-            account,
-            amount,
-        }));
-    }
-    handle.close();
-    let worker = Worker::new(Dispatcher::from_registry(pool.clone()).unwrap())
-        .concurrency(4)
-        .batch(50, Duration::from_millis(5))
-        .park_sweep(None);
-    let report = run_to_end(worker, source).await;
-    assert_eq!(report.stop, StopReason::SourceExhausted);
-    assert_eq!(
-        counts(&report),
-        (2_000, 1_800, 200, 2_000, 0, 0, 0),
-        "{report:?}"
-    );
-    assert!(report.max_batches_in_flight > 1, "{report:?}");
+    let (balances, order) = declared_workload(&pool, ACCOUNTS, |id, account, amount| Credit {
+        id,
+        account,
+        amount,
+    })
+    .await;
     assert_eq!(
         CREDIT.shared.load(Ordering::SeqCst),
         0,
@@ -548,30 +563,12 @@ async fn declared_partitions_on_mysql() {
             .await
             .unwrap();
     }
-    let list = stream(2_000, 200, ACCOUNTS);
-    let (balances, order) = expected(&list, ACCOUNTS);
-    let source = MemorySource::new("mem");
-    let handle = source.handle();
-    for (id, account, amount) in list {
-        handle.push(inbox_tests::envelope(&MyCredit {
-            id,
-            account,
-            amount,
-        }));
-    }
-    handle.close();
-    let worker = Worker::new(Dispatcher::from_registry(pool.clone()).unwrap())
-        .concurrency(4)
-        .batch(50, Duration::from_millis(5))
-        .park_sweep(None);
-    let report = run_to_end(worker, source).await;
-    assert_eq!(report.stop, StopReason::SourceExhausted);
-    assert_eq!(
-        counts(&report),
-        (2_000, 1_800, 200, 2_000, 0, 0, 0),
-        "{report:?}"
-    );
-    assert!(report.max_batches_in_flight > 1, "{report:?}");
+    let (balances, order) = declared_workload(&pool, ACCOUNTS, |id, account, amount| MyCredit {
+        id,
+        account,
+        amount,
+    })
+    .await;
     assert_exact!(&pool, balances, order);
 }
 
