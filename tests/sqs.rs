@@ -1015,6 +1015,91 @@ async fn the_sink_splits_batches_by_size() {
     assert_eq!(queue_depth(&client, &url).await, (11, 0));
 }
 
+/// A message whose text or attributes SQS refuses fails for good, alone, before the call: SQS
+/// (moto too, for a bad attribute name) refuses a `SendMessageBatch` whole when one entry breaks
+/// its rules, which would hold the good messages of the batch back with it, round after round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_sqs_refuses_fails_alone() {
+    let _serial = SERIAL.lock().await;
+    let client = client().await;
+    let (name, url) = queue(&client, "refused", false, 30).await;
+    let (pool, _guard) = pool().await;
+    let destination: &'static str = Box::leak(name.into_boxed_str());
+    let destinations: &'static [&'static str] = Box::leak(vec![destination].into_boxed_slice());
+    let outbox = Outbox::new(destinations);
+    let message = |id: &str| -> Credit { serde_json::from_str(&credit(id, 1, "", 1)).unwrap() };
+    let eleven = (0..10).fold(
+        OutboxMessage::new(destination, &message("eleven")),
+        |m, i| m.header(format!("h{i}"), "v"),
+    );
+    // The name attribute and nine headers: ten attributes, SQS's most.
+    let ten = (0..9).fold(OutboxMessage::new(destination, &message("ten")), |m, i| {
+        m.header(format!("h{i}"), "v")
+    });
+    let rows = [
+        OutboxMessage::new(destination, &message("good-1")),
+        OutboxMessage::new(destination, &message("bad-name")).header("a b", "v"),
+        OutboxMessage::new(destination, &message("reserved")).header("AWS.trace", "v"),
+        OutboxMessage::new(destination, &message("dots")).header("a..b", "v"),
+        OutboxMessage::new(destination, &message("empty")).header("tenant", ""),
+        OutboxMessage::new(destination, &message("control")).header("tenant", "a\u{1}b"),
+        eleven,
+        ten,
+        OutboxMessage::new(destination, &message("good-2")).header("trace.id-1_x", "v"),
+    ];
+    let mut tx = pool.begin().await.unwrap();
+    for row in rows {
+        outbox.publish(&mut *tx, row).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    let relay = Relay::new(pool.clone(), SqsSink::connect(&settings()).await);
+    let round = relay.run_once().await.unwrap();
+    assert_eq!(
+        (round.published, round.dead, round.failed),
+        (3, 6, 0),
+        "{round:?}"
+    );
+    assert_eq!(queue_depth(&client, &url).await, (3, 0));
+    let errors: Vec<(String, String)> = sqlx::query_as(
+        "SELECT json_extract(CAST(payload AS TEXT), '$.id'), last_error FROM inbox_outbox \
+         WHERE status = 'dead' ORDER BY id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let expected = [
+        (
+            "bad-name",
+            r#"SQS refuses the message attribute name "a b": only A-Z, a-z, 0-9, '_', '-' and '.'"#,
+        ),
+        (
+            "reserved",
+            r#"SQS refuses the message attribute name "AWS.trace": the prefixes 'AWS.' and 'Amazon.' are reserved"#,
+        ),
+        (
+            "dots",
+            r#"SQS refuses the message attribute name "a..b": no '.' first or last, and no '..'"#,
+        ),
+        (
+            "empty",
+            r#"SQS refuses the message attribute "tenant": an empty value"#,
+        ),
+        (
+            "control",
+            r#"SQS refuses the message attribute "tenant": character 1 of its value is not one SQS allows in message text"#,
+        ),
+        (
+            "eleven",
+            "SQS allows 10 message attributes; this message has 11 (the name attribute `message-name` and 10 headers)",
+        ),
+    ];
+    let expected: Vec<(String, String)> = expected
+        .iter()
+        .map(|(id, error)| (id.to_string(), format!("permanent: {error}")))
+        .collect();
+    assert_eq!(errors, expected);
+}
+
 /// A malformed message whose rejection cannot be recorded (the database is gone) is requeued,
 /// not rejected: with the default `RejectAction::Delete` a reject would delete it, kept nowhere.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -388,8 +388,8 @@ mod mysql_rolled_back_under_the_handler {
         assert_eq!(
             failure(result),
             "scenario \"once\", delivery 1: expected processed, got database error: inbox \
-             verify failed for consumer `ledger_deadlock`, key `evt-1`: encountered unexpected \
-             or invalid data: the claim is gone from the handler's transaction (rolled back by \
+             verify failed for consumer `ledger_deadlock`, key `evt-1`: error returned from \
+             database: the claim is gone from the handler's transaction (rolled back by \
              InnoDB?)"
         );
     }

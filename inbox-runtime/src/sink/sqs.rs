@@ -9,7 +9,10 @@
 //! the relay's default 30 s lease. The body is the payload (UTF-8: SQS bodies are text; anything
 //! else is a permanent error); message attributes (String): the name attribute (default
 //! `message-name`, what [`SqsConfig`](crate::source::sqs::SqsConfig) reads the message name
-//! from) and the publisher's headers (SQS allows 10 attributes per message).
+//! from) and the publisher's headers. A message SQS would refuse for its text or attributes
+//! (more than 10 attributes, a name outside SQS's rules, an empty value, a character SQS does not
+//! allow in message text) fails for good, alone, before the call: SQS refuses a whole
+//! `SendMessageBatch` for one such entry, which would hold the rest of the batch back.
 //!
 //! On a **FIFO queue** (a name ending in `.fifo`) the outbox message id is the
 //! `MessageDeduplicationId`, so SQS drops a re-publish of the same row within its 5-minute
@@ -130,6 +133,7 @@ impl SqsSink {
         let body = std::str::from_utf8(&message.payload).map_err(|e| {
             SinkError::permanent(format!("SQS message bodies are text; payload: {e}"))
         })?;
+        check_attributes(message, &self.name_attribute, body)?;
         let text = |value: &str| {
             MessageAttributeValue::builder()
                 .data_type("String")
@@ -306,6 +310,94 @@ impl SqsSink {
         }
         Ok(())
     }
+}
+
+/// At most this many message attributes per message (SQS's limit).
+const MAX_ATTRIBUTES: usize = 10;
+/// At most this many characters in an attribute's name (SQS's limit).
+const MAX_ATTRIBUTE_NAME: usize = 256;
+
+/// Checks a message against what SQS refuses in a message's text and attributes, so that such a
+/// message fails for good, alone, before the call: SQS refuses a `SendMessageBatch` whole
+/// (`InvalidParameterValue`, `InvalidMessageContents`) when one entry breaks these rules, which
+/// would hold the other messages of its batch back with it. The rules (AWS's *Amazon SQS message
+/// attributes* and `SendMessage` reference):
+/// * at most [`MAX_ATTRIBUTES`] (10) attributes: the name attribute and each header;
+/// * an attribute name is 1–256 characters of `A–Z a–z 0–9 _ - .`, does not start or end with
+///   `.`, has no `..`, and does not start with `AWS.` or `Amazon.` (any case);
+/// * a `String` attribute's value is not empty;
+/// * the body and every value hold only the characters SQS allows in message text: `#x9`,
+///   `#xA`, `#xD`, `#x20`–`#xD7FF`, `#xE000`–`#xFFFD`, `#x10000`–`#x10FFFF`.
+///
+/// # Errors
+/// A permanent [`SinkError`] naming the rule and the attribute.
+fn check_attributes(
+    message: &OutgoingMessage,
+    name_attribute: &str,
+    body: &str,
+) -> Result<(), SinkError> {
+    let headers = message
+        .headers
+        .iter()
+        .filter(|(name, _)| name.as_str() != name_attribute);
+    let count = 1 + headers.clone().count();
+    if count > MAX_ATTRIBUTES {
+        return Err(SinkError::permanent(format!(
+            "SQS allows {MAX_ATTRIBUTES} message attributes; this message has {count} (the \
+             name attribute `{name_attribute}` and {} headers)",
+            count - 1
+        )));
+    }
+    if let Some(at) = body.chars().position(|c| !sqs_text_char(c)) {
+        return Err(SinkError::permanent(format!(
+            "SQS refuses the message body: character {at} is not one SQS allows in message text"
+        )));
+    }
+    let attributes = std::iter::once((name_attribute, message.message_name.as_str()))
+        .chain(headers.map(|(name, value)| (name.as_str(), value.as_str())));
+    for (name, value) in attributes {
+        if let Some(rule) = attribute_name_rule(name) {
+            return Err(SinkError::permanent(format!(
+                "SQS refuses the message attribute name {name:?}: {rule}"
+            )));
+        }
+        if value.is_empty() {
+            return Err(SinkError::permanent(format!(
+                "SQS refuses the message attribute {name:?}: an empty value"
+            )));
+        }
+        if let Some(at) = value.chars().position(|c| !sqs_text_char(c)) {
+            return Err(SinkError::permanent(format!(
+                "SQS refuses the message attribute {name:?}: character {at} of its value is \
+                 not one SQS allows in message text"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The rule an attribute name breaks (see [`check_attributes`]), if any.
+fn attribute_name_rule(name: &str) -> Option<&'static str> {
+    let lower = name.to_ascii_lowercase();
+    if name.is_empty() || name.chars().count() > MAX_ATTRIBUTE_NAME {
+        Some("1 to 256 characters")
+    } else if !name
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+    {
+        Some("only A-Z, a-z, 0-9, '_', '-' and '.'")
+    } else if name.starts_with('.') || name.ends_with('.') || name.contains("..") {
+        Some("no '.' first or last, and no '..'")
+    } else if lower.starts_with("aws.") || lower.starts_with("amazon.") {
+        Some("the prefixes 'AWS.' and 'Amazon.' are reserved")
+    } else {
+        None
+    }
+}
+
+/// Whether SQS allows `c` in message text (the body, a `String` attribute's value).
+fn sqs_text_char(c: char) -> bool {
+    matches!(c, '\t' | '\n' | '\r' | '\u{20}'..='\u{D7FF}' | '\u{E000}'..='\u{FFFD}' | '\u{10000}'..)
 }
 
 /// The size SQS counts for a message: its body, and each attribute's name, type and value.

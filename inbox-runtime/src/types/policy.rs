@@ -8,12 +8,17 @@ use backon::{BackoffBuilder, ExponentialBuilder};
 ///
 /// * A [`Transient`](crate::ErrorClass::Transient) failure is retried in-process, the whole
 ///   transaction again, up to [`transient_retries`](Self::transient_retries) times, after
-///   exponential delays with full jitter between the [transient delays](Self::transient_delays)'
-///   minimum and maximum.
+///   exponential delays from the [transient delays](Self::transient_delays)' minimum up to their
+///   maximum, each with jitter (see below).
 /// * A [`Retryable`](crate::ErrorClass::Retryable) failure (or a transient one that outlived its
 ///   in-process retries) is recorded as `failed` with `next_attempt_at = now + delay`, the delay
-///   doubling from the [redelivery delays](Self::retry_delays)' minimum up to their maximum
-///   (with jitter), measured on the database clock. The source redelivers it.
+///   doubling from the [redelivery delays](Self::retry_delays)' minimum up to their maximum,
+///   with jitter, measured on the database clock. The source redelivers it.
+///
+/// **Jitter** (the `backon` crate's, added to a delay): a delay `d` of the schedule above becomes
+/// a random one in `[d, 2d)`, so that workers that failed together do not retry together; the
+/// longest is under twice the maximum (with the defaults, redeliveries 1–2 s after a first
+/// failure and at most 10 minutes apart later).
 /// * The attempt that reaches [`max_attempts`](Self::max_attempts), and any
 ///   [`Permanent`](crate::ErrorClass::Permanent) failure, is recorded as `dead` with its payload.
 ///
@@ -74,7 +79,8 @@ pub struct RetryPolicy {
 
 impl Default for RetryPolicy {
     /// 5 attempts; 3 in-process retries of a transient failure, 10 ms to 1 s apart; redeliveries
-    /// 1 s to 5 min apart; error texts cut to 2048 bytes.
+    /// 1 s to 5 min apart (before jitter, which makes a delay `d` one in `[d, 2d)`); error texts
+    /// cut to 2048 bytes.
     fn default() -> Self {
         Self {
             max_attempts: 5,
@@ -133,7 +139,7 @@ impl RetryPolicy {
     }
 
     /// Sets the in-process retry delays of transient failures: the first `min`, doubling up to
-    /// `max`, each with jitter (default 10 ms to 1 s). Both are lowered to
+    /// `max`, each with jitter in `[d, 2d)` (default 10 ms to 1 s before jitter). Both are lowered to
     /// [`MAX_TRANSIENT_DELAY`](Self::MAX_TRANSIENT_DELAY) (1 minute) if above it, and `max` is
     /// raised to `min` if below it.
     pub fn transient_delays(mut self, min: Duration, max: Duration) -> Self {
@@ -148,7 +154,7 @@ impl RetryPolicy {
     }
 
     /// Sets the redelivery delays of failed messages: the first `min`, doubling up to `max`,
-    /// each with jitter (default 1 s to 5 min). Both are lowered to
+    /// each with jitter in `[d, 2d)` (default 1 s to 5 min before jitter). Both are lowered to
     /// [`MAX_RETRY_DELAY`](Self::MAX_RETRY_DELAY) (30 days) if above it, and `max` is raised to
     /// `min` if below it.
     pub fn retry_delays(mut self, min: Duration, max: Duration) -> Self {

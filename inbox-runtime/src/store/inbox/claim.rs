@@ -175,7 +175,46 @@ pub(super) async fn verify<D: InboxDialect>(
     let values = key_values(consumer, key);
     match fetch_optional::<D>(conn, &stmt, &values).await? {
         Some(_) => Ok(()),
-        None => Err(sqlx::Error::Protocol(D::CLAIM_GONE.into())),
+        None => Err(sqlx::Error::Database(Box::new(ClaimGone(D::CLAIM_GONE)))),
+    }
+}
+
+/// What [`verify`] returns when the transaction no longer holds its claim (the handler ended it
+/// with a raw `ROLLBACK`, or InnoDB rolled it back on a deadlock the handler swallowed): an
+/// error the database's answer implies, with no SQLSTATE. Not `sqlx::Error::Protocol`, which
+/// reads as a lost connection: the connection is fine, and the attempt is a failure to record
+/// ([`ErrorClass::Retryable`](crate::ErrorClass::Retryable)), not a delivery whose commit is
+/// unknown.
+#[derive(Debug)]
+struct ClaimGone(&'static str);
+
+impl std::fmt::Display for ClaimGone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl std::error::Error for ClaimGone {}
+
+impl sqlx::error::DatabaseError for ClaimGone {
+    fn message(&self) -> &str {
+        self.0
+    }
+
+    fn as_error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+
+    fn as_error_mut(&mut self) -> &mut (dyn std::error::Error + Send + Sync + 'static) {
+        self
+    }
+
+    fn into_error(self: Box<Self>) -> Box<dyn std::error::Error + Send + Sync + 'static> {
+        self
+    }
+
+    fn kind(&self) -> sqlx::error::ErrorKind {
+        sqlx::error::ErrorKind::Other
     }
 }
 
