@@ -1118,6 +1118,84 @@ mod postgres_only {
         }
     }
 
+    /// Headers NATS cannot carry (async-nats asserts on them: a name with a space, non-ASCII or
+    /// `:`; a value with CR or LF) fail their message for good, alone; the relay does not panic
+    /// and the good message beside them is published.
+    #[tokio::test]
+    async fn the_nats_sink_refuses_headers_nats_cannot_carry_per_message() {
+        use async_nats::jetstream::{self, stream};
+        use inbox_runtime::sink::nats::NatsSink;
+
+        const NATS_OUTBOX: Outbox = Outbox::new(&["inbox-nats-headers.orders"]);
+        let url = std::env::var("NATS_URL").expect("NATS_URL (scripts/brokers.sh) is set");
+        let context = jetstream::new(async_nats::connect(&url).await.unwrap());
+        let stream_name = "INBOX_NATS_HEADERS";
+        let _ = context.delete_stream(stream_name).await;
+        context
+            .create_stream(stream::Config {
+                name: stream_name.into(),
+                subjects: vec!["inbox-nats-headers.>".into()],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let pool = outbox_pool(4).await;
+        let mut tx = pool.begin().await.unwrap();
+        let headers = [
+            ("good", "trace-id", "t-1"),
+            ("space", "trace id", "t"),
+            ("umlaut", "Übertrag", "t"),
+            ("newline", "trace-id", "a\r\nInjected: yes"),
+        ];
+        for (id, name, value) in headers {
+            let paid = OrderPaid {
+                order_id: id.into(),
+                amount: 100,
+            };
+            NATS_OUTBOX
+                .publish(
+                    &mut *tx,
+                    OutboxMessage::new("inbox-nats-headers.orders", &paid)
+                        .message_id(id)
+                        .header(name, value),
+                )
+                .await
+                .unwrap();
+        }
+        tx.commit().await.unwrap();
+
+        let relay = Relay::new(pool.clone(), NatsSink::new(context.clone()));
+        assert_eq!(relay.run_once().await.unwrap(), round(4, 1, 0, 3));
+        let mut stream = context.get_stream(stream_name).await.unwrap();
+        assert_eq!(stream.info().await.unwrap().state.messages, 1);
+        let dead: Vec<(String, String)> = sqlx::query_as(
+            "SELECT message_id, last_error FROM inbox_outbox WHERE status = 'dead' \
+             ORDER BY message_id",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        let expected = [
+            (
+                "newline",
+                "permanent: NATS cannot carry the header \"trace-id\": its value has CR or LF",
+            ),
+            (
+                "space",
+                "permanent: NATS cannot carry the header name \"trace id\": only printable ASCII without ':'",
+            ),
+            (
+                "umlaut",
+                "permanent: NATS cannot carry the header name \"Übertrag\": only printable ASCII without ':'",
+            ),
+        ];
+        let expected: Vec<(String, String)> = expected
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect();
+        assert_eq!(dead, expected);
+    }
+
     #[tokio::test]
     async fn the_nats_sink_sets_the_message_id_and_jetstream_drops_republishes() {
         use async_nats::jetstream::{self, stream};

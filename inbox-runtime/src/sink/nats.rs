@@ -6,7 +6,8 @@
 //! header (default `message-name`, what [`NatsConfig`](crate::source::nats::NatsConfig) reads
 //! the message name from), and the publisher's headers. A batch is sent pipelined, then every
 //! JetStream ack is awaited: a message is `Ok` once its stream stored it (or reported it a
-//! duplicate).
+//! duplicate). A header NATS cannot carry (a name that is not printable ASCII without `:`, such
+//! as one with a space or an `Ü`; a value with CR or LF) fails its message for good, alone.
 //!
 //! ```no_run
 //! # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
@@ -54,14 +55,36 @@ impl NatsSink {
         self
     }
 
-    fn headers(&self, message: &OutgoingMessage) -> async_nats::HeaderMap {
+    /// The message's NATS headers: the publisher's, then the name header and `Nats-Msg-Id`.
+    ///
+    /// # Errors
+    /// A permanent [`SinkError`] for a header NATS cannot carry (async-nats would panic on it):
+    /// a name that is not printable ASCII without `:` (no space), or a value with CR or LF.
+    fn headers(&self, message: &OutgoingMessage) -> Result<async_nats::HeaderMap, SinkError> {
         let mut headers = async_nats::HeaderMap::new();
-        for (name, value) in &message.headers {
-            headers.insert(name.as_str(), value.as_str());
+        let own = [
+            (self.name_header.as_str(), message.message_name.as_str()),
+            ("Nats-Msg-Id", message.message_id.as_str()),
+        ];
+        let all = message
+            .headers
+            .iter()
+            .map(|(name, value)| (name.as_str(), value.as_str()))
+            .chain(own);
+        for (text, value) in all {
+            let name: async_nats::HeaderName = text.parse().map_err(|_| {
+                SinkError::permanent(format!(
+                    "NATS cannot carry the header name {text:?}: only printable ASCII without ':'"
+                ))
+            })?;
+            let value: async_nats::HeaderValue = value.parse().map_err(|_| {
+                SinkError::permanent(format!(
+                    "NATS cannot carry the header {text:?}: its value has CR or LF"
+                ))
+            })?;
+            headers.insert(name, value);
         }
-        headers.insert(self.name_header.as_str(), message.message_name.as_str());
-        headers.insert("Nats-Msg-Id", message.message_id.as_str());
-        headers
+        Ok(headers)
     }
 }
 
@@ -74,24 +97,28 @@ impl Sink for NatsSink {
             // Send all, then await the acks: one round trip for the batch.
             let mut pending = Vec::with_capacity(messages.len());
             for message in messages {
-                let sent = self
-                    .context
-                    .publish_with_headers(
-                        message.destination.clone(),
-                        self.headers(message),
-                        message.payload.clone().into(),
-                    )
-                    .await;
+                let sent = match self.headers(message) {
+                    Ok(headers) => Ok(self
+                        .context
+                        .publish_with_headers(
+                            message.destination.clone(),
+                            headers,
+                            message.payload.clone().into(),
+                        )
+                        .await),
+                    Err(refused) => Err(refused),
+                };
                 pending.push(sent);
             }
             let mut results = Vec::with_capacity(messages.len());
             for sent in pending {
                 results.push(match sent {
-                    Ok(ack) => match ack.await {
+                    Ok(Ok(ack)) => match ack.await {
                         Ok(_) => Ok(()),
                         Err(error) => Err(SinkError::retryable(error)),
                     },
-                    Err(error) => Err(SinkError::retryable(error)),
+                    Ok(Err(error)) => Err(SinkError::retryable(error)),
+                    Err(refused) => Err(refused),
                 });
             }
             results
