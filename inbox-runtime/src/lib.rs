@@ -244,6 +244,7 @@ pub mod ops;
 pub mod outbox;
 mod partition;
 pub mod protocol;
+mod setters;
 pub mod sink;
 pub mod source;
 pub mod store;

@@ -9,6 +9,7 @@ use super::hooks::{ClaimInfo, HookRunner};
 use super::machine::{Claimed, Opened, Uncommitted, commit, open, peek};
 use super::tx::{ClaimTx, Hold, Verify};
 use super::{Decision, Wait};
+use crate::setters::setters;
 use crate::store::{ClaimRequest, InboxConnection};
 use crate::types::classify::ErrorClass;
 use crate::types::envelope::SourceMetadata;
@@ -130,22 +131,19 @@ impl<'a> ClaimSession<'a> {
         }
     }
 
-    /// Whether to wait for a concurrent holder of the key (see [`Wait`]).
-    pub fn wait(mut self, wait: Wait) -> Self {
-        self.wait = wait;
-        self
-    }
+    setters! {
+        /// Whether to wait for a concurrent holder of the key (see [`Wait`]).
+        pub fn wait(wait: Wait);
 
-    /// The retry policy for [`ClaimedKey::fail`]: attempts before `dead`, delays between them.
-    pub fn retry_policy(mut self, policy: &'a RetryPolicy) -> Self {
-        self.policy = Some(policy);
-        self
-    }
+        /// The retry policy for [`ClaimedKey::fail`]: attempts before `dead`, delays between them.
+        pub fn retry_policy(policy: &'a RetryPolicy) {
+            self.policy = Some(policy);
+        }
 
-    /// Where the work came from, stored with the key.
-    pub fn source(mut self, source: &'a SourceMetadata) -> Self {
-        self.source = Some(source);
-        self
+        /// Where the work came from, stored with the key.
+        pub fn source(source: &'a SourceMetadata) {
+            self.source = Some(source);
+        }
     }
 
     /// Opens the claim on `conn`: `BEGIN` (a savepoint if `conn` is already inside a

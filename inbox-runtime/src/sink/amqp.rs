@@ -68,6 +68,7 @@ use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProper
 
 use super::{OutgoingMessage, Sink, SinkError};
 use crate::BoxFuture;
+use crate::setters::setters;
 
 /// An exchange and a routing key: where [`AmqpSink`] publishes one destination's messages.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,34 +139,21 @@ impl AmqpSinkConfig {
         self
     }
 
-    /// Sets [`declare`](Self::declare).
-    pub fn declare(mut self, yes: bool) -> Self {
-        self.declare = yes;
-        self
-    }
+    setters! {
+        /// Sets [`declare`](Self::declare).
+        pub fn declare(yes: bool);
 
-    /// Sets [`name_header`](Self::name_header).
-    pub fn name_header(mut self, header: Option<String>) -> Self {
-        self.name_header = header;
-        self
-    }
+        /// Sets [`name_header`](Self::name_header).
+        pub fn name_header(header: Option<String>);
 
-    /// Sets [`content_type`](Self::content_type).
-    pub fn content_type(mut self, content_type: Option<String>) -> Self {
-        self.content_type = content_type;
-        self
-    }
+        /// Sets [`content_type`](Self::content_type).
+        pub fn content_type(content_type: Option<String>);
 
-    /// Sets [`confirm_timeout`](Self::confirm_timeout).
-    pub fn confirm_timeout(mut self, timeout: Duration) -> Self {
-        self.confirm_timeout = timeout;
-        self
-    }
+        /// Sets [`confirm_timeout`](Self::confirm_timeout).
+        pub fn confirm_timeout(timeout: Duration);
 
-    /// Sets [`max_message_bytes`](Self::max_message_bytes).
-    pub fn max_message_bytes(mut self, bytes: usize) -> Self {
-        self.max_message_bytes = bytes;
-        self
+        /// Sets [`max_message_bytes`](Self::max_message_bytes).
+        pub fn max_message_bytes(bytes: usize);
     }
 
     /// Where `destination`'s messages go.

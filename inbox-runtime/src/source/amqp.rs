@@ -51,6 +51,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties, Consumer};
 
 use crate::BoxFuture;
+use crate::setters::setters;
 use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
 use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::limit::PayloadLimit;
@@ -101,22 +102,17 @@ impl AmqpConfig {
         }
     }
 
-    /// Sets [`prefetch`](Self::prefetch).
-    pub fn prefetch(mut self, prefetch: u16) -> Self {
-        self.prefetch = prefetch;
-        self
-    }
+    setters! {
+        /// Sets [`prefetch`](Self::prefetch).
+        pub fn prefetch(prefetch: u16);
 
-    /// Sets [`consumer_tag`](Self::consumer_tag).
-    pub fn consumer_tag(mut self, tag: impl Into<String>) -> Self {
-        self.consumer_tag = tag.into();
-        self
-    }
+        /// Sets [`consumer_tag`](Self::consumer_tag).
+        pub fn consumer_tag(tag: impl Into<String>) {
+            self.consumer_tag = tag.into();
+        }
 
-    /// Sets [`name_header`](Self::name_header) (`None`: ignore headers).
-    pub fn name_header(mut self, header: Option<String>) -> Self {
-        self.name_header = header;
-        self
+        /// Sets [`name_header`](Self::name_header) (`None`: ignore headers).
+        pub fn name_header(header: Option<String>);
     }
 
     /// Adds a routing key → message name mapping to [`routes`](Self::routes).
@@ -129,22 +125,17 @@ impl AmqpConfig {
         self
     }
 
-    /// Sets [`routing_key_as_name`](Self::routing_key_as_name).
-    pub fn routing_key_as_name(mut self, yes: bool) -> Self {
-        self.routing_key_as_name = yes;
-        self
-    }
+    setters! {
+        /// Sets [`routing_key_as_name`](Self::routing_key_as_name).
+        pub fn routing_key_as_name(yes: bool);
 
-    /// Sets [`ordering_key_header`](Self::ordering_key_header).
-    pub fn ordering_key_header(mut self, header: impl Into<String>) -> Self {
-        self.ordering_key_header = Some(header.into());
-        self
-    }
+        /// Sets [`ordering_key_header`](Self::ordering_key_header).
+        pub fn ordering_key_header(header: impl Into<String>) {
+            self.ordering_key_header = Some(header.into());
+        }
 
-    /// Sets [`declare`](Self::declare).
-    pub fn declare(mut self, yes: bool) -> Self {
-        self.declare = yes;
-        self
+        /// Sets [`declare`](Self::declare).
+        pub fn declare(yes: bool);
     }
 }
 

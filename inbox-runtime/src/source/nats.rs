@@ -53,6 +53,7 @@ use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt as _;
 
 use crate::BoxFuture;
+use crate::setters::setters;
 use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
 use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::limit::PayloadLimit;
@@ -110,46 +111,33 @@ impl NatsConfig {
         }
     }
 
-    /// Sets [`filter_subject`](Self::filter_subject).
-    pub fn filter_subject(mut self, filter: impl Into<String>) -> Self {
-        self.filter_subject = filter.into();
-        self
-    }
+    setters! {
+        /// Sets [`filter_subject`](Self::filter_subject).
+        pub fn filter_subject(filter: impl Into<String>) {
+            self.filter_subject = filter.into();
+        }
 
-    /// Sets [`ack_wait`](Self::ack_wait).
-    pub fn ack_wait(mut self, ack_wait: Duration) -> Self {
-        self.ack_wait = ack_wait;
-        self
-    }
+        /// Sets [`ack_wait`](Self::ack_wait).
+        pub fn ack_wait(ack_wait: Duration);
 
-    /// Sets [`max_ack_pending`](Self::max_ack_pending).
-    pub fn max_ack_pending(mut self, max: i64) -> Self {
-        self.max_ack_pending = max;
-        self
-    }
+        /// Sets [`max_ack_pending`](Self::max_ack_pending).
+        pub fn max_ack_pending(max: i64);
 
-    /// Sets [`max_deliver`](Self::max_deliver).
-    pub fn max_deliver(mut self, max: i64) -> Self {
-        self.max_deliver = max;
-        self
-    }
+        /// Sets [`max_deliver`](Self::max_deliver).
+        pub fn max_deliver(max: i64);
 
-    /// Sets [`name_header`](Self::name_header) (`None`: ignore headers).
-    pub fn name_header(mut self, header: Option<String>) -> Self {
-        self.name_header = header;
-        self
-    }
+        /// Sets [`name_header`](Self::name_header) (`None`: ignore headers).
+        pub fn name_header(header: Option<String>);
 
-    /// Sets [`subject_prefix`](Self::subject_prefix).
-    pub fn subject_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.subject_prefix = Some(prefix.into());
-        self
-    }
+        /// Sets [`subject_prefix`](Self::subject_prefix).
+        pub fn subject_prefix(prefix: impl Into<String>) {
+            self.subject_prefix = Some(prefix.into());
+        }
 
-    /// Sets [`ordering_key_header`](Self::ordering_key_header).
-    pub fn ordering_key_header(mut self, header: impl Into<String>) -> Self {
-        self.ordering_key_header = Some(header.into());
-        self
+        /// Sets [`ordering_key_header`](Self::ordering_key_header).
+        pub fn ordering_key_header(header: impl Into<String>) {
+            self.ordering_key_header = Some(header.into());
+        }
     }
 }
 

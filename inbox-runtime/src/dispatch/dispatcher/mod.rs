@@ -17,6 +17,7 @@ use crate::protocol::erased::{AnyMessage, DynHandler};
 use crate::protocol::hooks::{HookRunner, Hooks, TransactionHook};
 use crate::protocol::park::{Routes, apply_parked_successors, run_stored};
 use crate::protocol::single::AttemptPlan;
+use crate::setters::setters;
 use crate::store::{
     AdminStore as _, ClaimStore as _, InboxConnection as _, InboxDatabase, OrderingStore as _,
     Rejection, RejectionReason,
@@ -326,16 +327,16 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         Ok(self)
     }
 
-    /// Replaces the default [`ParkPolicy`] used by [`Dispatcher::sweep_parked`].
-    pub fn with_park_policy(mut self, park: ParkPolicy) -> Self {
-        self.park = park;
-        self
-    }
+    setters! {
+        /// Replaces the default [`ParkPolicy`] used by [`Dispatcher::sweep_parked`].
+        pub fn with_park_policy(park: ParkPolicy) {
+            self.park = park;
+        }
 
-    /// Replaces the default [`RetryPolicy`] (handlers' own `max_attempts` still win).
-    pub fn with_retry_policy(mut self, policy: RetryPolicy) -> Self {
-        self.policy = policy;
-        self
+        /// Replaces the default [`RetryPolicy`] (handlers' own `max_attempts` still win).
+        pub fn with_retry_policy(policy: RetryPolicy) {
+            self.policy = policy;
+        }
     }
 
     /// The retry policy in force.

@@ -107,6 +107,7 @@ use http::{Extensions, HeaderValue, StatusCode, header};
 use sqlx::pool::PoolConnection;
 
 use crate::ops::admin;
+use crate::setters::setters;
 use crate::store::{
     AdminStore as _, ConsoleDatabase, ConsoleStore as _, RejectionReason, RetryLag, StatsRow,
     StatsStatus, StoredMessage,
@@ -240,21 +241,21 @@ impl<DB: ConsoleDatabase> Console<DB> {
         self
     }
 
-    /// The secret the CSRF tokens are keyed with, instead of a random one per console: give
-    /// replicas behind one load balancer the same secret (keep it out of the page and the
-    /// logs).
-    pub fn csrf_secret(mut self, secret: [u8; 32]) -> Self {
-        self.secret = Some(secret);
-        self
-    }
+    setters! {
+        /// The secret the CSRF tokens are keyed with, instead of a random one per console: give
+        /// replicas behind one load balancer the same secret (keep it out of the page and the
+        /// logs).
+        pub fn csrf_secret(secret: [u8; 32]) {
+            self.secret = Some(secret);
+        }
 
-    /// How long a confirmation page's form stays valid (its CSRF token carries its issue
-    /// time): [`DEFAULT_FORM_LIFETIME`] (1 hour) unless given. A `POST` with an older token
-    /// is refused with `403` and a page that says it expired and to reload; nothing changes.
-    /// [`Duration::ZERO`] expires every form (useful in tests only).
-    pub fn form_lifetime(mut self, lifetime: Duration) -> Self {
-        self.lifetime = lifetime;
-        self
+        /// How long a confirmation page's form stays valid (its CSRF token carries its issue
+        /// time): [`DEFAULT_FORM_LIFETIME`] (1 hour) unless given. A `POST` with an older token
+        /// is refused with `403` and a page that says it expired and to reload; nothing changes.
+        /// [`Duration::ZERO`] expires every form (useful in tests only).
+        pub fn form_lifetime(lifetime: Duration) {
+            self.lifetime = lifetime;
+        }
     }
 
     /// The router: mount it with [`Router::nest`] (or [`Router::merge`] at the root). Its
