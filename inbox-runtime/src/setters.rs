@@ -27,12 +27,13 @@ macro_rules! setters {
         $vis:vis fn $name:ident($arg:ident: $ty:ty);
         $($rest:tt)*
     ) => {
-        $(#[$attr])*
-        $vis fn $name(mut self, $arg: $ty) -> Self {
-            self.$name = $arg;
-            self
+        $crate::setters::setters! {
+            $(#[$attr])*
+            $vis fn $name($arg: $ty) {
+                self.$name = $arg;
+            }
+            $($rest)*
         }
-        $crate::setters::setters!($($rest)*);
     };
     (
         $(#[$attr:meta])*

@@ -66,8 +66,7 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOpti
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 
-use super::{OutgoingMessage, Sink, SinkError};
-use crate::BoxFuture;
+use super::{OutgoingMessage, PublishFuture, Sink, SinkError};
 use crate::setters::setters;
 
 /// An exchange and a routing key: where [`AmqpSink`] publishes one destination's messages.
@@ -549,10 +548,7 @@ fn publish_error(route: &AmqpRoute, error: lapin::Error) -> AmqpSinkError {
 }
 
 impl Sink for AmqpSink {
-    fn publish_batch<'a>(
-        &'a self,
-        messages: &'a [OutgoingMessage],
-    ) -> BoxFuture<'a, Vec<Result<(), SinkError>>> {
+    fn publish_batch<'a>(&'a self, messages: &'a [OutgoingMessage]) -> PublishFuture<'a> {
         Box::pin(async move {
             let timestamp = SystemTime::now()
                 .duration_since(SystemTime::UNIX_EPOCH)

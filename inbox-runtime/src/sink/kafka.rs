@@ -37,8 +37,7 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
-use super::{OutgoingMessage, Sink, SinkError};
-use crate::BoxFuture;
+use super::{OutgoingMessage, PublishFuture, Sink, SinkError};
 
 /// Publishes to Kafka with an idempotent producer. Build with [`KafkaSink::new`] or
 /// [`KafkaSink::with_properties`].
@@ -137,10 +136,7 @@ fn permanent(error: &KafkaError) -> bool {
 }
 
 impl Sink for KafkaSink {
-    fn publish_batch<'a>(
-        &'a self,
-        messages: &'a [OutgoingMessage],
-    ) -> BoxFuture<'a, Vec<Result<(), SinkError>>> {
+    fn publish_batch<'a>(&'a self, messages: &'a [OutgoingMessage]) -> PublishFuture<'a> {
         Box::pin(async move {
             // Produce all, then await every delivery report: one round trip for the batch.
             let sends = messages.iter().map(|message| {

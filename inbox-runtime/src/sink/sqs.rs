@@ -36,8 +36,7 @@ use aws_sdk_sqs::Client;
 use aws_sdk_sqs::error::DisplayErrorContext;
 use aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
 
-use super::{OutgoingMessage, Sink, SinkError};
-use crate::BoxFuture;
+use super::{OutgoingMessage, PublishFuture, Sink, SinkError};
 use crate::setters::setters;
 use crate::source::sqs::{AwsSettings, call_timeouts, client, resolve_queue};
 
@@ -326,10 +325,7 @@ fn entry_size(entry: &SendMessageBatchRequestEntry) -> usize {
 }
 
 impl Sink for SqsSink {
-    fn publish_batch<'a>(
-        &'a self,
-        messages: &'a [OutgoingMessage],
-    ) -> BoxFuture<'a, Vec<Result<(), SinkError>>> {
+    fn publish_batch<'a>(&'a self, messages: &'a [OutgoingMessage]) -> PublishFuture<'a> {
         Box::pin(async move {
             // Grouped by destination, each group in order; results put back in the input order.
             let mut by_destination: Vec<(&str, Vec<usize>)> = Vec::new();

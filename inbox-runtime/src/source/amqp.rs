@@ -52,7 +52,7 @@ use lapin::{Channel, Connection, ConnectionProperties, Consumer};
 
 use crate::BoxFuture;
 use crate::setters::setters;
-use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::source::{Delivery, Settle, SettleFuture, Settlement, Source, SourceError};
 use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::limit::PayloadLimit;
 
@@ -299,10 +299,7 @@ struct AmqpSettler {
 }
 
 impl Settle for AmqpSettler {
-    fn settle(
-        self: Box<Self>,
-        settlement: Settlement,
-    ) -> BoxFuture<'static, Result<(), SourceError>> {
+    fn settle(self: Box<Self>, settlement: Settlement) -> SettleFuture {
         Box::pin(async move {
             let operation = settlement.kind();
             let sent = match settlement {

@@ -51,7 +51,7 @@ use serde_json::value::RawValue;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 
 use crate::BoxFuture;
-use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::source::{Delivery, Settle, SettleFuture, Settlement, Source, SourceError};
 use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::limit::PayloadLimit;
 
@@ -594,10 +594,7 @@ struct FileSettler {
 }
 
 impl Settle for FileSettler {
-    fn settle(
-        mut self: Box<Self>,
-        settlement: Settlement,
-    ) -> BoxFuture<'static, Result<(), SourceError>> {
+    fn settle(mut self: Box<Self>, settlement: Settlement) -> SettleFuture {
         let line = self.line.take().expect("settled once");
         let shared = Arc::clone(&self.shared);
         Box::pin(async move {

@@ -134,7 +134,7 @@ use crate::BoxFuture;
 use crate::dispatch::dispatcher::Dispatcher;
 use crate::protocol::hooks::{ClaimInfo, Fenced, TransactionHook};
 use crate::setters::setters;
-use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::source::{Delivery, Settle, SettleFuture, Settlement, Source, SourceError};
 use crate::store::{Acquired, PositionKey, PositionStore as _, PositionsDatabase};
 use crate::types::classify::BoxError;
 use crate::types::envelope::{Envelope, SourceMetadata};
@@ -1038,10 +1038,7 @@ impl KafkaSettler {
 }
 
 impl Settle for KafkaSettler {
-    fn settle(
-        self: Box<Self>,
-        settlement: Settlement,
-    ) -> BoxFuture<'static, Result<(), SourceError>> {
+    fn settle(self: Box<Self>, settlement: Settlement) -> SettleFuture {
         let retry_at = match settlement {
             Settlement::Ack | Settlement::Reject => None,
             Settlement::Requeue { delay } => Some(later(Instant::now(), delay.unwrap_or_default())),

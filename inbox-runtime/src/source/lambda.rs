@@ -92,7 +92,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::BoxFuture;
 use crate::setters::setters;
-use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::source::{Delivery, Settle, SettleFuture, Settlement, Source, SourceError};
 use crate::store::InboxDatabase;
 use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::limit::PayloadLimit;
@@ -514,10 +514,7 @@ struct RecordSettler {
 }
 
 impl Settle for RecordSettler {
-    fn settle(
-        self: Box<Self>,
-        settlement: Settlement,
-    ) -> BoxFuture<'static, Result<(), SourceError>> {
+    fn settle(self: Box<Self>, settlement: Settlement) -> SettleFuture {
         let fate = match settlement {
             Settlement::Ack | Settlement::Reject => Fate::Deleted,
             Settlement::Requeue { .. } => Fate::Listed,

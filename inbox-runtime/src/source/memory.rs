@@ -25,7 +25,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use crate::BoxFuture;
-use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::source::{Delivery, Settle, SettleFuture, Settlement, Source, SourceError};
 use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::limit::PayloadLimit;
 
@@ -182,10 +182,7 @@ struct MemorySettler {
 }
 
 impl Settle for MemorySettler {
-    fn settle(
-        mut self: Box<Self>,
-        settlement: Settlement,
-    ) -> BoxFuture<'static, Result<(), SourceError>> {
+    fn settle(mut self: Box<Self>, settlement: Settlement) -> SettleFuture {
         let queued = self.queued.take().expect("settled once");
         let shared = Arc::clone(&self.shared);
         Box::pin(async move {

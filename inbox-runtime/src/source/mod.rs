@@ -115,10 +115,7 @@ pub trait Settle: Send + 'static {
     /// A [`SourceError`] if the broker could not be told (connection lost, channel closed). The
     /// message is then not settled and the broker will deliver it again; after an
     /// [`Settlement::Ack`] whose transaction committed, that redelivery is a duplicate.
-    fn settle(
-        self: Box<Self>,
-        settlement: Settlement,
-    ) -> BoxFuture<'static, Result<(), SourceError>>;
+    fn settle(self: Box<Self>, settlement: Settlement) -> SettleFuture;
 
     /// The delivery was dropped without being settled. The default does nothing (the broker
     /// redelivers on its own: RabbitMQ when the channel closes, JetStream after `AckWait`).
@@ -132,6 +129,10 @@ pub trait Settle: Send + 'static {
         true
     }
 }
+
+/// What [`Settle::settle`] returns: a boxed future that borrows nothing (the same type as
+/// `BoxFuture<'static, Result<(), SourceError>>`, which an implementation may write instead).
+pub type SettleFuture = BoxFuture<'static, Result<(), SourceError>>;
 
 /// One delivery from a [`Source`]: an envelope and the means to settle it.
 ///

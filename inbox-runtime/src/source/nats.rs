@@ -54,7 +54,7 @@ use futures_util::StreamExt as _;
 
 use crate::BoxFuture;
 use crate::setters::setters;
-use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::source::{Delivery, Settle, SettleFuture, Settlement, Source, SourceError};
 use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::limit::PayloadLimit;
 
@@ -273,10 +273,7 @@ struct NatsSettler {
 }
 
 impl Settle for NatsSettler {
-    fn settle(
-        self: Box<Self>,
-        settlement: Settlement,
-    ) -> BoxFuture<'static, Result<(), SourceError>> {
+    fn settle(self: Box<Self>, settlement: Settlement) -> SettleFuture {
         Box::pin(async move {
             let kind = match settlement {
                 Settlement::Ack => AckKind::Ack,

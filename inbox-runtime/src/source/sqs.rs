@@ -119,7 +119,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::BoxFuture;
 use crate::setters::setters;
-use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::source::{Delivery, Settle, SettleFuture, Settlement, Source, SourceError};
 use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::limit::PayloadLimit;
 
@@ -1244,10 +1244,7 @@ impl SqsSettler {
 }
 
 impl Settle for SqsSettler {
-    fn settle(
-        self: Box<Self>,
-        settlement: Settlement,
-    ) -> BoxFuture<'static, Result<(), SourceError>> {
+    fn settle(self: Box<Self>, settlement: Settlement) -> SettleFuture {
         let result = match settlement {
             Settlement::Ack => {
                 self.shared.untrack(self.id);
