@@ -52,7 +52,9 @@ use lapin::{Channel, Connection, ConnectionProperties, Consumer};
 
 use crate::BoxFuture;
 use crate::setters::setters;
-use crate::source::{Delivery, Settle, SettleFuture, Settlement, Source, SourceError};
+use crate::source::{
+    Delivery, Settle, SettleFuture, Settlement, Source, SourceError, header_value,
+};
 use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::limit::PayloadLimit;
 
@@ -216,11 +218,7 @@ impl AmqpSource {
                 }
             }
         }
-        let message_name = self
-            .config
-            .name_header
-            .as_ref()
-            .and_then(|header| headers.get(header).cloned())
+        let message_name = header_value(&headers, self.config.name_header.as_ref())
             .or_else(|| {
                 properties
                     .kind()
@@ -239,11 +237,7 @@ impl AmqpSource {
                     .then(|| delivery.routing_key.as_str().to_owned())
             })
             .unwrap_or_default();
-        let ordering_key = self
-            .config
-            .ordering_key_header
-            .as_ref()
-            .and_then(|header| headers.get(header).cloned());
+        let ordering_key = header_value(&headers, self.config.ordering_key_header.as_ref());
 
         let mut metadata = SourceMetadata::new(&self.config.queue)
             .offset(i64::try_from(delivery.delivery_tag).unwrap_or(i64::MAX))

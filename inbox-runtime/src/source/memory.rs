@@ -20,12 +20,13 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use tokio::sync::Notify;
 
 use crate::BoxFuture;
-use crate::source::{Delivery, Settle, SettleFuture, Settlement, Source, SourceError};
+use crate::source::{
+    Delivery, Settle, SettleFuture, Settlement, Source, SourceError, requeue_after,
+};
 use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::limit::PayloadLimit;
 
@@ -192,16 +193,10 @@ impl Settle for MemorySettler {
                     shared.lock().outstanding -= 1;
                     shared.changed.notify_waiters();
                 }
-                Settlement::Requeue { delay } => match delay {
-                    Some(delay) if delay > Duration::ZERO => {
-                        // Stays outstanding while the delay runs, so that the source does not end.
-                        tokio::spawn(async move {
-                            tokio::time::sleep(delay).await;
-                            shared.requeue(queued);
-                        });
-                    }
-                    _ => shared.requeue(queued),
-                },
+                // Stays outstanding while a delay runs, so that the source does not end.
+                Settlement::Requeue { delay } => {
+                    requeue_after(delay, move || shared.requeue(queued));
+                }
             }
             Ok(())
         })

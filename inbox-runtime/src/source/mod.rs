@@ -302,3 +302,27 @@ impl<S: Source + ?Sized> Source for Box<S> {
         (**self).close()
     }
 }
+
+/// Runs `requeue` at once, or after `delay` on a task of its own where `delay` is over zero:
+/// [`Settlement::Requeue`] of the sources that redeliver by themselves (file, memory).
+pub(crate) fn requeue_after(delay: Option<Duration>, requeue: impl FnOnce() + Send + 'static) {
+    match delay {
+        Some(delay) if delay > Duration::ZERO => {
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                requeue();
+            });
+        }
+        _ => requeue(),
+    }
+}
+
+/// The value of the header `name` names among a delivery's `headers`; `None` where no name is
+/// configured or the delivery has no such header (AMQP, NATS).
+#[cfg(any(feature = "amqp", feature = "nats"))]
+pub(crate) fn header_value(
+    headers: &std::collections::BTreeMap<String, String>,
+    name: Option<&String>,
+) -> Option<String> {
+    headers.get(name?).cloned()
+}

@@ -54,7 +54,9 @@ use futures_util::StreamExt as _;
 
 use crate::BoxFuture;
 use crate::setters::setters;
-use crate::source::{Delivery, Settle, SettleFuture, Settlement, Source, SourceError};
+use crate::source::{
+    Delivery, Settle, SettleFuture, Settlement, Source, SourceError, header_value,
+};
 use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::limit::PayloadLimit;
 
@@ -218,11 +220,7 @@ impl NatsSource {
                 }
             }
         }
-        let message_name = self
-            .config
-            .name_header
-            .as_ref()
-            .and_then(|header| headers.get(header).cloned())
+        let message_name = header_value(&headers, self.config.name_header.as_ref())
             .or_else(|| {
                 let prefix = self.config.subject_prefix.as_deref()?;
                 message
@@ -232,11 +230,7 @@ impl NatsSource {
                     .map(str::to_owned)
             })
             .unwrap_or_default();
-        let ordering_key = self
-            .config
-            .ordering_key_header
-            .as_ref()
-            .and_then(|header| headers.get(header).cloned());
+        let ordering_key = header_value(&headers, self.config.ordering_key_header.as_ref());
 
         let mut metadata = SourceMetadata::new(&self.name);
         if let Ok(info) = message.info() {
