@@ -1131,31 +1131,31 @@ impl BatchCall<'_> {
     fn failed_entry(&self, entry: &BatchResultErrorEntry) -> Option<usize> {
         let (queue, operation) = (self.url, self.operation());
         let stale = entry.code == "ReceiptHandleIsInvalid" || entry.code == "MessageNotInflight";
-        if stale && self.kind == BatchKind::Visibility {
+        if stale {
             self.counters
                 .invalid_receipts
                 .fetch_add(1, Ordering::Relaxed);
-            // A heartbeat that crossed the delete of its message, or a message received again
-            // meanwhile: nothing to extend.
-            tracing::debug!(
-                queue,
-                operation,
-                code = entry.code,
-                "SQS visibility change for a message no longer in flight under this receipt \
-                 handle"
-            );
-        } else if stale {
-            self.counters
-                .invalid_receipts
-                .fetch_add(1, Ordering::Relaxed);
-            // After a commit: the message was received again (its visibility timeout had
-            // passed), and that delivery is a duplicate in the inbox.
-            tracing::info!(
-                queue,
-                operation,
-                code = entry.code,
-                "SQS receipt handle no longer valid; the message's redelivery will be a duplicate"
-            );
+            if self.kind == BatchKind::Visibility {
+                // A heartbeat that crossed the delete of its message, or a message received
+                // again meanwhile: nothing to extend.
+                tracing::debug!(
+                    queue,
+                    operation,
+                    code = entry.code,
+                    "SQS visibility change for a message no longer in flight under this receipt \
+                     handle"
+                );
+            } else {
+                // After a commit: the message was received again (its visibility timeout had
+                // passed), and that delivery is a duplicate in the inbox.
+                tracing::info!(
+                    queue,
+                    operation,
+                    code = entry.code,
+                    "SQS receipt handle no longer valid; the message's redelivery will be a \
+                     duplicate"
+                );
+            }
         } else if !self.last
             && let Ok(i) = entry.id.parse::<usize>()
         {

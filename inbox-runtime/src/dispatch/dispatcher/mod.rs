@@ -635,36 +635,29 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         msg: &AnyMessage,
         delivery: &AttemptPlan<'_>,
     ) -> Result<Outcome<()>, Error<BoxError>> {
-        let mut result = self.invoke_once(slot, handler, msg, delivery).await;
-        if lost_connection(&result) {
+        let mut retried = false;
+        loop {
+            let result = match slot.get_for_claim(&self.pool).await {
+                Ok(conn) => handler.invoke(conn.as_any(), msg, delivery).await,
+                Err(source) => Err(Error::Database(StoreError {
+                    consumer: handler.consumer().to_owned(),
+                    key: delivery.key.clone(),
+                    operation: StoreOperation::Acquire,
+                    source,
+                })),
+            };
+            if !lost_connection(&result) {
+                return result;
+            }
             slot.discard();
+            if retried {
+                return result;
+            }
+            retried = true;
             tracing::warn!(
                 consumer = handler.consumer(),
                 "connection lost; retrying on a new one"
             );
-            result = self.invoke_once(slot, handler, msg, delivery).await;
-            if lost_connection(&result) {
-                slot.discard();
-            }
-        }
-        result
-    }
-
-    async fn invoke_once(
-        &self,
-        slot: &mut ConnectionSlot<DB>,
-        handler: &'static dyn DynHandler,
-        msg: &AnyMessage,
-        delivery: &AttemptPlan<'_>,
-    ) -> Result<Outcome<()>, Error<BoxError>> {
-        match slot.get_for_claim(&self.pool).await {
-            Ok(conn) => handler.invoke(conn.as_any(), msg, delivery).await,
-            Err(source) => Err(Error::Database(StoreError {
-                consumer: handler.consumer().to_owned(),
-                key: delivery.key.clone(),
-                operation: StoreOperation::Acquire,
-                source,
-            })),
         }
     }
 
