@@ -1040,7 +1040,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::sql::check_binds;
+    use crate::store::sql::{check_binds, for_every_dialect};
 
     fn every_statement<D: OutboxDialect>() {
         check_binds("ENQUEUE", D::ENQUEUE, 9);
@@ -1068,8 +1068,6 @@ mod tests {
     /// Every dialect's statements bind as many arguments as their text takes.
     #[test]
     fn every_dialect_binds_what_its_statements_take() {
-        every_statement::<sqlx::Postgres>();
-        every_statement::<sqlx::Sqlite>();
-        every_statement::<sqlx::MySql>();
+        for_every_dialect!(every_statement);
     }
 }

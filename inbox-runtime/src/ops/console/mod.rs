@@ -506,6 +506,17 @@ impl Params {
         Ok(Some(consumer.to_owned()))
     }
 
+    /// A listing's filter: [`limit`](Self::limit), then the optional
+    /// [`consumer`](Self::consumer).
+    async fn listing<DB: ConsoleDatabase>(
+        &self,
+        inner: &Inner<DB>,
+        conn: &mut Conn<DB>,
+    ) -> Result<(u32, Option<String>), ErrorPage> {
+        let limit = self.limit()?;
+        Ok((limit, self.consumer(inner, conn, false).await?))
+    }
+
     /// `key`: not empty, no NUL, at most [`MAX_KEY_BYTES`].
     fn key(&self) -> Result<String, ErrorPage> {
         let key = self.required("key")?;
@@ -1172,8 +1183,7 @@ impl Filter {
         } else {
             params.statuses()?
         };
-        let limit = params.limit()?;
-        let consumer = params.consumer(inner, conn, false).await?;
+        let (limit, consumer) = params.listing(inner, conn).await?;
         let rows = conn
             .list_messages(consumer.as_deref(), statuses, i64::from(limit))
             .await
