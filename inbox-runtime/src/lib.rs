@@ -237,6 +237,7 @@
 #![warn(missing_docs, unreachable_pub, rust_2018_idioms)]
 
 pub mod cache;
+mod debug;
 pub mod dispatch;
 #[cfg(feature = "http")]
 pub mod http;

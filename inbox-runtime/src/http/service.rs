@@ -12,6 +12,7 @@ use futures_util::FutureExt as _;
 use http::{HeaderValue, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt as _, LengthLimitError, Limited};
 
+use crate::debug::some_fields;
 use crate::protocol::Wait;
 use crate::protocol::hooks::ClaimInfo;
 use crate::protocol::machine::{Uncommitted, commit, run_body};
@@ -56,9 +57,7 @@ impl<S: Clone, DB: InboxDatabase> Clone for IdempotencyService<S, DB> {
 
 impl<S: std::fmt::Debug, DB: InboxDatabase> std::fmt::Debug for IdempotencyService<S, DB> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IdempotencyService")
-            .field("inner", &self.inner)
-            .finish_non_exhaustive()
+        some_fields(f, "IdempotencyService", &[("inner", &self.inner)])
     }
 }
 

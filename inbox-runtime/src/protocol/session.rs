@@ -9,6 +9,7 @@ use super::hooks::{ClaimInfo, HookRunner};
 use super::machine::{Claimed, Opened, Uncommitted, commit, open, peek};
 use super::tx::{ClaimTx, Hold, Verify};
 use super::{Decision, Wait};
+use crate::debug::some_fields;
 use crate::setters::setters;
 use crate::store::{ClaimRequest, InboxConnection};
 use crate::types::classify::ErrorClass;
@@ -355,11 +356,15 @@ pub struct ClaimedKey<'c, C: InboxConnection> {
 
 impl<C: InboxConnection> std::fmt::Debug for ClaimedKey<'_, C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ClaimedKey")
-            .field("scope", &self.scope)
-            .field("key", &self.key)
-            .field("attempts", &self.attempts)
-            .finish_non_exhaustive()
+        some_fields(
+            f,
+            "ClaimedKey",
+            &[
+                ("scope", &self.scope),
+                ("key", &self.key),
+                ("attempts", &self.attempts),
+            ],
+        )
     }
 }
 

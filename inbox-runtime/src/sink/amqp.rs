@@ -67,6 +67,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 
 use super::{OutgoingMessage, PublishFuture, Sink, SinkError};
+use crate::debug::some_fields;
 use crate::setters::setters;
 
 /// An exchange and a routing key: where [`AmqpSink`] publishes one destination's messages.
@@ -281,10 +282,14 @@ pub struct AmqpSink {
 
 impl std::fmt::Debug for AmqpSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AmqpSink")
-            .field("routes", &self.config.routes)
-            .field("declare", &self.config.declare)
-            .finish_non_exhaustive()
+        some_fields(
+            f,
+            "AmqpSink",
+            &[
+                ("routes", &self.config.routes),
+                ("declare", &self.config.declare),
+            ],
+        )
     }
 }
 

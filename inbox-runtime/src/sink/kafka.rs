@@ -38,6 +38,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
 use super::{OutgoingMessage, PublishFuture, Sink, SinkError};
+use crate::debug::some_fields;
 
 /// Publishes to Kafka with an idempotent producer. Build with [`KafkaSink::new`] or
 /// [`KafkaSink::with_properties`].
@@ -49,9 +50,7 @@ pub struct KafkaSink {
 
 impl std::fmt::Debug for KafkaSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KafkaSink")
-            .field("name_header", &self.name_header)
-            .finish_non_exhaustive()
+        some_fields(f, "KafkaSink", &[("name_header", &self.name_header)])
     }
 }
 

@@ -24,6 +24,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use crate::BoxFuture;
+use crate::debug::some_fields;
 use crate::types::classify::BoxError;
 
 /// One message the relay hands a sink.
@@ -123,9 +124,11 @@ pub struct MemorySink {
 
 impl std::fmt::Debug for MemorySink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MemorySink")
-            .field("published", &self.published.lock().map(|p| p.len()))
-            .finish_non_exhaustive()
+        some_fields(
+            f,
+            "MemorySink",
+            &[("published", &self.published.lock().map(|p| p.len()))],
+        )
     }
 }
 

@@ -131,6 +131,7 @@ use rdkafka::types::RDKafkaRespErr;
 use sqlx::Pool;
 
 use crate::BoxFuture;
+use crate::debug::some_fields;
 use crate::dispatch::dispatcher::Dispatcher;
 use crate::protocol::hooks::{ClaimInfo, Fenced, TransactionHook};
 use crate::setters::setters;
@@ -1075,10 +1076,11 @@ pub struct KafkaSource {
 
 impl std::fmt::Debug for KafkaSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KafkaSource")
-            .field("name", &self.shared.name)
-            .field("group", &self.shared.group)
-            .finish_non_exhaustive()
+        some_fields(
+            f,
+            "KafkaSource",
+            &[("name", &self.shared.name), ("group", &self.shared.group)],
+        )
     }
 }
 

@@ -53,6 +53,7 @@ use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt as _;
 
 use crate::BoxFuture;
+use crate::debug::some_fields;
 use crate::setters::setters;
 use crate::source::{
     Delivery, Settle, SettleFuture, Settlement, Source, SourceError, header_value,
@@ -154,9 +155,7 @@ pub struct NatsSource {
 
 impl std::fmt::Debug for NatsSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NatsSource")
-            .field("config", &self.config)
-            .finish_non_exhaustive()
+        some_fields(f, "NatsSource", &[("config", &self.config)])
     }
 }
 

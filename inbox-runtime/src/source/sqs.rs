@@ -118,6 +118,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::BoxFuture;
+use crate::debug::some_fields;
 use crate::setters::setters;
 use crate::source::{Delivery, Settle, SettleFuture, Settlement, Source, SourceError};
 use crate::types::envelope::{Envelope, SourceMetadata};
@@ -543,10 +544,11 @@ pub struct SqsSource {
 
 impl std::fmt::Debug for SqsSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SqsSource")
-            .field("name", &self.shared.name)
-            .field("config", &self.shared.config)
-            .finish_non_exhaustive()
+        some_fields(
+            f,
+            "SqsSource",
+            &[("name", &self.shared.name), ("config", &self.shared.config)],
+        )
     }
 }
 

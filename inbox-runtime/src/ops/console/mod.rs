@@ -106,6 +106,7 @@ use http::request::Parts;
 use http::{Extensions, HeaderValue, StatusCode, header};
 use sqlx::pool::PoolConnection;
 
+use crate::debug::some_fields;
 use crate::ops::admin;
 use crate::setters::setters;
 use crate::store::{
@@ -202,10 +203,11 @@ pub struct Console<DB: ConsoleDatabase> {
 
 impl<DB: ConsoleDatabase> fmt::Debug for Console<DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Console")
-            .field("hook", &self.hook.is_some())
-            .field("own_auth", &self.own_auth)
-            .finish_non_exhaustive()
+        some_fields(
+            f,
+            "Console",
+            &[("hook", &self.hook.is_some()), ("own_auth", &self.own_auth)],
+        )
     }
 }
 
