@@ -136,13 +136,22 @@ struct Incoming {
     bytes: Bytes,
 }
 
+/// The service the layer wraps, as the layer's steps call it: the request with its body
+/// buffered, answered with a response of any body.
+trait Wrapped<ResBody>: tower::Service<Request<Body>, Response = Response<ResBody>> {}
+
+impl<S, ResBody> Wrapped<ResBody> for S where
+    S: tower::Service<Request<Body>, Response = Response<ResBody>>
+{
+}
+
 async fn handle<S, DB, ReqBody, ResBody>(
     config: Arc<Config<DB>>,
     mut inner: S,
     request: Request<ReqBody>,
 ) -> Result<Response<Body>, S::Error>
 where
-    S: tower::Service<Request<Body>, Response = Response<ResBody>>,
+    S: Wrapped<ResBody>,
     DB: InboxDatabase,
     ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
     ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -226,7 +235,7 @@ async fn run_keyless<S, DB, ResBody>(
     incoming: Incoming,
 ) -> Result<Response<Body>, S::Error>
 where
-    S: tower::Service<Request<Body>, Response = Response<ResBody>>,
+    S: Wrapped<ResBody>,
     DB: InboxDatabase,
     ResBody: ResponseBody,
 {
@@ -257,7 +266,7 @@ async fn run_keyed<S, DB, ResBody>(
     key: String,
 ) -> Result<Response<Body>, S::Error>
 where
-    S: tower::Service<Request<Body>, Response = Response<ResBody>>,
+    S: Wrapped<ResBody>,
     DB: InboxDatabase,
     ResBody: ResponseBody,
 {
@@ -403,7 +412,7 @@ async fn run<S, DB, ResBody>(
     slot: TxSlot<DB>,
 ) -> Result<Response<Body>, S::Error>
 where
-    S: tower::Service<Request<Body>, Response = Response<ResBody>>,
+    S: Wrapped<ResBody>,
     DB: InboxDatabase,
     ResBody: ResponseBody,
 {
@@ -455,7 +464,7 @@ async fn respond<S, DB, ResBody>(
     slot: &TxSlot<DB>,
 ) -> Result<Result<(http::response::Parts, Bytes), Problem>, S::Error>
 where
-    S: tower::Service<Request<Body>, Response = Response<ResBody>>,
+    S: Wrapped<ResBody>,
     DB: InboxDatabase,
     ResBody: ResponseBody,
 {
