@@ -4,7 +4,8 @@
 ///
 /// Each entry is a doc comment (and any other attributes) and a signature without `mut self`
 /// and return type, then either `;` (the field named like the setter takes the argument as
-/// given) or a block of one assignment to a field of `self`:
+/// given) or a block of one assignment to a field of `self`, or to a field of what a method of
+/// `self` without arguments returns (`self.config_mut().methods = …`):
 ///
 /// ```ignore
 /// setters! {
@@ -38,13 +39,13 @@ macro_rules! setters {
     (
         $(#[$attr:meta])*
         $vis:vis fn $name:ident($arg:ident: $ty:ty) {
-            self.$field:ident = $value:expr;
+            self.$field:ident$(().$inner:ident)? = $value:expr;
         }
         $($rest:tt)*
     ) => {
         $(#[$attr])*
         $vis fn $name(mut self, $arg: $ty) -> Self {
-            self.$field = $value;
+            self.$field$(().$inner)? = $value;
             self
         }
         $crate::setters::setters!($($rest)*);

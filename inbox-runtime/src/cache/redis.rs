@@ -75,8 +75,9 @@ impl RedisCache {
     }
 
     setters! {
-        /// Sets the prefix of every key this cache writes (default [`DEFAULT_PREFIX`](Self::DEFAULT_PREFIX)):
-        /// several inboxes (databases) sharing one Redis need one prefix each.
+        /// Sets the prefix of every key this cache writes (default
+        /// [`DEFAULT_PREFIX`](Self::DEFAULT_PREFIX)): several inboxes (databases) sharing one Redis
+        /// need one prefix each.
         pub fn prefix(prefix: impl Into<String>) {
             self.prefix = prefix.into();
         }
