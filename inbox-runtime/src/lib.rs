@@ -237,6 +237,7 @@
 #![warn(missing_docs, unreachable_pub, rust_2018_idioms)]
 
 pub mod cache;
+mod debug;
 pub mod dispatch;
 #[cfg(feature = "http")]
 pub mod http;
@@ -244,6 +245,7 @@ pub mod ops;
 pub mod outbox;
 mod partition;
 pub mod protocol;
+mod setters;
 pub mod sink;
 pub mod source;
 pub mod store;

@@ -15,6 +15,7 @@ use redis::aio::ConnectionManager;
 
 use super::{CacheEntry, CacheError, DedupeCache, Fill, cache_key};
 use crate::BoxFuture;
+use crate::setters::setters;
 
 /// A dedupe cache shared by every worker through Redis (see the [module docs](self)).
 ///
@@ -73,18 +74,17 @@ impl RedisCache {
         })
     }
 
-    /// Sets the prefix of every key this cache writes (default [`DEFAULT_PREFIX`](Self::DEFAULT_PREFIX)):
-    /// several inboxes (databases) sharing one Redis need one prefix each.
-    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = prefix.into();
-        self
-    }
+    setters! {
+        /// Sets the prefix of every key this cache writes (default
+        /// [`DEFAULT_PREFIX`](Self::DEFAULT_PREFIX)): several inboxes (databases) sharing one Redis
+        /// need one prefix each.
+        pub fn prefix(prefix: impl Into<String>) {
+            self.prefix = prefix.into();
+        }
 
-    /// Sets how long one command may take before it counts as failed (default
-    /// [`DEFAULT_TIMEOUT`](Self::DEFAULT_TIMEOUT)).
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
+        /// Sets how long one command may take before it counts as failed (default
+        /// [`DEFAULT_TIMEOUT`](Self::DEFAULT_TIMEOUT)).
+        pub fn timeout(timeout: Duration);
     }
 
     fn key(&self, consumer: &str, key: &str) -> String {

@@ -8,6 +8,7 @@ use axum::response::{IntoResponse, Response};
 use http::StatusCode;
 use http::request::Parts;
 
+use crate::debug::some_fields;
 use crate::protocol::session::ClaimedKey;
 use crate::protocol::tx::ClaimTx;
 use crate::store::InboxDatabase;
@@ -189,10 +190,11 @@ impl<DB: InboxDatabase> Drop for IdempotencyTx<DB> {
 
 impl<DB: InboxDatabase> std::fmt::Debug for IdempotencyTx<DB> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IdempotencyTx")
-            .field("scope", &self.scope())
-            .field("key", &self.key())
-            .finish_non_exhaustive()
+        some_fields(
+            f,
+            "IdempotencyTx",
+            &[("scope", &self.scope()), ("key", &self.key())],
+        )
     }
 }
 

@@ -170,6 +170,7 @@ use http::{HeaderName, Method, StatusCode, header};
 use sqlx::Pool;
 
 use crate::protocol::hooks::{Hooks, TransactionHook};
+use crate::setters::setters;
 use crate::store::InboxDatabase;
 use crate::types::key::MAX_KEY_BYTES;
 
@@ -330,55 +331,51 @@ impl<DB: InboxDatabase> IdempotencyLayer<DB> {
         Arc::make_mut(&mut self.config)
     }
 
-    /// The methods the layer covers (default `POST` and `PATCH`, the methods RFC 9110 does not
-    /// make idempotent); requests with other methods pass through untouched.
-    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
-        self.config_mut().methods = methods.into_iter().collect();
-        self
-    }
+    setters! {
+        /// The methods the layer covers (default `POST` and `PATCH`, the methods RFC 9110 does not
+        /// make idempotent); requests with other methods pass through untouched.
+        pub fn methods(methods: impl IntoIterator<Item = Method>) {
+            self.config_mut().methods = methods.into_iter().collect();
+        }
 
-    /// Whether a covered request without `Idempotency-Key` is refused with 400 (`true`, the
-    /// default) or runs without a claim, in a plain transaction that commits by the same
-    /// status rule and stores nothing (`false`).
-    pub fn require_key(mut self, required: bool) -> Self {
-        self.config_mut().require_key = required;
-        self
-    }
+        /// Whether a covered request without `Idempotency-Key` is refused with 400 (`true`, the
+        /// default) or runs without a claim, in a plain transaction that commits by the same
+        /// status rule and stores nothing (`false`).
+        pub fn require_key(required: bool) {
+            self.config_mut().require_key = required;
+        }
 
-    /// Also accept keys sent without the quotes of an sf-string (`Idempotency-Key: abc123`, as
-    /// clients written for Stripe-style APIs send them): a value that does not parse as an
-    /// sf-string is taken verbatim if it is visible ASCII without spaces (`%x21-7E`) and does
-    /// not start with `"`. Default `false`: such a key is a 400, as the draft's syntax says.
-    pub fn accept_unquoted_keys(mut self, accept: bool) -> Self {
-        self.config_mut().accept_unquoted = accept;
-        self
-    }
+        /// Also accept keys sent without the quotes of an sf-string (`Idempotency-Key: abc123`, as
+        /// clients written for Stripe-style APIs send them): a value that does not parse as an
+        /// sf-string is taken verbatim if it is visible ASCII without spaces (`%x21-7E`) and does
+        /// not start with `"`. Default `false`: such a key is a 400, as the draft's syntax says.
+        pub fn accept_unquoted_keys(accept: bool) {
+            self.config_mut().accept_unquoted = accept;
+        }
 
-    /// The longest key accepted, in characters (sf-string characters are ASCII, so also
-    /// bytes); longer keys are a 400. Default 255; values above [`MAX_KEY_BYTES`] (512, what the
-    /// inbox stores) are lowered to it, and 0 is raised to 1.
-    pub fn max_key_len(mut self, chars: usize) -> Self {
-        self.config_mut().max_key_len = chars.clamp(1, MAX_KEY_BYTES);
-        self
-    }
+        /// The longest key accepted, in characters (sf-string characters are ASCII, so also bytes);
+        /// longer keys are a 400. Default 255; values above [`MAX_KEY_BYTES`] (512, what the inbox
+        /// stores) are lowered to it, and 0 is raised to 1.
+        pub fn max_key_len(chars: usize) {
+            self.config_mut().max_key_len = chars.clamp(1, MAX_KEY_BYTES);
+        }
 
-    /// The largest request body read, in bytes (default 1 MiB; 0: only empty bodies); above it:
-    /// 413, before the handler and the claim. The whole body is held in memory to fingerprint
-    /// it, so values above [`PayloadLimit::MAX_BYTES`](crate::types::PayloadLimit::MAX_BYTES) (256
-    /// MiB, the largest payload the runtime holds) are lowered to it.
-    pub fn max_body_bytes(mut self, bytes: usize) -> Self {
-        self.config_mut().max_body_bytes = bytes.min(crate::types::PayloadLimit::MAX_BYTES);
-        self
-    }
+        /// The largest request body read, in bytes (default 1 MiB; 0: only empty bodies); above it:
+        /// 413, before the handler and the claim. The whole body is held in memory to fingerprint
+        /// it, so values above [`PayloadLimit::MAX_BYTES`](crate::types::PayloadLimit::MAX_BYTES)
+        /// (256 MiB, the largest payload the runtime holds) are lowered to it.
+        pub fn max_body_bytes(bytes: usize) {
+            self.config_mut().max_body_bytes = bytes.min(crate::types::PayloadLimit::MAX_BYTES);
+        }
 
-    /// The largest response body stored, in bytes (default 1 MiB; 0: only empty bodies, as a
-    /// `204`). A handler response above it cannot be replayed, so it is not sent as a success:
-    /// the transaction rolls back and the client gets a 500 (`response-too-large`). Values above
-    /// [`PayloadLimit::MAX_BYTES`](crate::types::PayloadLimit::MAX_BYTES) (256 MiB) are lowered to
-    /// it: the body is held in memory and stored as one database value.
-    pub fn max_response_bytes(mut self, bytes: usize) -> Self {
-        self.config_mut().max_response_bytes = bytes.min(crate::types::PayloadLimit::MAX_BYTES);
-        self
+        /// The largest response body stored, in bytes (default 1 MiB; 0: only empty bodies, as a
+        /// `204`). A handler response above it cannot be replayed, so it is not sent as a success:
+        /// the transaction rolls back and the client gets a 500 (`response-too-large`). Values
+        /// above [`PayloadLimit::MAX_BYTES`](crate::types::PayloadLimit::MAX_BYTES) (256 MiB) are
+        /// lowered to it: the body is held in memory and stored as one database value.
+        pub fn max_response_bytes(bytes: usize) {
+            self.config_mut().max_response_bytes = bytes.min(crate::types::PayloadLimit::MAX_BYTES);
+        }
     }
 
     /// Who sends the request: keys are unique per principal (and method and route), so two
@@ -421,28 +418,27 @@ impl<DB: InboxDatabase> IdempotencyLayer<DB> {
         self
     }
 
-    /// The response headers stored and replayed (every value of each); default
-    /// [`default_stored_headers`]. Headers not in the list are sent with the first response
-    /// only.
-    pub fn stored_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
-        self.config_mut().stored_headers = headers.into_iter().collect();
-        self
-    }
+    setters! {
+        /// The response headers stored and replayed (every value of each); default
+        /// [`default_stored_headers`]. Headers not in the list are sent with the first response
+        /// only.
+        pub fn stored_headers(headers: impl IntoIterator<Item = HeaderName>) {
+            self.config_mut().stored_headers = headers.into_iter().collect();
+        }
 
-    /// The `Retry-After` of a 409 (a request with the key still running) and of a 503: how
-    /// long a client should wait before retrying, sent in whole seconds rounded up (at least 1).
-    /// Default 1 s.
-    pub fn retry_after(mut self, after: Duration) -> Self {
-        self.config_mut().retry_after = after;
-        self
-    }
+        /// The `Retry-After` of a 409 (a request with the key still running) and of a 503: how long
+        /// a client should wait before retrying, sent in whole seconds rounded up (at least 1).
+        /// Default 1 s.
+        pub fn retry_after(after: Duration) {
+            self.config_mut().retry_after = after;
+        }
 
-    /// The prefix of the `type` URI of the layer's problem responses (RFC 9457), followed by the
-    /// slug of each problem: point it at your API's documentation. Default
-    /// [`DEFAULT_PROBLEM_BASE`].
-    pub fn problem_type_base(mut self, base: impl Into<String>) -> Self {
-        self.config_mut().problem_base = base.into();
-        self
+        /// The prefix of the `type` URI of the layer's problem responses (RFC 9457), followed by
+        /// the slug of each problem: point it at your API's documentation. Default
+        /// [`DEFAULT_PROBLEM_BASE`].
+        pub fn problem_type_base(base: impl Into<String>) {
+            self.config_mut().problem_base = base.into();
+        }
     }
 
     /// Adds a [`TransactionHook`], as

@@ -12,6 +12,7 @@ use futures_util::FutureExt as _;
 use http::{HeaderValue, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt as _, LengthLimitError, Limited};
 
+use crate::debug::some_fields;
 use crate::protocol::Wait;
 use crate::protocol::hooks::ClaimInfo;
 use crate::protocol::machine::{Uncommitted, commit, run_body};
@@ -56,9 +57,7 @@ impl<S: Clone, DB: InboxDatabase> Clone for IdempotencyService<S, DB> {
 
 impl<S: std::fmt::Debug, DB: InboxDatabase> std::fmt::Debug for IdempotencyService<S, DB> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IdempotencyService")
-            .field("inner", &self.inner)
-            .finish_non_exhaustive()
+        some_fields(f, "IdempotencyService", &[("inner", &self.inner)])
     }
 }
 
@@ -137,13 +136,22 @@ struct Incoming {
     bytes: Bytes,
 }
 
+/// The service the layer wraps, as the layer's steps call it: the request with its body
+/// buffered, answered with a response of any body.
+trait Wrapped<ResBody>: tower::Service<Request<Body>, Response = Response<ResBody>> {}
+
+impl<S, ResBody> Wrapped<ResBody> for S where
+    S: tower::Service<Request<Body>, Response = Response<ResBody>>
+{
+}
+
 async fn handle<S, DB, ReqBody, ResBody>(
     config: Arc<Config<DB>>,
     mut inner: S,
     request: Request<ReqBody>,
 ) -> Result<Response<Body>, S::Error>
 where
-    S: tower::Service<Request<Body>, Response = Response<ResBody>>,
+    S: Wrapped<ResBody>,
     DB: InboxDatabase,
     ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
     ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -227,7 +235,7 @@ async fn run_keyless<S, DB, ResBody>(
     incoming: Incoming,
 ) -> Result<Response<Body>, S::Error>
 where
-    S: tower::Service<Request<Body>, Response = Response<ResBody>>,
+    S: Wrapped<ResBody>,
     DB: InboxDatabase,
     ResBody: ResponseBody,
 {
@@ -258,7 +266,7 @@ async fn run_keyed<S, DB, ResBody>(
     key: String,
 ) -> Result<Response<Body>, S::Error>
 where
-    S: tower::Service<Request<Body>, Response = Response<ResBody>>,
+    S: Wrapped<ResBody>,
     DB: InboxDatabase,
     ResBody: ResponseBody,
 {
@@ -404,7 +412,7 @@ async fn run<S, DB, ResBody>(
     slot: TxSlot<DB>,
 ) -> Result<Response<Body>, S::Error>
 where
-    S: tower::Service<Request<Body>, Response = Response<ResBody>>,
+    S: Wrapped<ResBody>,
     DB: InboxDatabase,
     ResBody: ResponseBody,
 {
@@ -456,7 +464,7 @@ async fn respond<S, DB, ResBody>(
     slot: &TxSlot<DB>,
 ) -> Result<Result<(http::response::Parts, Bytes), Problem>, S::Error>
 where
-    S: tower::Service<Request<Body>, Response = Response<ResBody>>,
+    S: Wrapped<ResBody>,
     DB: InboxDatabase,
     ResBody: ResponseBody,
 {

@@ -125,6 +125,7 @@ use std::collections::BTreeMap;
 use sha2::{Digest as _, Sha256};
 
 use crate::protocol::context;
+use crate::setters::setters;
 use crate::store::{OutboxRow, OutboxStore};
 use crate::types::classify::{Classify, ErrorClass};
 use crate::types::message::Message;
@@ -431,21 +432,21 @@ impl OutboxMessage {
         self
     }
 
-    /// Sets the aggregate: the relay publishes the rows of one aggregate one at a time, never
-    /// one ahead of an earlier-written row that had committed by then (in the order they were
-    /// written when the aggregate's writers are serialized: see [`Outbox::publish`]), and a
-    /// dead row blocks the rows after it.
-    pub fn aggregate(mut self, aggregate_id: impl Into<String>) -> Self {
-        self.aggregate_id = Some(aggregate_id.into());
-        self
-    }
+    setters! {
+        /// Sets the aggregate: the relay publishes the rows of one aggregate one at a time, never
+        /// one ahead of an earlier-written row that had committed by then (in the order they were
+        /// written when the aggregate's writers are serialized: see [`Outbox::publish`]), and a
+        /// dead row blocks the rows after it.
+        pub fn aggregate(aggregate_id: impl Into<String>) {
+            self.aggregate_id = Some(aggregate_id.into());
+        }
 
-    /// Sets the message id (non-empty, at most [`MAX_MESSAGE_ID_BYTES`], no control
-    /// characters) instead of the derived one. Choose one that is the same on every run of the
-    /// work that publishes it, or the consumer cannot deduplicate.
-    pub fn message_id(mut self, message_id: impl Into<String>) -> Self {
-        self.message_id = Some(message_id.into());
-        self
+        /// Sets the message id (non-empty, at most [`MAX_MESSAGE_ID_BYTES`], no control
+        /// characters) instead of the derived one. Choose one that is the same on every run of the
+        /// work that publishes it, or the consumer cannot deduplicate.
+        pub fn message_id(message_id: impl Into<String>) {
+            self.message_id = Some(message_id.into());
+        }
     }
 }
 

@@ -8,6 +8,7 @@ use futures_util::StreamExt as _;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
+use crate::setters::setters;
 use crate::sink::{OutgoingMessage, Sink, SinkError};
 use crate::store::{OutboxBacklog, OutboxDatabase, OutboxRecord, OutboxStatus, OutboxStore as _};
 
@@ -243,20 +244,20 @@ impl<DB: OutboxDatabase> Relay<DB> {
         Ok(self)
     }
 
-    /// The longest wait between rounds when idle (the latency bound without notifications).
-    /// Default 500 ms; at least 1 ms (0 counts as 1 ms: an idle relay never polls back to
-    /// back).
-    pub fn poll_interval(mut self, interval: Duration) -> Self {
-        self.poll_interval = interval.max(Duration::from_millis(1));
-        self
-    }
+    setters! {
+        /// The longest wait between rounds when idle (the latency bound without notifications).
+        /// Default 500 ms; at least 1 ms (0 counts as 1 ms: an idle relay never polls back to
+        /// back).
+        pub fn poll_interval(interval: Duration) {
+            self.poll_interval = interval.max(Duration::from_millis(1));
+        }
 
-    /// Leases (publish attempts) after which a row goes `dead` (at least 1): a row whose
-    /// publish failed that often, or whose lease ran out unmarked that often (the relay
-    /// publishing it crashed, hung or was stopped each time).
-    pub fn max_attempts(mut self, attempts: u32) -> Self {
-        self.max_attempts = attempts.max(1);
-        self
+        /// Leases (publish attempts) after which a row goes `dead` (at least 1): a row whose
+        /// publish failed that often, or whose lease ran out unmarked that often (the relay
+        /// publishing it crashed, hung or was stopped each time).
+        pub fn max_attempts(attempts: u32) {
+            self.max_attempts = attempts.max(1);
+        }
     }
 
     /// The wait before a failed row's second attempt, doubled for each later one up to `max`

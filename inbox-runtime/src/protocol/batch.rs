@@ -234,14 +234,7 @@ impl<DB: InboxDatabase> Batch<'_, DB> {
 
     /// The `n`th message, as hooks see it.
     fn info(&self, n: usize) -> ClaimInfo<'_> {
-        let it = self.items[n];
-        ClaimInfo {
-            consumer: it.handler.consumer(),
-            key: it.key.as_str(),
-            message_name: it.handler.message_name(),
-            payload: Some(it.payload),
-            source: it.source,
-        }
+        self.subject(n).info()
     }
 
     /// The batch's runs until one settles it: optimistic (PostgreSQL), then with savepoints if

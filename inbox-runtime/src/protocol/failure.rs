@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::protocol::hooks::ClaimInfo;
 use crate::store::{ClaimStore, FailureRecord, Rejection, RejectionReason};
 use crate::types::classify::ErrorClass;
 use crate::types::envelope::SourceMetadata;
@@ -21,6 +22,19 @@ pub(crate) struct Subject<'a> {
     pub(crate) payload: &'a [u8],
     pub(crate) source: Option<&'a SourceMetadata>,
     pub(crate) ordering: Option<&'a Ordering>,
+}
+
+impl<'a> Subject<'a> {
+    /// The message as hooks see it ([`ClaimInfo`]), payload included.
+    pub(crate) fn info(&self) -> ClaimInfo<'a> {
+        ClaimInfo {
+            consumer: self.consumer,
+            key: self.key,
+            message_name: self.message_name,
+            payload: Some(self.payload),
+            source: self.source,
+        }
+    }
 }
 
 /// One failed attempt, ready to record: the bounded error text and the delay before the next

@@ -9,6 +9,8 @@ use super::hooks::{ClaimInfo, HookRunner};
 use super::machine::{Claimed, Opened, Uncommitted, commit, open, peek};
 use super::tx::{ClaimTx, Hold, Verify};
 use super::{Decision, Wait};
+use crate::debug::some_fields;
+use crate::setters::setters;
 use crate::store::{ClaimRequest, InboxConnection};
 use crate::types::classify::ErrorClass;
 use crate::types::envelope::SourceMetadata;
@@ -130,22 +132,19 @@ impl<'a> ClaimSession<'a> {
         }
     }
 
-    /// Whether to wait for a concurrent holder of the key (see [`Wait`]).
-    pub fn wait(mut self, wait: Wait) -> Self {
-        self.wait = wait;
-        self
-    }
+    setters! {
+        /// Whether to wait for a concurrent holder of the key (see [`Wait`]).
+        pub fn wait(wait: Wait);
 
-    /// The retry policy for [`ClaimedKey::fail`]: attempts before `dead`, delays between them.
-    pub fn retry_policy(mut self, policy: &'a RetryPolicy) -> Self {
-        self.policy = Some(policy);
-        self
-    }
+        /// The retry policy for [`ClaimedKey::fail`]: attempts before `dead`, delays between them.
+        pub fn retry_policy(policy: &'a RetryPolicy) {
+            self.policy = Some(policy);
+        }
 
-    /// Where the work came from, stored with the key.
-    pub fn source(mut self, source: &'a SourceMetadata) -> Self {
-        self.source = Some(source);
-        self
+        /// Where the work came from, stored with the key.
+        pub fn source(source: &'a SourceMetadata) {
+            self.source = Some(source);
+        }
     }
 
     /// Opens the claim on `conn`: `BEGIN` (a savepoint if `conn` is already inside a
@@ -357,11 +356,15 @@ pub struct ClaimedKey<'c, C: InboxConnection> {
 
 impl<C: InboxConnection> std::fmt::Debug for ClaimedKey<'_, C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ClaimedKey")
-            .field("scope", &self.scope)
-            .field("key", &self.key)
-            .field("attempts", &self.attempts)
-            .finish_non_exhaustive()
+        some_fields(
+            f,
+            "ClaimedKey",
+            &[
+                ("scope", &self.scope),
+                ("key", &self.key),
+                ("attempts", &self.attempts),
+            ],
+        )
     }
 }
 

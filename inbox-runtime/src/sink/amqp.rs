@@ -66,8 +66,9 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOpti
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 
-use super::{OutgoingMessage, Sink, SinkError};
-use crate::BoxFuture;
+use super::{OutgoingMessage, PublishFuture, Sink, SinkError};
+use crate::debug::some_fields;
+use crate::setters::setters;
 
 /// An exchange and a routing key: where [`AmqpSink`] publishes one destination's messages.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,34 +139,21 @@ impl AmqpSinkConfig {
         self
     }
 
-    /// Sets [`declare`](Self::declare).
-    pub fn declare(mut self, yes: bool) -> Self {
-        self.declare = yes;
-        self
-    }
+    setters! {
+        /// Sets [`declare`](Self::declare).
+        pub fn declare(yes: bool);
 
-    /// Sets [`name_header`](Self::name_header).
-    pub fn name_header(mut self, header: Option<String>) -> Self {
-        self.name_header = header;
-        self
-    }
+        /// Sets [`name_header`](Self::name_header).
+        pub fn name_header(header: Option<String>);
 
-    /// Sets [`content_type`](Self::content_type).
-    pub fn content_type(mut self, content_type: Option<String>) -> Self {
-        self.content_type = content_type;
-        self
-    }
+        /// Sets [`content_type`](Self::content_type).
+        pub fn content_type(content_type: Option<String>);
 
-    /// Sets [`confirm_timeout`](Self::confirm_timeout).
-    pub fn confirm_timeout(mut self, timeout: Duration) -> Self {
-        self.confirm_timeout = timeout;
-        self
-    }
+        /// Sets [`confirm_timeout`](Self::confirm_timeout).
+        pub fn confirm_timeout(timeout: Duration);
 
-    /// Sets [`max_message_bytes`](Self::max_message_bytes).
-    pub fn max_message_bytes(mut self, bytes: usize) -> Self {
-        self.max_message_bytes = bytes;
-        self
+        /// Sets [`max_message_bytes`](Self::max_message_bytes).
+        pub fn max_message_bytes(bytes: usize);
     }
 
     /// Where `destination`'s messages go.
@@ -294,10 +282,14 @@ pub struct AmqpSink {
 
 impl std::fmt::Debug for AmqpSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AmqpSink")
-            .field("routes", &self.config.routes)
-            .field("declare", &self.config.declare)
-            .finish_non_exhaustive()
+        some_fields(
+            f,
+            "AmqpSink",
+            &[
+                ("routes", &self.config.routes),
+                ("declare", &self.config.declare),
+            ],
+        )
     }
 }
 
@@ -561,10 +553,7 @@ fn publish_error(route: &AmqpRoute, error: lapin::Error) -> AmqpSinkError {
 }
 
 impl Sink for AmqpSink {
-    fn publish_batch<'a>(
-        &'a self,
-        messages: &'a [OutgoingMessage],
-    ) -> BoxFuture<'a, Vec<Result<(), SinkError>>> {
+    fn publish_batch<'a>(&'a self, messages: &'a [OutgoingMessage]) -> PublishFuture<'a> {
         Box::pin(async move {
             let timestamp = SystemTime::now()
                 .duration_since(SystemTime::UNIX_EPOCH)

@@ -37,8 +37,8 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
-use super::{OutgoingMessage, Sink, SinkError};
-use crate::BoxFuture;
+use super::{OutgoingMessage, PublishFuture, Sink, SinkError};
+use crate::debug::some_fields;
 
 /// Publishes to Kafka with an idempotent producer. Build with [`KafkaSink::new`] or
 /// [`KafkaSink::with_properties`].
@@ -50,9 +50,7 @@ pub struct KafkaSink {
 
 impl std::fmt::Debug for KafkaSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KafkaSink")
-            .field("name_header", &self.name_header)
-            .finish_non_exhaustive()
+        some_fields(f, "KafkaSink", &[("name_header", &self.name_header)])
     }
 }
 
@@ -137,10 +135,7 @@ fn permanent(error: &KafkaError) -> bool {
 }
 
 impl Sink for KafkaSink {
-    fn publish_batch<'a>(
-        &'a self,
-        messages: &'a [OutgoingMessage],
-    ) -> BoxFuture<'a, Vec<Result<(), SinkError>>> {
+    fn publish_batch<'a>(&'a self, messages: &'a [OutgoingMessage]) -> PublishFuture<'a> {
         Box::pin(async move {
             // Produce all, then await every delivery report: one round trip for the batch.
             let sends = messages.iter().map(|message| {

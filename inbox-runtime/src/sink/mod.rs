@@ -24,6 +24,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use crate::BoxFuture;
+use crate::debug::some_fields;
 use crate::types::classify::BoxError;
 
 /// One message the relay hands a sink.
@@ -90,17 +91,16 @@ impl SinkError {
 /// send the same [`OutgoingMessage::message_id`] so that the broker or the consumer deduplicates.
 pub trait Sink: Send + Sync + 'static {
     /// Publishes `messages`; one result per message, in order.
-    fn publish_batch<'a>(
-        &'a self,
-        messages: &'a [OutgoingMessage],
-    ) -> BoxFuture<'a, Vec<Result<(), SinkError>>>;
+    fn publish_batch<'a>(&'a self, messages: &'a [OutgoingMessage]) -> PublishFuture<'a>;
 }
 
+/// What [`Sink::publish_batch`] returns: a boxed future of one result per message, in the
+/// order of the messages (the same type as `BoxFuture<'a, Vec<Result<(), SinkError>>>`, which
+/// an implementation may write instead).
+pub type PublishFuture<'a> = BoxFuture<'a, Vec<Result<(), SinkError>>>;
+
 impl<S: Sink + ?Sized> Sink for Arc<S> {
-    fn publish_batch<'a>(
-        &'a self,
-        messages: &'a [OutgoingMessage],
-    ) -> BoxFuture<'a, Vec<Result<(), SinkError>>> {
+    fn publish_batch<'a>(&'a self, messages: &'a [OutgoingMessage]) -> PublishFuture<'a> {
         (**self).publish_batch(messages)
     }
 }
@@ -124,9 +124,11 @@ pub struct MemorySink {
 
 impl std::fmt::Debug for MemorySink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MemorySink")
-            .field("published", &self.published.lock().map(|p| p.len()))
-            .finish_non_exhaustive()
+        some_fields(
+            f,
+            "MemorySink",
+            &[("published", &self.published.lock().map(|p| p.len()))],
+        )
     }
 }
 
@@ -152,10 +154,7 @@ impl MemorySink {
 }
 
 impl Sink for MemorySink {
-    fn publish_batch<'a>(
-        &'a self,
-        messages: &'a [OutgoingMessage],
-    ) -> BoxFuture<'a, Vec<Result<(), SinkError>>> {
+    fn publish_batch<'a>(&'a self, messages: &'a [OutgoingMessage]) -> PublishFuture<'a> {
         Box::pin(async move {
             let mut published = self.published.lock().expect("not poisoned");
             messages

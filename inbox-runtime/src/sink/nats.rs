@@ -21,8 +21,7 @@
 
 use async_nats::jetstream;
 
-use super::{OutgoingMessage, Sink, SinkError};
-use crate::BoxFuture;
+use super::{OutgoingMessage, PublishFuture, Sink, SinkError};
 
 /// Publishes to NATS JetStream. Build with [`NatsSink::connect`] or [`NatsSink::new`].
 #[derive(Debug, Clone)]
@@ -89,10 +88,7 @@ impl NatsSink {
 }
 
 impl Sink for NatsSink {
-    fn publish_batch<'a>(
-        &'a self,
-        messages: &'a [OutgoingMessage],
-    ) -> BoxFuture<'a, Vec<Result<(), SinkError>>> {
+    fn publish_batch<'a>(&'a self, messages: &'a [OutgoingMessage]) -> PublishFuture<'a> {
         Box::pin(async move {
             // Send all, then await the acks: one round trip for the batch.
             let mut pending = Vec::with_capacity(messages.len());

@@ -39,8 +39,8 @@ use aws_sdk_sqs::Client;
 use aws_sdk_sqs::error::DisplayErrorContext;
 use aws_sdk_sqs::types::{MessageAttributeValue, SendMessageBatchRequestEntry};
 
-use super::{OutgoingMessage, Sink, SinkError};
-use crate::BoxFuture;
+use super::{OutgoingMessage, PublishFuture, Sink, SinkError};
+use crate::setters::setters;
 use crate::source::sqs::{AwsSettings, call_timeouts, client, resolve_queue};
 
 /// At most this many messages in one `SendMessageBatch` (SQS's limit).
@@ -80,18 +80,18 @@ impl SqsSink {
         }
     }
 
-    /// The message attribute that carries the message name (default `message-name`, as the SQS
-    /// source reads it).
-    pub fn name_attribute(mut self, attribute: impl Into<String>) -> Self {
-        self.name_attribute = attribute.into();
-        self
-    }
+    setters! {
+        /// The message attribute that carries the message name (default `message-name`, as the SQS
+        /// source reads it).
+        pub fn name_attribute(attribute: impl Into<String>) {
+            self.name_attribute = attribute.into();
+        }
 
-    /// The timeout of one `SendMessageBatch` attempt (default 8 s; the whole call, retries
-    /// included, times out after 2 × this + 1 s). Keep the whole call under the relay's lease.
-    pub fn send_timeout(mut self, attempt: Duration) -> Self {
-        self.attempt_timeout = attempt.max(Duration::from_millis(100));
-        self
+        /// The timeout of one `SendMessageBatch` attempt (default 8 s; the whole call, retries
+        /// included, times out after 2 × this + 1 s). Keep the whole call under the relay's lease.
+        pub fn send_timeout(attempt: Duration) {
+            self.attempt_timeout = attempt.max(Duration::from_millis(100));
+        }
     }
 
     async fn url(&self, destination: &str) -> Result<String, SinkError> {
@@ -417,10 +417,7 @@ fn entry_size(entry: &SendMessageBatchRequestEntry) -> usize {
 }
 
 impl Sink for SqsSink {
-    fn publish_batch<'a>(
-        &'a self,
-        messages: &'a [OutgoingMessage],
-    ) -> BoxFuture<'a, Vec<Result<(), SinkError>>> {
+    fn publish_batch<'a>(&'a self, messages: &'a [OutgoingMessage]) -> PublishFuture<'a> {
         Box::pin(async move {
             // Grouped by destination, each group in order; results put back in the input order.
             let mut by_destination: Vec<(&str, Vec<usize>)> = Vec::new();

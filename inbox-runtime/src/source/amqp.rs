@@ -51,7 +51,10 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties, Consumer};
 
 use crate::BoxFuture;
-use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::setters::setters;
+use crate::source::{
+    Delivery, Settle, SettleFuture, Settlement, Source, SourceError, header_value,
+};
 use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::limit::PayloadLimit;
 
@@ -101,22 +104,17 @@ impl AmqpConfig {
         }
     }
 
-    /// Sets [`prefetch`](Self::prefetch).
-    pub fn prefetch(mut self, prefetch: u16) -> Self {
-        self.prefetch = prefetch;
-        self
-    }
+    setters! {
+        /// Sets [`prefetch`](Self::prefetch).
+        pub fn prefetch(prefetch: u16);
 
-    /// Sets [`consumer_tag`](Self::consumer_tag).
-    pub fn consumer_tag(mut self, tag: impl Into<String>) -> Self {
-        self.consumer_tag = tag.into();
-        self
-    }
+        /// Sets [`consumer_tag`](Self::consumer_tag).
+        pub fn consumer_tag(tag: impl Into<String>) {
+            self.consumer_tag = tag.into();
+        }
 
-    /// Sets [`name_header`](Self::name_header) (`None`: ignore headers).
-    pub fn name_header(mut self, header: Option<String>) -> Self {
-        self.name_header = header;
-        self
+        /// Sets [`name_header`](Self::name_header) (`None`: ignore headers).
+        pub fn name_header(header: Option<String>);
     }
 
     /// Adds a routing key → message name mapping to [`routes`](Self::routes).
@@ -129,22 +127,17 @@ impl AmqpConfig {
         self
     }
 
-    /// Sets [`routing_key_as_name`](Self::routing_key_as_name).
-    pub fn routing_key_as_name(mut self, yes: bool) -> Self {
-        self.routing_key_as_name = yes;
-        self
-    }
+    setters! {
+        /// Sets [`routing_key_as_name`](Self::routing_key_as_name).
+        pub fn routing_key_as_name(yes: bool);
 
-    /// Sets [`ordering_key_header`](Self::ordering_key_header).
-    pub fn ordering_key_header(mut self, header: impl Into<String>) -> Self {
-        self.ordering_key_header = Some(header.into());
-        self
-    }
+        /// Sets [`ordering_key_header`](Self::ordering_key_header).
+        pub fn ordering_key_header(header: impl Into<String>) {
+            self.ordering_key_header = Some(header.into());
+        }
 
-    /// Sets [`declare`](Self::declare).
-    pub fn declare(mut self, yes: bool) -> Self {
-        self.declare = yes;
-        self
+        /// Sets [`declare`](Self::declare).
+        pub fn declare(yes: bool);
     }
 }
 
@@ -225,11 +218,7 @@ impl AmqpSource {
                 }
             }
         }
-        let message_name = self
-            .config
-            .name_header
-            .as_ref()
-            .and_then(|header| headers.get(header).cloned())
+        let message_name = header_value(&headers, self.config.name_header.as_ref())
             .or_else(|| {
                 properties
                     .kind()
@@ -248,11 +237,7 @@ impl AmqpSource {
                     .then(|| delivery.routing_key.as_str().to_owned())
             })
             .unwrap_or_default();
-        let ordering_key = self
-            .config
-            .ordering_key_header
-            .as_ref()
-            .and_then(|header| headers.get(header).cloned());
+        let ordering_key = header_value(&headers, self.config.ordering_key_header.as_ref());
 
         let mut metadata = SourceMetadata::new(&self.config.queue)
             .offset(i64::try_from(delivery.delivery_tag).unwrap_or(i64::MAX))
@@ -308,10 +293,7 @@ struct AmqpSettler {
 }
 
 impl Settle for AmqpSettler {
-    fn settle(
-        self: Box<Self>,
-        settlement: Settlement,
-    ) -> BoxFuture<'static, Result<(), SourceError>> {
+    fn settle(self: Box<Self>, settlement: Settlement) -> SettleFuture {
         Box::pin(async move {
             let operation = settlement.kind();
             let sent = match settlement {

@@ -43,7 +43,6 @@ use std::io::{self, Seek as _, SeekFrom, Write as _};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use serde::de::{DeserializeSeed, IgnoredAny, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
@@ -51,7 +50,9 @@ use serde_json::value::RawValue;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 
 use crate::BoxFuture;
-use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::source::{
+    Delivery, Settle, SettleFuture, Settlement, Source, SourceError, requeue_after,
+};
 use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::limit::PayloadLimit;
 
@@ -594,10 +595,7 @@ struct FileSettler {
 }
 
 impl Settle for FileSettler {
-    fn settle(
-        mut self: Box<Self>,
-        settlement: Settlement,
-    ) -> BoxFuture<'static, Result<(), SourceError>> {
+    fn settle(mut self: Box<Self>, settlement: Settlement) -> SettleFuture {
         let line = self.line.take().expect("settled once");
         let shared = Arc::clone(&self.shared);
         Box::pin(async move {
@@ -605,15 +603,9 @@ impl Settle for FileSettler {
                 Settlement::Ack | Settlement::Reject => {
                     shared.complete(line.number, line.end, true);
                 }
-                Settlement::Requeue { delay } => match delay {
-                    Some(delay) if delay > Duration::ZERO => {
-                        tokio::spawn(async move {
-                            tokio::time::sleep(delay).await;
-                            shared.redeliver(line);
-                        });
-                    }
-                    _ => shared.redeliver(line),
-                },
+                Settlement::Requeue { delay } => {
+                    requeue_after(delay, move || shared.redeliver(line));
+                }
             }
             Ok(())
         })

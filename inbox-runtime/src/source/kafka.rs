@@ -131,9 +131,11 @@ use rdkafka::types::RDKafkaRespErr;
 use sqlx::Pool;
 
 use crate::BoxFuture;
+use crate::debug::some_fields;
 use crate::dispatch::dispatcher::Dispatcher;
 use crate::protocol::hooks::{ClaimInfo, Fenced, TransactionHook};
-use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::setters::setters;
+use crate::source::{Delivery, Settle, SettleFuture, Settlement, Source, SourceError};
 use crate::store::{Acquired, PositionKey, PositionStore as _, PositionsDatabase};
 use crate::types::classify::BoxError;
 use crate::types::envelope::{Envelope, SourceMetadata};
@@ -237,34 +239,23 @@ impl KafkaConfig {
         self
     }
 
-    /// Sets [`ordering`](Self::ordering).
-    pub fn ordering(mut self, ordering: KafkaOrdering) -> Self {
-        self.ordering = ordering;
-        self
-    }
+    setters! {
+        /// Sets [`ordering`](Self::ordering).
+        pub fn ordering(ordering: KafkaOrdering);
 
-    /// Sets [`max_buffered`](Self::max_buffered) (at least 1).
-    pub fn max_buffered(mut self, records: usize) -> Self {
-        self.max_buffered = records.max(1);
-        self
-    }
+        /// Sets [`max_buffered`](Self::max_buffered) (at least 1).
+        pub fn max_buffered(records: usize) {
+            self.max_buffered = records.max(1);
+        }
 
-    /// Sets [`commit_interval`](Self::commit_interval).
-    pub fn commit_interval(mut self, interval: Duration) -> Self {
-        self.commit_interval = interval;
-        self
-    }
+        /// Sets [`commit_interval`](Self::commit_interval).
+        pub fn commit_interval(interval: Duration);
 
-    /// Sets [`revoke_wait`](Self::revoke_wait).
-    pub fn revoke_wait(mut self, wait: Duration) -> Self {
-        self.revoke_wait = wait;
-        self
-    }
+        /// Sets [`revoke_wait`](Self::revoke_wait).
+        pub fn revoke_wait(wait: Duration);
 
-    /// Sets [`assign_timeout`](Self::assign_timeout).
-    pub fn assign_timeout(mut self, timeout: Duration) -> Self {
-        self.assign_timeout = timeout;
-        self
+        /// Sets [`assign_timeout`](Self::assign_timeout).
+        pub fn assign_timeout(timeout: Duration);
     }
 
     /// Sets a librdkafka consumer property (see [`properties`](Self::properties)).
@@ -1048,10 +1039,7 @@ impl KafkaSettler {
 }
 
 impl Settle for KafkaSettler {
-    fn settle(
-        self: Box<Self>,
-        settlement: Settlement,
-    ) -> BoxFuture<'static, Result<(), SourceError>> {
+    fn settle(self: Box<Self>, settlement: Settlement) -> SettleFuture {
         let retry_at = match settlement {
             Settlement::Ack | Settlement::Reject => None,
             Settlement::Requeue { delay } => Some(later(Instant::now(), delay.unwrap_or_default())),
@@ -1088,10 +1076,11 @@ pub struct KafkaSource {
 
 impl std::fmt::Debug for KafkaSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KafkaSource")
-            .field("name", &self.shared.name)
-            .field("group", &self.shared.group)
-            .finish_non_exhaustive()
+        some_fields(
+            f,
+            "KafkaSource",
+            &[("name", &self.shared.name), ("group", &self.shared.group)],
+        )
     }
 }
 

@@ -91,7 +91,8 @@ use lambda_runtime::{LambdaEvent, service_fn};
 use tokio_util::sync::CancellationToken;
 
 use crate::BoxFuture;
-use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::setters::setters;
+use crate::source::{Delivery, Settle, SettleFuture, Settlement, Source, SourceError};
 use crate::store::InboxDatabase;
 use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::limit::PayloadLimit;
@@ -173,23 +174,21 @@ impl<DB: InboxDatabase> LambdaSqs<DB> {
         }
     }
 
-    /// Sets how long before the invocation's deadline (the function's timeout) the worker stops
-    /// starting records (default [`DEFAULT_DEADLINE_MARGIN`], 3 s): the records not started
-    /// are listed, those running get the worker's
-    /// [`drain_timeout`](Worker::drain_timeout) to commit (keep it below the margin; past it
-    /// they are rolled back and listed), and the function answers before Lambda stops it. A
-    /// function stopped at its timeout has its whole batch retried instead.
-    pub fn deadline_margin(mut self, margin: Duration) -> Self {
-        self.deadline_margin = margin;
-        self
-    }
+    setters! {
+        /// Sets how long before the invocation's deadline (the function's timeout) the worker stops
+        /// starting records (default [`DEFAULT_DEADLINE_MARGIN`], 3 s): the records not started
+        /// are listed, those running get the worker's
+        /// [`drain_timeout`](Worker::drain_timeout) to commit (keep it below the margin; past it
+        /// they are rolled back and listed), and the function answers before Lambda stops it. A
+        /// function stopped at its timeout has its whole batch retried instead.
+        pub fn deadline_margin(margin: Duration);
 
-    /// Sets the String message attribute that holds the message name (default
-    /// [`DEFAULT_NAME_ATTRIBUTE`]). A record without it gets the empty name, which no handler
-    /// has: it is kept in `inbox_rejections` and deleted.
-    pub fn name_attribute(mut self, attribute: impl Into<String>) -> Self {
-        self.name_attribute = Arc::from(attribute.into());
-        self
+        /// Sets the String message attribute that holds the message name (default
+        /// [`DEFAULT_NAME_ATTRIBUTE`]). A record without it gets the empty name, which no handler
+        /// has: it is kept in `inbox_rejections` and deleted.
+        pub fn name_attribute(attribute: impl Into<String>) {
+            self.name_attribute = Arc::from(attribute.into());
+        }
     }
 
     /// The worker that runs the batches.
@@ -515,10 +514,7 @@ struct RecordSettler {
 }
 
 impl Settle for RecordSettler {
-    fn settle(
-        self: Box<Self>,
-        settlement: Settlement,
-    ) -> BoxFuture<'static, Result<(), SourceError>> {
+    fn settle(self: Box<Self>, settlement: Settlement) -> SettleFuture {
         let fate = match settlement {
             Settlement::Ack | Settlement::Reject => Fate::Deleted,
             Settlement::Requeue { .. } => Fate::Listed,

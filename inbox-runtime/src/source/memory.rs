@@ -20,12 +20,13 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use tokio::sync::Notify;
 
 use crate::BoxFuture;
-use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::source::{
+    Delivery, Settle, SettleFuture, Settlement, Source, SourceError, requeue_after,
+};
 use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::limit::PayloadLimit;
 
@@ -182,10 +183,7 @@ struct MemorySettler {
 }
 
 impl Settle for MemorySettler {
-    fn settle(
-        mut self: Box<Self>,
-        settlement: Settlement,
-    ) -> BoxFuture<'static, Result<(), SourceError>> {
+    fn settle(mut self: Box<Self>, settlement: Settlement) -> SettleFuture {
         let queued = self.queued.take().expect("settled once");
         let shared = Arc::clone(&self.shared);
         Box::pin(async move {
@@ -195,16 +193,10 @@ impl Settle for MemorySettler {
                     shared.lock().outstanding -= 1;
                     shared.changed.notify_waiters();
                 }
-                Settlement::Requeue { delay } => match delay {
-                    Some(delay) if delay > Duration::ZERO => {
-                        // Stays outstanding while the delay runs, so that the source does not end.
-                        tokio::spawn(async move {
-                            tokio::time::sleep(delay).await;
-                            shared.requeue(queued);
-                        });
-                    }
-                    _ => shared.requeue(queued),
-                },
+                // Stays outstanding while a delay runs, so that the source does not end.
+                Settlement::Requeue { delay } => {
+                    requeue_after(delay, move || shared.requeue(queued));
+                }
             }
             Ok(())
         })

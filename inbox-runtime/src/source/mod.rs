@@ -115,10 +115,7 @@ pub trait Settle: Send + 'static {
     /// A [`SourceError`] if the broker could not be told (connection lost, channel closed). The
     /// message is then not settled and the broker will deliver it again; after an
     /// [`Settlement::Ack`] whose transaction committed, that redelivery is a duplicate.
-    fn settle(
-        self: Box<Self>,
-        settlement: Settlement,
-    ) -> BoxFuture<'static, Result<(), SourceError>>;
+    fn settle(self: Box<Self>, settlement: Settlement) -> SettleFuture;
 
     /// The delivery was dropped without being settled. The default does nothing (the broker
     /// redelivers on its own: RabbitMQ when the channel closes, JetStream after `AckWait`).
@@ -132,6 +129,10 @@ pub trait Settle: Send + 'static {
         true
     }
 }
+
+/// What [`Settle::settle`] returns: a boxed future that borrows nothing (the same type as
+/// `BoxFuture<'static, Result<(), SourceError>>`, which an implementation may write instead).
+pub type SettleFuture = BoxFuture<'static, Result<(), SourceError>>;
 
 /// One delivery from a [`Source`]: an envelope and the means to settle it.
 ///
@@ -300,4 +301,28 @@ impl<S: Source + ?Sized> Source for Box<S> {
     fn close(&mut self) -> BoxFuture<'_, Result<(), SourceError>> {
         (**self).close()
     }
+}
+
+/// Runs `requeue` at once, or after `delay` on a task of its own where `delay` is over zero:
+/// [`Settlement::Requeue`] of the sources that redeliver by themselves (file, memory).
+pub(crate) fn requeue_after(delay: Option<Duration>, requeue: impl FnOnce() + Send + 'static) {
+    match delay {
+        Some(delay) if delay > Duration::ZERO => {
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                requeue();
+            });
+        }
+        _ => requeue(),
+    }
+}
+
+/// The value of the header `name` names among a delivery's `headers`; `None` where no name is
+/// configured or the delivery has no such header (AMQP, NATS).
+#[cfg(any(feature = "amqp", feature = "nats"))]
+pub(crate) fn header_value(
+    headers: &std::collections::BTreeMap<String, String>,
+    name: Option<&String>,
+) -> Option<String> {
+    headers.get(name?).cloned()
 }

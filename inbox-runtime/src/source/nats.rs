@@ -53,7 +53,11 @@ use async_nats::jetstream::{self, AckKind};
 use futures_util::StreamExt as _;
 
 use crate::BoxFuture;
-use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::debug::some_fields;
+use crate::setters::setters;
+use crate::source::{
+    Delivery, Settle, SettleFuture, Settlement, Source, SourceError, header_value,
+};
 use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::limit::PayloadLimit;
 
@@ -110,46 +114,33 @@ impl NatsConfig {
         }
     }
 
-    /// Sets [`filter_subject`](Self::filter_subject).
-    pub fn filter_subject(mut self, filter: impl Into<String>) -> Self {
-        self.filter_subject = filter.into();
-        self
-    }
+    setters! {
+        /// Sets [`filter_subject`](Self::filter_subject).
+        pub fn filter_subject(filter: impl Into<String>) {
+            self.filter_subject = filter.into();
+        }
 
-    /// Sets [`ack_wait`](Self::ack_wait).
-    pub fn ack_wait(mut self, ack_wait: Duration) -> Self {
-        self.ack_wait = ack_wait;
-        self
-    }
+        /// Sets [`ack_wait`](Self::ack_wait).
+        pub fn ack_wait(ack_wait: Duration);
 
-    /// Sets [`max_ack_pending`](Self::max_ack_pending).
-    pub fn max_ack_pending(mut self, max: i64) -> Self {
-        self.max_ack_pending = max;
-        self
-    }
+        /// Sets [`max_ack_pending`](Self::max_ack_pending).
+        pub fn max_ack_pending(max: i64);
 
-    /// Sets [`max_deliver`](Self::max_deliver).
-    pub fn max_deliver(mut self, max: i64) -> Self {
-        self.max_deliver = max;
-        self
-    }
+        /// Sets [`max_deliver`](Self::max_deliver).
+        pub fn max_deliver(max: i64);
 
-    /// Sets [`name_header`](Self::name_header) (`None`: ignore headers).
-    pub fn name_header(mut self, header: Option<String>) -> Self {
-        self.name_header = header;
-        self
-    }
+        /// Sets [`name_header`](Self::name_header) (`None`: ignore headers).
+        pub fn name_header(header: Option<String>);
 
-    /// Sets [`subject_prefix`](Self::subject_prefix).
-    pub fn subject_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.subject_prefix = Some(prefix.into());
-        self
-    }
+        /// Sets [`subject_prefix`](Self::subject_prefix).
+        pub fn subject_prefix(prefix: impl Into<String>) {
+            self.subject_prefix = Some(prefix.into());
+        }
 
-    /// Sets [`ordering_key_header`](Self::ordering_key_header).
-    pub fn ordering_key_header(mut self, header: impl Into<String>) -> Self {
-        self.ordering_key_header = Some(header.into());
-        self
+        /// Sets [`ordering_key_header`](Self::ordering_key_header).
+        pub fn ordering_key_header(header: impl Into<String>) {
+            self.ordering_key_header = Some(header.into());
+        }
     }
 }
 
@@ -164,9 +155,7 @@ pub struct NatsSource {
 
 impl std::fmt::Debug for NatsSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NatsSource")
-            .field("config", &self.config)
-            .finish_non_exhaustive()
+        some_fields(f, "NatsSource", &[("config", &self.config)])
     }
 }
 
@@ -230,11 +219,7 @@ impl NatsSource {
                 }
             }
         }
-        let message_name = self
-            .config
-            .name_header
-            .as_ref()
-            .and_then(|header| headers.get(header).cloned())
+        let message_name = header_value(&headers, self.config.name_header.as_ref())
             .or_else(|| {
                 let prefix = self.config.subject_prefix.as_deref()?;
                 message
@@ -244,11 +229,7 @@ impl NatsSource {
                     .map(str::to_owned)
             })
             .unwrap_or_default();
-        let ordering_key = self
-            .config
-            .ordering_key_header
-            .as_ref()
-            .and_then(|header| headers.get(header).cloned());
+        let ordering_key = header_value(&headers, self.config.ordering_key_header.as_ref());
 
         let mut metadata = SourceMetadata::new(&self.name);
         if let Ok(info) = message.info() {
@@ -285,10 +266,7 @@ struct NatsSettler {
 }
 
 impl Settle for NatsSettler {
-    fn settle(
-        self: Box<Self>,
-        settlement: Settlement,
-    ) -> BoxFuture<'static, Result<(), SourceError>> {
+    fn settle(self: Box<Self>, settlement: Settlement) -> SettleFuture {
         Box::pin(async move {
             let kind = match settlement {
                 Settlement::Ack => AckKind::Ack,

@@ -118,7 +118,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::BoxFuture;
-use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
+use crate::debug::some_fields;
+use crate::setters::setters;
+use crate::source::{Delivery, Settle, SettleFuture, Settlement, Source, SourceError};
 use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::limit::PayloadLimit;
 
@@ -155,16 +157,16 @@ impl std::fmt::Debug for AwsSettings {
 }
 
 impl AwsSettings {
-    /// Sets [`endpoint_url`](Self::endpoint_url).
-    pub fn endpoint_url(mut self, url: impl Into<String>) -> Self {
-        self.endpoint_url = Some(url.into());
-        self
-    }
+    setters! {
+        /// Sets [`endpoint_url`](Self::endpoint_url).
+        pub fn endpoint_url(url: impl Into<String>) {
+            self.endpoint_url = Some(url.into());
+        }
 
-    /// Sets [`region`](Self::region).
-    pub fn region(mut self, region: impl Into<String>) -> Self {
-        self.region = Some(region.into());
-        self
+        /// Sets [`region`](Self::region).
+        pub fn region(region: impl Into<String>) {
+            self.region = Some(region.into());
+        }
     }
 
     /// Sets static [`credentials`](Self::credentials).
@@ -323,16 +325,14 @@ impl SqsConfig {
         }
     }
 
-    /// Sets [`aws`](Self::aws).
-    pub fn aws(mut self, aws: AwsSettings) -> Self {
-        self.aws = aws;
-        self
-    }
+    setters! {
+        /// Sets [`aws`](Self::aws).
+        pub fn aws(aws: AwsSettings);
 
-    /// Sets [`wait_time`](Self::wait_time) (from 1 s to 20 s).
-    pub fn wait_time(mut self, wait: Duration) -> Self {
-        self.wait_time = wait.clamp(Duration::from_secs(1), Duration::from_secs(20));
-        self
+        /// Sets [`wait_time`](Self::wait_time) (from 1 s to 20 s).
+        pub fn wait_time(wait: Duration) {
+            self.wait_time = wait.clamp(Duration::from_secs(1), Duration::from_secs(20));
+        }
     }
 
     /// The limits the setters keep, applied again by [`SqsSource::connect`] to fields set
@@ -350,40 +350,32 @@ impl SqsConfig {
             .max_processing_time(processing)
     }
 
-    /// Sets [`max_in_flight`](Self::max_in_flight) (at least 1).
-    pub fn max_in_flight(mut self, max: usize) -> Self {
-        self.max_in_flight = max.max(1);
-        self
-    }
+    setters! {
+        /// Sets [`max_in_flight`](Self::max_in_flight) (at least 1).
+        pub fn max_in_flight(max: usize) {
+            self.max_in_flight = max.max(1);
+        }
 
-    /// Sets [`visibility_timeout`](Self::visibility_timeout) (at least 1 s).
-    pub fn visibility_timeout(mut self, timeout: Duration) -> Self {
-        self.visibility_timeout = timeout.max(Duration::from_secs(1));
-        self
-    }
+        /// Sets [`visibility_timeout`](Self::visibility_timeout) (at least 1 s).
+        pub fn visibility_timeout(timeout: Duration) {
+            self.visibility_timeout = timeout.max(Duration::from_secs(1));
+        }
 
-    /// Sets [`max_processing_time`](Self::max_processing_time) (capped at 12 hours).
-    pub fn max_processing_time(mut self, max: Duration) -> Self {
-        self.max_processing_time = max.min(Duration::from_secs(MAX_VISIBILITY_SECS));
-        self
-    }
+        /// Sets [`max_processing_time`](Self::max_processing_time) (capped at 12 hours).
+        pub fn max_processing_time(max: Duration) {
+            self.max_processing_time = max.min(Duration::from_secs(MAX_VISIBILITY_SECS));
+        }
 
-    /// Sets [`name_attribute`](Self::name_attribute).
-    pub fn name_attribute(mut self, attribute: impl Into<String>) -> Self {
-        self.name_attribute = attribute.into();
-        self
-    }
+        /// Sets [`name_attribute`](Self::name_attribute).
+        pub fn name_attribute(attribute: impl Into<String>) {
+            self.name_attribute = attribute.into();
+        }
 
-    /// Sets [`reject`](Self::reject).
-    pub fn reject(mut self, action: RejectAction) -> Self {
-        self.reject = action;
-        self
-    }
+        /// Sets [`reject`](Self::reject).
+        pub fn reject(action: RejectAction);
 
-    /// Sets [`settle_linger`](Self::settle_linger).
-    pub fn settle_linger(mut self, linger: Duration) -> Self {
-        self.settle_linger = linger;
-        self
+        /// Sets [`settle_linger`](Self::settle_linger).
+        pub fn settle_linger(linger: Duration);
     }
 }
 
@@ -552,10 +544,11 @@ pub struct SqsSource {
 
 impl std::fmt::Debug for SqsSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SqsSource")
-            .field("name", &self.shared.name)
-            .field("config", &self.shared.config)
-            .finish_non_exhaustive()
+        some_fields(
+            f,
+            "SqsSource",
+            &[("name", &self.shared.name), ("config", &self.shared.config)],
+        )
     }
 }
 
@@ -1140,31 +1133,31 @@ impl BatchCall<'_> {
     fn failed_entry(&self, entry: &BatchResultErrorEntry) -> Option<usize> {
         let (queue, operation) = (self.url, self.operation());
         let stale = entry.code == "ReceiptHandleIsInvalid" || entry.code == "MessageNotInflight";
-        if stale && self.kind == BatchKind::Visibility {
+        if stale {
             self.counters
                 .invalid_receipts
                 .fetch_add(1, Ordering::Relaxed);
-            // A heartbeat that crossed the delete of its message, or a message received again
-            // meanwhile: nothing to extend.
-            tracing::debug!(
-                queue,
-                operation,
-                code = entry.code,
-                "SQS visibility change for a message no longer in flight under this receipt \
-                 handle"
-            );
-        } else if stale {
-            self.counters
-                .invalid_receipts
-                .fetch_add(1, Ordering::Relaxed);
-            // After a commit: the message was received again (its visibility timeout had
-            // passed), and that delivery is a duplicate in the inbox.
-            tracing::info!(
-                queue,
-                operation,
-                code = entry.code,
-                "SQS receipt handle no longer valid; the message's redelivery will be a duplicate"
-            );
+            if self.kind == BatchKind::Visibility {
+                // A heartbeat that crossed the delete of its message, or a message received
+                // again meanwhile: nothing to extend.
+                tracing::debug!(
+                    queue,
+                    operation,
+                    code = entry.code,
+                    "SQS visibility change for a message no longer in flight under this receipt \
+                     handle"
+                );
+            } else {
+                // After a commit: the message was received again (its visibility timeout had
+                // passed), and that delivery is a duplicate in the inbox.
+                tracing::info!(
+                    queue,
+                    operation,
+                    code = entry.code,
+                    "SQS receipt handle no longer valid; the message's redelivery will be a \
+                     duplicate"
+                );
+            }
         } else if !self.last
             && let Ok(i) = entry.id.parse::<usize>()
         {
@@ -1253,10 +1246,7 @@ impl SqsSettler {
 }
 
 impl Settle for SqsSettler {
-    fn settle(
-        self: Box<Self>,
-        settlement: Settlement,
-    ) -> BoxFuture<'static, Result<(), SourceError>> {
+    fn settle(self: Box<Self>, settlement: Settlement) -> SettleFuture {
         let result = match settlement {
             Settlement::Ack => {
                 self.shared.untrack(self.id);

@@ -358,7 +358,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::sql::placeholders;
+    use crate::store::sql::{for_every_dialect, placeholders};
 
     fn every_statement<D: ConsoleDialect>() {
         for (sql, args) in [
@@ -377,8 +377,6 @@ mod tests {
     /// Every dialect's statements take the arguments the console binds.
     #[test]
     fn every_dialect_takes_what_the_console_binds() {
-        every_statement::<sqlx::Postgres>();
-        every_statement::<sqlx::Sqlite>();
-        every_statement::<sqlx::MySql>();
+        for_every_dialect!(every_statement);
     }
 }

@@ -28,6 +28,7 @@ use sqlx::{Pool, QueryBuilder};
 use super::InboxDatabase;
 use super::sql::{self, Arg, Done, Run, Scope, Scoped, Sql, Stmt};
 use crate::BoxFuture;
+use crate::setters::setters;
 
 /// One row to write into `inbox_outbox`, validated by [`crate::outbox::Outbox::publish`].
 #[derive(Debug, Clone, Copy)]
@@ -78,16 +79,16 @@ impl<'a> OutboxRow<'a> {
         }
     }
 
-    /// The same row with this W3C Trace Context (see [`OutboxRow::trace_context`]).
-    pub fn traced(mut self, trace_context: Option<&'a str>) -> Self {
-        self.trace_context = trace_context;
-        self
-    }
+    setters! {
+        /// The same row with this W3C Trace Context (see [`OutboxRow::trace_context`]).
+        pub fn traced(trace_context: Option<&'a str>) {
+            self.trace_context = trace_context;
+        }
 
-    /// The same row, written already `sent` if `sent` (see [`OutboxRow::sent`]).
-    pub fn settled(mut self, sent: bool) -> Self {
-        self.sent = sent;
-        self
+        /// The same row, written already `sent` if `sent` (see [`OutboxRow::sent`]).
+        pub fn settled(sent: bool) {
+            self.sent = sent;
+        }
     }
 }
 
@@ -1039,7 +1040,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::sql::check_binds;
+    use crate::store::sql::{check_binds, for_every_dialect};
 
     fn every_statement<D: OutboxDialect>() {
         check_binds("ENQUEUE", D::ENQUEUE, 9);
@@ -1067,8 +1068,6 @@ mod tests {
     /// Every dialect's statements bind as many arguments as their text takes.
     #[test]
     fn every_dialect_binds_what_its_statements_take() {
-        every_statement::<sqlx::Postgres>();
-        every_statement::<sqlx::Sqlite>();
-        every_statement::<sqlx::MySql>();
+        for_every_dialect!(every_statement);
     }
 }

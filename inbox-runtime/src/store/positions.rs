@@ -376,7 +376,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::sql::check_binds;
+    use crate::store::sql::{check_binds, for_every_dialect};
 
     fn every_statement<D: PositionsDialect>() {
         check_binds("ACQUIRE", D::ACQUIRE, 4);
@@ -390,8 +390,6 @@ mod tests {
     /// Every dialect's statements bind as many arguments as their text takes.
     #[test]
     fn every_dialect_binds_what_its_statements_take() {
-        every_statement::<sqlx::Postgres>();
-        every_statement::<sqlx::Sqlite>();
-        every_statement::<sqlx::MySql>();
+        for_every_dialect!(every_statement);
     }
 }

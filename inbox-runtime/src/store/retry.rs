@@ -41,18 +41,42 @@ pub(crate) struct Retry {
     pub(crate) no_wait: bool,
 }
 
+impl Retry {
+    /// An operation in autocommit, or in a transaction it opens and ends itself (depth 0).
+    pub(crate) fn autocommit(operation: &'static str) -> Self {
+        Self {
+            operation,
+            depth: 0,
+            no_wait: false,
+        }
+    }
+
+    /// An operation whose statements are the first of the claim's transaction (depth 1).
+    pub(crate) fn claim_transaction(operation: &'static str, no_wait: bool) -> Self {
+        Self {
+            operation,
+            depth: 1,
+            no_wait,
+        }
+    }
+}
+
 /// One attempt of an operation on a connection, with its argument.
 pub(crate) type Once<C, A, T> =
     for<'x> fn(&'x mut C, &'x A) -> BoxFuture<'x, Result<T, sqlx::Error>>;
 
 /// Runs `once(conn, arg)` and runs it again after each lock error that [`Retry`] allows, up to
-/// [`LOCK_ATTEMPTS`] runs in all.
+/// [`LOCK_ATTEMPTS`] runs in all; once only on a backend without lock retries
+/// ([`Dialect::LOCK_RETRIES`]).
 pub(crate) async fn with_retries<D: Dialect, A: ?Sized + Sync, T>(
     conn: &mut D::Connection,
     retry: Retry,
     arg: &A,
     once: Once<D::Connection, A, T>,
 ) -> Result<T, sqlx::Error> {
+    if !D::LOCK_RETRIES {
+        return once(conn, arg).await;
+    }
     let mut attempt = 0;
     loop {
         attempt += 1;

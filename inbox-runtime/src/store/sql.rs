@@ -555,6 +555,18 @@ pub(crate) fn placeholders(sql: &str) -> usize {
     numbered.unwrap_or_else(|| sql.matches('?').count())
 }
 
+/// Runs the generic check `$check::<D>()` for every dialect: PostgreSQL, SQLite, MySQL.
+#[cfg(test)]
+macro_rules! for_every_dialect {
+    ($check:ident) => {
+        $check::<sqlx::Postgres>();
+        $check::<sqlx::Sqlite>();
+        $check::<sqlx::MySql>();
+    };
+}
+#[cfg(test)]
+pub(crate) use for_every_dialect;
+
 /// Checks that `stmt`, of an operation with `params` parameters, binds as many arguments as
 /// its text takes, each one of the operation's.
 #[cfg(test)]

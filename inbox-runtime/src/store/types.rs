@@ -2,7 +2,7 @@
 //! rejection records, stored rows, statistics, the purge's clocks, and the backend's name.
 
 use crate::types::envelope::SourceMetadata;
-use crate::types::status::{ClaimMode, Status};
+use crate::types::status::{ClaimMode, Status, text_as_str};
 
 /// What one claim asks the inbox for (see [`ClaimStore::claim`](super::ClaimStore::claim)).
 #[derive(Debug, Clone, Copy)]
@@ -169,17 +169,7 @@ impl StatsStatus {
     }
 }
 
-impl std::fmt::Display for StatsStatus {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl PartialEq<&str> for StatsStatus {
-    fn eq(&self, other: &&str) -> bool {
-        self.as_str() == *other
-    }
-}
+text_as_str!(StatsStatus);
 
 /// A rejected delivery to record in `inbox_rejections`, payload included.
 #[derive(Debug, Clone, Copy)]

@@ -738,31 +738,27 @@ async fn through_proxy<DB: InboxDatabase>(
     let any: &dyn Any = &*options;
     let no_socket =
         || BoxError::from("the lost-commit proxy needs a TCP connection, not a Unix socket");
-    let (proxy, options): (CutProxy, Box<dyn Any>) = if let Some(pg) =
-        any.downcast_ref::<PgConnectOptions>()
-    {
-        if pg.get_socket().is_some() {
-            return Err(no_socket());
-        }
-        let proxy =
-            CutProxy::start((pg.get_host().to_owned(), pg.get_port()), Wire::Postgres).await?;
-        let options = pg
-            .clone()
-            .host("127.0.0.1")
-            .port(proxy.port())
-            .ssl_mode(PgSslMode::Disable);
-        (proxy, Box::new(options))
+    // The same steps on PostgreSQL's and MySQL's options: two types with these methods and no
+    // trait in common.
+    macro_rules! proxied {
+        ($options:expr, $wire:expr, $no_tls:expr) => {{
+            if $options.get_socket().is_some() {
+                return Err(no_socket());
+            }
+            let server = ($options.get_host().to_owned(), $options.get_port());
+            let proxy = CutProxy::start(server, $wire).await?;
+            let options = $options
+                .clone()
+                .host("127.0.0.1")
+                .port(proxy.port())
+                .ssl_mode($no_tls);
+            (proxy, Box::new(options) as Box<dyn Any>)
+        }};
+    }
+    let (proxy, options) = if let Some(pg) = any.downcast_ref::<PgConnectOptions>() {
+        proxied!(pg, Wire::Postgres, PgSslMode::Disable)
     } else if let Some(my) = any.downcast_ref::<MySqlConnectOptions>() {
-        if my.get_socket().is_some() {
-            return Err(no_socket());
-        }
-        let proxy = CutProxy::start((my.get_host().to_owned(), my.get_port()), Wire::MySql).await?;
-        let options = my
-            .clone()
-            .host("127.0.0.1")
-            .port(proxy.port())
-            .ssl_mode(MySqlSslMode::Disabled);
-        (proxy, Box::new(options))
+        proxied!(my, Wire::MySql, MySqlSslMode::Disabled)
     } else {
         return Err(format!("no lost-commit proxy for the {} backend", DB::BACKEND).into());
     };

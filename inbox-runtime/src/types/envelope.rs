@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::setters::setters;
 use crate::types::limit::PayloadLimit;
 
 /// One delivery as the dispatcher sees it: the message's routing name, its payload bytes (JSON),
@@ -172,64 +173,54 @@ impl SourceMetadata {
         }
     }
 
-    /// Sets the partition.
-    pub fn partition(mut self, partition: impl Into<String>) -> Self {
-        self.partition = Some(partition.into());
-        self
-    }
+    setters! {
+        /// Sets the partition.
+        pub fn partition(partition: impl Into<String>) {
+            self.partition = Some(partition.into());
+        }
 
-    /// Sets the offset.
-    pub fn offset(mut self, offset: i64) -> Self {
-        self.offset = Some(offset);
-        self
-    }
+        /// Sets the offset.
+        pub fn offset(offset: i64) {
+            self.offset = Some(offset);
+        }
 
-    /// Marks the delivery as a redelivery (as the source reports it).
-    pub fn redelivered(mut self, redelivered: bool) -> Self {
-        self.redelivered = redelivered;
-        self
-    }
+        /// Marks the delivery as a redelivery (as the source reports it).
+        pub fn redelivered(redelivered: bool);
 
-    /// Sets the producer's message id.
-    pub fn message_id(mut self, message_id: impl Into<String>) -> Self {
-        self.message_id = Some(message_id.into());
-        self
-    }
+        /// Sets the producer's message id.
+        pub fn message_id(message_id: impl Into<String>) {
+            self.message_id = Some(message_id.into());
+        }
 
-    /// Sets the delivery count (1 for a first delivery).
-    pub fn delivery_count(mut self, delivery_count: u64) -> Self {
-        self.delivery_count = Some(delivery_count);
-        self
-    }
+        /// Sets the delivery count (1 for a first delivery).
+        pub fn delivery_count(delivery_count: u64) {
+            self.delivery_count = Some(delivery_count);
+        }
 
-    /// Sets the broker's record key.
-    pub fn record_key(mut self, key: impl Into<Vec<u8>>) -> Self {
-        self.record_key = Some(key.into());
-        self
-    }
+        /// Sets the broker's record key.
+        pub fn record_key(key: impl Into<Vec<u8>>) {
+            self.record_key = Some(key.into());
+        }
 
-    /// Sets the fencing epoch (see [`SourceMetadata::epoch`]).
-    pub fn epoch(mut self, epoch: i64) -> Self {
-        self.epoch = Some(epoch);
-        self
-    }
+        /// Sets the fencing epoch (see [`SourceMetadata::epoch`]).
+        pub fn epoch(epoch: i64) {
+            self.epoch = Some(epoch);
+        }
 
-    /// Sets the broker's deduplication id (see [`SourceMetadata::deduplication_id`]).
-    pub fn deduplication_id(mut self, id: impl Into<String>) -> Self {
-        self.deduplication_id = Some(id.into());
-        self
-    }
+        /// Sets the broker's deduplication id (see [`SourceMetadata::deduplication_id`]).
+        pub fn deduplication_id(id: impl Into<String>) {
+            self.deduplication_id = Some(id.into());
+        }
 
-    /// Sets the broker's sequence number, a decimal string (see
-    /// [`SourceMetadata::sequence_number`]).
-    pub fn sequence_number(mut self, sequence_number: impl Into<String>) -> Self {
-        self.sequence_number = Some(sequence_number.into());
-        self
-    }
+        /// Sets the broker's sequence number, a decimal string (see
+        /// [`SourceMetadata::sequence_number`]).
+        pub fn sequence_number(sequence_number: impl Into<String>) {
+            self.sequence_number = Some(sequence_number.into());
+        }
 
-    /// Sets when the message was produced (see [`SourceMetadata::published_at`]).
-    pub fn published_at(mut self, published_at: std::time::SystemTime) -> Self {
-        self.published_at = Some(published_at);
-        self
+        /// Sets when the message was produced (see [`SourceMetadata::published_at`]).
+        pub fn published_at(published_at: std::time::SystemTime) {
+            self.published_at = Some(published_at);
+        }
     }
 }

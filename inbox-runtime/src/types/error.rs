@@ -6,6 +6,7 @@ use crate::store::Backend;
 use crate::types::classify::{BoxError, ErrorClass};
 use crate::types::fingerprint::{Fingerprint, FingerprintError};
 use crate::types::key::{IdempotencyKey, KeyError};
+use crate::types::status::text_as_str;
 
 /// Why one message was not processed (or not known to be) by one consumer.
 ///
@@ -273,17 +274,7 @@ impl StoreOperation {
     }
 }
 
-impl std::fmt::Display for StoreOperation {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl PartialEq<&str> for StoreOperation {
-    fn eq(&self, other: &&str) -> bool {
-        self.as_str() == *other
-    }
-}
+text_as_str!(StoreOperation);
 
 /// The registry found no usable set of handlers.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

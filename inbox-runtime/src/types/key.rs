@@ -307,6 +307,20 @@ pub fn key_from_template(
 mod tests {
     use super::*;
 
+    /// The key of message `m` by the template `pay:{region}:{id}`.
+    fn pay_region_id(region: &str, id: i64) -> Result<IdempotencyKey, KeyError> {
+        key_from_template(
+            "m",
+            "pay:{region}:{id}",
+            &[
+                KeySegment::Lit("pay:"),
+                KeySegment::Field("region", &region),
+                KeySegment::Lit(":"),
+                KeySegment::Field("id", &id),
+            ],
+        )
+    }
+
     #[test]
     fn field_keys_are_validated() {
         assert_eq!(key_from_field(&"abc", "m", "f").unwrap().as_str(), "abc");
@@ -381,16 +395,7 @@ mod tests {
         let region = String::from(" ");
         let id = 7_i64;
         assert_eq!(
-            key_from_template(
-                "m",
-                "pay:{region}:{id}",
-                &[
-                    KeySegment::Lit("pay:"),
-                    KeySegment::Field("region", &region),
-                    KeySegment::Lit(":"),
-                    KeySegment::Field("id", &id),
-                ]
-            ),
+            pay_region_id(&region, id),
             Err(KeyError::Blank {
                 message: "m",
                 field: "region"
@@ -427,17 +432,7 @@ mod tests {
     fn template_keys_join_parts_and_reject_empty_parts() {
         let id = 7_i64;
         let region = String::from("eu");
-        let key = key_from_template(
-            "m",
-            "pay:{region}:{id}",
-            &[
-                KeySegment::Lit("pay:"),
-                KeySegment::Field("region", &region),
-                KeySegment::Lit(":"),
-                KeySegment::Field("id", &id),
-            ],
-        )
-        .unwrap();
+        let key = pay_region_id(&region, id).unwrap();
         assert_eq!(key.as_str(), "pay:eu:7");
         let two = |left: &str, right: &str| {
             key_from_template(

@@ -1,7 +1,25 @@
 //! The states an inbox row can be in, with their stored text in one place.
 
-use std::fmt;
 use std::str::FromStr;
+
+/// `Display` as the type's `as_str()` text, and `PartialEq<&str>` with that text, for the
+/// crate's enums stored and shown as text (`Status`, `StoreOperation`, `StatsStatus`).
+macro_rules! text_as_str {
+    ($ty:ty) => {
+        impl std::fmt::Display for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl PartialEq<&str> for $ty {
+            fn eq(&self, other: &&str) -> bool {
+                self.as_str() == *other
+            }
+        }
+    };
+}
+pub(crate) use text_as_str;
 
 /// The state of one `(consumer, key)` row of `inbox_messages`, as stored in its `status` column.
 ///
@@ -65,17 +83,7 @@ impl Status {
     }
 }
 
-impl fmt::Display for Status {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl PartialEq<&str> for Status {
-    fn eq(&self, other: &&str) -> bool {
-        self.as_str() == *other
-    }
-}
+text_as_str!(Status);
 
 impl PartialEq<str> for Status {
     fn eq(&self, other: &str) -> bool {

@@ -33,6 +33,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::dispatch::dispatcher::Dispatcher;
+use crate::setters::setters;
 use crate::source::{Delivery, Source, SourceError};
 use crate::store::InboxDatabase;
 use crate::types::envelope::Envelope;
@@ -411,41 +412,32 @@ impl<DB: InboxDatabase> Worker<DB> {
         self
     }
 
-    /// How often, while running, the worker calls [`Dispatcher::sweep_parked`] (parked
-    /// messages whose gap stayed open past the dispatcher's [`crate::types::ParkPolicy`] are
-    /// dead-lettered or released). Default every 60 s; `None` turns it off.
-    pub fn park_sweep(mut self, every: Option<Duration>) -> Self {
-        self.park_sweep = every;
-        self
-    }
+    setters! {
+        /// How often, while running, the worker calls [`Dispatcher::sweep_parked`] (parked
+        /// messages whose gap stayed open past the dispatcher's [`crate::types::ParkPolicy`] are
+        /// dead-lettered or released). Default every 60 s; `None` turns it off.
+        pub fn park_sweep(every: Option<Duration>);
 
-    /// At most `n` transactions in flight at once, each one delivery or (with
-    /// [`batch`](Self::batch)) one batch; at least 1. Default 8. Without batching that is also
-    /// the bound on deliveries fetched and not yet settled; with batches of `size`, at most
-    /// `(n + 1) × size` deliveries are.
-    pub fn concurrency(mut self, n: usize) -> Self {
-        self.concurrency = n.max(1);
-        self
-    }
+        /// At most `n` transactions in flight at once, each one delivery or (with
+        /// [`batch`](Self::batch)) one batch; at least 1. Default 8. Without batching that is also
+        /// the bound on deliveries fetched and not yet settled; with batches of `size`, at most
+        /// `(n + 1) × size` deliveries are.
+        pub fn concurrency(n: usize) {
+            self.concurrency = n.max(1);
+        }
 
-    /// How long a failed delivery waits before its redelivery (see [`Settlement::Requeue`]).
-    pub fn requeue_delay(mut self, delay: Duration) -> Self {
-        self.requeue_delay = delay;
-        self
-    }
+        /// How long a failed delivery waits before its redelivery (see [`Settlement::Requeue`]).
+        pub fn requeue_delay(delay: Duration);
 
-    /// On shutdown, or after the source failed, how long running deliveries may take to finish
-    /// before they are abandoned unsettled (default 30 s).
-    pub fn drain_timeout(mut self, timeout: Duration) -> Self {
-        self.drain_timeout = timeout;
-        self
-    }
+        /// On shutdown, or after the source failed, how long running deliveries may take to finish
+        /// before they are abandoned unsettled (default 30 s).
+        pub fn drain_timeout(timeout: Duration);
 
-    /// Stop (with [`StopReason::Idle`]) once nothing is in flight and the source has delivered
-    /// nothing for `idle`: for batch jobs that drain a queue and exit.
-    pub fn stop_when_idle(mut self, idle: Duration) -> Self {
-        self.idle = Some(idle);
-        self
+        /// Stop (with [`StopReason::Idle`]) once nothing is in flight and the source has delivered
+        /// nothing for `idle`: for batch jobs that drain a queue and exit.
+        pub fn stop_when_idle(idle: Duration) {
+            self.idle = Some(idle);
+        }
     }
 
     /// The dispatcher.

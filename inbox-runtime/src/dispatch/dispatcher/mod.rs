@@ -17,6 +17,7 @@ use crate::protocol::erased::{AnyMessage, DynHandler};
 use crate::protocol::hooks::{HookRunner, Hooks, TransactionHook};
 use crate::protocol::park::{Routes, apply_parked_successors, run_stored};
 use crate::protocol::single::AttemptPlan;
+use crate::setters::setters;
 use crate::store::{
     AdminStore as _, ClaimStore as _, InboxConnection as _, InboxDatabase, OrderingStore as _,
     Rejection, RejectionReason,
@@ -326,16 +327,16 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         Ok(self)
     }
 
-    /// Replaces the default [`ParkPolicy`] used by [`Dispatcher::sweep_parked`].
-    pub fn with_park_policy(mut self, park: ParkPolicy) -> Self {
-        self.park = park;
-        self
-    }
+    setters! {
+        /// Replaces the default [`ParkPolicy`] used by [`Dispatcher::sweep_parked`].
+        pub fn with_park_policy(park: ParkPolicy) {
+            self.park = park;
+        }
 
-    /// Replaces the default [`RetryPolicy`] (handlers' own `max_attempts` still win).
-    pub fn with_retry_policy(mut self, policy: RetryPolicy) -> Self {
-        self.policy = policy;
-        self
+        /// Replaces the default [`RetryPolicy`] (handlers' own `max_attempts` still win).
+        pub fn with_retry_policy(policy: RetryPolicy) {
+            self.policy = policy;
+        }
     }
 
     /// The retry policy in force.
@@ -634,36 +635,29 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         msg: &AnyMessage,
         delivery: &AttemptPlan<'_>,
     ) -> Result<Outcome<()>, Error<BoxError>> {
-        let mut result = self.invoke_once(slot, handler, msg, delivery).await;
-        if lost_connection(&result) {
+        let mut retried = false;
+        loop {
+            let result = match slot.get_for_claim(&self.pool).await {
+                Ok(conn) => handler.invoke(conn.as_any(), msg, delivery).await,
+                Err(source) => Err(Error::Database(StoreError {
+                    consumer: handler.consumer().to_owned(),
+                    key: delivery.key.clone(),
+                    operation: StoreOperation::Acquire,
+                    source,
+                })),
+            };
+            if !lost_connection(&result) {
+                return result;
+            }
             slot.discard();
+            if retried {
+                return result;
+            }
+            retried = true;
             tracing::warn!(
                 consumer = handler.consumer(),
                 "connection lost; retrying on a new one"
             );
-            result = self.invoke_once(slot, handler, msg, delivery).await;
-            if lost_connection(&result) {
-                slot.discard();
-            }
-        }
-        result
-    }
-
-    async fn invoke_once(
-        &self,
-        slot: &mut ConnectionSlot<DB>,
-        handler: &'static dyn DynHandler,
-        msg: &AnyMessage,
-        delivery: &AttemptPlan<'_>,
-    ) -> Result<Outcome<()>, Error<BoxError>> {
-        match slot.get_for_claim(&self.pool).await {
-            Ok(conn) => handler.invoke(conn.as_any(), msg, delivery).await,
-            Err(source) => Err(Error::Database(StoreError {
-                consumer: handler.consumer().to_owned(),
-                key: delivery.key.clone(),
-                operation: StoreOperation::Acquire,
-                source,
-            })),
         }
     }
 

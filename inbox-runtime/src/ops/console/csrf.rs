@@ -64,20 +64,21 @@ pub(super) async fn form<DB: ConsoleDatabase>(
     let token = form_urlencoded::parse(&bytes)
         .find(|(name, _)| name == "csrf")
         .map(|(_, value)| value.into_owned());
-    match inner.check_token(&ctx.operator, token.as_deref()) {
-        TokenCheck::Fresh => {}
+    let (title, text) = match inner.check_token(&ctx.operator, token.as_deref()) {
+        TokenCheck::Fresh => return Params::parse(&bytes, allowed),
         TokenCheck::Wrong => {
             tracing::warn!(
                 target: "inbox_runtime::ops::console",
                 operator = ?ctx.operator,
                 "console: POST without a valid CSRF token refused"
             );
-            return Err(bare(
-                StatusCode::FORBIDDEN,
+            (
                 "Invalid form token",
-                "This action's form token (CSRF) is missing or wrong: open the page again and \
-                 confirm from there.",
-            ));
+                String::from(
+                    "This action's form token (CSRF) is missing or wrong: open the page again \
+                     and confirm from there.",
+                ),
+            )
         }
         TokenCheck::Expired => {
             tracing::info!(
@@ -85,18 +86,17 @@ pub(super) async fn form<DB: ConsoleDatabase>(
                 operator = ?ctx.operator,
                 "console: POST with an expired CSRF token refused"
             );
-            return Err(bare(
-                StatusCode::FORBIDDEN,
+            (
                 "Page expired",
-                &format!(
+                format!(
                     "This page expired: its form token is valid for {} and is older. Nothing \
                      was changed. Reload the page and confirm again.",
                     admin::format_skew(inner.lifetime)
                 ),
-            ));
+            )
         }
-    }
-    Params::parse(&bytes, allowed)
+    };
+    Err(bare(StatusCode::FORBIDDEN, title, &text))
 }
 
 /// Why a `POST` looks cross-site, if it does: a `Sec-Fetch-Site` other than `same-origin` (or

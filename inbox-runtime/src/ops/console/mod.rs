@@ -106,7 +106,9 @@ use http::request::Parts;
 use http::{Extensions, HeaderValue, StatusCode, header};
 use sqlx::pool::PoolConnection;
 
+use crate::debug::some_fields;
 use crate::ops::admin;
+use crate::setters::setters;
 use crate::store::{
     AdminStore as _, ConsoleDatabase, ConsoleStore as _, RejectionReason, RetryLag, StatsRow,
     StatsStatus, StoredMessage,
@@ -201,10 +203,11 @@ pub struct Console<DB: ConsoleDatabase> {
 
 impl<DB: ConsoleDatabase> fmt::Debug for Console<DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Console")
-            .field("hook", &self.hook.is_some())
-            .field("own_auth", &self.own_auth)
-            .finish_non_exhaustive()
+        some_fields(
+            f,
+            "Console",
+            &[("hook", &self.hook.is_some()), ("own_auth", &self.own_auth)],
+        )
     }
 }
 
@@ -240,21 +243,21 @@ impl<DB: ConsoleDatabase> Console<DB> {
         self
     }
 
-    /// The secret the CSRF tokens are keyed with, instead of a random one per console: give
-    /// replicas behind one load balancer the same secret (keep it out of the page and the
-    /// logs).
-    pub fn csrf_secret(mut self, secret: [u8; 32]) -> Self {
-        self.secret = Some(secret);
-        self
-    }
+    setters! {
+        /// The secret the CSRF tokens are keyed with, instead of a random one per console: give
+        /// replicas behind one load balancer the same secret (keep it out of the page and the
+        /// logs).
+        pub fn csrf_secret(secret: [u8; 32]) {
+            self.secret = Some(secret);
+        }
 
-    /// How long a confirmation page's form stays valid (its CSRF token carries its issue
-    /// time): [`DEFAULT_FORM_LIFETIME`] (1 hour) unless given. A `POST` with an older token
-    /// is refused with `403` and a page that says it expired and to reload; nothing changes.
-    /// [`Duration::ZERO`] expires every form (useful in tests only).
-    pub fn form_lifetime(mut self, lifetime: Duration) -> Self {
-        self.lifetime = lifetime;
-        self
+        /// How long a confirmation page's form stays valid (its CSRF token carries its issue
+        /// time): [`DEFAULT_FORM_LIFETIME`] (1 hour) unless given. A `POST` with an older token
+        /// is refused with `403` and a page that says it expired and to reload; nothing changes.
+        /// [`Duration::ZERO`] expires every form (useful in tests only).
+        pub fn form_lifetime(lifetime: Duration) {
+            self.lifetime = lifetime;
+        }
     }
 
     /// The router: mount it with [`Router::nest`] (or [`Router::merge`] at the root). Its
@@ -503,6 +506,17 @@ impl Params {
         }
         inner.check_consumer(conn, consumer).await?;
         Ok(Some(consumer.to_owned()))
+    }
+
+    /// A listing's filter: [`limit`](Self::limit), then the optional
+    /// [`consumer`](Self::consumer).
+    async fn listing<DB: ConsoleDatabase>(
+        &self,
+        inner: &Inner<DB>,
+        conn: &mut Conn<DB>,
+    ) -> Result<(u32, Option<String>), ErrorPage> {
+        let limit = self.limit()?;
+        Ok((limit, self.consumer(inner, conn, false).await?))
     }
 
     /// `key`: not empty, no NUL, at most [`MAX_KEY_BYTES`].
@@ -1171,8 +1185,7 @@ impl Filter {
         } else {
             params.statuses()?
         };
-        let limit = params.limit()?;
-        let consumer = params.consumer(inner, conn, false).await?;
+        let (limit, consumer) = params.listing(inner, conn).await?;
         let rows = conn
             .list_messages(consumer.as_deref(), statuses, i64::from(limit))
             .await

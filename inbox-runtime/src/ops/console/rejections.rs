@@ -40,8 +40,7 @@ pub(super) async fn rejection_list<DB: ConsoleDatabase>(
     body: &mut String,
 ) -> Result<(), ErrorPage> {
     let reason = params.reason()?;
-    let limit = params.limit()?;
-    let consumer = params.consumer(inner, conn, false).await?;
+    let (limit, consumer) = params.listing(inner, conn).await?;
     let rows = conn
         .list_rejections(consumer.as_deref(), reason, i64::from(limit))
         .await

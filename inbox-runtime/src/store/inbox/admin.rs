@@ -272,18 +272,12 @@ async fn purge<D: InboxDialect, const N: usize>(
     operation: &'static str,
     statement: &(super::Stmt, [(Param, Arg<'_>); N]),
 ) -> Result<u64, sqlx::Error> {
-    let (stmt, values) = statement;
-    if !D::LOCK_RETRIES {
-        return execute::<D>(conn, stmt, values).await;
-    }
-    let retry = Retry {
-        operation,
-        depth: 0,
-        no_wait: false,
-    };
-    with_retries::<D, _, _>(conn, retry, statement, |conn, (stmt, values)| {
-        Box::pin(execute::<D>(conn, stmt, values))
-    })
+    with_retries::<D, _, _>(
+        conn,
+        Retry::autocommit(operation),
+        statement,
+        |conn, (stmt, values)| Box::pin(execute::<D>(conn, stmt, values)),
+    )
     .await
 }
 

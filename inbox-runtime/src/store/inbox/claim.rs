@@ -20,14 +20,7 @@ pub(crate) async fn claim<D: InboxDialect>(
     request: &ClaimRequest<'_>,
     no_wait: bool,
 ) -> Result<ClaimResult, sqlx::Error> {
-    if !D::LOCK_RETRIES {
-        return claim_once::<D>(conn, request).await;
-    }
-    let retry = Retry {
-        operation: "claim",
-        depth: 1,
-        no_wait,
-    };
+    let retry = Retry::claim_transaction("claim", no_wait);
     with_retries::<D, _, _>(conn, retry, request, |conn, request| {
         Box::pin(claim_once::<D>(conn, request))
     })
@@ -269,14 +262,7 @@ pub(super) async fn record_failure<D: InboxDialect>(
     conn: &mut D::Connection,
     record: &FailureRecord<'_>,
 ) -> Result<Option<(Status, u32)>, sqlx::Error> {
-    if !D::LOCK_RETRIES {
-        return record_failure_once::<D>(conn, record).await;
-    }
-    let retry = Retry {
-        operation: "record_failure",
-        depth: 0,
-        no_wait: false,
-    };
+    let retry = Retry::autocommit("record_failure");
     with_retries::<D, _, _>(conn, retry, record, |conn, record| {
         Box::pin(record_failure_once::<D>(conn, record))
     })
@@ -358,14 +344,7 @@ pub(super) async fn claim_batch<D: InboxDialect>(
     conn: &mut D::Connection,
     requests: &[ClaimRequest<'_>],
 ) -> Result<Vec<Option<u32>>, sqlx::Error> {
-    if !D::LOCK_RETRIES {
-        return claim_batch_once::<D>(conn, requests).await;
-    }
-    let retry = Retry {
-        operation: "claim_batch",
-        depth: 1,
-        no_wait: false,
-    };
+    let retry = Retry::claim_transaction("claim_batch", false);
     with_retries::<D, _, _>(conn, retry, requests, |conn, requests| {
         Box::pin(claim_batch_once::<D>(conn, requests))
     })
