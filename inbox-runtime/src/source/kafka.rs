@@ -650,7 +650,7 @@ trait Positions: Send + Sync {
     ) -> BoxFuture<'a, Result<Option<bool>, sqlx::Error>>;
 }
 
-struct PoolPositions<DB: PositionsDatabase>(Pool<DB>);
+struct PoolPositions<DB: PositionsDatabase>(Pool<DB>, Option<crate::store::TablePrefix>);
 
 /// Runs `$op` (a future on `$conn`, a connection of the pool `$pool`) within [`ATTEMPT_LIMIT`],
 /// the wait for the connection included. A connection whose statements ran out of time is closed,
@@ -685,8 +685,14 @@ impl<DB: PositionsDatabase> Positions for PoolPositions<DB> {
         owner: &'a str,
     ) -> BoxFuture<'a, Result<Option<Acquired>, sqlx::Error>> {
         Box::pin(async move {
-            within_limit!(self.0, |conn| conn
-                .try_acquire_position(&key, owner, LOCK_WAIT))
+            crate::store::within(
+                self.1.as_ref(),
+                async move {
+                    within_limit!(self.0, |conn| conn
+                        .try_acquire_position(&key, owner, LOCK_WAIT))
+                },
+            )
+            .await
         })
     }
 
@@ -697,12 +703,18 @@ impl<DB: PositionsDatabase> Positions for PoolPositions<DB> {
         next_offset: i64,
     ) -> BoxFuture<'a, Result<Option<bool>, sqlx::Error>> {
         Box::pin(async move {
-            within_limit!(self.0, |conn| conn.try_advance_position(
-                &key,
-                epoch,
-                next_offset,
-                LOCK_WAIT
-            ))
+            crate::store::within(
+                self.1.as_ref(),
+                async move {
+                    within_limit!(self.0, |conn| conn.try_advance_position(
+                        &key,
+                        epoch,
+                        next_offset,
+                        LOCK_WAIT
+                    ))
+                },
+            )
+            .await
         })
     }
 }
@@ -1145,7 +1157,12 @@ impl KafkaSource {
         });
         let context = Context {
             shared: Arc::clone(&shared),
-            positions: Arc::new(PoolPositions(dispatcher.pool().clone())),
+                        // The rebalance callbacks run on the consumer's thread, outside any scope: they keep
+            // the table prefix of the scope the source is connected in.
+            positions: Arc::new(PoolPositions(
+                dispatcher.pool().clone(),
+                crate::store::TablePrefix::current(),
+            )),
             runtime: tokio::runtime::Handle::current(),
         };
         let consumer: BaseConsumer<Context> = config

@@ -198,7 +198,7 @@ impl Settle for MemorySettler {
                 Settlement::Requeue { delay } => match delay {
                     Some(delay) if delay > Duration::ZERO => {
                         // Stays outstanding while the delay runs, so that the source does not end.
-                        tokio::spawn(async move {
+                        crate::store::spawn(async move {
                             tokio::time::sleep(delay).await;
                             shared.requeue(queued);
                         });

@@ -483,7 +483,7 @@ impl<DB: InboxDatabase> Worker<DB> {
             return guard;
         };
         let dispatcher = self.dispatcher.clone();
-        tokio::spawn(async move {
+        crate::store::spawn(async move {
             loop {
                 tokio::select! {
                     () = sweeping.cancelled() => break,
