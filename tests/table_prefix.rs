@@ -175,7 +175,13 @@ macro_rules! prefix_tests {
                 drop(conn);
                 assert_eq!(
                     outcomes,
-                    ["processed", "processed", "duplicate", "duplicate", "processed"]
+                    [
+                        "processed",
+                        "processed",
+                        "duplicate",
+                        "duplicate",
+                        "processed"
+                    ]
                 );
                 for key in ["billing_:pay-1", "shipping_:pay-1", ":pay-1"] {
                     assert_eq!(
@@ -231,20 +237,19 @@ macro_rules! prefix_tests {
                 stats.sort();
                 assert_eq!(
                     stats,
-                    [
-                        (Some("jobs".to_owned()), 1),
-                        (Some("ledger".to_owned()), 1)
-                    ]
+                    [(Some("jobs".to_owned()), 1), (Some("ledger".to_owned()), 1)]
                 );
 
                 // The console built in a scope serves that prefix's rows, whatever task
                 // serves the request.
                 let console: axum::Router = billing
                     .scope(async {
-                        inbox_runtime::ops::console::Console::new(std::sync::Arc::clone(&billing_dispatcher))
-                            .behind_own_auth()
-                            .build()
-                            .unwrap()
+                        inbox_runtime::ops::console::Console::new(std::sync::Arc::clone(
+                            &billing_dispatcher,
+                        ))
+                        .behind_own_auth()
+                        .build()
+                        .unwrap()
                     })
                     .await;
                 let request = axum::http::Request::builder()
@@ -276,20 +281,80 @@ macro_rules! prefix_tests {
                     shipping.scope(relay_round(&pool)).await,
                     ["shipping_:o-1", "shipping_:o-2"]
                 );
-                assert_eq!(billing.scope(relay_round(&pool)).await, Vec::<String>::new());
+                assert_eq!(
+                    billing.scope(relay_round(&pool)).await,
+                    Vec::<String>::new()
+                );
                 assert_eq!(count(&pool, "billing_inbox_outbox").await, 1);
                 assert_eq!(count(&pool, "shipping_inbox_outbox").await, 2);
+
+                // A dispatcher, a worker and a relay built in a scope keep its prefix on tasks
+                // spawned outside it: a worker of `billing_` delivers pay-1 (a duplicate there)
+                // and pay-2, the relay of `shipping_` publishes o-3 of `shipping_` only.
+                let (worker, relay, sink) = billing
+                    .scope(async {
+                        let worker = inbox_runtime::Worker::new(
+                            Dispatcher::from_registry(pool.clone()).unwrap(),
+                        );
+                        let sink = MemorySink::new();
+                        let relay =
+                            shipping.scope(async { Relay::new(pool.clone(), sink.clone()) });
+                        (worker, relay.await, sink)
+                    })
+                    .await;
+                let source = inbox_runtime::source::memory::MemorySource::new("memory");
+                let handle = source.handle();
+                for (id, amount) in [("pay-1", 250), ("pay-2", 7)] {
+                    handle.push(inbox_tests::envelope(&Payment {
+                        id: id.into(),
+                        amount,
+                    }));
+                }
+                handle.close();
+                let report = tokio::spawn(async move {
+                    worker
+                        .run(source, inbox_runtime::CancellationToken::new())
+                        .await
+                        .unwrap()
+                })
+                .await
+                .unwrap();
+                assert_eq!(
+                    (
+                        report.acked,
+                        report.processed,
+                        report.duplicates,
+                        report.failed
+                    ),
+                    (2, 1, 1, 0),
+                    "{report:?}"
+                );
+                assert_eq!(
+                    <Db as TestBackend>::effect(&pool, "billing_:pay-2").await,
+                    Some((1, 7))
+                );
+                assert_eq!(
+                    <Db as TestBackend>::effect(&pool, "billing_:pay-1").await,
+                    Some((1, 250))
+                );
+                assert_eq!(count(&pool, "billing_inbox_messages").await, 4);
+                assert_eq!(count(&pool, "shipping_inbox_messages").await, 4);
+                let order = inbox_tests::envelope(&Order { id: "o-3".into() });
+                let dispatched = shipping.scope(dispatcher.dispatch(&order)).await.unwrap();
+                assert_eq!(inbox_tests::outcome_kinds(&dispatched), [Ok("processed")]);
+                let round = tokio::spawn(async move { relay.run_once().await.unwrap() })
+                    .await
+                    .unwrap();
+                assert_eq!((round.leased, round.published), (1, 1));
+                let published: Vec<String> =
+                    sink.published().into_iter().map(|m| m.message_id).collect();
+                assert_eq!(published, ["shipping_:o-3"]);
 
                 // Each prefix's migration history is complete, in its own table.
                 for prefix in ["billing_", "shipping_", ""] {
                     let inbox = count(&pool, &format!("{prefix}_inbox_migrations")).await;
-                    let outbox =
-                        count(&pool, &format!("{prefix}_inbox_outbox_migrations")).await;
-                    assert_eq!(
-                        (inbox, outbox),
-                        <Db as Versions>::VERSIONS,
-                        "{prefix:?}"
-                    );
+                    let outbox = count(&pool, &format!("{prefix}_inbox_outbox_migrations")).await;
+                    assert_eq!((inbox, outbox), <Db as Versions>::VERSIONS, "{prefix:?}");
                 }
             }
         }
@@ -301,6 +366,10 @@ trait Versions {
     const VERSIONS: (i64, i64);
 }
 
+impl Versions for sqlx::Postgres {
+    const VERSIONS: (i64, i64) = (6, 4);
+}
+
 impl Versions for sqlx::Sqlite {
     const VERSIONS: (i64, i64) = (5, 4);
 }
@@ -309,6 +378,7 @@ impl Versions for sqlx::MySql {
     const VERSIONS: (i64, i64) = (2, 4);
 }
 
+prefix_tests!(postgres, sqlx::Postgres);
 prefix_tests!(sqlite, sqlx::Sqlite);
 prefix_tests!(mysql, sqlx::MySql);
 
@@ -318,10 +388,7 @@ prefix_tests!(mysql, sqlx::MySql);
 async fn sqlite_indexes_carry_the_prefix() {
     let (pool, _guard) = inbox_tests::sqlite_pool(1).await;
     let billing = TablePrefix::new("billing_").unwrap();
-    billing
-        .scope(inbox_runtime::migrate(&pool))
-        .await
-        .unwrap();
+    billing.scope(inbox_runtime::migrate(&pool)).await.unwrap();
     let names = |pattern: &'static str| {
         let pool = pool.clone();
         async move {
@@ -355,21 +422,40 @@ fn hostile_prefixes_are_refused() {
             "billing_; DROP TABLE effects",
             TablePrefixError::Character { found: ';', at: 8 },
         ),
-        ("bill`ing", TablePrefixError::Character { found: '`', at: 4 }),
-        ("bill ing", TablePrefixError::Character { found: ' ', at: 4 }),
-        ("bill\0ing", TablePrefixError::Character { found: '\0', at: 4 }),
-        ("Billing_", TablePrefixError::Character { found: 'B', at: 0 }),
+        (
+            "bill`ing",
+            TablePrefixError::Character { found: '`', at: 4 },
+        ),
+        (
+            "bill ing",
+            TablePrefixError::Character { found: ' ', at: 4 },
+        ),
+        (
+            "bill\0ing",
+            TablePrefixError::Character { found: '\0', at: 4 },
+        ),
+        (
+            "Billing_",
+            TablePrefixError::Character { found: 'B', at: 0 },
+        ),
         ("9lives_", TablePrefixError::Character { found: '9', at: 0 }),
         ("inbox_billing_", TablePrefixError::Reserved),
         ("_inbox_", TablePrefixError::Reserved),
     ] {
-        assert_eq!(TablePrefix::new(prefix), Err(expected.clone()), "{prefix:?}");
+        assert_eq!(
+            TablePrefix::new(prefix),
+            Err(expected.clone()),
+            "{prefix:?}"
+        );
     }
     assert_eq!(
         TablePrefix::new(&"p".repeat(31)),
         Err(TablePrefixError::TooLong { bytes: 31 })
     );
-    assert_eq!(TablePrefix::new(&"p".repeat(30)).unwrap().as_str().len(), 30);
+    assert_eq!(
+        TablePrefix::new(&"p".repeat(30)).unwrap().as_str().len(),
+        30
+    );
     assert_eq!(
         TablePrefix::new(&"p".repeat(31)).unwrap_err().to_string(),
         "table prefix is 31 bytes long; at most 30 bytes, so that the longest table or index \

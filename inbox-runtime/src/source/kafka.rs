@@ -685,13 +685,10 @@ impl<DB: PositionsDatabase> Positions for PoolPositions<DB> {
         owner: &'a str,
     ) -> BoxFuture<'a, Result<Option<Acquired>, sqlx::Error>> {
         Box::pin(async move {
-            crate::store::within(
-                self.1.as_ref(),
-                async move {
-                    within_limit!(self.0, |conn| conn
-                        .try_acquire_position(&key, owner, LOCK_WAIT))
-                },
-            )
+            crate::store::within(self.1.as_ref(), async move {
+                within_limit!(self.0, |conn| conn
+                    .try_acquire_position(&key, owner, LOCK_WAIT))
+            })
             .await
         })
     }
@@ -703,17 +700,14 @@ impl<DB: PositionsDatabase> Positions for PoolPositions<DB> {
         next_offset: i64,
     ) -> BoxFuture<'a, Result<Option<bool>, sqlx::Error>> {
         Box::pin(async move {
-            crate::store::within(
-                self.1.as_ref(),
-                async move {
-                    within_limit!(self.0, |conn| conn.try_advance_position(
-                        &key,
-                        epoch,
-                        next_offset,
-                        LOCK_WAIT
-                    ))
-                },
-            )
+            crate::store::within(self.1.as_ref(), async move {
+                within_limit!(self.0, |conn| conn.try_advance_position(
+                    &key,
+                    epoch,
+                    next_offset,
+                    LOCK_WAIT
+                ))
+            })
             .await
         })
     }
@@ -1157,7 +1151,7 @@ impl KafkaSource {
         });
         let context = Context {
             shared: Arc::clone(&shared),
-                        // The rebalance callbacks run on the consumer's thread, outside any scope: they keep
+            // The rebalance callbacks run on the consumer's thread, outside any scope: they keep
             // the table prefix of the scope the source is connected in.
             positions: Arc::new(PoolPositions(
                 dispatcher.pool().clone(),

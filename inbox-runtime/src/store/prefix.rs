@@ -336,10 +336,13 @@ mod tests {
             prefix.rewrite("CREATE INDEX inbox_rejections_new ON inbox_rejections (x)"),
             "CREATE INDEX billing_inbox_rejections_new ON billing_inbox_rejections (x)"
         );
-        assert_eq!(prefix.table("_inbox_migrations"), "billing__inbox_migrations");
+        assert_eq!(
+            prefix.table("_inbox_migrations"),
+            "billing__inbox_migrations"
+        );
     }
 
-    /// Every name the MySQL and SQLite migrations create fits [`LONGEST_NAME`], and the longest
+    /// Every name the migrations create fits [`LONGEST_NAME`], and the longest
     /// is that long.
     #[test]
     fn the_longest_name_is_known() {
@@ -349,7 +352,8 @@ mod tests {
         for component in [Component::Inbox, Component::Outbox, Component::Positions] {
             let sql = <sqlx::MySql as Dialect>::migrations(component)
                 .iter()
-                .chain(<sqlx::Sqlite as Dialect>::migrations(component));
+                .chain(<sqlx::Sqlite as Dialect>::migrations(component))
+                .chain(<sqlx::Postgres as Dialect>::migrations(component));
             for (_, _, sql) in sql {
                 for word in sql.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
                     if is_runtime_name(word) {

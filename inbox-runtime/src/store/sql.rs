@@ -6,7 +6,10 @@
 //! behavioural differences. [`Sql`] is implemented by one blanket impl for every
 //! `sqlx::Database` that satisfies the bounds below (PostgreSQL, SQLite, MySQL/MariaDB).
 
-use sqlx::{Database, Decode, Encode, Execute as _, Executor, QueryBuilder, Row as _, SqlSafeStr, SqlStr, Type};
+use sqlx::{
+    Database, Decode, Encode, Execute as _, Executor, QueryBuilder, Row as _, SqlSafeStr, SqlStr,
+    Type,
+};
 
 use super::prefix::{in_scope, prefixed};
 use crate::BoxFuture;

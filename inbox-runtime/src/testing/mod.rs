@@ -796,15 +796,24 @@ async fn clean_up<DB: InboxDatabase>(pool: &Pool<DB>, consumer: &str) -> Result<
     let any: &dyn Any = pool;
     if let Some(pool) = any.downcast_ref::<sqlx::PgPool>() {
         for sql in DOLLAR {
-            sqlx::query(prefixed(sql)).bind(consumer).execute(pool).await?;
+            sqlx::query(prefixed(sql))
+                .bind(consumer)
+                .execute(pool)
+                .await?;
         }
     } else if let Some(pool) = any.downcast_ref::<sqlx::SqlitePool>() {
         for sql in QUESTION {
-            sqlx::query(prefixed(sql)).bind(consumer).execute(pool).await?;
+            sqlx::query(prefixed(sql))
+                .bind(consumer)
+                .execute(pool)
+                .await?;
         }
     } else if let Some(pool) = any.downcast_ref::<sqlx::MySqlPool>() {
         for sql in QUESTION {
-            sqlx::query(prefixed(sql)).bind(consumer).execute(pool).await?;
+            sqlx::query(prefixed(sql))
+                .bind(consumer)
+                .execute(pool)
+                .await?;
         }
     } else {
         return Err(format!("the test kit does not know the {} backend", DB::BACKEND).into());

@@ -276,8 +276,9 @@ impl<DB: ConsoleDatabase> Console<DB> {
         };
         let secret = self.secret.unwrap_or_else(random_secret);
         // Requests are served on tasks of the server's, outside any scope: each runs in the
-        // table prefix of the scope the console is built in.
-        let prefix = crate::store::TablePrefix::current();
+        // table prefix of the scope the console is built in, else in its dispatcher's.
+        let prefix =
+            crate::store::TablePrefix::current().or_else(|| self.dispatcher.prefix.clone());
         let inner = Arc::new(Inner {
             dispatcher: self.dispatcher,
             auth,
