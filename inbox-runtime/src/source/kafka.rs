@@ -650,6 +650,7 @@ trait Positions: Send + Sync {
     ) -> BoxFuture<'a, Result<Option<bool>, sqlx::Error>>;
 }
 
+/// The positions in `.0`, under the table prefix `.1` (if any).
 struct PoolPositions<DB: PositionsDatabase>(Pool<DB>, Option<crate::store::TablePrefix>);
 
 /// Runs `$op` (a future on `$conn`, a connection of the pool `$pool`) within [`ATTEMPT_LIMIT`],
@@ -1152,10 +1153,10 @@ impl KafkaSource {
         let context = Context {
             shared: Arc::clone(&shared),
             // The rebalance callbacks run on the consumer's thread, outside any scope: they keep
-            // the table prefix of the scope the source is connected in.
+            // the table prefix of the scope the source is connected in, else the dispatcher's.
             positions: Arc::new(PoolPositions(
                 dispatcher.pool().clone(),
-                crate::store::TablePrefix::current(),
+                crate::store::TablePrefix::current().or_else(|| dispatcher.prefix.clone()),
             )),
             runtime: tokio::runtime::Handle::current(),
         };

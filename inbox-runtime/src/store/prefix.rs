@@ -342,6 +342,20 @@ mod tests {
         );
     }
 
+    /// The dedupe caches' keys carry the prefix in scope: services sharing a cache under two
+    /// prefixes never answer for each other.
+    #[tokio::test]
+    async fn cache_keys_carry_the_prefix() {
+        let billing = TablePrefix::new("billing_").unwrap();
+        assert_eq!(crate::cache::cache_key("ledger", "k:1"), "6:ledger:k:1");
+        assert_eq!(
+            billing
+                .scope(async { crate::cache::cache_key("ledger", "k:1") })
+                .await,
+            "billing_/6:ledger:k:1"
+        );
+    }
+
     /// Every name the migrations create fits [`LONGEST_NAME`], and the longest
     /// is that long.
     #[test]
