@@ -1,11 +1,13 @@
 //! The runtime's tables under a table prefix of the user's choice (`TablePrefix`), on SQLite
-//! (a file) and MySQL/MariaDB (`MYSQL_URL`): two services with their own prefixes in one
-//! database — already migrated without a prefix, a third service — each deduplicating on its
-//! own: the same consumer and idempotency key are processed once per prefix, and a redelivery
-//! is a duplicate within it; dead letters, the admin listing, the console and the outbox relay
-//! of one prefix see nothing of the other's; migrations create prefixed tables, indexes and
-//! version tables (SQLite's index names are per database: migrating twice in one file would
-//! fail on them otherwise). A hostile prefix is refused before anything reaches a server.
+//! (a file), MySQL/MariaDB (`MYSQL_URL`) and PostgreSQL (`DATABASE_URL`): two services with
+//! their own prefixes in one database — already migrated without a prefix, a third service —
+//! each deduplicating on its own: the same consumer and idempotency key are processed once per
+//! prefix, and a redelivery is a duplicate within it; dead letters, the admin listing and stats,
+//! the console and the outbox relay of one prefix see nothing of the other's; a worker, a relay,
+//! the console and the `Idempotency-Key` layer built in a scope keep its prefix on tasks spawned
+//! outside it; migrations create prefixed tables, indexes and version tables (SQLite's index
+//! names are per database: migrating twice in one file would fail on them otherwise). A hostile
+//! prefix is refused before anything reaches a server.
 
 #![allow(missing_docs)]
 
@@ -102,6 +104,20 @@ macro_rules! prefix_tests {
                 .message_id(scoped_key(&msg.id));
                 OUTBOX.publish(&mut *conn, message).await?;
                 Ok(())
+            }
+
+            /// `POST /pay/{id}`: the effect of `id`, amount 5, on the request's transaction.
+            async fn pay(
+                axum::extract::Path(id): axum::extract::Path<String>,
+                mut tx: inbox_runtime::http::IdempotencyTx<Db>,
+            ) -> axum::http::StatusCode {
+                sqlx::query(APPLY_EFFECT)
+                    .bind(scoped_key(&id))
+                    .bind(5_i64)
+                    .execute(tx.connection())
+                    .await
+                    .unwrap();
+                axum::http::StatusCode::CREATED
             }
 
             async fn count(pool: &Pool, table: &str) -> i64 {
@@ -349,6 +365,37 @@ macro_rules! prefix_tests {
                 let published: Vec<String> =
                     sink.published().into_iter().map(|m| m.message_id).collect();
                 assert_eq!(published, ["shipping_:o-3"]);
+
+                // The Idempotency-Key layer built in a scope claims its keys there, whatever task
+                // serves the request: the same key twice runs the handler once.
+                let app: axum::Router = billing
+                    .scope(async {
+                        axum::Router::new()
+                            .route("/pay/{id}", axum::routing::post(pay))
+                            .route_layer(inbox_runtime::http::IdempotencyLayer::new(pool.clone()))
+                    })
+                    .await;
+                let mut statuses = Vec::new();
+                for _ in 0..2 {
+                    let request = axum::http::Request::builder()
+                        .method("POST")
+                        .uri("/pay/h-1")
+                        .header("idempotency-key", "\"h-1\"")
+                        .body(axum::body::Body::empty())
+                        .unwrap();
+                    let response = tokio::spawn(app.clone().oneshot(request))
+                        .await
+                        .unwrap()
+                        .unwrap();
+                    statuses.push(response.status().as_u16());
+                }
+                assert_eq!(statuses, [201, 201]);
+                assert_eq!(
+                    <Db as TestBackend>::effect(&pool, "billing_:h-1").await,
+                    Some((1, 5))
+                );
+                assert_eq!(count(&pool, "billing_inbox_messages").await, 5);
+                assert_eq!(count(&pool, "inbox_messages").await, 1);
 
                 // Each prefix's migration history is complete, in its own table.
                 for prefix in ["billing_", "shipping_", ""] {
