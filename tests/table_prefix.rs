@@ -149,6 +149,30 @@ macro_rules! prefix_tests {
                 ids
             }
 
+            /// The longest prefix (30 bytes) migrates every component: its longest name (MySQL's
+            /// index `…inbox_outbox_aggregates_written_at`) is MySQL's limit, 64 bytes.
+            #[tokio::test]
+            async fn the_longest_prefix_migrates() {
+                let (pool, _guard) = <Db as TestBackend>::fixture(2).await;
+                let prefix = TablePrefix::new(&"p".repeat(TablePrefix::MAX_BYTES)).unwrap();
+                let components = [Component::Inbox, Component::Outbox, Component::Positions];
+                prefix
+                    .scope(inbox_runtime::migrate_components(&pool, &components))
+                    .await
+                    .unwrap();
+                for table in ["inbox_outbox", "inbox_positions"] {
+                    assert_eq!(count(&pool, &prefix.table(table)).await, 0, "{table}");
+                }
+                let mut conn = pool.acquire().await.unwrap();
+                let payment = Payment {
+                    id: "pay-long".into(),
+                    amount: 1,
+                };
+                let outcome = prefix.scope(credit(&mut conn, payment)).await.unwrap();
+                assert_eq!(outcome.kind(), "processed");
+                assert_eq!(count(&pool, &prefix.table("inbox_messages")).await, 1);
+            }
+
             #[tokio::test]
             async fn two_prefixes_share_one_database() {
                 // Migrated without a prefix too: a third service of the same database.
