@@ -41,12 +41,17 @@ const IDENTIFIER_LIMIT: usize = 64;
 /// handler called directly, a [`Dispatcher`](crate::Dispatcher), a [`Worker`](crate::Worker), a
 /// [`Relay`](crate::Relay), [`Outbox`](crate::Outbox) publishes, a
 /// [`ClaimSession`](crate::ClaimSession), the admin API and CLI, the console) runs on the
-/// prefixed tables. The runtime's own background tasks started inside a scope keep its prefix
-/// (a worker's deliveries and parked-message sweep, the retention purger, the console's
-/// requests when the console is built inside the scope). A task that you spawn yourself
-/// (`tokio::spawn`) starts outside any scope: run its future inside
-/// [`scope`](Self::scope) too, or it uses the unprefixed tables. Wrap a service's whole `main`
-/// future once, and nothing else needs to know.
+/// prefixed tables. A [`Dispatcher`](crate::Dispatcher) (and the [`Worker`](crate::Worker)
+/// over it), a [`Relay`](crate::Relay), a console (`ops::console`, feature `console`) and an
+/// `http::IdempotencyLayer` (feature `http`) built inside a scope keep its prefix
+/// wherever they later run (a task of their own, the HTTP server's request tasks, the Kafka
+/// consumer's thread; a console built outside any scope takes its dispatcher's), and the
+/// runtime's own background tasks started inside a scope keep it too (the parked-message sweep,
+/// the retention purger). A task that you spawn yourself (`tokio::spawn`) around a direct call,
+/// a [`ClaimSession`](crate::ClaimSession) or the admin API starts outside any scope: run its
+/// future inside [`scope`](Self::scope) too, or it uses the unprefixed tables. Wrap a service's
+/// whole `main` future once, and nothing else needs to know. The dedupe caches' keys carry the
+/// prefix too, so that services sharing one Redis cache never answer for each other.
 ///
 /// Why a scope and not an argument: the store's statements run on a plain connection
 /// (`&mut MySqlConnection`), which carries no user data, and a handler called directly has
