@@ -373,6 +373,35 @@ async fn billing_pool(url: &str) -> Result<PgPool, Box<dyn std::error::Error>> {
 // ---- end README block ----
 }
 
+/// The README's table prefix (MySQL/MariaDB, SQLite), compiled.
+#[rustfmt::skip]
+#[allow(dead_code)]
+mod prefix {
+// ---- README block: prefix ----
+use inbox_runtime::{Component, Dispatcher, Relay, TablePrefix, Worker};
+use inbox_runtime::{CancellationToken, sink::Sink, source::Source};
+
+/// The billing service, on a MySQL/MariaDB database it shares with other services: every table
+/// of the runtime under `billing_` (`billing_inbox_messages`, `billing_inbox_outbox`, …).
+async fn billing(
+    pool: sqlx::MySqlPool,
+    source: impl Source,
+    sink: impl Sink,
+    shutdown: CancellationToken,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let prefix = TablePrefix::new("billing_")?; // checked: a-z, 0-9, '_', at most 30 bytes
+    prefix.scope(async move {
+        inbox_runtime::migrate_components(&pool, &[Component::Inbox, Component::Outbox]).await?;
+        // Built in the scope, they keep the prefix, on tasks of their own too.
+        let relay = tokio::spawn(Relay::new(pool.clone(), sink).run(shutdown.clone()));
+        Worker::new(Dispatcher::from_registry(pool)?).run(source, shutdown).await?;
+        relay.await?;
+        Ok(())
+    }).await
+}
+// ---- end README block ----
+}
+
 /// The README's retention read from a configuration file, compiled and run.
 #[rustfmt::skip]
 mod retention {
@@ -460,7 +489,7 @@ fn the_readme_shows_these_blocks_word_for_word() {
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
         .expect("read README.md");
     let blocks = blocks();
-    assert_eq!(blocks.len(), 15);
+    assert_eq!(blocks.len(), 16);
     for (name, text) in blocks {
         let fenced = format!("```rust\n{text}```\n");
         assert!(

@@ -2,7 +2,8 @@
 //! [`ConnectionManager`] (one multiplexed connection, reconnected in the background after a
 //! failure).
 //!
-//! Each entry is one string key, `<prefix><consumer length>:<consumer>:<idempotency key>`,
+//! Each entry is one string key, `<prefix><consumer length>:<consumer>:<idempotency key>`
+//! (`<prefix><table prefix>/<consumer length>:…` under a [`TablePrefix`](crate::TablePrefix)),
 //! holding `<status> <fingerprint hex>` ([`CacheEntry::to_text`]) with an expiry of the cache's
 //! time to live (`PX`, milliseconds). A delivery's fill is `SET … NX PX` (it never overwrites a
 //! newer state); an operator's is a plain `SET … PX` after a `DEL`. A batch's lookups are one

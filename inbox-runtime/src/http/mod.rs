@@ -223,6 +223,8 @@ pub(crate) struct Config<DB: InboxDatabase> {
     retry_after: Duration,
     problem_base: String,
     hooks: Hooks<DB>,
+    /// The table prefix of the scope the layer was built in: requests run in it.
+    pub(crate) prefix: Option<crate::TablePrefix>,
 }
 
 impl<DB: InboxDatabase> Clone for IdempotencyLayer<DB> {
@@ -249,6 +251,7 @@ impl<DB: InboxDatabase> Clone for Config<DB> {
             retry_after: self.retry_after,
             problem_base: self.problem_base.clone(),
             hooks: self.hooks.clone(),
+            prefix: self.prefix.clone(),
         }
     }
 }
@@ -323,6 +326,7 @@ impl<DB: InboxDatabase> IdempotencyLayer<DB> {
                 retry_after: Duration::from_secs(1),
                 problem_base: DEFAULT_PROBLEM_BASE.to_owned(),
                 hooks: Hooks::default(),
+                prefix: crate::TablePrefix::current(),
             }),
         }
     }

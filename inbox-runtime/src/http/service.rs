@@ -85,6 +85,12 @@ where
         let ready = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, ready);
         let config = Arc::clone(&self.config);
+        // Requests are served on the server's tasks, outside any scope: each runs in the table
+        // prefix of the scope the layer was built in, if any.
+        let prefix = config.prefix.clone();
+        let handle = |config, inner, request| async move {
+            crate::store::within(prefix.as_ref(), handle(config, inner, request)).await
+        };
         #[cfg(feature = "otel")]
         {
             use tracing::Instrument as _;

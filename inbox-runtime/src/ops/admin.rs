@@ -655,7 +655,7 @@ pub fn spawn_purger<DB: OutboxDatabase>(
             minimum: MIN_PURGE_INTERVAL,
         });
     }
-    Ok(tokio::spawn(async move {
+    Ok(crate::store::spawn(async move {
         let mut ticks = tokio::time::interval(every);
         loop {
             ticks.tick().await;

@@ -88,6 +88,8 @@ pub struct Relay<DB: OutboxDatabase> {
     backlog_interval: Duration,
     /// The destinations whose backlog gauges this relay has set (to zero them when emptied).
     gauged: Mutex<BTreeSet<String>>,
+    /// The table prefix of the scope it was built in: its rounds run in it.
+    prefix: Option<crate::TablePrefix>,
 }
 
 impl<DB: OutboxDatabase> std::fmt::Debug for Relay<DB> {
@@ -220,6 +222,7 @@ impl<DB: OutboxDatabase> Relay<DB> {
             max_backoff: Duration::from_secs(300),
             backlog_interval: Duration::from_secs(5),
             gauged: Mutex::new(BTreeSet::new()),
+            prefix: crate::TablePrefix::current(),
         }
     }
 
@@ -301,25 +304,28 @@ impl<DB: OutboxDatabase> Relay<DB> {
     /// A database error while leasing or marking. Rows published but not marked stay leased
     /// and are published again, with the same message ids, after their lease.
     pub async fn run_once(&self) -> Result<RoundReport, sqlx::Error> {
-        let span = tracing::info_span!(
-            "inbox.outbox.round",
-            leased = tracing::field::Empty,
-            published = tracing::field::Empty,
-            failed = tracing::field::Empty,
-            dead = tracing::field::Empty,
-            abandoned = tracing::field::Empty,
-            timed_out = tracing::field::Empty,
-            lease_lost = tracing::field::Empty,
-        );
-        let report = self.round().instrument(span.clone()).await?;
-        span.record("leased", report.leased);
-        span.record("published", report.published);
-        span.record("failed", report.failed);
-        span.record("dead", report.dead);
-        span.record("abandoned", report.abandoned);
-        span.record("timed_out", report.timed_out);
-        span.record("lease_lost", report.lease_lost);
-        Ok(report)
+        crate::store::within(self.prefix.as_ref(), async {
+            let span = tracing::info_span!(
+                "inbox.outbox.round",
+                leased = tracing::field::Empty,
+                published = tracing::field::Empty,
+                failed = tracing::field::Empty,
+                dead = tracing::field::Empty,
+                abandoned = tracing::field::Empty,
+                timed_out = tracing::field::Empty,
+                lease_lost = tracing::field::Empty,
+            );
+            let report = self.round().instrument(span.clone()).await?;
+            span.record("leased", report.leased);
+            span.record("published", report.published);
+            span.record("failed", report.failed);
+            span.record("dead", report.dead);
+            span.record("abandoned", report.abandoned);
+            span.record("timed_out", report.timed_out);
+            span.record("lease_lost", report.lease_lost);
+            Ok(report)
+        })
+        .await
     }
 
     /// One round's steps: lease (dead-lettering the abandoned rows), publish the leased rows in
@@ -524,6 +530,12 @@ impl<DB: OutboxDatabase> Relay<DB> {
     /// (`inbox_outbox_relay_errors_total`) and the round retried after the poll interval. The
     /// backlog gauges are refreshed as [`backlog_interval`](Self::backlog_interval) says.
     pub async fn run(self, shutdown: CancellationToken) -> RelayReport {
+        let prefix = self.prefix.clone();
+        crate::store::within(prefix.as_ref(), self.run_in_scope(shutdown)).await
+    }
+
+    /// [`run`](Self::run), in the relay's table prefix.
+    async fn run_in_scope(self, shutdown: CancellationToken) -> RelayReport {
         let mut wakeups = DB::wakeups(&self.pool).await;
         let mut report = RelayReport::default();
         let mut gauged_at: Option<Instant> = None;
@@ -587,27 +599,30 @@ impl<DB: OutboxDatabase> Relay<DB> {
     /// # Errors
     /// The database's error (the gauges keep their values).
     pub async fn backlog(&self) -> Result<Vec<OutboxBacklog>, sqlx::Error> {
-        let mut conn = self.pool.acquire().await?;
-        let backlog = conn.outbox_backlog().await?;
-        let mut gauged = self.gauged.lock().unwrap_or_else(|e| e.into_inner());
-        for line in &backlog {
-            let destination = line.destination.clone();
-            metrics::gauge!("inbox_outbox_pending", "destination" => destination.clone())
-                .set(line.pending as f64);
-            metrics::gauge!(
-                "inbox_outbox_oldest_pending_seconds",
-                "destination" => destination
-            )
-            .set(line.oldest_pending_secs);
-        }
-        let now: BTreeSet<String> = backlog.iter().map(|l| l.destination.clone()).collect();
-        for gone in gauged.difference(&now) {
-            metrics::gauge!("inbox_outbox_pending", "destination" => gone.clone()).set(0.0);
-            metrics::gauge!("inbox_outbox_oldest_pending_seconds", "destination" => gone.clone())
-                .set(0.0);
-        }
-        *gauged = now;
-        Ok(backlog)
+        crate::store::within(self.prefix.as_ref(), async {
+            let mut conn = self.pool.acquire().await?;
+            let backlog = conn.outbox_backlog().await?;
+            let mut gauged = self.gauged.lock().unwrap_or_else(|e| e.into_inner());
+            for line in &backlog {
+                let destination = line.destination.clone();
+                metrics::gauge!("inbox_outbox_pending", "destination" => destination.clone())
+                    .set(line.pending as f64);
+                metrics::gauge!(
+                    "inbox_outbox_oldest_pending_seconds",
+                    "destination" => destination
+                )
+                .set(line.oldest_pending_secs);
+            }
+            let now: BTreeSet<String> = backlog.iter().map(|l| l.destination.clone()).collect();
+            for gone in gauged.difference(&now) {
+                metrics::gauge!("inbox_outbox_pending", "destination" => gone.clone()).set(0.0);
+                metrics::gauge!("inbox_outbox_oldest_pending_seconds", "destination" => gone.clone())
+                    .set(0.0);
+            }
+            *gauged = now;
+            Ok(backlog)
+        })
+        .await
     }
 }
 

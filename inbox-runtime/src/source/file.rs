@@ -463,7 +463,7 @@ impl FileSource {
 
         // The persister: writes the latest prefix whenever it moved; ends with the source.
         let persister = Arc::clone(&offset);
-        tokio::spawn(async move {
+        crate::store::spawn(async move {
             while position_rx.changed().await.is_ok() {
                 let position = *position_rx.borrow_and_update();
                 let file = Arc::clone(&persister);

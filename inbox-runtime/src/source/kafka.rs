@@ -641,7 +641,8 @@ trait Positions: Send + Sync {
     ) -> BoxFuture<'a, Result<Option<bool>, sqlx::Error>>;
 }
 
-struct PoolPositions<DB: PositionsDatabase>(Pool<DB>);
+/// The positions in `.0`, under the table prefix `.1` (if any).
+struct PoolPositions<DB: PositionsDatabase>(Pool<DB>, Option<crate::store::TablePrefix>);
 
 /// Runs `$op` (a future on `$conn`, a connection of the pool `$pool`) within [`ATTEMPT_LIMIT`],
 /// the wait for the connection included. A connection whose statements ran out of time is closed,
@@ -676,8 +677,11 @@ impl<DB: PositionsDatabase> Positions for PoolPositions<DB> {
         owner: &'a str,
     ) -> BoxFuture<'a, Result<Option<Acquired>, sqlx::Error>> {
         Box::pin(async move {
-            within_limit!(self.0, |conn| conn
-                .try_acquire_position(&key, owner, LOCK_WAIT))
+            crate::store::within(self.1.as_ref(), async move {
+                within_limit!(self.0, |conn| conn
+                    .try_acquire_position(&key, owner, LOCK_WAIT))
+            })
+            .await
         })
     }
 
@@ -688,12 +692,15 @@ impl<DB: PositionsDatabase> Positions for PoolPositions<DB> {
         next_offset: i64,
     ) -> BoxFuture<'a, Result<Option<bool>, sqlx::Error>> {
         Box::pin(async move {
-            within_limit!(self.0, |conn| conn.try_advance_position(
-                &key,
-                epoch,
-                next_offset,
-                LOCK_WAIT
-            ))
+            crate::store::within(self.1.as_ref(), async move {
+                within_limit!(self.0, |conn| conn.try_advance_position(
+                    &key,
+                    epoch,
+                    next_offset,
+                    LOCK_WAIT
+                ))
+            })
+            .await
         })
     }
 }
@@ -1134,7 +1141,12 @@ impl KafkaSource {
         });
         let context = Context {
             shared: Arc::clone(&shared),
-            positions: Arc::new(PoolPositions(dispatcher.pool().clone())),
+            // The rebalance callbacks run on the consumer's thread, outside any scope: they keep
+            // the table prefix of the scope the source is connected in, else the dispatcher's.
+            positions: Arc::new(PoolPositions(
+                dispatcher.pool().clone(),
+                crate::store::TablePrefix::current().or_else(|| dispatcher.prefix.clone()),
+            )),
             runtime: tokio::runtime::Handle::current(),
         };
         let consumer: BaseConsumer<Context> = config

@@ -251,7 +251,7 @@ impl<DB: InboxDatabase> LambdaSqs<DB> {
                 stop.cancel();
             }
             let stop = stop.clone();
-            tokio::spawn(async move {
+            crate::store::spawn(async move {
                 tokio::time::sleep(left).await;
                 tracing::warn!("the invocation's deadline is near: no more SQS records start");
                 stop.cancel();

@@ -308,7 +308,8 @@ impl<S: Source + ?Sized> Source for Box<S> {
 pub(crate) fn requeue_after(delay: Option<Duration>, requeue: impl FnOnce() + Send + 'static) {
     match delay {
         Some(delay) if delay > Duration::ZERO => {
-            tokio::spawn(async move {
+            // In the table prefix's scope, if any: the requeue may run store statements.
+            crate::store::spawn(async move {
                 tokio::time::sleep(delay).await;
                 requeue();
             });

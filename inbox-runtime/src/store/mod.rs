@@ -34,6 +34,7 @@ mod mysql;
 mod outbox;
 mod positions;
 mod postgres;
+mod prefix;
 mod retry;
 #[allow(dead_code)]
 // The glue is shared with the outbox, positions and console stores as they move onto it.
@@ -46,6 +47,8 @@ pub use console::{
 };
 pub use mysql::mysql_lock_retries;
 pub use postgres::{PgSchema, PgSchemaError};
+pub use prefix::{TablePrefix, TablePrefixError};
+pub(crate) use prefix::{spawn, within};
 
 pub use outbox::{
     Lease, NOTIFY_CHANNEL, OutboxAdminStore, OutboxBacklog, OutboxDatabase, OutboxEntry,
@@ -475,22 +478,30 @@ impl Component {
     }
 }
 
-/// The migrator of one component on `DB`, recording its versions in the component's table.
+/// The migrator of one component on `DB`, recording its versions in the component's table: with
+/// the names of the [`TablePrefix`] in scope, if any (its tables, indexes, constraints and
+/// version table).
 pub(crate) fn migrator<DB: InboxDatabase>(component: Component) -> Migrator {
+    let prefix = TablePrefix::current();
     let mut migrator = Migrator::with_migrations(
         DB::migrations(component)
             .iter()
             .map(|&(version, description, sql)| {
+                // The checksum is the rewritten text's: each prefix's history is its own.
+                let sql = match &prefix {
+                    Some(prefix) => sqlx::AssertSqlSafe(prefix.rewrite(sql)).into_sql_str(),
+                    None => sqlx::AssertSqlSafe(sql).into_sql_str(),
+                };
                 Migration::new(
                     version,
                     Cow::Borrowed(description),
                     MigrationType::Simple,
-                    sqlx::AssertSqlSafe(sql).into_sql_str(),
+                    sql,
                     false,
                 )
             })
             .collect(),
     );
-    migrator.dangerous_set_table_name(component.version_table());
+    migrator.dangerous_set_table_name(prefix::version_table(component.version_table()));
     migrator
 }

@@ -6,8 +6,12 @@
 //! behavioural differences. [`Sql`] is implemented by one blanket impl for every
 //! `sqlx::Database` that satisfies the bounds below (PostgreSQL, SQLite, MySQL/MariaDB).
 
-use sqlx::{Database, Decode, Encode, Executor, QueryBuilder, Row as _, SqlSafeStr, SqlStr, Type};
+use sqlx::{
+    Database, Decode, Encode, Execute as _, Executor, QueryBuilder, Row as _, SqlSafeStr, SqlStr,
+    Type,
+};
 
+use super::prefix::{in_scope, prefixed};
 use crate::BoxFuture;
 
 /// One bound parameter, backend-neutral. `None` binds SQL `NULL` of the variant's type.
@@ -154,6 +158,23 @@ fn null_column(index: usize) -> sqlx::Error {
     }
 }
 
+/// `sql`, rewritten for the table prefix in scope (see [`prefixed`]).
+pub(crate) fn prefixed_text(sql: &'static str) -> SqlStr {
+    prefixed(text(sql))
+}
+
+/// An assembled statement's text, rewritten for the table prefix in scope (see
+/// [`prefixed`]), and its bound arguments.
+fn take_built<DB>(builder: &mut QueryBuilder<DB>) -> Result<(SqlStr, DB::Arguments), sqlx::Error>
+where
+    DB: Database,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+{
+    let mut query = builder.build();
+    let args = query.take_arguments().map_err(sqlx::Error::Encode)?;
+    Ok((prefixed(query.sql()), args.unwrap_or_default()))
+}
+
 /// The query of `sql` with `args` bound in order.
 fn query<'q, DB>(sql: SqlStr, args: &[Arg<'_>]) -> sqlx::query::Query<'q, DB, DB::Arguments>
 where
@@ -205,7 +226,7 @@ where
         sql: SqlStr,
         args: &'c [Arg<'c>],
     ) -> BoxFuture<'c, Result<Option<Self::Row>, sqlx::Error>> {
-        Box::pin(query::<DB>(sql, args).fetch_optional(conn))
+        Box::pin(query::<DB>(prefixed(sql), args).fetch_optional(conn))
     }
 
     fn fetch_one<'c>(
@@ -213,7 +234,7 @@ where
         sql: SqlStr,
         args: &'c [Arg<'c>],
     ) -> BoxFuture<'c, Result<Self::Row, sqlx::Error>> {
-        Box::pin(query::<DB>(sql, args).fetch_one(conn))
+        Box::pin(query::<DB>(prefixed(sql), args).fetch_one(conn))
     }
 
     fn fetch_all<'c>(
@@ -221,7 +242,7 @@ where
         sql: SqlStr,
         args: &'c [Arg<'c>],
     ) -> BoxFuture<'c, Result<Vec<Self::Row>, sqlx::Error>> {
-        Box::pin(query::<DB>(sql, args).fetch_all(conn))
+        Box::pin(query::<DB>(prefixed(sql), args).fetch_all(conn))
     }
 
     fn execute<'c>(
@@ -230,7 +251,7 @@ where
         args: &'c [Arg<'c>],
     ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
         Box::pin(async move {
-            let done = query::<DB>(sql, args).execute(conn).await?;
+            let done = query::<DB>(prefixed(sql), args).execute(conn).await?;
             Ok(done.rows_affected())
         })
     }
@@ -250,7 +271,13 @@ where
         conn: &'c mut Self::Connection,
         builder: &'c mut QueryBuilder<Self>,
     ) -> BoxFuture<'c, Result<Vec<Self::Row>, sqlx::Error>> {
-        Box::pin(builder.build().fetch_all(conn))
+        Box::pin(async move {
+            if !in_scope() {
+                return builder.build().fetch_all(conn).await;
+            }
+            let (sql, args) = take_built(builder)?;
+            sqlx::query_with::<DB, _>(sql, args).fetch_all(conn).await
+        })
     }
 
     fn execute_built<'c>(
@@ -258,7 +285,12 @@ where
         builder: &'c mut QueryBuilder<Self>,
     ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
         Box::pin(async move {
-            let done = builder.build().execute(conn).await?;
+            let done = if in_scope() {
+                let (sql, args) = take_built(builder)?;
+                sqlx::query_with::<DB, _>(sql, args).execute(conn).await?
+            } else {
+                builder.build().execute(conn).await?
+            };
             Ok(done.rows_affected())
         })
     }
@@ -268,7 +300,7 @@ where
         sql: SqlStr,
     ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
         Box::pin(async move {
-            let done = sqlx::raw_sql(sql).execute(conn).await?;
+            let done = sqlx::raw_sql(prefixed(sql)).execute(conn).await?;
             Ok(done.rows_affected())
         })
     }

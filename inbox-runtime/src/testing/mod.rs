@@ -771,7 +771,13 @@ async fn through_proxy<DB: InboxDatabase>(
     Ok((proxy, proxied))
 }
 
-/// Deletes the inbox rows of `consumer`: messages, aggregate positions, rejections.
+/// `sql`, on the tables of the [`TablePrefix`](crate::TablePrefix) in scope, if any.
+fn prefixed(sql: &'static str) -> sqlx::SqlStr {
+    crate::store::sql::prefixed_text(sql)
+}
+
+/// Deletes the inbox rows of `consumer` (in the table prefix in scope): messages, aggregate
+/// positions, rejections.
 async fn clean_up<DB: InboxDatabase>(pool: &Pool<DB>, consumer: &str) -> Result<(), BoxError> {
     const QUESTION: [&str; 3] = [
         "DELETE FROM inbox_messages WHERE consumer = ?",
@@ -786,15 +792,24 @@ async fn clean_up<DB: InboxDatabase>(pool: &Pool<DB>, consumer: &str) -> Result<
     let any: &dyn Any = pool;
     if let Some(pool) = any.downcast_ref::<sqlx::PgPool>() {
         for sql in DOLLAR {
-            sqlx::query(sql).bind(consumer).execute(pool).await?;
+            sqlx::query(prefixed(sql))
+                .bind(consumer)
+                .execute(pool)
+                .await?;
         }
     } else if let Some(pool) = any.downcast_ref::<sqlx::SqlitePool>() {
         for sql in QUESTION {
-            sqlx::query(sql).bind(consumer).execute(pool).await?;
+            sqlx::query(prefixed(sql))
+                .bind(consumer)
+                .execute(pool)
+                .await?;
         }
     } else if let Some(pool) = any.downcast_ref::<sqlx::MySqlPool>() {
         for sql in QUESTION {
-            sqlx::query(sql).bind(consumer).execute(pool).await?;
+            sqlx::query(prefixed(sql))
+                .bind(consumer)
+                .execute(pool)
+                .await?;
         }
     } else {
         return Err(format!("the test kit does not know the {} backend", DB::BACKEND).into());

@@ -459,11 +459,15 @@ impl<DB: InboxDatabase> Worker<DB> {
     ) -> Result<WorkerReport, WorkerError> {
         // The source stops reading a delivery at the dispatcher's limit.
         source.set_payload_limit(self.dispatcher.payload_limit());
-        let mut run = Loop::new(self);
-        // The parked-message sweep runs beside the loop and stops with it.
-        let _stop_sweeping = self.sweep_parked_beside();
-        run.poll(&mut source, &shutdown).await;
-        run.finish(source).await
+        // In the dispatcher's table prefix (the scope it was built in), if any.
+        crate::store::within(self.dispatcher.prefix.as_ref(), async {
+            let mut run = Loop::new(self);
+            // The parked-message sweep runs beside the loop and stops with it.
+            let _stop_sweeping = self.sweep_parked_beside();
+            run.poll(&mut source, &shutdown).await;
+            run.finish(source).await
+        })
+        .await
     }
 
     /// Starts the parked-message sweep (every [`park_sweep`](Self::park_sweep), if set) on its
@@ -475,7 +479,7 @@ impl<DB: InboxDatabase> Worker<DB> {
             return guard;
         };
         let dispatcher = self.dispatcher.clone();
-        tokio::spawn(async move {
+        crate::store::spawn(async move {
             loop {
                 tokio::select! {
                     () = sweeping.cancelled() => break,

@@ -86,8 +86,11 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         &self,
         envelopes: &[crate::Envelope],
     ) -> Vec<Result<Vec<ConsumerOutcome>, DispatchError>> {
-        self.dispatch_batch_on(&mut ConnectionSlot::new(), envelopes)
-            .await
+        crate::store::within(self.prefix.as_ref(), async {
+            self.dispatch_batch_on(&mut ConnectionSlot::new(), envelopes)
+                .await
+        })
+        .await
     }
 
     /// [`dispatch_batch`](Self::dispatch_batch) on the connection held by `slot` (see
@@ -100,9 +103,12 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         slot: &mut ConnectionSlot<DB>,
         envelopes: &[E],
     ) -> Vec<Result<Vec<ConsumerOutcome>, DispatchError>> {
-        self.dispatch_batch_with(slot, envelopes, Vec::new(), BatchOptions::default())
-            .await
-            .0
+        crate::store::within(self.prefix.as_ref(), async {
+            self.dispatch_batch_with(slot, envelopes, Vec::new(), BatchOptions::default())
+                .await
+                .0
+        })
+        .await
     }
 
     /// [`dispatch_batch_on`](Self::dispatch_batch_on) with the Worker's options, and what

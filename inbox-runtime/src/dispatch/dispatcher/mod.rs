@@ -91,6 +91,8 @@ pub struct Dispatcher<DB: InboxDatabase> {
     pub(crate) hooks: Hooks<DB>,
     pub(crate) max_payload_bytes: PayloadLimit,
     pub(crate) cache: Option<CacheLayer>,
+    /// The table prefix of the scope it was built in: its operations run in it.
+    pub(crate) prefix: Option<crate::TablePrefix>,
 }
 
 /// What a cache hit means for a delivery of `received`: the settled outcome when the cached
@@ -241,6 +243,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             hooks: Hooks::default(),
             max_payload_bytes: PayloadLimit::DEFAULT,
             cache: None,
+            prefix: crate::TablePrefix::current(),
         })
     }
 
@@ -393,7 +396,10 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         &self,
         envelope: &Envelope,
     ) -> Result<Vec<ConsumerOutcome>, DispatchError> {
-        self.dispatch_on(&mut ConnectionSlot::new(), envelope).await
+        crate::store::within(self.prefix.as_ref(), async {
+            self.dispatch_on(&mut ConnectionSlot::new(), envelope).await
+        })
+        .await
     }
 
     /// [`dispatch`](Self::dispatch) on the connection held by `slot` (acquired from the pool if
@@ -407,7 +413,10 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         slot: &mut ConnectionSlot<DB>,
         envelope: &Envelope,
     ) -> Result<Vec<ConsumerOutcome>, DispatchError> {
-        self.dispatch_decoded_on(slot, envelope, None).await
+        crate::store::within(self.prefix.as_ref(), async {
+            self.dispatch_decoded_on(slot, envelope, None).await
+        })
+        .await
     }
 
     /// [`dispatch_on`](Self::dispatch_on) with the envelope already [decoded](Self::decode)
@@ -671,8 +680,11 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         envelope: &Envelope,
         error: &DispatchError,
     ) -> Result<(), sqlx::Error> {
-        self.record_rejection_on(&mut ConnectionSlot::new(), envelope, error)
-            .await
+        crate::store::within(self.prefix.as_ref(), async {
+            self.record_rejection_on(&mut ConnectionSlot::new(), envelope, error)
+                .await
+        })
+        .await
     }
 
     /// [`record_rejection`](Self::record_rejection) on the connection held by `slot`.
@@ -685,45 +697,51 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         envelope: &Envelope,
         error: &DispatchError,
     ) -> Result<(), sqlx::Error> {
-        let (reason, consumer) = match error {
-            DispatchError::UnknownMessage { .. } => (RejectionReason::UnknownMessage, None),
-            DispatchError::NoMessageName
-            | DispatchError::NotUtf8 { .. }
-            | DispatchError::UnpairedSurrogate { .. }
-            | DispatchError::Decode { .. }
-            | DispatchError::Fingerprint { .. } => (RejectionReason::Malformed, None),
-            DispatchError::TooLarge { .. } => (RejectionReason::TooLarge, None),
-            DispatchError::Key { consumer, .. } => (RejectionReason::InvalidKey, Some(*consumer)),
-        };
-        let detail = error.to_string();
-        // An oversized payload is kept cut to the limit, with its real size: never whole.
-        let size = envelope.payload_size();
-        let kept = envelope.payload.len().min(self.max_payload_bytes.bytes());
-        let rejection = Rejection {
-            consumer,
-            message_key: None,
-            message_name: &envelope.message_name,
-            reason,
-            detail: &detail,
-            payload_hash: None,
-            payload: &envelope.payload[..kept],
-            payload_size: (kept < size).then(|| i64::try_from(size).unwrap_or(i64::MAX)),
-            source: envelope.source.as_ref(),
-        };
-        let mut slot = slot.guard();
-        let mut recorded = self.record_once(&mut slot, &rejection).await;
-        // A connection lost since its last use is replaced once: the insert is not idempotent,
-        // but a lost connection means it did not commit (or, at worst, that the same delivery
-        // is kept twice, which loses nothing).
-        if slot.discard_if_lost(&recorded) {
-            recorded = self.record_once(&mut slot, &rejection).await;
-            slot.discard_if_lost(&recorded);
-        }
-        slot.done();
-        if recorded.is_ok() {
-            metrics::counter!("inbox_rejections_total", "reason" => reason.as_str()).increment(1);
-        }
-        recorded
+        crate::store::within(self.prefix.as_ref(), async {
+            let (reason, consumer) = match error {
+                DispatchError::UnknownMessage { .. } => (RejectionReason::UnknownMessage, None),
+                DispatchError::NoMessageName
+                | DispatchError::NotUtf8 { .. }
+                | DispatchError::UnpairedSurrogate { .. }
+                | DispatchError::Decode { .. }
+                | DispatchError::Fingerprint { .. } => (RejectionReason::Malformed, None),
+                DispatchError::TooLarge { .. } => (RejectionReason::TooLarge, None),
+                DispatchError::Key { consumer, .. } => {
+                    (RejectionReason::InvalidKey, Some(*consumer))
+                }
+            };
+            let detail = error.to_string();
+            // An oversized payload is kept cut to the limit, with its real size: never whole.
+            let size = envelope.payload_size();
+            let kept = envelope.payload.len().min(self.max_payload_bytes.bytes());
+            let rejection = Rejection {
+                consumer,
+                message_key: None,
+                message_name: &envelope.message_name,
+                reason,
+                detail: &detail,
+                payload_hash: None,
+                payload: &envelope.payload[..kept],
+                payload_size: (kept < size).then(|| i64::try_from(size).unwrap_or(i64::MAX)),
+                source: envelope.source.as_ref(),
+            };
+            let mut slot = slot.guard();
+            let mut recorded = self.record_once(&mut slot, &rejection).await;
+            // A connection lost since its last use is replaced once: the insert is not idempotent,
+            // but a lost connection means it did not commit (or, at worst, that the same delivery
+            // is kept twice, which loses nothing).
+            if slot.discard_if_lost(&recorded) {
+                recorded = self.record_once(&mut slot, &rejection).await;
+                slot.discard_if_lost(&recorded);
+            }
+            slot.done();
+            if recorded.is_ok() {
+                metrics::counter!("inbox_rejections_total", "reason" => reason.as_str())
+                    .increment(1);
+            }
+            recorded
+        })
+        .await
     }
 
     async fn record_once(
@@ -745,52 +763,55 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     /// [`ReplayError`] if the key is unknown, has no payload, no registered handler, or its
     /// payload no longer decodes or yields the stored key.
     pub async fn replay(&self, consumer: &str, key: &str) -> Result<ConsumerOutcome, ReplayError> {
-        let stored = {
-            let mut conn = self.pool.acquire().await?;
-            conn.fetch_message(consumer, key).await?
-        }
-        .ok_or_else(|| ReplayError::NotFound {
-            consumer: consumer.to_owned(),
-            key: key.to_owned(),
-        })?;
-        let handler =
-            self.route(consumer, &stored.message_name)
-                .ok_or_else(|| ReplayError::NoHandler {
+        crate::store::within(self.prefix.as_ref(), async {
+            let stored = {
+                let mut conn = self.pool.acquire().await?;
+                conn.fetch_message(consumer, key).await?
+            }
+            .ok_or_else(|| ReplayError::NotFound {
+                consumer: consumer.to_owned(),
+                key: key.to_owned(),
+            })?;
+            let handler = self.route(consumer, &stored.message_name).ok_or_else(|| {
+                ReplayError::NoHandler {
                     consumer: consumer.to_owned(),
                     message_name: stored.message_name.clone(),
-                })?;
-        if matches!(stored.status, Status::Processed | Status::Discarded) {
-            let outcome = if stored.status == Status::Processed {
-                Outcome::Duplicate
-            } else {
-                Outcome::Discarded
-            };
-            return Ok(ConsumerOutcome::of(handler, Ok(outcome)));
-        }
-        // The key's state changes under the cache: forget it first, then cache what committed.
-        if let Some(cache) = &self.cache {
-            cache.invalidate(consumer, key).await;
-        }
-        let mut conn = self.pool.acquire().await?;
-        let result = run_stored(
-            handler,
-            conn.as_any(),
-            &stored,
-            ClaimMode::Replay,
-            &self.policy,
-            self.hook_runner(),
-        )
-        .await?;
-        drop(conn);
-        if let Some(fingerprint) = Fingerprint::from_hex(&stored.payload_hash) {
-            self.fill_cache(consumer, key, &fingerprint, &result, Fill::Replace)
-                .await;
-        }
-        if let (Ok(Outcome::Processed(())), Some(ordering)) = (&result, &stored.ordering()) {
-            self.apply_parked_successors(&mut ConnectionSlot::new(), handler, ordering)
-                .await;
-        }
-        Ok(ConsumerOutcome::of(handler, result))
+                }
+            })?;
+            if matches!(stored.status, Status::Processed | Status::Discarded) {
+                let outcome = if stored.status == Status::Processed {
+                    Outcome::Duplicate
+                } else {
+                    Outcome::Discarded
+                };
+                return Ok(ConsumerOutcome::of(handler, Ok(outcome)));
+            }
+            // The key's state changes under the cache: forget it first, then cache what committed.
+            if let Some(cache) = &self.cache {
+                cache.invalidate(consumer, key).await;
+            }
+            let mut conn = self.pool.acquire().await?;
+            let result = run_stored(
+                handler,
+                conn.as_any(),
+                &stored,
+                ClaimMode::Replay,
+                &self.policy,
+                self.hook_runner(),
+            )
+            .await?;
+            drop(conn);
+            if let Some(fingerprint) = Fingerprint::from_hex(&stored.payload_hash) {
+                self.fill_cache(consumer, key, &fingerprint, &result, Fill::Replace)
+                    .await;
+            }
+            if let (Ok(Outcome::Processed(())), Some(ordering)) = (&result, &stored.ordering()) {
+                self.apply_parked_successors(&mut ConnectionSlot::new(), handler, ordering)
+                    .await;
+            }
+            Ok(ConsumerOutcome::of(handler, result))
+        })
+        .await
     }
 
     /// Discards one `failed` or `dead` key, as [`admin::discard`](crate::ops::admin::discard) does,
@@ -801,11 +822,14 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     /// # Errors
     /// The database's error.
     pub async fn discard(&self, consumer: &str, key: &str) -> Result<bool, sqlx::Error> {
-        let discarded = crate::ops::admin::discard(&self.pool, consumer, key).await?;
-        if let Some(cache) = &self.cache {
-            cache.invalidate(consumer, key).await;
-        }
-        Ok(discarded)
+        crate::store::within(self.prefix.as_ref(), async {
+            let discarded = crate::ops::admin::discard(&self.pool, consumer, key).await?;
+            if let Some(cache) = &self.cache {
+                cache.invalidate(consumer, key).await;
+            }
+            Ok(discarded)
+        })
+        .await
     }
 
     /// Applies the parked successors of `ordering` that its processing made applicable.
@@ -842,66 +866,70 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     /// # Errors
     /// The database's error; messages handled before it stay handled.
     pub async fn sweep_parked(&self) -> Result<SweepReport, sqlx::Error> {
-        let mut report = SweepReport::default();
-        let expired = {
-            let mut conn = self.pool.acquire().await?;
-            conn.expired_parked(self.park.timeout.as_secs_f64(), 1000)
-                .await?
-        };
-        for parked in expired {
-            let mut conn = self.pool.acquire().await?;
-            match self.park.on_timeout {
-                ParkTimeout::DeadLetter => {
-                    let reason = format!(
-                        "parked for more than {} s waiting for sequence {} of aggregate `{}`",
-                        self.park.timeout.as_secs(),
-                        parked.sequence - 1,
-                        parked.aggregate_id
-                    );
-                    if conn
-                        .dead_letter_parked(&parked.consumer, &parked.message_key, &reason)
-                        .await?
-                    {
-                        report.dead_lettered += 1;
+        crate::store::within(self.prefix.as_ref(), async {
+            let mut report = SweepReport::default();
+            let expired = {
+                let mut conn = self.pool.acquire().await?;
+                conn.expired_parked(self.park.timeout.as_secs_f64(), 1000)
+                    .await?
+            };
+            for parked in expired {
+                let mut conn = self.pool.acquire().await?;
+                match self.park.on_timeout {
+                    ParkTimeout::DeadLetter => {
+                        let reason = format!(
+                            "parked for more than {} s waiting for sequence {} of aggregate `{}`",
+                            self.park.timeout.as_secs(),
+                            parked.sequence - 1,
+                            parked.aggregate_id
+                        );
+                        if conn
+                            .dead_letter_parked(&parked.consumer, &parked.message_key, &reason)
+                            .await?
+                        {
+                            report.dead_lettered += 1;
+                        }
                     }
-                }
-                ParkTimeout::Release => {
-                    let Some(handler) = self.route(&parked.consumer, &parked.message_name) else {
-                        continue;
-                    };
-                    let Some(stored) = conn
-                        .fetch_message(&parked.consumer, &parked.message_key)
-                        .await?
-                    else {
-                        continue;
-                    };
-                    let result = run_stored(
-                        handler,
-                        conn.as_any(),
-                        &stored,
-                        ClaimMode::Release,
-                        &self.policy,
-                        self.hook_runner(),
-                    )
-                    .await;
-                    drop(conn);
-                    if let Ok(Ok(Outcome::Processed(()))) = result {
-                        report.released += 1;
-                        let ordering = Ordering {
-                            aggregate_id: parked.aggregate_id.clone(),
-                            sequence: parked.sequence,
+                    ParkTimeout::Release => {
+                        let Some(handler) = self.route(&parked.consumer, &parked.message_name)
+                        else {
+                            continue;
                         };
-                        self.apply_parked_successors(
-                            &mut ConnectionSlot::new(),
+                        let Some(stored) = conn
+                            .fetch_message(&parked.consumer, &parked.message_key)
+                            .await?
+                        else {
+                            continue;
+                        };
+                        let result = run_stored(
                             handler,
-                            &ordering,
+                            conn.as_any(),
+                            &stored,
+                            ClaimMode::Release,
+                            &self.policy,
+                            self.hook_runner(),
                         )
                         .await;
+                        drop(conn);
+                        if let Ok(Ok(Outcome::Processed(()))) = result {
+                            report.released += 1;
+                            let ordering = Ordering {
+                                aggregate_id: parked.aggregate_id.clone(),
+                                sequence: parked.sequence,
+                            };
+                            self.apply_parked_successors(
+                                &mut ConnectionSlot::new(),
+                                handler,
+                                &ordering,
+                            )
+                            .await;
+                        }
                     }
                 }
             }
-        }
-        Ok(report)
+            Ok(report)
+        })
+        .await
     }
 }
 

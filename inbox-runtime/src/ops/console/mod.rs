@@ -278,6 +278,10 @@ impl<DB: ConsoleDatabase> Console<DB> {
             (Some(_), true) => return Err(ConsoleError::BothAuthorizations),
         };
         let secret = self.secret.unwrap_or_else(random_secret);
+        // Requests are served on tasks of the server's, outside any scope: each runs in the
+        // table prefix of the scope the console is built in, else in its dispatcher's.
+        let prefix =
+            crate::store::TablePrefix::current().or_else(|| self.dispatcher.prefix.clone());
         let inner = Arc::new(Inner {
             dispatcher: self.dispatcher,
             auth,
@@ -302,6 +306,12 @@ impl<DB: ConsoleDatabase> Console<DB> {
             .route("/style.css", get(style))
             .fallback(not_found)
             .method_not_allowed_fallback(wrong_method)
+            .layer(axum::middleware::from_fn(
+                move |request: axum::extract::Request, next: axum::middleware::Next| {
+                    let prefix = prefix.clone();
+                    async move { crate::store::within(prefix.as_ref(), next.run(request)).await }
+                },
+            ))
             .with_state(inner))
     }
 }

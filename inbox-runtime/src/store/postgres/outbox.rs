@@ -237,7 +237,8 @@ impl OutboxDialect for Postgres {
         })
     }
 
-    /// `LISTEN inbox_outbox`, on a connection of its own.
+    /// `LISTEN inbox_outbox` (the channel under the [`TablePrefix`](crate::TablePrefix) in
+    /// scope, as the publishes' `pg_notify` name it), on a connection of its own.
     async fn wakeups(pool: &Pool<Self>) -> Option<Wakeups> {
         let mut listener = match sqlx::postgres::PgListener::connect_with(pool).await {
             Ok(listener) => listener,
@@ -246,7 +247,11 @@ impl OutboxDialect for Postgres {
                 return None;
             }
         };
-        if let Err(error) = listener.listen(NOTIFY_CHANNEL).await {
+        let channel = match crate::TablePrefix::current() {
+            Some(prefix) => prefix.table(NOTIFY_CHANNEL),
+            None => NOTIFY_CHANNEL.to_owned(),
+        };
+        if let Err(error) = listener.listen(&channel).await {
             tracing::warn!(%error, "outbox relay: LISTEN failed; polling only");
             return None;
         }
