@@ -378,7 +378,8 @@ async fn billing_pool(url: &str) -> Result<PgPool, Box<dyn std::error::Error>> {
 #[allow(dead_code)]
 mod prefix {
 // ---- README block: prefix ----
-use inbox_runtime::{Component, Dispatcher, Relay, TablePrefix, Worker};
+use inbox_runtime::store::TablePrefix;
+use inbox_runtime::{Component, Dispatcher, Relay, Worker};
 use inbox_runtime::{CancellationToken, sink::Sink, source::Source};
 
 /// The billing service, on a MySQL/MariaDB database it shares with other services: every table

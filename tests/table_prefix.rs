@@ -11,8 +11,9 @@
 
 #![allow(missing_docs)]
 
+use inbox_runtime::Message;
+use inbox_runtime::store::TablePrefix;
 use inbox_runtime::store::TablePrefixError;
-use inbox_runtime::{Message, TablePrefix};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Serialize, Deserialize, Message)]

@@ -270,7 +270,7 @@ pub use crate::types::{
 pub use dispatch::{ConsumerOutcome, Dispatcher};
 pub use outbox::{Outbox, Relay};
 pub use protocol::{ClaimInfo, ClaimSession, ClaimState, TransactionHook, Wait};
-pub use store::{Component, PgSchema, TablePrefix};
+pub use store::{Component, PgSchema};
 pub use worker::{StopReason, Worker, WorkerError, WorkerReport, cancel_on_signal};
 
 /// The shutdown token [`Worker::run`] takes (`tokio-util`'s, re-exported so that a worker needs

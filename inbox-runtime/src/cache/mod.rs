@@ -234,12 +234,12 @@ impl<C: DedupeCache + ?Sized> DedupeCache for Arc<C> {
 }
 
 /// The cache key of (consumer, key): `<consumer length>:<consumer>:<key>`, unambiguous whatever
-/// either contains; under a [`TablePrefix`](crate::TablePrefix) in scope,
+/// either contains; under a [`TablePrefix`](crate::store::TablePrefix) in scope,
 /// `<table prefix>/<consumer length>:<consumer>:<key>` (a prefix holds no `/` and does not start
 /// with a digit), so that services sharing a cache under different prefixes never answer for
 /// each other.
 pub(crate) fn cache_key(consumer: &str, key: &str) -> String {
-    match crate::TablePrefix::current() {
+    match crate::store::TablePrefix::current() {
         Some(prefix) => format!("{prefix}/{}:{consumer}:{key}", consumer.len()),
         None => format!("{}:{consumer}:{key}", consumer.len()),
     }

@@ -3,7 +3,7 @@
 //! failure).
 //!
 //! Each entry is one string key, `<prefix><consumer length>:<consumer>:<idempotency key>`
-//! (`<prefix><table prefix>/<consumer length>:…` under a [`TablePrefix`](crate::TablePrefix)),
+//! (`<prefix><table prefix>/<consumer length>:…` under a [`TablePrefix`](crate::store::TablePrefix)),
 //! holding `<status> <fingerprint hex>` ([`CacheEntry::to_text`]) with an expiry of the cache's
 //! time to live (`PX`, milliseconds). A delivery's fill is `SET … NX PX` (it never overwrites a
 //! newer state); an operator's is a plain `SET … PX` after a `DEL`. A batch's lookups are one

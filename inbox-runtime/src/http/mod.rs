@@ -224,7 +224,7 @@ pub(crate) struct Config<DB: InboxDatabase> {
     problem_base: String,
     hooks: Hooks<DB>,
     /// The table prefix of the scope the layer was built in: requests run in it.
-    pub(crate) prefix: Option<crate::TablePrefix>,
+    pub(crate) prefix: Option<crate::store::TablePrefix>,
 }
 
 impl<DB: InboxDatabase> Clone for IdempotencyLayer<DB> {
@@ -326,7 +326,7 @@ impl<DB: InboxDatabase> IdempotencyLayer<DB> {
                 retry_after: Duration::from_secs(1),
                 problem_base: DEFAULT_PROBLEM_BASE.to_owned(),
                 hooks: Hooks::default(),
-                prefix: crate::TablePrefix::current(),
+                prefix: crate::store::TablePrefix::current(),
             }),
         }
     }

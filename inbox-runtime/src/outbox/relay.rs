@@ -89,7 +89,7 @@ pub struct Relay<DB: OutboxDatabase> {
     /// The destinations whose backlog gauges this relay has set (to zero them when emptied).
     gauged: Mutex<BTreeSet<String>>,
     /// The table prefix of the scope it was built in: its rounds run in it.
-    prefix: Option<crate::TablePrefix>,
+    prefix: Option<crate::store::TablePrefix>,
 }
 
 impl<DB: OutboxDatabase> std::fmt::Debug for Relay<DB> {
@@ -222,7 +222,7 @@ impl<DB: OutboxDatabase> Relay<DB> {
             max_backoff: Duration::from_secs(300),
             backlog_interval: Duration::from_secs(5),
             gauged: Mutex::new(BTreeSet::new()),
-            prefix: crate::TablePrefix::current(),
+            prefix: crate::store::TablePrefix::current(),
         }
     }
 

@@ -71,7 +71,7 @@ const IDENTIFIER_LIMIT: usize = 64;
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-/// use inbox_runtime::TablePrefix;
+/// use inbox_runtime::store::TablePrefix;
 ///
 /// let prefix = TablePrefix::new("billing_")?;
 /// let pool = sqlx::MySqlPool::connect("mysql://billing@db/shop").await?;

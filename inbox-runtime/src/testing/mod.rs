@@ -771,7 +771,7 @@ async fn through_proxy<DB: InboxDatabase>(
     Ok((proxy, proxied))
 }
 
-/// `sql`, on the tables of the [`TablePrefix`](crate::TablePrefix) in scope, if any.
+/// `sql`, on the tables of the [`TablePrefix`](crate::store::TablePrefix) in scope, if any.
 fn prefixed(sql: &'static str) -> sqlx::SqlStr {
     crate::store::sql::prefixed_text(sql)
 }

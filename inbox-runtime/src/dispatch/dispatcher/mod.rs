@@ -92,7 +92,7 @@ pub struct Dispatcher<DB: InboxDatabase> {
     pub(crate) max_payload_bytes: PayloadLimit,
     pub(crate) cache: Option<CacheLayer>,
     /// The table prefix of the scope it was built in: its operations run in it.
-    pub(crate) prefix: Option<crate::TablePrefix>,
+    pub(crate) prefix: Option<crate::store::TablePrefix>,
 }
 
 /// What a cache hit means for a delivery of `received`: the settled outcome when the cached
@@ -243,7 +243,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             hooks: Hooks::default(),
             max_payload_bytes: PayloadLimit::DEFAULT,
             cache: None,
-            prefix: crate::TablePrefix::current(),
+            prefix: crate::store::TablePrefix::current(),
         })
     }
 

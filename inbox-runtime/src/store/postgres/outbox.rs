@@ -237,7 +237,7 @@ impl OutboxDialect for Postgres {
         })
     }
 
-    /// `LISTEN inbox_outbox` (the channel under the [`TablePrefix`](crate::TablePrefix) in
+    /// `LISTEN inbox_outbox` (the channel under the [`TablePrefix`](crate::store::TablePrefix) in
     /// scope, as the publishes' `pg_notify` name it), on a connection of its own.
     async fn wakeups(pool: &Pool<Self>) -> Option<Wakeups> {
         let mut listener = match sqlx::postgres::PgListener::connect_with(pool).await {
@@ -247,7 +247,7 @@ impl OutboxDialect for Postgres {
                 return None;
             }
         };
-        let channel = match crate::TablePrefix::current() {
+        let channel = match crate::store::TablePrefix::current() {
             Some(prefix) => prefix.table(NOTIFY_CHANNEL),
             None => NOTIFY_CHANNEL.to_owned(),
         };
