@@ -365,6 +365,17 @@ inbox_tests::backend_matrix! {
         let stats = inbox_runtime::ops::admin::stats(&pool).await.unwrap();
         assert!(stats.iter().any(|s| s.consumer.as_deref() == Some("orders-park") && s.status == "parked" && s.count == 3), "{stats:?}");
 
+        // A timeout no parked message reaches (`Duration::MAX`: never) sweeps nothing, on every
+        // backend's time arithmetic.
+        for on_timeout in [ParkTimeout::DeadLetter, ParkTimeout::Release] {
+            let never = Dispatcher::from_registry(pool.clone())
+                .unwrap()
+                .with_park_policy(ParkPolicy::new(std::time::Duration::MAX, on_timeout));
+            let report = never.sweep_parked().await.unwrap();
+            assert_eq!((report.released, report.dead_lettered), (0, 0), "{report:?}");
+        }
+        assert_eq!(parked(&pool).await, 3);
+
         let zero = std::time::Duration::ZERO;
         let release = Dispatcher::from_registry(pool.clone())
             .unwrap()

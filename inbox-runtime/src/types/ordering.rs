@@ -52,6 +52,9 @@ pub enum ParkTimeout {
 #[non_exhaustive]
 pub struct ParkPolicy {
     /// Measured from the parked message's first delivery, on the database clock. Default 1 h.
+    /// One over [`ParkPolicy::MAX_TIMEOUT`] (100 years; `Duration::MAX` says "never") is taken
+    /// as that, which no parked message reaches: a longer window overflows the databases' time
+    /// arithmetic (PostgreSQL: `interval out of range`).
     pub timeout: Duration,
     /// Default [`ParkTimeout::DeadLetter`].
     pub on_timeout: ParkTimeout,
@@ -67,6 +70,16 @@ impl Default for ParkPolicy {
 }
 
 impl ParkPolicy {
+    /// The longest [`timeout`](Self::timeout) the sweep uses: 100 years of 365 days
+    /// (3,153,600,000 s), within every backend's time arithmetic and reached by no parked message.
+    pub const MAX_TIMEOUT: Duration = Duration::from_secs(100 * 365 * 86_400);
+
+    /// The timeout the sweep uses: [`timeout`](Self::timeout), at most
+    /// [`MAX_TIMEOUT`](Self::MAX_TIMEOUT).
+    pub(crate) fn effective_timeout(&self) -> Duration {
+        self.timeout.min(Self::MAX_TIMEOUT)
+    }
+
     /// A policy with `timeout` and `on_timeout`.
     pub fn new(timeout: Duration, on_timeout: ParkTimeout) -> Self {
         Self {

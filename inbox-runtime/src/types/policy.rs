@@ -31,7 +31,8 @@ use backon::{BackoffBuilder, ExponentialBuilder};
 /// [`MAX_RETRY_DELAY`](Self::MAX_RETRY_DELAY) (30 days: a longer one overflows the databases'
 /// time arithmetic, the failure could not be recorded, and the message would never be counted)
 /// and in-process delays above [`MAX_TRANSIENT_DELAY`](Self::MAX_TRANSIENT_DELAY) (1 minute:
-/// the delivery holds its connection while it waits) are lowered to them; an error text limit
+/// the delivery holds its connection while it waits) are lowered to them, and so are in-process
+/// retries above [`MAX_TRANSIENT_RETRIES`](Self::MAX_TRANSIENT_RETRIES) (100); an error text limit
 /// above [`MAX_ERROR_BYTES`](Self::MAX_ERROR_BYTES) (65,535 bytes, what MySQL's `TEXT` column
 /// holds: a longer `last_error` fails the failure record) is lowered to it.
 ///
@@ -109,6 +110,11 @@ impl RetryPolicy {
     /// database connection while it waits; longer waits are what redeliveries are for).
     pub const MAX_TRANSIENT_DELAY: Duration = Duration::from_secs(60);
 
+    /// The most in-process retries of a transient failure a policy has: 100 (the delivery keeps
+    /// its database connection through them; a fault that outlives them is recorded as `failed`
+    /// and redelivered, so that it is counted against [`max_attempts`](Self::max_attempts)).
+    pub const MAX_TRANSIENT_RETRIES: usize = 100;
+
     /// The largest error text limit a policy has, in bytes: 65,535, what MySQL's `TEXT`
     /// column `last_error` holds.
     pub const MAX_ERROR_BYTES: usize = 65_535;
@@ -127,9 +133,10 @@ impl RetryPolicy {
     }
 
     /// Sets the in-process retries of a transient failure (default 3; 0: none, the failure is
-    /// recorded at once).
+    /// recorded at once). Lowered to [`MAX_TRANSIENT_RETRIES`](Self::MAX_TRANSIENT_RETRIES)
+    /// (100) if above it: a fault retried forever would never be recorded or counted.
     pub fn transient_retries(mut self, retries: usize) -> Self {
-        self.transient_retries = retries;
+        self.transient_retries = retries.min(Self::MAX_TRANSIENT_RETRIES);
         self
     }
 
@@ -267,8 +274,11 @@ mod tests {
             .max_attempts(0)
             .retry_delays(Duration::MAX, Duration::MAX)
             .transient_delays(Duration::MAX, Duration::ZERO)
+            .transient_retries(usize::MAX)
             .max_error_bytes(usize::MAX);
         assert_eq!(policy.get_max_attempts(), 1);
+        assert_eq!(policy.get_transient_retries(), 100);
+        assert_eq!(policy.transient_schedule().count(), 100);
         assert_eq!(
             policy.get_retry_delays(),
             (RetryPolicy::MAX_RETRY_DELAY, RetryPolicy::MAX_RETRY_DELAY)

@@ -870,7 +870,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             let mut report = SweepReport::default();
             let expired = {
                 let mut conn = self.pool.acquire().await?;
-                conn.expired_parked(self.park.timeout.as_secs_f64(), 1000)
+                conn.expired_parked(self.park.effective_timeout().as_secs_f64(), 1000)
                     .await?
             };
             for parked in expired {
@@ -879,7 +879,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
                     ParkTimeout::DeadLetter => {
                         let reason = format!(
                             "parked for more than {} s waiting for sequence {} of aggregate `{}`",
-                            self.park.timeout.as_secs(),
+                            self.park.effective_timeout().as_secs(),
                             parked.sequence - 1,
                             parked.aggregate_id
                         );
