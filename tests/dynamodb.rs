@@ -1,0 +1,785 @@
+//! The DynamoDB store (feature `dynamodb`, `inbox_runtime::dynamodb`) against moto's DynamoDB on
+//! loopback: `DYNAMODB_ENDPOINT`, started by scripts/sqs.sh. That is a moto server of its own that
+//! answers one request at a time: moto's threaded server (the SQS one) runs concurrent
+//! `TransactWriteItems` without isolation (two claims of one key can both pass their condition,
+//! and a cancelled transaction restores the tables as they were when it began, undoing writes
+//! that committed meanwhile), which DynamoDB does not do.
+//!
+//! Each test has tables of its own (a fresh name), so they run side by side.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use inbox_runtime::dynamodb::sdk::types::{AttributeValue, ConditionCheck, Put, Update};
+use inbox_runtime::dynamodb::{
+    self, CancellationReason, DynamoError, DynamoInbox, DynamoTx, Failed, MAX_HANDLER_ITEMS,
+};
+use inbox_runtime::{
+    Classify, Disposition, ErrorClass, Fingerprint, Message, Outcome, RetryPolicy,
+};
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, Message)]
+#[message(name = "accounts.credited")]
+struct Credit {
+    #[message(key)]
+    id: String,
+    account: String,
+    amount: i64,
+}
+
+fn credit(id: &str, account: &str, amount: i64) -> Credit {
+    Credit {
+        id: id.to_owned(),
+        account: account.to_owned(),
+        amount,
+    }
+}
+
+/// The handlers' errors: `Boom` retryable, `Fatal` permanent, `Build` an SDK builder's error.
+#[derive(Debug, thiserror::Error)]
+enum TestError {
+    #[error("boom")]
+    Boom,
+    #[error("fatal")]
+    Fatal,
+    #[error("build: {0}")]
+    Build(String),
+}
+
+impl Classify for TestError {
+    fn class(&self) -> ErrorClass {
+        match self {
+            TestError::Fatal => ErrorClass::Permanent,
+            _ => ErrorClass::Retryable,
+        }
+    }
+}
+
+type Result2<T> = Result<Outcome<T>, DynamoError<TestError>>;
+
+fn endpoint() -> String {
+    std::env::var("DYNAMODB_ENDPOINT").unwrap_or_else(|_| {
+        panic!(
+            "DYNAMODB_ENDPOINT is not set: start the serial moto server with \
+             `eval \"$(scripts/sqs.sh start)\"` (scripts/test.sh does)"
+        )
+    })
+}
+
+/// A fresh inbox table and counters table (`id` string key) on the test server.
+async fn setup(policy: RetryPolicy) -> (DynamoInbox, String) {
+    let client = dynamodb::client(Some(&endpoint())).await;
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    let inbox = DynamoInbox::new(client.clone(), format!("inbox_{suffix}")).retry_policy(policy);
+    inbox.ensure_table().await.expect("inbox table");
+    // Twice: idempotent.
+    inbox.ensure_table().await.expect("inbox table again");
+    let counters = format!("counters_{suffix}");
+    use inbox_runtime::dynamodb::sdk::types::{
+        AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType,
+    };
+    client
+        .create_table()
+        .table_name(&counters)
+        .billing_mode(BillingMode::PayPerRequest)
+        .attribute_definitions(
+            AttributeDefinition::builder()
+                .attribute_name("id")
+                .attribute_type(ScalarAttributeType::S)
+                .build()
+                .unwrap(),
+        )
+        .key_schema(
+            KeySchemaElement::builder()
+                .attribute_name("id")
+                .key_type(KeyType::Hash)
+                .build()
+                .unwrap(),
+        )
+        .send()
+        .await
+        .expect("counters table");
+    (inbox, counters)
+}
+
+fn no_delays() -> RetryPolicy {
+    RetryPolicy::default().retry_delays(Duration::ZERO, Duration::ZERO)
+}
+
+/// The effect: `ADD n :amount` on the account's counter item.
+fn add_counter(
+    tx: &mut DynamoTx,
+    table: &str,
+    account: &str,
+    amount: i64,
+) -> Result<(), TestError> {
+    tx.update(
+        Update::builder()
+            .table_name(table)
+            .key("id", AttributeValue::S(account.to_owned()))
+            .update_expression("ADD n :amount")
+            .expression_attribute_values(":amount", AttributeValue::N(amount.to_string()))
+            .build()
+            .map_err(|e| TestError::Build(e.to_string()))?,
+    );
+    Ok(())
+}
+
+/// Runs `msg` with the counter effect; `calls` counts handler runs.
+async fn deliver(
+    inbox: &DynamoInbox,
+    counters: &str,
+    msg: &Credit,
+    calls: &AtomicUsize,
+) -> Result2<()> {
+    inbox
+        .process("ledger", msg, |mut tx| async move {
+            calls.fetch_add(1, Ordering::SeqCst);
+            add_counter(&mut tx, counters, &msg.account, msg.amount)?;
+            Ok((tx, ()))
+        })
+        .await
+}
+
+async fn counter(inbox: &DynamoInbox, table: &str, account: &str) -> Option<i64> {
+    let item = inbox
+        .client()
+        .get_item()
+        .table_name(table)
+        .key("id", AttributeValue::S(account.to_owned()))
+        .consistent_read(true)
+        .send()
+        .await
+        .unwrap()
+        .item?;
+    match item.get("n") {
+        Some(AttributeValue::N(n)) => Some(n.parse().unwrap()),
+        other => panic!("counter {account}: {other:?}"),
+    }
+}
+
+async fn inbox_item(inbox: &DynamoInbox, key: &str) -> Option<HashMap<String, AttributeValue>> {
+    let key = inbox_runtime::IdempotencyKey::new(key, "test", "id").unwrap();
+    inbox
+        .client()
+        .get_item()
+        .table_name(inbox.table())
+        .key(
+            "pk",
+            AttributeValue::S(dynamodb::partition_key("ledger", &key)),
+        )
+        .consistent_read(true)
+        .send()
+        .await
+        .unwrap()
+        .item
+}
+
+fn text(item: &HashMap<String, AttributeValue>, name: &str) -> String {
+    match item.get(name) {
+        Some(AttributeValue::S(s)) => s.clone(),
+        other => panic!("{name}: {other:?}"),
+    }
+}
+
+fn number(item: &HashMap<String, AttributeValue>, name: &str) -> i64 {
+    match item.get(name) {
+        Some(AttributeValue::N(n)) => n.parse().unwrap(),
+        other => panic!("{name}: {other:?}"),
+    }
+}
+
+fn payload(item: &HashMap<String, AttributeValue>) -> Option<Vec<u8>> {
+    match item.get("payload") {
+        Some(AttributeValue::B(b)) => Some(b.as_ref().to_vec()),
+        None => None,
+        other => panic!("payload: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn claim_duplicate_and_conflict() {
+    let (inbox, counters) = setup(RetryPolicy::default()).await;
+    let calls = AtomicUsize::new(0);
+    let msg = credit("e1", "acct-1", 70);
+
+    let first = deliver(&inbox, &counters, &msg, &calls).await.unwrap();
+    assert!(matches!(first, Outcome::Processed(())));
+    let second = deliver(&inbox, &counters, &msg, &calls).await.unwrap();
+    assert!(matches!(second, Outcome::Duplicate));
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "a duplicate runs no handler"
+    );
+    assert_eq!(counter(&inbox, &counters, "acct-1").await, Some(70));
+
+    let item = inbox_item(&inbox, "e1").await.unwrap();
+    assert_eq!(text(&item, "status"), "processed");
+    assert_eq!(number(&item, "attempts"), 1);
+    assert_eq!(text(&item, "consumer"), "ledger");
+    assert_eq!(text(&item, "message_key"), "e1");
+    assert_eq!(text(&item, "message_name"), "accounts.credited");
+    let fingerprint = Fingerprint::of(Credit::NAME, &msg).unwrap();
+    assert_eq!(text(&item, "payload_hash"), fingerprint.to_hex());
+    assert_eq!(payload(&item), None, "a processed item keeps no payload");
+    let expires = number(&item, "expires_at");
+    let processed = number(&item, "processed_at");
+    assert_eq!(expires, processed / 1000 + 7 * 86_400);
+
+    // The same key with another payload: a conflict, not applied.
+    let other = credit("e1", "acct-1", 71);
+    let error = deliver(&inbox, &counters, &other, &calls)
+        .await
+        .unwrap_err();
+    let DynamoError::Conflict(conflict) = error else {
+        panic!("expected a conflict, got {error:?}");
+    };
+    assert_eq!(conflict.consumer, "ledger");
+    assert_eq!(conflict.key.as_str(), "e1");
+    assert_eq!(conflict.stored, fingerprint);
+    assert_eq!(
+        conflict.received,
+        Fingerprint::of(Credit::NAME, &other).unwrap()
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(counter(&inbox, &counters, "acct-1").await, Some(70));
+
+    // Another consumer has its own scope: the same message is processed there.
+    let outcome = inbox
+        .process("audit", &msg, |mut tx| {
+            let counters = &counters;
+            async move {
+                add_counter(&mut tx, counters, "audit", 1)?;
+                Ok::<_, TestError>((tx, ()))
+            }
+        })
+        .await
+        .unwrap();
+    assert!(outcome.is_processed());
+    assert_eq!(counter(&inbox, &counters, "audit").await, Some(1));
+}
+
+#[tokio::test]
+async fn failure_is_retried_then_processed() {
+    let (inbox, counters) = setup(no_delays()).await;
+    let msg = credit("f1", "acct-f", 5);
+    let error = inbox
+        .process("ledger", &msg, |mut tx| {
+            let counters = &counters;
+            async move {
+                add_counter(&mut tx, counters, "acct-f", 5)?;
+                Err::<(DynamoTx, ()), _>(TestError::Boom)
+            }
+        })
+        .await
+        .unwrap_err();
+    let DynamoError::Handler(failure) = error else {
+        panic!("expected a handler failure, got {error:?}");
+    };
+    assert!(matches!(failure.error, Failed::Handler(TestError::Boom)));
+    assert_eq!(failure.attempts, 1);
+    assert_eq!(failure.class, ErrorClass::Retryable);
+    assert_eq!(
+        failure.disposition,
+        Disposition::Retry {
+            after: Duration::ZERO
+        }
+    );
+    assert_eq!(
+        counter(&inbox, &counters, "acct-f").await,
+        None,
+        "nothing was submitted"
+    );
+    let item = inbox_item(&inbox, "f1").await.unwrap();
+    assert_eq!(text(&item, "status"), "failed");
+    assert_eq!(number(&item, "attempts"), 1);
+    assert_eq!(text(&item, "last_error"), "boom");
+    assert_eq!(payload(&item).unwrap(), serde_json::to_vec(&msg).unwrap());
+    let received = number(&item, "received_at");
+
+    let calls = AtomicUsize::new(0);
+    let outcome = deliver(&inbox, &counters, &msg, &calls).await.unwrap();
+    assert!(outcome.is_processed());
+    assert_eq!(counter(&inbox, &counters, "acct-f").await, Some(5));
+    let item = inbox_item(&inbox, "f1").await.unwrap();
+    assert_eq!(text(&item, "status"), "processed");
+    assert_eq!(number(&item, "attempts"), 2);
+    assert_eq!(
+        number(&item, "received_at"),
+        received,
+        "kept from the first attempt"
+    );
+    assert_eq!(payload(&item), None);
+    assert!(
+        deliver(&inbox, &counters, &msg, &calls)
+            .await
+            .unwrap()
+            .is_duplicate()
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+    // A failure whose next attempt is not due: NotYet, the handler not run.
+    let (inbox, counters) = setup(
+        RetryPolicy::default().retry_delays(Duration::from_secs(3600), Duration::from_secs(3600)),
+    )
+    .await;
+    let error = inbox
+        .process("ledger", &msg, |_tx| async {
+            Err::<(DynamoTx, ()), _>(TestError::Boom)
+        })
+        .await
+        .unwrap_err();
+    let DynamoError::Handler(failure) = error else {
+        panic!("{error:?}")
+    };
+    let Disposition::Retry { after } = failure.disposition else {
+        panic!("{failure:?}")
+    };
+    // The policy's delay with backon's jitter (up to one more delay).
+    assert!(
+        after >= Duration::from_secs(3600) && after <= Duration::from_secs(7200),
+        "{after:?}"
+    );
+    let outcome = deliver(&inbox, &counters, &msg, &calls).await.unwrap();
+    let Outcome::NotYet { retry_in } = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert!(
+        retry_in <= after && retry_in > after - Duration::from_secs(60),
+        "{retry_in:?}"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    // A different payload on a failed key is a conflict too.
+    let error = deliver(&inbox, &counters, &credit("f1", "x", 1), &calls)
+        .await
+        .unwrap_err();
+    assert!(matches!(error, DynamoError::Conflict(_)), "{error:?}");
+}
+
+#[tokio::test]
+async fn dead_letter_after_max_attempts_and_permanent_errors() {
+    let (inbox, counters) = setup(no_delays().max_attempts(3)).await;
+    let msg = credit("d1", "acct-d", 1);
+    let mut dispositions = Vec::new();
+    for _ in 0..3 {
+        let error = inbox
+            .process("ledger", &msg, |_tx| async {
+                Err::<(DynamoTx, ()), _>(TestError::Boom)
+            })
+            .await
+            .unwrap_err();
+        let DynamoError::Handler(failure) = error else {
+            panic!("{error:?}")
+        };
+        dispositions.push((failure.attempts, failure.disposition));
+    }
+    assert_eq!(
+        dispositions,
+        [
+            (
+                1,
+                Disposition::Retry {
+                    after: Duration::ZERO
+                }
+            ),
+            (
+                2,
+                Disposition::Retry {
+                    after: Duration::ZERO
+                }
+            ),
+            (3, Disposition::Dead),
+        ]
+    );
+    let calls = AtomicUsize::new(0);
+    let outcome = deliver(&inbox, &counters, &msg, &calls).await.unwrap();
+    assert!(matches!(outcome, Outcome::Dead), "{outcome:?}");
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    let item = inbox_item(&inbox, "d1").await.unwrap();
+    assert_eq!(text(&item, "status"), "dead");
+    assert_eq!(number(&item, "attempts"), 3);
+    assert_eq!(payload(&item).unwrap(), serde_json::to_vec(&msg).unwrap());
+    assert!(!item.contains_key("next_attempt_at"));
+
+    // A permanent error is dead at once.
+    let msg = credit("d2", "acct-d", 1);
+    let error = inbox
+        .process("ledger", &msg, |_tx| async {
+            Err::<(DynamoTx, ()), _>(TestError::Fatal)
+        })
+        .await
+        .unwrap_err();
+    let DynamoError::Handler(failure) = error else {
+        panic!("{error:?}")
+    };
+    assert_eq!(
+        (failure.attempts, failure.disposition),
+        (1, Disposition::Dead)
+    );
+    assert_eq!(failure.class, ErrorClass::Permanent);
+    assert!(matches!(
+        deliver(&inbox, &counters, &msg, &calls).await.unwrap(),
+        Outcome::Dead
+    ));
+    assert_eq!(counter(&inbox, &counters, "acct-d").await, None);
+}
+
+/// The claim's condition fails when another delivery of the key commits while this one's
+/// handler runs: the cancellation's item (or a read) decides it — a duplicate, or a conflict.
+#[tokio::test]
+async fn claim_condition_failure_is_a_duplicate_or_a_conflict() {
+    let (inbox, counters) = setup(RetryPolicy::default()).await;
+    let msg = credit("c1", "acct-c", 10);
+    let calls = AtomicUsize::new(0);
+    let outcome = inbox
+        .process("ledger", &msg, |mut tx| {
+            let (inbox, counters, msg, calls) = (&inbox, &counters, &msg, &calls);
+            async move {
+                // A concurrent delivery of the same message commits first.
+                let inner = deliver(inbox, counters, msg, calls).await.unwrap();
+                assert!(inner.is_processed());
+                add_counter(&mut tx, counters, &msg.account, msg.amount)?;
+                Ok::<_, TestError>((tx, ()))
+            }
+        })
+        .await
+        .unwrap();
+    assert!(outcome.is_duplicate(), "{outcome:?}");
+    assert_eq!(counter(&inbox, &counters, "acct-c").await, Some(10));
+
+    // The same, with a different payload committed meanwhile: a conflict.
+    let msg = credit("c2", "acct-c2", 10);
+    let error = inbox
+        .process("ledger", &msg, |mut tx| {
+            let (inbox, counters, msg, calls) = (&inbox, &counters, &msg, &calls);
+            async move {
+                let other = credit("c2", "acct-c2", 99);
+                assert!(
+                    deliver(inbox, counters, &other, calls)
+                        .await
+                        .unwrap()
+                        .is_processed()
+                );
+                add_counter(&mut tx, counters, &msg.account, msg.amount)?;
+                Ok::<_, TestError>((tx, ()))
+            }
+        })
+        .await
+        .unwrap_err();
+    let DynamoError::Conflict(conflict) = error else {
+        panic!("{error:?}")
+    };
+    assert_eq!(
+        conflict.received,
+        Fingerprint::of(Credit::NAME, &msg).unwrap()
+    );
+    assert_eq!(counter(&inbox, &counters, "acct-c2").await, Some(99));
+}
+
+/// A handler action's condition fails: the handler's business failure, nothing of the
+/// transaction written, the attempt recorded; a later delivery whose condition holds commits.
+#[tokio::test]
+async fn user_condition_failure_is_the_handlers_failure() {
+    let (inbox, counters) = setup(no_delays()).await;
+    let msg = credit("u1", "acct-u", 3);
+    let run = |tx: DynamoTx| {
+        let counters = counters.clone();
+        async move {
+            let mut tx = tx;
+            add_counter(&mut tx, &counters, "acct-u", 3)?;
+            tx.condition_check(
+                ConditionCheck::builder()
+                    .table_name(&counters)
+                    .key("id", AttributeValue::S("gate".into()))
+                    .condition_expression("attribute_exists(id)")
+                    .build()
+                    .map_err(|e| TestError::Build(e.to_string()))?,
+            );
+            Ok::<_, TestError>((tx, ()))
+        }
+    };
+    let error = inbox.process("ledger", &msg, run).await.unwrap_err();
+    let DynamoError::Handler(failure) = error else {
+        panic!("{error:?}")
+    };
+    let Failed::Condition(condition) = &failure.error else {
+        panic!("{failure:?}")
+    };
+    assert_eq!((condition.index, condition.action), (1, "ConditionCheck"));
+    assert_eq!(condition.table, counters);
+    assert_eq!(
+        failure.disposition,
+        Disposition::Retry {
+            after: Duration::ZERO
+        }
+    );
+    assert_eq!(
+        counter(&inbox, &counters, "acct-u").await,
+        None,
+        "the update was not applied"
+    );
+    let item = inbox_item(&inbox, "u1").await.unwrap();
+    assert_eq!(text(&item, "status"), "failed");
+    assert_eq!(number(&item, "attempts"), 1);
+    assert!(
+        text(&item, "last_error")
+            .starts_with("the condition of the handler's action 1 (ConditionCheck")
+    );
+
+    // Open the gate: the redelivery commits.
+    inbox
+        .client()
+        .put_item()
+        .table_name(&counters)
+        .item("id", AttributeValue::S("gate".into()))
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        inbox
+            .process("ledger", &msg, run)
+            .await
+            .unwrap()
+            .is_processed()
+    );
+    assert_eq!(counter(&inbox, &counters, "acct-u").await, Some(3));
+    assert_eq!(
+        number(&inbox_item(&inbox, "u1").await.unwrap(), "attempts"),
+        2
+    );
+}
+
+/// Limits checked before any call, and a request DynamoDB refuses: nothing written, nothing
+/// recorded.
+#[tokio::test]
+async fn limits_and_refused_requests() {
+    let (inbox, counters) = setup(RetryPolicy::default()).await;
+    let msg = credit("l1", "acct-l", 1);
+    let many = |count: usize| {
+        let counters = counters.clone();
+        move |mut tx: DynamoTx| {
+            let counters = counters.clone();
+            async move {
+                for i in 0..count {
+                    add_counter(&mut tx, &counters, &format!("a{i}"), 1)?;
+                }
+                Ok::<_, TestError>((tx, ()))
+            }
+        }
+    };
+    let error = inbox
+        .process("ledger", &msg, many(MAX_HANDLER_ITEMS + 1))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            error,
+            DynamoError::TooManyItems {
+                items: 100,
+                max: 99
+            }
+        ),
+        "{error:?}"
+    );
+    assert!(inbox_item(&inbox, "l1").await.is_none());
+
+    let big = |count: usize, bytes: usize| {
+        let counters = counters.clone();
+        move |mut tx: DynamoTx| {
+            let counters = counters.clone();
+            async move {
+                for i in 0..count {
+                    tx.put(
+                        Put::builder()
+                            .table_name(&counters)
+                            .item("id", AttributeValue::S(format!("big{i}")))
+                            .item("blob", AttributeValue::S("x".repeat(bytes)))
+                            .build()
+                            .map_err(|e| TestError::Build(e.to_string()))?,
+                    );
+                }
+                Ok::<_, TestError>((tx, ()))
+            }
+        }
+    };
+    let error = inbox
+        .process("ledger", &msg, big(1, 400 * 1024))
+        .await
+        .unwrap_err();
+    let DynamoError::TooLarge { what, bytes, max } = error else {
+        panic!("{error:?}")
+    };
+    assert_eq!(
+        (what.as_str(), bytes, max),
+        ("the Put item of action 0", 400 * 1024 + 2 + 4 + 4, 409_600)
+    );
+    let error = inbox
+        .process("ledger", &msg, big(11, 390 * 1024))
+        .await
+        .unwrap_err();
+    let DynamoError::TooLarge { what, max, .. } = error else {
+        panic!("{error:?}")
+    };
+    assert_eq!((what.as_str(), max), ("the transaction", 4 * 1024 * 1024));
+    assert!(inbox_item(&inbox, "l1").await.is_none());
+
+    // Two actions on one item: DynamoDB refuses the request (moto: ValidationException).
+    let error = inbox
+        .process("ledger", &msg, |mut tx| {
+            let counters = &counters;
+            async move {
+                add_counter(&mut tx, counters, "same", 1)?;
+                add_counter(&mut tx, counters, "same", 1)?;
+                Ok::<_, TestError>((tx, ()))
+            }
+        })
+        .await
+        .unwrap_err();
+    let DynamoError::Dynamo { operation, .. } = &error else {
+        panic!("{error:?}")
+    };
+    assert_eq!(*operation, "TransactWriteItems");
+    assert!(inbox_item(&inbox, "l1").await.is_none());
+    assert_eq!(counter(&inbox, &counters, "same").await, None);
+
+    // And then the message goes through.
+    let calls = AtomicUsize::new(0);
+    assert!(
+        deliver(&inbox, &counters, &msg, &calls)
+            .await
+            .unwrap()
+            .is_processed()
+    );
+    let _unused: Option<CancellationReason> = None;
+}
+
+/// DynamoDB's TTL deletes lazily: an item past `expires_at` is absent to the inbox, whatever it
+/// holds.
+#[tokio::test]
+async fn expired_items_are_absent() {
+    let (inbox, counters) = setup(RetryPolicy::default()).await;
+    let calls = AtomicUsize::new(0);
+    // A retention window of zero: every item expires at once.
+    let zero = inbox.clone().retention(Duration::ZERO);
+    let msg = credit("x1", "acct-x", 2);
+    assert!(
+        deliver(&zero, &counters, &msg, &calls)
+            .await
+            .unwrap()
+            .is_processed()
+    );
+    assert!(
+        deliver(&zero, &counters, &msg, &calls)
+            .await
+            .unwrap()
+            .is_processed()
+    );
+    assert_eq!(counter(&inbox, &counters, "acct-x").await, Some(4));
+
+    // An expired item with another payload (TTL has not deleted it yet): not a conflict.
+    let msg = credit("x2", "acct-x2", 5);
+    let key = inbox_runtime::IdempotencyKey::new("x2", "test", "id").unwrap();
+    let stale = Fingerprint::of(Credit::NAME, &credit("x2", "other", 1)).unwrap();
+    inbox
+        .client()
+        .put_item()
+        .table_name(inbox.table())
+        .item(
+            "pk",
+            AttributeValue::S(dynamodb::partition_key("ledger", &key)),
+        )
+        .item("status", AttributeValue::S("processed".into()))
+        .item("payload_hash", AttributeValue::S(stale.to_hex()))
+        .item("attempts", AttributeValue::N("1".into()))
+        .item("expires_at", AttributeValue::N("1000".into()))
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        deliver(&inbox, &counters, &msg, &calls)
+            .await
+            .unwrap()
+            .is_processed()
+    );
+    assert!(
+        deliver(&inbox, &counters, &msg, &calls)
+            .await
+            .unwrap()
+            .is_duplicate()
+    );
+    assert_eq!(counter(&inbox, &counters, "acct-x2").await, Some(5));
+    let item = inbox_item(&inbox, "x2").await.unwrap();
+    assert_eq!(number(&item, "attempts"), 1);
+    assert!(number(&item, "expires_at") > 1000);
+}
+
+/// 16 tasks take 3 deliveries of each of 500 keys in a shuffled order; each delivery's effect is
+/// a counter `Update` in the claim's transaction. Each counter ends at exactly 1.
+#[tokio::test]
+async fn storm_of_concurrent_deliveries() {
+    const KEYS: usize = 500;
+    let (inbox, counters) = setup(RetryPolicy::default()).await;
+    let mut work: Vec<usize> = (0..KEYS).flat_map(|k| [k, k, k]).collect();
+    work.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(35));
+    let work = Arc::new(std::sync::Mutex::new(work));
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let (inbox, counters, work) = (inbox.clone(), counters.clone(), work.clone());
+        tasks.push(tokio::spawn(async move {
+            let (mut processed, mut duplicates) = (0_usize, 0_usize);
+            loop {
+                let Some(k) = work.lock().unwrap().pop() else {
+                    break;
+                };
+                let msg = credit(&format!("storm-{k}"), &format!("acct-{k}"), 1);
+                let calls = AtomicUsize::new(0);
+                match deliver(&inbox, &counters, &msg, &calls).await.unwrap() {
+                    Outcome::Processed(()) => processed += 1,
+                    Outcome::Duplicate => duplicates += 1,
+                    other => panic!("key {k}: {other:?}"),
+                }
+            }
+            (processed, duplicates)
+        }));
+    }
+    let (mut processed, mut duplicates) = (0, 0);
+    for task in tasks {
+        let (p, d) = task.await.unwrap();
+        processed += p;
+        duplicates += d;
+    }
+    assert_eq!((processed, duplicates), (KEYS, 2 * KEYS));
+
+    let mut values = HashMap::new();
+    let mut start = None;
+    loop {
+        let page = inbox
+            .client()
+            .scan()
+            .table_name(&counters)
+            .consistent_read(true)
+            .set_exclusive_start_key(start)
+            .send()
+            .await
+            .unwrap();
+        for item in page.items() {
+            values.insert(text(item, "id"), number(item, "n"));
+        }
+        start = page.last_evaluated_key().cloned();
+        if start.is_none() {
+            break;
+        }
+    }
+    assert_eq!(values.len(), KEYS);
+    let wrong: Vec<_> = values.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(wrong.is_empty(), "counters not 1: {wrong:?}");
+    println!(
+        "storm: {KEYS} keys × 3 deliveries over 16 tasks: processed={processed} duplicates={duplicates} transient retries={}",
+        inbox.transient_retries()
+    );
+}
