@@ -209,8 +209,11 @@ async fn claim_duplicate_and_conflict() {
 
     let first = deliver(&inbox, &counters, &msg, &calls).await.unwrap();
     assert!(matches!(first, Outcome::Processed(())));
+    // DynamoDB calls per delivery: a new key 2 (read, transaction), a duplicate 1 (read).
+    assert_eq!(inbox.stats().calls, 2);
     let second = deliver(&inbox, &counters, &msg, &calls).await.unwrap();
     assert!(matches!(second, Outcome::Duplicate));
+    assert_eq!(inbox.stats().calls, 3);
     assert_eq!(
         calls.load(Ordering::SeqCst),
         1,
@@ -780,6 +783,14 @@ async fn storm_of_concurrent_deliveries() {
     assert!(wrong.is_empty(), "counters not 1: {wrong:?}");
     println!(
         "storm: {KEYS} keys × 3 deliveries over 16 tasks: processed={processed} duplicates={duplicates} transient retries={}",
-        inbox.transient_retries()
+        inbox.stats().transient_retries
     );
+    // Every delivery reads once; every processed one and every duplicate that raced it past
+    // the read submits once.
+    let calls = inbox.stats().calls;
+    assert!(
+        (3 * KEYS as u64 + KEYS as u64..=6 * KEYS as u64).contains(&calls),
+        "{calls}"
+    );
+    println!("storm: {calls} DynamoDB calls for {} deliveries", 3 * KEYS);
 }

@@ -72,8 +72,9 @@
 //!    * `TransactionConflict` (another transaction on one of the items), `ThrottlingError`,
 //!      `ProvisionedThroughputExceeded`, `RequestLimitExceeded`: transient; the same request
 //!      (same token) is sent again after the policy's in-process delays
-//!      ([`RetryPolicy::transient_retries`]); counted in
-//!      [`DynamoInbox::transient_retries`]; when they run out, [`DynamoError::Transient`];
+//!      ([`RetryPolicy::transient_retries`]) under a new client request token (a cancelled
+//!      transaction wrote nothing); counted in [`DynamoStats::transient_retries`]; when they
+//!      run out, [`DynamoError::Transient`];
 //!    * anything else (`ValidationError`, `ItemCollectionSizeLimitExceeded`, …):
 //!      [`DynamoError::Cancelled`] with every reason; nothing was written or recorded.
 //! 5. **Record a failure** (the handler's error, or a condition of its actions) in a write of its
@@ -415,7 +416,28 @@ pub struct DynamoInbox {
     table: String,
     retention: Duration,
     policy: RetryPolicy,
-    transient_retries: Arc<AtomicU64>,
+    counters: Arc<Counters>,
+}
+
+/// The counters behind [`DynamoInbox::stats`].
+#[derive(Debug, Default)]
+struct Counters {
+    calls: AtomicU64,
+    transient_retries: AtomicU64,
+}
+
+/// What a [`DynamoInbox`] (and its clones) did since it was made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct DynamoStats {
+    /// DynamoDB calls made by [`DynamoInbox::process`] (`GetItem`, `TransactWriteItems`,
+    /// `PutItem`), each counted once whatever the SDK's own retries of it: a new key costs 2
+    /// (read, transaction), a duplicate 1 (read), a failure 2 (read, record), plus the rounds
+    /// and resends of contended keys.
+    pub calls: u64,
+    /// Resends of a transaction after a transient cancellation (`TransactionConflict`,
+    /// throttling) or a transient error.
+    pub transient_retries: u64,
 }
 
 /// What a read of the key's item says, at `now`.
@@ -482,15 +504,19 @@ pub fn partition_key(consumer: &str, key: &IdempotencyKey) -> String {
     format!("{}:{consumer}{}", consumer.len(), key.as_str())
 }
 
-/// The client request token of an attempt: 32 hex digits of SHA-256 over consumer, key and
-/// attempt number (DynamoDB takes 1 to 36 characters).
-fn request_token(consumer: &str, key: &IdempotencyKey, attempt: u32) -> String {
+/// The client request token of an attempt's `resend`: 32 hex digits of SHA-256 over consumer,
+/// key, attempt number and resend number (DynamoDB takes 1 to 36 characters). The SDK's own
+/// retries of one send (an answer lost) keep its token; a resend after a cancellation, which
+/// wrote nothing, gets the next one.
+fn request_token(consumer: &str, key: &IdempotencyKey, attempt: u32, resend: usize) -> String {
     let mut hasher = Sha256::new();
     hasher.update(consumer.as_bytes());
     hasher.update(b"\n");
     hasher.update(key.as_str().as_bytes());
     hasher.update(b"\n");
     hasher.update(attempt.to_string().as_bytes());
+    hasher.update(b"\n");
+    hasher.update(resend.to_string().as_bytes());
     hex::encode(&hasher.finalize()[..16])
 }
 
@@ -528,7 +554,7 @@ impl DynamoInbox {
             table: table.into(),
             retention: DEFAULT_RETENTION,
             policy: RetryPolicy::default(),
-            transient_retries: Arc::new(AtomicU64::new(0)),
+            counters: Arc::new(Counters::default()),
         }
     }
 
@@ -557,10 +583,23 @@ impl DynamoInbox {
         &self.client
     }
 
-    /// Resends of a transaction after a transient cancellation (`TransactionConflict`,
-    /// throttling) since this inbox was made, over all its clones.
-    pub fn transient_retries(&self) -> u64 {
-        self.transient_retries.load(Ordering::Relaxed)
+    /// What this inbox and its clones did so far: DynamoDB calls, transient resends.
+    pub fn stats(&self) -> DynamoStats {
+        DynamoStats {
+            calls: self.counters.calls.load(Ordering::Relaxed),
+            transient_retries: self.counters.transient_retries.load(Ordering::Relaxed),
+        }
+    }
+
+    fn count_call(&self) {
+        self.counters.calls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn count_retry(&self) {
+        self.counters
+            .transient_retries
+            .fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("inbox_dynamodb_transient_retries_total").increment(1);
     }
 
     /// Creates the inbox table if it does not exist (partition key `pk`, string; on-demand
@@ -714,6 +753,45 @@ impl DynamoInbox {
         key: &IdempotencyKey,
         fingerprint: Fingerprint,
         payload: &[u8],
+        handler: F,
+    ) -> Result<Outcome<T>, DynamoError<E>>
+    where
+        E: Classify + std::fmt::Display,
+        F: FnMut(DynamoTx) -> Fut,
+        Fut: Future<Output = Result<(DynamoTx, T), E>>,
+    {
+        let result = self
+            .run(consumer, message_name, key, fingerprint, payload, handler)
+            .await;
+        let outcome = match &result {
+            Ok(Outcome::Processed(_)) => "processed",
+            Ok(Outcome::Duplicate) => "duplicate",
+            Ok(Outcome::Dead) => "dead",
+            Ok(Outcome::NotYet { .. }) => "not_yet",
+            Ok(_) => "other",
+            Err(DynamoError::Conflict(_)) => "conflict",
+            Err(DynamoError::Handler(_)) => "failed",
+            Err(_) => "error",
+        };
+        metrics::counter!("inbox_dynamodb_deliveries_total", "consumer" => consumer.to_owned(), "outcome" => outcome)
+            .increment(1);
+        tracing::debug!(
+            consumer,
+            key = key.as_str(),
+            message_name,
+            outcome,
+            "DynamoDB inbox delivery"
+        );
+        result
+    }
+
+    async fn run<T, E, F, Fut>(
+        &self,
+        consumer: &str,
+        message_name: &str,
+        key: &IdempotencyKey,
+        fingerprint: Fingerprint,
+        payload: &[u8],
         mut handler: F,
     ) -> Result<Outcome<T>, DynamoError<E>>
     where
@@ -795,6 +873,7 @@ impl DynamoInbox {
         &self,
         ctx: &Ctx<'_>,
     ) -> Result<Option<HashMap<String, AttributeValue>>, DynamoError<E>> {
+        self.count_call();
         let answer = self
             .client
             .get_item()
@@ -966,11 +1045,12 @@ impl DynamoInbox {
                 max: size::MAX_TRANSACTION_BYTES,
             });
         }
-        let token = request_token(ctx.consumer, ctx.key, attempt);
         let mut delays = self.policy.transient_schedule();
         let mut tries = 0;
         loop {
+            let token = request_token(ctx.consumer, ctx.key, attempt, tries);
             tries += 1;
+            self.count_call();
             let sent = self
                 .client
                 .transact_write_items()
@@ -1007,7 +1087,7 @@ impl DynamoInbox {
             );
             let Some(reasons) = cancelled else {
                 if transient_error && let Some(delay) = delays.next() {
-                    self.transient_retries.fetch_add(1, Ordering::Relaxed);
+                    self.count_retry();
                     tokio::time::sleep(delay).await;
                     continue;
                 }
@@ -1046,8 +1126,7 @@ impl DynamoInbox {
                 }
                 Verdict::Transient => {
                     if let Some(delay) = delays.next() {
-                        self.transient_retries.fetch_add(1, Ordering::Relaxed);
-                        metrics::counter!("inbox_dynamodb_transient_retries_total").increment(1);
+                        self.count_retry();
                         tokio::time::sleep(delay).await;
                         continue;
                     }
@@ -1096,6 +1175,7 @@ impl DynamoInbox {
             .set_expression_attribute_names(put.expression_attribute_names().cloned());
         request =
             request.set_expression_attribute_values(put.expression_attribute_values().cloned());
+        self.count_call();
         match request.send().await {
             Ok(_) => {
                 metrics::counter!("inbox_dynamodb_failures_total", "dead" => dead.to_string())
@@ -1270,9 +1350,10 @@ mod tests {
         let bc = IdempotencyKey::new("bc", "m", "f").unwrap();
         let c = IdempotencyKey::new("c", "m", "f").unwrap();
         assert_ne!(partition_key("a", &bc), partition_key("ab", &c));
-        let token = request_token("ledger", &key, 1);
+        let token = request_token("ledger", &key, 1, 0);
         assert_eq!(token.len(), 32);
-        assert_eq!(token, request_token("ledger", &key, 1));
-        assert_ne!(token, request_token("ledger", &key, 2));
+        assert_eq!(token, request_token("ledger", &key, 1, 0));
+        assert_ne!(token, request_token("ledger", &key, 2, 0));
+        assert_ne!(token, request_token("ledger", &key, 1, 1));
     }
 }
