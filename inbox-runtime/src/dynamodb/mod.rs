@@ -887,6 +887,8 @@ impl DynamoInbox {
     }
 
     /// The decision on the key's item as read (`None`: no item) at `now`.
+    // `DynamoError` carries a `Conflict` unboxed, as `crate::Error` does: what callers match on.
+    #[allow(clippy::result_large_err)]
     fn decide<E>(
         &self,
         ctx: &Ctx<'_>,
@@ -950,6 +952,7 @@ impl DynamoInbox {
     }
 
     /// The inbox item written by a claim or a failure record, and its condition.
+    #[allow(clippy::result_large_err)] // See `decide`.
     fn inbox_put<E>(
         &self,
         ctx: &Ctx<'_>,
