@@ -35,7 +35,7 @@ DYNAMODB_PORT=${INBOX_DYNAMODB_PORT:-5012}
 DYNAMODB_URL="http://127.0.0.1:${DYNAMODB_PORT}"
 
 install_missing() {
-  command -v moto_server >/dev/null && python3 -c "import moto.dynamodb" 2>/dev/null && return 0
+  command -v moto_server >/dev/null && python3 -c "import moto.dynamodb, py_partiql_parser" 2>/dev/null && return 0
   echo "sqs.sh: installing moto[server,dynamodb]==$MOTO_VERSION" >&2
   python3 -m pip install -q "moto[server,dynamodb]==$MOTO_VERSION" >&2 ||
     python3 -m pip install -q --break-system-packages "moto[server,dynamodb]==$MOTO_VERSION" >&2

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use inbox_runtime::dynamodb::sdk::types::{AttributeValue, ConditionCheck, Put, Update};
 use inbox_runtime::dynamodb::{
-    self, CancellationReason, DynamoError, DynamoInbox, DynamoTx, Failed, MAX_HANDLER_ITEMS,
+    self, DynamoError, DynamoInbox, DynamoTx, Failed, MAX_HANDLER_ITEMS,
 };
 use inbox_runtime::{
     Classify, Disposition, ErrorClass, Fingerprint, Message, Outcome, RetryPolicy,
@@ -658,7 +658,6 @@ async fn limits_and_refused_requests() {
             .unwrap()
             .is_processed()
     );
-    let _unused: Option<CancellationReason> = None;
 }
 
 /// DynamoDB's TTL deletes lazily: an item past `expires_at` is absent to the inbox, whatever it
@@ -793,4 +792,52 @@ async fn storm_of_concurrent_deliveries() {
         "{calls}"
     );
     println!("storm: {calls} DynamoDB calls for {} deliveries", 3 * KEYS);
+}
+
+/// Bad input from outside: a table with another key schema, an item this store did not write.
+#[tokio::test]
+async fn foreign_tables_and_items_are_refused() {
+    let (inbox, counters) = setup(RetryPolicy::default()).await;
+    // The counters table's key is `id`, not `pk`.
+    let wrong = DynamoInbox::new(inbox.client().clone(), counters.clone());
+    let error = wrong.ensure_table().await.unwrap_err();
+    assert_eq!(
+        (error.table.as_str(), error.operation),
+        (counters.as_str(), "DescribeTable")
+    );
+    assert!(
+        error.source.to_string().contains("not `pk` alone"),
+        "{error}"
+    );
+
+    // An item whose status is not one this store writes: an error, the handler not run.
+    let key = inbox_runtime::IdempotencyKey::new("m1", "test", "id").unwrap();
+    let msg = credit("m1", "acct-m", 1);
+    let fingerprint = Fingerprint::of(Credit::NAME, &msg).unwrap();
+    inbox
+        .client()
+        .put_item()
+        .table_name(inbox.table())
+        .item(
+            "pk",
+            AttributeValue::S(dynamodb::partition_key("ledger", &key)),
+        )
+        .item("status", AttributeValue::S("parked".into()))
+        .item("payload_hash", AttributeValue::S(fingerprint.to_hex()))
+        .send()
+        .await
+        .unwrap();
+    let calls = AtomicUsize::new(0);
+    let error = deliver(&inbox, &counters, &msg, &calls).await.unwrap_err();
+    let DynamoError::Malformed {
+        consumer,
+        key,
+        reason,
+    } = error
+    else {
+        panic!("{error:?}")
+    };
+    assert_eq!((consumer.as_str(), key.as_str()), ("ledger", "m1"));
+    assert_eq!(reason, "status `parked` is not one this store writes");
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
 }

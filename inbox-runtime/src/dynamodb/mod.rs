@@ -4,11 +4,11 @@
 //! re-exported as [`sdk`], so the handler's items need no dependency of their own).
 //!
 //! ```no_run
-//! use inbox_runtime::dynamodb::{DynamoInbox, sdk};
+//! use inbox_runtime::dynamodb::DynamoInbox;
 //! use inbox_runtime::dynamodb::sdk::types::{AttributeValue, Update};
-//! use inbox_runtime::{Message, Outcome};
+//! use inbox_runtime::{Message, Outcome, Permanent};
 //!
-//! #[derive(serde::Serialize, serde::Deserialize, Message)]
+//! #[derive(Clone, serde::Serialize, serde::Deserialize, Message)]
 //! #[message(name = "payments.captured")]
 //! struct PaymentCaptured {
 //!     #[message(key)]
@@ -21,17 +21,18 @@
 //! let client = inbox_runtime::dynamodb::client(None).await; // AWS_ENDPOINT_URL, AWS_REGION, …
 //! let inbox = DynamoInbox::new(client, "inbox");
 //! inbox.ensure_table().await?;
+//! let msg = &msg;
 //! let outcome = inbox
-//!     .process("ledger", &msg, |mut tx| async {
-//!         tx.update(
-//!             Update::builder()
-//!                 .table_name("accounts")
-//!                 .key("id", AttributeValue::S(msg.account_id.clone()))
-//!                 .update_expression("ADD balance :amount")
-//!                 .expression_attribute_values(":amount", AttributeValue::N(msg.amount_cents.to_string()))
-//!                 .build()?,
-//!         );
-//!         Ok::<_, sdk::error::BuildError>((tx, ()))
+//!     .process("ledger", msg, |mut tx| async move {
+//!         let credit = Update::builder()
+//!             .table_name("accounts")
+//!             .key("id", AttributeValue::S(msg.account_id.clone()))
+//!             .update_expression("ADD balance :amount")
+//!             .expression_attribute_values(":amount", AttributeValue::N(msg.amount_cents.to_string()))
+//!             .build()
+//!             .map_err(Permanent::new)?; // the handler's error type says its class
+//!         tx.update(credit);
+//!         Ok::<_, Permanent>((tx, ()))
 //!     })
 //!     .await?;
 //! match outcome {
@@ -97,7 +98,8 @@
 //!
 //! * At most 99 handler actions (DynamoDB's 100 per transaction, less the claim), and about
 //!   4 MB per transaction ([`DynamoError::TooManyItems`], [`DynamoError::TooLarge`], checked
-//!   before any call); an item is at most 400 KB, a failed or dead item's payload included.
+//!   before any call); an item is at most 400 KB, a failed or dead item's payload included (a
+//!   failure whose item would be larger is not recorded: [`Disposition::NotRecorded`], logged).
 //! * Times come from this process's clock (DynamoDB has no clock a condition can read): the
 //!   workers' clocks should agree to well under the retry delays and the retention window.
 //! * A handler action on the inbox table's own item of this key is refused by DynamoDB (one
@@ -808,6 +810,8 @@ impl DynamoInbox {
             pk: &pk,
         };
         let mut item = self.read(&ctx).await?;
+        // Numbers the client request tokens of this delivery's sends (see `request_token`).
+        let mut resend = 0;
         for _ in 0..MAX_ROUNDS {
             let now = Now::read();
             let claim = match self.decide(&ctx, item.as_ref(), now)? {
@@ -840,7 +844,10 @@ impl DynamoInbox {
                     }));
                 }
             };
-            match self.submit(&ctx, claim, now, attempt, tx.items).await? {
+            match self
+                .submit(&ctx, claim, now, attempt, &mut resend, tx.items)
+                .await?
+            {
                 Submitted::Committed => return Ok(Outcome::Processed(value)),
                 Submitted::ClaimFailed(current) => {
                     item = match current {
@@ -1007,6 +1014,7 @@ impl DynamoInbox {
         claim: Claim,
         now: Now,
         attempt: u32,
+        resend: &mut usize,
         actions: Vec<TransactWriteItem>,
     ) -> Result<Submitted, DynamoError<E>> {
         if actions.len() > MAX_HANDLER_ITEMS {
@@ -1051,7 +1059,10 @@ impl DynamoInbox {
         let mut delays = self.policy.transient_schedule();
         let mut tries = 0;
         loop {
-            let token = request_token(ctx.consumer, ctx.key, attempt, tries);
+            // The same token while the request may have been applied (an error with no
+            // cancellation: throttled, in progress, an answer lost); the next after a definite
+            // cancellation, which applied nothing.
+            let token = request_token(ctx.consumer, ctx.key, attempt, *resend);
             tries += 1;
             self.count_call();
             let sent = self
@@ -1073,6 +1084,7 @@ impl DynamoInbox {
                     // Another delivery submitted this very attempt (same token, other
                     // parameters) within DynamoDB's 10 minutes: the item tells what happened.
                     TransactWriteItemsError::IdempotentParameterMismatchException(_) => {
+                        *resend += 1;
                         return Ok(Submitted::ClaimFailed(None));
                     }
                     _ => None,
@@ -1110,6 +1122,7 @@ impl DynamoInbox {
                 .collect();
             match verdict(&listed) {
                 Verdict::ClaimTaken => {
+                    *resend += 1;
                     let current = reasons.first().and_then(|r| r.item().cloned());
                     return Ok(Submitted::ClaimFailed(current));
                 }
@@ -1129,6 +1142,7 @@ impl DynamoInbox {
                 }
                 Verdict::Transient => {
                     if let Some(delay) = delays.next() {
+                        *resend += 1;
                         self.count_retry();
                         tokio::time::sleep(delay).await;
                         continue;
