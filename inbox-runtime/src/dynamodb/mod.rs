@@ -311,7 +311,8 @@ pub enum DynamoError<E> {
         consumer: String,
         /// The idempotency key.
         key: IdempotencyKey,
-        /// `GetItem`, `TransactWriteItems` or `PutItem` (the failure record).
+        /// `GetItem` or `TransactWriteItems` (a failure record that fails is not an error:
+        /// [`Disposition::NotRecorded`], logged).
         operation: &'static str,
         /// The SDK's error.
         #[source]
@@ -1004,7 +1005,9 @@ impl DynamoInbox {
                 .expression_attribute_values(":hash", s(ctx.fingerprint.to_hex())),
         };
         // Table name and item are set: the builder does not fail.
-        builder.build().map_err(|e| ctx.dynamo("PutItem", e.into()))
+        builder
+            .build()
+            .map_err(|e| ctx.dynamo("TransactWriteItems", e.into()))
     }
 
     /// Submits the claim and the handler's actions as one transaction.
