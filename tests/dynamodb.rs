@@ -841,3 +841,96 @@ async fn foreign_tables_and_items_are_refused() {
     assert_eq!(reason, "status `parked` is not one this store writes");
     assert_eq!(calls.load(Ordering::SeqCst), 0);
 }
+
+/// Failed and dead items are not the retention window's: as on the SQL stores (whose purge keeps
+/// failed and dead rows unless asked), a dead letter stays, with its payload, and a failed key
+/// keeps counting its attempts, however short the window. DynamoDB's TTL must not delete them,
+/// and the runtime must not treat them as absent.
+#[tokio::test]
+async fn dead_letters_and_failed_attempts_outlive_the_retention_window() {
+    let (inbox, counters) = setup(no_delays().max_attempts(3)).await;
+    let zero = inbox.clone().retention(Duration::ZERO);
+    let calls = AtomicUsize::new(0);
+
+    // A permanent error: dead at once, and a redelivery is `Dead`, the handler not run.
+    let msg = credit("r1", "acct-r", 7);
+    let error = zero
+        .process("ledger", &msg, |_tx| async {
+            Err::<(DynamoTx, ()), _>(TestError::Fatal)
+        })
+        .await
+        .unwrap_err();
+    let DynamoError::Handler(failure) = error else {
+        panic!("{error:?}")
+    };
+    assert_eq!(
+        (failure.attempts, failure.disposition),
+        (1, Disposition::Dead)
+    );
+    let outcome = deliver(&zero, &counters, &msg, &calls).await.unwrap();
+    assert!(matches!(outcome, Outcome::Dead), "{outcome:?}");
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    assert_eq!(counter(&inbox, &counters, "acct-r").await, None);
+    let item = inbox_item(&inbox, "r1").await.unwrap();
+    assert_eq!(text(&item, "status"), "dead");
+    assert_eq!(payload(&item).unwrap(), serde_json::to_vec(&msg).unwrap());
+    assert!(
+        !item.contains_key("expires_at"),
+        "DynamoDB's TTL would delete the dead letter: {item:?}"
+    );
+
+    // Retryable errors: the attempts count 1, 2, 3 and the third is dead.
+    let msg = credit("r2", "acct-r", 7);
+    let mut dispositions = Vec::new();
+    for _ in 0..3 {
+        let error = zero
+            .process("ledger", &msg, |_tx| async {
+                Err::<(DynamoTx, ()), _>(TestError::Boom)
+            })
+            .await
+            .unwrap_err();
+        let DynamoError::Handler(failure) = error else {
+            panic!("{error:?}")
+        };
+        dispositions.push((failure.attempts, failure.disposition));
+    }
+    let retry = Disposition::Retry {
+        after: Duration::ZERO,
+    };
+    assert_eq!(
+        dispositions,
+        [(1, retry.clone()), (2, retry), (3, Disposition::Dead)]
+    );
+    let item = inbox_item(&inbox, "r2").await.unwrap();
+    assert_eq!(number(&item, "attempts"), 3);
+    assert!(!item.contains_key("expires_at"), "{item:?}");
+
+    // A failed key that is then processed gets its retention window from the claim.
+    let msg = credit("r3", "acct-r3", 1);
+    let error = inbox
+        .process("ledger", &msg, |_tx| async {
+            Err::<(DynamoTx, ()), _>(TestError::Boom)
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(error, DynamoError::Handler(_)), "{error:?}");
+    assert!(
+        !inbox_item(&inbox, "r3")
+            .await
+            .unwrap()
+            .contains_key("expires_at")
+    );
+    assert!(
+        deliver(&inbox, &counters, &msg, &calls)
+            .await
+            .unwrap()
+            .is_processed()
+    );
+    let item = inbox_item(&inbox, "r3").await.unwrap();
+    assert_eq!(number(&item, "attempts"), 2);
+    assert_eq!(
+        number(&item, "expires_at"),
+        number(&item, "processed_at") / 1000 + 7 * 86_400
+    );
+    assert_eq!(counter(&inbox, &counters, "acct-r3").await, Some(1));
+}

@@ -45,10 +45,12 @@
 //!
 //! ## How one delivery runs ([`DynamoInbox::process`])
 //!
-//! 1. **Read** the key's inbox item (`GetItem`, strongly consistent). An item whose
+//! 1. **Read** the key's inbox item (`GetItem`, strongly consistent). A processed item whose
 //!    `expires_at` (the retention window's end, epoch seconds) has passed counts as absent:
 //!    DynamoDB's TTL deletes expired items lazily (typically within days), so the runtime never
-//!    treats an expired key as a duplicate. Processed with the same fingerprint →
+//!    treats an expired key as a duplicate. Failed and dead items have no `expires_at`: TTL
+//!    never deletes them (a dead letter keeps its payload, a failed key its attempt count), as
+//!    the SQL stores' purge keeps failed and dead rows. Processed with the same fingerprint →
 //!    [`Outcome::Duplicate`]; a different fingerprint → [`DynamoError::Conflict`]; dead →
 //!    [`Outcome::Dead`]; failed and its next attempt not due → [`Outcome::NotYet`]. Nothing
 //!    else is called: a duplicate costs one read.
@@ -92,7 +94,8 @@
 //! billing; TTL on `expires_at`. Attributes: `consumer`, `message_key`, `message_name`,
 //! `payload_hash` (64 hex digits, [`Fingerprint`]), `status` (`processed` | `failed` | `dead`),
 //! `attempts`, `received_at`, `processed_at`, `next_attempt_at` (epoch milliseconds),
-//! `last_error`, `payload` (binary; failed and dead only), `expires_at` (epoch seconds).
+//! `last_error`, `payload` (binary; failed and dead only), `expires_at` (epoch seconds;
+//! processed only).
 //!
 //! ## Limits and differences from the SQL stores
 //!
@@ -561,9 +564,11 @@ impl DynamoInbox {
         }
     }
 
-    /// Sets the retention window: how long an item keeps its key claimed (`expires_at` = its
-    /// last write + this, in whole seconds). It is the deduplication guarantee: make it longer
-    /// than the broker's redelivery horizon. `Duration::ZERO` makes every item expire at once.
+    /// Sets the retention window: how long a processed item keeps its key claimed
+    /// (`expires_at` = the claim's time + this, in whole seconds: a window under 1 s is 0). It
+    /// is the deduplication guarantee: make it longer than the broker's redelivery horizon.
+    /// `Duration::ZERO` makes every processed item expire at once. Failed and dead items do not
+    /// expire (DynamoDB's TTL never deletes them).
     pub fn retention(mut self, window: Duration) -> Self {
         self.retention = window;
         self
@@ -959,6 +964,12 @@ impl DynamoInbox {
         }
     }
 
+    /// The end of the retention window of an item processed at `now`: epoch seconds.
+    fn expires_at(&self, now: Now) -> i64 {
+        now.secs()
+            .saturating_add(i64::try_from(self.retention.as_secs()).unwrap_or(i64::MAX))
+    }
+
     /// The inbox item written by a claim or a failure record, and its condition.
     #[allow(clippy::result_large_err)] // See `decide`.
     fn inbox_put<E>(
@@ -972,9 +983,6 @@ impl DynamoInbox {
             Claim::New => now.ms,
             Claim::Takeover { received_at, .. } => received_at,
         };
-        let expires = now
-            .secs()
-            .saturating_add(i64::try_from(self.retention.as_secs()).unwrap_or(i64::MAX));
         attributes.insert("pk".into(), s(ctx.pk));
         attributes.insert("consumer".into(), s(ctx.consumer));
         attributes.insert("message_key".into(), s(ctx.key.as_str()));
@@ -985,7 +993,6 @@ impl DynamoInbox {
             n(claim.attempts_before().saturating_add(1)),
         );
         attributes.insert("received_at".into(), n(received_at));
-        attributes.insert(TTL_ATTRIBUTE.into(), n(expires));
         let builder = Put::builder()
             .table_name(&self.table)
             .set_item(Some(attributes))
@@ -1033,6 +1040,9 @@ impl DynamoInbox {
             HashMap::from([
                 ("status".to_owned(), s("processed")),
                 ("processed_at".to_owned(), n(now.ms)),
+                // Only a processed item has a retention window: failed and dead ones stay
+                // until the admin API settles them, as on the SQL stores.
+                (TTL_ATTRIBUTE.to_owned(), n(self.expires_at(now))),
             ]),
         )?;
         let mut items = Vec::with_capacity(actions.len() + 1);
