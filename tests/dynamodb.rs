@@ -934,3 +934,48 @@ async fn dead_letters_and_failed_attempts_outlive_the_retention_window() {
     );
     assert_eq!(counter(&inbox, &counters, "acct-r3").await, Some(1));
 }
+
+/// A handler action on the claim's own inbox item (two actions on one item): DynamoDB refuses
+/// the request; the error says why (the SDK's own `Display` says only "service error"), and
+/// nothing is written or recorded.
+#[tokio::test]
+async fn an_action_on_the_claims_own_item_is_refused_with_the_reason() {
+    let (inbox, counters) = setup(RetryPolicy::default()).await;
+    let msg = credit("own1", "acct-own", 4);
+    let key = inbox_runtime::IdempotencyKey::new("own1", "test", "id").unwrap();
+    let pk = dynamodb::partition_key("ledger", &key);
+    let table = inbox.table().to_owned();
+    let error = inbox
+        .process("ledger", &msg, |mut tx| {
+            let (counters, pk, table) = (&counters, &pk, &table);
+            async move {
+                add_counter(&mut tx, counters, "acct-own", 4)?;
+                tx.update(
+                    Update::builder()
+                        .table_name(table)
+                        .key("pk", AttributeValue::S(pk.clone()))
+                        .update_expression("SET note = :note")
+                        .expression_attribute_values(":note", AttributeValue::S("x".into()))
+                        .build()
+                        .map_err(|e| TestError::Build(e.to_string()))?,
+                );
+                Ok::<_, TestError>((tx, ()))
+            }
+        })
+        .await
+        .unwrap_err();
+    let DynamoError::Dynamo { operation, .. } = &error else {
+        panic!("{error:?}")
+    };
+    assert_eq!(*operation, "TransactWriteItems");
+    let text = error.to_string();
+    assert!(
+        text.starts_with(
+            "DynamoDB TransactWriteItems failed for consumer `ledger`, key `own1`: service error: unhandled error (ValidationException): "
+        ),
+        "{text}"
+    );
+    assert!(text.contains("multiple operations on one item"), "{text}");
+    assert!(inbox_item(&inbox, "own1").await.is_none());
+    assert_eq!(counter(&inbox, &counters, "acct-own").await, None);
+}

@@ -305,10 +305,14 @@ pub enum DynamoError<E> {
         /// The idempotency key.
         key: IdempotencyKey,
     },
-    /// A DynamoDB call failed. After a failed `TransactWriteItems` the outcome is unknown (it may
-    /// have committed before the answer was lost): do not ack; the redelivery's read will tell
-    /// (a duplicate if it had). Any other operation failed before anything was written.
-    #[error("DynamoDB {operation} failed for consumer `{consumer}`, key `{key}`: {source}")]
+    /// A DynamoDB call failed; the message gives DynamoDB's error code and text. After a failed
+    /// `TransactWriteItems` the outcome is unknown (it may have committed before the answer was
+    /// lost): do not ack; the redelivery's read will tell (a duplicate if it had). Any other
+    /// operation failed before anything was written. A request DynamoDB refuses
+    /// (`ValidationException`: two actions on one item, the handler's action on this key's own
+    /// inbox item, a bad expression) wrote nothing, is not recorded as an attempt and is refused
+    /// again on every redelivery: it never reaches `max_attempts` or the dead letters.
+    #[error("DynamoDB {operation} failed for consumer `{consumer}`, key `{key}`: {}", Chain(source.as_ref()))]
     Dynamo {
         /// The consumer.
         consumer: String,
@@ -338,7 +342,7 @@ pub enum DynamoError<E> {
 /// (`CreateTable`, `DescribeTable`, `DescribeTimeToLive`, `UpdateTimeToLive`), or a table that
 /// exists with another key schema.
 #[derive(Debug, thiserror::Error)]
-#[error("DynamoDB {operation} on table `{table}` failed: {source}")]
+#[error("DynamoDB {operation} on table `{table}` failed: {}", Chain(source.as_ref()))]
 pub struct TableError {
     /// The table.
     pub table: String,
@@ -490,6 +494,22 @@ impl Now {
 
     fn secs(self) -> i64 {
         self.ms.div_euclid(1000)
+    }
+}
+
+/// An error and its sources, `error: source: …`: the SDK's `SdkError` says only "service
+/// error" by itself, DynamoDB's code and message are in its source.
+struct Chain<'a>(&'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(error) = source {
+            write!(f, ": {error}")?;
+            source = error.source();
+        }
+        Ok(())
     }
 }
 
@@ -1226,7 +1246,7 @@ impl DynamoInbox {
                 tracing::warn!(
                     consumer = ctx.consumer,
                     key = ctx.key.as_str(),
-                    error = %e,
+                    error = %Chain(&e),
                     "the failed attempt could not be recorded in DynamoDB"
                 );
                 Ok(Disposition::NotRecorded)
