@@ -979,3 +979,45 @@ async fn an_action_on_the_claims_own_item_is_refused_with_the_reason() {
     assert!(inbox_item(&inbox, "own1").await.is_none());
     assert_eq!(counter(&inbox, &counters, "acct-own").await, None);
 }
+
+/// A failure whose item (with the payload) would pass DynamoDB's 400 KB is not recorded, and
+/// that is found before any call: `NotRecorded`, nothing written, one call (the read). The
+/// message itself can be processed: a processed item keeps no payload.
+#[tokio::test]
+async fn a_failure_too_large_to_record_is_not_recorded() {
+    let (inbox, counters) = setup(no_delays()).await;
+    let msg = credit("big1", &"a".repeat(410 * 1024), 1);
+    let error = inbox
+        .process("ledger", &msg, |_tx| async {
+            Err::<(DynamoTx, ()), _>(TestError::Fatal)
+        })
+        .await
+        .unwrap_err();
+    let DynamoError::Handler(failure) = error else {
+        panic!("{error:?}")
+    };
+    assert_eq!(
+        (failure.attempts, failure.disposition),
+        (1, Disposition::NotRecorded)
+    );
+    assert_eq!(inbox.stats().calls, 1, "the read; no PutItem sent");
+    assert!(inbox_item(&inbox, "big1").await.is_none());
+
+    let calls = AtomicUsize::new(0);
+    assert!(
+        inbox
+            .process("ledger", &msg, |mut tx| {
+                let (counters, calls) = (&counters, &calls);
+                async move {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    add_counter(&mut tx, counters, "acct-big", 1)?;
+                    Ok::<_, TestError>((tx, ()))
+                }
+            })
+            .await
+            .unwrap()
+            .is_processed()
+    );
+    assert_eq!(counter(&inbox, &counters, "acct-big").await, Some(1));
+    assert_eq!(inbox.stats().calls, 3);
+}

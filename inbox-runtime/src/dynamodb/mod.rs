@@ -101,8 +101,11 @@
 //!
 //! * At most 99 handler actions (DynamoDB's 100 per transaction, less the claim), and about
 //!   4 MB per transaction ([`DynamoError::TooManyItems`], [`DynamoError::TooLarge`], checked
-//!   before any call); an item is at most 400 KB, a failed or dead item's payload included (a
-//!   failure whose item would be larger is not recorded: [`Disposition::NotRecorded`], logged).
+//!   before any call); an item is at most 400 KB, a failed or dead item's payload included. A
+//!   failure whose item would be larger is not recorded ([`Disposition::NotRecorded`], logged,
+//!   no call): such a message is redelivered by the broker, never counted toward
+//!   `max_attempts` and never dead-lettered here. Give its queue a dead-letter queue of its own
+//!   (SQS: a redrive policy's `maxReceiveCount`).
 //! * Times come from this process's clock (DynamoDB has no clock a condition can read): the
 //!   workers' clocks should agree to well under the retry delays and the retention window.
 //! * A handler action on the inbox table's own item of this key is refused by DynamoDB (one
@@ -1216,6 +1219,17 @@ impl DynamoInbox {
             );
         }
         let put = self.inbox_put(ctx, claim, now, attributes)?;
+        let bytes = size::item_size(put.item());
+        if bytes > size::MAX_ITEM_BYTES {
+            tracing::warn!(
+                consumer = ctx.consumer,
+                key = ctx.key.as_str(),
+                bytes,
+                max = size::MAX_ITEM_BYTES,
+                "the failed attempt is not recorded: its inbox item with the payload would pass DynamoDB's item size limit"
+            );
+            return Ok(Disposition::NotRecorded);
+        }
         let mut request = self
             .client
             .put_item()
