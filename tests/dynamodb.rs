@@ -1021,3 +1021,51 @@ async fn a_failure_too_large_to_record_is_not_recorded() {
     assert_eq!(counter(&inbox, &counters, "acct-big").await, Some(1));
     assert_eq!(inbox.stats().calls, 3);
 }
+
+/// Keys at DynamoDB's partition key limit (2048 bytes, `pk` = consumer's length, `:`, consumer,
+/// key): a 512-byte key of 4-byte characters with a consumer that brings `pk` to exactly 2048
+/// bytes is processed and then a duplicate; one byte more is refused before any call.
+#[tokio::test]
+async fn partition_keys_at_dynamodbs_limit() {
+    let (inbox, counters) = setup(RetryPolicy::default()).await;
+    let id = "\u{1D11E}".repeat(128); // 512 bytes, the largest key
+    let msg = credit(&id, "acct-pk", 1);
+    let key = msg.idempotency_key().unwrap();
+    assert_eq!(key.as_str().len(), 512);
+    // 2048 = 4 ("1531") + 1 + 1531 + 512.
+    let consumer = "c".repeat(1531);
+    assert_eq!(dynamodb::partition_key(&consumer, &key).len(), 2048);
+    let run = |consumer: String| {
+        let (inbox, counters, msg) = (&inbox, &counters, &msg);
+        async move {
+            inbox
+                .process(&consumer, msg, |mut tx| async move {
+                    add_counter(&mut tx, counters, "acct-pk", 1)?;
+                    Ok::<_, TestError>((tx, ()))
+                })
+                .await
+        }
+    };
+    assert!(run(consumer.clone()).await.unwrap().is_processed());
+    assert!(run(consumer.clone()).await.unwrap().is_duplicate());
+    assert_eq!(counter(&inbox, &counters, "acct-pk").await, Some(1));
+    let calls = inbox.stats().calls;
+
+    let longer = "c".repeat(1532);
+    let error = run(longer.clone()).await.unwrap_err();
+    let DynamoError::PartitionKeyTooLong {
+        consumer,
+        key,
+        bytes,
+        max,
+    } = &error
+    else {
+        panic!("{error:?}")
+    };
+    assert_eq!(
+        (consumer.as_str(), key.as_str(), *bytes, *max),
+        (longer.as_str(), id.as_str(), 2049, 2048)
+    );
+    assert_eq!(inbox.stats().calls, calls, "no call");
+    assert_eq!(counter(&inbox, &counters, "acct-pk").await, Some(1));
+}

@@ -155,6 +155,10 @@ pub const MAX_HANDLER_ITEMS: usize = size::MAX_TRANSACTION_ITEMS - 1;
 /// most this many times in all; then [`DynamoError::Contended`].
 pub const MAX_ROUNDS: u32 = 3;
 
+/// DynamoDB's longest partition key: 2048 bytes (UTF-8). The inbox's [`partition_key`] is at
+/// most this long, or [`DynamoError::PartitionKeyTooLong`].
+pub const MAX_PARTITION_KEY_BYTES: usize = 2048;
+
 /// The attribute DynamoDB's TTL is enabled on: the end of the retention window, epoch seconds.
 pub const TTL_ATTRIBUTE: &str = "expires_at";
 
@@ -327,6 +331,22 @@ pub enum DynamoError<E> {
         /// The SDK's error.
         #[source]
         source: BoxError,
+    },
+    /// The partition key of consumer and idempotency key ([`partition_key`]) is longer than
+    /// DynamoDB's 2048 bytes: a consumer name too long for this key (keys are at most
+    /// [`MAX_KEY_BYTES`](crate::types::key::MAX_KEY_BYTES), 512 bytes). Nothing was called.
+    #[error(
+        "the DynamoDB partition key of consumer `{consumer}`, key `{key}` is {bytes} bytes, at most {max}"
+    )]
+    PartitionKeyTooLong {
+        /// The consumer.
+        consumer: String,
+        /// The idempotency key.
+        key: IdempotencyKey,
+        /// The partition key's length in UTF-8 bytes.
+        bytes: usize,
+        /// DynamoDB's limit, [`MAX_PARTITION_KEY_BYTES`]: 2048.
+        max: usize,
     },
     /// The key's inbox item has an attribute missing or malformed (written by something else):
     /// nothing ran.
@@ -528,7 +548,9 @@ fn duration_ms(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// The partition key of `(consumer, key)`: the consumer's byte length, a colon, consumer, key.
+/// The partition key of `(consumer, key)`: the consumer's byte length (decimal), a colon,
+/// consumer, key. [`DynamoInbox::process`] refuses one longer than
+/// [`MAX_PARTITION_KEY_BYTES`] (2048 bytes).
 pub fn partition_key(consumer: &str, key: &IdempotencyKey) -> String {
     format!("{}:{consumer}{}", consumer.len(), key.as_str())
 }
@@ -831,6 +853,14 @@ impl DynamoInbox {
         Fut: Future<Output = Result<(DynamoTx, T), E>>,
     {
         let pk = partition_key(consumer, key);
+        if pk.len() > MAX_PARTITION_KEY_BYTES {
+            return Err(DynamoError::PartitionKeyTooLong {
+                consumer: consumer.to_owned(),
+                key: key.clone(),
+                bytes: pk.len(),
+                max: MAX_PARTITION_KEY_BYTES,
+            });
+        }
         let ctx = Ctx {
             consumer,
             message_name,
