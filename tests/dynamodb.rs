@@ -1069,3 +1069,60 @@ async fn partition_keys_at_dynamodbs_limit() {
     assert_eq!(inbox.stats().calls, calls, "no call");
     assert_eq!(counter(&inbox, &counters, "acct-pk").await, Some(1));
 }
+
+/// The 400 KB item limit at its edge: a handler `Put` of 409,601 bytes (names and values) is
+/// refused before any call as the handler's action 0; the claim's own
+/// item too large (a huge message name through `process_raw`) is named as the claim's, not as
+/// the handler's action 0.
+#[tokio::test]
+async fn item_size_limit_at_the_edge() {
+    let (inbox, counters) = setup(RetryPolicy::default()).await;
+    let put = |value_bytes: usize| {
+        let counters = counters.clone();
+        move |mut tx: DynamoTx| {
+            let counters = counters.clone();
+            async move {
+                tx.put(
+                    Put::builder()
+                        .table_name(&counters)
+                        .item("id", AttributeValue::S("edge".into()))
+                        .item("blob", AttributeValue::S("x".repeat(value_bytes)))
+                        .build()
+                        .map_err(|e| TestError::Build(e.to_string()))?,
+                );
+                Ok::<_, TestError>((tx, ()))
+            }
+        }
+    };
+    // 2 ("id") + 4 ("edge") + 4 ("blob") + the value.
+    let error = inbox
+        .process("ledger", &credit("edge1", "a", 1), put(409_600 - 10 + 1))
+        .await
+        .unwrap_err();
+    let DynamoError::TooLarge { what, bytes, max } = error else {
+        panic!("{error:?}")
+    };
+    assert_eq!(
+        (what.as_str(), bytes, max),
+        ("the Put item of action 0", 409_601, 409_600)
+    );
+    // 409,600 bytes exactly passes the check; moto itself refuses items above 405,000 bytes (its
+    // approximation of DynamoDB's limit), so that side of the edge is not submitted here.
+    assert_eq!(counter(&inbox, &counters, "edge").await, None);
+    assert_eq!(inbox.stats().calls, 1, "the read; nothing submitted");
+
+    let key = inbox_runtime::IdempotencyKey::new("edge2", "test", "id").unwrap();
+    let name = "n".repeat(409_600);
+    let fingerprint = Fingerprint::of(&name, &"{}").unwrap();
+    let error = inbox
+        .process_raw("ledger", &name, &key, fingerprint, b"{}", |tx| async move {
+            Ok::<_, TestError>((tx, ()))
+        })
+        .await
+        .unwrap_err();
+    let DynamoError::TooLarge { what, max, .. } = error else {
+        panic!("{error:?}")
+    };
+    assert_eq!((what.as_str(), max), ("the claim's inbox item", 409_600));
+    assert!(inbox_item(&inbox, "edge2").await.is_none());
+}

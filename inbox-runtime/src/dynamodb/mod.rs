@@ -276,7 +276,8 @@ pub enum DynamoError<E> {
     /// recorded.
     #[error("the DynamoDB transaction is too large: {what} is about {bytes} bytes, at most {max}")]
     TooLarge {
-        /// `"the transaction"` or `"the Put item of action N"`.
+        /// `"the transaction"`, `"the Put item of action N"` (the handler's action `N`, from
+        /// 0) or `"the claim's inbox item"` (a message name or consumer that large).
         what: String,
         /// Its estimated size in bytes.
         bytes: usize,
@@ -1107,7 +1108,10 @@ impl DynamoInbox {
                 let bytes = size::item_size(put.item());
                 if bytes > size::MAX_ITEM_BYTES {
                     return Err(DynamoError::TooLarge {
-                        what: format!("the Put item of action {}", index.saturating_sub(1)),
+                        what: match index {
+                            0 => "the claim's inbox item".to_owned(),
+                            _ => format!("the Put item of action {}", index - 1),
+                        },
                         bytes,
                         max: size::MAX_ITEM_BYTES,
                     });
