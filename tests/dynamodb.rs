@@ -1126,3 +1126,40 @@ async fn item_size_limit_at_the_edge() {
     assert_eq!((what.as_str(), max), ("the claim's inbox item", 409_600));
     assert!(inbox_item(&inbox, "edge2").await.is_none());
 }
+
+/// DynamoDB's 100 actions exactly: 99 handler actions and the claim commit together, each
+/// effect once; a redelivery is a duplicate.
+#[tokio::test]
+async fn ninety_nine_actions_and_the_claim_commit() {
+    let (inbox, counters) = setup(RetryPolicy::default()).await;
+    let msg = credit("n99", "acct-n", 1);
+    let run = |mut tx: DynamoTx| {
+        let counters = counters.clone();
+        async move {
+            for i in 0..MAX_HANDLER_ITEMS {
+                add_counter(&mut tx, &counters, &format!("n{i}"), 1)?;
+            }
+            assert_eq!(tx.len(), 99);
+            Ok::<_, TestError>((tx, ()))
+        }
+    };
+    assert!(
+        inbox
+            .process("ledger", &msg, run)
+            .await
+            .unwrap()
+            .is_processed()
+    );
+    assert!(
+        inbox
+            .process("ledger", &msg, run)
+            .await
+            .unwrap()
+            .is_duplicate()
+    );
+    for i in [0, 50, 98] {
+        assert_eq!(counter(&inbox, &counters, &format!("n{i}")).await, Some(1));
+    }
+    assert_eq!(counter(&inbox, &counters, "n99").await, None);
+    assert_eq!(inbox.stats().calls, 3);
+}

@@ -572,6 +572,30 @@ fn request_token(consumer: &str, key: &IdempotencyKey, attempt: u32, resend: usi
     hex::encode(&hasher.finalize()[..16])
 }
 
+/// The handler's failed condition at request `index` (1..), from DynamoDB's reasons. An index
+/// past the request's actions (DynamoDB answered with more reasons than actions) is named
+/// `(unknown action)`, not a panic.
+fn condition_failed(
+    items: &[TransactWriteItem],
+    listed: &[CancellationReason],
+    index: usize,
+) -> ConditionFailed {
+    let (action, table) = items
+        .get(index)
+        .map_or(("(unknown action)", String::new()), action_name);
+    let message = listed
+        .iter()
+        .find(|r| r.index == index)
+        .and_then(|r| r.message.clone())
+        .unwrap_or_default();
+    ConditionFailed {
+        index: index.saturating_sub(1),
+        action,
+        table,
+        message,
+    }
+}
+
 fn action_name(item: &TransactWriteItem) -> (&'static str, String) {
     if let Some(put) = item.put() {
         ("Put", put.table_name().to_owned())
@@ -1197,18 +1221,9 @@ impl DynamoInbox {
                     return Ok(Submitted::ClaimFailed(current));
                 }
                 Verdict::ConditionFailed(index) => {
-                    let (action, table) = action_name(&items[index]);
-                    let message = listed
-                        .iter()
-                        .find(|r| r.index == index)
-                        .and_then(|r| r.message.clone())
-                        .unwrap_or_default();
-                    return Ok(Submitted::ConditionFailed(ConditionFailed {
-                        index: index - 1,
-                        action,
-                        table,
-                        message,
-                    }));
+                    return Ok(Submitted::ConditionFailed(condition_failed(
+                        &items, &listed, index,
+                    )));
                 }
                 Verdict::Transient => {
                     if let Some(delay) = delays.next() {
@@ -1438,6 +1453,34 @@ mod tests {
         for (reasons, expected) in cases {
             assert_eq!(verdict(reasons), expected, "{reasons:?}");
         }
+    }
+
+    #[test]
+    fn a_condition_reason_past_the_actions_is_not_a_panic() {
+        let check = ConditionCheck::builder()
+            .table_name("t")
+            .key("id", s("a"))
+            .condition_expression("attribute_exists(id)")
+            .build()
+            .unwrap();
+        let items = vec![
+            TransactWriteItem::builder().build(),
+            TransactWriteItem::builder().condition_check(check).build(),
+        ];
+        let mut failing = reason(1, "ConditionalCheckFailed");
+        failing.message = Some("The conditional request failed".into());
+        let failed = condition_failed(&items, &[failing], 1);
+        assert_eq!(
+            (failed.index, failed.action, failed.table.as_str()),
+            (0, "ConditionCheck", "t")
+        );
+        assert_eq!(failed.message, "The conditional request failed");
+        // DynamoDB answered with more reasons than the request had actions.
+        let failed = condition_failed(&items, &[reason(5, "ConditionalCheckFailed")], 5);
+        assert_eq!(
+            (failed.index, failed.action, failed.table.as_str()),
+            (4, "(unknown action)", "")
+        );
     }
 
     #[test]
