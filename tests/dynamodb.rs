@@ -1163,3 +1163,70 @@ async fn ninety_nine_actions_and_the_claim_commit() {
     assert_eq!(counter(&inbox, &counters, "n99").await, None);
     assert_eq!(inbox.stats().calls, 3);
 }
+
+/// More foreign data: a table whose `pk` is a number (every read would fail), a failed item
+/// whose `attempts` is out of range. Each is a clear error naming what is wrong.
+#[tokio::test]
+async fn foreign_key_types_and_attempt_counts_are_named() {
+    let (inbox, counters) = setup(RetryPolicy::default()).await;
+    use inbox_runtime::dynamodb::sdk::types::{
+        AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType,
+    };
+    let numeric = format!("{}_numeric", inbox.table());
+    inbox
+        .client()
+        .create_table()
+        .table_name(&numeric)
+        .billing_mode(BillingMode::PayPerRequest)
+        .attribute_definitions(
+            AttributeDefinition::builder()
+                .attribute_name("pk")
+                .attribute_type(ScalarAttributeType::N)
+                .build()
+                .unwrap(),
+        )
+        .key_schema(
+            KeySchemaElement::builder()
+                .attribute_name("pk")
+                .key_type(KeyType::Hash)
+                .build()
+                .unwrap(),
+        )
+        .send()
+        .await
+        .unwrap();
+    let error = DynamoInbox::new(inbox.client().clone(), numeric.clone())
+        .ensure_table()
+        .await
+        .unwrap_err();
+    assert_eq!(error.operation, "DescribeTable");
+    assert_eq!(
+        error.source.to_string(),
+        "the table's partition key `pk` is of type N, not S (string)"
+    );
+
+    let key = inbox_runtime::IdempotencyKey::new("m2", "test", "id").unwrap();
+    let msg = credit("m2", "acct-m2", 1);
+    let fingerprint = Fingerprint::of(Credit::NAME, &msg).unwrap();
+    inbox
+        .client()
+        .put_item()
+        .table_name(inbox.table())
+        .item(
+            "pk",
+            AttributeValue::S(dynamodb::partition_key("ledger", &key)),
+        )
+        .item("status", AttributeValue::S("failed".into()))
+        .item("payload_hash", AttributeValue::S(fingerprint.to_hex()))
+        .item("attempts", AttributeValue::N("-1".into()))
+        .send()
+        .await
+        .unwrap();
+    let calls = AtomicUsize::new(0);
+    let error = deliver(&inbox, &counters, &msg, &calls).await.unwrap_err();
+    let DynamoError::Malformed { reason, .. } = error else {
+        panic!("{error:?}")
+    };
+    assert_eq!(reason, "`attempts` is not a count from 0 to 4294967295: -1");
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+}

@@ -687,7 +687,7 @@ impl DynamoInbox {
     ///
     /// # Errors
     /// [`TableError`] if a call fails, if the table exists with a key schema other than `pk`
-    /// alone, or is not `ACTIVE` after 2 minutes.
+    /// (string) alone, or is not `ACTIVE` after 2 minutes.
     pub async fn ensure_table(&self) -> Result<(), TableError> {
         let error = |operation: &'static str, source: BoxError| TableError {
             table: self.table.clone(),
@@ -740,6 +740,19 @@ impl DynamoInbox {
                 return Err(error(
                     "DescribeTable",
                     format!("the table's key schema is {schema:?}, not `pk` alone").into(),
+                ));
+            }
+            let pk_type = table
+                .attribute_definitions()
+                .iter()
+                .find(|d| d.attribute_name() == "pk")
+                .map(|d| d.attribute_type().clone());
+            if pk_type != Some(ScalarAttributeType::S) {
+                let shown = pk_type.map_or_else(|| "unknown".to_owned(), |t| t.as_str().to_owned());
+                return Err(error(
+                    "DescribeTable",
+                    format!("the table's partition key `pk` is of type {shown}, not S (string)")
+                        .into(),
                 ));
             }
             if table.table_status() == Some(&TableStatus::Active) {
@@ -1023,8 +1036,13 @@ impl DynamoInbox {
             "dead" => Ok(Decision::Settled(Outcome::Dead)),
             "failed" => {
                 let attempts = number("attempts")?
-                    .and_then(|a| u32::try_from(a).ok())
                     .ok_or_else(|| ctx.malformed("`attempts` is missing".to_owned()))?;
+                let attempts = u32::try_from(attempts).map_err(|_| {
+                    ctx.malformed(format!(
+                        "`attempts` is not a count from 0 to {}: {attempts}",
+                        u32::MAX
+                    ))
+                })?;
                 let next = number("next_attempt_at")?.unwrap_or(0);
                 if next > now.ms {
                     let wait = u64::try_from(next - now.ms).unwrap_or(0);
