@@ -62,9 +62,12 @@
 //!    fingerprint, the attempt count), on the condition that the item is still as it was read:
 //!    `attribute_not_exists(pk) OR expires_at <= :now` for a new (or expired) key, or
 //!    `status = failed AND attempts = :read AND payload_hash = :hash` to take over a failed
-//!    attempt. The call carries a client request token derived from consumer, key and attempt
-//!    number, so that the SDK's own retry of a submit whose answer was lost is not applied twice
-//!    (DynamoDB keeps tokens for 10 minutes).
+//!    attempt. The call carries a client request token derived from consumer, key, attempt
+//!    number and this delivery's resend number, so that the SDK's own retry of a submit whose
+//!    answer was lost is not applied twice (DynamoDB keeps tokens for 10 minutes). The claim's
+//!    condition, not the token, is what keeps an effect from applying twice: another delivery
+//!    that reuses a token with other parameters gets `IdempotentParameterMismatch`, read as
+//!    a failed claim (the item decides).
 //! 4. **Map a cancellation** (`TransactionCanceledException`) by its reasons, one per action:
 //!    * the claim's `ConditionalCheckFailed`: another delivery changed the item since the read.
 //!      The item as it is now comes with the reason (`ALL_OLD`) or from a new read, and is
@@ -73,10 +76,12 @@
 //!    * a handler action's `ConditionalCheckFailed`: the handler's own business failure
 //!      ([`ConditionFailed`]), recorded like a handler error;
 //!    * `TransactionConflict` (another transaction on one of the items), `ThrottlingError`,
-//!      `ProvisionedThroughputExceeded`, `RequestLimitExceeded`: transient; the same request
-//!      (same token) is sent again after the policy's in-process delays
+//!      `ProvisionedThroughputExceeded`, `RequestLimitExceeded`: transient; the same actions
+//!      are sent again after the policy's in-process delays
 //!      ([`RetryPolicy::transient_retries`]) under a new client request token (a cancelled
-//!      transaction wrote nothing); counted in [`DynamoStats::transient_retries`]; when they
+//!      transaction wrote nothing; an error with no cancellation, such as
+//!      `TransactionInProgressException`, is resent under the same token, as it may have
+//!      applied); counted in [`DynamoStats::transient_retries`]; when they
 //!      run out, [`DynamoError::Transient`];
 //!    * anything else (`ValidationError`, `ItemCollectionSizeLimitExceeded`, …):
 //!      [`DynamoError::Cancelled`] with every reason; nothing was written or recorded.
@@ -404,22 +409,28 @@ impl DynamoTx {
         self.attempt
     }
 
-    /// Adds a `Put` (with its condition, if any).
+    /// Adds a `Put` (with its condition, if any). Its item must be at most 400 KB (names and
+    /// values, DynamoDB's rules) and on an item no other action of the transaction touches;
+    /// checked at submit ([`DynamoError::TooLarge`], or DynamoDB's refusal).
     pub fn put(&mut self, put: Put) -> &mut Self {
         self.push(TransactWriteItem::builder().put(put).build())
     }
 
-    /// Adds an `Update` (with its condition, if any).
+    /// Adds an `Update` (with its condition, if any). A condition that fails is the handler's
+    /// failure ([`Failed::Condition`]), recorded as a retryable attempt.
     pub fn update(&mut self, update: Update) -> &mut Self {
         self.push(TransactWriteItem::builder().update(update).build())
     }
 
-    /// Adds a `Delete` (with its condition, if any).
+    /// Adds a `Delete` (with its condition, if any). A condition that fails is the handler's
+    /// failure ([`Failed::Condition`]).
     pub fn delete(&mut self, delete: Delete) -> &mut Self {
         self.push(TransactWriteItem::builder().delete(delete).build())
     }
 
-    /// Adds a `ConditionCheck`: the transaction commits only if it holds.
+    /// Adds a `ConditionCheck`: the transaction commits only if it holds; if not, the handler's
+    /// failure ([`Failed::Condition`]). Every action counts toward [`MAX_HANDLER_ITEMS`] (99):
+    /// more are [`DynamoError::TooManyItems`] at submit, nothing sent.
     pub fn condition_check(&mut self, check: ConditionCheck) -> &mut Self {
         self.push(TransactWriteItem::builder().condition_check(check).build())
     }
