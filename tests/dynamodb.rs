@@ -1230,3 +1230,96 @@ async fn foreign_key_types_and_attempt_counts_are_named() {
     assert_eq!(reason, "`attempts` is not a count from 0 to 4294967295: -1");
     assert_eq!(calls.load(Ordering::SeqCst), 0);
 }
+
+/// A failed key's takeover racing another delivery's: while this delivery's handler runs,
+/// another takes the key over and fails it again (attempts 2, due at once); this delivery's
+/// claim (taking over attempt 1) fails, the item it gets back is due, and the next round takes
+/// over attempt 2 and commits attempt 3. The effect once; a handler that adds nothing commits
+/// the claim alone.
+#[tokio::test]
+async fn a_takeover_racing_another_takeover() {
+    let (inbox, counters) = setup(no_delays()).await;
+    let msg = credit("t1", "acct-t", 9);
+    let fail = |_tx: DynamoTx| async { Err::<(DynamoTx, ()), _>(TestError::Boom) };
+    assert!(matches!(
+        inbox.process("ledger", &msg, fail).await.unwrap_err(),
+        DynamoError::Handler(_)
+    ));
+    let rounds = AtomicUsize::new(0);
+    let outcome = inbox
+        .process("ledger", &msg, |mut tx| {
+            let (inbox, counters, msg, rounds) = (&inbox, &counters, &msg, &rounds);
+            async move {
+                if rounds.fetch_add(1, Ordering::SeqCst) == 0 {
+                    let error = inbox.process("ledger", msg, fail).await.unwrap_err();
+                    let DynamoError::Handler(failure) = error else {
+                        panic!("{error:?}")
+                    };
+                    assert_eq!(failure.attempts, 2);
+                }
+                assert_eq!(tx.attempt(), 2 + rounds.load(Ordering::SeqCst) as u32 - 1);
+                add_counter(&mut tx, counters, &msg.account, msg.amount)?;
+                Ok::<_, TestError>((tx, ()))
+            }
+        })
+        .await
+        .unwrap();
+    assert!(outcome.is_processed(), "{outcome:?}");
+    assert_eq!(rounds.load(Ordering::SeqCst), 2);
+    assert_eq!(counter(&inbox, &counters, "acct-t").await, Some(9));
+    let item = inbox_item(&inbox, "t1").await.unwrap();
+    assert_eq!(
+        (text(&item, "status").as_str(), number(&item, "attempts")),
+        ("processed", 3)
+    );
+
+    // Ok with no actions: the claim alone commits; then a duplicate.
+    let msg = credit("t2", "acct-t2", 1);
+    let empty = |tx: DynamoTx| async move { Ok::<_, TestError>((tx, 7_u8)) };
+    let outcome = inbox.process("ledger", &msg, empty).await.unwrap();
+    assert!(matches!(outcome, Outcome::Processed(7)), "{outcome:?}");
+    assert!(
+        inbox
+            .process("ledger", &msg, empty)
+            .await
+            .unwrap()
+            .is_duplicate()
+    );
+    assert_eq!(
+        text(&inbox_item(&inbox, "t2").await.unwrap(), "status"),
+        "processed"
+    );
+}
+
+/// A key failed again by another delivery in each of this delivery's [`MAX_ROUNDS`] rounds:
+/// `Contended`, nothing of this delivery written, the other's attempts counted exactly.
+#[tokio::test]
+async fn a_key_contended_for_every_round() {
+    let (inbox, counters) = setup(no_delays().max_attempts(10)).await;
+    let msg = credit("k1", "acct-k", 1);
+    let fail = |_tx: DynamoTx| async { Err::<(DynamoTx, ()), _>(TestError::Boom) };
+    let rounds = AtomicUsize::new(0);
+    let error = inbox
+        .process("ledger", &msg, |mut tx| {
+            let (inbox, counters, msg, rounds) = (&inbox, &counters, &msg, &rounds);
+            async move {
+                rounds.fetch_add(1, Ordering::SeqCst);
+                assert!(inbox.process("ledger", msg, fail).await.is_err());
+                add_counter(&mut tx, counters, &msg.account, msg.amount)?;
+                Ok::<_, TestError>((tx, ()))
+            }
+        })
+        .await
+        .unwrap_err();
+    let DynamoError::Contended { consumer, key } = &error else {
+        panic!("{error:?}")
+    };
+    assert_eq!((consumer.as_str(), key.as_str()), ("ledger", "k1"));
+    assert_eq!(rounds.load(Ordering::SeqCst), dynamodb::MAX_ROUNDS as usize);
+    assert_eq!(counter(&inbox, &counters, "acct-k").await, None);
+    let item = inbox_item(&inbox, "k1").await.unwrap();
+    assert_eq!(
+        (text(&item, "status").as_str(), number(&item, "attempts")),
+        ("failed", 3)
+    );
+}
