@@ -1323,3 +1323,125 @@ async fn a_key_contended_for_every_round() {
         ("failed", 3)
     );
 }
+
+/// A proxy to the test server that forwards each request (one per connection: the serial moto
+/// answers HTTP/1.0 and closes) and, for the first `TransactWriteItems`, closes the client's
+/// connection after the server answered: the transaction committed, its answer lost.
+async fn losing_proxy(dropped: Arc<AtomicUsize>) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = endpoint().trim_start_matches("http://").to_owned();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        loop {
+            let (mut client, _) = listener.accept().await.unwrap();
+            let (upstream, dropped) = (upstream.clone(), dropped.clone());
+            tokio::spawn(async move {
+                let mut request = Vec::new();
+                let mut buffer = [0u8; 65536];
+                loop {
+                    let n = client.read(&mut buffer).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    request.extend_from_slice(&buffer[..n]);
+                    let text = String::from_utf8_lossy(&request).to_ascii_lowercase();
+                    if let Some(end) = text.find("\r\n\r\n") {
+                        let length = text[..end]
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse::<usize>().ok())
+                            .unwrap_or(0);
+                        if request.len() >= end + 4 + length {
+                            break;
+                        }
+                    }
+                }
+                let transaction = String::from_utf8_lossy(&request)
+                    .contains("DynamoDB_20120810.TransactWriteItems");
+                let mut server = tokio::net::TcpStream::connect(&upstream).await.unwrap();
+                server.write_all(&request).await.unwrap();
+                let mut response = Vec::new();
+                server.read_to_end(&mut response).await.unwrap();
+                if transaction && dropped.fetch_add(1, Ordering::SeqCst) == 0 {
+                    return; // The answer is lost: the client's connection closes.
+                }
+                let _ = client.write_all(&response).await;
+                let _ = client.shutdown().await;
+            });
+        }
+    });
+    address
+}
+
+/// The answer of a committed transaction is lost: the SDK resends it (the same client request
+/// token; moto ignores tokens and evaluates it again, so the claim's condition fails on the
+/// item the first send wrote). The effect applies once, and the delivery says so.
+#[tokio::test]
+async fn a_lost_answer_after_commit_applies_once() {
+    let (inbox, counters) = setup(RetryPolicy::default()).await;
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let proxied = DynamoInbox::new(
+        dynamodb::client(Some(&losing_proxy(dropped.clone()).await)).await,
+        inbox.table(),
+    );
+    let msg = credit("lost1", "acct-lost", 25);
+    let calls = AtomicUsize::new(0);
+    let first = deliver(&proxied, &counters, &msg, &calls).await.unwrap();
+    // On DynamoDB the resend's token returns the first send's success: `Processed`. Moto
+    // evaluates the resend: the claim finds the item the first send wrote, a duplicate.
+    assert!(first.is_duplicate(), "{first:?}");
+    assert_eq!(dropped.load(Ordering::SeqCst), 2, "the SDK resent once");
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
+    assert_eq!(
+        proxied.stats().calls,
+        2,
+        "one read, one submit (its resend is the SDK's)"
+    );
+    assert_eq!(counter(&inbox, &counters, "acct-lost").await, Some(25));
+    assert!(
+        deliver(&inbox, &counters, &msg, &calls)
+            .await
+            .unwrap()
+            .is_duplicate()
+    );
+    assert_eq!(counter(&inbox, &counters, "acct-lost").await, Some(25));
+
+    // A debit on the condition that the balance covers it, its answer lost: on the resend both
+    // the claim's and the debit's conditions fail (the first send took the 25). The claim
+    // decides: a duplicate, not the handler's failure, and nothing recorded over the item.
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let proxied = DynamoInbox::new(
+        dynamodb::client(Some(&losing_proxy(dropped.clone()).await)).await,
+        inbox.table(),
+    );
+    let debit = credit("lost2", "acct-lost", 25);
+    let outcome = proxied
+        .process("ledger", &debit, |mut tx| {
+            let counters = &counters;
+            async move {
+                tx.update(
+                    Update::builder()
+                        .table_name(counters)
+                        .key("id", AttributeValue::S("acct-lost".into()))
+                        .update_expression("ADD n :minus")
+                        .condition_expression("n >= :amount")
+                        .expression_attribute_values(":minus", AttributeValue::N("-25".into()))
+                        .expression_attribute_values(":amount", AttributeValue::N("25".into()))
+                        .build()
+                        .map_err(|e| TestError::Build(e.to_string()))?,
+                );
+                Ok::<_, TestError>((tx, ()))
+            }
+        })
+        .await
+        .unwrap();
+    assert!(outcome.is_duplicate(), "{outcome:?}");
+    assert_eq!(dropped.load(Ordering::SeqCst), 2);
+    assert_eq!(counter(&inbox, &counters, "acct-lost").await, Some(0));
+    let item = inbox_item(&inbox, "lost2").await.unwrap();
+    assert_eq!(
+        (text(&item, "status").as_str(), number(&item, "attempts")),
+        ("processed", 1)
+    );
+}
