@@ -899,7 +899,7 @@ async fn dead_letters_and_failed_attempts_outlive_the_retention_window() {
     };
     assert_eq!(
         dispositions,
-        [(1, retry.clone()), (2, retry), (3, Disposition::Dead)]
+        [(1, retry), (2, retry), (3, Disposition::Dead)]
     );
     let item = inbox_item(&inbox, "r2").await.unwrap();
     assert_eq!(number(&item, "attempts"), 3);
