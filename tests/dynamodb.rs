@@ -1445,3 +1445,78 @@ async fn a_lost_answer_after_commit_applies_once() {
         ("processed", 1)
     );
 }
+
+/// A storm with failures: 16 tasks, 200 keys, each delivered 3 times at first; a handler fails
+/// (retryable) on its first and second attempts of every third key, and a failed delivery goes
+/// back in the queue. Failure records race takeovers and claims. Each key is processed exactly
+/// once, its counter is 1, and its item's `attempts` is exactly its recorded failures + 1.
+#[tokio::test]
+async fn storm_with_failures_and_takeovers() {
+    const KEYS: usize = 200;
+    let (inbox, counters) = setup(no_delays().max_attempts(10)).await;
+    let mut work: Vec<usize> = (0..KEYS).flat_map(|k| [k, k, k]).collect();
+    work.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(36));
+    let work = Arc::new(std::sync::Mutex::new(work));
+    let processed = Arc::new(std::sync::Mutex::new(vec![0_u32; KEYS]));
+    let recorded = Arc::new(std::sync::Mutex::new(vec![0_i64; KEYS]));
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let (inbox, counters, work) = (inbox.clone(), counters.clone(), work.clone());
+        let (processed, recorded) = (processed.clone(), recorded.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let Some(k) = work.lock().unwrap().pop() else {
+                    break;
+                };
+                let msg = credit(&format!("sf-{k}"), &format!("sf-acct-{k}"), 1);
+                let result = inbox
+                    .process("ledger", &msg, |mut tx| {
+                        let (counters, msg) = (&counters, &msg);
+                        async move {
+                            if k % 3 == 0 && tx.attempt() < 3 {
+                                return Err(TestError::Boom);
+                            }
+                            add_counter(&mut tx, counters, &msg.account, 1)?;
+                            Ok((tx, ()))
+                        }
+                    })
+                    .await;
+                match result {
+                    Ok(Outcome::Processed(())) => processed.lock().unwrap()[k] += 1,
+                    Ok(Outcome::Duplicate) => {}
+                    Err(DynamoError::Handler(failure)) => {
+                        match failure.disposition {
+                            Disposition::Retry { .. } => recorded.lock().unwrap()[k] += 1,
+                            Disposition::NotRecorded => {}
+                            other => panic!("key {k}: {other:?}"),
+                        }
+                        work.lock().unwrap().insert(0, k);
+                    }
+                    Err(DynamoError::Contended { .. }) => work.lock().unwrap().insert(0, k),
+                    other => panic!("key {k}: {other:?}"),
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let processed = processed.lock().unwrap().clone();
+    let recorded = recorded.lock().unwrap().clone();
+    assert!(processed.iter().all(|&p| p == 1), "{processed:?}");
+    for k in 0..KEYS {
+        assert_eq!(
+            counter(&inbox, &counters, &format!("sf-acct-{k}")).await,
+            Some(1),
+            "key {k}"
+        );
+        let item = inbox_item(&inbox, &format!("sf-{k}")).await.unwrap();
+        assert_eq!(text(&item, "status"), "processed", "key {k}");
+        assert_eq!(number(&item, "attempts"), recorded[k] + 1, "key {k}");
+        if k % 3 == 0 {
+            assert_eq!(recorded[k], 2, "key {k}: attempts 1 and 2 failed");
+        } else {
+            assert_eq!(recorded[k], 0, "key {k}");
+        }
+    }
+}
