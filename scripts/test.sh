@@ -183,7 +183,7 @@ eval "$exports"
 echo "test.sh: Redis at $REDIS_URL"
 exports=$(scripts/sqs.sh start)
 eval "$exports"
-echo "test.sh: SQS (moto) at $SQS_ENDPOINT"
+echo "test.sh: SQS (moto) at $SQS_ENDPOINT, DynamoDB (moto, serial) at $DYNAMODB_ENDPOINT"
 phase "servers started"
 
 scope=(--workspace)

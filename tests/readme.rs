@@ -190,6 +190,37 @@ async fn lambda_main(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error
 // ---- end README block ----
 }
 
+/// The README's DynamoDB store, compiled.
+#[rustfmt::skip]
+mod dynamo {
+use super::PaymentCaptured;
+// ---- README block: dynamodb ----
+use inbox_runtime::dynamodb::sdk::types::{AttributeValue, Update};
+use inbox_runtime::dynamodb::{DynamoError, DynamoInbox};
+use inbox_runtime::{Outcome, Permanent};
+
+/// DynamoDB (feature `dynamodb`): the claim and the credit commit in one TransactWriteItems.
+async fn credit_on_dynamodb(
+    inbox: &DynamoInbox, // DynamoInbox::new(dynamodb::client(None).await, "inbox")
+    msg: &PaymentCaptured,
+) -> Result<Outcome<()>, DynamoError<Permanent>> {
+    inbox
+        .process("ledger", msg, |mut tx| async move {
+            let credit = Update::builder()
+                .table_name("accounts")
+                .key("id", AttributeValue::S(msg.account_id.clone()))
+                .update_expression("ADD balance :amount")
+                .expression_attribute_values(":amount", AttributeValue::N(msg.amount_cents.to_string()))
+                .build()
+                .map_err(Permanent::new)?;
+            tx.update(credit);
+            Ok((tx, ()))
+        })
+        .await
+}
+// ---- end README block ----
+}
+
 /// The README's outbox: a handler that publishes, and the relay. Compiled.
 #[rustfmt::skip]
 mod outbox {
@@ -490,7 +521,7 @@ fn the_readme_shows_these_blocks_word_for_word() {
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
         .expect("read README.md");
     let blocks = blocks();
-    assert_eq!(blocks.len(), 16);
+    assert_eq!(blocks.len(), 17);
     for (name, text) in blocks {
         let fenced = format!("```rust\n{text}```\n");
         assert!(

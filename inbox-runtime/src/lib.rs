@@ -211,6 +211,10 @@
 //! * `sqs`: `source::sqs`, the Amazon SQS source (standard and FIFO queues: delete after
 //!   commit, visibility heartbeats), and `sink::sqs`, the SQS sink (the official aws-sdk-sqs,
 //!   rustls with ring).
+//! * `dynamodb`: `dynamodb`, Amazon DynamoDB as the inbox's store: the claim and the handler's
+//!   DynamoDB writes in one `TransactWriteItems` (the official aws-sdk-dynamodb, rustls with
+//!   ring). Its own entry point for now (`dynamodb::DynamoInbox::process`), not yet the
+//!   dispatcher or `#[idempotent]`.
 //! * `lambda`: `source::lambda::LambdaSqs`, AWS Lambda's SQS batches (an SQS event source
 //!   mapping) run through a [`Worker`] and answered with the partial batch response
 //!   (`batchItemFailures`): retryable failures listed, duplicates, conflicts and dead letters
@@ -239,6 +243,8 @@
 pub mod cache;
 mod debug;
 pub mod dispatch;
+#[cfg(feature = "dynamodb")]
+pub mod dynamodb;
 #[cfg(feature = "http")]
 pub mod http;
 pub mod ops;

@@ -212,6 +212,14 @@ impl fmt::Debug for Fingerprint {
 #[error("cannot compute the payload fingerprint: {0}")]
 pub struct FingerprintError(#[source] serde_json::Error);
 
+impl FingerprintError {
+    /// The error of a message that cannot be serialized to JSON.
+    #[cfg_attr(not(feature = "dynamodb"), allow(dead_code))]
+    pub(crate) fn from_json(error: serde_json::Error) -> Self {
+        Self(error)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
