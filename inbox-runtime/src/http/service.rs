@@ -344,14 +344,11 @@ async fn open_claim<DB: InboxDatabase>(
     session.open_owned(conn).await.map_err(|error| {
         count(&info.route, "failed");
         tracing::warn!(scope = %info.scope, key = %key, error = %error, "idempotency claim failed");
-        Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "store-unavailable",
-            "The idempotency store is unavailable",
+        unavailable_problem(
+            config,
             "the request could not be checked against its Idempotency-Key; \
              nothing was done: retry with the same key",
         )
-        .retry_after(config.retry_after)
     })
 }
 
@@ -730,11 +727,19 @@ fn in_flight(retry_after: std::time::Duration) -> Problem {
 
 fn store_unavailable<DB: InboxDatabase>(config: &Config<DB>, error: &sqlx::Error) -> Problem {
     tracing::warn!(error = %error, "idempotency store unavailable");
+    unavailable_problem(
+        config,
+        "the database could not be reached; nothing was done: retry with the same key",
+    )
+}
+
+/// The 503 `store-unavailable` problem, with `Retry-After`; `detail` says what failed.
+fn unavailable_problem<DB: InboxDatabase>(config: &Config<DB>, detail: &'static str) -> Problem {
     Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,
         "store-unavailable",
         "The idempotency store is unavailable",
-        "the database could not be reached; nothing was done: retry with the same key",
+        detail,
     )
     .retry_after(config.retry_after)
 }
