@@ -272,12 +272,12 @@ async fn open_keyed<DB: InboxDatabase>(
     bytes: &[u8],
     key: String,
 ) -> Result<(ClaimedKey<'static, DB::Connection>, IdempotencyKey), Response<Body>> {
-    let problem = |p: Problem| Err(p.into_response(&config.problem_base));
+    let problem = |p: Problem| p.into_response(&config.problem_base);
     let fingerprint = match fingerprint(headers, &info.name, bytes) {
         Ok(fingerprint) => fingerprint,
         Err(bad) => {
             count(&info.route, "bad_request");
-            return problem(bad);
+            return Err(problem(bad));
         }
     };
     let key = match IdempotencyKey::new(key, "http request", "Idempotency-Key") {
@@ -286,41 +286,41 @@ async fn open_keyed<DB: InboxDatabase>(
             // Blank or NUL keys: refused by the inbox's own rules (the header parser already
             // refuses both; kept for any future relaxation of it).
             count(&info.route, "bad_request");
-            return problem(Problem::new(
+            return Err(problem(Problem::new(
                 StatusCode::BAD_REQUEST,
                 "idempotency-key-malformed",
                 "Idempotency-Key is malformed",
                 error.to_string(),
-            ));
+            )));
         }
     };
     let state = match open_claim(config, info, &key, fingerprint).await {
         Ok(state) => state,
-        Err(unavailable) => return problem(unavailable),
+        Err(unavailable) => return Err(problem(unavailable)),
     };
     match state {
         ClaimState::Claimed(claim) => Ok((claim, key)),
         ClaimState::Settled(settled) => Err(replay(config, info, &key, settled)),
         ClaimState::Conflict(_) => {
             count(&info.route, "mismatch");
-            problem(Problem::new(
+            Err(problem(Problem::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "idempotency-key-reused",
                 "Idempotency-Key is already used",
                 "this Idempotency-Key was used for a different request (another method, path, \
                  query or body); a key must not be reused across different requests: send \
                  the original request to get its response, or use a new key",
-            ))
+            )))
         }
         ClaimState::InProgress => {
             count(&info.route, "in_flight");
-            problem(in_flight(config.retry_after))
+            Err(problem(in_flight(config.retry_after)))
         }
         ClaimState::NotYet { retry_in, .. } => {
             // Keys of HTTP requests are never recorded as failed; a scope shared with a claim
             // session of your own could be.
             count(&info.route, "in_flight");
-            problem(in_flight(retry_in.max(config.retry_after)))
+            Err(problem(in_flight(retry_in.max(config.retry_after))))
         }
     }
 }
