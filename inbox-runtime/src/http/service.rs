@@ -16,7 +16,7 @@ use crate::debug::some_fields;
 use crate::protocol::Wait;
 use crate::protocol::hooks::ClaimInfo;
 use crate::protocol::machine::{Uncommitted, commit, run_body};
-use crate::protocol::session::{ClaimSession, ClaimState, Incomplete, Settled};
+use crate::protocol::session::{ClaimSession, ClaimState, ClaimedKey, Incomplete, Settled};
 use crate::protocol::tx::{ClaimTx, Hold, Verify};
 use crate::store::InboxDatabase;
 use crate::types::classify::BoxError;
@@ -168,14 +168,30 @@ where
             .await
             .map(|r| r.map(Body::new));
     }
-    let (parts, body) = request.into_parts();
-    let mut incoming = match read(&config, &parts, body).await {
+    let (mut parts, body) = request.into_parts();
+    let Incoming { info, key, bytes } = match read(&config, &parts, body).await {
         Ok(incoming) => incoming,
         Err(problem) => return Ok(problem),
     };
-    match incoming.key.take() {
-        None => run_keyless(&config, &mut inner, parts, incoming).await,
-        Some(key) => run_keyed(&config, &mut inner, parts, incoming, key).await,
+    let opened = match key {
+        None => open_keyless(&config, &info)
+            .await
+            .map(|tx| (Held::Plain(tx), None)),
+        Some(key) => open_keyed(&config, &info, &parts.headers, &bytes, key)
+            .await
+            .map(|(claim, key)| (Held::Claimed(Box::new(claim)), Some(key))),
+    };
+    let (held, key) = match opened {
+        Ok(opened) => opened,
+        Err(answer) => return Ok(answer),
+    };
+    let slot = TxSlot::<DB>::new(held, info.scope.clone(), key.clone());
+    parts.extensions.insert(slot.clone());
+    let request = Request::from_parts(parts, Body::from(bytes));
+    let ran = run(&config, &info, &mut inner, request, slot);
+    match &key {
+        None => ran.await,
+        Some(key) => run_body(&info.scope, key.as_str(), ran).await,
     }
 }
 
@@ -232,57 +248,36 @@ where
     })
 }
 
-/// A request without a key (where it is optional): the handler in a plain transaction,
-/// nothing claimed or stored.
-async fn run_keyless<S, DB, ResBody>(
+/// A request without a key (where it is optional): a plain transaction for the handler,
+/// nothing claimed or stored. The database unavailable: a 503 answer.
+async fn open_keyless<DB: InboxDatabase>(
     config: &Config<DB>,
-    inner: &mut S,
-    mut parts: http::request::Parts,
-    incoming: Incoming,
-) -> Result<Response<Body>, S::Error>
-where
-    S: Wrapped<ResBody>,
-    DB: InboxDatabase,
-    ResBody: ResponseBody,
-{
-    let Incoming { info, bytes, .. } = incoming;
+    info: &RequestInfo,
+) -> Result<ClaimTx<'static, DB::Connection>, Response<Body>> {
     count(&info.route, "no_key");
-    let problem = |p: Problem| Ok(p.into_response(&config.problem_base));
-    let conn = match config.pool.acquire().await {
-        Ok(conn) => conn,
-        Err(error) => return problem(store_unavailable(config, &error)),
-    };
-    let tx = match ClaimTx::begin(Hold::Owned(Box::new(conn))).await {
-        Ok(tx) => tx,
-        Err(error) => return problem(store_unavailable(config, &error)),
-    };
-    let slot = TxSlot::<DB>::new(Held::Plain(tx), info.scope.clone(), None);
-    parts.extensions.insert(slot.clone());
-    let request = Request::from_parts(parts, Body::from(bytes));
-    run(config, &info, inner, request, slot).await
+    let unavailable =
+        |error: sqlx::Error| store_unavailable(config, &error).into_response(&config.problem_base);
+    let conn = config.pool.acquire().await.map_err(unavailable)?;
+    ClaimTx::begin(Hold::Owned(Box::new(conn)))
+        .await
+        .map_err(unavailable)
 }
 
-/// A request with a key: its fingerprint, its claim (no wait), then the handler if the key is
-/// claimed, else the answer the key's state gives.
-async fn run_keyed<S, DB, ResBody>(
+/// A request with a key: its fingerprint and its claim (no wait). The claim for the handler
+/// if the key is claimed, else the answer the key's state gives.
+async fn open_keyed<DB: InboxDatabase>(
     config: &Config<DB>,
-    inner: &mut S,
-    mut parts: http::request::Parts,
-    incoming: Incoming,
+    info: &RequestInfo,
+    headers: &http::HeaderMap,
+    bytes: &[u8],
     key: String,
-) -> Result<Response<Body>, S::Error>
-where
-    S: Wrapped<ResBody>,
-    DB: InboxDatabase,
-    ResBody: ResponseBody,
-{
-    let Incoming { info, bytes, .. } = incoming;
-    let problem = |p: Problem| Ok(p.into_response(&config.problem_base));
-    let fingerprint = match fingerprint(&parts.headers, &info.name, &bytes) {
+) -> Result<(ClaimedKey<'static, DB::Connection>, IdempotencyKey), Response<Body>> {
+    let problem = |p: Problem| p.into_response(&config.problem_base);
+    let fingerprint = match fingerprint(headers, &info.name, bytes) {
         Ok(fingerprint) => fingerprint,
         Err(bad) => {
             count(&info.route, "bad_request");
-            return problem(bad);
+            return Err(problem(bad));
         }
     };
     let key = match IdempotencyKey::new(key, "http request", "Idempotency-Key") {
@@ -291,55 +286,41 @@ where
             // Blank or NUL keys: refused by the inbox's own rules (the header parser already
             // refuses both; kept for any future relaxation of it).
             count(&info.route, "bad_request");
-            return problem(Problem::new(
+            return Err(problem(Problem::new(
                 StatusCode::BAD_REQUEST,
                 "idempotency-key-malformed",
                 "Idempotency-Key is malformed",
                 error.to_string(),
-            ));
+            )));
         }
     };
-    let state = match open_claim(config, &info, &key, fingerprint).await {
+    let state = match open_claim(config, info, &key, fingerprint).await {
         Ok(state) => state,
-        Err(unavailable) => return problem(unavailable),
+        Err(unavailable) => return Err(problem(unavailable)),
     };
     match state {
-        ClaimState::Claimed(claim) => {
-            let slot = TxSlot::<DB>::new(
-                Held::Claimed(Box::new(claim)),
-                info.scope.clone(),
-                Some(key.clone()),
-            );
-            parts.extensions.insert(slot.clone());
-            let request = Request::from_parts(parts, Body::from(bytes));
-            run_body(
-                &info.scope,
-                key.as_str(),
-                run(config, &info, inner, request, slot),
-            )
-            .await
-        }
-        ClaimState::Settled(settled) => Ok(replay(config, &info, &key, settled)),
+        ClaimState::Claimed(claim) => Ok((claim, key)),
+        ClaimState::Settled(settled) => Err(replay(config, info, &key, settled)),
         ClaimState::Conflict(_) => {
             count(&info.route, "mismatch");
-            problem(Problem::new(
+            Err(problem(Problem::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "idempotency-key-reused",
                 "Idempotency-Key is already used",
                 "this Idempotency-Key was used for a different request (another method, path, \
                  query or body); a key must not be reused across different requests: send \
                  the original request to get its response, or use a new key",
-            ))
+            )))
         }
         ClaimState::InProgress => {
             count(&info.route, "in_flight");
-            problem(in_flight(config.retry_after))
+            Err(problem(in_flight(config.retry_after)))
         }
         ClaimState::NotYet { retry_in, .. } => {
             // Keys of HTTP requests are never recorded as failed; a scope shared with a claim
             // session of your own could be.
             count(&info.route, "in_flight");
-            problem(in_flight(retry_in.max(config.retry_after)))
+            Err(problem(in_flight(retry_in.max(config.retry_after))))
         }
     }
 }
@@ -363,14 +344,11 @@ async fn open_claim<DB: InboxDatabase>(
     session.open_owned(conn).await.map_err(|error| {
         count(&info.route, "failed");
         tracing::warn!(scope = %info.scope, key = %key, error = %error, "idempotency claim failed");
-        Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "store-unavailable",
-            "The idempotency store is unavailable",
+        unavailable_problem(
+            config,
             "the request could not be checked against its Idempotency-Key; \
              nothing was done: retry with the same key",
         )
-        .retry_after(config.retry_after)
     })
 }
 
@@ -749,11 +727,19 @@ fn in_flight(retry_after: std::time::Duration) -> Problem {
 
 fn store_unavailable<DB: InboxDatabase>(config: &Config<DB>, error: &sqlx::Error) -> Problem {
     tracing::warn!(error = %error, "idempotency store unavailable");
+    unavailable_problem(
+        config,
+        "the database could not be reached; nothing was done: retry with the same key",
+    )
+}
+
+/// The 503 `store-unavailable` problem, with `Retry-After`; `detail` says what failed.
+fn unavailable_problem<DB: InboxDatabase>(config: &Config<DB>, detail: &'static str) -> Problem {
     Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,
         "store-unavailable",
         "The idempotency store is unavailable",
-        "the database could not be reached; nothing was done: retry with the same key",
+        detail,
     )
     .retry_after(config.retry_after)
 }

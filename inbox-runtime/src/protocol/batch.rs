@@ -135,7 +135,6 @@ pub(crate) async fn run<DB: InboxDatabase>(
     let batch = Batch {
         env,
         items: &items,
-        hashes: &hashes,
         requests: &requests,
     };
     // One transaction for deliveries of many traces: linked to each, a child of none (a span has
@@ -212,24 +211,14 @@ enum Step {
 struct Batch<'b, DB: InboxDatabase> {
     env: &'b BatchEnv<'b, DB>,
     items: &'b [&'b BatchItem<'b>],
-    /// Each item's fingerprint, hex.
-    hashes: &'b [String],
+    /// Each item's claim, its fingerprint in hex among it.
     requests: &'b [ClaimRequest<'b>],
 }
 
 impl<DB: InboxDatabase> Batch<'_, DB> {
     /// The `n`th message, as a failure or conflict records it.
     fn subject(&self, n: usize) -> Subject<'_> {
-        let it = self.items[n];
-        Subject {
-            consumer: it.handler.consumer(),
-            key: it.key.as_str(),
-            message_name: it.handler.message_name(),
-            payload_hash: &self.hashes[n],
-            payload: it.payload,
-            source: it.source,
-            ordering: None,
-        }
+        Subject::of_claim(&self.requests[n], self.items[n].payload, None)
     }
 
     /// The `n`th message, as hooks see it.

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::protocol::hooks::ClaimInfo;
-use crate::store::{ClaimStore, FailureRecord, Rejection, RejectionReason};
+use crate::store::{ClaimRequest, ClaimStore, FailureRecord, Rejection, RejectionReason};
 use crate::types::classify::ErrorClass;
 use crate::types::envelope::SourceMetadata;
 use crate::types::error::{Conflict, Disposition};
@@ -25,6 +25,24 @@ pub(crate) struct Subject<'a> {
 }
 
 impl<'a> Subject<'a> {
+    /// The message `request` claims (its consumer, key, name, fingerprint and source), with
+    /// its `payload` and its place in its aggregate (`ordering`), if the handler orders it.
+    pub(crate) fn of_claim(
+        request: &ClaimRequest<'a>,
+        payload: &'a [u8],
+        ordering: Option<&'a Ordering>,
+    ) -> Self {
+        Subject {
+            consumer: request.consumer,
+            key: request.message_key,
+            message_name: request.message_name,
+            payload_hash: request.payload_hash,
+            payload,
+            source: request.source,
+            ordering,
+        }
+    }
+
     /// The message as hooks see it ([`ClaimInfo`]), payload included.
     pub(crate) fn info(&self) -> ClaimInfo<'a> {
         ClaimInfo {

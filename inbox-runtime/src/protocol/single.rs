@@ -172,15 +172,11 @@ async fn record<H: Handler>(
     end_spare(conn, delivery.owner);
     let payload = payload_of(msg, delivery);
     let payload_hash = delivery.fingerprint.to_hex();
-    let subject = Subject {
-        consumer: H::CONSUMER,
-        key: delivery.key.as_str(),
-        message_name: <H::Message as Message>::NAME,
-        payload_hash: &payload_hash,
-        payload: &payload,
-        source: delivery.source,
-        ordering: delivery.ordering,
-    };
+    let subject = Subject::of_claim(
+        &claim_request::<H>(delivery, &payload_hash),
+        &payload,
+        delivery.ordering,
+    );
     let attempt = |class, text: &str, attempts| {
         Attempt::new(delivery.policy, H::MAX_ATTEMPTS, class, text, attempts)
     };
@@ -374,6 +370,21 @@ async fn settle_redelivery<H: Handler>(
     }
 }
 
+/// The claim of `delivery` for `H`'s consumer, its fingerprint as `payload_hash` (hex).
+fn claim_request<'a, H: Handler>(
+    delivery: &AttemptPlan<'a>,
+    payload_hash: &'a str,
+) -> ClaimRequest<'a> {
+    ClaimRequest {
+        consumer: H::CONSUMER,
+        message_key: delivery.key.as_str(),
+        message_name: <H::Message as Message>::NAME,
+        payload_hash,
+        source: delivery.source,
+        mode: delivery.mode,
+    }
+}
+
 /// Steps 1 and 2: the claim; a key that is not free ends the attempt with its decision.
 #[allow(clippy::result_large_err)] // See `Done`.
 async fn claim<'c, H: Handler>(
@@ -381,14 +392,7 @@ async fn claim<'c, H: Handler>(
     delivery: &AttemptPlan<'_>,
 ) -> Result<Claimed<'c, H::Connection>, Done<H>> {
     let payload_hash = delivery.fingerprint.to_hex();
-    let request = ClaimRequest {
-        consumer: H::CONSUMER,
-        message_key: delivery.key.as_str(),
-        message_name: <H::Message as Message>::NAME,
-        payload_hash: &payload_hash,
-        source: delivery.source,
-        mode: delivery.mode,
-    };
+    let request = claim_request::<H>(delivery, &payload_hash);
     let started = Instant::now();
     let opened = open(
         Hold::of(conn, delivery.owner),
