@@ -174,6 +174,100 @@ macro_rules! prefix_tests {
                 assert_eq!(count(&pool, &prefix.table("inbox_messages")).await, 1);
             }
 
+            /// A claim opened in a scope finishes on that prefix's tables wherever it is
+            /// completed or failed: here on a task spawned outside the scope, as
+            /// `ClaimSession::open_owned`'s own example does. The unprefixed service's inbox in
+            /// the same database gets nothing.
+            #[tokio::test]
+            async fn a_claim_finishes_in_the_scope_it_was_opened_in() {
+                use inbox_runtime::{ClaimSession, ClaimState, ErrorClass, Fingerprint};
+                use inbox_runtime::{Disposition, IdempotencyKey};
+                let (pool, _guard) = <Db as TestBackend>::fixture(4).await;
+                let billing = TablePrefix::new("billing_").unwrap();
+                inbox_runtime::migrate_components(&pool, &[Component::Inbox])
+                    .await
+                    .unwrap();
+                billing
+                    .scope(inbox_runtime::migrate_components(&pool, &[Component::Inbox]))
+                    .await
+                    .unwrap();
+                let fingerprint = Fingerprint::of("exports", &serde_json::json!({"job": 7}))
+                    .unwrap();
+                let open = |id: &'static str| {
+                    let pool = pool.clone();
+                    billing.scope(async move {
+                        let key = IdempotencyKey::new(id, "exports", "job id").unwrap();
+                        let session = ClaimSession::new("exports", &key, "exports", fingerprint);
+                        match session
+                            .open_owned(pool.acquire().await.unwrap())
+                            .await
+                            .unwrap()
+                        {
+                            ClaimState::Claimed(claim) => claim,
+                            other => panic!("{id}: expected a claim, got {other:?}"),
+                        }
+                    })
+                };
+
+                // Completed on a task of its own, outside any scope.
+                let mut claim = open("export-7").await;
+                tokio::spawn(async move {
+                    sqlx::query(APPLY_EFFECT)
+                        .bind("billing_:export-7")
+                        .bind(7_i64)
+                        .execute(claim.connection())
+                        .await
+                        .unwrap();
+                    claim.complete(None).await.unwrap();
+                })
+                .await
+                .unwrap();
+                assert_eq!(
+                    <Db as TestBackend>::effect(&pool, "billing_:export-7").await,
+                    Some((1, 7))
+                );
+                // Failed (dead at once) and abandoned there too.
+                let claim = open("export-8").await;
+                let disposition = tokio::spawn(async move {
+                    claim.fail(ErrorClass::Permanent, "refused", b"{}").await
+                })
+                .await
+                .unwrap();
+                assert!(matches!(disposition, Disposition::Dead), "{disposition:?}");
+                let claim = open("export-9").await;
+                tokio::spawn(async move { claim.abandon().await.unwrap() })
+                    .await
+                    .unwrap();
+
+                let statuses = |prefix: Option<&TablePrefix>| {
+                    let pool = pool.clone();
+                    let prefix = prefix.cloned();
+                    async move {
+                        let rows = match prefix {
+                            Some(prefix) => prefix.scope(admin::stats(&pool)).await,
+                            None => admin::stats(&pool).await,
+                        };
+                        let mut rows: Vec<(Option<String>, String, i64)> = rows
+                            .unwrap()
+                            .into_iter()
+                            .map(|row| (row.consumer, row.status.as_str().to_owned(), row.count))
+                            .collect();
+                        rows.sort();
+                        rows
+                    }
+                };
+                assert_eq!(
+                    statuses(Some(&billing)).await,
+                    [
+                        (Some("exports".to_owned()), "dead".to_owned(), 1),
+                        (Some("exports".to_owned()), "processed".to_owned(), 1)
+                    ]
+                );
+                assert_eq!(statuses(None).await, []);
+                assert_eq!(count(&pool, "inbox_messages").await, 0);
+                assert_eq!(count(&pool, "billing_inbox_messages").await, 2);
+            }
+
             #[tokio::test]
             async fn two_prefixes_share_one_database() {
                 // Migrated without a prefix too: a third service of the same database.
