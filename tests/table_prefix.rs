@@ -268,6 +268,64 @@ macro_rules! prefix_tests {
                 assert_eq!(count(&pool, "billing_inbox_messages").await, 2);
             }
 
+            /// `cli::execute_with` runs every command in the prefix of the dispatcher it is
+            /// given (built in a scope), as the dispatcher's own operations do: the listing, the
+            /// show and the discard all on `billing_`'s tables, none on the unprefixed
+            /// service's.
+            #[tokio::test]
+            async fn the_cli_with_a_dispatcher_keeps_its_prefix() {
+                use clap::Parser as _;
+                use inbox_runtime::ops::cli::{AdminCli, execute_with};
+                let (pool, _guard) = <Db as TestBackend>::fixture(4).await;
+                let billing = TablePrefix::new("billing_").unwrap();
+                let components = [Component::Inbox, Component::Outbox];
+                inbox_runtime::migrate_components(&pool, &components)
+                    .await
+                    .unwrap();
+                billing
+                    .scope(inbox_runtime::migrate_components(&pool, &components))
+                    .await
+                    .unwrap();
+                let jobs = |id: &str| inbox_tests::envelope(&Job { id: id.into() });
+                // The unprefixed service's dead letter, and the billing one's.
+                let unprefixed = Dispatcher::from_registry(pool.clone()).unwrap();
+                let dispatched = unprefixed.dispatch(&jobs("poison-u")).await.unwrap();
+                assert_eq!(inbox_tests::outcome_kinds(&dispatched), [Err("handler")]);
+                let dispatcher = billing
+                    .scope(async { Dispatcher::from_registry(pool.clone()).unwrap() })
+                    .await;
+                let dispatched = dispatcher.dispatch(&jobs("poison-b")).await.unwrap();
+                assert_eq!(inbox_tests::outcome_kinds(&dispatched), [Err("handler")]);
+
+                let run = |args: &'static str| {
+                    let dispatcher = &dispatcher;
+                    async move {
+                        let cli = AdminCli::try_parse_from(
+                            std::iter::once("admin").chain(args.split_whitespace()),
+                        )
+                        .unwrap();
+                        let mut out = Vec::new();
+                        let result = execute_with(&cli.command, dispatcher, &mut out).await;
+                        (result.map_err(|e| e.to_string()), String::from_utf8(out).unwrap())
+                    }
+                };
+                let (listed, list) = run("dead list").await;
+                assert_eq!(listed, Ok(()));
+                assert!(list.contains("poison-b"), "{list}");
+                assert!(!list.contains("poison-u"), "{list}");
+                let (shown, show) = run("dead show jobs poison-b").await;
+                assert_eq!(shown, Ok(()), "{show}");
+                let (shown, _) = run("dead show jobs poison-u").await;
+                assert!(shown.is_err(), "{shown:?}");
+                let (discarded, _) = run("dead discard jobs poison-b").await;
+                assert_eq!(discarded, Ok(()));
+                assert_eq!(
+                    billing.scope(dead(&pool)).await,
+                    Vec::<(String, String)>::new()
+                );
+                assert_eq!(dead(&pool).await, [("jobs".to_owned(), "poison-u".to_owned())]);
+            }
+
             #[tokio::test]
             async fn two_prefixes_share_one_database() {
                 // Migrated without a prefix too: a third service of the same database.

@@ -47,7 +47,11 @@ const IDENTIFIER_LIMIT: usize = 64;
 /// wherever they later run (a task of their own, the HTTP server's request tasks, the Kafka
 /// consumer's thread; a console built outside any scope takes its dispatcher's), and the
 /// runtime's own background tasks started inside a scope keep it too (the parked-message sweep,
-/// the retention purger). A task that you spawn yourself (`tokio::spawn`) around a direct call,
+/// the retention purger). A [`ClaimedKey`](crate::protocol::ClaimedKey) opened inside a scope completes,
+/// fails and abandons on that prefix's tables wherever that is awaited (the runtime calls you
+/// make yourself on its connection, an [`Outbox`](crate::Outbox) publish, take the scope they
+/// are awaited in), and `ops::cli::execute_with` (feature `cli`) runs every command in its
+/// dispatcher's prefix. A task that you spawn yourself (`tokio::spawn`) around a direct call,
 /// a [`ClaimSession`](crate::ClaimSession) or the admin API starts outside any scope: run its
 /// future inside [`scope`](Self::scope) too, or it uses the unprefixed tables. Wrap a service's
 /// whole `main` future once, and nothing else needs to know. The dedupe caches' keys carry the
