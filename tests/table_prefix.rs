@@ -326,6 +326,64 @@ macro_rules! prefix_tests {
                 assert_eq!(dead(&pool).await, [("jobs".to_owned(), "poison-u".to_owned())]);
             }
 
+            /// A console serves its dispatcher's prefix, whatever scope it is built in: the
+            /// messages it lists are the ones its replay and discard buttons act on (the
+            /// dispatcher's).
+            #[tokio::test]
+            async fn a_console_serves_its_dispatchers_prefix() {
+                let (pool, _guard) = <Db as TestBackend>::fixture(4).await;
+                let billing = TablePrefix::new("billing_").unwrap();
+                let shipping = TablePrefix::new("shipping_").unwrap();
+                for prefix in [&billing, &shipping] {
+                    prefix
+                        .scope(inbox_runtime::migrate_components(&pool, &[Component::Inbox]))
+                        .await
+                        .unwrap();
+                }
+                let jobs = |id: &str| inbox_tests::envelope(&Job { id: id.into() });
+                let dispatcher = std::sync::Arc::new(
+                    billing
+                        .scope(async { Dispatcher::from_registry(pool.clone()).unwrap() })
+                        .await,
+                );
+                let dispatched = dispatcher.dispatch(&jobs("poison-b")).await.unwrap();
+                assert_eq!(inbox_tests::outcome_kinds(&dispatched), [Err("handler")]);
+                let dispatched = shipping
+                    .scope(
+                        Dispatcher::from_registry(pool.clone())
+                            .unwrap()
+                            .dispatch(&jobs("poison-s")),
+                    )
+                    .await
+                    .unwrap();
+                assert_eq!(inbox_tests::outcome_kinds(&dispatched), [Err("handler")]);
+                let console: axum::Router = shipping
+                    .scope(async {
+                        inbox_runtime::ops::console::Console::new(std::sync::Arc::clone(
+                            &dispatcher,
+                        ))
+                        .behind_own_auth()
+                        .build()
+                        .unwrap()
+                    })
+                    .await;
+                let request = axum::http::Request::builder()
+                    .uri("/messages?status=dead&limit=10")
+                    .body(axum::body::Body::empty())
+                    .unwrap();
+                let html = tokio::spawn(console.oneshot(request))
+                    .await
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(html.status(), 200);
+                let html = axum::body::to_bytes(html.into_body(), usize::MAX)
+                    .await
+                    .unwrap();
+                let html = String::from_utf8(html.to_vec()).unwrap();
+                assert!(html.contains("poison-b"), "{html}");
+                assert!(!html.contains("poison-s"), "{html}");
+            }
+
             #[tokio::test]
             async fn two_prefixes_share_one_database() {
                 // Migrated without a prefix too: a third service of the same database.
