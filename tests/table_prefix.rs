@@ -384,6 +384,48 @@ macro_rules! prefix_tests {
                 assert!(!html.contains("poison-s"), "{html}");
             }
 
+            /// A worker built in a scope keeps its prefix on a task spawned outside it, its
+            /// dispatcher built outside any scope: pay-1 processed on `billing_`'s tables, none
+            /// on the unprefixed ones.
+            #[tokio::test]
+            async fn a_worker_built_in_a_scope_keeps_its_prefix() {
+                let (pool, _guard) = <Db as TestBackend>::fixture(4).await;
+                let billing = TablePrefix::new("billing_").unwrap();
+                inbox_runtime::migrate_components(&pool, &[Component::Inbox])
+                    .await
+                    .unwrap();
+                billing
+                    .scope(inbox_runtime::migrate_components(&pool, &[Component::Inbox]))
+                    .await
+                    .unwrap();
+                let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+                let worker = billing
+                    .scope(async { inbox_runtime::Worker::new(dispatcher) })
+                    .await;
+                let source = inbox_runtime::source::memory::MemorySource::new("memory");
+                let handle = source.handle();
+                handle.push(inbox_tests::envelope(&Payment {
+                    id: "pay-1".into(),
+                    amount: 3,
+                }));
+                handle.close();
+                let report = tokio::spawn(async move {
+                    worker
+                        .run(source, inbox_runtime::CancellationToken::new())
+                        .await
+                        .unwrap()
+                })
+                .await
+                .unwrap();
+                assert_eq!((report.acked, report.processed), (1, 1), "{report:?}");
+                assert_eq!(
+                    <Db as TestBackend>::effect(&pool, "billing_:pay-1").await,
+                    Some((1, 3))
+                );
+                assert_eq!(count(&pool, "billing_inbox_messages").await, 1);
+                assert_eq!(count(&pool, "inbox_messages").await, 0);
+            }
+
             #[tokio::test]
             async fn two_prefixes_share_one_database() {
                 // Migrated without a prefix too: a third service of the same database.
