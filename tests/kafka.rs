@@ -478,6 +478,10 @@ inbox_tests::backend_matrix! {
                 produce(&producer, "prefixed", part, Some("kafka.credit"), Some(&id), Some(&credit(&id, 1, part, seq))).await;
             }
         }
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "inbox_runtime=info".into()))
+            .with_test_writer()
+            .try_init();
         let dispatcher = billing.scope(async { dispatcher(&pool) }).await;
         let (source, dispatcher) = shipping
             .scope(KafkaSource::connect(config(&bootstrap, "g-prefix", "prefixed"), dispatcher))
@@ -491,7 +495,7 @@ inbox_tests::backend_matrix! {
         let token = stop.clone();
         let task = tokio::spawn(async move { worker.run(source, token).await.expect("the worker runs") });
         let running = Running { stop, task };
-        wait_until("6 effects", Duration::from_secs(60), || async { effect_count(&pool).await == 6 }).await;
+        wait_until("6 effects", Duration::from_secs(120), || async { effect_count(&pool).await == 6 }).await;
         let report = running.stop().await;
         assert_eq!((report.processed, report.duplicates, report.fenced), (6, 0, 0), "{report:?}");
         let stored: Vec<(String, i32, Option<i64>, i64)> = billing
