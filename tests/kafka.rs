@@ -452,6 +452,63 @@ inbox_tests::backend_matrix! {
         assert_eq!(stored, [(0, Some(20), 2), (1, Some(21), 2), (2, Some(20), 2)]);
     }
 
+    /// Under a table prefix: the dispatcher built in `billing_`'s scope, the source connected
+    /// in another (`shipping_`), the worker run outside any. The consumer thread's position
+    /// reads and writes and the position hook (in the claim's transaction) are on the
+    /// dispatcher's prefix's table: each record is applied once, nothing fenced, and the
+    /// positions are in `billing_inbox_positions` only.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn positions_follow_the_dispatchers_table_prefix() {
+        use inbox_runtime::store::TablePrefix;
+        let _serial = SERIAL.lock().await;
+        let (pool, _guard) = setup().await;
+        let billing = TablePrefix::new("billing_").unwrap();
+        let shipping = TablePrefix::new("shipping_").unwrap();
+        for prefix in [&billing, &shipping] {
+            let components = [Component::Inbox, Component::Positions];
+            prefix.scope(inbox_runtime::migrate_components(&pool, &components)).await.unwrap();
+        }
+        let cluster = mock(1);
+        let bootstrap = cluster.bootstrap_servers();
+        cluster.create_topic("prefixed", 2, 1).unwrap();
+        let producer = producer(&bootstrap);
+        for part in 0..2 {
+            for seq in 0..3 {
+                let id = format!("p-{part}-{seq}");
+                produce(&producer, "prefixed", part, Some("kafka.credit"), Some(&id), Some(&credit(&id, 1, part, seq))).await;
+            }
+        }
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "inbox_runtime=info".into()))
+            .with_test_writer()
+            .try_init();
+        let dispatcher = billing.scope(async { dispatcher(&pool) }).await;
+        let (source, dispatcher) = shipping
+            .scope(KafkaSource::connect(config(&bootstrap, "g-prefix", "prefixed"), dispatcher))
+            .await
+            .unwrap();
+        let stop = CancellationToken::new();
+        let worker = Worker::new(dispatcher)
+            .concurrency(4)
+            .requeue_delay(Duration::from_millis(100))
+            .drain_timeout(Duration::from_secs(60));
+        let token = stop.clone();
+        let task = tokio::spawn(async move { worker.run(source, token).await.expect("the worker runs") });
+        let running = Running { stop, task };
+        wait_until("6 effects", Duration::from_secs(120), || async { effect_count(&pool).await == 6 }).await;
+        let report = running.stop().await;
+        assert_eq!((report.processed, report.duplicates, report.fenced), (6, 0, 0), "{report:?}");
+        let stored: Vec<(String, i32, Option<i64>, i64)> = billing
+            .scope(positions(&pool, "g-prefix"))
+            .await
+            .into_iter()
+            .map(|row| (row.topic, row.partition, row.next_offset, row.epoch))
+            .collect();
+        assert_eq!(stored, (0..2).map(|p| ("prefixed".to_owned(), p, Some(3), 1)).collect::<Vec<_>>());
+        assert_eq!(shipping.scope(positions(&pool, "g-prefix")).await.len(), 0);
+        assert_eq!(positions(&pool, "g-prefix").await.len(), 0);
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn bad_records_are_kept_as_rejections_and_the_partition_moves_on() {
         let _serial = SERIAL.lock().await;

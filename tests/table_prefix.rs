@@ -174,6 +174,258 @@ macro_rules! prefix_tests {
                 assert_eq!(count(&pool, &prefix.table("inbox_messages")).await, 1);
             }
 
+            /// A claim opened in a scope finishes on that prefix's tables wherever it is
+            /// completed or failed: here on a task spawned outside the scope, as
+            /// `ClaimSession::open_owned`'s own example does. The unprefixed service's inbox in
+            /// the same database gets nothing.
+            #[tokio::test]
+            async fn a_claim_finishes_in_the_scope_it_was_opened_in() {
+                use inbox_runtime::{ClaimSession, ClaimState, ErrorClass, Fingerprint};
+                use inbox_runtime::{Disposition, IdempotencyKey};
+                let (pool, _guard) = <Db as TestBackend>::fixture(4).await;
+                let billing = TablePrefix::new("billing_").unwrap();
+                inbox_runtime::migrate_components(&pool, &[Component::Inbox])
+                    .await
+                    .unwrap();
+                billing
+                    .scope(inbox_runtime::migrate_components(&pool, &[Component::Inbox]))
+                    .await
+                    .unwrap();
+                let fingerprint = Fingerprint::of("exports", &serde_json::json!({"job": 7}))
+                    .unwrap();
+                let open = |id: &'static str| {
+                    let pool = pool.clone();
+                    billing.scope(async move {
+                        let key = IdempotencyKey::new(id, "exports", "job id").unwrap();
+                        let session = ClaimSession::new("exports", &key, "exports", fingerprint);
+                        match session
+                            .open_owned(pool.acquire().await.unwrap())
+                            .await
+                            .unwrap()
+                        {
+                            ClaimState::Claimed(claim) => claim,
+                            other => panic!("{id}: expected a claim, got {other:?}"),
+                        }
+                    })
+                };
+
+                // Completed on a task of its own, outside any scope.
+                let mut claim = open("export-7").await;
+                tokio::spawn(async move {
+                    sqlx::query(APPLY_EFFECT)
+                        .bind("billing_:export-7")
+                        .bind(7_i64)
+                        .execute(claim.connection())
+                        .await
+                        .unwrap();
+                    claim.complete(None).await.unwrap();
+                })
+                .await
+                .unwrap();
+                assert_eq!(
+                    <Db as TestBackend>::effect(&pool, "billing_:export-7").await,
+                    Some((1, 7))
+                );
+                // Failed (dead at once) and abandoned there too.
+                let claim = open("export-8").await;
+                let disposition = tokio::spawn(async move {
+                    claim.fail(ErrorClass::Permanent, "refused", b"{}").await
+                })
+                .await
+                .unwrap();
+                assert!(matches!(disposition, Disposition::Dead), "{disposition:?}");
+                let claim = open("export-9").await;
+                tokio::spawn(async move { claim.abandon().await.unwrap() })
+                    .await
+                    .unwrap();
+
+                let statuses = |prefix: Option<&TablePrefix>| {
+                    let pool = pool.clone();
+                    let prefix = prefix.cloned();
+                    async move {
+                        let rows = match prefix {
+                            Some(prefix) => prefix.scope(admin::stats(&pool)).await,
+                            None => admin::stats(&pool).await,
+                        };
+                        let mut rows: Vec<(Option<String>, String, i64)> = rows
+                            .unwrap()
+                            .into_iter()
+                            .map(|row| (row.consumer, row.status.as_str().to_owned(), row.count))
+                            .collect();
+                        rows.sort();
+                        rows
+                    }
+                };
+                assert_eq!(
+                    statuses(Some(&billing)).await,
+                    [
+                        (Some("exports".to_owned()), "dead".to_owned(), 1),
+                        (Some("exports".to_owned()), "processed".to_owned(), 1)
+                    ]
+                );
+                assert_eq!(statuses(None).await, []);
+                assert_eq!(count(&pool, "inbox_messages").await, 0);
+                assert_eq!(count(&pool, "billing_inbox_messages").await, 2);
+            }
+
+            /// `cli::execute_with` runs every command in the prefix of the dispatcher it is
+            /// given (built in a scope), as the dispatcher's own operations do: the listing, the
+            /// show and the discard all on `billing_`'s tables, none on the unprefixed
+            /// service's.
+            #[tokio::test]
+            async fn the_cli_with_a_dispatcher_keeps_its_prefix() {
+                use clap::Parser as _;
+                use inbox_runtime::ops::cli::{AdminCli, execute_with};
+                let (pool, _guard) = <Db as TestBackend>::fixture(4).await;
+                let billing = TablePrefix::new("billing_").unwrap();
+                let components = [Component::Inbox, Component::Outbox];
+                inbox_runtime::migrate_components(&pool, &components)
+                    .await
+                    .unwrap();
+                billing
+                    .scope(inbox_runtime::migrate_components(&pool, &components))
+                    .await
+                    .unwrap();
+                let jobs = |id: &str| inbox_tests::envelope(&Job { id: id.into() });
+                // The unprefixed service's dead letter, and the billing one's.
+                let unprefixed = Dispatcher::from_registry(pool.clone()).unwrap();
+                let dispatched = unprefixed.dispatch(&jobs("poison-u")).await.unwrap();
+                assert_eq!(inbox_tests::outcome_kinds(&dispatched), [Err("handler")]);
+                let dispatcher = billing
+                    .scope(async { Dispatcher::from_registry(pool.clone()).unwrap() })
+                    .await;
+                let dispatched = dispatcher.dispatch(&jobs("poison-b")).await.unwrap();
+                assert_eq!(inbox_tests::outcome_kinds(&dispatched), [Err("handler")]);
+
+                let run = |args: &'static str| {
+                    let dispatcher = &dispatcher;
+                    async move {
+                        let cli = AdminCli::try_parse_from(
+                            std::iter::once("admin").chain(args.split_whitespace()),
+                        )
+                        .unwrap();
+                        let mut out = Vec::new();
+                        let result = execute_with(&cli.command, dispatcher, &mut out).await;
+                        (result.map_err(|e| e.to_string()), String::from_utf8(out).unwrap())
+                    }
+                };
+                let (listed, list) = run("dead list").await;
+                assert_eq!(listed, Ok(()));
+                assert!(list.contains("poison-b"), "{list}");
+                assert!(!list.contains("poison-u"), "{list}");
+                let (shown, show) = run("dead show jobs poison-b").await;
+                assert_eq!(shown, Ok(()), "{show}");
+                let (shown, _) = run("dead show jobs poison-u").await;
+                assert!(shown.is_err(), "{shown:?}");
+                let (discarded, _) = run("dead discard jobs poison-b").await;
+                assert_eq!(discarded, Ok(()));
+                assert_eq!(
+                    billing.scope(dead(&pool)).await,
+                    Vec::<(String, String)>::new()
+                );
+                assert_eq!(dead(&pool).await, [("jobs".to_owned(), "poison-u".to_owned())]);
+            }
+
+            /// A console serves its dispatcher's prefix, whatever scope it is built in: the
+            /// messages it lists are the ones its replay and discard buttons act on (the
+            /// dispatcher's).
+            #[tokio::test]
+            async fn a_console_serves_its_dispatchers_prefix() {
+                let (pool, _guard) = <Db as TestBackend>::fixture(4).await;
+                let billing = TablePrefix::new("billing_").unwrap();
+                let shipping = TablePrefix::new("shipping_").unwrap();
+                for prefix in [&billing, &shipping] {
+                    prefix
+                        .scope(inbox_runtime::migrate_components(&pool, &[Component::Inbox]))
+                        .await
+                        .unwrap();
+                }
+                let jobs = |id: &str| inbox_tests::envelope(&Job { id: id.into() });
+                let dispatcher = std::sync::Arc::new(
+                    billing
+                        .scope(async { Dispatcher::from_registry(pool.clone()).unwrap() })
+                        .await,
+                );
+                let dispatched = dispatcher.dispatch(&jobs("poison-b")).await.unwrap();
+                assert_eq!(inbox_tests::outcome_kinds(&dispatched), [Err("handler")]);
+                let dispatched = shipping
+                    .scope(
+                        Dispatcher::from_registry(pool.clone())
+                            .unwrap()
+                            .dispatch(&jobs("poison-s")),
+                    )
+                    .await
+                    .unwrap();
+                assert_eq!(inbox_tests::outcome_kinds(&dispatched), [Err("handler")]);
+                let console: axum::Router = shipping
+                    .scope(async {
+                        inbox_runtime::ops::console::Console::new(std::sync::Arc::clone(
+                            &dispatcher,
+                        ))
+                        .behind_own_auth()
+                        .build()
+                        .unwrap()
+                    })
+                    .await;
+                let request = axum::http::Request::builder()
+                    .uri("/messages?status=dead&limit=10")
+                    .body(axum::body::Body::empty())
+                    .unwrap();
+                let html = tokio::spawn(console.oneshot(request))
+                    .await
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(html.status(), 200);
+                let html = axum::body::to_bytes(html.into_body(), usize::MAX)
+                    .await
+                    .unwrap();
+                let html = String::from_utf8(html.to_vec()).unwrap();
+                assert!(html.contains("poison-b"), "{html}");
+                assert!(!html.contains("poison-s"), "{html}");
+            }
+
+            /// A worker built in a scope keeps its prefix on a task spawned outside it, its
+            /// dispatcher built outside any scope: pay-1 processed on `billing_`'s tables, none
+            /// on the unprefixed ones.
+            #[tokio::test]
+            async fn a_worker_built_in_a_scope_keeps_its_prefix() {
+                let (pool, _guard) = <Db as TestBackend>::fixture(4).await;
+                let billing = TablePrefix::new("billing_").unwrap();
+                inbox_runtime::migrate_components(&pool, &[Component::Inbox])
+                    .await
+                    .unwrap();
+                billing
+                    .scope(inbox_runtime::migrate_components(&pool, &[Component::Inbox]))
+                    .await
+                    .unwrap();
+                let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+                let worker = billing
+                    .scope(async { inbox_runtime::Worker::new(dispatcher) })
+                    .await;
+                let source = inbox_runtime::source::memory::MemorySource::new("memory");
+                let handle = source.handle();
+                handle.push(inbox_tests::envelope(&Payment {
+                    id: "pay-1".into(),
+                    amount: 3,
+                }));
+                handle.close();
+                let report = tokio::spawn(async move {
+                    worker
+                        .run(source, inbox_runtime::CancellationToken::new())
+                        .await
+                        .unwrap()
+                })
+                .await
+                .unwrap();
+                assert_eq!((report.acked, report.processed), (1, 1), "{report:?}");
+                assert_eq!(
+                    <Db as TestBackend>::effect(&pool, "billing_:pay-1").await,
+                    Some((1, 3))
+                );
+                assert_eq!(count(&pool, "billing_inbox_messages").await, 1);
+                assert_eq!(count(&pool, "inbox_messages").await, 0);
+            }
+
             #[tokio::test]
             async fn two_prefixes_share_one_database() {
                 // Migrated without a prefix too: a third service of the same database.

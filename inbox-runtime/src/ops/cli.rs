@@ -487,7 +487,10 @@ pub async fn execute<DB: OutboxDatabase>(
 /// Runs `command` with `dispatcher` (its pool for everything, its handlers and retry policy for
 /// `dead replay`, its handlers' consumers as known ones, its [dedupe cache](crate::cache) for
 /// `dead replay` and `dead discard`, which invalidate the keys they change), writing the results
-/// to `out`. Asks before a purge or a discard as [`execute`] does.
+/// to `out`. Asks before a purge or a discard as [`execute`] does. A dispatcher built inside a
+/// [`TablePrefix::scope`](crate::store::TablePrefix::scope) runs every command on that prefix's
+/// tables, wherever this is awaited; [`execute`], [`execute_to`] and [`run`] use the prefix of
+/// the scope they are awaited in.
 ///
 /// # Errors
 /// As [`execute`].
@@ -496,7 +499,13 @@ pub async fn execute_with<DB: OutboxDatabase>(
     dispatcher: &Dispatcher<DB>,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
-    execute_on(command, Target::Dispatcher(dispatcher), out, Ask::Terminal).await
+    // Every command in the dispatcher's table prefix (the scope it was built in), if any, as
+    // its own replays and discards run: the listing and the replay on the same tables.
+    crate::store::within(
+        dispatcher.prefix.as_ref(),
+        execute_on(command, Target::Dispatcher(dispatcher), out, Ask::Terminal),
+    )
+    .await
 }
 
 /// Runs `command` on `pool`, writing the results to `out` (for tests and for embedding). Never

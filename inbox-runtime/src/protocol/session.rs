@@ -237,6 +237,7 @@ impl<'a> ClaimSession<'a> {
                 payload_hash,
                 attempts,
                 policy: self.policy.cloned().unwrap_or_default(),
+                prefix: crate::store::TablePrefix::current(),
                 _in_flight: in_flight,
             })),
             // The key's row is locked (PostgreSQL, no wait): by the request that claims it (then
@@ -343,6 +344,11 @@ impl<'a> ClaimSession<'a> {
 /// A key claimed by an open transaction: run your writes on [`connection`](Self::connection),
 /// then [`complete`](Self::complete) (commit) or [`fail`](Self::fail) (roll back and record the
 /// attempt). Dropped without either, the transaction rolls back and the key stays free.
+///
+/// Opened inside a [`TablePrefix::scope`](crate::store::TablePrefix::scope), its own statements
+/// (complete, fail, abandon) run on that prefix's tables wherever they are awaited, a task
+/// spawned outside the scope included; the runtime calls you make yourself on its connection
+/// (an [`Outbox`](crate::Outbox) publish) take the scope they are awaited in.
 pub struct ClaimedKey<'c, C: InboxConnection> {
     tx: ClaimTx<'c, C>,
     scope: String,
@@ -351,6 +357,9 @@ pub struct ClaimedKey<'c, C: InboxConnection> {
     payload_hash: String,
     attempts: u32,
     policy: RetryPolicy,
+    /// The table prefix of the scope it was opened in: its later statements run there too,
+    /// wherever it is completed or failed (a task of its own, a request's extensions).
+    prefix: Option<crate::store::TablePrefix>,
     _in_flight: InFlight,
 }
 
@@ -408,6 +417,16 @@ impl<C: InboxConnection> ClaimedKey<'_, C> {
     /// transaction, after the result is stored) and after it. A hook's error rolls everything
     /// back and records nothing: the key stays as it was.
     pub(crate) async fn complete_with(
+        self,
+        result: Option<&[u8]>,
+        hooks: Option<&dyn HookRunner>,
+    ) -> Result<(), Incomplete> {
+        let prefix = self.prefix.clone();
+        crate::store::within(prefix.as_ref(), self.complete_in_scope(result, hooks)).await
+    }
+
+    /// [`complete_with`](Self::complete_with), in the table prefix the claim was opened in.
+    async fn complete_in_scope(
         mut self,
         result: Option<&[u8]>,
         hooks: Option<&dyn HookRunner>,
@@ -462,9 +481,13 @@ impl<C: InboxConnection> ClaimedKey<'_, C> {
     /// Returns what was recorded: [`Disposition::Retry`], [`Disposition::Dead`], or
     /// [`Disposition::NotRecorded`] if the database failed too (logged).
     pub async fn fail(mut self, class: ErrorClass, error: &str, payload: &[u8]) -> Disposition {
-        let _ = self.tx.rollback().await;
-        let attempts = self.attempts;
-        self.record(class, error, attempts, payload).await
+        let prefix = self.prefix.clone();
+        crate::store::within(prefix.as_ref(), async {
+            let _ = self.tx.rollback().await;
+            let attempts = self.attempts;
+            self.record(class, error, attempts, payload).await
+        })
+        .await
     }
 
     /// Rolls back, recording nothing: the key stays as it was (free, or `failed`).
@@ -473,10 +496,14 @@ impl<C: InboxConnection> ClaimedKey<'_, C> {
     /// [`StoreError`] with [`StoreOperation::Rollback`] if the rollback failed (the server
     /// rolls back when the connection closes).
     pub async fn abandon(mut self) -> Result<(), StoreError> {
-        self.tx
-            .rollback()
-            .await
-            .map_err(|e| self.store_error((StoreOperation::Rollback, e)))
+        let prefix = self.prefix.clone();
+        crate::store::within(prefix.as_ref(), async {
+            self.tx
+                .rollback()
+                .await
+                .map_err(|e| self.store_error((StoreOperation::Rollback, e)))
+        })
+        .await
     }
 
     async fn record(

@@ -944,6 +944,8 @@ impl Context {
 /// The position hook the source installs on its dispatcher (see the module documentation).
 struct KafkaFence {
     shared: Arc<Shared>,
+    /// The positions' table prefix (the rebalance callbacks' too).
+    prefix: Option<crate::store::TablePrefix>,
 }
 
 impl<DB: PositionsDatabase> TransactionHook<DB> for KafkaFence {
@@ -985,7 +987,11 @@ impl<DB: PositionsDatabase> TransactionHook<DB> for KafkaFence {
                 }
             };
             let key = PositionKey::new(&shared.group, &source.source, partition);
-            if conn.advance_position(&key, epoch, next).await? {
+            let advanced = crate::store::within(self.prefix.as_ref(), async {
+                conn.advance_position(&key, epoch, next).await
+            })
+            .await?;
+            if advanced {
                 let mut state = shared.lock();
                 if let Some(part) = state
                     .parts
@@ -1096,7 +1102,10 @@ impl KafkaSource {
     /// installs the source's position hook on `dispatcher`, which it returns: run the
     /// [`Worker`](crate::Worker) with that dispatcher. The positions live in the dispatcher's
     /// database: migrate [`Component::Positions`](crate::Component::Positions) first. Needs a
-    /// multi-threaded Tokio runtime (the consumer's thread reads positions through it).
+    /// multi-threaded Tokio runtime (the consumer's thread reads positions through it). Under a
+    /// [`TablePrefix`](crate::store::TablePrefix), the positions (read and written on the
+    /// consumer's thread and by the hook) are in the dispatcher's prefix, else in the prefix of
+    /// the scope `connect` is awaited in, wherever the worker then runs.
     ///
     /// # Errors
     /// A [`SourceError`] with operation `"connect"` if the configuration is refused (an unknown
@@ -1139,14 +1148,17 @@ impl KafkaSource {
             stop: AtomicBool::new(false),
             payload_limit: AtomicUsize::new(dispatcher.max_payload_bytes()),
         });
+        // The positions' table prefix: the dispatcher's (the scope it was built in), else the
+        // scope's the source is connected in. The rebalance callbacks (on the consumer's
+        // thread, outside any scope) and the position hook (in the claim's transaction) both
+        // use it, so that an epoch taken is the epoch checked.
+        let prefix = dispatcher
+            .prefix
+            .clone()
+            .or_else(crate::store::TablePrefix::current);
         let context = Context {
             shared: Arc::clone(&shared),
-            // The rebalance callbacks run on the consumer's thread, outside any scope: they keep
-            // the table prefix of the scope the source is connected in, else the dispatcher's.
-            positions: Arc::new(PoolPositions(
-                dispatcher.pool().clone(),
-                crate::store::TablePrefix::current().or_else(|| dispatcher.prefix.clone()),
-            )),
+            positions: Arc::new(PoolPositions(dispatcher.pool().clone(), prefix.clone())),
             runtime: tokio::runtime::Handle::current(),
         };
         let consumer: BaseConsumer<Context> = config
@@ -1176,6 +1188,7 @@ impl KafkaSource {
             .map_err(|e| SourceError::new(&name, "connect", e))?;
         let dispatcher = dispatcher.with_hook(KafkaFence {
             shared: Arc::clone(&shared),
+            prefix,
         });
         Ok((
             Self {

@@ -36,22 +36,26 @@ const IDENTIFIER_LIMIT: usize = 64;
 /// deduplicating on its own: with `billing_`, the inbox is `billing_inbox_messages`, its
 /// versions are recorded in `billing__inbox_migrations`.
 ///
-/// **Scope.** A prefix applies to whatever runs inside [`scope`](Self::scope): every
-/// statement of the runtime awaited there ([`migrate`](crate::migrate), an `#[idempotent]`
-/// handler called directly, a [`Dispatcher`](crate::Dispatcher), a [`Worker`](crate::Worker), a
+/// **Scope.** A prefix applies to whatever runs inside [`scope`](Self::scope): every statement of
+/// the runtime awaited there ([`migrate`](crate::migrate), an `#[idempotent]` handler called
+/// directly, a [`Dispatcher`](crate::Dispatcher), a [`Worker`](crate::Worker), a
 /// [`Relay`](crate::Relay), [`Outbox`](crate::Outbox) publishes, a
-/// [`ClaimSession`](crate::ClaimSession), the admin API and CLI, the console) runs on the
-/// prefixed tables. A [`Dispatcher`](crate::Dispatcher) (and the [`Worker`](crate::Worker)
-/// over it), a [`Relay`](crate::Relay), a console (`ops::console`, feature `console`) and an
-/// `http::IdempotencyLayer` (feature `http`) built inside a scope keep its prefix
-/// wherever they later run (a task of their own, the HTTP server's request tasks, the Kafka
-/// consumer's thread; a console built outside any scope takes its dispatcher's), and the
-/// runtime's own background tasks started inside a scope keep it too (the parked-message sweep,
-/// the retention purger). A task that you spawn yourself (`tokio::spawn`) around a direct call,
-/// a [`ClaimSession`](crate::ClaimSession) or the admin API starts outside any scope: run its
-/// future inside [`scope`](Self::scope) too, or it uses the unprefixed tables. Wrap a service's
-/// whole `main` future once, and nothing else needs to know. The dedupe caches' keys carry the
-/// prefix too, so that services sharing one Redis cache never answer for each other.
+/// [`ClaimSession`](crate::ClaimSession), the admin API and CLI, the console) runs on the prefixed
+/// tables. A [`Dispatcher`](crate::Dispatcher) (and the [`Worker`](crate::Worker) over it), a
+/// [`Relay`](crate::Relay), a console (`ops::console`, feature `console`) and an
+/// `http::IdempotencyLayer` (feature `http`) built inside a scope keep its prefix wherever they
+/// later run (a task of their own, the HTTP server's request tasks, the Kafka consumer's thread; a
+/// console serves its dispatcher's prefix if it has one, so that what it lists is what its buttons
+/// replay), and the runtime's own background tasks started inside a scope keep it too (the
+/// parked-message sweep, the retention purger). A [`ClaimedKey`](crate::protocol::ClaimedKey)
+/// opened inside a scope completes, fails and abandons on that prefix's tables wherever that is
+/// awaited (the runtime calls you make yourself on its connection, an [`Outbox`](crate::Outbox)
+/// publish, take the scope they are awaited in), and `ops::cli::execute_with` (feature `cli`) runs
+/// every command in its dispatcher's prefix. A task that you spawn yourself (`tokio::spawn`) around
+/// a direct call, a [`ClaimSession`](crate::ClaimSession) or the admin API starts outside any
+/// scope: run its future inside [`scope`](Self::scope) too, or it uses the unprefixed tables. Wrap
+/// a service's whole `main` future once, and nothing else needs to know. The dedupe caches' keys
+/// carry the prefix too, so that services sharing one Redis cache never answer for each other.
 ///
 /// Why a scope and not an argument: the store's statements run on a plain connection
 /// (`&mut MySqlConnection`), which carries no user data, and a handler called directly has

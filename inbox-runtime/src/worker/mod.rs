@@ -107,6 +107,8 @@ pub struct Worker<DB: InboxDatabase> {
     linger: Duration,
     /// The partitions of every delivery, if set (else its message's declaration).
     partition_by: Option<PartitionFn>,
+    /// The table prefix its runs use: its dispatcher's, else the scope's it was built in.
+    prefix: Option<crate::store::TablePrefix>,
 }
 
 /// A [`Worker::partition_by`] function's signature: an envelope's partitions, or `None`.
@@ -262,7 +264,12 @@ impl<DB: InboxDatabase> Worker<DB> {
 
     /// A worker over a shared dispatcher.
     pub fn from_arc(dispatcher: Arc<Dispatcher<DB>>) -> Self {
+        let prefix = dispatcher
+            .prefix
+            .clone()
+            .or_else(crate::store::TablePrefix::current);
         Self {
+            prefix,
             dispatcher,
             concurrency: 8,
             requeue_delay: Duration::from_secs(1),
@@ -459,8 +466,9 @@ impl<DB: InboxDatabase> Worker<DB> {
     ) -> Result<WorkerReport, WorkerError> {
         // The source stops reading a delivery at the dispatcher's limit.
         source.set_payload_limit(self.dispatcher.payload_limit());
-        // In the dispatcher's table prefix (the scope it was built in), if any.
-        crate::store::within(self.dispatcher.prefix.as_ref(), async {
+        // In the dispatcher's table prefix (the scope it was built in), else in the one of the
+        // scope the worker was built in, if any.
+        crate::store::within(self.prefix.as_ref(), async {
             let mut run = Loop::new(self);
             // The parked-message sweep runs beside the loop and stops with it.
             let _stop_sweeping = self.sweep_parked_beside();

@@ -278,10 +278,14 @@ impl<DB: ConsoleDatabase> Console<DB> {
             (Some(_), true) => return Err(ConsoleError::BothAuthorizations),
         };
         let secret = self.secret.unwrap_or_else(random_secret);
-        // Requests are served on tasks of the server's, outside any scope: each runs in the
-        // table prefix of the scope the console is built in, else in its dispatcher's.
-        let prefix =
-            crate::store::TablePrefix::current().or_else(|| self.dispatcher.prefix.clone());
+        // Requests are served on tasks of the server's, outside any scope: each runs in its
+        // dispatcher's table prefix (which its replays and discards use), else in the one of
+        // the scope the console is built in.
+        let prefix = self
+            .dispatcher
+            .prefix
+            .clone()
+            .or_else(crate::store::TablePrefix::current);
         let inner = Arc::new(Inner {
             dispatcher: self.dispatcher,
             auth,
