@@ -1155,30 +1155,7 @@ impl DynamoInbox {
         let mut items = Vec::with_capacity(actions.len() + 1);
         items.push(TransactWriteItem::builder().put(claim_put).build());
         items.extend(actions);
-        let mut total = 0;
-        for (index, item) in items.iter().enumerate() {
-            if let Some(put) = item.put() {
-                let bytes = size::item_size(put.item());
-                if bytes > size::MAX_ITEM_BYTES {
-                    return Err(DynamoError::TooLarge {
-                        what: match index {
-                            0 => "the claim's inbox item".to_owned(),
-                            _ => format!("the Put item of action {}", index - 1),
-                        },
-                        bytes,
-                        max: size::MAX_ITEM_BYTES,
-                    });
-                }
-            }
-            total += size::action_size(item);
-        }
-        if total > size::MAX_TRANSACTION_BYTES {
-            return Err(DynamoError::TooLarge {
-                what: "the transaction".to_owned(),
-                bytes: total,
-                max: size::MAX_TRANSACTION_BYTES,
-            });
-        }
+        check_sizes(&items)?;
         let mut delays = self.policy.transient_schedule();
         let mut tries = 0;
         loop {
@@ -1231,18 +1208,7 @@ impl DynamoInbox {
                 }
                 return Err(ctx.dynamo("TransactWriteItems", error.into()));
             };
-            let listed: Vec<CancellationReason> = reasons
-                .iter()
-                .enumerate()
-                .filter_map(|(index, reason)| {
-                    let code = reason.code().unwrap_or("None");
-                    (code != "None").then(|| CancellationReason {
-                        index,
-                        code: code.to_owned(),
-                        message: reason.message().map(str::to_owned),
-                    })
-                })
-                .collect();
+            let listed = listed_reasons(&reasons);
             match verdict(&listed) {
                 Verdict::ClaimTaken => {
                     *resend += 1;
@@ -1426,6 +1392,60 @@ impl Ctx<'_> {
             received: self.fingerprint,
         }
     }
+}
+
+/// Checks a transaction against DynamoDB's size limits before it is sent: each `Put` item at most
+/// [`size::MAX_ITEM_BYTES`] (400 KB; item 0 is the claim's inbox item, item `i` the handler's
+/// action `i - 1`) and the whole at most [`size::MAX_TRANSACTION_BYTES`] (4 MB).
+///
+/// # Errors
+/// [`DynamoError::TooLarge`] naming the item or the transaction, its size and the limit in bytes.
+#[allow(clippy::result_large_err)] // See `decide`.
+fn check_sizes<E>(items: &[TransactWriteItem]) -> Result<(), DynamoError<E>> {
+    let mut total = 0;
+    for (index, item) in items.iter().enumerate() {
+        if let Some(put) = item.put() {
+            let bytes = size::item_size(put.item());
+            if bytes > size::MAX_ITEM_BYTES {
+                return Err(DynamoError::TooLarge {
+                    what: match index {
+                        0 => "the claim's inbox item".to_owned(),
+                        _ => format!("the Put item of action {}", index - 1),
+                    },
+                    bytes,
+                    max: size::MAX_ITEM_BYTES,
+                });
+            }
+        }
+        total += size::action_size(item);
+    }
+    if total > size::MAX_TRANSACTION_BYTES {
+        return Err(DynamoError::TooLarge {
+            what: "the transaction".to_owned(),
+            bytes: total,
+            max: size::MAX_TRANSACTION_BYTES,
+        });
+    }
+    Ok(())
+}
+
+/// The cancellation reasons DynamoDB gave per action (in the transaction's order), without the
+/// actions whose code is `None` (those that did not fail).
+fn listed_reasons(
+    reasons: &[aws_sdk_dynamodb::types::CancellationReason],
+) -> Vec<CancellationReason> {
+    reasons
+        .iter()
+        .enumerate()
+        .filter_map(|(index, reason)| {
+            let code = reason.code().unwrap_or("None");
+            (code != "None").then(|| CancellationReason {
+                index,
+                code: code.to_owned(),
+                message: reason.message().map(str::to_owned),
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
