@@ -127,12 +127,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use aws_sdk_dynamodb::Client;
+use aws_sdk_dynamodb::client::Waiters as _;
 use aws_sdk_dynamodb::error::SdkError;
 use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError;
 use aws_sdk_dynamodb::primitives::Blob;
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, AttributeValue, BillingMode, ConditionCheck, Delete, KeySchemaElement,
-    KeyType, Put, ReturnValuesOnConditionCheckFailure, ScalarAttributeType, TableStatus,
+    KeyType, Put, ReturnValuesOnConditionCheckFailure, ScalarAttributeType,
     TimeToLiveSpecification, TransactWriteItem, Update,
 };
 use serde::Serialize;
@@ -734,46 +735,37 @@ impl DynamoInbox {
                 return Err(error("CreateTable", e.into()));
             }
         }
-        let mut active = false;
-        for _ in 0..1200 {
-            let described = self
-                .client
-                .describe_table()
-                .table_name(&self.table)
-                .send()
-                .await
-                .map_err(|e| error("DescribeTable", e.into()))?;
-            let Some(table) = described.table() else {
-                return Err(error("DescribeTable", "no table in the answer".into()));
-            };
-            let schema = table.key_schema();
-            if schema.len() != 1 || schema[0].attribute_name() != "pk" {
-                return Err(error(
-                    "DescribeTable",
-                    format!("the table's key schema is {schema:?}, not `pk` alone").into(),
-                ));
-            }
-            let pk_type = table
-                .attribute_definitions()
-                .iter()
-                .find(|d| d.attribute_name() == "pk")
-                .map(|d| d.attribute_type().clone());
-            if pk_type != Some(ScalarAttributeType::S) {
-                let shown = pk_type.map_or_else(|| "unknown".to_owned(), |t| t.as_str().to_owned());
-                return Err(error(
-                    "DescribeTable",
-                    format!("the table's partition key `pk` is of type {shown}, not S (string)")
-                        .into(),
-                ));
-            }
-            if table.table_status() == Some(&TableStatus::Active) {
-                active = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+        // The SDK's waiter polls `DescribeTable` until the table is ACTIVE (at most 2 minutes).
+        let described = self
+            .client
+            .wait_until_table_exists()
+            .table_name(&self.table)
+            .wait(Duration::from_secs(120))
+            .await
+            .map_err(|e| error("DescribeTable", e.into()))?
+            .into_result()
+            .map_err(|e| error("DescribeTable", e.into()))?;
+        let Some(table) = described.table() else {
+            return Err(error("DescribeTable", "no table in the answer".into()));
+        };
+        let schema = table.key_schema();
+        if schema.len() != 1 || schema[0].attribute_name() != "pk" {
+            return Err(error(
+                "DescribeTable",
+                format!("the table's key schema is {schema:?}, not `pk` alone").into(),
+            ));
         }
-        if !active {
-            return Err(error("DescribeTable", "not ACTIVE after 2 minutes".into()));
+        let pk_type = table
+            .attribute_definitions()
+            .iter()
+            .find(|d| d.attribute_name() == "pk")
+            .map(|d| d.attribute_type().clone());
+        if pk_type != Some(ScalarAttributeType::S) {
+            let shown = pk_type.map_or_else(|| "unknown".to_owned(), |t| t.as_str().to_owned());
+            return Err(error(
+                "DescribeTable",
+                format!("the table's partition key `pk` is of type {shown}, not S (string)").into(),
+            ));
         }
         let ttl = self
             .client
