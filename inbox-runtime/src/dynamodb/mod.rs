@@ -118,7 +118,12 @@
 //! * Not yet: parked and stale states (per-aggregate ordering), the [`Dispatcher`](crate::Dispatcher),
 //!   `#[idempotent]` handlers, the admin API, the outbox.
 
+mod admin;
 mod size;
+
+pub use admin::{
+    AdminError, DEAD_LETTER_ATTRIBUTE, DEAD_LETTER_INDEX, DynamoAdmin, INDEX_WAIT,
+};
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -693,13 +698,17 @@ impl DynamoInbox {
     }
 
     /// Creates the inbox table if it does not exist (partition key `pk`, string; on-demand
-    /// billing), waits until it is `ACTIVE` (polling `DescribeTable` every 100 ms, at most
-    /// 2 minutes) and enables TTL on [`TTL_ATTRIBUTE`] if it is not. Idempotent: run it at
-    /// every start.
+    /// billing; with the sparse [`DEAD_LETTER_INDEX`] of failed and dead items, see
+    /// [`DynamoAdmin`]), waits until it is `ACTIVE` (the SDK's waiter polls `DescribeTable`, at
+    /// most 2 minutes), adds the dead-letter index to a table that lacks it and waits until the
+    /// index is `ACTIVE` (polling every second, at most [`INDEX_WAIT`]: 10 minutes), and enables
+    /// TTL on [`TTL_ATTRIBUTE`] if it is not. Idempotent: run it at every start.
     ///
     /// # Errors
     /// [`TableError`] if a call fails, if the table exists with a key schema other than `pk`
-    /// (string) alone, or is not `ACTIVE` after 2 minutes.
+    /// (string) alone, or is not `ACTIVE` after 2 minutes; if an index named
+    /// [`DEAD_LETTER_INDEX`] has other keys, or the index is not `ACTIVE` after
+    /// [`INDEX_WAIT`].
     pub async fn ensure_table(&self) -> Result<(), TableError> {
         let error = |operation: &'static str, source: BoxError| TableError {
             table: self.table.clone(),
@@ -725,6 +734,9 @@ impl DynamoInbox {
                     .build()
                     .map_err(|e| error("CreateTable", e.into()))?,
             )
+            .attribute_definitions(admin::index_attribute_definitions().0)
+            .attribute_definitions(admin::index_attribute_definitions().1)
+            .global_secondary_indexes(admin::dead_letter_index())
             .send()
             .await;
         if let Err(e) = created {
@@ -767,6 +779,7 @@ impl DynamoInbox {
                 format!("the table's partition key `pk` is of type {shown}, not S (string)").into(),
             ));
         }
+        self.ensure_dead_letter_index(table).await?;
         let ttl = self
             .client
             .describe_time_to_live()
@@ -1028,14 +1041,14 @@ impl DynamoInbox {
         let stored = Fingerprint::from_hex(text("payload_hash")?)
             .ok_or_else(|| ctx.malformed("`payload_hash` is not 64 hex digits".to_owned()))?;
         let status = text("status")?;
-        if status == "discarded" {
-            return Ok(Decision::Settled(Outcome::Discarded));
-        }
+        // A different payload is a conflict whatever the status (discarded included), as on
+        // the SQL stores (`protocol::decide`).
         if stored != ctx.fingerprint {
             return Ok(Decision::Conflict(stored));
         }
         match status {
             "processed" => Ok(Decision::Settled(Outcome::Duplicate)),
+            "discarded" => Ok(Decision::Settled(Outcome::Discarded)),
             "dead" => Ok(Decision::Settled(Outcome::Dead)),
             "failed" => {
                 let attempts = number("attempts")?
@@ -1247,6 +1260,9 @@ impl DynamoInbox {
             ("status".to_owned(), s(if dead { "dead" } else { "failed" })),
             ("last_error".to_owned(), s(self.policy.bounded_error(error))),
             ("payload".to_owned(), AttributeValue::B(Blob::new(payload))),
+            // Puts the item in the sparse dead-letter index (a claim's `Put` replaces the whole
+            // item, and so takes it out again).
+            (DEAD_LETTER_ATTRIBUTE.to_owned(), s(ctx.consumer)),
         ]);
         if !dead {
             attributes.insert(
