@@ -16,7 +16,7 @@
 //!
 //! | operation | DynamoDB calls | read units |
 //! |---|---|---|
-//! | [`DynamoAdmin::list`] of failed/dead, one consumer | `Query` on the index: 1 per 1 MB page, usually 1 | ½ per 4 KB of the listed items' projections (eventually consistent) |
+//! | [`DynamoAdmin::list`] of failed/dead, one consumer | `Query` on the index, in pages of `limit + 1` items: 1 (more if items share the last one's millisecond, or with one status asked for: the filter applies after the read) | ½ per 4 KB of the items read, as projected (eventually consistent) |
 //! | [`DynamoAdmin::list`] of failed/dead, all consumers | `Scan` of the index: 1 per 1 MB page | ½ per 4 KB of *every* failed and dead item's projection, not of the table |
 //! | [`DynamoAdmin::list`] with `processed`/`discarded` | `Scan` of the table with a filter: 1 per 1 MB page | ½ per 4 KB of the **whole table** |
 //! | [`DynamoAdmin::stats`] | `Scan` of the table: 1 per 1 MB page | ½ per 4 KB of the **whole table** |
@@ -178,10 +178,18 @@ impl DynamoInbox {
             }
         } else {
             let (hash, range) = index_attribute_definitions();
+            let pk = AttributeDefinition::builder()
+                .attribute_name("pk")
+                .attribute_type(ScalarAttributeType::S)
+                .build()
+                .map_err(|e| error("UpdateTable", e.into()))?;
+            // The table's own key too: DynamoDB takes the definitions of every key of the table
+            // and its indexes (moto replaces the table's definitions with those given).
             let added = self
                 .client
                 .update_table()
                 .table_name(&self.table)
+                .attribute_definitions(pk)
                 .attribute_definitions(hash)
                 .attribute_definitions(range)
                 .global_secondary_index_updates(
@@ -429,7 +437,8 @@ impl DynamoAdmin {
             })
             .collect();
         rows.sort_by(|a, b| {
-            (a.consumer.as_deref(), a.status.as_str()).cmp(&(b.consumer.as_deref(), b.status.as_str()))
+            (a.consumer.as_deref(), a.status.as_str())
+                .cmp(&(b.consumer.as_deref(), b.status.as_str()))
         });
         Ok(rows)
     }
@@ -502,6 +511,9 @@ impl DynamoAdmin {
                         .expression_attribute_names("#consumer", DEAD_LETTER_ATTRIBUTE)
                         .expression_attribute_values(":consumer", s(consumer))
                         .scan_index_forward(true)
+                        // One more than asked for: it tells whether the last one kept has
+                        // items of the same millisecond after it.
+                        .limit(i32::try_from(limit.saturating_add(1)).unwrap_or(i32::MAX))
                         .set_exclusive_start_key(start.take());
                     if !both {
                         query = query
@@ -618,7 +630,11 @@ impl DynamoAdmin {
     /// # Errors
     /// [`AdminError::Dynamo`] if the `GetItem` fails; [`AdminError::Malformed`] for an item
     /// that does not read as an inbox item.
-    pub async fn show(&self, consumer: &str, key: &str) -> Result<Option<StoredMessage>, AdminError> {
+    pub async fn show(
+        &self,
+        consumer: &str,
+        key: &str,
+    ) -> Result<Option<StoredMessage>, AdminError> {
         let Some(pk) = admin_partition_key(consumer, key) else {
             return Ok(None);
         };
@@ -777,9 +793,9 @@ impl<'a> Read<'a> {
     fn status(&self) -> Result<Status, AdminError> {
         let text = self.text("status")?;
         match text.parse::<Status>() {
-            Ok(status @ (Status::Processed | Status::Failed | Status::Dead | Status::Discarded)) => {
-                Ok(status)
-            }
+            Ok(
+                status @ (Status::Processed | Status::Failed | Status::Dead | Status::Discarded),
+            ) => Ok(status),
             _ => Err(self.malformed(format!("status `{text}` is not one this store writes"))),
         }
     }
@@ -832,12 +848,21 @@ mod tests {
     #[test]
     fn store_urls() {
         assert_eq!(table_of_url("dynamodb://inbox").unwrap(), "inbox");
-        assert_eq!(table_of_url("dynamodb://my-app.inbox_1").unwrap(), "my-app.inbox_1");
+        assert_eq!(
+            table_of_url("dynamodb://my-app.inbox_1").unwrap(),
+            "my-app.inbox_1"
+        );
         for (url, reason) in [
             ("postgres://x", "it does not start with dynamodb://"),
             ("dynamodb://ab", "a table name is 3 to 255 characters"),
-            ("dynamodb://in box", "a table name has only a-z, A-Z, 0-9, _, - and ."),
-            ("dynamodb://inbox/x", "a table name has only a-z, A-Z, 0-9, _, - and ."),
+            (
+                "dynamodb://in box",
+                "a table name has only a-z, A-Z, 0-9, _, - and .",
+            ),
+            (
+                "dynamodb://inbox/x",
+                "a table name has only a-z, A-Z, 0-9, _, - and .",
+            ),
         ] {
             match table_of_url(url) {
                 Err(AdminError::Url { reason: got, .. }) => assert_eq!(got, reason, "{url}"),

@@ -121,9 +121,7 @@
 mod admin;
 mod size;
 
-pub use admin::{
-    AdminError, DEAD_LETTER_ATTRIBUTE, DEAD_LETTER_INDEX, DynamoAdmin, INDEX_WAIT,
-};
+pub use admin::{AdminError, DEAD_LETTER_ATTRIBUTE, DEAD_LETTER_INDEX, DynamoAdmin, INDEX_WAIT};
 
 use std::collections::HashMap;
 use std::future::Future;
