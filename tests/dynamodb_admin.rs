@@ -828,3 +828,129 @@ async fn the_command_line_on_dynamodb() {
          with dynamodb://"
     );
 }
+
+/// Replays `stored` with the counter effect of its decoded payload; `runs` counts handler runs.
+async fn replay(
+    inbox: &DynamoInbox,
+    counters: &str,
+    stored: &StoredMessage,
+    error: Option<fn() -> TestError>,
+    runs: &AtomicUsize,
+) -> Result<Outcome<()>, DynamoError<TestError>> {
+    inbox
+        .replay_stored(stored, |mut tx| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            let msg: Credit = serde_json::from_slice(stored.payload.as_deref().unwrap())
+                .map_err(|e| TestError::Build(e.to_string()))?;
+            assert_eq!(msg.id, stored.message_key);
+            add_counter(&mut tx, counters, msg.amount)?;
+            match error {
+                Some(error) => Err(error()),
+                None => Ok((tx, ())),
+            }
+        })
+        .await
+}
+
+#[tokio::test]
+async fn a_raw_replay_takes_a_dead_letter_over_once() {
+    let (inbox, counters) = setup().await;
+    let admin = inbox.admin();
+    let runs = AtomicUsize::new(0);
+    let d1 = credit("d1", 7);
+    let failed = deliver(&inbox, &counters, "ledger", &d1, Some(fatal), &runs).await;
+    assert!(matches!(failed, Err(DynamoError::Handler(_))));
+    assert_eq!(counter(&inbox, &counters).await, None);
+    // A redelivery of a dead letter does not run it.
+    let outcome = deliver(&inbox, &counters, "ledger", &d1, None, &runs).await;
+    assert_eq!(outcome.unwrap(), Outcome::Dead);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // The replay does: one read, one transaction.
+    let stored = shown(&admin, "ledger", "d1").await;
+    let calls = inbox.stats().calls;
+    let outcome = replay(&inbox, &counters, &stored, None, &runs)
+        .await
+        .unwrap();
+    assert_eq!(outcome, Outcome::Processed(()));
+    assert_eq!(inbox.stats().calls - calls, 2);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    assert_eq!(counter(&inbox, &counters).await, Some(7));
+    let now = shown(&admin, "ledger", "d1").await;
+    assert_eq!(
+        (now.status, now.attempts, now.payload.as_deref()),
+        (Status::Processed, 2, None)
+    );
+    assert_eq!(
+        now.received_at, stored.received_at,
+        "kept from the first delivery"
+    );
+    assert!(
+        admin
+            .list(None, &[Status::Dead], 50)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+
+    // The same replay again (its stored copy is stale): a duplicate, nothing run or applied.
+    let outcome = replay(&inbox, &counters, &stored, None, &runs)
+        .await
+        .unwrap();
+    assert_eq!(outcome, Outcome::Duplicate);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    assert_eq!(counter(&inbox, &counters).await, Some(7));
+    // A redelivery too.
+    let outcome = deliver(&inbox, &counters, "ledger", &d1, None, &runs).await;
+    assert_eq!(outcome.unwrap(), Outcome::Duplicate);
+    // A message read processed or discarded: no call.
+    let calls = inbox.stats().calls;
+    assert_eq!(
+        replay(&inbox, &counters, &now, None, &runs).await.unwrap(),
+        Outcome::Duplicate
+    );
+    assert_eq!(inbox.stats().calls, calls);
+
+    // A replay that fails again is recorded as a delivery's failure: dead again (permanent),
+    // attempts counted, payload kept; nothing applied.
+    settle(&inbox, &counters, "ledger", "d2", Some(fatal)).await;
+    let stored = shown(&admin, "ledger", "d2").await;
+    let error = replay(&inbox, &counters, &stored, Some(fatal), &runs)
+        .await
+        .unwrap_err();
+    let DynamoError::Handler(failure) = error else {
+        panic!("expected the handler's failure, got {error:?}");
+    };
+    assert_eq!(
+        (failure.attempts, failure.disposition),
+        (2, Disposition::Dead)
+    );
+    let d2 = shown(&admin, "ledger", "d2").await;
+    assert_eq!((d2.status, d2.attempts), (Status::Dead, 2));
+    assert_eq!(d2.payload, stored.payload);
+    assert_eq!(counter(&inbox, &counters).await, Some(7));
+    // Discarded after it was read: the replay's claim finds it so, and runs nothing.
+    assert!(admin.discard("ledger", "d2").await.unwrap());
+    let outcome = replay(&inbox, &counters, &d2, None, &runs).await.unwrap();
+    assert_eq!(outcome, Outcome::Discarded);
+    assert_eq!(counter(&inbox, &counters).await, Some(7));
+
+    // A failed key whose next attempt is an hour away: a delivery waits, a replay runs now.
+    let patient = DynamoInbox::new(inbox.client().clone(), inbox.table()).retry_policy(
+        RetryPolicy::default().retry_delays(Duration::from_secs(3600), Duration::from_secs(3600)),
+    );
+    let f1 = credit("f1", 3);
+    let failed = deliver(&patient, &counters, "ledger", &f1, Some(boom), &runs).await;
+    assert!(matches!(failed, Err(DynamoError::Handler(_))));
+    let outcome = deliver(&patient, &counters, "ledger", &f1, None, &runs)
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::NotYet { .. }), "{outcome:?}");
+    let stored = shown(&admin, "ledger", "f1").await;
+    assert_eq!(stored.status, Status::Failed);
+    let outcome = replay(&patient, &counters, &stored, None, &runs)
+        .await
+        .unwrap();
+    assert_eq!(outcome, Outcome::Processed(()));
+    assert_eq!(counter(&inbox, &counters).await, Some(10));
+}

@@ -60,7 +60,13 @@ use aws_sdk_dynamodb::types::{
 
 use super::{Chain, DynamoInbox, MAX_PARTITION_KEY_BYTES, Now, TTL_ATTRIBUTE, TableError, n, s};
 use crate::store::{StatsRow, StatsStatus, StoredMessage};
-use crate::types::classify::BoxError;
+use std::future::Future;
+
+use super::{DynamoError, DynamoTx};
+use crate::types::classify::{BoxError, Classify};
+use crate::types::fingerprint::Fingerprint;
+use crate::types::key::IdempotencyKey;
+use crate::types::outcome::Outcome;
 use crate::types::status::Status;
 
 /// The attribute the dead-letter index is keyed on: the consumer, set on `failed` and `dead`
@@ -247,6 +253,77 @@ impl DynamoInbox {
                 Some(_) => tokio::time::sleep(Duration::from_secs(1)).await,
             }
         }
+    }
+}
+
+impl DynamoInbox {
+    /// Replays one failed or dead message as [`DynamoAdmin::show`] read it: runs `handler`
+    /// once more through the same claim as [`process_raw`](Self::process_raw), with the stored
+    /// message name, key, fingerprint and payload, except that the claim takes a `dead` item
+    /// over too, and a `failed` one before its next attempt is due (as the SQL stores'
+    /// replay). The handler decodes `stored.payload` itself: the registry-driven replay (by
+    /// message name, through the registered handler) comes with the dispatcher on DynamoDB.
+    ///
+    /// The claim's condition is the item as the replay reads it (status, attempts,
+    /// fingerprint), so two concurrent replays, or a replay and a redelivery, apply the
+    /// message once; a failure is recorded as a delivery's (attempts + 1, `dead` if permanent
+    /// or at `max_attempts`).
+    ///
+    /// # Returns
+    /// [`Outcome::Processed`] with the handler's value; for a stored message without a payload
+    /// (`processed` or `discarded` when read), no call: [`Outcome::Duplicate`] or
+    /// [`Outcome::Discarded`]; if the item changed since `show`, what the claim finds now
+    /// (`Duplicate` if processed meanwhile, `Discarded`, …).
+    ///
+    /// # Errors
+    /// As [`process_raw`](Self::process_raw); also [`DynamoError::Key`] if the stored key is
+    /// not a valid idempotency key, and [`DynamoError::Malformed`] if `stored.payload_hash` is
+    /// not 64 hex digits: nothing ran.
+    pub async fn replay_stored<T, E, F, Fut>(
+        &self,
+        stored: &StoredMessage,
+        handler: F,
+    ) -> Result<Outcome<T>, DynamoError<E>>
+    where
+        E: Classify + std::fmt::Display,
+        F: FnMut(DynamoTx) -> Fut,
+        Fut: Future<Output = Result<(DynamoTx, T), E>>,
+    {
+        let Some(payload) = &stored.payload else {
+            return Ok(match stored.status {
+                Status::Discarded => Outcome::Discarded,
+                _ => Outcome::Duplicate,
+            });
+        };
+        let key = IdempotencyKey::new(stored.message_key.clone(), "(stored message)", "key")?;
+        let fingerprint =
+            Fingerprint::from_hex(&stored.payload_hash).ok_or_else(|| DynamoError::Malformed {
+                consumer: stored.consumer.clone(),
+                key: key.clone(),
+                reason: "`payload_hash` is not 64 hex digits".to_owned(),
+            })?;
+        let result = self
+            .run(
+                &stored.consumer,
+                &stored.message_name,
+                &key,
+                fingerprint,
+                payload,
+                true,
+                handler,
+            )
+            .await;
+        tracing::info!(
+            consumer = stored.consumer,
+            key = stored.message_key,
+            message_name = stored.message_name,
+            outcome = match &result {
+                Ok(outcome) => outcome.kind(),
+                Err(_) => "error",
+            },
+            "DynamoDB inbox replay"
+        );
+        result
     }
 }
 

@@ -62,7 +62,8 @@
 //!    fingerprint, the attempt count), on the condition that the item is still as it was read:
 //!    `attribute_not_exists(pk) OR expires_at <= :now` for a new (or expired) key, or
 //!    `status = failed AND attempts = :read AND payload_hash = :hash` to take over a failed
-//!    attempt. The call carries a client request token derived from consumer, key, attempt
+//!    attempt (`status = dead AND …` for a replay of a dead letter,
+//!    [`DynamoInbox::replay_stored`]). The call carries a client request token derived from consumer, key, attempt
 //!    number and this delivery's resend number, so that the SDK's own retry of a submit whose
 //!    answer was lost is not applied twice (DynamoDB keeps tokens for 10 minutes). The claim's
 //!    condition, not the token, is what keeps an effect from applying twice: another delivery
@@ -504,8 +505,12 @@ enum Decision {
 enum Claim {
     /// No item, or an expired one.
     New,
-    /// A failed item with this many attempts, due again.
-    Takeover { attempts: u32, received_at: i64 },
+    /// A failed item with this many attempts, due again (or a dead one, `dead`, by a replay).
+    Takeover {
+        attempts: u32,
+        received_at: i64,
+        dead: bool,
+    },
 }
 
 impl Claim {
@@ -866,7 +871,15 @@ impl DynamoInbox {
         Fut: Future<Output = Result<(DynamoTx, T), E>>,
     {
         let result = self
-            .run(consumer, message_name, key, fingerprint, payload, handler)
+            .run(
+                consumer,
+                message_name,
+                key,
+                fingerprint,
+                payload,
+                false,
+                handler,
+            )
             .await;
         let outcome = match &result {
             Ok(Outcome::Processed(_)) => "processed",
@@ -890,6 +903,8 @@ impl DynamoInbox {
         result
     }
 
+    /// One delivery (`replay`: a replay, see [`Ctx::replay`]).
+    #[allow(clippy::too_many_arguments)]
     async fn run<T, E, F, Fut>(
         &self,
         consumer: &str,
@@ -897,6 +912,7 @@ impl DynamoInbox {
         key: &IdempotencyKey,
         fingerprint: Fingerprint,
         payload: &[u8],
+        replay: bool,
         mut handler: F,
     ) -> Result<Outcome<T>, DynamoError<E>>
     where
@@ -919,6 +935,7 @@ impl DynamoInbox {
             key,
             fingerprint,
             pk: &pk,
+            replay,
         };
         let mut item = self.read(&ctx).await?;
         // Numbers the client request tokens of this delivery's sends (see `request_token`).
@@ -1047,8 +1064,8 @@ impl DynamoInbox {
         match status {
             "processed" => Ok(Decision::Settled(Outcome::Duplicate)),
             "discarded" => Ok(Decision::Settled(Outcome::Discarded)),
-            "dead" => Ok(Decision::Settled(Outcome::Dead)),
-            "failed" => {
+            "dead" if !ctx.replay => Ok(Decision::Settled(Outcome::Dead)),
+            "failed" | "dead" => {
                 let attempts = number("attempts")?
                     .ok_or_else(|| ctx.malformed("`attempts` is missing".to_owned()))?;
                 let attempts = u32::try_from(attempts).map_err(|_| {
@@ -1058,7 +1075,7 @@ impl DynamoInbox {
                     ))
                 })?;
                 let next = number("next_attempt_at")?.unwrap_or(0);
-                if next > now.ms {
+                if next > now.ms && !ctx.replay {
                     let wait = u64::try_from(next - now.ms).unwrap_or(0);
                     return Ok(Decision::Settled(Outcome::NotYet {
                         retry_in: Duration::from_millis(wait),
@@ -1068,6 +1085,7 @@ impl DynamoInbox {
                 Ok(Decision::Claim(Claim::Takeover {
                     attempts,
                     received_at,
+                    dead: status == "dead",
                 }))
             }
             other => Err(ctx.malformed(format!("status `{other}` is not one this store writes"))),
@@ -1112,12 +1130,12 @@ impl DynamoInbox {
                 .condition_expression("attribute_not_exists(pk) OR #expires <= :now")
                 .expression_attribute_names("#expires", TTL_ATTRIBUTE)
                 .expression_attribute_values(":now", n(now.secs())),
-            Claim::Takeover { attempts, .. } => builder
+            Claim::Takeover { attempts, dead, .. } => builder
                 .condition_expression(
-                    "#status = :failed AND attempts = :attempts AND payload_hash = :hash",
+                    "#status = :taken AND attempts = :attempts AND payload_hash = :hash",
                 )
                 .expression_attribute_names("#status", "status")
-                .expression_attribute_values(":failed", s("failed"))
+                .expression_attribute_values(":taken", s(if dead { "dead" } else { "failed" }))
                 .expression_attribute_values(":attempts", n(attempts))
                 .expression_attribute_values(":hash", s(ctx.fingerprint.to_hex())),
         };
@@ -1369,6 +1387,9 @@ struct Ctx<'a> {
     key: &'a IdempotencyKey,
     fingerprint: Fingerprint,
     pk: &'a str,
+    /// A replay ([`DynamoInbox::replay_stored`]): takes a dead item over too, and a failed one
+    /// before its next attempt is due (as the SQL stores' `ClaimMode::Replay`).
+    replay: bool,
 }
 
 impl Ctx<'_> {
