@@ -141,6 +141,7 @@ pub enum AdminError {
 pub struct DynamoAdmin {
     inbox: DynamoInbox,
     calls: Arc<AtomicU64>,
+    items_read: Arc<AtomicU64>,
 }
 
 impl DynamoInbox {
@@ -149,6 +150,7 @@ impl DynamoInbox {
         DynamoAdmin {
             inbox: self.clone(),
             calls: Arc::new(AtomicU64::new(0)),
+            items_read: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -441,8 +443,21 @@ impl DynamoAdmin {
         self.calls.load(Ordering::Relaxed)
     }
 
+    /// Items DynamoDB read for this admin (and its clones) so far: the `ScannedCount` of each
+    /// `Scan` and `Query` page (items evaluated, before any filter: what read units are paid
+    /// for), and 1 per `GetItem` that found an item. The measure of what
+    /// [`list`](Self::list) and [`stats`](Self::stats) cost as the table grows.
+    pub fn items_read(&self) -> u64 {
+        self.items_read.load(Ordering::Relaxed)
+    }
+
     fn count_call(&self) {
         self.calls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn count_read(&self, items: i32) {
+        self.items_read
+            .fetch_add(u64::try_from(items).unwrap_or(0), Ordering::Relaxed);
     }
 
     fn table(&self) -> &str {
@@ -487,6 +502,7 @@ impl DynamoAdmin {
                 .send()
                 .await
                 .map_err(|e| self.dynamo("Scan", e.into()))?;
+            self.count_read(page.scanned_count);
             for item in page.items() {
                 let read = Read::new(self.table(), item);
                 if read.expired(now)? {
@@ -602,6 +618,7 @@ impl DynamoAdmin {
                         .send()
                         .await
                         .map_err(|e| self.dynamo("Query", e.into()))?;
+                    self.count_read(page.scanned_count);
                     (page.items, page.last_evaluated_key)
                 }
                 None => {
@@ -622,6 +639,7 @@ impl DynamoAdmin {
                         .send()
                         .await
                         .map_err(|e| self.dynamo("Scan", e.into()))?;
+                    self.count_read(page.scanned_count);
                     (page.items, page.last_evaluated_key)
                 }
             };
@@ -682,6 +700,7 @@ impl DynamoAdmin {
                 .send()
                 .await
                 .map_err(|e| self.dynamo("Scan", e.into()))?;
+            self.count_read(page.scanned_count);
             for item in page.items() {
                 let read = Read::new(self.table(), item);
                 if !read.expired(now)? {
@@ -729,6 +748,7 @@ impl DynamoAdmin {
         let Some(item) = answer.item else {
             return Ok(None);
         };
+        self.count_read(1);
         let read = Read::new(self.table(), &item);
         if read.expired(Now::read())? {
             return Ok(None);
