@@ -101,7 +101,19 @@
 //! `payload_hash` (64 hex digits, [`Fingerprint`]), `status` (`processed` | `failed` | `dead`),
 //! `attempts`, `received_at`, `processed_at`, `next_attempt_at` (epoch milliseconds),
 //! `last_error`, `payload` (binary; failed and dead only), `expires_at` (epoch seconds;
-//! processed only).
+//! processed, and discarded from the discard on), [`DEAD_LETTER_ATTRIBUTE`] (the consumer;
+//! failed and dead only: the key of the sparse global secondary index [`DEAD_LETTER_INDEX`],
+//! sorted by `received_at`). A `discarded` item (an operator's
+//! [`DynamoAdmin::discard`]) answers its key's redeliveries [`Outcome::Discarded`] until its
+//! retention window ends; another payload under it is a [`DynamoError::Conflict`].
+//!
+//! ## Operating it
+//!
+//! [`DynamoInbox::admin`] gives the SQL admin's operations on the table ([`DynamoAdmin`]:
+//! stats, list, show, discard; their DynamoDB calls and read costs are in its module's docs),
+//! [`DynamoInbox::replay_stored`] runs a failed or dead message once more through the claim,
+//! and `ops::cli::dynamodb` (features `cli` and `dynamodb`) is the command line on it, store URL
+//! `dynamodb://TABLE` ([`DynamoInbox::from_url`]).
 //!
 //! ## Limits and differences from the SQL stores
 //!
@@ -116,8 +128,10 @@
 //!   workers' clocks should agree to well under the retry delays and the retention window.
 //! * A handler action on the inbox table's own item of this key is refused by DynamoDB (one
 //!   action per item per transaction): [`DynamoError::Cancelled`] or [`DynamoError::Dynamo`].
-//! * Not yet: parked and stale states (per-aggregate ordering), the [`Dispatcher`](crate::Dispatcher),
-//!   `#[idempotent]` handlers, the admin API, the outbox.
+//! * Not yet: parked and stale states (per-aggregate ordering), the [`Dispatcher`](crate::Dispatcher)
+//!   (and with it replay by message name through registered handlers, and `dead replay` on the
+//!   command line), `#[idempotent]` handlers, rejected deliveries (not recorded: `stats` has no
+//!   `rejected:…` rows), the console, the outbox.
 
 mod admin;
 mod size;
