@@ -56,8 +56,8 @@
 //! input is a terminal (`--yes` does not ask). `outbox list --destination` and `outbox retry
 //! --dead --destination` refuse a destination the outbox has no rows for.
 //!
-//! On the DynamoDB inbox (features `cli` and `dynamodb`), [`dynamodb`] runs the same commands
-//! with the same output on a [`crate::dynamodb::DynamoInbox`], store URL `dynamodb://TABLE`.
+//! On the DynamoDB inbox (features `cli` and `dynamodb`), `ops::cli::dynamodb` runs the same
+//! commands with the same output on a `dynamodb::DynamoInbox`, store URL `dynamodb://TABLE`.
 
 use std::ffi::OsString;
 use std::io::{self, IsTerminal as _, Write};
