@@ -495,8 +495,11 @@ impl DynamoAdmin {
                 .client
                 .scan()
                 .table_name(self.table())
-                .projection_expression("pk, consumer, #status, received_at, #expires")
+                .projection_expression("#pk, #consumer, #status, #received, #expires")
+                .expression_attribute_names("#pk", "pk")
+                .expression_attribute_names("#consumer", "consumer")
                 .expression_attribute_names("#status", "status")
+                .expression_attribute_names("#received", "received_at")
                 .expression_attribute_names("#expires", TTL_ATTRIBUTE)
                 .set_exclusive_start_key(start.take())
                 .send()
@@ -686,8 +689,10 @@ impl DynamoAdmin {
         }
         let mut filter = format!("#status IN ({})", names.join(", "));
         if let Some(consumer) = consumer {
-            filter.push_str(" AND consumer = :consumer");
-            scan = scan.expression_attribute_values(":consumer", s(consumer));
+            filter.push_str(" AND #consumer = :consumer");
+            scan = scan
+                .expression_attribute_names("#consumer", "consumer")
+                .expression_attribute_values(":consumer", s(consumer));
         }
         let scan = scan.filter_expression(filter);
         let mut rows = Vec::new();
@@ -787,12 +792,15 @@ impl DynamoAdmin {
             .table_name(self.table())
             .key("pk", s(&pk))
             .update_expression(
-                "SET #status = :discarded, processed_at = :now_ms, #expires = :expires \
-                 REMOVE payload, next_attempt_at, #dead_letter",
+                "SET #status = :discarded, #processed = :now_ms, #expires = :expires \
+                 REMOVE #payload, #next, #dead_letter",
             )
             .condition_expression("#status IN (:failed, :dead)")
             .expression_attribute_names("#status", "status")
             .expression_attribute_names("#expires", TTL_ATTRIBUTE)
+            .expression_attribute_names("#processed", "processed_at")
+            .expression_attribute_names("#payload", "payload")
+            .expression_attribute_names("#next", "next_attempt_at")
             .expression_attribute_names("#dead_letter", DEAD_LETTER_ATTRIBUTE)
             .expression_attribute_values(":discarded", s("discarded"))
             .expression_attribute_values(":failed", s("failed"))
