@@ -48,8 +48,8 @@
 //! milliseconds), `last_error`, `sent_at`, `expires_at` (epoch seconds).
 //!
 //! The global secondary index `pending` (partition key `pending_pk`, always `pending`; sort key
-//! `pending_sk`: the creation time in milliseconds, zero-padded, `#`, the action's position in
-//! its transaction, `#`, the message id) holds the items that are `pending`, and the `dead` ones
+//! `pending_sk`: the creation time in nanoseconds (the transaction's first publish, 20 digits),
+//! `#`, the action's position in its transaction (5 digits), `#`, the message id) holds the items that are `pending`, and the `dead` ones
 //! of an aggregate (they block it); an item leaves it when it is sent (or dead without an
 //! aggregate). It projects what a round decides on (`status`, `aggregate_id`, `attempts`,
 //! `lease_until`, `next_attempt_at`, `after`), not the payloads.
@@ -154,10 +154,11 @@ pub(super) struct Published {
     /// Messages published with a derived id: the next one's index for
     /// [`Outbox::message_id_for`].
     derived: u32,
-    /// The creation time of the run's items: the first publish's, epoch milliseconds (one time
+    /// The creation time of the run's items: the first publish's, epoch nanoseconds (one time
     /// for the whole transaction, so that a clock step between two publishes cannot reorder
-    /// them).
-    created_ms: Option<i64>,
+    /// them; nanoseconds, so that a writer that starts after another committed gets a later
+    /// time even within one millisecond).
+    created_ns: Option<u128>,
     /// Per aggregate, the message id of the run's last item: the next one's `after`.
     last_of_aggregate: HashMap<String, String>,
 }
@@ -216,8 +217,12 @@ impl DynamoTx {
                 Outbox::message_id_for(&self.consumer, self.key.as_str(), index)
             }
         };
+        let now_ns = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let created_ns = *self.outbox.created_ns.get_or_insert(now_ns);
+        let created_ms = i64::try_from(created_ns / 1_000_000).unwrap_or(i64::MAX);
         let now = now_ms();
-        let created_ms = *self.outbox.created_ms.get_or_insert(now);
         let headers = serde_json::to_string(&message.headers).expect("strings serialize");
         let settled = outbox.outbox.settled();
         let mut item = HashMap::from([
@@ -252,7 +257,7 @@ impl DynamoTx {
             item.insert(
                 "pending_sk".to_owned(),
                 s(format!(
-                    "{created_ms:015}#{:05}#{message_id}",
+                    "{created_ns:020}#{:05}#{message_id}",
                     self.items.len()
                 )),
             );
@@ -619,10 +624,7 @@ impl DynamoRelay {
         let token = uuid::Uuid::now_v7().to_string();
         let mut records = Vec::new();
         for candidate in candidates {
-            if let Some(record) = self
-                .take_lease(&candidate, &token, records.len())
-                .await?
-            {
+            if let Some(record) = self.take_lease(&candidate, &token, records.len()).await? {
                 records.push(record);
             }
         }
@@ -794,10 +796,7 @@ impl DynamoRelay {
             )
             .expression_attribute_names("#status", "status")
             .expression_attribute_values(":token", s(token))
-            .expression_attribute_values(
-                ":until",
-                n(now.saturating_add(duration_ms(self.lease))),
-            )
+            .expression_attribute_values(":until", n(now.saturating_add(duration_ms(self.lease))))
             .expression_attribute_values(":one", n(1))
             .expression_attribute_values(":pending", s("pending"))
             .expression_attribute_values(":max", n(self.max_attempts))
@@ -806,9 +805,7 @@ impl DynamoRelay {
             .send()
             .await;
         match answer {
-            Ok(answer) => Ok(answer
-                .attributes()
-                .map(|item| record(item, position, now))),
+            Ok(answer) => Ok(answer.attributes().map(|item| record(item, position, now))),
             Err(e) if is_condition_failure(&e) => Ok(None),
             Err(e) => Err(self.call_error("UpdateItem", e)),
         }

@@ -290,7 +290,10 @@ impl Outbox {
     /// [`OutboxError::EmptyMessageName`], [`OutboxError::Serialize`],
     /// [`OutboxError::InvalidMessageId`], [`OutboxError::InvalidHeader`],
     /// [`OutboxError::InvalidAggregate`].
-    pub(crate) fn validate(&self, mut message: OutboxMessage) -> Result<OutboxMessage, OutboxError> {
+    pub(crate) fn validate(
+        &self,
+        mut message: OutboxMessage,
+    ) -> Result<OutboxMessage, OutboxError> {
         if let Some(error) = message.deferred.take() {
             return Err(error);
         }

@@ -433,7 +433,12 @@ impl<DB: OutboxDatabase> Relay<DB> {
                 lease_lost(record, &leased.spans[*index], "sent", report);
                 continue;
             }
-            report_sent(record, &leased.spans[*index], record.age + since_lease, report);
+            report_sent(
+                record,
+                &leased.spans[*index],
+                record.age + since_lease,
+                report,
+            );
         }
         Ok(())
     }
@@ -656,8 +661,7 @@ pub(crate) fn report_failed(
         });
     } else {
         report.failed += 1;
-        metrics::counter!("inbox_outbox_failed_total", "destination" => destination)
-            .increment(1);
+        metrics::counter!("inbox_outbox_failed_total", "destination" => destination).increment(1);
         span.record("outcome", "failed");
         span.in_scope(|| {
             tracing::warn!(
