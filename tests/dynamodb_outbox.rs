@@ -694,3 +694,87 @@ async fn a_message_id_published_before_fails_the_transaction_as_a_condition() {
     );
     assert_eq!(outbox_items(&setup).await.len(), 1);
 }
+
+/// A sink that, while it publishes, has "another relay" take over each message's lease (as
+/// after this relay's lease ran out): it rewrites `lease_owner`, then accepts the message.
+struct TakenOver {
+    client: dynamodb::sdk::Client,
+    table: String,
+    inner: MemorySink,
+}
+
+impl inbox_runtime::sink::Sink for TakenOver {
+    fn publish_batch<'a>(
+        &'a self,
+        messages: &'a [OutgoingMessage],
+    ) -> inbox_runtime::sink::PublishFuture<'a> {
+        Box::pin(async move {
+            for message in messages {
+                self.client
+                    .update_item()
+                    .table_name(&self.table)
+                    .key("pk", AttributeValue::S(message.message_id.clone()))
+                    .update_expression("SET lease_owner = :other")
+                    .expression_attribute_values(":other", AttributeValue::S("other".into()))
+                    .send()
+                    .await
+                    .unwrap();
+            }
+            self.inner.publish_batch(messages).await
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_relay_that_lost_its_lease_marks_nothing() {
+    let setup = setup().await;
+    let ids = committed(&setup, &credit("l-1", "acct-1", 1), 1, None).await;
+    let sink = MemorySink::new();
+    let taken = TakenOver {
+        client: setup.inbox.client().clone(),
+        table: setup.outbox.table().to_owned(),
+        inner: sink.clone(),
+    };
+    let relay = DynamoRelay::new(setup.outbox.clone(), taken);
+    let report = relay.run_once().await.unwrap();
+    assert_eq!(
+        (report.leased, report.published, report.lease_lost),
+        (1, 0, 1)
+    );
+    assert_eq!(sink.published().len(), 1);
+    let item = &outbox_items(&setup).await[&ids[0]];
+    // Still the other relay's: pending, leased by it, in the index.
+    assert_eq!(text(item, "status"), "pending");
+    assert_eq!(text(item, "lease_owner"), "other");
+    assert_eq!(text(item, "pending_pk"), "pending");
+}
+
+#[tokio::test]
+async fn an_item_whose_leases_ran_out_too_often_is_dead_as_abandoned() {
+    let setup = setup().await;
+    let ids = committed(&setup, &credit("a-1", "acct-1", 1), 1, Some("a")).await;
+    // As three relays that crashed holding it would leave it: three leases, the last run out.
+    setup
+        .inbox
+        .client()
+        .update_item()
+        .table_name(setup.outbox.table())
+        .key("pk", AttributeValue::S(ids[0].clone()))
+        .update_expression("SET attempts = :three, lease_owner = :crashed, lease_until = :past")
+        .expression_attribute_values(":three", AttributeValue::N("3".into()))
+        .expression_attribute_values(":crashed", AttributeValue::S("crashed".into()))
+        .expression_attribute_values(":past", AttributeValue::N("1".into()))
+        .send()
+        .await
+        .unwrap();
+    let sink = MemorySink::new();
+    let relay = relay(&setup.outbox, &sink).max_attempts(3);
+    let report = relay.run_once().await.unwrap();
+    assert_eq!((report.leased, report.abandoned, report.dead), (0, 1, 0));
+    let item = &outbox_items(&setup).await[&ids[0]];
+    assert_eq!(text(item, "status"), "dead");
+    assert!(text(item, "last_error").starts_with("the relay never finished publishing it"));
+    assert!(!item.contains_key("lease_owner"));
+    assert_eq!(relay.run_once().await.unwrap().abandoned, 0);
+    assert!(sink.published().is_empty());
+}

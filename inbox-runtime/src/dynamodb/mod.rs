@@ -116,9 +116,16 @@
 //! * A handler action on the inbox table's own item of this key is refused by DynamoDB (one
 //!   action per item per transaction): [`DynamoError::Cancelled`] or [`DynamoError::Dynamo`].
 //! * Not yet: parked and stale states (per-aggregate ordering), the [`Dispatcher`](crate::Dispatcher),
-//!   `#[idempotent]` handlers, the admin API, the outbox.
+//!   `#[idempotent]` handlers, the admin API.
+//!
+//! ## The outbox
+//!
+//! [`DynamoTx::publish`] writes an outbox item in the delivery's transaction (stable ids, as on
+//! the SQL stores), into a table of its own ([`DynamoOutbox`]); a polling [`DynamoRelay`]
+//! publishes the committed items to a [`Sink`](crate::sink::Sink). What it guarantees, in what
+//! order, its limits and its calls: [`outbox`].
 
-mod outbox;
+pub mod outbox;
 mod size;
 
 use std::collections::HashMap;
