@@ -39,7 +39,7 @@
 //! ## The outbox table
 //!
 //! Partition key `pk` (string): the message id. On-demand billing; TTL on `expires_at` (sent
-//! items only, [`DynamoRelay::retention`]). Attributes: `status` (`pending` | `sent` | `dead`),
+//! items only, [`DynamoOutbox::retention`]). Attributes: `status` (`pending` | `sent` | `dead`),
 //! `destination`, `message_name`, `payload` (binary), `headers` (a JSON object of strings),
 //! `aggregate_id`, `trace_context`, `consumer` and `message_key` (the delivery that published
 //! it), `created_at` (epoch milliseconds, the publishing process's clock), `after` (the message
@@ -89,7 +89,7 @@
 //! * **Retries**: a failed publish is retried after the backoff (doubled per attempt, capped,
 //!   as the SQL [`Relay`](crate::outbox::Relay)'s), and dead-lettered when the sink says the
 //!   failure is permanent or after [`max_attempts`](DynamoRelay::max_attempts) leases.
-//! * **Retention**: a sent item gets `expires_at` = its sending + [`DynamoRelay::retention`]
+//! * **Retention**: a sent item gets `expires_at` = its sending + [`DynamoOutbox::retention`]
 //!   (default 7 days), and DynamoDB's TTL deletes it (lazily). Dead items never expire.
 //!
 //! ## Limits and costs
