@@ -330,7 +330,7 @@ async fn a_cancelled_transaction_publishes_nothing_and_its_rerun_the_same_ids() 
     // A handler condition fails (the account must exist, and it does not yet).
     let msg = credit("c-2", "acct-2", 5);
     let guarded = |msg: Credit| async move {
-        let result = setup
+        setup
             .inbox
             .process(CONSUMER, &msg, |mut tx| {
                 let msg = msg.clone();
@@ -348,8 +348,7 @@ async fn a_cancelled_transaction_publishes_nothing_and_its_rerun_the_same_ids() 
                     Ok::<_, HandlerError>((tx, vec![first, second]))
                 }
             })
-            .await;
-        result
+            .await
     };
     let failed = guarded(msg.clone()).await.unwrap_err();
     let DynamoError::Handler(failure) = failed else {
@@ -361,19 +360,19 @@ async fn a_cancelled_transaction_publishes_nothing_and_its_rerun_the_same_ids() 
     assert_eq!((condition.index, condition.action), (1, "ConditionCheck"));
     assert_eq!(failure.attempts, 1);
     assert!(matches!(failure.disposition, Disposition::Retry { .. }));
-    assert!(outbox_items(&setup).await.is_empty());
+    assert!(outbox_items(setup).await.is_empty());
     let sink = MemorySink::new();
     let relay = relay(&setup.outbox, &sink);
     assert_eq!(relay.run_once().await.unwrap().leased, 0);
 
     // The account appears; the redelivery publishes the same ids, once.
-    add_account(&setup, "acct-2").await;
+    add_account(setup, "acct-2").await;
     let outcome = guarded(msg.clone()).await.unwrap();
     assert_eq!(
         outcome,
         Outcome::Processed(vec![id("c-2", 0), id("c-2", 1)])
     );
-    assert_eq!(outbox_items(&setup).await.len(), 2);
+    assert_eq!(outbox_items(setup).await.len(), 2);
 
     // A duplicate delivery that loses the claim to a concurrent one publishes nothing: the
     // handler of the outer delivery runs the inner one to commit before its own submit.
@@ -383,15 +382,15 @@ async fn a_cancelled_transaction_publishes_nothing_and_its_rerun_the_same_ids() 
         .inbox
         .process(CONSUMER, &msg, |mut tx| async move {
             let ids = vec![tx.publish(outbox, event(inner, 0, None))?];
-            let concurrent = deliver(&setup, inner, 1, None).await.unwrap();
+            let concurrent = deliver(setup, inner, 1, None).await.unwrap();
             assert_eq!(concurrent, Outcome::Processed(vec![id("c-3", 0)]));
             Ok::<_, HandlerError>((tx, ids))
         })
         .await
         .unwrap();
     assert_eq!(outer, Outcome::Duplicate);
-    assert_eq!(counter(&setup, "acct-3").await, Some(7));
-    let items = outbox_items(&setup).await;
+    assert_eq!(counter(setup, "acct-3").await, Some(7));
+    let items = outbox_items(setup).await;
     assert_eq!(items.len(), 3);
     assert_eq!(text(&items[&id("c-3", 0)], "message_key"), "c-3");
 
@@ -652,13 +651,13 @@ async fn bad_input_is_refused_and_nothing_is_written() {
     .await
     .unwrap();
     assert_eq!(fits, Outcome::Processed(id("b-6", 0)));
-    let items = outbox_items(&setup).await;
+    let items = outbox_items(setup).await;
     assert_eq!(
         items.keys().cloned().collect::<Vec<_>>(),
         vec![id("b-6", 0)]
     );
     // Only the committed delivery credited.
-    assert_eq!(counter(&setup, "acct-0").await, Some(1));
+    assert_eq!(counter(setup, "acct-0").await, Some(1));
 }
 
 #[tokio::test]
@@ -692,7 +691,7 @@ async fn a_message_id_published_before_fails_the_transaction_as_a_condition() {
         (condition.index, condition.action, condition.table.as_str()),
         (0, "Put", setup.outbox.table())
     );
-    assert_eq!(outbox_items(&setup).await.len(), 1);
+    assert_eq!(outbox_items(setup).await.len(), 1);
 }
 
 /// A sink that, while it publishes, has "another relay" take over each message's lease (as
