@@ -774,6 +774,41 @@ async fn an_item_whose_leases_ran_out_too_often_is_dead_as_abandoned() {
     assert_eq!(text(item, "status"), "dead");
     assert!(text(item, "last_error").starts_with("the relay never finished publishing it"));
     assert!(!item.contains_key("lease_owner"));
+    // With an aggregate it stays in the index, blocking the aggregate.
+    assert_eq!(text(item, "pending_pk"), "pending");
     assert_eq!(relay.run_once().await.unwrap().abandoned, 0);
     assert!(sink.published().is_empty());
+}
+
+#[tokio::test]
+async fn change_data_capture_writes_items_already_sent_for_no_relay() {
+    let setup = setup().await;
+    let cdc = DynamoOutbox::new(
+        setup.inbox.client().clone(),
+        setup.outbox.table(),
+        OUTBOX.transport(inbox_runtime::outbox::Transport::ChangeDataCapture),
+    );
+    let msg = credit("cdc-1", "acct-1", 3);
+    let outcome = setup
+        .inbox
+        .process(CONSUMER, &msg, |mut tx| {
+            let (cdc, msg) = (cdc.clone(), msg.clone());
+            async move {
+                let id = tx.publish(&cdc, event(&msg, 0, None))?;
+                Ok::<_, HandlerError>((tx, id))
+            }
+        })
+        .await
+        .unwrap();
+    assert_eq!(outcome, Outcome::Processed(id("cdc-1", 0)));
+    let item = &outbox_items(&setup).await[&id("cdc-1", 0)];
+    assert_eq!(text(item, "status"), "sent");
+    assert!(!item.contains_key("pending_pk"));
+    let ttl = number(item, dynamodb::TTL_ATTRIBUTE) - number(item, "sent_at") / 1000;
+    assert!((7 * 86_400 - 1..=7 * 86_400).contains(&ttl), "{ttl}");
+    let sink = MemorySink::new();
+    assert_eq!(
+        relay(&setup.outbox, &sink).run_once().await.unwrap().leased,
+        0
+    );
 }

@@ -314,7 +314,7 @@ fn secs(duration: Duration) -> i64 {
 /// inbox.ensure_table().await?;
 /// outbox.ensure_table().await?;
 /// let (msg, out) = (&msg, &outbox);
-/// inbox
+/// let outcome = inbox
 ///     .process("orders", msg, |mut tx| async move {
 ///         let paid = OrderPaid { order_id: msg.order_id.clone() };
 ///         tx.publish(out, OutboxMessage::new("orders", &paid).aggregate(&msg.order_id))
@@ -322,6 +322,9 @@ fn secs(duration: Duration) -> i64 {
 ///         Ok::<_, Permanent>((tx, ()))
 ///     })
 ///     .await?;
+/// if let Outcome::Processed(()) = outcome {
+///     println!("paid; the event is in the outbox");
+/// }
 /// let report = DynamoRelay::new(outbox, MemorySink::new()).run_once().await?;
 /// println!("published {}", report.published);
 /// # Ok(()) }
@@ -713,8 +716,9 @@ impl DynamoRelay {
                 let Some(message_id) = text("pk") else {
                     continue;
                 };
-                if let Some(aggregate) = text("aggregate_id")
-                    && !seen_aggregates.insert(aggregate)
+                let aggregate = text("aggregate_id");
+                if let Some(aggregate) = &aggregate
+                    && !seen_aggregates.insert(aggregate.clone())
                 {
                     continue; // An earlier item of its aggregate is pending or dead.
                 }
@@ -726,7 +730,10 @@ impl DynamoRelay {
                 }
                 let attempts = number("attempts").unwrap_or(0);
                 if attempts >= i64::from(self.max_attempts) {
-                    if self.abandon(&message_id, attempts, now).await? {
+                    if self
+                        .abandon(&message_id, aggregate.is_some(), attempts, now)
+                        .await?
+                    {
                         report.abandoned += 1;
                     }
                     continue;
@@ -812,13 +819,20 @@ impl DynamoRelay {
     }
 
     /// Turns an item whose leases ran out `attempts` (≥ `max_attempts`) times `dead`, if it is
-    /// still so (pending, lease over, same attempts). `true` if it did.
+    /// still so (pending, lease over, same attempts); one without an aggregate leaves the index
+    /// (one with an aggregate stays, blocking it). `true` if it did.
     async fn abandon(
         &self,
         message_id: &str,
+        in_aggregate: bool,
         attempts: i64,
         now: i64,
     ) -> Result<bool, OutboxCallError> {
+        let leaves = if in_aggregate {
+            ""
+        } else {
+            ", pending_pk, pending_sk"
+        };
         let error = format!(
             "the relay never finished publishing it: its lease ran out unmarked {} times (each \
              relay that leased it crashed, hung or was stopped before the sink answered)",
@@ -830,9 +844,9 @@ impl DynamoRelay {
             .update_item()
             .table_name(&self.outbox.table)
             .key("pk", s(message_id))
-            .update_expression(
-                "SET #status = :dead, last_error = :error REMOVE lease_owner, lease_until",
-            )
+            .update_expression(format!(
+                "SET #status = :dead, last_error = :error REMOVE lease_owner, lease_until{leaves}"
+            ))
             .condition_expression(
                 "#status = :pending AND attempts = :attempts \
                  AND (attribute_not_exists(lease_until) OR lease_until <= :now)",
