@@ -37,7 +37,8 @@
 //! lease is taken by a conditional `UpdateItem` on the table itself, which decides ownership
 //! (`status = pending`, no lease running, due, attempts left), and every mark is conditional on
 //! the lease's owner. A stale index can delay an item (a round), never publish it twice within a
-//! lease or mark it for a relay that lost it.
+//! lease or mark it for a relay that lost it; across transactions it can let an aggregate's
+//! later item go ahead of an earlier one the index does not show yet (see the order, below).
 //!
 //! ## The outbox table
 //!
