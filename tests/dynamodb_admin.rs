@@ -794,7 +794,8 @@ async fn the_command_line_on_dynamodb() {
         ),
         (
             vec!["outbox", "list"],
-            "`outbox` is not available on DynamoDB: the DynamoDB store has no outbox",
+            "`outbox` is not available on DynamoDB: the command line does not cover the DynamoDB \
+             outbox (DynamoOutbox, DynamoRelay) yet",
         ),
     ];
     for (args, error) in errors {

@@ -131,9 +131,17 @@
 //! * Not yet: parked and stale states (per-aggregate ordering), the [`Dispatcher`](crate::Dispatcher)
 //!   (and with it replay by message name through registered handlers, and `dead replay` on the
 //!   command line), `#[idempotent]` handlers, rejected deliveries (not recorded: `stats` has no
-//!   `rejected:…` rows), the console, the outbox.
+//!   `rejected:…` rows), the console, the outbox's admin and command line.
+//!
+//! ## The outbox
+//!
+//! [`DynamoTx::publish`] writes an outbox item in the delivery's transaction (stable ids, as on
+//! the SQL stores), into a table of its own ([`DynamoOutbox`]); a polling [`DynamoRelay`]
+//! publishes the committed items to a [`Sink`](crate::sink::Sink). What it guarantees, in what
+//! order, its limits and its calls: [`outbox`].
 
 mod admin;
+pub mod outbox;
 mod size;
 
 pub use admin::{AdminError, DEAD_LETTER_ATTRIBUTE, DEAD_LETTER_INDEX, DynamoAdmin, INDEX_WAIT};
@@ -169,6 +177,7 @@ use crate::types::policy::RetryPolicy;
 /// handler's actions (`sdk::types::{Put, Update, Delete, ConditionCheck, AttributeValue}`) and
 /// the [`sdk::Client`].
 pub use aws_sdk_dynamodb as sdk;
+pub use outbox::{DynamoOutbox, DynamoRelay, OutboxCallError, PENDING_INDEX};
 
 /// The most actions a handler may add to one [`DynamoTx`]: 99 (DynamoDB's 100 per
 /// `TransactWriteItems`, less the claim).
@@ -410,6 +419,8 @@ pub struct DynamoTx {
     key: IdempotencyKey,
     attempt: u32,
     items: Vec<TransactWriteItem>,
+    /// What [`DynamoTx::publish`] has published in this run.
+    outbox: outbox::Published,
 }
 
 impl DynamoTx {
@@ -797,36 +808,7 @@ impl DynamoInbox {
             ));
         }
         self.ensure_dead_letter_index(table).await?;
-        let ttl = self
-            .client
-            .describe_time_to_live()
-            .table_name(&self.table)
-            .send()
-            .await
-            .map_err(|e| error("DescribeTimeToLive", e.into()))?;
-        let enabled = ttl.time_to_live_description().is_some_and(|d| {
-            d.attribute_name() == Some(TTL_ATTRIBUTE)
-                && matches!(
-                    d.time_to_live_status().map(|s| s.as_str()),
-                    Some("ENABLED" | "ENABLING")
-                )
-        });
-        if !enabled {
-            self.client
-                .update_time_to_live()
-                .table_name(&self.table)
-                .time_to_live_specification(
-                    TimeToLiveSpecification::builder()
-                        .enabled(true)
-                        .attribute_name(TTL_ATTRIBUTE)
-                        .build()
-                        .map_err(|e| error("UpdateTimeToLive", e.into()))?,
-                )
-                .send()
-                .await
-                .map_err(|e| error("UpdateTimeToLive", e.into()))?;
-        }
-        Ok(())
+        ensure_ttl(&self.client, &self.table).await
     }
 
     /// Runs one delivery of `msg` for `consumer`: the key is `msg`'s idempotency key, the
@@ -969,6 +951,7 @@ impl DynamoInbox {
                 key: key.clone(),
                 attempt,
                 items: Vec::new(),
+                outbox: outbox::Published::default(),
             };
             let (tx, value) = match handler(tx).await {
                 Ok(done) => done,
@@ -1349,6 +1332,48 @@ impl DynamoInbox {
             }
         }
     }
+}
+
+/// Enables DynamoDB's TTL on [`TTL_ATTRIBUTE`] of `table` unless it is enabled (or being
+/// enabled) already.
+///
+/// # Errors
+/// [`TableError`] of `DescribeTimeToLive` or `UpdateTimeToLive`.
+async fn ensure_ttl(client: &Client, table: &str) -> Result<(), TableError> {
+    let error = |operation: &'static str, source: BoxError| TableError {
+        table: table.to_owned(),
+        operation,
+        source,
+    };
+    let ttl = client
+        .describe_time_to_live()
+        .table_name(table)
+        .send()
+        .await
+        .map_err(|e| error("DescribeTimeToLive", e.into()))?;
+    let enabled = ttl.time_to_live_description().is_some_and(|d| {
+        d.attribute_name() == Some(TTL_ATTRIBUTE)
+            && matches!(
+                d.time_to_live_status().map(|s| s.as_str()),
+                Some("ENABLED" | "ENABLING")
+            )
+    });
+    if !enabled {
+        client
+            .update_time_to_live()
+            .table_name(table)
+            .time_to_live_specification(
+                TimeToLiveSpecification::builder()
+                    .enabled(true)
+                    .attribute_name(TTL_ATTRIBUTE)
+                    .build()
+                    .map_err(|e| error("UpdateTimeToLive", e.into()))?,
+            )
+            .send()
+            .await
+            .map_err(|e| error("UpdateTimeToLive", e.into()))?;
+    }
+    Ok(())
 }
 
 /// What a cancellation's reasons mean, first match wins.

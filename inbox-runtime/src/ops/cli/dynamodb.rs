@@ -14,11 +14,11 @@
 //! | command | on DynamoDB |
 //! |---|---|
 //! | `migrate` | [`DynamoInbox::ensure_table`]: the table, its dead-letter index, TTL |
-//! | `stats` | [`DynamoAdmin::stats`] (a `Scan` of the table); no rejected deliveries (not recorded on DynamoDB), no outbox |
+//! | `stats` | [`DynamoAdmin::stats`] (a `Scan` of the table); no rejected deliveries (not recorded on DynamoDB), no outbox part (the DynamoDB outbox has no admin yet) |
 //! | `dead list` | [`DynamoAdmin::list`] (the dead-letter index) |
 //! | `dead show` | [`DynamoAdmin::show`] |
 //! | `dead discard` | [`DynamoAdmin::discard`] |
-//! | `dead replay`, `outbox …`, `purge` | refused: [`CliError::Unsupported`] (replay comes with the DynamoDB dispatcher; there is no outbox on DynamoDB; DynamoDB's TTL is the purge) |
+//! | `dead replay`, `outbox …`, `purge` | refused: [`CliError::Unsupported`] (replay comes with the DynamoDB dispatcher; the DynamoDB outbox has no commands yet; DynamoDB's TTL is the purge) |
 //!
 //! A command that names a consumer and finds nothing (`dead list --consumer` with no rows,
 //! `dead show`, `dead discard`) then reads the statistics to tell an unknown consumer
@@ -152,7 +152,7 @@ pub async fn execute_to(
         AdminCommand::Outbox(_) => {
             return Err(CliError::Unsupported {
                 command: "outbox",
-                why: "the DynamoDB store has no outbox",
+                why: "the command line does not cover the DynamoDB outbox (DynamoOutbox, DynamoRelay) yet",
             });
         }
         AdminCommand::Purge(_) => {
