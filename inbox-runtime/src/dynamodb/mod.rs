@@ -62,7 +62,8 @@
 //!    fingerprint, the attempt count), on the condition that the item is still as it was read:
 //!    `attribute_not_exists(pk) OR expires_at <= :now` for a new (or expired) key, or
 //!    `status = failed AND attempts = :read AND payload_hash = :hash` to take over a failed
-//!    attempt. The call carries a client request token derived from consumer, key, attempt
+//!    attempt (`status = dead AND …` for a replay of a dead letter,
+//!    [`DynamoInbox::replay_stored`]). The call carries a client request token derived from consumer, key, attempt
 //!    number and this delivery's resend number, so that the SDK's own retry of a submit whose
 //!    answer was lost is not applied twice (DynamoDB keeps tokens for 10 minutes). The claim's
 //!    condition, not the token, is what keeps an effect from applying twice: another delivery
@@ -100,7 +101,19 @@
 //! `payload_hash` (64 hex digits, [`Fingerprint`]), `status` (`processed` | `failed` | `dead`),
 //! `attempts`, `received_at`, `processed_at`, `next_attempt_at` (epoch milliseconds),
 //! `last_error`, `payload` (binary; failed and dead only), `expires_at` (epoch seconds;
-//! processed only).
+//! processed, and discarded from the discard on), [`DEAD_LETTER_ATTRIBUTE`] (the consumer;
+//! failed and dead only: the key of the sparse global secondary index [`DEAD_LETTER_INDEX`],
+//! sorted by `received_at`). A `discarded` item (an operator's
+//! [`DynamoAdmin::discard`]) answers its key's redeliveries [`Outcome::Discarded`] until its
+//! retention window ends; another payload under it is a [`DynamoError::Conflict`].
+//!
+//! ## Operating it
+//!
+//! [`DynamoInbox::admin`] gives the SQL admin's operations on the table ([`DynamoAdmin`]:
+//! stats, list, show, discard; their DynamoDB calls and read costs are in its module's docs),
+//! [`DynamoInbox::replay_stored`] runs a failed or dead message once more through the claim,
+//! and `ops::cli::dynamodb` (features `cli` and `dynamodb`) is the command line on it, store URL
+//! `dynamodb://TABLE` ([`DynamoInbox::from_url`]).
 //!
 //! ## Limits and differences from the SQL stores
 //!
@@ -115,8 +128,10 @@
 //!   workers' clocks should agree to well under the retry delays and the retention window.
 //! * A handler action on the inbox table's own item of this key is refused by DynamoDB (one
 //!   action per item per transaction): [`DynamoError::Cancelled`] or [`DynamoError::Dynamo`].
-//! * Not yet: parked and stale states (per-aggregate ordering), the [`Dispatcher`](crate::Dispatcher),
-//!   `#[idempotent]` handlers, the admin API.
+//! * Not yet: parked and stale states (per-aggregate ordering), the [`Dispatcher`](crate::Dispatcher)
+//!   (and with it replay by message name through registered handlers, and `dead replay` on the
+//!   command line), `#[idempotent]` handlers, rejected deliveries (not recorded: `stats` has no
+//!   `rejected:…` rows), the console, the outbox's admin and command line.
 //!
 //! ## The outbox
 //!
@@ -125,8 +140,11 @@
 //! publishes the committed items to a [`Sink`](crate::sink::Sink). What it guarantees, in what
 //! order, its limits and its calls: [`outbox`].
 
+mod admin;
 pub mod outbox;
 mod size;
+
+pub use admin::{AdminError, DEAD_LETTER_ATTRIBUTE, DEAD_LETTER_INDEX, DynamoAdmin, INDEX_WAIT};
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -512,8 +530,12 @@ enum Decision {
 enum Claim {
     /// No item, or an expired one.
     New,
-    /// A failed item with this many attempts, due again.
-    Takeover { attempts: u32, received_at: i64 },
+    /// A failed item with this many attempts, due again (or a dead one, `dead`, by a replay).
+    Takeover {
+        attempts: u32,
+        received_at: i64,
+        dead: bool,
+    },
 }
 
 impl Claim {
@@ -704,13 +726,17 @@ impl DynamoInbox {
     }
 
     /// Creates the inbox table if it does not exist (partition key `pk`, string; on-demand
-    /// billing), waits until it is `ACTIVE` (polling `DescribeTable` every 100 ms, at most
-    /// 2 minutes) and enables TTL on [`TTL_ATTRIBUTE`] if it is not. Idempotent: run it at
-    /// every start.
+    /// billing; with the sparse [`DEAD_LETTER_INDEX`] of failed and dead items, see
+    /// [`DynamoAdmin`]), waits until it is `ACTIVE` (the SDK's waiter polls `DescribeTable`, at
+    /// most 2 minutes), adds the dead-letter index to a table that lacks it and waits until the
+    /// index is `ACTIVE` (polling every second, at most [`INDEX_WAIT`]: 10 minutes), and enables
+    /// TTL on [`TTL_ATTRIBUTE`] if it is not. Idempotent: run it at every start.
     ///
     /// # Errors
     /// [`TableError`] if a call fails, if the table exists with a key schema other than `pk`
-    /// (string) alone, or is not `ACTIVE` after 2 minutes.
+    /// (string) alone, or is not `ACTIVE` after 2 minutes; if an index named
+    /// [`DEAD_LETTER_INDEX`] has other keys, or the index is not `ACTIVE` after
+    /// [`INDEX_WAIT`].
     pub async fn ensure_table(&self) -> Result<(), TableError> {
         let error = |operation: &'static str, source: BoxError| TableError {
             table: self.table.clone(),
@@ -736,6 +762,9 @@ impl DynamoInbox {
                     .build()
                     .map_err(|e| error("CreateTable", e.into()))?,
             )
+            .attribute_definitions(admin::index_attribute_definitions().0)
+            .attribute_definitions(admin::index_attribute_definitions().1)
+            .global_secondary_indexes(admin::dead_letter_index())
             .send()
             .await;
         if let Err(e) = created {
@@ -778,6 +807,7 @@ impl DynamoInbox {
                 format!("the table's partition key `pk` is of type {shown}, not S (string)").into(),
             ));
         }
+        self.ensure_dead_letter_index(table).await?;
         ensure_ttl(&self.client, &self.table).await
     }
 
@@ -837,7 +867,15 @@ impl DynamoInbox {
         Fut: Future<Output = Result<(DynamoTx, T), E>>,
     {
         let result = self
-            .run(consumer, message_name, key, fingerprint, payload, handler)
+            .run(
+                consumer,
+                message_name,
+                key,
+                fingerprint,
+                payload,
+                false,
+                handler,
+            )
             .await;
         let outcome = match &result {
             Ok(Outcome::Processed(_)) => "processed",
@@ -861,6 +899,8 @@ impl DynamoInbox {
         result
     }
 
+    /// One delivery (`replay`: a replay, see [`Ctx::replay`]).
+    #[allow(clippy::too_many_arguments)]
     async fn run<T, E, F, Fut>(
         &self,
         consumer: &str,
@@ -868,6 +908,7 @@ impl DynamoInbox {
         key: &IdempotencyKey,
         fingerprint: Fingerprint,
         payload: &[u8],
+        replay: bool,
         mut handler: F,
     ) -> Result<Outcome<T>, DynamoError<E>>
     where
@@ -890,6 +931,7 @@ impl DynamoInbox {
             key,
             fingerprint,
             pk: &pk,
+            replay,
         };
         let mut item = self.read(&ctx).await?;
         // Numbers the client request tokens of this delivery's sends (see `request_token`).
@@ -1011,16 +1053,16 @@ impl DynamoInbox {
         let stored = Fingerprint::from_hex(text("payload_hash")?)
             .ok_or_else(|| ctx.malformed("`payload_hash` is not 64 hex digits".to_owned()))?;
         let status = text("status")?;
-        if status == "discarded" {
-            return Ok(Decision::Settled(Outcome::Discarded));
-        }
+        // A different payload is a conflict whatever the status (discarded included), as on
+        // the SQL stores (`protocol::decide`).
         if stored != ctx.fingerprint {
             return Ok(Decision::Conflict(stored));
         }
         match status {
             "processed" => Ok(Decision::Settled(Outcome::Duplicate)),
-            "dead" => Ok(Decision::Settled(Outcome::Dead)),
-            "failed" => {
+            "discarded" => Ok(Decision::Settled(Outcome::Discarded)),
+            "dead" if !ctx.replay => Ok(Decision::Settled(Outcome::Dead)),
+            "failed" | "dead" => {
                 let attempts = number("attempts")?
                     .ok_or_else(|| ctx.malformed("`attempts` is missing".to_owned()))?;
                 let attempts = u32::try_from(attempts).map_err(|_| {
@@ -1030,7 +1072,7 @@ impl DynamoInbox {
                     ))
                 })?;
                 let next = number("next_attempt_at")?.unwrap_or(0);
-                if next > now.ms {
+                if next > now.ms && !ctx.replay {
                     let wait = u64::try_from(next - now.ms).unwrap_or(0);
                     return Ok(Decision::Settled(Outcome::NotYet {
                         retry_in: Duration::from_millis(wait),
@@ -1040,6 +1082,7 @@ impl DynamoInbox {
                 Ok(Decision::Claim(Claim::Takeover {
                     attempts,
                     received_at,
+                    dead: status == "dead",
                 }))
             }
             other => Err(ctx.malformed(format!("status `{other}` is not one this store writes"))),
@@ -1084,12 +1127,12 @@ impl DynamoInbox {
                 .condition_expression("attribute_not_exists(pk) OR #expires <= :now")
                 .expression_attribute_names("#expires", TTL_ATTRIBUTE)
                 .expression_attribute_values(":now", n(now.secs())),
-            Claim::Takeover { attempts, .. } => builder
+            Claim::Takeover { attempts, dead, .. } => builder
                 .condition_expression(
-                    "#status = :failed AND attempts = :attempts AND payload_hash = :hash",
+                    "#status = :taken AND attempts = :attempts AND payload_hash = :hash",
                 )
                 .expression_attribute_names("#status", "status")
-                .expression_attribute_values(":failed", s("failed"))
+                .expression_attribute_values(":taken", s(if dead { "dead" } else { "failed" }))
                 .expression_attribute_values(":attempts", n(attempts))
                 .expression_attribute_values(":hash", s(ctx.fingerprint.to_hex())),
         };
@@ -1230,6 +1273,9 @@ impl DynamoInbox {
             ("status".to_owned(), s(if dead { "dead" } else { "failed" })),
             ("last_error".to_owned(), s(self.policy.bounded_error(error))),
             ("payload".to_owned(), AttributeValue::B(Blob::new(payload))),
+            // Puts the item in the sparse dead-letter index (a claim's `Put` replaces the whole
+            // item, and so takes it out again).
+            (DEAD_LETTER_ATTRIBUTE.to_owned(), s(ctx.consumer)),
         ]);
         if !dead {
             attributes.insert(
@@ -1380,6 +1426,9 @@ struct Ctx<'a> {
     key: &'a IdempotencyKey,
     fingerprint: Fingerprint,
     pk: &'a str,
+    /// A replay ([`DynamoInbox::replay_stored`]): takes a dead item over too, and a failed one
+    /// before its next attempt is due (as the SQL stores' `ClaimMode::Replay`).
+    replay: bool,
 }
 
 impl Ctx<'_> {

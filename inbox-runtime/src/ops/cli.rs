@@ -55,6 +55,9 @@
 //! and `outbox discard` take `dead` rows only, and `outbox discard` asks first when standard
 //! input is a terminal (`--yes` does not ask). `outbox list --destination` and `outbox retry
 //! --dead --destination` refuse a destination the outbox has no rows for.
+//!
+//! On the DynamoDB inbox (features `cli` and `dynamodb`), `ops::cli::dynamodb` runs the same
+//! commands with the same output on a `dynamodb::DynamoInbox`, store URL `dynamodb://TABLE`.
 
 use std::ffi::OsString;
 use std::io::{self, IsTerminal as _, Write};
@@ -78,6 +81,9 @@ use crate::types::error::ReplayError;
 use crate::types::error::{Error, RegistryError};
 use crate::types::outcome::Outcome;
 use crate::types::status::Status;
+
+#[cfg(feature = "dynamodb")]
+pub mod dynamodb;
 
 /// A parser for the admin commands alone, as [`run`] uses it: the first argument is the program
 /// name (clap's convention), the rest is an [`AdminCommand`].
@@ -425,6 +431,24 @@ pub enum CliError {
     /// Writing the output failed.
     #[error("output: {0}")]
     Io(#[from] io::Error),
+    /// A DynamoDB call of the admin failed, or an inbox item is malformed, or the store URL is
+    /// not `dynamodb://TABLE` ([`dynamodb`]).
+    #[cfg(feature = "dynamodb")]
+    #[error(transparent)]
+    Dynamo(#[from] crate::dynamodb::AdminError),
+    /// `migrate` on DynamoDB: [`crate::dynamodb::DynamoInbox::ensure_table`] failed.
+    #[cfg(feature = "dynamodb")]
+    #[error(transparent)]
+    DynamoTable(#[from] crate::dynamodb::TableError),
+    /// A command the store does not have ([`dynamodb`]: `dead replay`, `outbox …`, `purge`).
+    #[cfg(feature = "dynamodb")]
+    #[error("`{command}` is not available on DynamoDB: {why}")]
+    Unsupported {
+        /// The command.
+        command: &'static str,
+        /// Why, and what to do instead.
+        why: &'static str,
+    },
 }
 
 /// `none` if `known` is empty, else `label: ` and the known names, comma-separated.
