@@ -156,8 +156,9 @@ impl Row {
             at(0.5),
             at(0.99),
             format!(
-                "{:.2}",
-                self.stats.calls as f64 / self.deliveries.max(1) as f64
+                "{:.2} ({} calls)",
+                self.stats.calls as f64 / self.deliveries.max(1) as f64,
+                self.stats.calls
             ),
             self.stats.transient_retries.to_string(),
             self.outcomes.clone(),
