@@ -6,6 +6,7 @@
 //! cargo run --example ledger -- - < events.jsonl     # standard input
 //! cargo run --example ledger -- events.jsonl --expected truth.json
 //! DATABASE_URL=postgres://user@host/db cargo run --example ledger
+//! cargo run --example ledger --features dynamodb -- --store dynamodb://ledger   # AWS_* variables
 //!
 //! # On a broker: load the sample into it, then consume it (see "Brokers" below)
 //! cargo run --example ledger -- publish --to amqp://127.0.0.1:5672/%2f
@@ -62,6 +63,16 @@
 //! SQLite file `ledger.db` in the current directory (created if missing, WAL mode). The demo
 //! runs the inbox migrations and creates its `accounts` table itself. Run it twice on the same
 //! database: the second run applies nothing (`processed=0`) and the balances are unchanged.
+//!
+//! **DynamoDB** (examples feature `dynamodb`): `--store dynamodb://TABLE` (`--store` is another
+//! name of `--database-url`) keeps the inbox in the DynamoDB table `TABLE` and the accounts in
+//! `TABLE-accounts`, both created if absent; endpoint, region and credentials from the standard
+//! AWS variables (`AWS_ENDPOINT_URL` for moto or DynamoDB Local). Each line's claim and balance
+//! `Update` commit in one `TransactWriteItems` (see `dynamo.rs`); the lines printed, the counts and
+//! the balances are those of a SQL database, plus a `dynamodb: N calls` line. File mode only:
+//! what the SQL run has and this one has not yet (rejected lines kept, `ledger admin`,
+//! `ledger console`, `--source`, `--cache`) is printed as `not on dynamodb yet: …`, and refused
+//! with an error where it is asked for.
 //!
 //! **Check**: with the default input, the balances in the database are compared with the
 //! sample's `expected.json`; with another input, only if `--expected FILE` is given (a file of
