@@ -451,6 +451,27 @@ async fn the_same_lines_as_sqlite_and_nothing_applied_twice() {
         stderr.contains("is a DynamoDB store: this command needs a SQL database"),
         "{stderr}"
     );
+    // Bad input: a table name DynamoDB would refuse, a cache the store has not; nothing created.
+    for (name, extra, error) in [
+        (
+            "bad-name",
+            vec!["--store", "dynamodb://a/b"],
+            "`dynamodb://a/b`: `a/b` is not a DynamoDB table name: 3 to 255 characters",
+        ),
+        (
+            "cache",
+            vec!["--store", dynamo.as_str(), "--cache", "memory"],
+            "--cache memory: the dedupe cache is not available on the DynamoDB store yet",
+        ),
+    ] {
+        let log = dir.path().join(format!("{name}.log"));
+        let mut all = vec![input.as_str()];
+        all.extend(extra);
+        let (status, stdout) = wait_ledger(spawn(&all, &log), &log, Duration::from_secs(60));
+        let stderr = std::fs::read_to_string(&log).unwrap();
+        assert_eq!(status.code(), Some(2), "{name}: {stdout}\n{stderr}");
+        assert!(stderr.contains(error), "{name}: {stderr}");
+    }
     eprintln!("dynamodb ledger: {:.1} s", started.elapsed().as_secs_f64());
 }
 
