@@ -9,6 +9,8 @@
 #   scripts/bench.sh --help           # every option of the harness
 #   scripts/bench.sh --only kafka     # Kafka scale-out: 1, 2, 4 consumer processes in one group
 #   scripts/bench.sh --only mysql     # MariaDB: bare effect, one message per transaction, batch 100
+#   scripts/bench.sh --only dynamodb  # DynamoDB (moto): new keys, duplicates, a 16-task storm;
+#                                     # deliveries/s and DynamoDB calls per delivery
 #   scripts/bench.sh --only contention  # Worker batches over hot rows: 4 vs 1 batch in flight
 #   scripts/bench.sh --only contention --contention-aggregate
 #                                     # the same, and with the aggregate (the account) declared:
@@ -41,6 +43,10 @@
 # Asking for the `kafka` section (`--only kafka`, alone or in a list) builds the harness with the
 # examples feature `kafka` (librdkafka, built with cmake: scripts/deps.sh installs what it needs);
 # otherwise the harness needs nothing but cargo and reports that section as not built.
+# Asking for the `dynamodb` section builds the harness with the examples feature `dynamodb` (the
+# AWS SDK) and runs it against DYNAMODB_ENDPOINT if set, else against a throwaway serial moto
+# started with scripts/sqs.sh on ports of its own ($INBOX_BENCH_SQS_PORT, default 5013, and
+# $INBOX_BENCH_DYNAMODB_PORT, default 5014; $INBOX_BENCH_SQS_DIR, default /tmp/inbox-bench-sqs).
 #
 # PostgreSQL: the server of BENCH_DATABASE_URL or of --database-url if given (the harness works
 # in its own database there, `inbox_bench`); otherwise a throwaway PostgreSQL started here with
@@ -130,7 +136,7 @@ if [ -n "$only" ] && [ -z "$help" ]; then
   needs_pg=
   for section in ${only//,/ }; do
     case "$section" in
-      mysql | sqlite | cpu) ;;
+      mysql | sqlite | cpu | dynamodb) ;;
       *) needs_pg=yes ;;
     esac
   done
@@ -139,6 +145,9 @@ features=()
 if runs kafka; then
   features=(--features kafka)
   scripts/deps.sh
+fi
+if runs dynamodb; then
+  features+=(--features dynamodb)
 fi
 
 # --compare REV: the harness built at REV, in a temporary worktree with its own target directory.
@@ -228,6 +237,18 @@ if runs mysql default && [ -z "${MYSQL_URL:-}" ]; then
   eval "$exports"
   export MYSQL_URL
   echo "bench.sh: throwaway MariaDB at $MYSQL_URL" >&2
+fi
+
+# The dynamodb section's server: a throwaway serial moto unless DYNAMODB_ENDPOINT names one.
+if runs dynamodb && [ -z "${DYNAMODB_ENDPOINT:-}" ]; then
+  export INBOX_SQS_DIR=${INBOX_BENCH_SQS_DIR:-/tmp/inbox-bench-sqs}
+  export INBOX_SQS_PORT=${INBOX_BENCH_SQS_PORT:-5013}
+  export INBOX_DYNAMODB_PORT=${INBOX_BENCH_DYNAMODB_PORT:-5014}
+  started+=(sqs)
+  exports=$(scripts/sqs.sh start)
+  eval "$exports"
+  export DYNAMODB_ENDPOINT AWS_REGION AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY
+  echo "bench.sh: throwaway moto (DynamoDB) at $DYNAMODB_ENDPOINT" >&2
 fi
 
 mkdir -p target

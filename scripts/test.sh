@@ -201,7 +201,7 @@ for arg in "$@"; do
   esac
 done
 # Builds the demos the tests run (`cargo build --workspace --examples`, and the ledger with the
-# examples features `kafka` and `sqs`), copies them to $WORK/examples under the
+# examples features `kafka`, `sqs` and `dynamodb`), copies them to $WORK/examples under the
 # names tests/ledger_support.rs asks for, and exports INBOX_TEST_EXAMPLES_DIR: the tests then run
 # those copies and never call cargo, so nothing they do waits for the build directory's lock.
 prebuild_examples() {
@@ -217,18 +217,20 @@ prebuild_examples() {
   TMPDIR=$WORK/tmp cargo build --workspace --examples --message-format=json-render-diagnostics \
     >"$json" || return 1
   example_artifacts | while read -r name executable; do cp "$executable" "$dir/$name"; done
-  # One ledger with both broker features, for the tests of either (ledger-kafka, ledger-sqs).
+  # One ledger with the broker features and DynamoDB, for the tests of each (ledger-kafka,
+  # ledger-sqs, ledger-dynamodb).
   TMPDIR=$WORK/tmp cargo build --workspace --example ledger \
-    --features inbox-examples/kafka,inbox-examples/sqs \
+    --features inbox-examples/kafka,inbox-examples/sqs,inbox-examples/dynamodb \
     --message-format=json-render-diagnostics >"$json" || return 1
   example_artifacts | while read -r name executable; do
     if [ "$name" = ledger ]; then
       cp "$executable" "$dir/ledger-kafka"
       cp "$executable" "$dir/ledger-sqs"
+      cp "$executable" "$dir/ledger-dynamodb"
     fi
   done
   local name
-  for name in ledger ledger-kafka ledger-sqs pipeline payments; do
+  for name in ledger ledger-kafka ledger-sqs ledger-dynamodb pipeline payments; do
     [ -x "$dir/$name" ] || {
       echo "test.sh: no $name demo after the build (cargo named none, or copying it failed)" >&2
       return 1

@@ -1,8 +1,9 @@
 //! The ledger demo's plain file mode, run as a user runs it: the summary lines the README shows
 //! for the bundled sample, a failed line that does not stop the stream (`failed=N`, exit
 //! status 2), a rejected line kept with its parse error, and the `--metrics` counter of
-//! rejected deliveries. On SQLite files in a temporary directory; everything the test writes,
-//! the private copy of the demo's executable included, is removed afterwards, also on failure.
+//! rejected deliveries; brokers and DynamoDB refused, naming the feature, in the default build.
+//! On SQLite files in a temporary directory; everything the test writes, the private copy of the
+//! demo's executable included, is removed afterwards, also on failure.
 //! One test function, so that the copy is removed only once every run is over.
 
 #![allow(missing_docs)]
@@ -35,6 +36,7 @@ async fn file_mode() {
     the_dedupe_caches_change_no_summary();
     kafka_without_the_feature_is_refused();
     sqs_without_the_feature_is_refused();
+    dynamodb_without_the_feature_is_refused();
     bad_durations_are_refused();
 }
 
@@ -306,6 +308,22 @@ fn sqs_without_the_feature_is_refused() {
             "{name}: {stderr}"
         );
     }
+}
+
+/// The default build has no DynamoDB client: `--store dynamodb://…` is refused with status 2 and
+/// an error that names the examples feature to build with.
+fn dynamodb_without_the_feature_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("ledger.db");
+    let (status, stdout, stderr) = run(&["--store", "dynamodb://ledger"], &db, dir.path(), "ddb");
+    assert_eq!(status.code(), Some(2), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains(
+            "ledger: `dynamodb://ledger`: DynamoDB needs the examples feature `dynamodb`"
+        ),
+        "{stderr}"
+    );
+    assert!(!db.exists(), "no SQLite database made");
 }
 
 /// The default build has no Kafka client: a `kafka://` URL, to consume from or to publish to, is

@@ -66,6 +66,19 @@ pub fn ledger_sqs_bin() -> &'static Path {
     })
 }
 
+/// The `ledger` example with the examples feature `dynamodb` (its `--store dynamodb://TABLE`),
+/// built and copied as [`ledger_bin`] is, as `ledger-dynamodb`.
+pub fn ledger_dynamodb_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        build_example_with(
+            "ledger",
+            &["--features", "inbox-examples/dynamodb"],
+            "ledger-dynamodb",
+        )
+    })
+}
+
 /// The `pipeline` example, built and copied as [`ledger_bin`] is.
 pub fn pipeline_bin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();

@@ -31,6 +31,10 @@
 //! * **Kafka scale-out** (`--only kafka`, examples feature `kafka`; `scripts/bench.sh --only
 //!   kafka` adds it): 1, 2 and 4 consumer processes in one group over a 16-partition topic of
 //!   librdkafka's mock cluster, on one PostgreSQL (`kafka.rs`).
+//! * **Amazon DynamoDB** (`--only dynamodb`, only when named; examples feature `dynamodb`;
+//!   `scripts/bench.sh --only dynamodb` adds it and starts a throwaway moto): deliveries per
+//!   second and DynamoDB calls per delivery of new keys and duplicates, and a storm of 16 tasks ×
+//!   3 deliveries of 500 keys (`dynamodb.rs`).
 //! * **Contention** (`--only contention`, only when named): `Worker` batches of 100 over 1,000 hot
 //!   accounts, 4 batches in flight vs 1, deadlocks and contention fallbacks (`contention.rs`).
 //! * **The peers' workload** (`--only peers`, and in `--smoke`): one seeded list of deliveries
@@ -51,6 +55,8 @@
 
 mod compare;
 mod contention;
+#[cfg(feature = "dynamodb")]
+mod dynamodb;
 #[cfg(feature = "kafka")]
 mod kafka;
 mod measure;
@@ -96,6 +102,11 @@ struct Args {
     /// skipped.
     #[arg(long, env = "MYSQL_URL")]
     mysql_url: Option<String>,
+    /// DynamoDB endpoint of the `dynamodb` section (`http://127.0.0.1:5012`: moto, DynamoDB
+    /// Local); region and credentials from the standard AWS variables. Without it, that section
+    /// is skipped.
+    #[arg(long, env = "DYNAMODB_ENDPOINT")]
+    dynamodb_endpoint: Option<String>,
     /// The database the harness drops, creates and works in.
     #[arg(long, default_value = "inbox_bench")]
     db_name: String,
@@ -228,6 +239,9 @@ enum Section {
     /// The Worker (one per transaction, and default batching) against `dispatch_on` at the same
     /// concurrency (only when named: `--only worker`; `worker.rs`).
     Worker,
+    /// Amazon DynamoDB (`--dynamodb-endpoint`): new keys, duplicates and a storm, with DynamoDB
+    /// calls per delivery (only when named: `--only dynamodb`; examples feature `dynamodb`).
+    Dynamodb,
     /// The peers' workload: one seeded list of deliveries through pgbench's naive inbox,
     /// pgbench running the runtime's statements, the psycopg2 reference consumer and ours, with
     /// exact-effect checks (when named: `--only peers`, and in `--smoke`'s default set).
@@ -792,6 +806,13 @@ async fn run(args: &Args) -> Result<String, BoxError> {
     }
     if wanted(Section::Mysql) {
         mysql_section(&mut out, &p, args).await?;
+    }
+    if args
+        .only
+        .as_ref()
+        .is_some_and(|only| only.contains(&Section::Dynamodb))
+    {
+        dynamodb_section(&mut out, &p, args).await?;
     }
     if let Some(pg) = &mut pg {
         later_pg_sections(&mut out, pg, &p, args, &wanted).await?;
@@ -2268,6 +2289,27 @@ async fn purge_section(out: &mut Out, pg: &mut Pg, p: &Profile) -> Result<(), Bo
 /// MySQL/MariaDB (issue 16): the bare effect, one message per transaction and batches of 100,
 /// side by side in interleaved rounds at each worker count, the effects checked exact after
 /// every measurement (see `mysql.rs`).
+/// Amazon DynamoDB (see `dynamodb.rs`), or why it is not measured.
+async fn dynamodb_section(out: &mut Out, p: &Profile, args: &Args) -> Result<(), BoxError> {
+    let endpoint = args.dynamodb_endpoint.as_deref().filter(|e| !e.is_empty());
+    #[cfg(feature = "dynamodb")]
+    if let Some(endpoint) = endpoint {
+        return dynamodb::section(out, p.name, endpoint).await;
+    }
+    let _ = p;
+    out.line("## Amazon DynamoDB");
+    out.line("");
+    out.line(if cfg!(feature = "dynamodb") || endpoint.is_some() {
+        "Not measured: no `--dynamodb-endpoint` / `DYNAMODB_ENDPOINT` given \
+         (`scripts/bench.sh --only dynamodb` starts a throwaway moto)."
+    } else {
+        "Not measured: the harness was built without the examples feature `dynamodb` \
+         (`scripts/bench.sh --only dynamodb` builds it with the feature)."
+    });
+    out.line("");
+    Ok(())
+}
+
 async fn mysql_section(out: &mut Out, p: &Profile, args: &Args) -> Result<(), BoxError> {
     let Some(url) = args.mysql_url.as_deref().filter(|u| !u.is_empty()) else {
         out.line("## MySQL/MariaDB");

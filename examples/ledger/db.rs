@@ -34,6 +34,8 @@ pub(crate) enum Db {
 pub(crate) enum DbError {
     /// The URL names no supported database.
     Url(String),
+    /// The URL names a DynamoDB store (`dynamodb://TABLE`), where a SQL database is needed.
+    NotSql(String),
     /// Connecting, migrating or querying failed.
     Sql(String, sqlx::Error),
     /// The inbox migrations failed.
@@ -46,7 +48,13 @@ impl std::fmt::Display for DbError {
             DbError::Url(url) => write!(
                 f,
                 "unsupported database URL `{url}`: expected postgres://…, mysql://…, mariadb://… \
-                 or sqlite:…"
+                 or sqlite:… (or dynamodb://TABLE, file mode only)"
+            ),
+            DbError::NotSql(url) => write!(
+                f,
+                "`{url}` is a DynamoDB store: this command needs a SQL database (postgres://…, \
+                 mysql://…, mariadb://… or sqlite:…), not available on DynamoDB yet; on DynamoDB \
+                 the ledger runs in file mode only: ledger --store {url} [PATH|-]"
             ),
             DbError::Sql(what, error) => write!(f, "{what}: {error}"),
             DbError::Migrate(error) => write!(f, "inbox migrations failed: {error}"),
@@ -135,6 +143,7 @@ impl Db {
                     .map_err(connect_error)?;
                 Ok((Db::MySql(pool), description))
             }
+            Some(url) if url.starts_with("dynamodb://") => Err(DbError::NotSql(url.to_owned())),
             Some(url) => Err(DbError::Url(url.to_owned())),
         }
     }

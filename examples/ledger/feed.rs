@@ -36,10 +36,10 @@ pub(crate) struct Counts {
 /// One line of the stream: `{"message": NAME, "payload": {…}}`. The payload is kept as raw
 /// bytes: decoding it into the message type is the dispatcher's job.
 #[derive(Deserialize)]
-struct Line<'a> {
-    message: String,
+pub(crate) struct Line<'a> {
+    pub(crate) message: String,
     #[serde(borrow)]
-    payload: &'a RawValue,
+    pub(crate) payload: &'a RawValue,
 }
 
 /// Why feeding stopped before the end of the stream: the input could not be read.
@@ -62,7 +62,8 @@ fn trim_newline(mut line: &[u8]) -> &[u8] {
     line
 }
 
-fn reject(counts: &mut Counts, line: u64, reason: &dyn std::fmt::Display) {
+/// A line that is not a message: counted, reported on stderr.
+pub(crate) fn reject(counts: &mut Counts, line: u64, reason: &dyn std::fmt::Display) {
     counts.rejected += 1;
     crate::observe::rejected();
     crate::observe::note(format_args!("line {line}: rejected: {reason}"));
@@ -70,7 +71,7 @@ fn reject(counts: &mut Counts, line: u64, reason: &dyn std::fmt::Display) {
 
 /// A line that was not applied because something failed: counted, reported, and the stream
 /// goes on (the line's event is `failed` in the inbox, for a later run or a replay).
-fn fail(counts: &mut Counts, line: u64, consumer: &str, error: &dyn std::fmt::Display) {
+pub(crate) fn fail(counts: &mut Counts, line: u64, consumer: &str, error: &dyn std::fmt::Display) {
     counts.failed += 1;
     crate::observe::note(format_args!(
         "line {line}: failed: consumer `{consumer}`: {error}"
@@ -100,36 +101,58 @@ async fn keep_non_envelope<DB: InboxDatabase>(
     conn.record_rejection(&rejection).await
 }
 
+/// The non-blank lines of a JSON-lines stream, numbered from 1 (blank lines count in the
+/// numbering), without their line ends.
+pub(crate) struct Lines<R> {
+    input: R,
+    buf: Vec<u8>,
+    number: u64,
+}
+
+impl<R: AsyncBufRead + Unpin> Lines<R> {
+    pub(crate) fn new(input: R) -> Self {
+        Self {
+            input,
+            buf: Vec::with_capacity(256),
+            number: 0,
+        }
+    }
+
+    /// The next non-blank line and its number; `None` at the end of the stream.
+    pub(crate) async fn next(&mut self) -> Result<Option<(u64, &[u8])>, ReadError> {
+        loop {
+            self.buf.clear();
+            let read = self.input.read_until(b'\n', &mut self.buf).await;
+            self.number += 1;
+            match read {
+                Ok(0) => return Ok(None),
+                Ok(_) => {}
+                Err(error) => {
+                    return Err(ReadError {
+                        line: self.number,
+                        error,
+                    });
+                }
+            }
+            if !trim_newline(&self.buf).iter().all(u8::is_ascii_whitespace) {
+                return Ok(Some((self.number, trim_newline(&self.buf))));
+            }
+        }
+    }
+}
+
 /// Dispatches every line of `input` in order, counting the outcomes. Rejections, conflicts and
 /// failures are reported on stderr with their line numbers; a failed line does not stop the
 /// stream. Blank lines are skipped. `source` names the input in the inbox rows (with the line
 /// number as offset).
 pub(crate) async fn feed<DB: InboxDatabase>(
     dispatcher: &Dispatcher<DB>,
-    mut input: impl AsyncBufRead + Unpin,
+    input: impl AsyncBufRead + Unpin,
     source: &str,
 ) -> Result<Counts, ReadError> {
     let mut counts = Counts::default();
-    let mut buf = Vec::with_capacity(256);
-    let mut number = 0_u64;
-    loop {
-        buf.clear();
-        let read = input.read_until(b'\n', &mut buf).await;
-        number += 1;
-        match read {
-            Ok(0) => break,
-            Ok(_) => {}
-            Err(error) => {
-                return Err(ReadError {
-                    line: number,
-                    error,
-                });
-            }
-        }
-        let line = trim_newline(&buf);
-        if line.iter().all(u8::is_ascii_whitespace) {
-            continue;
-        }
+    let mut lines = Lines::new(input);
+    while let Some((number, line)) = lines.next().await? {
         counts.lines += 1;
         feed_line(dispatcher, line, number, source, &mut counts).await;
     }

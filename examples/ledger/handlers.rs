@@ -9,6 +9,11 @@
 //! Nothing in the demo calls these functions by name: `#[idempotent]` registers them, and the
 //! dispatcher finds them in the registry.
 //!
+//! On DynamoDB (`--store dynamodb://TABLE`, examples feature `dynamodb`) the same two effects are
+//! [`credit_dynamodb`] and [`debit_dynamodb`]: each adds an `Update` of the account's item to the
+//! delivery's [`DynamoTx`](inbox_runtime::dynamodb::DynamoTx), which commits with the claim in one
+//! `TransactWriteItems`; `crate::dynamo` routes each line to them by message name.
+//!
 //! An event whose account id is not a ledger account (`acct-` followed by 1 to 8 digits) can
 //! never be applied: the handlers refuse it with a permanent error, so the inbox dead-letters it
 //! at once with its payload (see `ledger admin dead list`).
@@ -37,6 +42,10 @@ pub(crate) enum LedgerError {
     UnknownAccount(String),
     /// The database failed (classified as sqlx errors are: transient or retryable).
     Db(sqlx::Error),
+    /// A DynamoDB action could not be built (a required field missing): permanent, as another
+    /// attempt builds it the same way.
+    #[cfg(feature = "dynamodb")]
+    Request(inbox_runtime::dynamodb::sdk::error::BuildError),
 }
 
 impl std::fmt::Display for LedgerError {
@@ -46,6 +55,8 @@ impl std::fmt::Display for LedgerError {
                 write!(f, "`{account}` is not a ledger account (acct-<digits>)")
             }
             LedgerError::Db(error) => error.fmt(f),
+            #[cfg(feature = "dynamodb")]
+            LedgerError::Request(error) => write!(f, "cannot build the DynamoDB action: {error}"),
         }
     }
 }
@@ -55,6 +66,8 @@ impl std::error::Error for LedgerError {
         match self {
             LedgerError::UnknownAccount(_) => None,
             LedgerError::Db(error) => Some(error),
+            #[cfg(feature = "dynamodb")]
+            LedgerError::Request(error) => Some(error),
         }
     }
 }
@@ -70,6 +83,8 @@ impl Classify for LedgerError {
         match self {
             LedgerError::UnknownAccount(_) => ErrorClass::Permanent,
             LedgerError::Db(error) => error.class(),
+            #[cfg(feature = "dynamodb")]
+            LedgerError::Request(_) => ErrorClass::Permanent,
         }
     }
 }
@@ -161,5 +176,53 @@ async fn debit_mysql(conn: &mut MySqlConnection, msg: PaymentRefunded) -> Result
         .bind(-msg.amount_cents)
         .execute(conn)
         .await?;
+    Ok(())
+}
+
+/// The `Update` that adds `cents` (negative for a debit) to the balance of `account`, the item
+/// `{"id": S, "balance_cents": N}` of the DynamoDB table `accounts` (`ADD` creates the item, and
+/// the attribute at 0, if missing).
+#[cfg(feature = "dynamodb")]
+fn add_to_balance(
+    accounts: &str,
+    account: &str,
+    cents: i64,
+) -> Result<inbox_runtime::dynamodb::sdk::types::Update, LedgerError> {
+    use inbox_runtime::dynamodb::sdk::types::{AttributeValue, Update};
+    Update::builder()
+        .table_name(accounts)
+        .key("id", AttributeValue::S(account.to_owned()))
+        .update_expression("ADD balance_cents :cents")
+        .expression_attribute_values(":cents", AttributeValue::N(cents.to_string()))
+        .build()
+        .map_err(LedgerError::Request)
+}
+
+/// Credits a captured payment (DynamoDB): adds the `Update` of the account's balance in the
+/// table `accounts` to the delivery's transaction, committed with the claim.
+#[cfg(feature = "dynamodb")]
+pub(crate) fn credit_dynamodb(
+    tx: &mut inbox_runtime::dynamodb::DynamoTx,
+    accounts: &str,
+    msg: &PaymentCaptured,
+) -> Result<(), LedgerError> {
+    check_account(&msg.account_id)?;
+    tx.update(add_to_balance(accounts, &msg.account_id, msg.amount_cents)?);
+    Ok(())
+}
+
+/// Debits a refunded payment (DynamoDB), as [`credit_dynamodb`] credits.
+#[cfg(feature = "dynamodb")]
+pub(crate) fn debit_dynamodb(
+    tx: &mut inbox_runtime::dynamodb::DynamoTx,
+    accounts: &str,
+    msg: &PaymentRefunded,
+) -> Result<(), LedgerError> {
+    check_account(&msg.account_id)?;
+    tx.update(add_to_balance(
+        accounts,
+        &msg.account_id,
+        -msg.amount_cents,
+    )?);
     Ok(())
 }

@@ -6,6 +6,7 @@
 //! cargo run --example ledger -- - < events.jsonl     # standard input
 //! cargo run --example ledger -- events.jsonl --expected truth.json
 //! DATABASE_URL=postgres://user@host/db cargo run --example ledger
+//! cargo run --example ledger --features dynamodb -- --store dynamodb://ledger   # AWS_* variables
 //!
 //! # On a broker: load the sample into it, then consume it (see "Brokers" below)
 //! cargo run --example ledger -- publish --to amqp://127.0.0.1:5672/%2f
@@ -62,6 +63,16 @@
 //! SQLite file `ledger.db` in the current directory (created if missing, WAL mode). The demo
 //! runs the inbox migrations and creates its `accounts` table itself. Run it twice on the same
 //! database: the second run applies nothing (`processed=0`) and the balances are unchanged.
+//!
+//! **DynamoDB** (examples feature `dynamodb`): `--store dynamodb://TABLE` (`--store` is another
+//! name of `--database-url`) keeps the inbox in the DynamoDB table `TABLE` and the accounts in
+//! `TABLE-accounts`, both created if absent; endpoint, region and credentials from the standard
+//! AWS variables (`AWS_ENDPOINT_URL` for moto or DynamoDB Local). Each line's claim and balance
+//! `Update` commit in one `TransactWriteItems` (see `dynamo.rs`); the lines printed, the counts and
+//! the balances are those of a SQL database, plus a `dynamodb: N calls` line. File mode only:
+//! what the SQL run has and this one has not yet (rejected lines kept, `ledger admin`,
+//! `ledger console`, `--source`, `--cache`) is printed as `not on dynamodb yet: …`, and refused
+//! with an error where it is asked for.
 //!
 //! **Check**: with the default input, the balances in the database are compared with the
 //! sample's `expected.json`; with another input, only if `--expected FILE` is given (a file of
@@ -158,6 +169,8 @@ mod broker;
 mod check;
 mod console;
 mod db;
+#[cfg(feature = "dynamodb")]
+mod dynamo;
 mod feed;
 mod handlers;
 #[cfg(feature = "kafka")]
@@ -212,8 +225,16 @@ struct Args {
     /// reading the sample, else no check]
     #[arg(long, value_name = "FILE")]
     expected: Option<PathBuf>,
-    /// Database: postgres://…, mysql://…, mariadb://… or sqlite:… [default: sqlite file ./ledger.db]
-    #[arg(long, env = "DATABASE_URL", value_name = "URL", hide_env_values = true)]
+    /// Database: postgres://…, mysql://…, mariadb://… or sqlite:…, or the DynamoDB store
+    /// dynamodb://TABLE (examples feature `dynamodb`; file mode only) [default: sqlite file
+    /// ./ledger.db]
+    #[arg(
+        long,
+        visible_alias = "store",
+        env = "DATABASE_URL",
+        value_name = "URL",
+        hide_env_values = true
+    )]
     database_url: Option<String>,
     /// With --source file:PATH: the file keeping the acked position [default: PATH.offset]
     #[arg(long, value_name = "FILE")]
@@ -369,6 +390,15 @@ async fn run(args: Args) -> Result<Verdict, String> {
         )
     };
 
+    if let Some(url) = args
+        .database_url
+        .as_deref()
+        .filter(|url| url.starts_with("dynamodb://"))
+    {
+        let expected = expected.as_ref().zip(expected_path.as_deref());
+        return run_dynamodb(url, &args.consume, reader, &source, expected, metrics).await;
+    }
+
     let (db, description) = Db::connect(args.database_url.as_deref())
         .await
         .map_err(|e| e.to_string())?;
@@ -425,6 +455,84 @@ async fn run(args: Args) -> Result<Verdict, String> {
         ));
     }
     Ok(verdict)
+}
+
+/// `ledger --store dynamodb://TABLE [PATH|-]`: the file mode on the DynamoDB store (see
+/// `dynamo.rs`), with the same lines as on a SQL database, and what it does not do (yet).
+#[cfg(feature = "dynamodb")]
+async fn run_dynamodb(
+    url: &str,
+    consume: &broker::ConsumeArgs,
+    reader: Input,
+    source: &str,
+    expected: Option<(&Expected, &Path)>,
+    metrics: Option<observe::Metrics>,
+) -> Result<Verdict, String> {
+    if let Some(cache) = &consume.cache {
+        return Err(format!(
+            "--cache {cache}: the dedupe cache is not available on the DynamoDB store yet \
+             (a duplicate costs one GetItem there)"
+        ));
+    }
+    let (store, description) = dynamo::DynamoStore::connect(url, consume.max_attempts).await?;
+    println!("database: {description}");
+    println!("input: {source}");
+    for note in dynamo::NOT_YET {
+        println!("not on dynamodb yet: {note}");
+    }
+    store.setup().await?;
+    let fresh = store.balances().await?.is_empty();
+    for handler in store.handlers() {
+        println!("handler: {handler}");
+    }
+    let started = Instant::now();
+    let counts = store.feed(reader).await.map_err(|e| e.to_string());
+    observe::finish_progress();
+    let elapsed = started.elapsed();
+    let counts = counts?;
+    println!(
+        "read {} lines in {:.2} s ({:.0} lines/s)",
+        counts.lines,
+        elapsed.as_secs_f64(),
+        counts.lines as f64 / elapsed.as_secs_f64().max(1e-9)
+    );
+    let stats = store.stats();
+    println!(
+        "dynamodb: {} calls ({:.2} per line), {} transient retries",
+        stats.calls,
+        stats.calls as f64 / (counts.lines.max(1)) as f64,
+        stats.transient_retries
+    );
+    let balances = store.balances().await?;
+    if let Some(metrics) = &metrics {
+        metrics.finish();
+    }
+    let verdict = check_and_summarize(expected, &balances, &counts, fresh);
+    if counts.failed > 0 {
+        return Err(format!(
+            "{} line{} failed (handler or DynamoDB error, reported above); their events are \
+             `failed` in the inbox table, for a later run",
+            counts.failed,
+            if counts.failed == 1 { "" } else { "s" }
+        ));
+    }
+    Ok(verdict)
+}
+
+/// `dynamodb://…` in a build without the examples feature `dynamodb`: refused, naming it.
+#[cfg(not(feature = "dynamodb"))]
+async fn run_dynamodb(
+    url: &str,
+    _: &broker::ConsumeArgs,
+    _: Input,
+    _: &str,
+    _: Option<(&Expected, &Path)>,
+    _: Option<observe::Metrics>,
+) -> Result<Verdict, String> {
+    Err(format!(
+        "`{url}`: DynamoDB needs the examples feature `dynamodb` (the AWS SDK): \
+         cargo run --example ledger --features dynamodb -- --store {url}"
+    ))
 }
 
 /// Compares the balances (and, on a fresh database, the counts) with the ground truth, reports
