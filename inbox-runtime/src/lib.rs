@@ -331,6 +331,46 @@ pub async fn migrate_components<DB: store::InboxDatabase>(
 
 /// Support for the code `#[idempotent]` and `#[derive(Message)]` generate. Not public API: no
 /// semver guarantees; never name it yourself.
+/// The items `#[idempotent]` generates for a handler taking `&mut DynamoTx`: as they are with
+/// the `dynamodb` feature; without it, an error at the handler's first parameter, which the macro
+/// spans this call at.
+#[cfg(feature = "dynamodb")]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __inbox_dynamodb_items {
+    ($($items:tt)*) => { $($items)* };
+}
+
+/// See the `dynamodb` form.
+#[cfg(not(feature = "dynamodb"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __inbox_dynamodb_items {
+    ($($items:tt)*) => {
+        ::core::compile_error! {
+            "this handler takes `&mut DynamoTx`, a DynamoDB handler: enable inbox-runtime's \
+             `dynamodb` feature (`inbox-runtime = { version = \"...\", features = [\"dynamodb\"] }`)"
+        }
+    };
+}
+
+/// What `#[idempotent]` emits next to its errors for a rejected DynamoDB handler: as it is with
+/// the `dynamodb` feature; nothing without it (the errors are reported already).
+#[cfg(feature = "dynamodb")]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __inbox_dynamodb_fallback {
+    ($($items:tt)*) => { $($items)* };
+}
+
+/// See the `dynamodb` form.
+#[cfg(not(feature = "dynamodb"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __inbox_dynamodb_fallback {
+    ($($items:tt)*) => {};
+}
+
 #[doc(hidden)]
 pub mod __private {
     pub use crate::BoxFuture;
@@ -345,6 +385,10 @@ pub mod __private {
     pub use crate::types::key::{KeyPart, KeySegment, key_from_field, key_from_template};
     pub use crate::types::ordering::{Ordering, SequencePart, ordering_from_fields};
     pub use inventory;
+    pub use crate::__inbox_dynamodb_fallback as dynamodb_fallback;
+    pub use crate::__inbox_dynamodb_items as dynamodb_items;
+    #[cfg(feature = "dynamodb")]
+    pub use crate::dynamodb::dispatch::{DynDynamoHandler, DynamoHandler, run as run_dynamo};
     // The bounds of the placeholder `impl Message` of a rejected `#[derive(Message)]`.
     pub use serde::{Serialize, de::DeserializeOwned};
 }

@@ -118,7 +118,13 @@
 //! * Not yet: parked and stale states (per-aggregate ordering), the [`Dispatcher`](crate::Dispatcher),
 //!   `#[idempotent]` handlers, the admin API, the outbox.
 
+pub(crate) mod dispatch;
 mod size;
+
+pub use dispatch::{
+    DynamoConsumerOutcome, DynamoDispatcher, DynamoHandlerInfo, DynamoRegistration,
+    DynamoRegistryError, DynamoReplayError, registered_dynamo_handlers,
+};
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -501,8 +507,13 @@ enum Decision {
 enum Claim {
     /// No item, or an expired one.
     New,
-    /// A failed item with this many attempts, due again.
-    Takeover { attempts: u32, received_at: i64 },
+    /// A failed item with this many attempts, due again (or a failed or dead one, `dead`, that
+    /// a replay takes over).
+    Takeover {
+        attempts: u32,
+        received_at: i64,
+        dead: bool,
+    },
 }
 
 impl Claim {
@@ -854,9 +865,39 @@ impl DynamoInbox {
         F: FnMut(DynamoTx) -> Fut,
         Fut: Future<Output = Result<(DynamoTx, T), E>>,
     {
-        let result = self
-            .run(consumer, message_name, key, fingerprint, payload, handler)
-            .await;
+        let delivery = Delivery {
+            consumer,
+            message_name,
+            key,
+            fingerprint,
+            payload,
+            mode: Mode::Deliver,
+        };
+        self.deliver(&delivery, |error: &E| error.class(), handler)
+            .await
+    }
+
+    /// [`process_raw`](Self::process_raw) in `delivery.mode`, the handler's errors classified by
+    /// `classify` (what `#[idempotent]` handlers and the [`DynamoDispatcher`] run through).
+    pub(crate) async fn deliver<T, E, C, F, Fut>(
+        &self,
+        delivery: &Delivery<'_>,
+        classify: C,
+        handler: F,
+    ) -> Result<Outcome<T>, DynamoError<E>>
+    where
+        E: std::fmt::Display,
+        C: Fn(&E) -> ErrorClass,
+        F: FnMut(DynamoTx) -> Fut,
+        Fut: Future<Output = Result<(DynamoTx, T), E>>,
+    {
+        let Delivery {
+            consumer,
+            message_name,
+            key,
+            ..
+        } = *delivery;
+        let result = self.run(delivery, classify, handler).await;
         let outcome = match &result {
             Ok(Outcome::Processed(_)) => "processed",
             Ok(Outcome::Duplicate) => "duplicate",
@@ -879,20 +920,26 @@ impl DynamoInbox {
         result
     }
 
-    async fn run<T, E, F, Fut>(
+    async fn run<T, E, C, F, Fut>(
         &self,
-        consumer: &str,
-        message_name: &str,
-        key: &IdempotencyKey,
-        fingerprint: Fingerprint,
-        payload: &[u8],
+        delivery: &Delivery<'_>,
+        classify: C,
         mut handler: F,
     ) -> Result<Outcome<T>, DynamoError<E>>
     where
-        E: Classify + std::fmt::Display,
+        E: std::fmt::Display,
+        C: Fn(&E) -> ErrorClass,
         F: FnMut(DynamoTx) -> Fut,
         Fut: Future<Output = Result<(DynamoTx, T), E>>,
     {
+        let Delivery {
+            consumer,
+            message_name,
+            key,
+            fingerprint,
+            payload,
+            mode,
+        } = *delivery;
         let pk = partition_key(consumer, key);
         if pk.len() > MAX_PARTITION_KEY_BYTES {
             return Err(DynamoError::PartitionKeyTooLong {
@@ -914,7 +961,7 @@ impl DynamoInbox {
         let mut resend = 0;
         for _ in 0..MAX_ROUNDS {
             let now = Now::read();
-            let claim = match self.decide(&ctx, item.as_ref(), now)? {
+            let claim = match self.decide(&ctx, item.as_ref(), now, mode)? {
                 Decision::Claim(claim) => claim,
                 Decision::Settled(outcome) => {
                     return Ok(outcome.map(|never| match never {}));
@@ -931,7 +978,7 @@ impl DynamoInbox {
             let (tx, value) = match handler(tx).await {
                 Ok(done) => done,
                 Err(error) => {
-                    let class = error.class();
+                    let class = classify(&error);
                     let text = error.to_string();
                     let disposition = self
                         .record_failure(&ctx, claim, now, class, text, payload)
@@ -1001,6 +1048,7 @@ impl DynamoInbox {
         ctx: &Ctx<'_>,
         item: Option<&HashMap<String, AttributeValue>>,
         now: Now,
+        mode: Mode,
     ) -> Result<Decision, DynamoError<E>> {
         let Some(item) = item else {
             return Ok(Decision::Claim(Claim::New));
@@ -1034,10 +1082,13 @@ impl DynamoInbox {
         if stored != ctx.fingerprint {
             return Ok(Decision::Conflict(stored));
         }
+        let dead = status == "dead";
         match status {
             "processed" => Ok(Decision::Settled(Outcome::Duplicate)),
-            "dead" => Ok(Decision::Settled(Outcome::Dead)),
-            "failed" => {
+            "dead" if mode == Mode::Deliver => Ok(Decision::Settled(Outcome::Dead)),
+            // A replay takes over a dead item, and a failed one without waiting for its next
+            // attempt, as the SQL stores' replay claim does.
+            "failed" | "dead" => {
                 let attempts = number("attempts")?
                     .ok_or_else(|| ctx.malformed("`attempts` is missing".to_owned()))?;
                 let attempts = u32::try_from(attempts).map_err(|_| {
@@ -1047,7 +1098,7 @@ impl DynamoInbox {
                     ))
                 })?;
                 let next = number("next_attempt_at")?.unwrap_or(0);
-                if next > now.ms {
+                if next > now.ms && mode == Mode::Deliver {
                     let wait = u64::try_from(next - now.ms).unwrap_or(0);
                     return Ok(Decision::Settled(Outcome::NotYet {
                         retry_in: Duration::from_millis(wait),
@@ -1057,6 +1108,7 @@ impl DynamoInbox {
                 Ok(Decision::Claim(Claim::Takeover {
                     attempts,
                     received_at,
+                    dead,
                 }))
             }
             other => Err(ctx.malformed(format!("status `{other}` is not one this store writes"))),
@@ -1101,12 +1153,12 @@ impl DynamoInbox {
                 .condition_expression("attribute_not_exists(pk) OR #expires <= :now")
                 .expression_attribute_names("#expires", TTL_ATTRIBUTE)
                 .expression_attribute_values(":now", n(now.secs())),
-            Claim::Takeover { attempts, .. } => builder
+            Claim::Takeover { attempts, dead, .. } => builder
                 .condition_expression(
-                    "#status = :failed AND attempts = :attempts AND payload_hash = :hash",
+                    "#status = :read AND attempts = :attempts AND payload_hash = :hash",
                 )
                 .expression_attribute_names("#status", "status")
-                .expression_attribute_values(":failed", s("failed"))
+                .expression_attribute_values(":read", s(if dead { "dead" } else { "failed" }))
                 .expression_attribute_values(":attempts", n(attempts))
                 .expression_attribute_values(":hash", s(ctx.fingerprint.to_hex())),
         };
@@ -1346,6 +1398,27 @@ enum Submitted {
     /// The claim's condition failed; the item as it is now, if DynamoDB returned it.
     ClaimFailed(Option<HashMap<String, AttributeValue>>),
     ConditionFailed(ConditionFailed),
+}
+
+/// Which items a delivery may claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// A delivery from a source or a direct call: a new key, or a failed one that is due.
+    Deliver,
+    /// An operator's replay: also a dead key, and a failed one before its next attempt is due.
+    Replay,
+}
+
+/// One delivery as [`DynamoInbox::deliver`] runs it.
+#[derive(Clone, Copy)]
+pub(crate) struct Delivery<'a> {
+    pub(crate) consumer: &'a str,
+    pub(crate) message_name: &'a str,
+    pub(crate) key: &'a IdempotencyKey,
+    pub(crate) fingerprint: Fingerprint,
+    /// The payload kept in a failed or dead item.
+    pub(crate) payload: &'a [u8],
+    pub(crate) mode: Mode,
 }
 
 /// The delivery's identity, for the calls and their errors.
