@@ -373,9 +373,13 @@ macro_rules! __inbox_dynamodb_fallback {
 
 #[doc(hidden)]
 pub mod __private {
+    pub use crate::__inbox_dynamodb_fallback as dynamodb_fallback;
+    pub use crate::__inbox_dynamodb_items as dynamodb_items;
     pub use crate::BoxFuture;
     pub use crate::dispatch::direct::run;
     pub use crate::dispatch::registry::Registration;
+    #[cfg(feature = "dynamodb")]
+    pub use crate::dynamodb::dispatch::{DynDynamoHandler, DynamoHandler, run as run_dynamo};
     pub use crate::partition::partitions_from;
     pub use crate::protocol::erased::DynHandler;
     pub use crate::protocol::single::{Handler, HandlerResult};
@@ -385,10 +389,6 @@ pub mod __private {
     pub use crate::types::key::{KeyPart, KeySegment, key_from_field, key_from_template};
     pub use crate::types::ordering::{Ordering, SequencePart, ordering_from_fields};
     pub use inventory;
-    pub use crate::__inbox_dynamodb_fallback as dynamodb_fallback;
-    pub use crate::__inbox_dynamodb_items as dynamodb_items;
-    #[cfg(feature = "dynamodb")]
-    pub use crate::dynamodb::dispatch::{DynDynamoHandler, DynamoHandler, run as run_dynamo};
     // The bounds of the placeholder `impl Message` of a rejected `#[derive(Message)]`.
     pub use serde::{Serialize, de::DeserializeOwned};
 }

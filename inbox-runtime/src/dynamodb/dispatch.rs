@@ -525,8 +525,7 @@ impl DynamoDispatcher {
         explicit: bool,
     ) -> Result<Self, DynamoRegistryError> {
         handlers.sort_by_key(|h| (h.message_name(), h.consumer(), h.function()));
-        let mut routes: HashMap<&'static str, Vec<&'static dyn DynDynamoHandler>> =
-            HashMap::new();
+        let mut routes: HashMap<&'static str, Vec<&'static dyn DynDynamoHandler>> = HashMap::new();
         let mut seen: BTreeMap<(&'static str, &'static str), &'static str> = BTreeMap::new();
         for handler in handlers {
             if let Some(first) = seen.insert(
@@ -765,7 +764,11 @@ impl DynamoDispatcher {
                 return Ok(DynamoConsumerOutcome::of(handler, Ok(Outcome::Discarded)));
             }
             "failed" | "dead" => {}
-            other => return Err(malformed(format!("status `{other}` is not one this store writes"))),
+            other => {
+                return Err(malformed(format!(
+                    "status `{other}` is not one this store writes"
+                )));
+            }
         }
         let Some(AttributeValue::B(payload)) = item.get("payload") else {
             return Err(DynamoReplayError::NoPayload {
