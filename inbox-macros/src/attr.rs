@@ -808,6 +808,63 @@ mod tests {
     }
 
     #[test]
+    fn a_dynamo_tx_makes_a_dynamodb_handler() {
+        for connection in [
+            quote!(DynamoTx),
+            quote!(inbox_runtime::dynamodb::DynamoTx),
+            quote!(::inbox_runtime::dynamodb::DynamoTx),
+        ] {
+            let handler = parse(
+                quote!(consumer = "ledger", key = "id", max_attempts = 3),
+                quote!(async fn h(tx: &mut #connection, m: M) -> Result<(), E> { Ok(()) }),
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+            assert!(handler.dynamo, "{connection}");
+        }
+        for connection in [
+            quote!(sqlx::PgConnection),
+            quote!(DynamoTx<T>),
+            quote!(dynamo::DynamoTxn),
+        ] {
+            let handler = parse(
+                quote!(consumer = "ledger"),
+                quote!(async fn h(tx: &mut #connection, m: M) -> Result<(), E> { Ok(()) }),
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+            assert!(!handler.dynamo, "{connection}");
+        }
+    }
+
+    #[test]
+    fn dynamodb_handlers_have_no_ordering() {
+        let item = quote!(
+            async fn h(tx: &mut DynamoTx, m: M) -> Result<(), E> {
+                Ok(())
+            }
+        );
+        assert_eq!(
+            errors_of(
+                quote!(
+                    consumer = "c",
+                    sequence = "seq",
+                    aggregate = "id",
+                    gaps = "park"
+                ),
+                item.clone()
+            ),
+            [
+                "per-aggregate ordering (`aggregate`, `sequence`) is not supported on DynamoDB: \
+                 a handler taking `&mut DynamoTx` processes each message on its own; remove \
+                 `aggregate` and `sequence`, or take an SQL connection",
+                "`gaps = \"park\"` is not supported on DynamoDB: a handler taking `&mut \
+                 DynamoTx` has no per-aggregate ordering to park messages for; remove `gaps`",
+            ]
+        );
+        // `gaps = "apply"` is the default: nothing to refuse.
+        assert!(errors_of(quote!(consumer = "c", gaps = "apply"), item).is_empty());
+    }
+
+    #[test]
     fn parses_ordering_arguments() {
         let handler = parse(
             quote!(

@@ -849,6 +849,12 @@ fn dynamo_handler(handler: &Handler) -> TokenStream {
             #private::run_dynamo::<#handler_ty>(#inbox_arg, #msg_arg).await
         }
     };
-    let span = connection.span();
-    quote_spanned!(span=> ::inbox_runtime::__private::dynamodb_items! { #items })
+    // The call spans the whole type (its first token to its last: what rustc blames for an
+    // error of the macro), where one span would cover only the type's first token on stable.
+    let mut tokens = connection.to_token_stream().into_iter();
+    let first = tokens.next().map_or_else(Span::call_site, |t| t.span());
+    let last = tokens.last().map_or(first, |t| t.span());
+    let mut group = proc_macro2::Group::new(proc_macro2::Delimiter::Brace, items);
+    group.set_span(last);
+    quote_spanned!(first=> ::inbox_runtime::__private::dynamodb_items! #group)
 }
