@@ -213,8 +213,9 @@
 //!   rustls with ring).
 //! * `dynamodb`: `dynamodb`, Amazon DynamoDB as the inbox's store: the claim and the handler's
 //!   DynamoDB writes in one `TransactWriteItems` (the official aws-sdk-dynamodb, rustls with
-//!   ring). Its own entry point for now (`dynamodb::DynamoInbox::process`), not yet the
-//!   dispatcher or `#[idempotent]`.
+//!   ring): `dynamodb::DynamoInbox::process`, `#[idempotent]` handlers taking
+//!   `&mut dynamodb::DynamoTx`, and `dynamodb::DynamoDispatcher` (dispatch by message name,
+//!   replay); not yet the [`Worker`].
 //! * `lambda`: `source::lambda::LambdaSqs`, AWS Lambda's SQS batches (an SQS event source
 //!   mapping) run through a [`Worker`] and answered with the partial batch response
 //!   (`batchItemFailures`): retryable failures listed, duplicates, conflicts and dead letters

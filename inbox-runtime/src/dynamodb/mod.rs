@@ -43,6 +43,53 @@
 //! # Ok(()) }
 //! ```
 //!
+//! ## `#[idempotent]` handlers and the dispatcher
+//!
+//! `#[idempotent]` on an `async fn` whose first parameter is `&mut DynamoTx` makes a DynamoDB
+//! handler: its body adds the actions, and the function becomes
+//! `fn(inbox: &DynamoInbox, msg: M) -> Result<Outcome<T>, DynamoError<E>>` (the SQL form takes
+//! the connection and returns [`crate::Error<E>`]), run as [`DynamoInbox::process`] runs a
+//! closure, with the handler's `key`, `max_attempts` and error class. Per-aggregate ordering
+//! (`aggregate`, `sequence`, `gaps = "park"`) is a compile error. The handlers register apart
+//! from the SQL ones: [`DynamoDispatcher`] runs raw deliveries by message name and replays dead
+//! letters ([`DynamoDispatcher::replay`]).
+//!
+//! ```no_run
+//! use inbox_runtime::dynamodb::sdk::types::{AttributeValue, Update};
+//! use inbox_runtime::dynamodb::{DynamoDispatcher, DynamoInbox, DynamoTx};
+//! use inbox_runtime::{Envelope, Message, Outcome, Permanent, idempotent};
+//!
+//! #[derive(Clone, serde::Serialize, serde::Deserialize, Message)]
+//! #[message(name = "payments.captured")]
+//! struct PaymentCaptured {
+//!     #[message(key)]
+//!     event_id: String,
+//!     account_id: String,
+//!     amount_cents: i64,
+//! }
+//!
+//! #[idempotent(consumer = "ledger", max_attempts = 5)]
+//! async fn credit(tx: &mut DynamoTx, msg: PaymentCaptured) -> Result<(), Permanent> {
+//!     let credit = Update::builder()
+//!         .table_name("accounts")
+//!         .key("id", AttributeValue::S(msg.account_id.clone()))
+//!         .update_expression("ADD balance :amount")
+//!         .expression_attribute_values(":amount", AttributeValue::N(msg.amount_cents.to_string()))
+//!         .build()
+//!         .map_err(Permanent::new)?;
+//!     tx.update(credit);
+//!     Ok(())
+//! }
+//!
+//! # async fn demo(inbox: DynamoInbox, msg: PaymentCaptured, delivery: Envelope) -> Result<(), Box<dyn std::error::Error>> {
+//! assert!(matches!(credit(&inbox, msg).await?, Outcome::Processed(()) | Outcome::Duplicate));
+//! let dispatcher = DynamoDispatcher::from_registry(inbox)?;
+//! for outcome in dispatcher.dispatch(&delivery).await? {
+//!     println!("{}: {:?}", outcome.consumer, outcome.result);
+//! }
+//! # Ok(()) }
+//! ```
+//!
 //! ## How one delivery runs ([`DynamoInbox::process`])
 //!
 //! 1. **Read** the key's inbox item (`GetItem`, strongly consistent). A processed item whose
@@ -115,8 +162,9 @@
 //!   workers' clocks should agree to well under the retry delays and the retention window.
 //! * A handler action on the inbox table's own item of this key is refused by DynamoDB (one
 //!   action per item per transaction): [`DynamoError::Cancelled`] or [`DynamoError::Dynamo`].
-//! * Not yet: parked and stale states (per-aggregate ordering), the [`Dispatcher`](crate::Dispatcher),
-//!   `#[idempotent]` handlers, the admin API, the outbox.
+//! * Not yet: parked and stale states (per-aggregate ordering), the [`Worker`](crate::Worker),
+//!   the admin API, the outbox. A delivery the [`DynamoDispatcher`] refuses is not kept (there
+//!   is no rejections table): leave it to the broker's dead-letter queue.
 
 pub(crate) mod dispatch;
 mod size;
