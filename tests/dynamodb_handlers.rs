@@ -42,6 +42,16 @@ struct Transfer {
     amount: i64,
 }
 
+/// A message ordered per aggregate: refused by a DynamoDB handler.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, Message)]
+#[message(name = "dyn.ordered", key = "{order_id}:{seq}")]
+struct Ordered {
+    #[message(aggregate)]
+    order_id: String,
+    #[message(sequence)]
+    seq: u64,
+}
+
 /// The handlers' errors: `Boom` retryable, `Fatal` permanent, `Build` an SDK builder's error.
 #[derive(Debug, thiserror::Error)]
 enum TestError {
@@ -117,6 +127,12 @@ async fn audit(tx: &mut inbox_runtime::dynamodb::DynamoTx, msg: Credit) -> Resul
 #[idempotent(consumer = "transfers", key = "transfer_id")]
 async fn transfer(tx: &mut DynamoTx, msg: Transfer) -> Result<(), TestError> {
     add(tx, &msg.account, msg.amount)
+}
+
+/// Never runs: its messages are ordered.
+#[idempotent(consumer = "orders")]
+async fn apply_ordered(_tx: &mut DynamoTx, msg: Ordered) -> Result<(), TestError> {
+    unreachable!("{} {}", msg.order_id, msg.seq)
 }
 
 fn endpoint() -> String {
@@ -389,6 +405,7 @@ async fn dispatch_by_message_name_and_its_refusals() {
         [
             "audit <- dyn.credited (dynamodb_handlers::audit, DynamoDB)",
             "ledger <- dyn.credited (dynamodb_handlers::credit, DynamoDB)",
+            "orders <- dyn.ordered (dynamodb_handlers::apply_ordered, DynamoDB)",
             "transfers <- dyn.transferred (dynamodb_handlers::transfer, DynamoDB)",
         ]
     );
@@ -479,6 +496,25 @@ async fn dispatch_by_message_name_and_its_refusals() {
     }
     // A refused envelope made no call.
     assert_eq!(inbox.stats().calls, calls);
+
+    // An ordered message: each consumer's result says so; nothing ran or was called.
+    let ordered = Envelope::new("dyn.ordered", br#"{"order_id":"o-1","seq":2}"#.to_vec());
+    let outcomes = dispatcher.dispatch(&ordered).await.unwrap();
+    assert_eq!(outcomes.len(), 1);
+    match &outcomes[0].result {
+        Err(DynamoError::Ordered { message_name }) => assert_eq!(message_name, "dyn.ordered"),
+        other => panic!("expected Ordered, got {other:?}"),
+    }
+    let direct = apply_ordered(
+        &inbox,
+        Ordered {
+            order_id: "o-1".into(),
+            seq: 2,
+        },
+    )
+    .await;
+    assert!(matches!(direct, Err(DynamoError::Ordered { .. })));
+    assert_eq!(inbox.stats().calls, calls);
 }
 
 #[tokio::test]
@@ -547,6 +583,7 @@ async fn explicit_handler_lists() {
         [
             ("dyn.credited", "audit"),
             ("dyn.credited", "ledger"),
+            ("dyn.ordered", "orders"),
             ("dyn.transferred", "transfers"),
         ]
     );

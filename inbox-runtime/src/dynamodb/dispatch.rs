@@ -82,6 +82,12 @@ async fn run_with<H: DynamoHandler>(
     payload: &[u8],
     mode: Mode,
 ) -> Result<Outcome<H::Output>, DynamoError<H::Error>> {
+    // No aggregate positions on DynamoDB: an ordered message is refused, not applied unordered.
+    if msg.ordering()?.is_some() {
+        return Err(DynamoError::Ordered {
+            message_name: <H::Message as Message>::NAME.to_owned(),
+        });
+    }
     let own;
     let inbox = match H::MAX_ATTEMPTS {
         Some(max) => {
@@ -243,6 +249,7 @@ fn map_handler_error<E, F>(error: DynamoError<E>, f: impl FnOnce(E) -> F) -> Dyn
             key,
             reason,
         },
+        DynamoError::Ordered { message_name } => DynamoError::Ordered { message_name },
     }
 }
 

@@ -420,6 +420,18 @@ pub enum DynamoError<E> {
         /// What is wrong with it.
         reason: String,
     },
+    /// An `#[idempotent]` DynamoDB handler got a message ordered per aggregate (its type has
+    /// `#[message(aggregate)]` and `#[message(sequence)]` fields): the DynamoDB store keeps no
+    /// aggregate positions, and would apply it out of order. Nothing ran, nothing was called.
+    /// ([`DynamoInbox::process`] itself does not look at the ordering.)
+    #[error(
+        "message `{message_name}` is ordered per aggregate (`#[message(aggregate)]`, \
+         `#[message(sequence)]`), which the DynamoDB store does not support: nothing ran"
+    )]
+    Ordered {
+        /// The message's routing name.
+        message_name: String,
+    },
 }
 
 /// The error of [`DynamoInbox::ensure_table`]: the SDK's error of `operation`
