@@ -378,6 +378,27 @@ async fn a_permanent_error_dead_letters_and_its_replay_processes_once() {
     assert_eq!(credit(&inbox, msg).await.unwrap(), Outcome::Duplicate);
     assert_eq!(balance(&inbox, &account).await, Some(700));
 
+    // A failed key whose next attempt is not due: a delivery waits, a replay does not.
+    let slow = inbox.clone().retry_policy(
+        RetryPolicy::default().retry_delays(Duration::from_secs(60), Duration::from_secs(60)),
+    );
+    let dispatcher = DynamoDispatcher::from_registry(slow.clone()).unwrap();
+    let account = fresh("acct");
+    script(&account, vec![TestError::Boom]);
+    let msg = message(&account, 20);
+    let (_, _, _, disposition) = failure(credit(&slow, msg.clone()).await);
+    // The policy's delay, with its jitter: at least the minimum.
+    assert!(
+        matches!(disposition, Disposition::Retry { after } if after >= Duration::from_secs(60))
+    );
+    assert!(matches!(
+        credit(&slow, msg.clone()).await.unwrap(),
+        Outcome::NotYet { .. }
+    ));
+    let replayed = dispatcher.replay("ledger", &msg.id).await.unwrap();
+    assert_eq!(replayed.result.unwrap(), Outcome::Processed(()));
+    assert_eq!(balance(&inbox, &account).await, Some(20));
+
     // Unknown keys and consumers.
     match dispatcher.replay("ledger", "no-such-key").await {
         Err(DynamoReplayError::NotFound { consumer, key }) => {
@@ -476,6 +497,21 @@ async fn dispatch_by_message_name_and_its_refusals() {
         DispatchError::Key { consumer, source } => {
             assert_eq!(consumer, "audit");
             assert!(matches!(source, KeyError::Empty { field: "id", .. }));
+        }
+        other => panic!("expected Key, got {other:?}"),
+    }
+    let long = format!(r#"{{"id":"{}","account":"a","amount":1}}"#, "k".repeat(513));
+    match refused("dyn.credited", long.as_bytes()).await {
+        DispatchError::Key { consumer, source } => {
+            assert_eq!(consumer, "audit");
+            assert!(matches!(
+                source,
+                KeyError::TooLong {
+                    len: 513,
+                    max: 512,
+                    ..
+                }
+            ));
         }
         other => panic!("expected Key, got {other:?}"),
     }
