@@ -163,10 +163,18 @@
 //! * A handler action on the inbox table's own item of this key is refused by DynamoDB (one
 //!   action per item per transaction): [`DynamoError::Cancelled`] or [`DynamoError::Dynamo`].
 //! * Not yet: parked and stale states (per-aggregate ordering), the [`Worker`](crate::Worker),
-//!   the admin API, the outbox. A delivery the [`DynamoDispatcher`] refuses is not kept (there
-//!   is no rejections table): leave it to the broker's dead-letter queue.
+//!   the admin API. A delivery the [`DynamoDispatcher`] refuses is not kept (there is no
+//!   rejections table): leave it to the broker's dead-letter queue.
+//!
+//! ## The outbox
+//!
+//! [`DynamoTx::publish`] writes an outbox item in the delivery's transaction (stable ids, as on
+//! the SQL stores), into a table of its own ([`DynamoOutbox`]); a polling [`DynamoRelay`]
+//! publishes the committed items to a [`Sink`](crate::sink::Sink). What it guarantees, in what
+//! order, its limits and its calls: [`outbox`].
 
 pub(crate) mod dispatch;
+pub mod outbox;
 mod size;
 
 pub use dispatch::{
@@ -205,6 +213,7 @@ use crate::types::policy::RetryPolicy;
 /// handler's actions (`sdk::types::{Put, Update, Delete, ConditionCheck, AttributeValue}`) and
 /// the [`sdk::Client`].
 pub use aws_sdk_dynamodb as sdk;
+pub use outbox::{DynamoOutbox, DynamoRelay, OutboxCallError, PENDING_INDEX};
 
 /// The most actions a handler may add to one [`DynamoTx`]: 99 (DynamoDB's 100 per
 /// `TransactWriteItems`, less the claim).
@@ -458,6 +467,8 @@ pub struct DynamoTx {
     key: IdempotencyKey,
     attempt: u32,
     items: Vec<TransactWriteItem>,
+    /// What [`DynamoTx::publish`] has published in this run.
+    outbox: outbox::Published,
 }
 
 impl DynamoTx {
@@ -838,36 +849,7 @@ impl DynamoInbox {
                 format!("the table's partition key `pk` is of type {shown}, not S (string)").into(),
             ));
         }
-        let ttl = self
-            .client
-            .describe_time_to_live()
-            .table_name(&self.table)
-            .send()
-            .await
-            .map_err(|e| error("DescribeTimeToLive", e.into()))?;
-        let enabled = ttl.time_to_live_description().is_some_and(|d| {
-            d.attribute_name() == Some(TTL_ATTRIBUTE)
-                && matches!(
-                    d.time_to_live_status().map(|s| s.as_str()),
-                    Some("ENABLED" | "ENABLING")
-                )
-        });
-        if !enabled {
-            self.client
-                .update_time_to_live()
-                .table_name(&self.table)
-                .time_to_live_specification(
-                    TimeToLiveSpecification::builder()
-                        .enabled(true)
-                        .attribute_name(TTL_ATTRIBUTE)
-                        .build()
-                        .map_err(|e| error("UpdateTimeToLive", e.into()))?,
-                )
-                .send()
-                .await
-                .map_err(|e| error("UpdateTimeToLive", e.into()))?;
-        }
-        Ok(())
+        ensure_ttl(&self.client, &self.table).await
     }
 
     /// Runs one delivery of `msg` for `consumer`: the key is `msg`'s idempotency key, the
@@ -1034,6 +1016,7 @@ impl DynamoInbox {
                 key: key.clone(),
                 attempt,
                 items: Vec::new(),
+                outbox: outbox::Published::default(),
             };
             let (tx, value) = match handler(tx).await {
                 Ok(done) => done,
@@ -1415,6 +1398,48 @@ impl DynamoInbox {
             }
         }
     }
+}
+
+/// Enables DynamoDB's TTL on [`TTL_ATTRIBUTE`] of `table` unless it is enabled (or being
+/// enabled) already.
+///
+/// # Errors
+/// [`TableError`] of `DescribeTimeToLive` or `UpdateTimeToLive`.
+async fn ensure_ttl(client: &Client, table: &str) -> Result<(), TableError> {
+    let error = |operation: &'static str, source: BoxError| TableError {
+        table: table.to_owned(),
+        operation,
+        source,
+    };
+    let ttl = client
+        .describe_time_to_live()
+        .table_name(table)
+        .send()
+        .await
+        .map_err(|e| error("DescribeTimeToLive", e.into()))?;
+    let enabled = ttl.time_to_live_description().is_some_and(|d| {
+        d.attribute_name() == Some(TTL_ATTRIBUTE)
+            && matches!(
+                d.time_to_live_status().map(|s| s.as_str()),
+                Some("ENABLED" | "ENABLING")
+            )
+    });
+    if !enabled {
+        client
+            .update_time_to_live()
+            .table_name(table)
+            .time_to_live_specification(
+                TimeToLiveSpecification::builder()
+                    .enabled(true)
+                    .attribute_name(TTL_ATTRIBUTE)
+                    .build()
+                    .map_err(|e| error("UpdateTimeToLive", e.into()))?,
+            )
+            .send()
+            .await
+            .map_err(|e| error("UpdateTimeToLive", e.into()))?;
+    }
+    Ok(())
 }
 
 /// What a cancellation's reasons mean, first match wins.

@@ -118,7 +118,7 @@
 //! ```
 
 pub mod admin;
-mod relay;
+pub(crate) mod relay;
 
 use std::collections::BTreeMap;
 
@@ -248,7 +248,53 @@ impl Outbox {
         conn: &mut C,
         message: OutboxMessage,
     ) -> Result<String, OutboxError> {
-        if let Some(error) = message.deferred {
+        let message = self.validate(message)?;
+        let destination = message.destination.as_str();
+        let message_id = match message.message_id {
+            Some(id) => id,
+            None => match context::next_position() {
+                Some((consumer, key, index)) => Self::message_id_for(&consumer, &key, index),
+                None => uuid::Uuid::now_v7().to_string(),
+            },
+        };
+        let headers_json = serde_json::to_string(&message.headers).expect("strings serialize");
+        let trace_context = crate::trace::current_json();
+        let row = OutboxRow::new(
+            &message_id,
+            destination,
+            &message.message_name,
+            &message.payload,
+            &headers_json,
+            message.aggregate_id.as_deref(),
+        )
+        .settled(self.settled())
+        .traced(trace_context.as_deref());
+        let written = conn
+            .enqueue_outbox(&row, self.notify && self.transport == Transport::Relay)
+            .await?;
+        if !written {
+            return Err(OutboxError::DuplicateMessageId { message_id });
+        }
+        Ok(message_id)
+    }
+
+    /// [`publish`](Self::publish)'s checks of `message`, shared by every store that publishes
+    /// (the SQL stores' [`publish`](Self::publish) and DynamoDB's
+    /// [`DynamoTx::publish`](crate::dynamodb::DynamoTx::publish) when built with it): the error
+    /// deferred while building it, then the destination, the message name, the headers, the
+    /// aggregate and the message id set by the caller. Returns the message with nothing
+    /// deferred.
+    ///
+    /// # Errors
+    /// [`OutboxError::EmptyDestination`], [`OutboxError::UnknownDestination`],
+    /// [`OutboxError::EmptyMessageName`], [`OutboxError::Serialize`],
+    /// [`OutboxError::InvalidMessageId`], [`OutboxError::InvalidHeader`],
+    /// [`OutboxError::InvalidAggregate`].
+    pub(crate) fn validate(
+        &self,
+        mut message: OutboxMessage,
+    ) -> Result<OutboxMessage, OutboxError> {
+        if let Some(error) = message.deferred.take() {
             return Err(error);
         }
         let destination = message.destination.as_str();
@@ -281,35 +327,16 @@ impl Outbox {
                 reason: "the aggregate id is empty".into(),
             });
         }
-        let message_id = match message.message_id {
-            Some(id) => {
-                validate_message_id(&id)?;
-                id
-            }
-            None => match context::next_position() {
-                Some((consumer, key, index)) => Self::message_id_for(&consumer, &key, index),
-                None => uuid::Uuid::now_v7().to_string(),
-            },
-        };
-        let headers_json = serde_json::to_string(&message.headers).expect("strings serialize");
-        let trace_context = crate::trace::current_json();
-        let row = OutboxRow::new(
-            &message_id,
-            destination,
-            &message.message_name,
-            &message.payload,
-            &headers_json,
-            message.aggregate_id.as_deref(),
-        )
-        .settled(self.transport == Transport::ChangeDataCapture)
-        .traced(trace_context.as_deref());
-        let written = conn
-            .enqueue_outbox(&row, self.notify && self.transport == Transport::Relay)
-            .await?;
-        if !written {
-            return Err(OutboxError::DuplicateMessageId { message_id });
+        if let Some(id) = &message.message_id {
+            validate_message_id(id)?;
         }
-        Ok(message_id)
+        Ok(message)
+    }
+
+    /// Whether rows are written already settled, for change data capture
+    /// ([`Transport::ChangeDataCapture`]).
+    pub(crate) fn settled(&self) -> bool {
+        self.transport == Transport::ChangeDataCapture
     }
 
     /// The message id of the `index`-th message (from 0) published by the run of `consumer`'s
@@ -373,12 +400,12 @@ fn validate_message_id(id: &str) -> Result<(), OutboxError> {
 /// are reported by [`Outbox::publish`], so that a handler has one place to handle them.
 #[derive(Debug)]
 pub struct OutboxMessage {
-    destination: String,
-    message_name: String,
-    payload: Vec<u8>,
-    headers: BTreeMap<String, String>,
-    aggregate_id: Option<String>,
-    message_id: Option<String>,
+    pub(crate) destination: String,
+    pub(crate) message_name: String,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) headers: BTreeMap<String, String>,
+    pub(crate) aggregate_id: Option<String>,
+    pub(crate) message_id: Option<String>,
     deferred: Option<OutboxError>,
 }
 
@@ -516,6 +543,19 @@ pub enum OutboxError {
     DuplicateMessageId {
         /// The message id.
         message_id: String,
+    },
+    /// The transaction has no room for the message's write: a DynamoDB transaction
+    /// (`inbox_runtime::dynamodb::DynamoTx::publish`) that holds `actions` actions already, the
+    /// most it takes besides the claim (`max`, 99). Nothing was added.
+    #[error(
+        "the DynamoDB transaction holds {actions} actions already, at most {max} besides the \
+         claim: no room for the outbox message"
+    )]
+    TransactionFull {
+        /// Actions in the transaction already.
+        actions: usize,
+        /// The most it takes besides the claim.
+        max: usize,
     },
     /// The insert failed.
     #[error("outbox insert failed: {0}")]

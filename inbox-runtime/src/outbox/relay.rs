@@ -194,7 +194,7 @@ pub enum RelayConfigError {
 }
 
 /// `Ok` if `lease` is within [`MIN_LEASE`]..=[`MAX_LEASE`].
-fn check_lease(lease: Duration) -> Result<(), RelayConfigError> {
+pub(crate) fn check_lease(lease: Duration) -> Result<(), RelayConfigError> {
     if (MIN_LEASE..=MAX_LEASE).contains(&lease) {
         Ok(())
     } else {
@@ -283,10 +283,7 @@ impl<DB: OutboxDatabase> Relay<DB> {
 
     /// The wait after a row's `attempts`-th failed publish.
     fn retry_in(&self, attempts: u32) -> Duration {
-        let doublings = attempts.saturating_sub(1).min(30);
-        self.backoff
-            .saturating_mul(1u32 << doublings)
-            .min(self.max_backoff)
+        retry_in(self.backoff, self.max_backoff, attempts)
     }
 
     /// One round: lease, publish, mark. Returns what it did (`leased == 0`: nothing to do).
@@ -436,23 +433,12 @@ impl<DB: OutboxDatabase> Relay<DB> {
                 lease_lost(record, &leased.spans[*index], "sent", report);
                 continue;
             }
-            let destination = record.destination.clone();
-            let latency = record.age + since_lease;
-            metrics::counter!("inbox_outbox_published_total", "destination" => destination.clone())
-                .increment(1);
-            metrics::histogram!(
-                "inbox_outbox_publish_latency_seconds",
-                "destination" => destination
-            )
-            .record(latency.as_secs_f64());
-            leased.spans[*index].record("outcome", "sent");
-            leased.spans[*index].in_scope(|| {
-                tracing::debug!(
-                    latency_ms = latency.as_millis() as u64,
-                    "outbox message published"
-                )
-            });
-            report.published += 1;
+            report_sent(
+                record,
+                &leased.spans[*index],
+                record.age + since_lease,
+                report,
+            );
         }
         Ok(())
     }
@@ -481,45 +467,16 @@ impl<DB: OutboxDatabase> Relay<DB> {
                 i64::try_from(retry_in.as_millis()).unwrap_or(i64::MAX),
             )
             .await?;
-        let destination = record.destination.clone();
         match status {
             None => lease_lost(record, span, "failed", report),
-            Some(OutboxStatus::Dead) => {
-                report.dead += 1;
-                let reason = if error.is_permanent() {
-                    "permanent"
-                } else {
-                    "exhausted"
-                };
-                metrics::counter!(
-                    "inbox_outbox_dead_total",
-                    "destination" => destination,
-                    "reason" => reason
-                )
-                .increment(1);
-                span.record("outcome", "dead");
-                span.in_scope(|| {
-                    tracing::error!(
-                        attempts = record.attempts,
-                        error = %text,
-                        "outbox message dead"
-                    )
-                });
-            }
-            Some(_) => {
-                report.failed += 1;
-                metrics::counter!("inbox_outbox_failed_total", "destination" => destination)
-                    .increment(1);
-                span.record("outcome", "failed");
-                span.in_scope(|| {
-                    tracing::warn!(
-                        attempts = record.attempts,
-                        retry_in_ms = retry_in.as_millis() as u64,
-                        error = %text,
-                        "outbox publish failed; will retry"
-                    )
-                });
-            }
+            Some(status) => report_failed(
+                record,
+                span,
+                status == OutboxStatus::Dead,
+                error,
+                retry_in,
+                report,
+            ),
         }
         Ok(())
     }
@@ -626,6 +583,13 @@ impl<DB: OutboxDatabase> Relay<DB> {
     }
 }
 
+/// The wait after a message's `attempts`-th failed publish: `first` doubled per attempt after
+/// the first, at most `max`.
+pub(crate) fn retry_in(first: Duration, max: Duration, attempts: u32) -> Duration {
+    let doublings = attempts.saturating_sub(1).min(30);
+    first.saturating_mul(1u32 << doublings).min(max)
+}
+
 /// What a round's marks need of its lease: the token, the records and their spans.
 struct Leased<'a> {
     token: &'a str,
@@ -633,10 +597,87 @@ struct Leased<'a> {
     spans: &'a [tracing::Span],
 }
 
+/// Reports a publish the sink accepted and that was marked sent, `latency` after the row's
+/// creation: counted, `inbox_outbox_published_total` and `inbox_outbox_publish_latency_seconds`
+/// (label `destination`), logged in the row's span (outcome `sent`).
+pub(crate) fn report_sent(
+    record: &OutboxRecord,
+    span: &tracing::Span,
+    latency: Duration,
+    report: &mut RoundReport,
+) {
+    let destination = record.destination.clone();
+    metrics::counter!("inbox_outbox_published_total", "destination" => destination.clone())
+        .increment(1);
+    metrics::histogram!(
+        "inbox_outbox_publish_latency_seconds",
+        "destination" => destination
+    )
+    .record(latency.as_secs_f64());
+    span.record("outcome", "sent");
+    span.in_scope(|| {
+        tracing::debug!(
+            latency_ms = latency.as_millis() as u64,
+            "outbox message published"
+        )
+    });
+    report.published += 1;
+}
+
+/// Reports a failed publish that was recorded: `dead` (counted in [`RoundReport::dead`],
+/// `inbox_outbox_dead_total` with `reason` `permanent` or `exhausted`, logged as an error) or
+/// to be retried in `retry_in` ([`RoundReport::failed`], `inbox_outbox_failed_total`, a
+/// warning), in the row's span.
+pub(crate) fn report_failed(
+    record: &OutboxRecord,
+    span: &tracing::Span,
+    dead: bool,
+    error: &SinkError,
+    retry_in: Duration,
+    report: &mut RoundReport,
+) {
+    let destination = record.destination.clone();
+    let text = error.to_string();
+    if dead {
+        report.dead += 1;
+        let reason = if error.is_permanent() {
+            "permanent"
+        } else {
+            "exhausted"
+        };
+        metrics::counter!(
+            "inbox_outbox_dead_total",
+            "destination" => destination,
+            "reason" => reason
+        )
+        .increment(1);
+        span.record("outcome", "dead");
+        span.in_scope(|| {
+            tracing::error!(
+                attempts = record.attempts,
+                error = %text,
+                "outbox message dead"
+            )
+        });
+    } else {
+        report.failed += 1;
+        metrics::counter!("inbox_outbox_failed_total", "destination" => destination).increment(1);
+        span.record("outcome", "failed");
+        span.in_scope(|| {
+            tracing::warn!(
+                attempts = record.attempts,
+                retry_in_ms = retry_in.as_millis() as u64,
+                error = %text,
+                "outbox publish failed; will retry"
+            )
+        });
+    }
+}
+
 /// Reports a mark (`mark`: `sent` or `failed`) that changed nothing because the lease on
 /// `record` was lost: counted, `inbox_outbox_lease_lost_total` (labels `destination`, `mark`),
 /// logged as a warning in the row's span (outcome `lease_lost`).
-fn lease_lost(
+pub(crate) fn lease_lost(
     record: &OutboxRecord,
     span: &tracing::Span,
     mark: &'static str,
@@ -663,7 +704,7 @@ fn lease_lost(
 /// Reports the rows a lease turned dead as abandoned (`error`: their last error):
 /// `inbox_outbox_dead_total` (labels `destination`, `reason` `abandoned`), logged as an error in
 /// each row's span (outcome `dead`).
-fn report_abandoned(abandoned: &[OutboxRecord], error: &str) {
+pub(crate) fn report_abandoned(abandoned: &[OutboxRecord], error: &str) {
     for record in abandoned {
         metrics::counter!(
             "inbox_outbox_dead_total",
@@ -684,7 +725,7 @@ fn report_abandoned(abandoned: &[OutboxRecord], error: &str) {
 /// Reports a row whose publish did not answer within the lease (`lease_ms`):
 /// `inbox_outbox_timed_out_total` (label `destination`), logged as a warning in its span
 /// (outcome `timed_out`).
-fn report_timed_out(record: &OutboxRecord, span: &tracing::Span, lease_ms: i64) {
+pub(crate) fn report_timed_out(record: &OutboxRecord, span: &tracing::Span, lease_ms: i64) {
     metrics::counter!(
         "inbox_outbox_timed_out_total",
         "destination" => record.destination.clone()
@@ -702,7 +743,7 @@ fn report_timed_out(record: &OutboxRecord, span: &tracing::Span, lease_ms: i64) 
 
 /// The sink's `results`, or, if it did not answer one per message (of `messages`), a retryable
 /// error for each message.
-fn one_per_message(
+pub(crate) fn one_per_message(
     results: Vec<Result<(), SinkError>>,
     messages: usize,
 ) -> Vec<Result<(), SinkError>> {
@@ -720,7 +761,7 @@ fn one_per_message(
 }
 
 /// The span of one leased row (`outcome` recorded when known).
-fn message_span(record: &OutboxRecord, outcome: &str) -> tracing::Span {
+pub(crate) fn message_span(record: &OutboxRecord, outcome: &str) -> tracing::Span {
     let span = tracing::info_span!(
         "inbox.outbox.publish",
         message_id = %record.message_id,
@@ -741,7 +782,7 @@ fn message_span(record: &OutboxRecord, outcome: &str) -> tracing::Span {
 /// stored headers do not parse (a damaged row: dead at once), by index. Each message's headers
 /// carry the W3C Trace Context of its record's span in `spans` (feature `otel`, see
 /// [`crate::trace`]).
-fn outgoing(records: &[OutboxRecord], spans: &[tracing::Span]) -> Outgoing {
+pub(crate) fn outgoing(records: &[OutboxRecord], spans: &[tracing::Span]) -> Outgoing {
     let mut indices = Vec::with_capacity(records.len());
     let mut messages = Vec::with_capacity(records.len());
     let mut unreadable = Vec::new();
@@ -770,4 +811,4 @@ fn outgoing(records: &[OutboxRecord], spans: &[tracing::Span]) -> Outgoing {
 }
 
 /// [`outgoing`]'s answer: the records' indices and their messages, and the unreadable ones.
-type Outgoing = (Vec<usize>, Vec<OutgoingMessage>, Vec<(usize, SinkError)>);
+pub(crate) type Outgoing = (Vec<usize>, Vec<OutgoingMessage>, Vec<(usize, SinkError)>);
