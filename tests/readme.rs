@@ -219,6 +219,44 @@ async fn credit_on_dynamodb(
         .await
 }
 // ---- end README block ----
+
+// ---- README block: dynamodb handler ----
+use inbox_runtime::dynamodb::{DynamoDispatcher, DynamoTx};
+use inbox_runtime::{Envelope, idempotent};
+
+/// On DynamoDB, `#[idempotent]` takes `&mut DynamoTx`: the handler adds its writes, the runtime
+/// adds the claim and submits them as one TransactWriteItems.
+#[idempotent(consumer = "ledger")]
+async fn credit(tx: &mut DynamoTx, msg: PaymentCaptured) -> Result<(), Permanent> {
+    let credit = Update::builder()
+        .table_name("accounts")
+        .key("id", AttributeValue::S(msg.account_id.clone()))
+        .update_expression("ADD balance :amount")
+        .expression_attribute_values(":amount", AttributeValue::N(msg.amount_cents.to_string()))
+        .build()
+        .map_err(Permanent::new)?;
+    tx.update(credit);
+    Ok(())
+}
+
+/// The rewritten `credit(&inbox, msg)`, raw deliveries by message name, a dead letter's replay.
+async fn run_on_dynamodb(
+    inbox: DynamoInbox,
+    msg: PaymentCaptured,
+    delivery: Envelope,
+    dead_key: &str,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let outcome: Outcome<()> = credit(&inbox, msg).await?; // Err: DynamoError<Permanent>
+    println!("{outcome:?}");
+    let dispatcher = DynamoDispatcher::from_registry(inbox)?;
+    for outcome in dispatcher.dispatch(&delivery).await? {
+        println!("{}: {:?}", outcome.consumer, outcome.result);
+    }
+    let replayed = dispatcher.replay("ledger", dead_key).await?;
+    println!("{:?}", replayed.result);
+    Ok(())
+}
+// ---- end README block ----
 }
 
 /// The README's outbox: a handler that publishes, and the relay. Compiled.
@@ -521,7 +559,7 @@ fn the_readme_shows_these_blocks_word_for_word() {
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
         .expect("read README.md");
     let blocks = blocks();
-    assert_eq!(blocks.len(), 17);
+    assert_eq!(blocks.len(), 18);
     for (name, text) in blocks {
         let fenced = format!("```rust\n{text}```\n");
         assert!(

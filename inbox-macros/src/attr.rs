@@ -40,6 +40,8 @@ pub(crate) struct Handler {
     pub(crate) func: ItemFn,
     /// `T` of the first parameter's `&mut T`.
     pub(crate) connection: Type,
+    /// Whether `T` is `DynamoTx` (a type path ending in `DynamoTx`): a DynamoDB handler.
+    pub(crate) dynamo: bool,
     /// The type of the second parameter.
     pub(crate) message: Type,
     /// The return type as written.
@@ -94,6 +96,11 @@ pub(crate) fn parse(args: TokenStream, item: TokenStream) -> syn::Result<Handler
         }
     };
     let sig = func.as_ref().map(|f| check_signature(&f.sig, &mut errors));
+    if let (Some(args), Some(Some(sig))) = (&args, &sig)
+        && is_dynamo_tx(&sig.connection)
+    {
+        check_dynamo_args(args, &mut errors);
+    }
     errors.finish()?;
     // No error means every part was found.
     let (
@@ -103,6 +110,7 @@ pub(crate) fn parse(args: TokenStream, item: TokenStream) -> syn::Result<Handler
             ordering,
             gaps,
             max_attempts,
+            ..
         }),
         Some(func),
         Some(Some(sig)),
@@ -117,6 +125,7 @@ pub(crate) fn parse(args: TokenStream, item: TokenStream) -> syn::Result<Handler
         gaps,
         max_attempts,
         func,
+        dynamo: is_dynamo_tx(&sig.connection),
         connection: sig.connection,
         message: sig.message,
         output: sig.output,
@@ -132,6 +141,8 @@ pub(crate) struct Fallback {
     pub(crate) func: ItemFn,
     /// Its return type as written, which may be a `Result`.
     pub(crate) output: Type,
+    /// Whether its first parameter is `&mut DynamoTx`: the DynamoDB form's signature.
+    pub(crate) dynamo: bool,
 }
 
 /// The rejected `item`, if the handler's signature can be expanded anyway: a function, not a
@@ -151,7 +162,22 @@ pub(crate) fn fallback(item: TokenStream) -> Option<Fallback> {
         return None;
     }
     let output = output_type(sig).ok()?.clone();
-    Some(Fallback { func, output })
+    let dynamo = match sig.inputs.first() {
+        Some(FnArg::Typed(first)) => match peel(&first.ty) {
+            Type::Reference(TypeReference {
+                mutability: Some(_),
+                elem,
+                ..
+            }) => is_dynamo_tx(elem),
+            _ => false,
+        },
+        _ => false,
+    };
+    Some(Fallback {
+        func,
+        output,
+        dynamo,
+    })
 }
 
 /// The checked arguments of `#[idempotent]`.
@@ -161,6 +187,50 @@ struct Args {
     ordering: Option<OrderingArgs>,
     gaps: Option<GapPolicy>,
     max_attempts: Option<syn::LitInt>,
+    /// What DynamoDB does not support, for its errors: see [`check_dynamo_args`].
+    unsupported: Unsupported,
+}
+
+/// The arguments given (valid or not) that a DynamoDB handler cannot have.
+#[derive(Default)]
+struct Unsupported {
+    /// `aggregate` or `sequence`, the first given.
+    ordering: Option<Path>,
+    /// The string of `gaps = "park"`.
+    park: Option<LitStr>,
+}
+
+/// Whether the connection type `T` of `&mut T` is a path ending in `DynamoTx` (without
+/// generic arguments): `inbox_runtime::dynamodb::DynamoTx` or the type imported.
+pub(crate) fn is_dynamo_tx(connection: &Type) -> bool {
+    match peel(connection) {
+        Type::Path(path) if path.qself.is_none() => path
+            .path
+            .segments
+            .last()
+            .is_some_and(|last| last.ident == "DynamoTx" && last.arguments.is_none()),
+        _ => false,
+    }
+}
+
+/// Reports the arguments a DynamoDB handler cannot have: per-aggregate ordering and
+/// `gaps = "park"` (the DynamoDB store processes each message on its own).
+fn check_dynamo_args(args: &Args, errors: &mut Errors) {
+    if let Some(path) = &args.unsupported.ordering {
+        errors.spanned(
+            path,
+            "per-aggregate ordering (`aggregate`, `sequence`) is not supported on DynamoDB: a \
+             handler taking `&mut DynamoTx` processes each message on its own; remove \
+             `aggregate` and `sequence`, or take an SQL connection",
+        );
+    }
+    if let Some(lit) = &args.unsupported.park {
+        errors.spanned(
+            lit,
+            "`gaps = \"park\"` is not supported on DynamoDB: a handler taking `&mut DynamoTx` \
+             has no per-aggregate ordering to park messages for; remove `gaps`",
+        );
+    }
 }
 
 /// Parses `consumer = "...", key = "...", aggregate = "...", sequence = "...", gaps = "...",
@@ -181,6 +251,7 @@ fn parse_args(args: TokenStream, errors: &mut Errors) -> Option<Args> {
         ordering: parsed.ordering,
         gaps: parsed.gaps,
         max_attempts: parsed.max_attempts,
+        unsupported: parsed.unsupported,
     })
 }
 
@@ -191,6 +262,7 @@ struct Parsed {
     ordering: Option<OrderingArgs>,
     gaps: Option<GapPolicy>,
     max_attempts: Option<syn::LitInt>,
+    unsupported: Unsupported,
 }
 
 fn parse_metas(metas: &MetaList, errors: &mut Errors) -> Parsed {
@@ -202,6 +274,7 @@ fn parse_metas(metas: &MetaList, errors: &mut Errors) -> Parsed {
     let mut max_attempts = Setting::new("max_attempts");
     // The `aggregate` and `sequence` names, for "one without the other" errors.
     let (mut aggregate_path, mut sequence_path) = (None, None);
+    let mut unsupported = Unsupported::default();
     for meta in metas {
         let path = meta.path();
         if path.is_ident("consumer") {
@@ -216,15 +289,22 @@ fn parse_metas(metas: &MetaList, errors: &mut Errors) -> Parsed {
             let field = args::string_value(meta, errors, "\"order_id\"")
                 .and_then(|lit| Some((field_arg("aggregate", &lit, errors)?, lit)));
             aggregate_path.get_or_insert(path);
+            unsupported.ordering.get_or_insert_with(|| path.clone());
             aggregate.set(errors, path, field);
         } else if path.is_ident("sequence") {
             let field = args::string_value(meta, errors, "\"seq\"")
                 .and_then(|lit| Some((field_arg("sequence", &lit, errors)?, lit)));
             sequence_path.get_or_insert(path);
+            unsupported.ordering.get_or_insert_with(|| path.clone());
             sequence.set(errors, path, field);
         } else if path.is_ident("gaps") {
-            let policy = args::string_value(meta, errors, "\"park\"")
-                .and_then(|lit| gap_policy(&lit, errors));
+            let policy = args::string_value(meta, errors, "\"park\"").and_then(|lit| {
+                let policy = gap_policy(&lit, errors);
+                if policy == Some(GapPolicy::Park) {
+                    unsupported.park.get_or_insert(lit);
+                }
+                policy
+            });
             gaps.set(errors, path, policy);
         } else if path.is_ident("max_attempts") {
             let value = args::positive_int_value(meta, errors, "5");
@@ -267,6 +347,7 @@ fn parse_metas(metas: &MetaList, errors: &mut Errors) -> Parsed {
         ordering,
         gaps: gaps.get(),
         max_attempts: max_attempts.get(),
+        unsupported,
     }
 }
 
@@ -519,7 +600,8 @@ fn connection_type(ty: &Type, errors: &mut Errors) -> Option<Type> {
             errors.spanned(
                 ty,
                 "the first parameter must be the database connection, borrowed mutably: \
-                 `&mut sqlx::PgConnection` or `&mut sqlx::SqliteConnection`",
+                 `&mut sqlx::PgConnection` or `&mut sqlx::SqliteConnection` (or, on DynamoDB, \
+                 the transaction: `&mut inbox_runtime::dynamodb::DynamoTx`)",
             );
             None
         }
@@ -723,6 +805,63 @@ mod tests {
                 Ok(())
             }
         )
+    }
+
+    #[test]
+    fn a_dynamo_tx_makes_a_dynamodb_handler() {
+        for connection in [
+            quote!(DynamoTx),
+            quote!(inbox_runtime::dynamodb::DynamoTx),
+            quote!(::inbox_runtime::dynamodb::DynamoTx),
+        ] {
+            let handler = parse(
+                quote!(consumer = "ledger", key = "id", max_attempts = 3),
+                quote!(async fn h(tx: &mut #connection, m: M) -> Result<(), E> { Ok(()) }),
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+            assert!(handler.dynamo, "{connection}");
+        }
+        for connection in [
+            quote!(sqlx::PgConnection),
+            quote!(DynamoTx<T>),
+            quote!(dynamo::DynamoTxn),
+        ] {
+            let handler = parse(
+                quote!(consumer = "ledger"),
+                quote!(async fn h(tx: &mut #connection, m: M) -> Result<(), E> { Ok(()) }),
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+            assert!(!handler.dynamo, "{connection}");
+        }
+    }
+
+    #[test]
+    fn dynamodb_handlers_have_no_ordering() {
+        let item = quote!(
+            async fn h(tx: &mut DynamoTx, m: M) -> Result<(), E> {
+                Ok(())
+            }
+        );
+        assert_eq!(
+            errors_of(
+                quote!(
+                    consumer = "c",
+                    sequence = "seq",
+                    aggregate = "id",
+                    gaps = "park"
+                ),
+                item.clone()
+            ),
+            [
+                "per-aggregate ordering (`aggregate`, `sequence`) is not supported on DynamoDB: \
+                 a handler taking `&mut DynamoTx` processes each message on its own; remove \
+                 `aggregate` and `sequence`, or take an SQL connection",
+                "`gaps = \"park\"` is not supported on DynamoDB: a handler taking `&mut \
+                 DynamoTx` has no per-aggregate ordering to park messages for; remove `gaps`",
+            ]
+        );
+        // `gaps = "apply"` is the default: nothing to refuse.
+        assert!(errors_of(quote!(consumer = "c", gaps = "apply"), item).is_empty());
     }
 
     #[test]

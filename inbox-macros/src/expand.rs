@@ -208,6 +208,9 @@ fn key_part_fn() -> TokenStream {
 /// The items generated for an `#[idempotent]` handler, in this order: the hidden handler type and
 /// its `impl Handler`, the registration, and the function with its new signature.
 pub(crate) fn handler(handler: &Handler) -> TokenStream {
+    if handler.dynamo {
+        return dynamo_handler(handler);
+    }
     let names = Names::of(&handler.func.sig.ident);
     let attrs = FnAttrs::split(&handler.func.attrs);
     let result = ResultTypes::of(&handler.output);
@@ -288,6 +291,18 @@ impl ResultTypes {
             ok: quote_spanned!(span=> <#output as #private::HandlerResult>::Ok),
             err: quote_spanned!(span=> <#output as #private::HandlerResult>::Err),
             span,
+        }
+    }
+
+    /// What a DynamoDB handler returns once `#[idempotent]` has rewritten it:
+    /// `Result<Outcome<T>, inbox_runtime::dynamodb::DynamoError<E>>`.
+    fn dynamo_outcome(&self) -> TokenStream {
+        let Self { ok, err, .. } = self;
+        quote! {
+            ::core::result::Result<
+                ::inbox_runtime::Outcome<#ok>,
+                ::inbox_runtime::dynamodb::DynamoError<#err>,
+            >
         }
     }
 
@@ -546,22 +561,39 @@ fn wrapper(
 /// reported in the same compile; nothing runs it. Everything else is left out: without the
 /// handler type, there is nothing to register.
 pub(crate) fn fallback(fallback: &Fallback) -> TokenStream {
-    let Fallback { func, output } = fallback;
+    let Fallback {
+        func,
+        output,
+        dynamo,
+    } = fallback;
     let attrs = FnAttrs::split(&func.attrs);
-    let returns = ResultTypes::of(output).outcome();
+    let returns = if *dynamo {
+        ResultTypes::of(output).dynamo_outcome()
+    } else {
+        ResultTypes::of(output).outcome()
+    };
     let sig = &func.sig;
     let ident = &sig.ident;
     let vis = &func.vis;
     let generics = &sig.generics;
     let where_clause = &generics.where_clause;
-    let params = sig.inputs.iter().filter_map(|input| match input {
-        syn::FnArg::Typed(param) => {
-            let param_attrs = &param.attrs;
-            let ty = &param.ty;
-            Some(quote!(#(#param_attrs)* _: #ty))
-        }
-        syn::FnArg::Receiver(_) => None,
-    });
+    let params = sig
+        .inputs
+        .iter()
+        .enumerate()
+        .filter_map(|(index, input)| match input {
+            // The DynamoDB form takes the inbox where the handler takes the transaction.
+            syn::FnArg::Typed(param) if index == 0 && *dynamo => {
+                let param_attrs = &param.attrs;
+                Some(quote!(#(#param_attrs)* _: &::inbox_runtime::dynamodb::DynamoInbox))
+            }
+            syn::FnArg::Typed(param) => {
+                let param_attrs = &param.attrs;
+                let ty = &param.ty;
+                Some(quote!(#(#param_attrs)* _: #ty))
+            }
+            syn::FnArg::Receiver(_) => None,
+        });
     let body = fallback_body(func, &attrs);
     let (outer_attrs, cfgs) = (&attrs.outer, &attrs.cfgs);
     // As on success, a use keeps the function from being dead code; a function with type or
@@ -580,7 +612,7 @@ pub(crate) fn fallback(fallback: &Fallback) -> TokenStream {
             };
         }
     });
-    quote! {
+    let items = quote! {
         #used
 
         #(#outer_attrs)*
@@ -588,6 +620,12 @@ pub(crate) fn fallback(fallback: &Fallback) -> TokenStream {
             #body
             ::core::unimplemented!()
         }
+    };
+    if *dynamo {
+        // Without the `dynamodb` feature, nothing: its types do not exist.
+        quote!(::inbox_runtime::__private::dynamodb_fallback! { #items })
+    } else {
+        items
     }
 }
 
@@ -697,4 +735,126 @@ pub(crate) fn registration(mut path: syn::Path) -> TokenStream {
         .expect("checked by attr::parse_handler_path");
     last.ident = registration_ident(&last.ident, last.ident.span());
     quote!(#path)
+}
+
+/// The items generated for an `#[idempotent]` handler whose first parameter is `&mut DynamoTx`:
+/// the hidden handler type and its `impl DynamoHandler`, the registration (a
+/// `DynamoRegistration`, in the DynamoDB handlers' own `inventory` collection), and the function
+/// rewritten to `fn(inbox: &DynamoInbox, msg: M) -> Result<Outcome<T>, DynamoError<E>>`.
+///
+/// All of it passes through `__private::dynamodb_items!`, spanned at the first parameter's type:
+/// without inbox-runtime's `dynamodb` feature, that macro is an error there saying so.
+fn dynamo_handler(handler: &Handler) -> TokenStream {
+    let Handler {
+        consumer,
+        key,
+        max_attempts,
+        func,
+        connection,
+        message,
+        output,
+        msg_arg,
+        ..
+    } = handler;
+    let names = Names::of(&func.sig.ident);
+    let attrs = FnAttrs::split(&func.attrs);
+    let result = ResultTypes::of(output);
+    let private = quote!(::inbox_runtime::__private);
+    let dynamodb = quote!(::inbox_runtime::dynamodb);
+    let Names {
+        handler_ty,
+        registration,
+        function,
+    } = &names;
+    let FnAttrs { cfgs, body, outer } = &attrs;
+    let ResultTypes { ok, err, .. } = &result;
+    let max_attempts = max_attempts.as_ref().map(max_attempts_const);
+    let classify = classify_fn(&result);
+    let key = key_fn(key.as_ref(), message);
+    let inputs = &func.sig.inputs;
+    let block = &func.block;
+    let vis = &func.vis;
+    let ident = &func.sig.ident;
+    let asyncness = &func.sig.asyncness;
+    let returns = result.dynamo_outcome();
+    let registered = {
+        let mut handler_ty = handler_ty.clone();
+        handler_ty.set_span(result.span);
+        quote_spanned!(result.span=> &#handler_ty)
+    };
+    let msg_ty = match func.sig.inputs.last() {
+        Some(syn::FnArg::Typed(msg)) => &msg.ty,
+        _ => unreachable!("checked by attr::parse"),
+    };
+    // The rewritten function takes the inbox where the handler took the transaction.
+    let inbox_arg = if *msg_arg == "inbox" {
+        Ident::new("__inbox_inbox", Span::call_site())
+    } else {
+        Ident::new("inbox", Span::call_site())
+    };
+    let items = quote! {
+        #(#cfgs)*
+        #[doc(hidden)]
+        #[allow(non_camel_case_types)]
+        struct #handler_ty;
+
+        #(#cfgs)*
+        impl #private::DynamoHandler for #handler_ty {
+            type Message = #message;
+            type Output = #ok;
+            type Error = #err;
+            const CONSUMER: &'static ::core::primitive::str = #consumer;
+            const FUNCTION: &'static ::core::primitive::str =
+                ::core::concat!(::core::module_path!(), "::", #function);
+
+            #max_attempts
+
+            #classify
+
+            #key
+
+            fn call<'t>(
+                tx: &'t mut #connection,
+                msg: #message,
+            ) -> #private::BoxFuture<'t, #output> {
+                #(#body)*
+                async fn __inbox_body(#inputs) -> #output #block
+                ::std::boxed::Box::pin(__inbox_body(tx, msg))
+            }
+        }
+
+        /// The registration of the handler, for `inbox_runtime::handler!`.
+        #(#cfgs)*
+        #[doc(hidden)]
+        #[allow(non_upper_case_globals, unreachable_pub)]
+        #vis const #registration: #dynamodb::DynamoRegistration =
+            #dynamodb::DynamoRegistration::new(#registered);
+
+        #(#cfgs)*
+        #private::inventory::submit! {
+            #registration
+        }
+
+        // Registered, the wrapper needs no caller: this use keeps it from being dead code.
+        #(#cfgs)*
+        const _: () = {
+            let _ = #ident;
+        };
+
+        #(#outer)*
+        #vis #asyncness fn #ident(
+            #inbox_arg: &#dynamodb::DynamoInbox,
+            #msg_arg: #msg_ty,
+        ) -> #returns {
+            #private::run_dynamo::<#handler_ty>(#inbox_arg, #msg_arg).await
+        }
+    };
+    // The call spans the whole type (its first token to its last: what rustc blames for an
+    // error of the macro), where one span would cover only the type's first token on stable.
+    let mut tokens = connection.to_token_stream().into_iter();
+    let first = tokens.next().map_or_else(Span::call_site, |t| t.span());
+    let last = tokens.last().map_or(first, |t| t.span());
+    let mut group = proc_macro2::Group::new(proc_macro2::Delimiter::Brace, items);
+    group.set_span(last);
+    quote_spanned!(first=> ::inbox_runtime::__private::dynamodb_items! #group)
 }

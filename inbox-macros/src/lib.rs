@@ -176,7 +176,8 @@ pub fn derive_message(input: TokenStream) -> TokenStream {
 ///
 /// A free `async fn` (not a method, not generic, not `const`/`unsafe`/`extern`) with exactly two
 /// parameters: the connection, `&mut sqlx::PgConnection`, `&mut sqlx::SqliteConnection` or
-/// `&mut sqlx::MySqlConnection`, then the message, by value. It returns a `Result<T, E>`, possibly through an alias such as
+/// `&mut sqlx::MySqlConnection` (or the transaction `&mut DynamoTx`, see
+/// [On DynamoDB](#on-dynamodb)), then the message, by value. It returns a `Result<T, E>`, possibly through an alias such as
 /// `anyhow::Result<T>`; `E` must be an error that converts into `inbox_runtime::BoxError`.
 ///
 /// The function keeps its name, visibility, documentation and attributes, and becomes a wrapper
@@ -184,6 +185,31 @@ pub fn derive_message(input: TokenStream) -> TokenStream {
 /// nested function; `#[allow]`, `#[warn]`, `#[deny]` and `#[forbid]` are copied onto it, and
 /// `#[expect]` moved to it, so that lint attributes still reach the body. A `#[cfg]` under
 /// `#[idempotent]` applies to everything generated.
+///
+/// # On DynamoDB
+///
+/// With inbox-runtime's `dynamodb` feature, a handler whose first parameter is `&mut DynamoTx`
+/// (any path ending in `DynamoTx`: `inbox_runtime::dynamodb::DynamoTx`, or the type imported)
+/// adds its DynamoDB actions to the transaction, and the runtime submits them with the claim as
+/// one `TransactWriteItems`. The function becomes
+/// `fn(inbox: &DynamoInbox, msg: M) -> Result<Outcome<T>, inbox_runtime::dynamodb::DynamoError<E>>`,
+/// and registers for `inbox_runtime::dynamodb::DynamoDispatcher` (not for the SQL `Dispatcher`).
+/// `consumer`, `key`, `max_attempts` and the error's class work as on SQL; `aggregate`,
+/// `sequence` and `gaps = "park"` are compile errors (no ordering on DynamoDB), and so is such a
+/// handler without the `dynamodb` feature (the error names it, at the first parameter). The
+/// example is compiled in `inbox_runtime::dynamodb`'s documentation (this crate's doc tests
+/// build inbox-runtime without the feature).
+///
+/// ```ignore
+/// use inbox_runtime::dynamodb::DynamoTx;
+///
+/// #[idempotent(consumer = "ledger")]
+/// async fn credit(tx: &mut DynamoTx, msg: PaymentCaptured) -> Result<(), inbox_runtime::Permanent> {
+///     /* tx.update(...) */
+///     Ok(())
+/// }
+/// // credit(&inbox, msg).await: Result<Outcome<()>, DynamoError<Permanent>>
+/// ```
 ///
 /// # Ordering
 ///

@@ -213,8 +213,9 @@
 //!   rustls with ring).
 //! * `dynamodb`: `dynamodb`, Amazon DynamoDB as the inbox's store: the claim and the handler's
 //!   DynamoDB writes in one `TransactWriteItems` (the official aws-sdk-dynamodb, rustls with
-//!   ring). Its own entry point for now (`dynamodb::DynamoInbox::process`), not yet the
-//!   dispatcher or `#[idempotent]`.
+//!   ring): `dynamodb::DynamoInbox::process`, `#[idempotent]` handlers taking
+//!   `&mut dynamodb::DynamoTx`, and `dynamodb::DynamoDispatcher` (dispatch by message name,
+//!   replay); not yet the [`Worker`].
 //! * `lambda`: `source::lambda::LambdaSqs`, AWS Lambda's SQS batches (an SQS event source
 //!   mapping) run through a [`Worker`] and answered with the partial batch response
 //!   (`batchItemFailures`): retryable failures listed, duplicates, conflicts and dead letters
@@ -331,11 +332,55 @@ pub async fn migrate_components<DB: store::InboxDatabase>(
 
 /// Support for the code `#[idempotent]` and `#[derive(Message)]` generate. Not public API: no
 /// semver guarantees; never name it yourself.
+/// The items `#[idempotent]` generates for a handler taking `&mut DynamoTx`: as they are with
+/// the `dynamodb` feature; without it, an error at the handler's first parameter, which the macro
+/// spans this call at.
+#[cfg(feature = "dynamodb")]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __inbox_dynamodb_items {
+    ($($items:tt)*) => { $($items)* };
+}
+
+/// See the `dynamodb` form.
+#[cfg(not(feature = "dynamodb"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __inbox_dynamodb_items {
+    ($($items:tt)*) => {
+        ::core::compile_error! {
+            "this handler takes `&mut DynamoTx`, a DynamoDB handler: enable inbox-runtime's \
+             `dynamodb` feature (`inbox-runtime = { version = \"...\", features = [\"dynamodb\"] }`)"
+        }
+    };
+}
+
+/// What `#[idempotent]` emits next to its errors for a rejected DynamoDB handler: as it is with
+/// the `dynamodb` feature; nothing without it (the errors are reported already).
+#[cfg(feature = "dynamodb")]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __inbox_dynamodb_fallback {
+    ($($items:tt)*) => { $($items)* };
+}
+
+/// See the `dynamodb` form.
+#[cfg(not(feature = "dynamodb"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __inbox_dynamodb_fallback {
+    ($($items:tt)*) => {};
+}
+
 #[doc(hidden)]
 pub mod __private {
+    pub use crate::__inbox_dynamodb_fallback as dynamodb_fallback;
+    pub use crate::__inbox_dynamodb_items as dynamodb_items;
     pub use crate::BoxFuture;
     pub use crate::dispatch::direct::run;
     pub use crate::dispatch::registry::Registration;
+    #[cfg(feature = "dynamodb")]
+    pub use crate::dynamodb::dispatch::{DynDynamoHandler, DynamoHandler, run as run_dynamo};
     pub use crate::partition::partitions_from;
     pub use crate::protocol::erased::DynHandler;
     pub use crate::protocol::single::{Handler, HandlerResult};

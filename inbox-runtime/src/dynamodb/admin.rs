@@ -62,7 +62,7 @@ use super::{Chain, DynamoInbox, MAX_PARTITION_KEY_BYTES, Now, TTL_ATTRIBUTE, Tab
 use crate::store::{StatsRow, StatsStatus, StoredMessage};
 use std::future::Future;
 
-use super::{DynamoError, DynamoTx};
+use super::{Delivery, DynamoError, DynamoTx, Mode};
 use crate::types::classify::{BoxError, Classify};
 use crate::types::fingerprint::Fingerprint;
 use crate::types::key::IdempotencyKey;
@@ -304,16 +304,16 @@ impl DynamoInbox {
                 key: key.clone(),
                 reason: "`payload_hash` is not 64 hex digits".to_owned(),
             })?;
+        let delivery = Delivery {
+            consumer: &stored.consumer,
+            message_name: &stored.message_name,
+            key: &key,
+            fingerprint,
+            payload,
+            mode: Mode::Replay,
+        };
         let result = self
-            .run(
-                &stored.consumer,
-                &stored.message_name,
-                &key,
-                fingerprint,
-                payload,
-                true,
-                handler,
-            )
+            .run(&delivery, |error: &E| error.class(), handler)
             .await;
         tracing::info!(
             consumer = stored.consumer,

@@ -43,6 +43,53 @@
 //! # Ok(()) }
 //! ```
 //!
+//! ## `#[idempotent]` handlers and the dispatcher
+//!
+//! `#[idempotent]` on an `async fn` whose first parameter is `&mut DynamoTx` makes a DynamoDB
+//! handler: its body adds the actions, and the function becomes
+//! `fn(inbox: &DynamoInbox, msg: M) -> Result<Outcome<T>, DynamoError<E>>` (the SQL form takes
+//! the connection and returns [`crate::Error<E>`]), run as [`DynamoInbox::process`] runs a
+//! closure, with the handler's `key`, `max_attempts` and error class. Per-aggregate ordering
+//! (`aggregate`, `sequence`, `gaps = "park"`) is a compile error. The handlers register apart
+//! from the SQL ones: [`DynamoDispatcher`] runs raw deliveries by message name and replays dead
+//! letters ([`DynamoDispatcher::replay`]).
+//!
+//! ```no_run
+//! use inbox_runtime::dynamodb::sdk::types::{AttributeValue, Update};
+//! use inbox_runtime::dynamodb::{DynamoDispatcher, DynamoInbox, DynamoTx};
+//! use inbox_runtime::{Envelope, Message, Outcome, Permanent, idempotent};
+//!
+//! #[derive(Clone, serde::Serialize, serde::Deserialize, Message)]
+//! #[message(name = "payments.captured")]
+//! struct PaymentCaptured {
+//!     #[message(key)]
+//!     event_id: String,
+//!     account_id: String,
+//!     amount_cents: i64,
+//! }
+//!
+//! #[idempotent(consumer = "ledger", max_attempts = 5)]
+//! async fn credit(tx: &mut DynamoTx, msg: PaymentCaptured) -> Result<(), Permanent> {
+//!     let credit = Update::builder()
+//!         .table_name("accounts")
+//!         .key("id", AttributeValue::S(msg.account_id.clone()))
+//!         .update_expression("ADD balance :amount")
+//!         .expression_attribute_values(":amount", AttributeValue::N(msg.amount_cents.to_string()))
+//!         .build()
+//!         .map_err(Permanent::new)?;
+//!     tx.update(credit);
+//!     Ok(())
+//! }
+//!
+//! # async fn demo(inbox: DynamoInbox, msg: PaymentCaptured, delivery: Envelope) -> Result<(), Box<dyn std::error::Error>> {
+//! assert!(matches!(credit(&inbox, msg).await?, Outcome::Processed(()) | Outcome::Duplicate));
+//! let dispatcher = DynamoDispatcher::from_registry(inbox)?;
+//! for outcome in dispatcher.dispatch(&delivery).await? {
+//!     println!("{}: {:?}", outcome.consumer, outcome.result);
+//! }
+//! # Ok(()) }
+//! ```
+//!
 //! ## How one delivery runs ([`DynamoInbox::process`])
 //!
 //! 1. **Read** the key's inbox item (`GetItem`, strongly consistent). A processed item whose
@@ -128,10 +175,10 @@
 //!   workers' clocks should agree to well under the retry delays and the retention window.
 //! * A handler action on the inbox table's own item of this key is refused by DynamoDB (one
 //!   action per item per transaction): [`DynamoError::Cancelled`] or [`DynamoError::Dynamo`].
-//! * Not yet: parked and stale states (per-aggregate ordering), the [`Dispatcher`](crate::Dispatcher)
-//!   (and with it replay by message name through registered handlers, and `dead replay` on the
-//!   command line), `#[idempotent]` handlers, rejected deliveries (not recorded: `stats` has no
-//!   `rejected:…` rows), the console, the outbox's admin and command line.
+//! * Not yet: parked and stale states (per-aggregate ordering), the [`Worker`](crate::Worker),
+//!   `dead replay` on the command line, the console, the outbox's admin and command line. A
+//!   delivery the [`DynamoDispatcher`] refuses is not kept (there is no rejections table, and
+//!   `stats` has no `rejected:…` rows): leave it to the broker's dead-letter queue.
 //!
 //! ## The outbox
 //!
@@ -141,10 +188,15 @@
 //! order, its limits and its calls: [`outbox`].
 
 mod admin;
+pub(crate) mod dispatch;
 pub mod outbox;
 mod size;
 
 pub use admin::{AdminError, DEAD_LETTER_ATTRIBUTE, DEAD_LETTER_INDEX, DynamoAdmin, INDEX_WAIT};
+pub use dispatch::{
+    DynamoConsumerOutcome, DynamoDispatcher, DynamoHandlerInfo, DynamoRegistration,
+    DynamoRegistryError, DynamoReplayError, registered_dynamo_handlers,
+};
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -393,6 +445,18 @@ pub enum DynamoError<E> {
         /// What is wrong with it.
         reason: String,
     },
+    /// An `#[idempotent]` DynamoDB handler got a message ordered per aggregate (its type has
+    /// `#[message(aggregate)]` and `#[message(sequence)]` fields): the DynamoDB store keeps no
+    /// aggregate positions, and would apply it out of order. Nothing ran, nothing was called.
+    /// ([`DynamoInbox::process`] itself does not look at the ordering.)
+    #[error(
+        "message `{message_name}` is ordered per aggregate (`#[message(aggregate)]`, \
+         `#[message(sequence)]`), which the DynamoDB store does not support: nothing ran"
+    )]
+    Ordered {
+        /// The message's routing name.
+        message_name: String,
+    },
 }
 
 /// The error of [`DynamoInbox::ensure_table`]: the SDK's error of `operation`
@@ -530,7 +594,8 @@ enum Decision {
 enum Claim {
     /// No item, or an expired one.
     New,
-    /// A failed item with this many attempts, due again (or a dead one, `dead`, by a replay).
+    /// A failed item with this many attempts, due again (or a failed or dead one, `dead`, that
+    /// a replay takes over).
     Takeover {
         attempts: u32,
         received_at: i64,
@@ -866,17 +931,39 @@ impl DynamoInbox {
         F: FnMut(DynamoTx) -> Fut,
         Fut: Future<Output = Result<(DynamoTx, T), E>>,
     {
-        let result = self
-            .run(
-                consumer,
-                message_name,
-                key,
-                fingerprint,
-                payload,
-                false,
-                handler,
-            )
-            .await;
+        let delivery = Delivery {
+            consumer,
+            message_name,
+            key,
+            fingerprint,
+            payload,
+            mode: Mode::Deliver,
+        };
+        self.deliver(&delivery, |error: &E| error.class(), handler)
+            .await
+    }
+
+    /// [`process_raw`](Self::process_raw) in `delivery.mode`, the handler's errors classified by
+    /// `classify` (what `#[idempotent]` handlers and the [`DynamoDispatcher`] run through).
+    pub(crate) async fn deliver<T, E, C, F, Fut>(
+        &self,
+        delivery: &Delivery<'_>,
+        classify: C,
+        handler: F,
+    ) -> Result<Outcome<T>, DynamoError<E>>
+    where
+        E: std::fmt::Display,
+        C: Fn(&E) -> ErrorClass,
+        F: FnMut(DynamoTx) -> Fut,
+        Fut: Future<Output = Result<(DynamoTx, T), E>>,
+    {
+        let Delivery {
+            consumer,
+            message_name,
+            key,
+            ..
+        } = *delivery;
+        let result = self.run(delivery, classify, handler).await;
         let outcome = match &result {
             Ok(Outcome::Processed(_)) => "processed",
             Ok(Outcome::Duplicate) => "duplicate",
@@ -899,23 +986,26 @@ impl DynamoInbox {
         result
     }
 
-    /// One delivery (`replay`: a replay, see [`Ctx::replay`]).
-    #[allow(clippy::too_many_arguments)]
-    async fn run<T, E, F, Fut>(
+    async fn run<T, E, C, F, Fut>(
         &self,
-        consumer: &str,
-        message_name: &str,
-        key: &IdempotencyKey,
-        fingerprint: Fingerprint,
-        payload: &[u8],
-        replay: bool,
+        delivery: &Delivery<'_>,
+        classify: C,
         mut handler: F,
     ) -> Result<Outcome<T>, DynamoError<E>>
     where
-        E: Classify + std::fmt::Display,
+        E: std::fmt::Display,
+        C: Fn(&E) -> ErrorClass,
         F: FnMut(DynamoTx) -> Fut,
         Fut: Future<Output = Result<(DynamoTx, T), E>>,
     {
+        let Delivery {
+            consumer,
+            message_name,
+            key,
+            fingerprint,
+            payload,
+            mode,
+        } = *delivery;
         let pk = partition_key(consumer, key);
         if pk.len() > MAX_PARTITION_KEY_BYTES {
             return Err(DynamoError::PartitionKeyTooLong {
@@ -931,14 +1021,13 @@ impl DynamoInbox {
             key,
             fingerprint,
             pk: &pk,
-            replay,
         };
         let mut item = self.read(&ctx).await?;
         // Numbers the client request tokens of this delivery's sends (see `request_token`).
         let mut resend = 0;
         for _ in 0..MAX_ROUNDS {
             let now = Now::read();
-            let claim = match self.decide(&ctx, item.as_ref(), now)? {
+            let claim = match self.decide(&ctx, item.as_ref(), now, mode)? {
                 Decision::Claim(claim) => claim,
                 Decision::Settled(outcome) => {
                     return Ok(outcome.map(|never| match never {}));
@@ -956,7 +1045,7 @@ impl DynamoInbox {
             let (tx, value) = match handler(tx).await {
                 Ok(done) => done,
                 Err(error) => {
-                    let class = error.class();
+                    let class = classify(&error);
                     let text = error.to_string();
                     let disposition = self
                         .record_failure(&ctx, claim, now, class, text, payload)
@@ -1026,6 +1115,7 @@ impl DynamoInbox {
         ctx: &Ctx<'_>,
         item: Option<&HashMap<String, AttributeValue>>,
         now: Now,
+        mode: Mode,
     ) -> Result<Decision, DynamoError<E>> {
         let Some(item) = item else {
             return Ok(Decision::Claim(Claim::New));
@@ -1058,10 +1148,13 @@ impl DynamoInbox {
         if stored != ctx.fingerprint {
             return Ok(Decision::Conflict(stored));
         }
+        let dead = status == "dead";
         match status {
             "processed" => Ok(Decision::Settled(Outcome::Duplicate)),
             "discarded" => Ok(Decision::Settled(Outcome::Discarded)),
-            "dead" if !ctx.replay => Ok(Decision::Settled(Outcome::Dead)),
+            "dead" if mode == Mode::Deliver => Ok(Decision::Settled(Outcome::Dead)),
+            // A replay takes over a dead item, and a failed one without waiting for its next
+            // attempt, as the SQL stores' replay claim does.
             "failed" | "dead" => {
                 let attempts = number("attempts")?
                     .ok_or_else(|| ctx.malformed("`attempts` is missing".to_owned()))?;
@@ -1072,7 +1165,7 @@ impl DynamoInbox {
                     ))
                 })?;
                 let next = number("next_attempt_at")?.unwrap_or(0);
-                if next > now.ms && !ctx.replay {
+                if next > now.ms && mode == Mode::Deliver {
                     let wait = u64::try_from(next - now.ms).unwrap_or(0);
                     return Ok(Decision::Settled(Outcome::NotYet {
                         retry_in: Duration::from_millis(wait),
@@ -1082,7 +1175,7 @@ impl DynamoInbox {
                 Ok(Decision::Claim(Claim::Takeover {
                     attempts,
                     received_at,
-                    dead: status == "dead",
+                    dead,
                 }))
             }
             other => Err(ctx.malformed(format!("status `{other}` is not one this store writes"))),
@@ -1129,10 +1222,10 @@ impl DynamoInbox {
                 .expression_attribute_values(":now", n(now.secs())),
             Claim::Takeover { attempts, dead, .. } => builder
                 .condition_expression(
-                    "#status = :taken AND attempts = :attempts AND payload_hash = :hash",
+                    "#status = :read AND attempts = :attempts AND payload_hash = :hash",
                 )
                 .expression_attribute_names("#status", "status")
-                .expression_attribute_values(":taken", s(if dead { "dead" } else { "failed" }))
+                .expression_attribute_values(":read", s(if dead { "dead" } else { "failed" }))
                 .expression_attribute_values(":attempts", n(attempts))
                 .expression_attribute_values(":hash", s(ctx.fingerprint.to_hex())),
         };
@@ -1419,6 +1512,27 @@ enum Submitted {
     ConditionFailed(ConditionFailed),
 }
 
+/// Which items a delivery may claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// A delivery from a source or a direct call: a new key, or a failed one that is due.
+    Deliver,
+    /// An operator's replay: also a dead key, and a failed one before its next attempt is due.
+    Replay,
+}
+
+/// One delivery as [`DynamoInbox::deliver`] runs it.
+#[derive(Clone, Copy)]
+pub(crate) struct Delivery<'a> {
+    pub(crate) consumer: &'a str,
+    pub(crate) message_name: &'a str,
+    pub(crate) key: &'a IdempotencyKey,
+    pub(crate) fingerprint: Fingerprint,
+    /// The payload kept in a failed or dead item.
+    pub(crate) payload: &'a [u8],
+    pub(crate) mode: Mode,
+}
+
 /// The delivery's identity, for the calls and their errors.
 struct Ctx<'a> {
     consumer: &'a str,
@@ -1426,9 +1540,6 @@ struct Ctx<'a> {
     key: &'a IdempotencyKey,
     fingerprint: Fingerprint,
     pk: &'a str,
-    /// A replay ([`DynamoInbox::replay_stored`]): takes a dead item over too, and a failed one
-    /// before its next attempt is due (as the SQL stores' `ClaimMode::Replay`).
-    replay: bool,
 }
 
 impl Ctx<'_> {

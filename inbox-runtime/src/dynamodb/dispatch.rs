@@ -1,0 +1,818 @@
+//! `#[idempotent]` handlers on DynamoDB, and the [`DynamoDispatcher`] that runs them by message
+//! name.
+//!
+//! A function annotated `#[idempotent(consumer = "...")]` whose first parameter is
+//! `&mut DynamoTx` adds its writes to the transaction; the macro rewrites it into
+//! `fn(inbox: &DynamoInbox, msg: M) -> Result<Outcome<T>, DynamoError<E>>`, which runs it through
+//! [`DynamoInbox::process`]'s protocol (the claim and the handler's actions in one
+//! `TransactWriteItems`), and registers it (`inventory`, a collection of its own: the SQL
+//! [`Dispatcher`](crate::Dispatcher) never sees it) for [`DynamoDispatcher::from_registry`].
+
+use std::any::TypeId;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+
+use super::{AdminError, DynamoError, DynamoInbox, DynamoTx, Failed, Mode};
+use crate::BoxFuture;
+use crate::protocol::erased::AnyMessage;
+use crate::types::classify::{BoxError, ErrorClass};
+use crate::types::envelope::Envelope;
+use crate::types::error::{DispatchError, HandlerFailure};
+use crate::types::fingerprint::{Fingerprint, FingerprintError};
+use crate::types::json_text::{NotText, json_text};
+use crate::types::key::{IdempotencyKey, KeyError};
+use crate::types::limit::{PayloadLimit, PayloadLimitError};
+use crate::types::message::Message;
+use crate::types::outcome::Outcome;
+use crate::types::status::Status;
+
+/// One `#[idempotent]` function whose first parameter is `&mut DynamoTx`, as the macro
+/// describes it to the runtime (generated code only).
+#[doc(hidden)]
+pub trait DynamoHandler: Send + Sync + 'static {
+    /// The message type of the second parameter.
+    type Message: Message;
+    /// The handler's `Ok` type.
+    type Output: Send + 'static;
+    /// The handler's `Err` type.
+    type Error: fmt::Display + Send + 'static;
+    /// The consumer name: the inbox scope of this handler.
+    const CONSUMER: &'static str;
+    /// Module path and name of the function, for diagnostics.
+    const FUNCTION: &'static str;
+    /// `#[idempotent(max_attempts = N)]`, overriding the inbox's [`RetryPolicy`](crate::RetryPolicy).
+    const MAX_ATTEMPTS: Option<u32> = None;
+
+    /// The idempotency key of `msg` for this handler.
+    fn key(msg: &Self::Message) -> Result<IdempotencyKey, KeyError>;
+
+    /// The class of a handler error (generated: `Classify`, else the error chain).
+    fn classify(_error: &Self::Error) -> ErrorClass {
+        ErrorClass::Retryable
+    }
+
+    /// The original function body: adds its actions to `tx`.
+    fn call<'t>(
+        tx: &'t mut DynamoTx,
+        msg: Self::Message,
+    ) -> BoxFuture<'t, Result<Self::Output, Self::Error>>;
+}
+
+/// What the rewritten function calls: one delivery of `msg` to `H` on `inbox` (its key from
+/// `H::key`, its fingerprint `Fingerprint::of(M::NAME, &msg)`, its JSON kept for a failed or dead
+/// item), with `H`'s `max_attempts` if it has one.
+#[doc(hidden)]
+pub async fn run<H: DynamoHandler>(
+    inbox: &DynamoInbox,
+    msg: H::Message,
+) -> Result<Outcome<H::Output>, DynamoError<H::Error>> {
+    let key = H::key(&msg)?;
+    let fingerprint = Fingerprint::of(<H::Message as Message>::NAME, &msg)?;
+    let payload = serde_json::to_vec(&msg).map_err(FingerprintError::from_json)?;
+    run_with::<H>(inbox, &msg, &key, fingerprint, &payload, Mode::Deliver).await
+}
+
+/// One delivery of `msg` (its `key`, `fingerprint` and `payload` given) to `H` in `mode`.
+async fn run_with<H: DynamoHandler>(
+    inbox: &DynamoInbox,
+    msg: &H::Message,
+    key: &IdempotencyKey,
+    fingerprint: Fingerprint,
+    payload: &[u8],
+    mode: Mode,
+) -> Result<Outcome<H::Output>, DynamoError<H::Error>> {
+    // No aggregate positions on DynamoDB: an ordered message is refused, not applied unordered.
+    if msg.ordering()?.is_some() {
+        return Err(DynamoError::Ordered {
+            message_name: <H::Message as Message>::NAME.to_owned(),
+        });
+    }
+    let own;
+    let inbox = match H::MAX_ATTEMPTS {
+        Some(max) => {
+            // A clone shares the client and the counters: only the policy differs.
+            own = inbox
+                .clone()
+                .retry_policy(inbox.policy.clone().max_attempts(max));
+            &own
+        }
+        None => inbox,
+    };
+    let delivery = super::Delivery {
+        consumer: H::CONSUMER,
+        message_name: <H::Message as Message>::NAME,
+        key,
+        fingerprint,
+        payload,
+        mode,
+    };
+    inbox
+        .deliver(&delivery, H::classify, |mut tx| {
+            let msg = msg.clone();
+            async move {
+                let value = H::call(&mut tx, msg).await?;
+                Ok((tx, value))
+            }
+        })
+        .await
+}
+
+/// A DynamoDB handler with its types erased, as the [`DynamoDispatcher`] drives it.
+#[doc(hidden)]
+pub trait DynDynamoHandler: Send + Sync + 'static {
+    fn consumer(&self) -> &'static str;
+    fn message_name(&self) -> &'static str;
+    fn function(&self) -> &'static str;
+    fn message_type(&self) -> TypeId;
+    fn decode(&self, payload: &str) -> Result<Box<AnyMessage>, serde_json::Error>;
+    fn key(&self, msg: &AnyMessage) -> Result<IdempotencyKey, KeyError>;
+    fn fingerprint(&self, msg: &AnyMessage) -> Result<Fingerprint, FingerprintError>;
+    fn invoke<'a>(
+        &'a self,
+        inbox: &'a DynamoInbox,
+        msg: &'a AnyMessage,
+        run: Run<'a>,
+    ) -> BoxFuture<'a, Result<Outcome<()>, DynamoError<BoxError>>>;
+}
+
+/// What one erased run needs besides the message.
+#[doc(hidden)]
+#[derive(Clone, Copy)]
+pub struct Run<'a> {
+    key: &'a IdempotencyKey,
+    fingerprint: Fingerprint,
+    payload: &'a [u8],
+    mode: Mode,
+}
+
+fn downcast<M: 'static>(msg: &AnyMessage) -> &M {
+    msg.downcast_ref::<M>()
+        .expect("the dispatcher decodes each message as its handler's type")
+}
+
+impl<H> DynDynamoHandler for H
+where
+    H: DynamoHandler,
+    H::Error: Into<BoxError>,
+{
+    fn consumer(&self) -> &'static str {
+        H::CONSUMER
+    }
+    fn message_name(&self) -> &'static str {
+        <H::Message as Message>::NAME
+    }
+    fn function(&self) -> &'static str {
+        H::FUNCTION
+    }
+    fn message_type(&self) -> TypeId {
+        TypeId::of::<H::Message>()
+    }
+    fn decode(&self, payload: &str) -> Result<Box<AnyMessage>, serde_json::Error> {
+        Ok(Box::new(serde_json::from_str::<H::Message>(payload)?))
+    }
+    fn key(&self, msg: &AnyMessage) -> Result<IdempotencyKey, KeyError> {
+        H::key(downcast::<H::Message>(msg))
+    }
+    fn fingerprint(&self, msg: &AnyMessage) -> Result<Fingerprint, FingerprintError> {
+        Fingerprint::of(<H::Message as Message>::NAME, downcast::<H::Message>(msg))
+    }
+    fn invoke<'a>(
+        &'a self,
+        inbox: &'a DynamoInbox,
+        msg: &'a AnyMessage,
+        run: Run<'a>,
+    ) -> BoxFuture<'a, Result<Outcome<()>, DynamoError<BoxError>>> {
+        Box::pin(async move {
+            let msg = downcast::<H::Message>(msg);
+            run_with::<H>(inbox, msg, run.key, run.fingerprint, run.payload, run.mode)
+                .await
+                .map(|outcome| outcome.map(|_| ()))
+                .map_err(|error| map_handler_error(error, Into::into))
+        })
+    }
+}
+
+/// `error` with its handler error mapped by `f` (every other variant as it is).
+fn map_handler_error<E, F>(error: DynamoError<E>, f: impl FnOnce(E) -> F) -> DynamoError<F> {
+    match error {
+        DynamoError::Handler(HandlerFailure {
+            error,
+            class,
+            attempts,
+            disposition,
+        }) => DynamoError::Handler(HandlerFailure {
+            error: match error {
+                Failed::Handler(error) => Failed::Handler(f(error)),
+                Failed::Condition(condition) => Failed::Condition(condition),
+            },
+            class,
+            attempts,
+            disposition,
+        }),
+        DynamoError::Conflict(e) => DynamoError::Conflict(e),
+        DynamoError::Key(e) => DynamoError::Key(e),
+        DynamoError::Fingerprint(e) => DynamoError::Fingerprint(e),
+        DynamoError::TooManyItems { items, max } => DynamoError::TooManyItems { items, max },
+        DynamoError::TooLarge { what, bytes, max } => DynamoError::TooLarge { what, bytes, max },
+        DynamoError::Transient { tries, reasons } => DynamoError::Transient { tries, reasons },
+        DynamoError::Cancelled { reasons } => DynamoError::Cancelled { reasons },
+        DynamoError::Contended { consumer, key } => DynamoError::Contended { consumer, key },
+        DynamoError::Dynamo {
+            consumer,
+            key,
+            operation,
+            source,
+        } => DynamoError::Dynamo {
+            consumer,
+            key,
+            operation,
+            source,
+        },
+        DynamoError::PartitionKeyTooLong {
+            consumer,
+            key,
+            bytes,
+            max,
+        } => DynamoError::PartitionKeyTooLong {
+            consumer,
+            key,
+            bytes,
+            max,
+        },
+        DynamoError::Malformed {
+            consumer,
+            key,
+            reason,
+        } => DynamoError::Malformed {
+            consumer,
+            key,
+            reason,
+        },
+        DynamoError::Ordered { message_name } => DynamoError::Ordered { message_name },
+    }
+}
+
+/// One `#[idempotent]` DynamoDB handler, as the registry holds it: what
+/// [`handler!(path::to::function)`](crate::handler!) gives for a function whose first parameter
+/// is `&mut DynamoTx`, for [`DynamoDispatcher::from_handlers`]. `#[idempotent]` submits one of
+/// these to a registry of its own (not the SQL [`Registration`](crate::dispatch::Registration)s')
+/// for every such handler.
+#[derive(Clone, Copy)]
+pub struct DynamoRegistration {
+    handler: &'static dyn DynDynamoHandler,
+}
+
+impl DynamoRegistration {
+    /// Wraps a handler (generated code only).
+    #[doc(hidden)]
+    pub const fn new(handler: &'static dyn DynDynamoHandler) -> Self {
+        Self { handler }
+    }
+
+    /// The handler's consumer, message and function.
+    pub fn info(&self) -> DynamoHandlerInfo {
+        info(self.handler)
+    }
+}
+
+impl fmt::Debug for DynamoRegistration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("DynamoRegistration")
+            .field(&self.info())
+            .finish()
+    }
+}
+
+inventory::collect!(DynamoRegistration);
+
+/// What the registry knows of one DynamoDB handler.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DynamoHandlerInfo {
+    /// The consumer name (the handler's inbox scope).
+    pub consumer: &'static str,
+    /// The routing name of the message it handles.
+    pub message_name: &'static str,
+    /// Module path and name of the function.
+    pub function: &'static str,
+}
+
+impl fmt::Display for DynamoHandlerInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} <- {} ({}, DynamoDB)",
+            self.consumer, self.message_name, self.function
+        )
+    }
+}
+
+fn info(handler: &dyn DynDynamoHandler) -> DynamoHandlerInfo {
+    DynamoHandlerInfo {
+        consumer: handler.consumer(),
+        message_name: handler.message_name(),
+        function: handler.function(),
+    }
+}
+
+/// Every `#[idempotent]` DynamoDB handler linked into this program, sorted by message name,
+/// consumer and function.
+pub fn registered_dynamo_handlers() -> Vec<DynamoHandlerInfo> {
+    let mut all: Vec<DynamoHandlerInfo> = inventory::iter::<DynamoRegistration>
+        .into_iter()
+        .map(|registration| info(registration.handler))
+        .collect();
+    all.sort_by(|a, b| {
+        (a.message_name, a.consumer, a.function).cmp(&(b.message_name, b.consumer, b.function))
+    });
+    all
+}
+
+/// Why a [`DynamoDispatcher`] could not be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DynamoRegistryError {
+    /// No `#[idempotent]` handler taking `&mut DynamoTx` is linked into the program.
+    #[error(
+        "no #[idempotent] DynamoDB handlers are registered; a crate whose handlers nothing \
+         references is not linked: add `use that_crate as _;`, or list the handlers with \
+         `DynamoDispatcher::from_handlers(inbox, [handler!(path::to::function)])`"
+    )]
+    NoHandlers,
+    /// [`DynamoDispatcher::from_handlers`] got an empty list.
+    #[error("no handlers listed for the DynamoDB dispatcher")]
+    NoHandlersListed,
+    /// Two handlers claim the same message under the same consumer name: they would share one
+    /// inbox scope, so one of them would see every message as a duplicate.
+    #[error(
+        "consumer `{consumer}` has two handlers for message `{message_name}`: `{first}` and `{second}`"
+    )]
+    DuplicateConsumer {
+        /// The consumer name.
+        consumer: &'static str,
+        /// The message's routing name.
+        message_name: &'static str,
+        /// One handler (module path and function name).
+        first: &'static str,
+        /// The other one.
+        second: &'static str,
+    },
+}
+
+/// The result of one message for one consumer of a [`DynamoDispatcher`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct DynamoConsumerOutcome {
+    /// The consumer.
+    pub consumer: &'static str,
+    /// The handler function (module path and name).
+    pub function: &'static str,
+    /// The outcome, or why there is none. Handler errors are boxed.
+    pub result: Result<Outcome<()>, DynamoError<BoxError>>,
+}
+
+impl DynamoConsumerOutcome {
+    fn of(
+        handler: &dyn DynDynamoHandler,
+        result: Result<Outcome<()>, DynamoError<BoxError>>,
+    ) -> Self {
+        Self {
+            consumer: handler.consumer(),
+            function: handler.function(),
+            result,
+        }
+    }
+}
+
+/// Why [`DynamoDispatcher::replay`] did not run a stored message. Nothing was written.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DynamoReplayError {
+    /// No item for this consumer and key (or an expired processed one).
+    #[error("consumer `{consumer}` has no message with key `{key}`")]
+    NotFound {
+        /// The consumer.
+        consumer: String,
+        /// The key.
+        key: String,
+    },
+    /// The item keeps no payload (a processed item does not; one written by something else).
+    #[error("message `{key}` of consumer `{consumer}` is {status} and keeps no payload")]
+    NoPayload {
+        /// The consumer.
+        consumer: String,
+        /// The key.
+        key: String,
+        /// Its status.
+        status: String,
+    },
+    /// No handler of this dispatcher serves that consumer and message.
+    #[error("no registered handler for consumer `{consumer}` and message `{message_name}`")]
+    NoHandler {
+        /// The consumer.
+        consumer: String,
+        /// The message name.
+        message_name: String,
+    },
+    /// The stored payload is not UTF-8 or does not decode as the handler's message type (any
+    /// more).
+    #[error("stored payload of `{message_name}` does not decode: {reason}")]
+    Decode {
+        /// The message name.
+        message_name: String,
+        /// The decoder's error.
+        reason: String,
+    },
+    /// The key given, or the decoded message's, is not a valid idempotency key.
+    #[error(transparent)]
+    Key(KeyError),
+    /// The decoded message cannot be fingerprinted.
+    #[error(transparent)]
+    Fingerprint(FingerprintError),
+    /// The decoded message's key is not the stored key (the key's definition changed).
+    #[error("stored key `{stored}` but the payload now yields key `{decoded}`")]
+    KeyMismatch {
+        /// The stored key.
+        stored: String,
+        /// The key the handler reads from the payload now.
+        decoded: String,
+    },
+    /// Reading the stored message failed ([`DynamoAdmin::show`](super::DynamoAdmin::show)'s
+    /// `GetItem`: the SDK's error with DynamoDB's code, or a malformed item).
+    #[error("reading the stored message failed: {0}")]
+    Read(#[from] AdminError),
+}
+
+/// Routes raw deliveries (message name and JSON payload, an [`Envelope`]) to every DynamoDB
+/// handler registered for their message name, each through the claim protocol of its
+/// [`DynamoInbox`]: the DynamoDB counterpart of the SQL [`Dispatcher`](crate::Dispatcher), with
+/// the same checks before anything runs ([`DispatchError`]) and the same payload limit.
+///
+/// ```no_run
+/// # async fn demo(client: inbox_runtime::dynamodb::sdk::Client) -> Result<(), Box<dyn std::error::Error>> {
+/// use inbox_runtime::Envelope;
+/// use inbox_runtime::dynamodb::{DynamoDispatcher, DynamoInbox};
+///
+/// let inbox = DynamoInbox::new(client, "inbox");
+/// inbox.ensure_table().await?;
+/// let dispatcher = DynamoDispatcher::from_registry(inbox)?;
+/// let payload = br#"{"event_id":"e-1","account_id":"a-1","amount_cents":500}"#;
+/// let envelope = Envelope::new("payments.captured", payload.to_vec());
+/// for outcome in dispatcher.dispatch(&envelope).await? {
+///     println!("{}: {:?}", outcome.consumer, outcome.result);
+/// }
+/// # Ok(()) }
+/// ```
+pub struct DynamoDispatcher {
+    inbox: DynamoInbox,
+    routes: HashMap<&'static str, Vec<&'static dyn DynDynamoHandler>>,
+    max_payload_bytes: PayloadLimit,
+}
+
+impl fmt::Debug for DynamoDispatcher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DynamoDispatcher")
+            .field("table", &self.inbox.table())
+            .field("handlers", &self.handlers())
+            .finish()
+    }
+}
+
+impl DynamoDispatcher {
+    /// A dispatcher over `inbox` with every registered `#[idempotent]` DynamoDB handler.
+    ///
+    /// # Errors
+    /// [`DynamoRegistryError::NoHandlers`] if none is linked in;
+    /// [`DynamoRegistryError::DuplicateConsumer`] if two handlers share a consumer name for
+    /// the same message.
+    pub fn from_registry(inbox: DynamoInbox) -> Result<Self, DynamoRegistryError> {
+        let handlers = inventory::iter::<DynamoRegistration>
+            .into_iter()
+            .map(|registration| registration.handler)
+            .collect();
+        Self::build(inbox, handlers, false)
+    }
+
+    /// A dispatcher over `inbox` with exactly the handlers listed, each named with
+    /// [`handler!`](crate::handler!). Listing one handler twice is harmless.
+    ///
+    /// # Errors
+    /// [`DynamoRegistryError::NoHandlersListed`] if the list is empty;
+    /// [`DynamoRegistryError::DuplicateConsumer`] if two handlers share a consumer name for
+    /// the same message.
+    pub fn from_handlers(
+        inbox: DynamoInbox,
+        handlers: impl IntoIterator<Item = DynamoRegistration>,
+    ) -> Result<Self, DynamoRegistryError> {
+        let mut listed: Vec<&'static dyn DynDynamoHandler> = Vec::new();
+        for registration in handlers {
+            if !listed
+                .iter()
+                .any(|h| h.function() == registration.handler.function())
+            {
+                listed.push(registration.handler);
+            }
+        }
+        Self::build(inbox, listed, true)
+    }
+
+    fn build(
+        inbox: DynamoInbox,
+        mut handlers: Vec<&'static dyn DynDynamoHandler>,
+        explicit: bool,
+    ) -> Result<Self, DynamoRegistryError> {
+        handlers.sort_by_key(|h| (h.message_name(), h.consumer(), h.function()));
+        let mut routes: HashMap<&'static str, Vec<&'static dyn DynDynamoHandler>> = HashMap::new();
+        let mut seen: BTreeMap<(&'static str, &'static str), &'static str> = BTreeMap::new();
+        for handler in handlers {
+            if let Some(first) = seen.insert(
+                (handler.consumer(), handler.message_name()),
+                handler.function(),
+            ) {
+                return Err(DynamoRegistryError::DuplicateConsumer {
+                    consumer: handler.consumer(),
+                    message_name: handler.message_name(),
+                    first,
+                    second: handler.function(),
+                });
+            }
+            routes
+                .entry(handler.message_name())
+                .or_default()
+                .push(handler);
+        }
+        if routes.is_empty() {
+            return Err(if explicit {
+                DynamoRegistryError::NoHandlersListed
+            } else {
+                DynamoRegistryError::NoHandlers
+            });
+        }
+        Ok(Self {
+            inbox,
+            routes,
+            max_payload_bytes: PayloadLimit::DEFAULT,
+        })
+    }
+
+    /// Sets the largest payload this dispatcher decodes, in bytes (default 1 MiB, as the SQL
+    /// [`Dispatcher`](crate::Dispatcher)'s; from 1 to [`PayloadLimit::MAX_BYTES`], 256 MiB). A
+    /// larger one is refused before decoding with [`DispatchError::TooLarge`].
+    ///
+    /// # Errors
+    /// [`PayloadLimitError`] if `limit` is 0 or above 256 MiB.
+    pub fn with_max_payload_bytes(mut self, limit: usize) -> Result<Self, PayloadLimitError> {
+        self.max_payload_bytes = PayloadLimit::new(limit)?;
+        Ok(self)
+    }
+
+    /// The payload limit in force, in bytes.
+    pub fn max_payload_bytes(&self) -> usize {
+        self.max_payload_bytes.bytes()
+    }
+
+    /// The inbox the handlers run on.
+    pub fn inbox(&self) -> &DynamoInbox {
+        &self.inbox
+    }
+
+    /// The handlers this dispatcher routes to, sorted by message name and consumer.
+    pub fn handlers(&self) -> Vec<DynamoHandlerInfo> {
+        let mut all: Vec<DynamoHandlerInfo> = self
+            .routes
+            .values()
+            .flatten()
+            .map(|handler| info(*handler))
+            .collect();
+        all.sort_by(|a, b| (a.message_name, a.consumer).cmp(&(b.message_name, b.consumer)));
+        all
+    }
+
+    fn route(&self, consumer: &str, message_name: &str) -> Option<&'static dyn DynDynamoHandler> {
+        self.routes
+            .get(message_name)
+            .and_then(|handlers| handlers.iter().find(|h| h.consumer() == consumer))
+            .copied()
+    }
+
+    /// Runs every consumer registered for `envelope.message_name`, one after the other in
+    /// consumer-name order, each through its own claim (its own `TransactWriteItems`). Returns
+    /// one [`DynamoConsumerOutcome`] per consumer; the payload as delivered is what a failed or
+    /// dead item keeps.
+    ///
+    /// The payload is decoded once per message type, and every consumer's key is read, before
+    /// any DynamoDB call: a refused envelope writes nothing. DynamoDB has no rejections table
+    /// (the SQL stores' `inbox_rejections`): a source must not ack a refused delivery, but leave
+    /// it to its broker's dead-letter queue (SQS: a redrive policy), so that it is not lost.
+    ///
+    /// # Errors
+    /// As the SQL [`Dispatcher::dispatch`](crate::Dispatcher::dispatch), in this order:
+    /// [`DispatchError::TooLarge`] if the payload is over the limit or its source cut it,
+    /// [`DispatchError::NoMessageName`] if the envelope's name is empty,
+    /// [`DispatchError::UnknownMessage`] if no handler takes this name,
+    /// [`DispatchError::NotUtf8`] / [`DispatchError::UnpairedSurrogate`] for a payload that is
+    /// no Unicode text, [`DispatchError::Decode`] (with line and column) if it is not valid
+    /// JSON of the message type, [`DispatchError::Key`] if a consumer's key is missing, null,
+    /// empty or too long, [`DispatchError::Fingerprint`] if the message cannot be
+    /// fingerprinted. Per-consumer failures (handler error, conflict, DynamoDB) are in each
+    /// [`DynamoConsumerOutcome::result`].
+    pub async fn dispatch(
+        &self,
+        envelope: &Envelope,
+    ) -> Result<Vec<DynamoConsumerOutcome>, DispatchError> {
+        let (handlers, text) = self.admit(envelope)?;
+        let mut decoded: Vec<(TypeId, Box<AnyMessage>, Fingerprint)> = Vec::with_capacity(1);
+        let mut items = Vec::with_capacity(handlers.len());
+        for handler in handlers {
+            let index = decode_once(*handler, envelope, text, &mut decoded)?;
+            let key = handler
+                .key(&*decoded[index].1)
+                .map_err(|source| DispatchError::Key {
+                    consumer: handler.consumer(),
+                    source,
+                })?;
+            items.push((*handler, index, key));
+        }
+        let mut outcomes = Vec::with_capacity(items.len());
+        for (handler, index, key) in &items {
+            let (_, msg, fingerprint) = &decoded[*index];
+            let run = Run {
+                key,
+                fingerprint: *fingerprint,
+                payload: &envelope.payload,
+                mode: Mode::Deliver,
+            };
+            let result = handler.invoke(&self.inbox, &**msg, run).await;
+            outcomes.push(DynamoConsumerOutcome::of(*handler, result));
+        }
+        Ok(outcomes)
+    }
+
+    /// The checks before an envelope is decoded, in order: its size, its name, its handlers,
+    /// its text (as the SQL dispatcher's). Returns the handlers and the payload as text.
+    fn admit<'e>(
+        &self,
+        envelope: &'e Envelope,
+    ) -> Result<(&[&'static dyn DynDynamoHandler], &'e str), DispatchError> {
+        let size = envelope.payload_size();
+        let limit = self.max_payload_bytes.bytes();
+        if envelope.is_cut() || (size > limit && !envelope.message_name.is_empty()) {
+            return Err(DispatchError::TooLarge {
+                message_name: envelope.message_name.clone(),
+                size,
+                limit: if size > limit {
+                    limit
+                } else {
+                    envelope.payload.len()
+                },
+            });
+        }
+        if envelope.message_name.is_empty() {
+            return Err(DispatchError::NoMessageName);
+        }
+        let handlers = self
+            .routes
+            .get(envelope.message_name.as_str())
+            .ok_or_else(|| DispatchError::UnknownMessage {
+                message_name: envelope.message_name.clone(),
+            })?;
+        let text = json_text(&envelope.payload).map_err(|error| {
+            let message_name = envelope.message_name.clone();
+            let (line, column) = (error.line, error.column);
+            match error.kind {
+                NotText::NotUtf8 => DispatchError::NotUtf8 {
+                    message_name,
+                    line,
+                    column,
+                },
+                NotText::UnpairedSurrogate(escape) => DispatchError::UnpairedSurrogate {
+                    message_name,
+                    line,
+                    column,
+                    escape,
+                },
+            }
+        })?;
+        Ok((handlers, text))
+    }
+
+    /// Replays one `failed` or `dead` message: reads its item (`GetItem`, strongly consistent),
+    /// decodes its stored payload (`payload`, under its stored `message_name`) and runs its
+    /// registered handler once through the same claim, which a replay may take over from a
+    /// `dead` item, or from a `failed` one before its next attempt is due. A handler that fails
+    /// again is recorded as any attempt is (failed, or dead if permanent or at `max_attempts`).
+    ///
+    /// A key that is `processed` by now is [`Outcome::Duplicate`], a discarded one
+    /// [`Outcome::Discarded`]: nothing runs. Two concurrent replays of one key apply it once
+    /// (the second's claim condition fails, and it reads the item as processed).
+    ///
+    /// # Errors
+    /// [`DynamoReplayError`] if the key is unknown, its item keeps no payload or is malformed,
+    /// no handler of this dispatcher serves its consumer and message, its payload no longer
+    /// decodes or yields the stored key, or the read failed. The run's own errors are in the
+    /// returned [`DynamoConsumerOutcome::result`].
+    pub async fn replay(
+        &self,
+        consumer: &str,
+        key: &str,
+    ) -> Result<DynamoConsumerOutcome, DynamoReplayError> {
+        let idempotency_key =
+            IdempotencyKey::new(key, "(replay)", "key").map_err(DynamoReplayError::Key)?;
+        let stored = self
+            .inbox
+            .admin()
+            .show(consumer, key)
+            .await?
+            .ok_or_else(|| DynamoReplayError::NotFound {
+                consumer: consumer.to_owned(),
+                key: key.to_owned(),
+            })?;
+        let message_name = stored.message_name.as_str();
+        let handler =
+            self.route(consumer, message_name)
+                .ok_or_else(|| DynamoReplayError::NoHandler {
+                    consumer: consumer.to_owned(),
+                    message_name: message_name.to_owned(),
+                })?;
+        match stored.status {
+            Status::Processed => {
+                return Ok(DynamoConsumerOutcome::of(handler, Ok(Outcome::Duplicate)));
+            }
+            Status::Discarded => {
+                return Ok(DynamoConsumerOutcome::of(handler, Ok(Outcome::Discarded)));
+            }
+            _ => {}
+        }
+        let Some(payload) = &stored.payload else {
+            return Err(DynamoReplayError::NoPayload {
+                consumer: consumer.to_owned(),
+                key: key.to_owned(),
+                status: stored.status.as_str().to_owned(),
+            });
+        };
+        let payload = payload.as_ref();
+        let decode_error = |reason: String| DynamoReplayError::Decode {
+            message_name: message_name.to_owned(),
+            reason,
+        };
+        let text = json_text(payload).map_err(|error| {
+            decode_error(format!(
+                "not Unicode text at line {}, column {}",
+                error.line, error.column
+            ))
+        })?;
+        let msg = handler
+            .decode(text)
+            .map_err(|error| decode_error(error.to_string()))?;
+        let decoded = handler.key(&*msg).map_err(DynamoReplayError::Key)?;
+        if decoded != idempotency_key {
+            return Err(DynamoReplayError::KeyMismatch {
+                stored: key.to_owned(),
+                decoded: decoded.into_string(),
+            });
+        }
+        let fingerprint = handler
+            .fingerprint(&*msg)
+            .map_err(DynamoReplayError::Fingerprint)?;
+        let run = Run {
+            key: &idempotency_key,
+            fingerprint,
+            payload,
+            mode: Mode::Replay,
+        };
+        let result = handler.invoke(&self.inbox, &*msg, run).await;
+        Ok(DynamoConsumerOutcome::of(handler, result))
+    }
+}
+
+/// The index in `decoded` of the message of `handler`'s type: decoded from `text` (and
+/// fingerprinted) if no consumer before it has this type.
+fn decode_once(
+    handler: &'static dyn DynDynamoHandler,
+    envelope: &Envelope,
+    text: &str,
+    decoded: &mut Vec<(TypeId, Box<AnyMessage>, Fingerprint)>,
+) -> Result<usize, DispatchError> {
+    if let Some(index) = decoded
+        .iter()
+        .position(|(ty, ..)| *ty == handler.message_type())
+    {
+        return Ok(index);
+    }
+    let msg = handler
+        .decode(text)
+        .map_err(|source| DispatchError::Decode {
+            message_name: envelope.message_name.clone(),
+            line: source.line(),
+            column: source.column(),
+            source,
+        })?;
+    let fingerprint = handler
+        .fingerprint(&*msg)
+        .map_err(|source| DispatchError::Fingerprint {
+            message_name: envelope.message_name.clone(),
+            source,
+        })?;
+    decoded.push((handler.message_type(), msg, fingerprint));
+    Ok(decoded.len() - 1)
+}

@@ -1,0 +1,626 @@
+//! `#[idempotent]` handlers on DynamoDB (first parameter `&mut DynamoTx`) and the
+//! `DynamoDispatcher`, against moto's DynamoDB on loopback (`DYNAMODB_ENDPOINT`, the serial moto
+//! server of scripts/sqs.sh; see tests/dynamodb.rs): direct calls of the rewritten functions,
+//! duplicates, conflicts, retries, dead letters and their replay, dispatch by message name with
+//! its refusals, and a `key = "..."` override.
+//!
+//! Each test has an inbox table of its own (a fresh name) and accounts of its own (fresh ids) in
+//! one accounts table shared by the binary (the handlers are plain functions: they name it
+//! through [`ACCOUNTS`]).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use inbox_runtime::dynamodb::sdk::types::{AttributeValue, Update};
+use inbox_runtime::dynamodb::{
+    self, DynamoDispatcher, DynamoError, DynamoInbox, DynamoRegistryError, DynamoReplayError,
+    DynamoTx,
+};
+use inbox_runtime::{
+    Classify, DispatchError, Disposition, Envelope, ErrorClass, KeyError, Message, Outcome,
+    RetryPolicy, handler, idempotent,
+};
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, Message)]
+#[message(name = "dyn.credited")]
+struct Credit {
+    #[message(key)]
+    id: String,
+    account: String,
+    amount: i64,
+}
+
+/// A message whose handler takes its key from another field than the message's own.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, Message)]
+#[message(name = "dyn.transferred")]
+struct Transfer {
+    #[message(key)]
+    event_id: String,
+    transfer_id: String,
+    account: String,
+    amount: i64,
+}
+
+/// A message ordered per aggregate: refused by a DynamoDB handler.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, Message)]
+#[message(name = "dyn.ordered", key = "{order_id}:{seq}")]
+struct Ordered {
+    #[message(aggregate)]
+    order_id: String,
+    #[message(sequence)]
+    seq: u64,
+}
+
+/// The handlers' errors: `Boom` retryable, `Fatal` permanent, `Build` an SDK builder's error.
+#[derive(Debug, thiserror::Error)]
+enum TestError {
+    #[error("boom")]
+    Boom,
+    #[error("fatal")]
+    Fatal,
+    #[error("build: {0}")]
+    Build(String),
+}
+
+impl Classify for TestError {
+    fn class(&self) -> ErrorClass {
+        match self {
+            TestError::Fatal => ErrorClass::Permanent,
+            _ => ErrorClass::Retryable,
+        }
+    }
+}
+
+/// The accounts table of this test binary (`id` string key), made once.
+static ACCOUNTS: tokio::sync::OnceCell<String> = tokio::sync::OnceCell::const_new();
+
+/// Errors the handlers return, per account, in order, before they credit it.
+static SCRIPT: Mutex<Option<HashMap<String, Vec<TestError>>>> = Mutex::new(None);
+
+fn script(account: &str, errors: Vec<TestError>) {
+    SCRIPT
+        .lock()
+        .unwrap()
+        .get_or_insert_with(HashMap::new)
+        .insert(account.to_owned(), errors);
+}
+
+fn scripted(account: &str) -> Option<TestError> {
+    let mut script = SCRIPT.lock().unwrap();
+    let errors = script.as_mut()?.get_mut(account)?;
+    (!errors.is_empty()).then(|| errors.remove(0))
+}
+
+/// `ADD balance :amount` on the account's item.
+fn add(tx: &mut DynamoTx, account: &str, amount: i64) -> Result<(), TestError> {
+    let table = ACCOUNTS.get().expect("setup made the accounts table");
+    tx.update(
+        Update::builder()
+            .table_name(table)
+            .key("id", AttributeValue::S(account.to_owned()))
+            .update_expression("ADD balance :amount")
+            .expression_attribute_values(":amount", AttributeValue::N(amount.to_string()))
+            .build()
+            .map_err(|e| TestError::Build(e.to_string()))?,
+    );
+    Ok(())
+}
+
+/// Credits the account; fails first as [`script`]ed for it. At most 3 attempts.
+#[idempotent(consumer = "ledger", max_attempts = 3)]
+async fn credit(tx: &mut DynamoTx, msg: Credit) -> Result<i64, TestError> {
+    if let Some(error) = scripted(&msg.account) {
+        return Err(error);
+    }
+    add(tx, &msg.account, msg.amount)?;
+    Ok(msg.amount)
+}
+
+/// A second consumer of `dyn.credited`: counts the credits of the account on `audit:<account>`.
+#[idempotent(consumer = "audit")]
+async fn audit(tx: &mut inbox_runtime::dynamodb::DynamoTx, msg: Credit) -> Result<(), TestError> {
+    add(tx, &format!("audit:{}", msg.account), 1)
+}
+
+/// Keyed by `transfer_id`, not by the message's own key (`event_id`).
+#[idempotent(consumer = "transfers", key = "transfer_id")]
+async fn transfer(tx: &mut DynamoTx, msg: Transfer) -> Result<(), TestError> {
+    add(tx, &msg.account, msg.amount)
+}
+
+/// Never runs: its messages are ordered.
+#[idempotent(consumer = "orders")]
+async fn apply_ordered(_tx: &mut DynamoTx, msg: Ordered) -> Result<(), TestError> {
+    unreachable!("{} {}", msg.order_id, msg.seq)
+}
+
+fn endpoint() -> String {
+    std::env::var("DYNAMODB_ENDPOINT").unwrap_or_else(|_| {
+        panic!(
+            "DYNAMODB_ENDPOINT is not set: start the serial moto server with \
+             `eval \"$(scripts/sqs.sh start)\"` (scripts/test.sh does)"
+        )
+    })
+}
+
+fn fresh(prefix: &str) -> String {
+    format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
+}
+
+/// A fresh inbox table (retries due at once), and the binary's accounts table.
+async fn setup() -> DynamoInbox {
+    let client = dynamodb::client(Some(&endpoint())).await;
+    ACCOUNTS
+        .get_or_init(|| async {
+            use inbox_runtime::dynamodb::sdk::types::{
+                AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType,
+            };
+            let name = format!("accounts_{}", uuid::Uuid::new_v4().simple());
+            client
+                .create_table()
+                .table_name(&name)
+                .billing_mode(BillingMode::PayPerRequest)
+                .attribute_definitions(
+                    AttributeDefinition::builder()
+                        .attribute_name("id")
+                        .attribute_type(ScalarAttributeType::S)
+                        .build()
+                        .unwrap(),
+                )
+                .key_schema(
+                    KeySchemaElement::builder()
+                        .attribute_name("id")
+                        .key_type(KeyType::Hash)
+                        .build()
+                        .unwrap(),
+                )
+                .send()
+                .await
+                .expect("accounts table");
+            name
+        })
+        .await;
+    let inbox = DynamoInbox::new(client, format!("inbox_{}", uuid::Uuid::new_v4().simple()))
+        .retry_policy(RetryPolicy::default().retry_delays(Duration::ZERO, Duration::ZERO));
+    inbox.ensure_table().await.expect("inbox table");
+    inbox
+}
+
+async fn balance(inbox: &DynamoInbox, account: &str) -> Option<i64> {
+    let item = inbox
+        .client()
+        .get_item()
+        .table_name(ACCOUNTS.get().unwrap())
+        .key("id", AttributeValue::S(account.to_owned()))
+        .consistent_read(true)
+        .send()
+        .await
+        .unwrap()
+        .item?;
+    match item.get("balance") {
+        Some(AttributeValue::N(n)) => Some(n.parse().unwrap()),
+        other => panic!("balance of {account}: {other:?}"),
+    }
+}
+
+async fn inbox_status(inbox: &DynamoInbox, consumer: &str, key: &str) -> Option<String> {
+    let key = inbox_runtime::IdempotencyKey::new(key, "test", "id").unwrap();
+    let item = inbox
+        .client()
+        .get_item()
+        .table_name(inbox.table())
+        .key(
+            "pk",
+            AttributeValue::S(dynamodb::partition_key(consumer, &key)),
+        )
+        .consistent_read(true)
+        .send()
+        .await
+        .unwrap()
+        .item?;
+    match item.get("status") {
+        Some(AttributeValue::S(status)) => Some(status.clone()),
+        other => panic!("status: {other:?}"),
+    }
+}
+
+fn message(account: &str, amount: i64) -> Credit {
+    Credit {
+        id: fresh("credit"),
+        account: account.to_owned(),
+        amount,
+    }
+}
+
+/// The handler failure of `result`: its error's text, class, attempts and disposition.
+fn failure<T: std::fmt::Debug, E: std::fmt::Display + std::fmt::Debug>(
+    result: Result<Outcome<T>, DynamoError<E>>,
+) -> (String, ErrorClass, u32, Disposition) {
+    match result {
+        Err(DynamoError::Handler(failure)) => (
+            failure.error.to_string(),
+            failure.class,
+            failure.attempts,
+            failure.disposition,
+        ),
+        other => panic!("expected a handler failure, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_handler_credits_once_across_three_deliveries() {
+    let inbox = setup().await;
+    let account = fresh("acct");
+    let msg = message(&account, 500);
+    let mut outcomes = Vec::new();
+    for _ in 0..3 {
+        outcomes.push(credit(&inbox, msg.clone()).await.unwrap());
+    }
+    assert_eq!(
+        outcomes,
+        [
+            Outcome::Processed(500),
+            Outcome::Duplicate,
+            Outcome::Duplicate
+        ]
+    );
+    assert_eq!(balance(&inbox, &account).await, Some(500));
+    // Read, transaction; then one read per duplicate.
+    assert_eq!(inbox.stats().calls, 4);
+
+    // The same key with another payload: a conflict, nothing written.
+    let other = Credit {
+        amount: 900,
+        ..msg.clone()
+    };
+    match credit(&inbox, other).await {
+        Err(DynamoError::Conflict(conflict)) => {
+            assert_eq!(conflict.consumer, "ledger");
+            assert_eq!(conflict.message_name, "dyn.credited");
+            assert_eq!(conflict.key.as_str(), msg.id);
+        }
+        other => panic!("expected a conflict, got {other:?}"),
+    }
+    assert_eq!(balance(&inbox, &account).await, Some(500));
+    assert_eq!(
+        inbox_status(&inbox, "ledger", &msg.id).await.as_deref(),
+        Some("processed")
+    );
+}
+
+#[tokio::test]
+async fn a_retryable_error_then_success_and_max_attempts() {
+    let inbox = setup().await;
+    let account = fresh("acct");
+    script(&account, vec![TestError::Boom]);
+    let msg = message(&account, 250);
+    let (text, class, attempts, disposition) = failure(credit(&inbox, msg.clone()).await);
+    assert_eq!(text, "boom");
+    assert_eq!(class, ErrorClass::Retryable);
+    assert_eq!(attempts, 1);
+    assert_eq!(
+        disposition,
+        Disposition::Retry {
+            after: Duration::ZERO
+        }
+    );
+    assert_eq!(balance(&inbox, &account).await, None);
+    assert_eq!(
+        inbox_status(&inbox, "ledger", &msg.id).await.as_deref(),
+        Some("failed")
+    );
+    // The redelivery takes the failed item over and commits.
+    assert_eq!(
+        credit(&inbox, msg.clone()).await.unwrap(),
+        Outcome::Processed(250)
+    );
+    assert_eq!(credit(&inbox, msg).await.unwrap(), Outcome::Duplicate);
+    assert_eq!(balance(&inbox, &account).await, Some(250));
+
+    // `max_attempts = 3` of the handler (the inbox's policy says 5): dead at the third.
+    let account = fresh("acct");
+    script(
+        &account,
+        vec![TestError::Boom, TestError::Boom, TestError::Boom],
+    );
+    let msg = message(&account, 1);
+    let mut dispositions = Vec::new();
+    for _ in 0..3 {
+        let (_, _, attempts, disposition) = failure(credit(&inbox, msg.clone()).await);
+        dispositions.push((attempts, disposition));
+    }
+    let retry = Disposition::Retry {
+        after: Duration::ZERO,
+    };
+    assert_eq!(
+        dispositions,
+        [(1, retry), (2, retry), (3, Disposition::Dead)]
+    );
+    assert_eq!(credit(&inbox, msg).await.unwrap(), Outcome::Dead);
+    assert_eq!(balance(&inbox, &account).await, None);
+}
+
+#[tokio::test]
+async fn a_permanent_error_dead_letters_and_its_replay_processes_once() {
+    let inbox = setup().await;
+    let dispatcher = DynamoDispatcher::from_registry(inbox.clone()).unwrap();
+    let account = fresh("acct");
+    script(&account, vec![TestError::Fatal]);
+    let msg = message(&account, 700);
+    let (text, class, attempts, disposition) = failure(credit(&inbox, msg.clone()).await);
+    assert_eq!(
+        (text.as_str(), class, attempts, disposition),
+        ("fatal", ErrorClass::Permanent, 1, Disposition::Dead)
+    );
+    assert_eq!(credit(&inbox, msg.clone()).await.unwrap(), Outcome::Dead);
+    assert_eq!(
+        inbox_status(&inbox, "ledger", &msg.id).await.as_deref(),
+        Some("dead")
+    );
+    assert_eq!(balance(&inbox, &account).await, None);
+
+    // The cause is fixed (the script is empty now): the replay runs the stored payload once.
+    let replayed = dispatcher.replay("ledger", &msg.id).await.unwrap();
+    assert_eq!(
+        (replayed.consumer, replayed.function),
+        ("ledger", "dynamodb_handlers::credit")
+    );
+    assert_eq!(replayed.result.unwrap(), Outcome::Processed(()));
+    assert_eq!(balance(&inbox, &account).await, Some(700));
+    assert_eq!(
+        inbox_status(&inbox, "ledger", &msg.id).await.as_deref(),
+        Some("processed")
+    );
+    // Again: a duplicate, as is a delivery now.
+    let again = dispatcher.replay("ledger", &msg.id).await.unwrap();
+    assert_eq!(again.result.unwrap(), Outcome::Duplicate);
+    assert_eq!(credit(&inbox, msg).await.unwrap(), Outcome::Duplicate);
+    assert_eq!(balance(&inbox, &account).await, Some(700));
+
+    // A failed key whose next attempt is not due: a delivery waits, a replay does not.
+    let slow = inbox.clone().retry_policy(
+        RetryPolicy::default().retry_delays(Duration::from_secs(60), Duration::from_secs(60)),
+    );
+    let dispatcher = DynamoDispatcher::from_registry(slow.clone()).unwrap();
+    let account = fresh("acct");
+    script(&account, vec![TestError::Boom]);
+    let msg = message(&account, 20);
+    let (_, _, _, disposition) = failure(credit(&slow, msg.clone()).await);
+    // The policy's delay, with its jitter: at least the minimum.
+    assert!(
+        matches!(disposition, Disposition::Retry { after } if after >= Duration::from_secs(60))
+    );
+    assert!(matches!(
+        credit(&slow, msg.clone()).await.unwrap(),
+        Outcome::NotYet { .. }
+    ));
+    let replayed = dispatcher.replay("ledger", &msg.id).await.unwrap();
+    assert_eq!(replayed.result.unwrap(), Outcome::Processed(()));
+    assert_eq!(balance(&inbox, &account).await, Some(20));
+
+    // Unknown keys and consumers.
+    match dispatcher.replay("ledger", "no-such-key").await {
+        Err(DynamoReplayError::NotFound { consumer, key }) => {
+            assert_eq!((consumer.as_str(), key.as_str()), ("ledger", "no-such-key"));
+        }
+        other => panic!("expected NotFound, got {other:?}"),
+    }
+    assert!(matches!(
+        dispatcher.replay("ledger", "").await,
+        Err(DynamoReplayError::Key(KeyError::Empty { .. }))
+    ));
+}
+
+#[tokio::test]
+async fn dispatch_by_message_name_and_its_refusals() {
+    let inbox = setup().await;
+    let dispatcher = DynamoDispatcher::from_registry(inbox.clone()).unwrap();
+    let names: Vec<String> = dispatcher
+        .handlers()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "audit <- dyn.credited (dynamodb_handlers::audit, DynamoDB)",
+            "ledger <- dyn.credited (dynamodb_handlers::credit, DynamoDB)",
+            "orders <- dyn.ordered (dynamodb_handlers::apply_ordered, DynamoDB)",
+            "transfers <- dyn.transferred (dynamodb_handlers::transfer, DynamoDB)",
+        ]
+    );
+    let account = fresh("acct");
+    let id = fresh("credit");
+    let payload = format!(r#"{{"id":"{id}","account":"{account}","amount":300}}"#);
+    let envelope = Envelope::new("dyn.credited", payload.clone().into_bytes());
+    for expected in [Outcome::Processed(()), Outcome::Duplicate] {
+        let outcomes = dispatcher.dispatch(&envelope).await.unwrap();
+        let got: Vec<(&str, Outcome<()>)> = outcomes
+            .into_iter()
+            .map(|o| (o.consumer, o.result.unwrap()))
+            .collect();
+        assert_eq!(got, [("audit", expected.clone()), ("ledger", expected)]);
+    }
+    assert_eq!(balance(&inbox, &account).await, Some(300));
+    assert_eq!(balance(&inbox, &format!("audit:{account}")).await, Some(1));
+    // The same delivery by a direct call: the same key, the same fingerprint.
+    let msg = Credit {
+        id: id.clone(),
+        account: account.clone(),
+        amount: 300,
+    };
+    assert_eq!(credit(&inbox, msg).await.unwrap(), Outcome::Duplicate);
+
+    let calls = inbox.stats().calls;
+    let refused = |name: &str, payload: &[u8]| {
+        let envelope = Envelope::new(name, payload.to_vec());
+        let dispatcher = &dispatcher;
+        async move { dispatcher.dispatch(&envelope).await.unwrap_err() }
+    };
+    match refused("dyn.unknown", payload.as_bytes()).await {
+        DispatchError::UnknownMessage { message_name } => assert_eq!(message_name, "dyn.unknown"),
+        other => panic!("expected UnknownMessage, got {other:?}"),
+    }
+    assert!(matches!(
+        refused("", payload.as_bytes()).await,
+        DispatchError::NoMessageName
+    ));
+    match refused("dyn.credited", br#"{"id":"x","account":"a"}"#).await {
+        DispatchError::Decode {
+            message_name,
+            line,
+            column,
+            source,
+        } => {
+            assert_eq!(
+                (message_name.as_str(), line, column),
+                ("dyn.credited", 1, 24)
+            );
+            assert_eq!(
+                source.to_string(),
+                "missing field `amount` at line 1 column 24"
+            );
+        }
+        other => panic!("expected Decode, got {other:?}"),
+    }
+    assert!(matches!(
+        refused("dyn.credited", b"{\"id\":\"\xff\"}").await,
+        DispatchError::NotUtf8 {
+            line: 1,
+            column: 8,
+            ..
+        }
+    ));
+    match refused("dyn.credited", br#"{"id":"","account":"a","amount":1}"#).await {
+        // Both consumers key on `id`: the first in consumer order is named.
+        DispatchError::Key { consumer, source } => {
+            assert_eq!(consumer, "audit");
+            assert!(matches!(source, KeyError::Empty { field: "id", .. }));
+        }
+        other => panic!("expected Key, got {other:?}"),
+    }
+    let long = format!(r#"{{"id":"{}","account":"a","amount":1}}"#, "k".repeat(513));
+    match refused("dyn.credited", long.as_bytes()).await {
+        DispatchError::Key { consumer, source } => {
+            assert_eq!(consumer, "audit");
+            assert!(matches!(
+                source,
+                KeyError::TooLong {
+                    len: 513,
+                    max: 512,
+                    ..
+                }
+            ));
+        }
+        other => panic!("expected Key, got {other:?}"),
+    }
+    let small = DynamoDispatcher::from_registry(inbox.clone())
+        .unwrap()
+        .with_max_payload_bytes(16)
+        .unwrap();
+    match small.dispatch(&envelope).await.unwrap_err() {
+        DispatchError::TooLarge {
+            message_name,
+            size,
+            limit,
+        } => assert_eq!(
+            (message_name.as_str(), size, limit),
+            ("dyn.credited", payload.len(), 16)
+        ),
+        other => panic!("expected TooLarge, got {other:?}"),
+    }
+    // A refused envelope made no call.
+    assert_eq!(inbox.stats().calls, calls);
+
+    // An ordered message: each consumer's result says so; nothing ran or was called.
+    let ordered = Envelope::new("dyn.ordered", br#"{"order_id":"o-1","seq":2}"#.to_vec());
+    let outcomes = dispatcher.dispatch(&ordered).await.unwrap();
+    assert_eq!(outcomes.len(), 1);
+    match &outcomes[0].result {
+        Err(DynamoError::Ordered { message_name }) => assert_eq!(message_name, "dyn.ordered"),
+        other => panic!("expected Ordered, got {other:?}"),
+    }
+    let direct = apply_ordered(
+        &inbox,
+        Ordered {
+            order_id: "o-1".into(),
+            seq: 2,
+        },
+    )
+    .await;
+    assert!(matches!(direct, Err(DynamoError::Ordered { .. })));
+    assert_eq!(inbox.stats().calls, calls);
+}
+
+#[tokio::test]
+async fn a_key_attribute_on_a_field() {
+    let inbox = setup().await;
+    let account = fresh("acct");
+    let transfer_id = fresh("transfer");
+    let msg = Transfer {
+        event_id: fresh("event"),
+        transfer_id: transfer_id.clone(),
+        account: account.clone(),
+        amount: 40,
+    };
+    assert_eq!(
+        transfer(&inbox, msg.clone()).await.unwrap(),
+        Outcome::Processed(())
+    );
+    assert_eq!(
+        transfer(&inbox, msg.clone()).await.unwrap(),
+        Outcome::Duplicate
+    );
+    // The inbox item is under `transfer_id`, not under the message's own key.
+    assert_eq!(
+        inbox_status(&inbox, "transfers", &transfer_id)
+            .await
+            .as_deref(),
+        Some("processed")
+    );
+    assert_eq!(inbox_status(&inbox, "transfers", &msg.event_id).await, None);
+    // Another event for the same transfer is another payload under the same key: a conflict.
+    let again = Transfer {
+        event_id: fresh("event"),
+        ..msg
+    };
+    assert!(matches!(
+        transfer(&inbox, again).await,
+        Err(DynamoError::Conflict(_))
+    ));
+    assert_eq!(balance(&inbox, &account).await, Some(40));
+}
+
+#[tokio::test]
+async fn explicit_handler_lists() {
+    // No DynamoDB call: the client is never used.
+    let client = dynamodb::client(Some("http://127.0.0.1:9")).await;
+    let inbox = DynamoInbox::new(client, "unused");
+    let dispatcher =
+        DynamoDispatcher::from_handlers(inbox.clone(), [handler!(credit), handler!(credit)])
+            .unwrap();
+    let listed: Vec<_> = dispatcher
+        .handlers()
+        .into_iter()
+        .map(|h| h.function)
+        .collect();
+    assert_eq!(listed, ["dynamodb_handlers::credit"]);
+    assert_eq!(
+        DynamoDispatcher::from_handlers(inbox, []).unwrap_err(),
+        DynamoRegistryError::NoHandlersListed
+    );
+    let registered: Vec<_> = dynamodb::registered_dynamo_handlers()
+        .into_iter()
+        .map(|h| (h.message_name, h.consumer))
+        .collect();
+    assert_eq!(
+        registered,
+        [
+            ("dyn.credited", "audit"),
+            ("dyn.credited", "ledger"),
+            ("dyn.ordered", "orders"),
+            ("dyn.transferred", "transfers"),
+        ]
+    );
+}
