@@ -445,10 +445,11 @@ pub enum DynamoError<E> {
         /// What is wrong with it.
         reason: String,
     },
-    /// An `#[idempotent]` DynamoDB handler got a message ordered per aggregate (its type has
-    /// `#[message(aggregate)]` and `#[message(sequence)]` fields): the DynamoDB store keeps no
-    /// aggregate positions, and would apply it out of order. Nothing ran, nothing was called.
-    /// ([`DynamoInbox::process`] itself does not look at the ordering.)
+    /// [`DynamoInbox::process`] or an `#[idempotent]` DynamoDB handler got a message ordered
+    /// per aggregate (its type has `#[message(aggregate)]` and `#[message(sequence)]` fields):
+    /// the DynamoDB store keeps no aggregate positions, and would apply it out of order.
+    /// Nothing ran, nothing was called. ([`DynamoInbox::process_raw`] has no message type to
+    /// look at: it does not check.)
     #[error(
         "message `{message_name}` is ordered per aggregate (`#[message(aggregate)]`, \
          `#[message(sequence)]`), which the DynamoDB store does not support: nothing ran"
@@ -904,6 +905,13 @@ impl DynamoInbox {
         F: FnMut(DynamoTx) -> Fut,
         Fut: Future<Output = Result<(DynamoTx, T), E>>,
     {
+        // No aggregate positions on DynamoDB: an ordered message is refused, not applied
+        // out of order (as `#[idempotent]` handlers and the dispatcher refuse it).
+        if msg.ordering()?.is_some() {
+            return Err(DynamoError::Ordered {
+                message_name: M::NAME.to_owned(),
+            });
+        }
         let key = msg.idempotency_key()?;
         let fingerprint = Fingerprint::of(M::NAME, msg)?;
         let payload = serde_json::to_vec(msg).map_err(FingerprintError::from_json)?;
