@@ -1062,3 +1062,29 @@ async fn a_listed_row_without_its_payload_is_not_replayed_as_a_duplicate() {
     assert_eq!((still.status, still.attempts), (Status::Dead, 1));
     assert_eq!(counter(&inbox, &counters).await, None);
 }
+
+/// The consumer `""`: DynamoDB refuses an empty string as a secondary index key
+/// (`dead_letter_consumer`), so a failure of it could never be recorded (moto refuses it too:
+/// before, `Disposition::NotRecorded` on every delivery, never counted toward `max_attempts`,
+/// never dead-lettered, redelivered forever). It is refused up front, as `#[idempotent]`
+/// refuses `consumer = ""` at compile time: nothing run, no call, no item.
+#[tokio::test]
+async fn an_empty_consumer_is_refused_before_any_call() {
+    let (inbox, counters) = setup().await;
+    let runs = AtomicUsize::new(0);
+    let calls = inbox.stats().calls;
+    let result = deliver(&inbox, &counters, "", &credit("e1", 1), Some(fatal), &runs).await;
+    assert!(
+        matches!(result, Err(DynamoError::EmptyConsumer)),
+        "{result:?}"
+    );
+    let result = deliver(&inbox, &counters, "", &credit("e1", 1), None, &runs).await;
+    assert!(
+        matches!(result, Err(DynamoError::EmptyConsumer)),
+        "{result:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert_eq!(inbox.stats().calls, calls);
+    assert_eq!(counter(&inbox, &counters).await, None);
+    assert!(inbox.admin().stats().await.unwrap().is_empty());
+}

@@ -434,6 +434,12 @@ pub enum DynamoError<E> {
         /// DynamoDB's limit, [`MAX_PARTITION_KEY_BYTES`]: 2048.
         max: usize,
     },
+    /// The consumer is the empty string: DynamoDB refuses an empty string as the key of the
+    /// dead-letter index ([`DEAD_LETTER_ATTRIBUTE`]), so none of its failures could be recorded
+    /// (never counted toward `max_attempts`, never dead-lettered). Nothing ran, nothing was
+    /// called. (`#[idempotent]` refuses `consumer = ""` when it compiles.)
+    #[error("the consumer name is empty: DynamoDB cannot record a failure of it; nothing ran")]
+    EmptyConsumer,
     /// The key's inbox item has an attribute missing or malformed (written by something else):
     /// nothing ran.
     #[error("the inbox item of consumer `{consumer}`, key `{key}` is malformed: {reason}")]
@@ -1014,6 +1020,9 @@ impl DynamoInbox {
             payload,
             mode,
         } = *delivery;
+        if consumer.is_empty() {
+            return Err(DynamoError::EmptyConsumer);
+        }
         let pk = partition_key(consumer, key);
         if pk.len() > MAX_PARTITION_KEY_BYTES {
             return Err(DynamoError::PartitionKeyTooLong {
