@@ -789,8 +789,8 @@ async fn the_command_line_on_dynamodb() {
         (
             vec!["dead", "replay", "ledger", "m1"],
             "`dead replay` is not available on DynamoDB: replaying runs the message's registered \
-             handler: it comes with the dispatcher on DynamoDB (`dead show` gives the message \
-             name and payload)",
+             handler: the command line has none on DynamoDB yet: run DynamoDispatcher::replay in \
+             the program that links the handlers (`dead show` gives the message name and payload)",
         ),
         (
             vec!["outbox", "list"],

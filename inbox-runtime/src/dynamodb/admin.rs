@@ -43,9 +43,10 @@
 //! * The DynamoDB store does not record rejected deliveries (conflicts, malformed payloads):
 //!   `stats` has no `rejected:…` rows, and the command line's `CONFLICTS SEEN` is 0.
 //! * Parked and stale states do not exist on DynamoDB yet.
-//! * Replaying a failed or dead message needs its registered handler and comes with the
-//!   dispatcher on DynamoDB; [`DynamoAdmin::show`] gives what it needs: the message name and
-//!   the payload as stored.
+//! * Replaying a failed or dead message runs its registered handler:
+//!   [`DynamoDispatcher::replay`](super::DynamoDispatcher::replay) (by consumer and key), or
+//!   [`DynamoInbox::replay_stored`] with a handler of your own on what [`DynamoAdmin::show`]
+//!   reads. The command line has no `dead replay` on DynamoDB yet.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -264,7 +265,8 @@ impl DynamoInbox {
     /// message name, key, fingerprint and payload, except that the claim takes a `dead` item
     /// over too, and a `failed` one before its next attempt is due (as the SQL stores'
     /// replay). The handler decodes `stored.payload` itself: the registry-driven replay (by
-    /// message name, through the registered handler) comes with the dispatcher on DynamoDB.
+    /// message name, through the registered handler) is
+    /// [`DynamoDispatcher::replay`](super::DynamoDispatcher::replay).
     ///
     /// The claim's condition is the item as the replay reads it (status, attempts,
     /// fingerprint), so two concurrent replays, or a replay and a redelivery, apply the
