@@ -70,9 +70,32 @@ fn endpoint() -> String {
     })
 }
 
+/// The runtime's client with long timeouts (120 s an attempt): moto answers one request at a
+/// time, so a storm's queue (or a busy CI machine) can hold an answer past the runtime's 10 s. A
+/// timed-out commit is resent by the SDK, and moto, which ignores client request tokens, answers
+/// the resend with a failed claim: the delivery that committed would be counted a duplicate
+/// (its effect still applied once), and the tests' exact tallies would not hold.
+async fn patient_client() -> dynamodb::sdk::Client {
+    use inbox_runtime::dynamodb::sdk::config::timeout::TimeoutConfig;
+    let client = dynamodb::client(Some(&endpoint())).await;
+    let timeouts = TimeoutConfig::builder()
+        .connect_timeout(Duration::from_secs(5))
+        .read_timeout(Duration::from_secs(120))
+        .operation_attempt_timeout(Duration::from_secs(120))
+        .operation_timeout(Duration::from_secs(300))
+        .build();
+    dynamodb::sdk::Client::from_conf(
+        client
+            .config()
+            .to_builder()
+            .timeout_config(timeouts)
+            .build(),
+    )
+}
+
 /// A fresh inbox table and counters table (`id` string key) on the test server.
 async fn setup(policy: RetryPolicy) -> (DynamoInbox, String) {
-    let client = dynamodb::client(Some(&endpoint())).await;
+    let client = patient_client().await;
     let suffix = uuid::Uuid::new_v4().simple().to_string();
     let inbox = DynamoInbox::new(client.clone(), format!("inbox_{suffix}")).retry_policy(policy);
     inbox.ensure_table().await.expect("inbox table");
