@@ -21,6 +21,7 @@ use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use inbox_runtime::source::lambda::LambdaSqs;
 use inbox_runtime::{Classify, Dispatcher, ErrorClass, Worker};
+use inbox_tests::lambda::record;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use tokio::sync::{Mutex, mpsc};
@@ -260,47 +261,6 @@ impl Harness {
     async fn count(&self, sql: &'static str) -> i64 {
         inbox_tests::count(&self.pool, sql).await
     }
-}
-
-/// An SQS record as Lambda's event source mapping sends it.
-fn record(
-    message_id: &str,
-    arn: &str,
-    body: Option<String>,
-    name: Option<&str>,
-    group: Option<&str>,
-) -> Value {
-    let mut attributes = json!({
-        "ApproximateReceiveCount": "1",
-        "SentTimestamp": "1764806400000",
-        "SenderId": "AIDAEXAMPLE",
-        "ApproximateFirstReceiveTimestamp": "1764806400100",
-    });
-    if let Some(group) = group {
-        attributes["MessageGroupId"] = json!(group);
-        attributes["MessageDeduplicationId"] = json!(message_id);
-        attributes["SequenceNumber"] = json!("18849496460467696128");
-    }
-    let mut message_attributes = json!({});
-    if let Some(name) = name {
-        message_attributes["message-name"] = json!({
-            "stringValue": name,
-            "stringListValues": [],
-            "binaryListValues": [],
-            "dataType": "String",
-        });
-    }
-    json!({
-        "messageId": message_id,
-        "receiptHandle": format!("AQEB-{message_id}"),
-        "body": body,
-        "attributes": attributes,
-        "messageAttributes": message_attributes,
-        "md5OfBody": "0",
-        "eventSource": "aws:sqs",
-        "eventSourceARN": arn,
-        "awsRegion": "eu-west-1",
-    })
 }
 
 fn credit_body(id: &str, account: &str, amount: i64) -> String {
