@@ -2,7 +2,9 @@
 //! `DynamoLambdaSqs` over a `DynamoDispatcher` of `#[idempotent]` DynamoDB handlers, against
 //! moto's DynamoDB on loopback (`DYNAMODB_ENDPOINT`, the serial moto server of scripts/sqs.sh):
 //! duplicates across invocations, partial failures, conflicts, dead letters, refused records,
-//! FIFO groups, the deadline margin, a record to list without a `messageId`.
+//! FIFO groups, the deadline margin, a record to list without a `messageId`; and `run()` on the
+//! real runtime API protocol (`lambda_runtime` against a runtime API on loopback, shared with
+//! tests/lambda.rs).
 //!
 //! Each test has an inbox table of its own (a fresh name, retries due at once) and ids and
 //! accounts of its own (fresh) in one accounts table shared by the binary.
@@ -18,7 +20,7 @@ use inbox_runtime::dynamodb::{self, DynamoDispatcher, DynamoInbox, DynamoTx};
 use inbox_runtime::source::lambda::sqs::SqsEvent;
 use inbox_runtime::source::lambda::{DynamoLambdaReport, DynamoLambdaSqs, LambdaSqsError};
 use inbox_runtime::{Classify, ErrorClass, Message, RetryPolicy, handler, idempotent};
-use inbox_tests::lambda::record;
+use inbox_tests::lambda::{invoke as runtime_invoke, listed as lambda_listed, record, runtime_api};
 use serde_json::{Value, json};
 
 const QUEUE_ARN: &str = "arn:aws:sqs:eu-west-1:123456789012:credits";
@@ -532,4 +534,39 @@ async fn a_record_to_list_without_a_message_id_fails_the_invocation() {
         Err(LambdaSqsError::MissingMessageId { index }) => assert_eq!(index, 1),
         other => panic!("expected MissingMessageId, got {other:?}"),
     }
+}
+
+/// `run()`: the function polls a runtime API on loopback (lambda_runtime's own client) and
+/// answers two invocations with their partial batch responses: a retryable failure listed, then
+/// its redelivery and a duplicate deleted; each credit applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_answers_the_runtime_api_with_partial_batch_responses() {
+    let function = function().await;
+    let probe = function.clone();
+    let ids = Ids::new();
+    let (c1, c2, ivy) = (ids.of("c1"), ids.of("c2"), ids.of("ivy"));
+    set_unavailable(&[&c2], true);
+
+    // The only test of this binary that sets AWS_LAMBDA_RUNTIME_API.
+    let (answers_tx, mut answers) = tokio::sync::mpsc::unbounded_channel();
+    let events = runtime_api(answers_tx).await;
+    let running = tokio::spawn(function.run());
+
+    let batch = vec![
+        credit_record("m-1", &c1, &ivy, 10),
+        credit_record("m-2", &c2, &ivy, 20),
+    ];
+    let left = Duration::from_secs(60);
+    let answer = runtime_invoke(&events, &mut answers, "request-1".into(), batch, left).await;
+    assert_eq!(lambda_listed(answer), ["m-2"]);
+    set_unavailable(&[&c2], false);
+    let batch = vec![
+        credit_record("m-2", &c2, &ivy, 20),
+        credit_record("m-1", &c1, &ivy, 10),
+    ];
+    let answer = runtime_invoke(&events, &mut answers, "request-2".into(), batch, left).await;
+    assert_eq!(lambda_listed(answer), NONE);
+    assert_eq!(effect(&probe, &ivy).await, Some((2, 30)));
+    assert_eq!(status(&probe, &c2).await, Some(("processed".to_owned(), 2)));
+    running.abort();
 }
