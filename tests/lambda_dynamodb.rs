@@ -20,6 +20,7 @@ use inbox_runtime::dynamodb::{self, DynamoDispatcher, DynamoInbox, DynamoTx};
 use inbox_runtime::source::lambda::sqs::SqsEvent;
 use inbox_runtime::source::lambda::{DynamoLambdaReport, DynamoLambdaSqs, LambdaSqsError};
 use inbox_runtime::{Classify, ErrorClass, Message, RetryPolicy, handler, idempotent};
+use inbox_tests::dynamo::{create_id_table, endpoint};
 use inbox_tests::lambda::{invoke as runtime_invoke, listed as lambda_listed, record, runtime_api};
 use serde_json::{Value, json};
 
@@ -102,15 +103,6 @@ async fn credit(tx: &mut DynamoTx, msg: Credit) -> Result<(), CreditError> {
     Ok(())
 }
 
-fn endpoint() -> String {
-    std::env::var("DYNAMODB_ENDPOINT").unwrap_or_else(|_| {
-        panic!(
-            "DYNAMODB_ENDPOINT is not set: start the serial moto server with \
-             `eval \"$(scripts/sqs.sh start)\"` (scripts/test.sh does)"
-        )
-    })
-}
-
 /// Ids of this test: `{prefix}-{n}` for each of `names`, under one fresh prefix.
 struct Ids(String);
 
@@ -129,31 +121,8 @@ async fn inbox_with(delay: Duration) -> DynamoInbox {
     let client = dynamodb::client(Some(&endpoint())).await;
     ACCOUNTS
         .get_or_init(|| async {
-            use inbox_runtime::dynamodb::sdk::types::{
-                AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType,
-            };
             let name = format!("accounts_{}", uuid::Uuid::new_v4().simple());
-            client
-                .create_table()
-                .table_name(&name)
-                .billing_mode(BillingMode::PayPerRequest)
-                .attribute_definitions(
-                    AttributeDefinition::builder()
-                        .attribute_name("id")
-                        .attribute_type(ScalarAttributeType::S)
-                        .build()
-                        .unwrap(),
-                )
-                .key_schema(
-                    KeySchemaElement::builder()
-                        .attribute_name("id")
-                        .key_type(KeyType::Hash)
-                        .build()
-                        .unwrap(),
-                )
-                .send()
-                .await
-                .expect("accounts table");
+            create_id_table(&client, &name).await;
             name
         })
         .await;
