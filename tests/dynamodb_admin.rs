@@ -789,8 +789,8 @@ async fn the_command_line_on_dynamodb() {
         (
             vec!["dead", "replay", "ledger", "m1"],
             "`dead replay` is not available on DynamoDB: replaying runs the message's registered \
-             handler: it comes with the dispatcher on DynamoDB (`dead show` gives the message \
-             name and payload)",
+             handler: the command line has none on DynamoDB yet: run DynamoDispatcher::replay in \
+             the program that links the handlers (`dead show` gives the message name and payload)",
         ),
         (
             vec!["outbox", "list"],
@@ -1018,4 +1018,73 @@ async fn the_index_reads_the_dead_letters_alone() {
     let before = now();
     admin.show("ledger", "x1").await.unwrap().unwrap();
     assert_eq!(measure(before), (1, 1));
+}
+
+/// A row from `list` has no payload (the index does not project it). Given to `replay_stored`,
+/// a dead row is refused (`DynamoError::Malformed`, nothing run, no call), not answered
+/// `Duplicate` as if the message had been processed: the dead letter stays dead, its effect
+/// unapplied, and the operator is told to `show` it. (Before: `Ok(Outcome::Duplicate)`.)
+#[tokio::test]
+async fn a_listed_row_without_its_payload_is_not_replayed_as_a_duplicate() {
+    let (inbox, counters) = setup().await;
+    let admin = inbox.admin();
+    settle(&inbox, &counters, "ledger", "l1", Some(fatal)).await;
+    // Strongly consistent: the row as `show` reads it, its payload taken out as `list` does.
+    let mut listed = shown(&admin, "ledger", "l1").await;
+    assert_eq!(listed.status, Status::Dead);
+    listed.payload = None;
+    let runs = AtomicUsize::new(0);
+    let calls = inbox.stats().calls;
+    let result = inbox
+        .replay_stored(&listed, |tx| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            async move { Ok::<_, TestError>((tx, ())) }
+        })
+        .await;
+    match result {
+        Err(DynamoError::Malformed {
+            consumer,
+            key,
+            reason,
+        }) => {
+            assert_eq!((consumer.as_str(), key.as_str()), ("ledger", "l1"));
+            assert_eq!(
+                reason,
+                "the stored message (dead) has no payload: `list` leaves payloads out, \
+                 replay what `show` reads"
+            );
+        }
+        other => panic!("expected Malformed, got {other:?}"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert_eq!(inbox.stats().calls, calls);
+    let still = shown(&admin, "ledger", "l1").await;
+    assert_eq!((still.status, still.attempts), (Status::Dead, 1));
+    assert_eq!(counter(&inbox, &counters).await, None);
+}
+
+/// The consumer `""`: DynamoDB refuses an empty string as a secondary index key
+/// (`dead_letter_consumer`), so a failure of it could never be recorded (moto refuses it too:
+/// before, `Disposition::NotRecorded` on every delivery, never counted toward `max_attempts`,
+/// never dead-lettered, redelivered forever). It is refused up front, as `#[idempotent]`
+/// refuses `consumer = ""` at compile time: nothing run, no call, no item.
+#[tokio::test]
+async fn an_empty_consumer_is_refused_before_any_call() {
+    let (inbox, counters) = setup().await;
+    let runs = AtomicUsize::new(0);
+    let calls = inbox.stats().calls;
+    let result = deliver(&inbox, &counters, "", &credit("e1", 1), Some(fatal), &runs).await;
+    assert!(
+        matches!(result, Err(DynamoError::EmptyConsumer)),
+        "{result:?}"
+    );
+    let result = deliver(&inbox, &counters, "", &credit("e1", 1), None, &runs).await;
+    assert!(
+        matches!(result, Err(DynamoError::EmptyConsumer)),
+        "{result:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert_eq!(inbox.stats().calls, calls);
+    assert_eq!(counter(&inbox, &counters).await, None);
+    assert!(inbox.admin().stats().await.unwrap().is_empty());
 }

@@ -624,3 +624,34 @@ async fn explicit_handler_lists() {
         ]
     );
 }
+
+/// `DynamoInbox::process` (the closure API) given a message ordered per aggregate refuses it as
+/// the macro path does: `DynamoError::Ordered`, the closure not run, no DynamoDB call, no item.
+/// (Before, it claimed and applied `seq` 2 though `seq` 1 had never been seen.)
+#[tokio::test]
+async fn the_closure_api_refuses_an_ordered_message_too() {
+    let inbox = setup().await;
+    let calls = inbox.stats().calls;
+    let runs = std::sync::atomic::AtomicUsize::new(0);
+    let order = fresh("o");
+    let msg = Ordered {
+        order_id: order.clone(),
+        seq: 2,
+    };
+    let result = inbox
+        .process("orders", &msg, |tx| {
+            runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async move { Ok::<_, TestError>((tx, ())) }
+        })
+        .await;
+    match result {
+        Err(DynamoError::Ordered { message_name }) => assert_eq!(message_name, "dyn.ordered"),
+        other => panic!("expected Ordered, got {other:?}"),
+    }
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 0);
+    assert_eq!(inbox.stats().calls, calls);
+    assert_eq!(
+        inbox_status(&inbox, "orders", &format!("{order}:2")).await,
+        None
+    );
+}

@@ -43,9 +43,10 @@
 //! * The DynamoDB store does not record rejected deliveries (conflicts, malformed payloads):
 //!   `stats` has no `rejected:…` rows, and the command line's `CONFLICTS SEEN` is 0.
 //! * Parked and stale states do not exist on DynamoDB yet.
-//! * Replaying a failed or dead message needs its registered handler and comes with the
-//!   dispatcher on DynamoDB; [`DynamoAdmin::show`] gives what it needs: the message name and
-//!   the payload as stored.
+//! * Replaying a failed or dead message runs its registered handler:
+//!   [`DynamoDispatcher::replay`](super::DynamoDispatcher::replay) (by consumer and key), or
+//!   [`DynamoInbox::replay_stored`] with a handler of your own on what [`DynamoAdmin::show`]
+//!   reads. The command line has no `dead replay` on DynamoDB yet.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -264,7 +265,8 @@ impl DynamoInbox {
     /// message name, key, fingerprint and payload, except that the claim takes a `dead` item
     /// over too, and a `failed` one before its next attempt is due (as the SQL stores'
     /// replay). The handler decodes `stored.payload` itself: the registry-driven replay (by
-    /// message name, through the registered handler) comes with the dispatcher on DynamoDB.
+    /// message name, through the registered handler) is
+    /// [`DynamoDispatcher::replay`](super::DynamoDispatcher::replay).
     ///
     /// The claim's condition is the item as the replay reads it (status, attempts,
     /// fingerprint), so two concurrent replays, or a replay and a redelivery, apply the
@@ -272,15 +274,17 @@ impl DynamoInbox {
     /// or at `max_attempts`).
     ///
     /// # Returns
-    /// [`Outcome::Processed`] with the handler's value; for a stored message without a payload
-    /// (`processed` or `discarded` when read), no call: [`Outcome::Duplicate`] or
+    /// [`Outcome::Processed`] with the handler's value; for a stored message read `processed`
+    /// or `discarded` (they keep no payload), no call: [`Outcome::Duplicate`] or
     /// [`Outcome::Discarded`]; if the item changed since `show`, what the claim finds now
     /// (`Duplicate` if processed meanwhile, `Discarded`, …).
     ///
     /// # Errors
     /// As [`process_raw`](Self::process_raw); also [`DynamoError::Key`] if the stored key is
     /// not a valid idempotency key, and [`DynamoError::Malformed`] if `stored.payload_hash` is
-    /// not 64 hex digits: nothing ran.
+    /// not 64 hex digits, or if a `failed` or `dead` message has no payload (a row of
+    /// [`DynamoAdmin::list`], which leaves payloads out: replay what `show` reads): nothing
+    /// ran, no call.
     pub async fn replay_stored<T, E, F, Fut>(
         &self,
         stored: &StoredMessage,
@@ -291,13 +295,24 @@ impl DynamoInbox {
         F: FnMut(DynamoTx) -> Fut,
         Fut: Future<Output = Result<(DynamoTx, T), E>>,
     {
-        let Some(payload) = &stored.payload else {
-            return Ok(match stored.status {
-                Status::Discarded => Outcome::Discarded,
-                _ => Outcome::Duplicate,
-            });
-        };
         let key = IdempotencyKey::new(stored.message_key.clone(), "(stored message)", "key")?;
+        let Some(payload) = &stored.payload else {
+            return match stored.status {
+                Status::Processed => Ok(Outcome::Duplicate),
+                Status::Discarded => Ok(Outcome::Discarded),
+                // A failed or dead row without its payload is one `list` gave (the index does
+                // not project it): not a duplicate, and nothing to run.
+                status => Err(DynamoError::Malformed {
+                    consumer: stored.consumer.clone(),
+                    key,
+                    reason: format!(
+                        "the stored message ({}) has no payload: `list` leaves payloads out, \
+                         replay what `show` reads",
+                        status.as_str()
+                    ),
+                }),
+            };
+        };
         let fingerprint =
             Fingerprint::from_hex(&stored.payload_hash).ok_or_else(|| DynamoError::Malformed {
                 consumer: stored.consumer.clone(),

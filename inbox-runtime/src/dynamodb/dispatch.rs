@@ -249,6 +249,7 @@ fn map_handler_error<E, F>(error: DynamoError<E>, f: impl FnOnce(E) -> F) -> Dyn
             reason,
         },
         DynamoError::Ordered { message_name } => DynamoError::Ordered { message_name },
+        DynamoError::EmptyConsumer => DynamoError::EmptyConsumer,
     }
 }
 

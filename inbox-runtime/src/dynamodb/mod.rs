@@ -434,6 +434,12 @@ pub enum DynamoError<E> {
         /// DynamoDB's limit, [`MAX_PARTITION_KEY_BYTES`]: 2048.
         max: usize,
     },
+    /// The consumer is the empty string: DynamoDB refuses an empty string as the key of the
+    /// dead-letter index ([`DEAD_LETTER_ATTRIBUTE`]), so none of its failures could be recorded
+    /// (never counted toward `max_attempts`, never dead-lettered). Nothing ran, nothing was
+    /// called. (`#[idempotent]` refuses `consumer = ""` when it compiles.)
+    #[error("the consumer name is empty: DynamoDB cannot record a failure of it; nothing ran")]
+    EmptyConsumer,
     /// The key's inbox item has an attribute missing or malformed (written by something else):
     /// nothing ran.
     #[error("the inbox item of consumer `{consumer}`, key `{key}` is malformed: {reason}")]
@@ -445,10 +451,11 @@ pub enum DynamoError<E> {
         /// What is wrong with it.
         reason: String,
     },
-    /// An `#[idempotent]` DynamoDB handler got a message ordered per aggregate (its type has
-    /// `#[message(aggregate)]` and `#[message(sequence)]` fields): the DynamoDB store keeps no
-    /// aggregate positions, and would apply it out of order. Nothing ran, nothing was called.
-    /// ([`DynamoInbox::process`] itself does not look at the ordering.)
+    /// [`DynamoInbox::process`] or an `#[idempotent]` DynamoDB handler got a message ordered
+    /// per aggregate (its type has `#[message(aggregate)]` and `#[message(sequence)]` fields):
+    /// the DynamoDB store keeps no aggregate positions, and would apply it out of order.
+    /// Nothing ran, nothing was called. ([`DynamoInbox::process_raw`] has no message type to
+    /// look at: it does not check.)
     #[error(
         "message `{message_name}` is ordered per aggregate (`#[message(aggregate)]`, \
          `#[message(sequence)]`), which the DynamoDB store does not support: nothing ran"
@@ -904,6 +911,13 @@ impl DynamoInbox {
         F: FnMut(DynamoTx) -> Fut,
         Fut: Future<Output = Result<(DynamoTx, T), E>>,
     {
+        // No aggregate positions on DynamoDB: an ordered message is refused, not applied
+        // out of order (as `#[idempotent]` handlers and the dispatcher refuse it).
+        if msg.ordering()?.is_some() {
+            return Err(DynamoError::Ordered {
+                message_name: M::NAME.to_owned(),
+            });
+        }
         let key = msg.idempotency_key()?;
         let fingerprint = Fingerprint::of(M::NAME, msg)?;
         let payload = serde_json::to_vec(msg).map_err(FingerprintError::from_json)?;
@@ -1006,6 +1020,9 @@ impl DynamoInbox {
             payload,
             mode,
         } = *delivery;
+        if consumer.is_empty() {
+            return Err(DynamoError::EmptyConsumer);
+        }
         let pk = partition_key(consumer, key);
         if pk.len() > MAX_PARTITION_KEY_BYTES {
             return Err(DynamoError::PartitionKeyTooLong {

@@ -145,8 +145,9 @@ pub async fn execute_to(
         AdminCommand::Dead(DeadCommand::Replay(_)) => {
             return Err(CliError::Unsupported {
                 command: "dead replay",
-                why: "replaying runs the message's registered handler: it comes with the \
-                      dispatcher on DynamoDB (`dead show` gives the message name and payload)",
+                why: "replaying runs the message's registered handler: the command line \
+                      has none on DynamoDB yet: run DynamoDispatcher::replay in the program that \
+                      links the handlers (`dead show` gives the message name and payload)",
             });
         }
         AdminCommand::Outbox(_) => {
