@@ -10,17 +10,12 @@
 #![allow(missing_docs)]
 
 use std::collections::HashSet;
-use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::Mutex as StdMutex;
 use std::time::Duration;
 
-use axum::extract::{Path, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
-use axum::response::IntoResponse;
-use axum::routing::{get, post};
 use inbox_runtime::source::lambda::LambdaSqs;
 use inbox_runtime::{Classify, Dispatcher, ErrorClass, Worker};
+use inbox_tests::lambda::{Answer, Event, invoke, listed, record, runtime_api};
 use serde_json::{Value, json};
 use sqlx::PgPool;
 use tokio::sync::{Mutex, mpsc};
@@ -88,65 +83,10 @@ async fn credit(conn: &mut sqlx::PgConnection, msg: Credit) -> Result<(), Credit
     Ok(())
 }
 
-/// The runtime API's state: events waiting for a `next`, answers posted back.
-#[derive(Clone)]
-struct Api {
-    events: Arc<Mutex<mpsc::UnboundedReceiver<(String, Value, u128)>>>,
-    answers: mpsc::UnboundedSender<Answer>,
-}
-
-/// What the function posted for one invocation.
-#[derive(Debug)]
-struct Answer {
-    request_id: String,
-    /// `response` or `error`.
-    kind: String,
-    body: Value,
-}
-
-async fn next(State(api): State<Api>) -> impl IntoResponse {
-    let mut events = api.events.lock().await;
-    let Some((request_id, event, deadline)) = events.recv().await else {
-        // No more events: the function waits, as it does between invocations.
-        drop(events);
-        std::future::pending::<()>().await;
-        unreachable!();
-    };
-    let mut headers = HeaderMap::new();
-    headers.insert(
-        "lambda-runtime-aws-request-id",
-        HeaderValue::from_str(&request_id).unwrap(),
-    );
-    headers.insert(
-        "lambda-runtime-deadline-ms",
-        HeaderValue::from_str(&deadline.to_string()).unwrap(),
-    );
-    headers.insert(
-        "lambda-runtime-invoked-function-arn",
-        HeaderValue::from_static("arn:aws:lambda:eu-west-1:123456789012:function:credits"),
-    );
-    headers.insert("content-type", HeaderValue::from_static("application/json"));
-    (StatusCode::OK, headers, event.to_string())
-}
-
-async fn answer(
-    State(api): State<Api>,
-    Path((request_id, kind)): Path<(String, String)>,
-    body: String,
-) -> StatusCode {
-    let body = serde_json::from_str(&body).unwrap_or(Value::String(body));
-    let _ = api.answers.send(Answer {
-        request_id,
-        kind,
-        body,
-    });
-    StatusCode::ACCEPTED
-}
-
 /// A runtime API on loopback per function instance, and the instances that poll them.
 struct Harness {
     /// The events of the current instance's runtime API.
-    events: Option<mpsc::UnboundedSender<(String, Value, u128)>>,
+    events: Option<mpsc::UnboundedSender<Event>>,
     answers_tx: mpsc::UnboundedSender<Answer>,
     answers: mpsc::UnboundedReceiver<Answer>,
     invocations: u32,
@@ -170,30 +110,7 @@ impl Harness {
     /// pool on the same database), polling until `abort`ed. Events go to it from now on; a
     /// `next` that an earlier instance left waiting gets none.
     async fn cold_start(&mut self) -> tokio::task::JoinHandle<Result<(), lambda_runtime::Error>> {
-        let (events, events_rx) = mpsc::unbounded_channel();
-        let api = Api {
-            events: Arc::new(Mutex::new(events_rx)),
-            answers: self.answers_tx.clone(),
-        };
-        let app = axum::Router::new()
-            .route("/2018-06-01/runtime/invocation/next", get(next))
-            .route(
-                "/2018-06-01/runtime/invocation/{request_id}/{kind}",
-                post(answer),
-            )
-            .with_state(api);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr: SocketAddr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        self.events = Some(events);
-        // SAFETY: the tests of this binary run one at a time (`SERIAL`), and no other thread of
-        // this process reads the environment meanwhile but through std's own lock.
-        unsafe {
-            std::env::set_var("AWS_LAMBDA_RUNTIME_API", addr.to_string());
-            std::env::set_var("AWS_LAMBDA_FUNCTION_NAME", "credits");
-            std::env::set_var("AWS_LAMBDA_FUNCTION_MEMORY_SIZE", "128");
-            std::env::set_var("AWS_LAMBDA_FUNCTION_VERSION", "$LATEST");
-        }
+        self.events = Some(runtime_api(self.answers_tx.clone()).await);
         let options = self.pool.connect_options().as_ref().clone();
         let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(4)
@@ -214,23 +131,9 @@ impl Harness {
     /// One invocation with `records`, whose deadline is `left` from now.
     async fn invoke_within(&mut self, records: Vec<Value>, left: Duration) -> Answer {
         self.invocations += 1;
+        let events = self.events.as_ref().expect("a function instance started");
         let request_id = format!("request-{}", self.invocations);
-        let deadline = (std::time::SystemTime::now() + left)
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis();
-        let event = json!({ "Records": records });
-        self.events
-            .as_ref()
-            .expect("a function instance started")
-            .send((request_id.clone(), event, deadline))
-            .unwrap();
-        let answer = tokio::time::timeout(Duration::from_secs(60), self.answers.recv())
-            .await
-            .expect("the function answers within 60 s")
-            .expect("the runtime API is up");
-        assert_eq!(answer.request_id, request_id);
-        answer
+        invoke(events, &mut self.answers, request_id, records, left).await
     }
 
     /// One invocation that must succeed: the ids it lists in `batchItemFailures`, in order.
@@ -240,13 +143,7 @@ impl Harness {
     }
 
     fn listed(answer: Answer) -> Vec<String> {
-        assert_eq!(answer.kind, "response", "{answer:?}");
-        answer.body["batchItemFailures"]
-            .as_array()
-            .unwrap_or_else(|| panic!("a partial batch response: {answer:?}"))
-            .iter()
-            .map(|failure| failure["itemIdentifier"].as_str().unwrap().to_owned())
-            .collect()
+        listed(answer)
     }
 
     async fn effect(&self, account: &str) -> Option<(i64, i64)> {
@@ -260,47 +157,6 @@ impl Harness {
     async fn count(&self, sql: &'static str) -> i64 {
         inbox_tests::count(&self.pool, sql).await
     }
-}
-
-/// An SQS record as Lambda's event source mapping sends it.
-fn record(
-    message_id: &str,
-    arn: &str,
-    body: Option<String>,
-    name: Option<&str>,
-    group: Option<&str>,
-) -> Value {
-    let mut attributes = json!({
-        "ApproximateReceiveCount": "1",
-        "SentTimestamp": "1764806400000",
-        "SenderId": "AIDAEXAMPLE",
-        "ApproximateFirstReceiveTimestamp": "1764806400100",
-    });
-    if let Some(group) = group {
-        attributes["MessageGroupId"] = json!(group);
-        attributes["MessageDeduplicationId"] = json!(message_id);
-        attributes["SequenceNumber"] = json!("18849496460467696128");
-    }
-    let mut message_attributes = json!({});
-    if let Some(name) = name {
-        message_attributes["message-name"] = json!({
-            "stringValue": name,
-            "stringListValues": [],
-            "binaryListValues": [],
-            "dataType": "String",
-        });
-    }
-    json!({
-        "messageId": message_id,
-        "receiptHandle": format!("AQEB-{message_id}"),
-        "body": body,
-        "attributes": attributes,
-        "messageAttributes": message_attributes,
-        "md5OfBody": "0",
-        "eventSource": "aws:sqs",
-        "eventSourceARN": arn,
-        "awsRegion": "eu-west-1",
-    })
 }
 
 fn credit_body(id: &str, account: &str, amount: i64) -> String {

@@ -219,7 +219,8 @@
 //! * `lambda`: `source::lambda::LambdaSqs`, AWS Lambda's SQS batches (an SQS event source
 //!   mapping) run through a [`Worker`] and answered with the partial batch response
 //!   (`batchItemFailures`): retryable failures listed, duplicates, conflicts and dead letters
-//!   deleted, FIFO groups kept in order (lambda_runtime, aws_lambda_events).
+//!   deleted, FIFO groups kept in order (lambda_runtime, aws_lambda_events); with `dynamodb`
+//!   too, `source::lambda::DynamoLambdaSqs` runs them through a `dynamodb::DynamoDispatcher`.
 //! * `redis`: `cache::redis::RedisCache`, a dedupe cache shared by every worker (redis).
 //! * `http`: the module `http`, the HTTP `Idempotency-Key` layer for axum and tower, whose
 //!   handlers run on the claim's transaction (axum, tower, http, sfv).

@@ -16,6 +16,8 @@
 //! server); each test gets a database of its own, created here. A test that needs PostgreSQL and
 //! finds no `DATABASE_URL` fails: it never passes by skipping.
 
+pub mod dynamo;
+pub mod lambda;
 pub mod matrix;
 pub mod process;
 

@@ -81,6 +81,35 @@
 //! next receive). A function that times out is treated the same way by Lambda; to answer
 //! before that, [`LambdaSqs::run`] stops starting records [`LambdaSqs::deadline_margin`] before
 //! the invocation's deadline and lists those it did not settle.
+//!
+//! ## On DynamoDB
+//!
+//! With the features `lambda` and `dynamodb`, [`DynamoLambdaSqs`] runs the batches through a
+//! [`DynamoDispatcher`](crate::dynamodb::DynamoDispatcher) instead: each record's consumers
+//! claim its idempotency key and apply their DynamoDB writes in one `TransactWriteItems` each
+//! (the AWS Powertools idempotency use case, with the claim and the effect in one transaction).
+//! The records, their envelopes and metadata, the response, FIFO groups, the deadline margin and
+//! [`LambdaSqsError`] are as above; there is no [`Worker`], so the runner has its own
+//! [`concurrency`](DynamoLambdaSqs::concurrency). A record is deleted only if every consumer is
+//! done with it:
+//!
+//! | a consumer's result ([`DynamoConsumerOutcome::result`](crate::dynamodb::DynamoConsumerOutcome::result)) | the response |
+//! | --- | --- |
+//! | [`Processed`](crate::Outcome::Processed), [`Duplicate`](crate::Outcome::Duplicate), [`Dead`](crate::Outcome::Dead) (dead-lettered earlier), [`Discarded`](crate::Outcome::Discarded); a handler failure recorded as dead now ([`Disposition::Dead`](crate::Disposition::Dead): permanent, or `max_attempts` reached; payload kept in the inbox table for replay) | not listed: deleted |
+//! | a conflict ([`DynamoError::Conflict`](crate::dynamodb::DynamoError::Conflict): the same idempotency key with another payload), logged | not listed: deleted (as the SQL worker rejects it) |
+//! | [`NotYet`](crate::Outcome::NotYet) (a failed key before its next attempt is due); a retryable handler failure recorded ([`Disposition::Retry`](crate::Disposition::Retry)) or not recorded; any other [`DynamoError`](crate::dynamodb::DynamoError) (a DynamoDB error, a transient cancellation, contention, …) | listed: received again after the visibility timeout |
+//!
+//! | the record | the response |
+//! | --- | --- |
+//! | refused by the dispatcher ([`DispatchError`](crate::DispatchError): no body, no or an unknown message name, a malformed payload, a bad key), logged with the reason | listed |
+//! | a later record of a FIFO group whose earlier record is listed (not run) | listed |
+//! | not started before the deadline margin; or still running half the margin later (dropped: a transaction that committed meanwhile is a duplicate on the next receive) | listed |
+//!
+//! **Refused records are listed, not deleted**: DynamoDB has no rejections table (the SQL
+//! stores' `inbox_rejections`), so deleting a refused record would lose it. It is received
+//! again until the queue's redrive policy (`maxReceiveCount`) moves it to the queue's
+//! dead-letter queue: give every queue read this way a redrive policy. A FIFO group is held
+//! behind such a record until then.
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -97,6 +126,11 @@ use crate::store::InboxDatabase;
 use crate::types::envelope::{Envelope, SourceMetadata};
 use crate::types::limit::PayloadLimit;
 use crate::worker::{Worker, WorkerReport};
+
+#[cfg(feature = "dynamodb")]
+mod dynamodb;
+#[cfg(feature = "dynamodb")]
+pub use dynamodb::{DEFAULT_DYNAMO_CONCURRENCY, DynamoLambdaReport, DynamoLambdaSqs};
 
 /// The event and response shapes of aws_lambda_events (`SqsEvent`, `SqsMessage`,
 /// `SqsBatchResponse`, `BatchItemFailure`), so that callers of [`LambdaSqs::handle`] need no
@@ -243,10 +277,7 @@ impl<DB: InboxDatabase> LambdaSqs<DB> {
         let (source, batch) = BatchSource::new(event.records, &self.name_attribute);
         let stop = CancellationToken::new();
         let timer = deadline.map(|deadline| {
-            let left = deadline
-                .duration_since(SystemTime::now())
-                .unwrap_or_default()
-                .saturating_sub(self.deadline_margin);
+            let left = time_to_margin(deadline, self.deadline_margin);
             if left.is_zero() {
                 stop.cancel();
             }
@@ -297,16 +328,37 @@ impl<DB: InboxDatabase> LambdaSqs<DB> {
     /// (`AWS_LAMBDA_FUNCTION_NAME`, `AWS_LAMBDA_FUNCTION_MEMORY_SIZE`,
     /// `AWS_LAMBDA_FUNCTION_VERSION`, `AWS_LAMBDA_RUNTIME_API`) are missing.
     pub async fn run(self) -> Result<(), lambda_runtime::Error> {
-        lambda_runtime::run(service_fn(move |event: LambdaEvent<SqsEvent>| {
+        serve(move |event, deadline| {
             let this = self.clone();
             async move {
-                let deadline = event.context.deadline();
-                let (response, _report) = this.handle_by(event.payload, deadline).await?;
-                Ok::<_, LambdaSqsError>(response)
+                this.handle_by(event, deadline)
+                    .await
+                    .map(|(response, _)| response)
             }
-        }))
+        })
         .await
     }
+}
+
+/// How long from now until `margin` before `deadline`: zero if that has passed.
+fn time_to_margin(deadline: SystemTime, margin: Duration) -> Duration {
+    deadline
+        .duration_since(SystemTime::now())
+        .unwrap_or_default()
+        .saturating_sub(margin)
+}
+
+/// Polls the Lambda runtime API for SQS events until it stops answering, answering each with
+/// `handle(event, deadline)`'s response (an error is reported as the invocation's).
+async fn serve<F, Fut>(handle: F) -> Result<(), lambda_runtime::Error>
+where
+    F: Fn(SqsEvent, SystemTime) -> Fut,
+    Fut: Future<Output = Result<SqsBatchResponse, LambdaSqsError>> + Send,
+{
+    lambda_runtime::run(service_fn(move |event: LambdaEvent<SqsEvent>| {
+        handle(event.payload, event.context.deadline())
+    }))
+    .await
 }
 
 /// What became of one record.
@@ -335,6 +387,17 @@ struct Batch {
 }
 
 impl Batch {
+    /// The records' `messageId`s, none settled yet.
+    fn new(records: &[SqsMessage]) -> Self {
+        Self {
+            message_ids: records.iter().map(|r| r.message_id.clone()).collect(),
+            state: Mutex::new(BatchState {
+                fates: vec![Fate::Pending; records.len()],
+                failed_groups: HashSet::new(),
+            }),
+        }
+    }
+
     fn len(&self) -> usize {
         self.message_ids.len()
     }
@@ -389,13 +452,7 @@ struct BatchSource {
 
 impl BatchSource {
     fn new(records: Vec<SqsMessage>, name_attribute: &str) -> (Self, Arc<Batch>) {
-        let batch = Arc::new(Batch {
-            message_ids: records.iter().map(|r| r.message_id.clone()).collect(),
-            state: Mutex::new(BatchState {
-                fates: vec![Fate::Pending; records.len()],
-                failed_groups: HashSet::new(),
-            }),
-        });
+        let batch = Arc::new(Batch::new(&records));
         let name = records.first().map_or_else(|| "sqs".to_owned(), queue_name);
         let pending = records
             .into_iter()
@@ -429,6 +486,24 @@ fn delivery(
     record: SqsMessage,
     name_attribute: &str,
 ) -> Delivery {
+    let (envelope, group) = envelope(record, name_attribute);
+    let delivery = Delivery::new(
+        envelope,
+        RecordSettler {
+            batch: Arc::clone(batch),
+            index,
+            group: group.clone(),
+        },
+    );
+    match group {
+        Some(group) => delivery.with_ordering_key(group),
+        None => delivery,
+    }
+}
+
+/// The envelope of `record` (see the module documentation's "Message name" and "Metadata"),
+/// and its FIFO group: its `MessageGroupId` on a FIFO queue, `None` on a standard queue.
+fn envelope(record: SqsMessage, name_attribute: &str) -> (Envelope, Option<String>) {
     let queue = queue_name(&record);
     let fifo = queue.ends_with(".fifo");
     let attributes = record.attributes;
@@ -471,19 +546,7 @@ fn delivery(
         Envelope::new(message_name, record.body.unwrap_or_default()).with_source(metadata);
     envelope.headers = headers;
     // Only FIFO queues order a group (a standard queue's fair-queue groups do not).
-    let group = group.filter(|_| fifo);
-    let delivery = Delivery::new(
-        envelope,
-        RecordSettler {
-            batch: Arc::clone(batch),
-            index,
-            group: group.clone(),
-        },
-    );
-    match group {
-        Some(group) => delivery.with_ordering_key(group),
-        None => delivery,
-    }
+    (envelope, group.filter(|_| fifo))
 }
 
 impl Source for BatchSource {

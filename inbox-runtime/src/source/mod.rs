@@ -20,7 +20,8 @@
 //! durable pull consumer on async-nats), `kafka::KafkaSource` (`kafka`) and `sqs::SqsSource`
 //! (`sqs`, Amazon SQS standard and FIFO queues on aws-sdk-sqs: ack deletes, requeue changes the
 //! visibility timeout). With the cargo feature `lambda`, `lambda::LambdaSqs` runs AWS Lambda's SQS
-//! batches through a [`Worker`](crate::Worker) and answers each with the partial batch response.
+//! batches through a [`Worker`](crate::Worker) and answers each with the partial batch response
+//! (with `dynamodb` too, `lambda::DynamoLambdaSqs` through a DynamoDB dispatcher).
 
 use std::fmt;
 use std::time::Duration;
