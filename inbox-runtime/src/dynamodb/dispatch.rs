@@ -19,7 +19,7 @@ use crate::types::classify::{BoxError, ErrorClass};
 use crate::types::envelope::Envelope;
 use crate::types::error::{DispatchError, HandlerFailure};
 use crate::types::fingerprint::{Fingerprint, FingerprintError};
-use crate::types::json_text::{NotText, json_text};
+use crate::types::json_text::json_text;
 use crate::types::key::{IdempotencyKey, KeyError};
 use crate::types::limit::{PayloadLimit, PayloadLimitError};
 use crate::types::message::Message;
@@ -621,7 +621,7 @@ impl DynamoDispatcher {
         &self,
         envelope: &Envelope,
     ) -> Result<Vec<DynamoConsumerOutcome>, DispatchError> {
-        let (handlers, text) = self.admit(envelope)?;
+        let (handlers, text) = envelope.admit(self.max_payload_bytes, &self.routes)?;
         let mut decoded: Vec<(TypeId, Box<AnyMessage>, Fingerprint)> = Vec::with_capacity(1);
         let mut items = Vec::with_capacity(handlers.len());
         for handler in handlers {
@@ -647,54 +647,6 @@ impl DynamoDispatcher {
             outcomes.push(DynamoConsumerOutcome::of(*handler, result));
         }
         Ok(outcomes)
-    }
-
-    /// The checks before an envelope is decoded, in order: its size, its name, its handlers,
-    /// its text (as the SQL dispatcher's). Returns the handlers and the payload as text.
-    fn admit<'e>(
-        &self,
-        envelope: &'e Envelope,
-    ) -> Result<(&[&'static dyn DynDynamoHandler], &'e str), DispatchError> {
-        let size = envelope.payload_size();
-        let limit = self.max_payload_bytes.bytes();
-        if envelope.is_cut() || (size > limit && !envelope.message_name.is_empty()) {
-            return Err(DispatchError::TooLarge {
-                message_name: envelope.message_name.clone(),
-                size,
-                limit: if size > limit {
-                    limit
-                } else {
-                    envelope.payload.len()
-                },
-            });
-        }
-        if envelope.message_name.is_empty() {
-            return Err(DispatchError::NoMessageName);
-        }
-        let handlers = self
-            .routes
-            .get(envelope.message_name.as_str())
-            .ok_or_else(|| DispatchError::UnknownMessage {
-                message_name: envelope.message_name.clone(),
-            })?;
-        let text = json_text(&envelope.payload).map_err(|error| {
-            let message_name = envelope.message_name.clone();
-            let (line, column) = (error.line, error.column);
-            match error.kind {
-                NotText::NotUtf8 => DispatchError::NotUtf8 {
-                    message_name,
-                    line,
-                    column,
-                },
-                NotText::UnpairedSurrogate(escape) => DispatchError::UnpairedSurrogate {
-                    message_name,
-                    line,
-                    column,
-                    escape,
-                },
-            }
-        })?;
-        Ok((handlers, text))
     }
 
     /// Replays one `failed` or `dead` message: reads its item (`GetItem`, strongly consistent),

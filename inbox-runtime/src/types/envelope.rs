@@ -1,8 +1,10 @@
 //! Envelopes: what a source hands the dispatcher.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use crate::setters::setters;
+use crate::types::error::DispatchError;
+use crate::types::json_text::{NotText, json_text};
 use crate::types::limit::PayloadLimit;
 
 /// One delivery as the dispatcher sees it: the message's routing name, its payload bytes (JSON),
@@ -222,5 +224,62 @@ impl SourceMetadata {
         pub fn published_at(published_at: std::time::SystemTime) {
             self.published_at = Some(published_at);
         }
+    }
+}
+
+impl Envelope {
+    /// A dispatcher's checks before the payload is decoded, in order (the SQL [`Dispatcher`]'s
+    /// and the DynamoDB one's): its size against `limit`, its name, its handlers in `routes`,
+    /// its text (one Unicode rule for the whole payload: serde skips the members a message type
+    /// does not declare without decoding them, so every byte and escape is checked here, with no
+    /// copy). Returns the handlers of its name and the payload as text.
+    ///
+    /// [`Dispatcher`]: crate::Dispatcher
+    pub(crate) fn admit<'r, H>(
+        &self,
+        limit: PayloadLimit,
+        routes: &'r HashMap<&'static str, Vec<H>>,
+    ) -> Result<(&'r [H], &str), DispatchError> {
+        // A payload its source cut is never whole, whatever the limit: too large first (a
+        // source may not have read its name); a whole one once it has a name.
+        let size = self.payload_size();
+        let limit = limit.bytes();
+        if self.is_cut() || (size > limit && !self.message_name.is_empty()) {
+            return Err(DispatchError::TooLarge {
+                message_name: self.message_name.clone(),
+                size,
+                limit: if size > limit {
+                    limit
+                } else {
+                    self.payload.len()
+                },
+            });
+        }
+        if self.message_name.is_empty() {
+            return Err(DispatchError::NoMessageName);
+        }
+        let handlers = routes.get(self.message_name.as_str()).ok_or_else(|| {
+            DispatchError::UnknownMessage {
+                message_name: self.message_name.clone(),
+            }
+        })?;
+        let text = json_text(&self.payload).map_err(|error| {
+            let message_name = self.message_name.clone();
+            let (line, column) = (error.line, error.column);
+            match error.kind {
+                NotText::NotUtf8 => DispatchError::NotUtf8 {
+                    message_name,
+                    line,
+                    column,
+                },
+                NotText::UnpairedSurrogate(escape) => DispatchError::UnpairedSurrogate {
+                    message_name,
+                    line,
+                    column,
+                    escape,
+                },
+            }
+        })?;
+        Ok((handlers, text))
     }
 }

@@ -28,7 +28,6 @@ use crate::types::error::{
     DispatchError, Disposition, Error, RegistryError, ReplayError, StoreError, StoreOperation,
 };
 use crate::types::fingerprint::Fingerprint;
-use crate::types::json_text::{NotText, json_text};
 use crate::types::key::IdempotencyKey;
 use crate::types::limit::{PayloadLimit, PayloadLimitError};
 use crate::types::ordering::{GapPolicy, Ordering, ParkPolicy, ParkTimeout};
@@ -469,7 +468,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     /// # Errors
     /// As [`dispatch`](Self::dispatch), for a refused envelope.
     pub(crate) fn decode(&self, envelope: &Envelope) -> Result<Decoded, DispatchError> {
-        let (handlers, text) = self.admit(envelope)?;
+        let (handlers, text) = envelope.admit(self.max_payload_bytes, &self.routes)?;
         // Decode once per message type (consumers of one name almost always share one type).
         let mut decoded: Vec<(TypeId, Box<AnyMessage>, Fingerprint)> = Vec::with_capacity(1);
         let mut items = Vec::with_capacity(handlers.len());
@@ -489,59 +488,6 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             });
         }
         Ok(Decoded { decoded, items })
-    }
-
-    /// The checks before an envelope is decoded, in order: its size, its name, its handlers,
-    /// its text. Returns the handlers and the payload as text.
-    fn admit<'e>(
-        &self,
-        envelope: &'e Envelope,
-    ) -> Result<(&[&'static dyn DynHandler], &'e str), DispatchError> {
-        // A payload its source cut is never whole, whatever the limit: too large first (a
-        // source may not have read its name); a whole one once it has a name.
-        let size = envelope.payload_size();
-        let limit = self.max_payload_bytes.bytes();
-        if envelope.is_cut() || (size > limit && !envelope.message_name.is_empty()) {
-            return Err(DispatchError::TooLarge {
-                message_name: envelope.message_name.clone(),
-                size,
-                limit: if size > limit {
-                    limit
-                } else {
-                    envelope.payload.len()
-                },
-            });
-        }
-        if envelope.message_name.is_empty() {
-            return Err(DispatchError::NoMessageName);
-        }
-        let handlers = self
-            .routes
-            .get(envelope.message_name.as_str())
-            .ok_or_else(|| DispatchError::UnknownMessage {
-                message_name: envelope.message_name.clone(),
-            })?;
-
-        // One Unicode rule for the whole payload: serde skips the members a message type does
-        // not declare without decoding them, so check every byte and escape here (no copy).
-        let text = json_text(&envelope.payload).map_err(|error| {
-            let message_name = envelope.message_name.clone();
-            let (line, column) = (error.line, error.column);
-            match error.kind {
-                NotText::NotUtf8 => DispatchError::NotUtf8 {
-                    message_name,
-                    line,
-                    column,
-                },
-                NotText::UnpairedSurrogate(escape) => DispatchError::UnpairedSurrogate {
-                    message_name,
-                    line,
-                    column,
-                    escape,
-                },
-            }
-        })?;
-        Ok((handlers, text))
     }
 
     /// Runs one consumer of a prepared envelope in its own transaction (the single path).
