@@ -812,3 +812,75 @@ async fn change_data_capture_writes_items_already_sent_for_no_relay() {
         0
     );
 }
+
+/// Settles the dead item `message_id` as the module docs tell an operator to: back to
+/// `pending`, attempts 0, no retry time, in the index again (an item that had left it gets the
+/// sort key given; one still there keeps its place).
+async fn settle_dead(setup: &Setup, message_id: &str, sort_key: &str) {
+    setup
+        .inbox
+        .client()
+        .update_item()
+        .table_name(setup.outbox.table())
+        .key("pk", AttributeValue::S(message_id.to_owned()))
+        .update_expression(
+            "SET #status = :pending, attempts = :zero, pending_pk = :pending, \
+             pending_sk = if_not_exists(pending_sk, :sk) REMOVE next_attempt_at",
+        )
+        .condition_expression("#status = :dead")
+        .expression_attribute_names("#status", "status")
+        .expression_attribute_values(":pending", AttributeValue::S("pending".into()))
+        .expression_attribute_values(":zero", AttributeValue::N("0".into()))
+        .expression_attribute_values(":sk", AttributeValue::S(sort_key.to_owned()))
+        .expression_attribute_values(":dead", AttributeValue::S("dead".into()))
+        .send()
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_dead_item_settled_as_the_docs_say_is_published_again_with_its_id() {
+    let setup = setup().await;
+    // One without an aggregate (it left the index), one with (it stayed, blocking "b").
+    committed(&setup, &credit("s-1", "acct-1", 1), 1, None).await;
+    committed(&setup, &credit("s-2", "acct-2", 1), 2, Some("b")).await;
+    let failing = MemorySink::new().fail_when(|m: &OutgoingMessage| {
+        (m.message_id != id("s-2", 1)).then(|| SinkError::retryable("down"))
+    });
+    let relay_failing = relay(&setup.outbox, &failing).max_attempts(2);
+    let mut rounds = Vec::new();
+    for _ in 0..3 {
+        let r = relay_failing.run_once().await.unwrap();
+        rounds.push((r.leased, r.failed, r.dead));
+    }
+    assert_eq!(rounds, vec![(2, 2, 0), (2, 0, 2), (0, 0, 0)]);
+    let items = outbox_items(&setup).await;
+    assert!(!items[&id("s-1", 0)].contains_key("pending_pk"));
+    assert_eq!(text(&items[&id("s-2", 0)], "pending_pk"), "pending");
+    let place = text(&items[&id("s-2", 0)], "pending_sk");
+
+    settle_dead(
+        &setup,
+        &id("s-1", 0),
+        &format!("{:020}#00000#{}", 1, id("s-1", 0)),
+    )
+    .await;
+    settle_dead(&setup, &id("s-2", 0), "unused").await;
+    let items = outbox_items(&setup).await;
+    assert_eq!(text(&items[&id("s-2", 0)], "pending_sk"), place);
+    let sink = MemorySink::new();
+    let relay = relay(&setup.outbox, &sink).max_attempts(2);
+    let mut leased = Vec::new();
+    for _ in 0..3 {
+        leased.push(relay.run_once().await.unwrap().leased);
+    }
+    assert_eq!(leased, vec![2, 1, 0]);
+    assert_eq!(
+        published(&sink),
+        vec![
+            (id("s-1", 0), "acct-1:1:0".to_owned(), 1),
+            (id("s-2", 0), "acct-2:1:0".to_owned(), 1),
+            (id("s-2", 1), "acct-2:1:1".to_owned(), 1),
+        ]
+    );
+}

@@ -110,8 +110,21 @@
 //! * A round reads at most [`scan_limit`](DynamoRelay::scan_limit) index entries, oldest first:
 //!   more entries than that ahead of a due item (say, thousands of items of one aggregate
 //!   behind a dead one, or failing ones waiting for their backoff) keep that item from being
-//!   seen until they clear. Settle dead items (no admin API on DynamoDB yet: an `UpdateItem`
-//!   of their `status` back to `pending`, or a `DeleteItem`).
+//!   seen until they clear. Settle dead items (no admin API for the DynamoDB outbox yet):
+//!   a `DeleteItem` (never sent; the aggregate's later items go ahead), or, to send one again
+//!   with its id (as the SQL [`admin::retry`](crate::outbox::admin::retry)), the
+//!   `UpdateItem` below. Setting `status` back to `pending` alone loses the item: one without
+//!   an aggregate left the index when it went dead (no relay ever sees it again), and one
+//!   whose attempts ran out goes dead again at the next round.
+//!
+//!   ```text
+//!   UpdateItem  Key: {pk: <message id>}
+//!     UpdateExpression:    SET #status = :pending, attempts = :zero, pending_pk = :pending,
+//!                              pending_sk = if_not_exists(pending_sk, :sk) REMOVE next_attempt_at
+//!     ConditionExpression: #status = :dead
+//!     #status = status; :pending = "pending"; :dead = "dead"; :zero = 0;
+//!     :sk = "<now, epoch nanoseconds, 20 digits>#00000#<message id>"
+//!   ```
 //! * The index has one partition key value: DynamoDB's throughput per index partition (about
 //!   1000 writes per second) bounds the outbox's rate.
 //! * [`Transport::ChangeDataCapture`](crate::outbox::Transport::ChangeDataCapture): items are
