@@ -568,7 +568,8 @@ impl DynamoRelay {
     }
 
     /// How long a leased item stays with this relay before another may publish it again, and
-    /// how long a round waits for the sink ([`RoundReport::timed_out`]). Default 30 s.
+    /// how long a round waits for the sink, counted from its first lease (the leases are
+    /// taken one call at a time; [`RoundReport::timed_out`]). Default 30 s.
     ///
     /// # Errors
     /// [`RelayConfigError::LeaseOutOfRange`] below [`MIN_LEASE`](crate::outbox::MIN_LEASE)
@@ -642,6 +643,9 @@ impl DynamoRelay {
         let now = now_ms();
         let candidates = self.candidates(now, &mut report).await?;
         let token = uuid::Uuid::now_v7().to_string();
+        // Before the first lease's clock reading: the round's earliest lease runs out no sooner
+        // than a lease after this (the sink is waited for only that long).
+        let first_lease = Instant::now();
         let mut records = Vec::new();
         for candidate in candidates {
             if let Some(record) = self.take_lease(&candidate, &token, records.len()).await? {
@@ -655,7 +659,7 @@ impl DynamoRelay {
         }
         let spans: Vec<tracing::Span> = records.iter().map(|r| message_span(r, "")).collect();
         let (indices, messages, mut failures) = outgoing(&records, &spans);
-        let Some(results) = self.publish(&messages).await else {
+        let Some(results) = self.publish(&messages, first_lease).await else {
             let lease_ms = duration_ms(self.lease);
             for index in &indices {
                 report_timed_out(&records[*index], &spans[*index], lease_ms);
@@ -889,10 +893,21 @@ impl DynamoRelay {
         }
     }
 
-    /// Publishes `messages` in one sink call, waiting at most the lease (`None`: no answer).
-    async fn publish(&self, messages: &[OutgoingMessage]) -> Option<Vec<Result<(), SinkError>>> {
+    /// Publishes `messages` in one sink call, waiting at most until the round's first lease
+    /// (taken after `first_lease`) runs out: the leases are taken one call at a time, and a
+    /// sink still publishing after the first of them ran out could publish an item that another
+    /// relay has leased since. `None`: no answer in time (no call if no time is left).
+    async fn publish(
+        &self,
+        messages: &[OutgoingMessage],
+        first_lease: Instant,
+    ) -> Option<Vec<Result<(), SinkError>>> {
         if messages.is_empty() {
             return Some(Vec::new());
+        }
+        let left = self.lease.saturating_sub(first_lease.elapsed());
+        if left.is_zero() {
+            return None;
         }
         let started = Instant::now();
         let publish = self
@@ -902,7 +917,7 @@ impl DynamoRelay {
                 "inbox.outbox.sink",
                 messages = messages.len()
             ));
-        let results = tokio::time::timeout(self.lease, publish).await.ok();
+        let results = tokio::time::timeout(left, publish).await.ok();
         metrics::histogram!("inbox_outbox_sink_batch_seconds")
             .record(started.elapsed().as_secs_f64());
         results
