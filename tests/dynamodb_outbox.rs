@@ -884,3 +884,35 @@ async fn a_dead_item_settled_as_the_docs_say_is_published_again_with_its_id() {
         ]
     );
 }
+
+#[tokio::test]
+async fn a_message_id_published_twice_in_one_transaction_is_refused_at_the_second_publish() {
+    let setup = &setup().await;
+    let outbox = &setup.outbox;
+    let msg = credit("d-1", "acct-1", 1);
+    let outcome = setup
+        .inbox
+        .process(CONSUMER, &msg, |mut tx| async move {
+            let message = || OutboxMessage::raw("ledger-events", "n", "{}").message_id("dup-1");
+            let first = tx.publish(outbox, message())?;
+            let second = tx.publish(outbox, message());
+            // A derived id is not refused for an explicit one before it.
+            let derived = tx.publish(outbox, OutboxMessage::raw("ledger-events", "n", "{}"))?;
+            Ok::<_, HandlerError>((tx, (first, second.map_err(|e| e.to_string()), derived)))
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome,
+        Outcome::Processed((
+            "dup-1".to_owned(),
+            Err("outbox message id \"dup-1\" was published before".to_owned()),
+            id("d-1", 0)
+        ))
+    );
+    let items = outbox_items(setup).await;
+    assert_eq!(
+        items.keys().cloned().collect::<BTreeSet<_>>(),
+        BTreeSet::from(["dup-1".to_owned(), id("d-1", 0)])
+    );
+}

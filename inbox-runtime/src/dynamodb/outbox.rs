@@ -178,6 +178,9 @@ pub(super) struct Published {
     created_ns: Option<u128>,
     /// Per aggregate, the message id of the run's last item: the next one's `after`.
     last_of_aggregate: HashMap<String, String>,
+    /// The message ids published in this run: a second `Put` of one would make DynamoDB refuse
+    /// the whole transaction (two actions on one item), on every redelivery.
+    ids: HashSet<String>,
 }
 
 fn now_ms() -> i64 {
@@ -211,9 +214,14 @@ impl DynamoTx {
     /// submitted then). Bad input, as [`Outbox::publish`]: [`OutboxError::EmptyDestination`],
     /// [`OutboxError::UnknownDestination`], [`OutboxError::EmptyMessageName`],
     /// [`OutboxError::Serialize`], [`OutboxError::InvalidMessageId`],
-    /// [`OutboxError::InvalidHeader`], [`OutboxError::InvalidAggregate`]; and
+    /// [`OutboxError::InvalidHeader`], [`OutboxError::InvalidAggregate`];
     /// [`OutboxError::TransactionFull`] if the transaction holds [`MAX_HANDLER_ITEMS`] (99)
-    /// actions already. All are [`ErrorClass::Permanent`](crate::ErrorClass::Permanent).
+    /// actions already. All are [`ErrorClass::Permanent`](crate::ErrorClass::Permanent). And
+    /// [`OutboxError::DuplicateMessageId`] if this run published the message id already (as
+    /// the SQL stores' second insert; retryable, as there: a handler that returns it is
+    /// retried and dead-lettered after its attempts, where DynamoDB would refuse the whole
+    /// transaction, two actions on one item, on every redelivery without recording an
+    /// attempt). A refused derived id still advances the index, as on the SQL stores.
     pub fn publish(
         &mut self,
         outbox: &DynamoOutbox,
@@ -234,6 +242,9 @@ impl DynamoTx {
                 Outbox::message_id_for(&self.consumer, self.key.as_str(), index)
             }
         };
+        if !self.outbox.ids.insert(message_id.clone()) {
+            return Err(OutboxError::DuplicateMessageId { message_id });
+        }
         let now_ns = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
