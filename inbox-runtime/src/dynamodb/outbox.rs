@@ -73,7 +73,11 @@
 //!   marked sent or failed only by the relay that holds its lease. A relay that dies after the
 //!   publish and before the mark leaves the item leased: after the lease another relay publishes
 //!   it again, with the same id. An item whose leases run out unmarked
-//!   [`max_attempts`](DynamoRelay::max_attempts) times goes `dead` ("abandoned").
+//!   [`max_attempts`](DynamoRelay::max_attempts) times goes `dead` ("abandoned"). A lease's
+//!   end (`lease_until`) is the leasing relay's clock plus the lease, and other relays compare
+//!   it with their own clocks (the SQL relay uses the database's one clock): a relay whose
+//!   clock runs ahead of the leasing one's by more than the lease may publish an item still
+//!   leased (its mark then fails, as a lost lease's). Keep the relays' clocks synchronized.
 //! * **Per aggregate, one at a time**: a round walks the index in creation order and takes only
 //!   the first item it sees of each aggregate, and only if that one is due and not leased; a
 //!   `dead` item blocks its aggregate (and only it). An item with a predecessor in its own
