@@ -916,3 +916,42 @@ async fn a_message_id_published_twice_in_one_transaction_is_refused_at_the_secon
         BTreeSet::from(["dup-1".to_owned(), id("d-1", 0)])
     );
 }
+
+#[tokio::test]
+async fn an_item_whose_predecessor_the_index_does_not_show_yet_waits_for_it() {
+    let setup = setup().await;
+    let ids = committed(&setup, &credit("i-1", "acct-1", 1), 2, Some("x")).await;
+    // As a lagging index would show it: the first item not in the index yet (moto's index is
+    // always current, so take it out of the index by hand, then put it back).
+    let client = setup.inbox.client();
+    let sort_key = text(&outbox_items(&setup).await[&ids[0]], "pending_sk");
+    client
+        .update_item()
+        .table_name(setup.outbox.table())
+        .key("pk", AttributeValue::S(ids[0].clone()))
+        .update_expression("REMOVE pending_pk, pending_sk")
+        .send()
+        .await
+        .unwrap();
+    let sink = MemorySink::new();
+    let relay = relay(&setup.outbox, &sink);
+    assert_eq!(relay.run_once().await.unwrap().leased, 0);
+    assert!(sink.published().is_empty());
+    client
+        .update_item()
+        .table_name(setup.outbox.table())
+        .key("pk", AttributeValue::S(ids[0].clone()))
+        .update_expression("SET pending_pk = :pending, pending_sk = :sk")
+        .expression_attribute_values(":pending", AttributeValue::S("pending".into()))
+        .expression_attribute_values(":sk", AttributeValue::S(sort_key))
+        .send()
+        .await
+        .unwrap();
+    let mut leased = Vec::new();
+    for _ in 0..3 {
+        leased.push(relay.run_once().await.unwrap().leased);
+    }
+    assert_eq!(leased, vec![1, 1, 0]);
+    let order: Vec<String> = sink.published().into_iter().map(|m| m.message_id).collect();
+    assert_eq!(order, ids);
+}
