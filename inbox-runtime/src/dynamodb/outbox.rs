@@ -584,7 +584,8 @@ impl DynamoRelay {
 
     /// How long a leased item stays with this relay before another may publish it again, and
     /// how long a round waits for the sink, counted from its first lease (the leases are
-    /// taken one call at a time; [`RoundReport::timed_out`]). Default 30 s.
+    /// taken one call at a time, for at most half of it; [`RoundReport::timed_out`]). Default
+    /// 30 s.
     ///
     /// # Errors
     /// [`RelayConfigError::LeaseOutOfRange`] below [`MIN_LEASE`](crate::outbox::MIN_LEASE)
@@ -659,10 +660,14 @@ impl DynamoRelay {
         let candidates = self.candidates(now, &mut report).await?;
         let token = uuid::Uuid::now_v7().to_string();
         // Before the first lease's clock reading: the round's earliest lease runs out no sooner
-        // than a lease after this (the sink is waited for only that long).
+        // than a lease after this (the sink is waited for only that long). Leases are taken
+        // while at least half of it is left for the sink; the other candidates wait a round.
         let first_lease = Instant::now();
         let mut records = Vec::new();
         for candidate in candidates {
+            if first_lease.elapsed() >= self.lease / 2 {
+                break;
+            }
             if let Some(record) = self.take_lease(&candidate, &token, records.len()).await? {
                 records.push(record);
             }
