@@ -68,7 +68,9 @@
 //!   transaction, a failed attempt or a later round writes the same ids, as on the SQL stores.
 //!   The relay sends the stored id with every (re-)publish.
 //! * **Never skips**: a round reads the index by status, not from a cursor: an item committed
-//!   late is found by the first round after it shows up in the index.
+//!   late is found by the first round after it shows up in the index, if it is among the
+//!   first [`scan_limit`](DynamoRelay::scan_limit) entries (see the limits below: entries of
+//!   dead items' aggregates stay ahead of it until settled).
 //! * **Leases**: many relays may run at once; an item is published by one relay per lease, and
 //!   marked sent or failed only by the relay that holds its lease. A relay that dies after the
 //!   publish and before the mark leaves the item leased: after the lease another relay publishes
