@@ -955,3 +955,37 @@ async fn an_item_whose_predecessor_the_index_does_not_show_yet_waits_for_it() {
     let order: Vec<String> = sink.published().into_iter().map(|m| m.message_id).collect();
     assert_eq!(order, ids);
 }
+
+#[tokio::test]
+async fn a_failed_lease_call_ends_the_leasing_and_what_was_leased_is_still_published() {
+    let setup = setup().await;
+    let first = committed(&setup, &credit("e-1", "acct-1", 1), 1, None).await;
+    let damaged = committed(&setup, &credit("e-2", "acct-2", 1), 1, Some("z")).await;
+    // A predecessor link DynamoDB cannot read (an empty key): the second lease's GetItem fails.
+    setup
+        .inbox
+        .client()
+        .update_item()
+        .table_name(setup.outbox.table())
+        .key("pk", AttributeValue::S(damaged[0].clone()))
+        .update_expression("SET #after = :empty")
+        .expression_attribute_names("#after", "after")
+        .expression_attribute_values(":empty", AttributeValue::S(String::new()))
+        .send()
+        .await
+        .unwrap();
+    let sink = MemorySink::new();
+    let relay = relay(&setup.outbox, &sink);
+    let error = relay.run_once().await.unwrap_err();
+    assert_eq!(error.operation, "GetItem");
+    assert_eq!(error.table, setup.outbox.table());
+    // The item leased before the failed call went out and is marked sent.
+    assert_eq!(
+        published(&sink),
+        vec![(first[0].clone(), "acct-1:1:0".to_owned(), 1)]
+    );
+    let items = outbox_items(&setup).await;
+    assert_eq!(text(&items[&first[0]], "status"), "sent");
+    assert_eq!(text(&items[&damaged[0]], "status"), "pending");
+    assert_eq!(number(&items[&damaged[0]], "attempts"), 0);
+}

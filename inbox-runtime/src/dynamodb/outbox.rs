@@ -501,8 +501,9 @@ impl DynamoOutbox {
     }
 }
 
-/// A DynamoDB call of the [`DynamoRelay`] failed: nothing after it in the round was done (items
-/// leased and not marked are published again after their lease, with the same ids).
+/// A DynamoDB call of the [`DynamoRelay`] failed: nothing after it in the round was done but
+/// the publishing and marking of the items leased before it (items leased and not marked are
+/// published again after their lease, with the same ids).
 #[derive(Debug, thiserror::Error)]
 #[error("DynamoDB {operation} on outbox table `{table}` failed: {}", Chain(source.as_ref()))]
 pub struct OutboxCallError {
@@ -632,7 +633,10 @@ impl DynamoRelay {
     /// relay's `run_once`.
     ///
     /// # Errors
-    /// [`OutboxCallError`] of the first DynamoDB call that failed; the round stops there.
+    /// [`OutboxCallError`] of the first DynamoDB call that failed. A failed read of the index
+    /// or mark stops the round there; a failed lease (or the read of a predecessor before it)
+    /// ends the leasing: the items leased before it are published and marked first, then the
+    /// error is returned (their outcomes are in the metrics and spans, not in a report).
     /// Items leased and not marked are published again after their lease, with the same ids.
     pub async fn run_once(&self) -> Result<RoundReport, OutboxCallError> {
         let span = tracing::info_span!(
@@ -666,14 +670,41 @@ impl DynamoRelay {
         // while at least half of it is left for the sink; the other candidates wait a round.
         let first_lease = Instant::now();
         let mut records = Vec::new();
+        // A call that fails ends the leasing, not the round: the items leased before it are
+        // published and marked first (else each such round would spend an attempt of theirs,
+        // and enough of them in a row would turn them dead unpublished); then the error.
+        let mut lease_error = None;
         for candidate in candidates {
             if first_lease.elapsed() >= self.lease / 2 {
                 break;
             }
-            if let Some(record) = self.take_lease(&candidate, &token, records.len()).await? {
-                records.push(record);
+            match self.take_lease(&candidate, &token, records.len()).await {
+                Ok(Some(record)) => records.push(record),
+                Ok(None) => {}
+                Err(error) => {
+                    lease_error = Some(error);
+                    break;
+                }
             }
         }
+        let report = self
+            .publish_and_mark(report, records, &token, first_lease)
+            .await?;
+        match lease_error {
+            Some(error) => Err(error),
+            None => Ok(report),
+        }
+    }
+
+    /// Publishes the round's leased `records` (leases taken after `first_lease`) and marks
+    /// them.
+    async fn publish_and_mark(
+        &self,
+        mut report: RoundReport,
+        records: Vec<OutboxRecord>,
+        token: &str,
+        first_lease: Instant,
+    ) -> Result<RoundReport, OutboxCallError> {
         let leased_at = Instant::now();
         report.leased = records.len();
         if records.is_empty() {
@@ -699,7 +730,7 @@ impl DynamoRelay {
         }
         for index in sent {
             let record = &records[index];
-            if self.mark_sent(record, &token).await? {
+            if self.mark_sent(record, token).await? {
                 report_sent(record, &spans[index], record.age + since_lease, &mut report);
             } else {
                 lease_lost(record, &spans[index], "sent", &mut report);
@@ -710,7 +741,7 @@ impl DynamoRelay {
             let record = &records[index];
             let dead = error.is_permanent() || record.attempts >= self.max_attempts;
             let wait = retry_in(self.backoff, self.max_backoff, record.attempts);
-            if self.mark_failed(record, &token, &error, dead, wait).await? {
+            if self.mark_failed(record, token, &error, dead, wait).await? {
                 report_failed(record, &spans[index], dead, &error, wait, &mut report);
             } else {
                 lease_lost(record, &spans[index], "failed", &mut report);
