@@ -812,3 +812,180 @@ async fn change_data_capture_writes_items_already_sent_for_no_relay() {
         0
     );
 }
+
+/// Settles the dead item `message_id` as the module docs tell an operator to: back to
+/// `pending`, attempts 0, no retry time, in the index again (an item that had left it gets the
+/// sort key given; one still there keeps its place).
+async fn settle_dead(setup: &Setup, message_id: &str, sort_key: &str) {
+    setup
+        .inbox
+        .client()
+        .update_item()
+        .table_name(setup.outbox.table())
+        .key("pk", AttributeValue::S(message_id.to_owned()))
+        .update_expression(
+            "SET #status = :pending, attempts = :zero, pending_pk = :pending, \
+             pending_sk = if_not_exists(pending_sk, :sk) REMOVE next_attempt_at",
+        )
+        .condition_expression("#status = :dead")
+        .expression_attribute_names("#status", "status")
+        .expression_attribute_values(":pending", AttributeValue::S("pending".into()))
+        .expression_attribute_values(":zero", AttributeValue::N("0".into()))
+        .expression_attribute_values(":sk", AttributeValue::S(sort_key.to_owned()))
+        .expression_attribute_values(":dead", AttributeValue::S("dead".into()))
+        .send()
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_dead_item_settled_as_the_docs_say_is_published_again_with_its_id() {
+    let setup = setup().await;
+    // One without an aggregate (it left the index), one with (it stayed, blocking "b").
+    committed(&setup, &credit("s-1", "acct-1", 1), 1, None).await;
+    committed(&setup, &credit("s-2", "acct-2", 1), 2, Some("b")).await;
+    let failing = MemorySink::new().fail_when(|m: &OutgoingMessage| {
+        (m.message_id != id("s-2", 1)).then(|| SinkError::retryable("down"))
+    });
+    let relay_failing = relay(&setup.outbox, &failing).max_attempts(2);
+    let mut rounds = Vec::new();
+    for _ in 0..3 {
+        let r = relay_failing.run_once().await.unwrap();
+        rounds.push((r.leased, r.failed, r.dead));
+    }
+    assert_eq!(rounds, vec![(2, 2, 0), (2, 0, 2), (0, 0, 0)]);
+    let items = outbox_items(&setup).await;
+    assert!(!items[&id("s-1", 0)].contains_key("pending_pk"));
+    assert_eq!(text(&items[&id("s-2", 0)], "pending_pk"), "pending");
+    let place = text(&items[&id("s-2", 0)], "pending_sk");
+
+    settle_dead(
+        &setup,
+        &id("s-1", 0),
+        &format!("{:020}#00000#{}", 1, id("s-1", 0)),
+    )
+    .await;
+    settle_dead(&setup, &id("s-2", 0), "unused").await;
+    let items = outbox_items(&setup).await;
+    assert_eq!(text(&items[&id("s-2", 0)], "pending_sk"), place);
+    let sink = MemorySink::new();
+    let relay = relay(&setup.outbox, &sink).max_attempts(2);
+    let mut leased = Vec::new();
+    for _ in 0..3 {
+        leased.push(relay.run_once().await.unwrap().leased);
+    }
+    assert_eq!(leased, vec![2, 1, 0]);
+    assert_eq!(
+        published(&sink),
+        vec![
+            (id("s-1", 0), "acct-1:1:0".to_owned(), 1),
+            (id("s-2", 0), "acct-2:1:0".to_owned(), 1),
+            (id("s-2", 1), "acct-2:1:1".to_owned(), 1),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn a_message_id_published_twice_in_one_transaction_is_refused_at_the_second_publish() {
+    let setup = &setup().await;
+    let outbox = &setup.outbox;
+    let msg = credit("d-1", "acct-1", 1);
+    let outcome = setup
+        .inbox
+        .process(CONSUMER, &msg, |mut tx| async move {
+            let message = || OutboxMessage::raw("ledger-events", "n", "{}").message_id("dup-1");
+            let first = tx.publish(outbox, message())?;
+            let second = tx.publish(outbox, message());
+            // A derived id is not refused for an explicit one before it.
+            let derived = tx.publish(outbox, OutboxMessage::raw("ledger-events", "n", "{}"))?;
+            Ok::<_, HandlerError>((tx, (first, second.map_err(|e| e.to_string()), derived)))
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome,
+        Outcome::Processed((
+            "dup-1".to_owned(),
+            Err("outbox message id \"dup-1\" was published before".to_owned()),
+            id("d-1", 0)
+        ))
+    );
+    let items = outbox_items(setup).await;
+    assert_eq!(
+        items.keys().cloned().collect::<BTreeSet<_>>(),
+        BTreeSet::from(["dup-1".to_owned(), id("d-1", 0)])
+    );
+}
+
+#[tokio::test]
+async fn an_item_whose_predecessor_the_index_does_not_show_yet_waits_for_it() {
+    let setup = setup().await;
+    let ids = committed(&setup, &credit("i-1", "acct-1", 1), 2, Some("x")).await;
+    // As a lagging index would show it: the first item not in the index yet (moto's index is
+    // always current, so take it out of the index by hand, then put it back).
+    let client = setup.inbox.client();
+    let sort_key = text(&outbox_items(&setup).await[&ids[0]], "pending_sk");
+    client
+        .update_item()
+        .table_name(setup.outbox.table())
+        .key("pk", AttributeValue::S(ids[0].clone()))
+        .update_expression("REMOVE pending_pk, pending_sk")
+        .send()
+        .await
+        .unwrap();
+    let sink = MemorySink::new();
+    let relay = relay(&setup.outbox, &sink);
+    assert_eq!(relay.run_once().await.unwrap().leased, 0);
+    assert!(sink.published().is_empty());
+    client
+        .update_item()
+        .table_name(setup.outbox.table())
+        .key("pk", AttributeValue::S(ids[0].clone()))
+        .update_expression("SET pending_pk = :pending, pending_sk = :sk")
+        .expression_attribute_values(":pending", AttributeValue::S("pending".into()))
+        .expression_attribute_values(":sk", AttributeValue::S(sort_key))
+        .send()
+        .await
+        .unwrap();
+    let mut leased = Vec::new();
+    for _ in 0..3 {
+        leased.push(relay.run_once().await.unwrap().leased);
+    }
+    assert_eq!(leased, vec![1, 1, 0]);
+    let order: Vec<String> = sink.published().into_iter().map(|m| m.message_id).collect();
+    assert_eq!(order, ids);
+}
+
+#[tokio::test]
+async fn a_failed_lease_call_ends_the_leasing_and_what_was_leased_is_still_published() {
+    let setup = setup().await;
+    let first = committed(&setup, &credit("e-1", "acct-1", 1), 1, None).await;
+    let damaged = committed(&setup, &credit("e-2", "acct-2", 1), 1, Some("z")).await;
+    // A predecessor link DynamoDB cannot read (an empty key): the second lease's GetItem fails.
+    setup
+        .inbox
+        .client()
+        .update_item()
+        .table_name(setup.outbox.table())
+        .key("pk", AttributeValue::S(damaged[0].clone()))
+        .update_expression("SET #after = :empty")
+        .expression_attribute_names("#after", "after")
+        .expression_attribute_values(":empty", AttributeValue::S(String::new()))
+        .send()
+        .await
+        .unwrap();
+    let sink = MemorySink::new();
+    let relay = relay(&setup.outbox, &sink);
+    let error = relay.run_once().await.unwrap_err();
+    assert_eq!(error.operation, "GetItem");
+    assert_eq!(error.table, setup.outbox.table());
+    // The item leased before the failed call went out and is marked sent.
+    assert_eq!(
+        published(&sink),
+        vec![(first[0].clone(), "acct-1:1:0".to_owned(), 1)]
+    );
+    let items = outbox_items(&setup).await;
+    assert_eq!(text(&items[&first[0]], "status"), "sent");
+    assert_eq!(text(&items[&damaged[0]], "status"), "pending");
+    assert_eq!(number(&items[&damaged[0]], "attempts"), 0);
+}

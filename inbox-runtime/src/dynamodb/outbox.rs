@@ -68,12 +68,18 @@
 //!   transaction, a failed attempt or a later round writes the same ids, as on the SQL stores.
 //!   The relay sends the stored id with every (re-)publish.
 //! * **Never skips**: a round reads the index by status, not from a cursor: an item committed
-//!   late is found by the first round after it shows up in the index.
+//!   late is found by the first round after it shows up in the index, if it is among the
+//!   first [`scan_limit`](DynamoRelay::scan_limit) entries (see the limits below: entries of
+//!   dead items' aggregates stay ahead of it until settled).
 //! * **Leases**: many relays may run at once; an item is published by one relay per lease, and
 //!   marked sent or failed only by the relay that holds its lease. A relay that dies after the
 //!   publish and before the mark leaves the item leased: after the lease another relay publishes
 //!   it again, with the same id. An item whose leases run out unmarked
-//!   [`max_attempts`](DynamoRelay::max_attempts) times goes `dead` ("abandoned").
+//!   [`max_attempts`](DynamoRelay::max_attempts) times goes `dead` ("abandoned"). A lease's
+//!   end (`lease_until`) is the leasing relay's clock plus the lease, and other relays compare
+//!   it with their own clocks (the SQL relay uses the database's one clock): a relay whose
+//!   clock runs ahead of the leasing one's by more than the lease may publish an item still
+//!   leased (its mark then fails, as a lost lease's). Keep the relays' clocks synchronized.
 //! * **Per aggregate, one at a time**: a round walks the index in creation order and takes only
 //!   the first item it sees of each aggregate, and only if that one is due and not leased; a
 //!   `dead` item blocks its aggregate (and only it). An item with a predecessor in its own
@@ -110,8 +116,21 @@
 //! * A round reads at most [`scan_limit`](DynamoRelay::scan_limit) index entries, oldest first:
 //!   more entries than that ahead of a due item (say, thousands of items of one aggregate
 //!   behind a dead one, or failing ones waiting for their backoff) keep that item from being
-//!   seen until they clear. Settle dead items (no admin API on DynamoDB yet: an `UpdateItem`
-//!   of their `status` back to `pending`, or a `DeleteItem`).
+//!   seen until they clear. Settle dead items (no admin API for the DynamoDB outbox yet):
+//!   a `DeleteItem` (never sent; the aggregate's later items go ahead), or, to send one again
+//!   with its id (as the SQL [`admin::retry`](crate::outbox::admin::retry)), the
+//!   `UpdateItem` below. Setting `status` back to `pending` alone loses the item: one without
+//!   an aggregate left the index when it went dead (no relay ever sees it again), and one
+//!   whose attempts ran out goes dead again at the next round.
+//!
+//!   ```text
+//!   UpdateItem  Key: {pk: <message id>}
+//!     UpdateExpression:    SET #status = :pending, attempts = :zero, pending_pk = :pending,
+//!                              pending_sk = if_not_exists(pending_sk, :sk) REMOVE next_attempt_at
+//!     ConditionExpression: #status = :dead
+//!     #status = status; :pending = "pending"; :dead = "dead"; :zero = 0;
+//!     :sk = "<now, epoch nanoseconds, 20 digits>#00000#<message id>"
+//!   ```
 //! * The index has one partition key value: DynamoDB's throughput per index partition (about
 //!   1000 writes per second) bounds the outbox's rate.
 //! * [`Transport::ChangeDataCapture`](crate::outbox::Transport::ChangeDataCapture): items are
@@ -165,6 +184,9 @@ pub(super) struct Published {
     created_ns: Option<u128>,
     /// Per aggregate, the message id of the run's last item: the next one's `after`.
     last_of_aggregate: HashMap<String, String>,
+    /// The message ids published in this run: a second `Put` of one would make DynamoDB refuse
+    /// the whole transaction (two actions on one item), on every redelivery.
+    ids: HashSet<String>,
 }
 
 fn now_ms() -> i64 {
@@ -198,9 +220,14 @@ impl DynamoTx {
     /// submitted then). Bad input, as [`Outbox::publish`]: [`OutboxError::EmptyDestination`],
     /// [`OutboxError::UnknownDestination`], [`OutboxError::EmptyMessageName`],
     /// [`OutboxError::Serialize`], [`OutboxError::InvalidMessageId`],
-    /// [`OutboxError::InvalidHeader`], [`OutboxError::InvalidAggregate`]; and
+    /// [`OutboxError::InvalidHeader`], [`OutboxError::InvalidAggregate`];
     /// [`OutboxError::TransactionFull`] if the transaction holds [`MAX_HANDLER_ITEMS`] (99)
-    /// actions already. All are [`ErrorClass::Permanent`](crate::ErrorClass::Permanent).
+    /// actions already. All are [`ErrorClass::Permanent`](crate::ErrorClass::Permanent). And
+    /// [`OutboxError::DuplicateMessageId`] if this run published the message id already (as
+    /// the SQL stores' second insert; retryable, as there: a handler that returns it is
+    /// retried and dead-lettered after its attempts, where DynamoDB would refuse the whole
+    /// transaction, two actions on one item, on every redelivery without recording an
+    /// attempt). A refused derived id still advances the index, as on the SQL stores.
     pub fn publish(
         &mut self,
         outbox: &DynamoOutbox,
@@ -221,6 +248,9 @@ impl DynamoTx {
                 Outbox::message_id_for(&self.consumer, self.key.as_str(), index)
             }
         };
+        if !self.outbox.ids.insert(message_id.clone()) {
+            return Err(OutboxError::DuplicateMessageId { message_id });
+        }
         let now_ns = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
@@ -471,8 +501,9 @@ impl DynamoOutbox {
     }
 }
 
-/// A DynamoDB call of the [`DynamoRelay`] failed: nothing after it in the round was done (items
-/// leased and not marked are published again after their lease, with the same ids).
+/// A DynamoDB call of the [`DynamoRelay`] failed: nothing after it in the round was done but
+/// the publishing and marking of the items leased before it (items leased and not marked are
+/// published again after their lease, with the same ids).
 #[derive(Debug, thiserror::Error)]
 #[error("DynamoDB {operation} on outbox table `{table}` failed: {}", Chain(source.as_ref()))]
 pub struct OutboxCallError {
@@ -555,7 +586,9 @@ impl DynamoRelay {
     }
 
     /// How long a leased item stays with this relay before another may publish it again, and
-    /// how long a round waits for the sink ([`RoundReport::timed_out`]). Default 30 s.
+    /// how long a round waits for the sink, counted from its first lease (the leases are
+    /// taken one call at a time, for at most half of it; [`RoundReport::timed_out`]). Default
+    /// 30 s.
     ///
     /// # Errors
     /// [`RelayConfigError::LeaseOutOfRange`] below [`MIN_LEASE`](crate::outbox::MIN_LEASE)
@@ -600,7 +633,10 @@ impl DynamoRelay {
     /// relay's `run_once`.
     ///
     /// # Errors
-    /// [`OutboxCallError`] of the first DynamoDB call that failed; the round stops there.
+    /// [`OutboxCallError`] of the first DynamoDB call that failed. A failed read of the index
+    /// or mark stops the round there; a failed lease (or the read of a predecessor before it)
+    /// ends the leasing: the items leased before it are published and marked first, then the
+    /// error is returned (their outcomes are in the metrics and spans, not in a report).
     /// Items leased and not marked are published again after their lease, with the same ids.
     pub async fn run_once(&self) -> Result<RoundReport, OutboxCallError> {
         let span = tracing::info_span!(
@@ -629,12 +665,46 @@ impl DynamoRelay {
         let now = now_ms();
         let candidates = self.candidates(now, &mut report).await?;
         let token = uuid::Uuid::now_v7().to_string();
+        // Before the first lease's clock reading: the round's earliest lease runs out no sooner
+        // than a lease after this (the sink is waited for only that long). Leases are taken
+        // while at least half of it is left for the sink; the other candidates wait a round.
+        let first_lease = Instant::now();
         let mut records = Vec::new();
+        // A call that fails ends the leasing, not the round: the items leased before it are
+        // published and marked first (else each such round would spend an attempt of theirs,
+        // and enough of them in a row would turn them dead unpublished); then the error.
+        let mut lease_error = None;
         for candidate in candidates {
-            if let Some(record) = self.take_lease(&candidate, &token, records.len()).await? {
-                records.push(record);
+            if first_lease.elapsed() >= self.lease / 2 {
+                break;
+            }
+            match self.take_lease(&candidate, &token, records.len()).await {
+                Ok(Some(record)) => records.push(record),
+                Ok(None) => {}
+                Err(error) => {
+                    lease_error = Some(error);
+                    break;
+                }
             }
         }
+        let report = self
+            .publish_and_mark(report, records, &token, first_lease)
+            .await?;
+        match lease_error {
+            Some(error) => Err(error),
+            None => Ok(report),
+        }
+    }
+
+    /// Publishes the round's leased `records` (leases taken after `first_lease`) and marks
+    /// them.
+    async fn publish_and_mark(
+        &self,
+        mut report: RoundReport,
+        records: Vec<OutboxRecord>,
+        token: &str,
+        first_lease: Instant,
+    ) -> Result<RoundReport, OutboxCallError> {
         let leased_at = Instant::now();
         report.leased = records.len();
         if records.is_empty() {
@@ -642,7 +712,7 @@ impl DynamoRelay {
         }
         let spans: Vec<tracing::Span> = records.iter().map(|r| message_span(r, "")).collect();
         let (indices, messages, mut failures) = outgoing(&records, &spans);
-        let Some(results) = self.publish(&messages).await else {
+        let Some(results) = self.publish(&messages, first_lease).await else {
             let lease_ms = duration_ms(self.lease);
             for index in &indices {
                 report_timed_out(&records[*index], &spans[*index], lease_ms);
@@ -660,7 +730,7 @@ impl DynamoRelay {
         }
         for index in sent {
             let record = &records[index];
-            if self.mark_sent(record, &token).await? {
+            if self.mark_sent(record, token).await? {
                 report_sent(record, &spans[index], record.age + since_lease, &mut report);
             } else {
                 lease_lost(record, &spans[index], "sent", &mut report);
@@ -671,7 +741,7 @@ impl DynamoRelay {
             let record = &records[index];
             let dead = error.is_permanent() || record.attempts >= self.max_attempts;
             let wait = retry_in(self.backoff, self.max_backoff, record.attempts);
-            if self.mark_failed(record, &token, &error, dead, wait).await? {
+            if self.mark_failed(record, token, &error, dead, wait).await? {
                 report_failed(record, &spans[index], dead, &error, wait, &mut report);
             } else {
                 lease_lost(record, &spans[index], "failed", &mut report);
@@ -876,10 +946,21 @@ impl DynamoRelay {
         }
     }
 
-    /// Publishes `messages` in one sink call, waiting at most the lease (`None`: no answer).
-    async fn publish(&self, messages: &[OutgoingMessage]) -> Option<Vec<Result<(), SinkError>>> {
+    /// Publishes `messages` in one sink call, waiting at most until the round's first lease
+    /// (taken after `first_lease`) runs out: the leases are taken one call at a time, and a
+    /// sink still publishing after the first of them ran out could publish an item that another
+    /// relay has leased since. `None`: no answer in time (no call if no time is left).
+    async fn publish(
+        &self,
+        messages: &[OutgoingMessage],
+        first_lease: Instant,
+    ) -> Option<Vec<Result<(), SinkError>>> {
         if messages.is_empty() {
             return Some(Vec::new());
+        }
+        let left = self.lease.saturating_sub(first_lease.elapsed());
+        if left.is_zero() {
+            return None;
         }
         let started = Instant::now();
         let publish = self
@@ -889,7 +970,7 @@ impl DynamoRelay {
                 "inbox.outbox.sink",
                 messages = messages.len()
             ));
-        let results = tokio::time::timeout(self.lease, publish).await.ok();
+        let results = tokio::time::timeout(left, publish).await.ok();
         metrics::histogram!("inbox_outbox_sink_batch_seconds")
             .record(started.elapsed().as_secs_f64());
         results

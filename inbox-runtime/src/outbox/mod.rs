@@ -538,7 +538,9 @@ pub enum OutboxError {
         reason: String,
     },
     /// A row with this message id is in the outbox already (nothing written; the transaction
-    /// stays usable).
+    /// stays usable). On DynamoDB (`inbox_runtime::dynamodb::DynamoTx::publish`): this run of
+    /// the delivery published the message id already (an item stored before fails the
+    /// transaction as a condition instead, at submit).
     #[error("outbox message id {message_id:?} was published before")]
     DuplicateMessageId {
         /// The message id.
