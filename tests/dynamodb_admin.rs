@@ -745,7 +745,7 @@ async fn the_command_line_on_dynamodb() {
         cli_run(&inbox, &["dead", "discard", "ledger", "m2"])
             .await
             .unwrap(),
-        "ledger/m2: discarded (its key keeps blocking redeliveries until the retention purge)\n"
+        "ledger/m2: discarded (its key keeps blocking redeliveries for a retention window, then TTL deletes it)\n"
     );
     assert_eq!(
         cli_run(&inbox, &["stats"]).await.unwrap(),

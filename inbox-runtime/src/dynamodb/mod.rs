@@ -979,11 +979,7 @@ impl DynamoInbox {
         } = *delivery;
         let result = self.run(delivery, classify, handler).await;
         let outcome = match &result {
-            Ok(Outcome::Processed(_)) => "processed",
-            Ok(Outcome::Duplicate) => "duplicate",
-            Ok(Outcome::Dead) => "dead",
-            Ok(Outcome::NotYet { .. }) => "not_yet",
-            Ok(_) => "other",
+            Ok(outcome) => outcome.kind(),
             Err(DynamoError::Conflict(_)) => "conflict",
             Err(DynamoError::Handler(_)) => "failed",
             Err(_) => "error",

@@ -138,7 +138,7 @@ pub async fn execute_to(
             }
             writeln!(
                 out,
-                "{}/{}: discarded (its key keeps blocking redeliveries until the retention purge)",
+                "{}/{}: discarded (its key keeps blocking redeliveries for a retention window, then TTL deletes it)",
                 message.consumer, message.key
             )?;
         }
