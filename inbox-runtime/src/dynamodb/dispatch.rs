@@ -14,7 +14,7 @@ use std::fmt;
 
 use super::{AdminError, DynamoError, DynamoInbox, DynamoTx, Failed, Mode};
 use crate::BoxFuture;
-use crate::protocol::erased::AnyMessage;
+use crate::protocol::erased::{AnyMessage, DecodedMessages, decode_once};
 use crate::types::classify::{BoxError, ErrorClass};
 use crate::types::envelope::Envelope;
 use crate::types::error::{DispatchError, HandlerFailure};
@@ -622,10 +622,17 @@ impl DynamoDispatcher {
         envelope: &Envelope,
     ) -> Result<Vec<DynamoConsumerOutcome>, DispatchError> {
         let (handlers, text) = envelope.admit(self.max_payload_bytes, &self.routes)?;
-        let mut decoded: Vec<(TypeId, Box<AnyMessage>, Fingerprint)> = Vec::with_capacity(1);
+        let mut decoded: DecodedMessages = Vec::with_capacity(1);
         let mut items = Vec::with_capacity(handlers.len());
         for handler in handlers {
-            let index = decode_once(*handler, envelope, text, &mut decoded)?;
+            let index = decode_once(
+                handler.message_type(),
+                |text| handler.decode(text),
+                |msg| handler.fingerprint(msg),
+                envelope,
+                text,
+                &mut decoded,
+            )?;
             let key = handler
                 .key(&*decoded[index].1)
                 .map_err(|source| DispatchError::Key {
@@ -736,36 +743,4 @@ impl DynamoDispatcher {
         let result = handler.invoke(&self.inbox, &*msg, run).await;
         Ok(DynamoConsumerOutcome::of(handler, result))
     }
-}
-
-/// The index in `decoded` of the message of `handler`'s type: decoded from `text` (and
-/// fingerprinted) if no consumer before it has this type.
-fn decode_once(
-    handler: &'static dyn DynDynamoHandler,
-    envelope: &Envelope,
-    text: &str,
-    decoded: &mut Vec<(TypeId, Box<AnyMessage>, Fingerprint)>,
-) -> Result<usize, DispatchError> {
-    if let Some(index) = decoded
-        .iter()
-        .position(|(ty, ..)| *ty == handler.message_type())
-    {
-        return Ok(index);
-    }
-    let msg = handler
-        .decode(text)
-        .map_err(|source| DispatchError::Decode {
-            message_name: envelope.message_name.clone(),
-            line: source.line(),
-            column: source.column(),
-            source,
-        })?;
-    let fingerprint = handler
-        .fingerprint(&*msg)
-        .map_err(|source| DispatchError::Fingerprint {
-            message_name: envelope.message_name.clone(),
-            source,
-        })?;
-    decoded.push((handler.message_type(), msg, fingerprint));
-    Ok(decoded.len() - 1)
 }

@@ -6,7 +6,8 @@ use super::single::{AttemptPlan, Handler, run_delivery};
 use crate::BoxFuture;
 use crate::store::{AnyConnection, Backend, InboxConnection};
 use crate::types::classify::{BoxError, ErrorClass};
-use crate::types::error::Error;
+use crate::types::envelope::Envelope;
+use crate::types::error::{DispatchError, Error};
 use crate::types::fingerprint::{Fingerprint, FingerprintError};
 use crate::types::key::{IdempotencyKey, KeyError};
 use crate::types::message::Message;
@@ -15,6 +16,38 @@ use crate::types::outcome::Outcome;
 
 /// A decoded message of any type.
 pub(crate) type AnyMessage = dyn Any + Send + Sync;
+
+/// The messages of one envelope decoded so far: one per message type among its consumers, with
+/// its fingerprint.
+pub(crate) type DecodedMessages = Vec<(TypeId, Box<AnyMessage>, Fingerprint)>;
+
+/// The index in `decoded` of the message of type `message_type` (a consumer's handler): decoded
+/// from `text` with `decode` and fingerprinted with `fingerprint` if no consumer before it has
+/// this type (the SQL and the DynamoDB dispatcher both decode a payload once per type).
+pub(crate) fn decode_once(
+    message_type: TypeId,
+    decode: impl FnOnce(&str) -> Result<Box<AnyMessage>, serde_json::Error>,
+    fingerprint: impl FnOnce(&AnyMessage) -> Result<Fingerprint, FingerprintError>,
+    envelope: &Envelope,
+    text: &str,
+    decoded: &mut DecodedMessages,
+) -> Result<usize, DispatchError> {
+    if let Some(index) = decoded.iter().position(|(ty, ..)| *ty == message_type) {
+        return Ok(index);
+    }
+    let msg = decode(text).map_err(|source| DispatchError::Decode {
+        message_name: envelope.message_name.clone(),
+        line: source.line(),
+        column: source.column(),
+        source,
+    })?;
+    let fingerprint = fingerprint(&*msg).map_err(|source| DispatchError::Fingerprint {
+        message_name: envelope.message_name.clone(),
+        source,
+    })?;
+    decoded.push((message_type, msg, fingerprint));
+    Ok(decoded.len() - 1)
+}
 
 /// A handler with its types erased, as the dispatcher drives it.
 #[doc(hidden)]

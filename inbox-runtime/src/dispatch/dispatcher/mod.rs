@@ -3,7 +3,6 @@
 
 mod batch;
 
-use std::any::TypeId;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::sync::Arc;
@@ -13,7 +12,7 @@ use sqlx::Pool;
 use crate::cache::{CacheLayer, DedupeCache, Fill};
 use crate::dispatch::registry::{HandlerInfo, Registration, info};
 use crate::ops::admin::Retention;
-use crate::protocol::erased::{AnyMessage, DynHandler};
+use crate::protocol::erased::{AnyMessage, DecodedMessages, DynHandler, decode_once};
 use crate::protocol::hooks::{HookRunner, Hooks, TransactionHook};
 use crate::protocol::park::{Routes, apply_parked_successors, run_stored};
 use crate::protocol::single::AttemptPlan;
@@ -470,10 +469,17 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     pub(crate) fn decode(&self, envelope: &Envelope) -> Result<Decoded, DispatchError> {
         let (handlers, text) = envelope.admit(self.max_payload_bytes, &self.routes)?;
         // Decode once per message type (consumers of one name almost always share one type).
-        let mut decoded: Vec<(TypeId, Box<AnyMessage>, Fingerprint)> = Vec::with_capacity(1);
+        let mut decoded: DecodedMessages = Vec::with_capacity(1);
         let mut items = Vec::with_capacity(handlers.len());
         for handler in handlers {
-            let index = decode_once(*handler, envelope, text, &mut decoded)?;
+            let index = decode_once(
+                handler.message_type(),
+                |text| handler.decode(text),
+                |msg| handler.fingerprint(msg),
+                envelope,
+                text,
+                &mut decoded,
+            )?;
             let key_error = |source| DispatchError::Key {
                 consumer: handler.consumer(),
                 source,
@@ -879,43 +885,11 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     }
 }
 
-/// The index in `decoded` of the message of `handler`'s type: decoded from `text` (and
-/// fingerprinted) if no consumer before it has this type.
-fn decode_once(
-    handler: &'static dyn DynHandler,
-    envelope: &Envelope,
-    text: &str,
-    decoded: &mut Vec<(TypeId, Box<AnyMessage>, Fingerprint)>,
-) -> Result<usize, DispatchError> {
-    if let Some(index) = decoded
-        .iter()
-        .position(|(ty, ..)| *ty == handler.message_type())
-    {
-        return Ok(index);
-    }
-    let msg = handler
-        .decode(text)
-        .map_err(|source| DispatchError::Decode {
-            message_name: envelope.message_name.clone(),
-            line: source.line(),
-            column: source.column(),
-            source,
-        })?;
-    let fingerprint = handler
-        .fingerprint(&*msg)
-        .map_err(|source| DispatchError::Fingerprint {
-            message_name: envelope.message_name.clone(),
-            source,
-        })?;
-    decoded.push((handler.message_type(), msg, fingerprint));
-    Ok(decoded.len() - 1)
-}
-
 /// An envelope decoded and keyed for each of its consumers, apart from the envelope (see
 /// [`Dispatcher::decode`]).
 pub(crate) struct Decoded {
     /// One decoded message (and its fingerprint) per message type.
-    decoded: Vec<(TypeId, Box<AnyMessage>, Fingerprint)>,
+    decoded: DecodedMessages,
     /// One item per consumer, in consumer order.
     items: Vec<PreparedItem>,
 }
@@ -946,7 +920,7 @@ impl Decoded {
 pub(crate) struct Prepared<'e> {
     pub(crate) envelope: &'e Envelope,
     /// One decoded message (and its fingerprint) per message type.
-    pub(crate) decoded: Vec<(TypeId, Box<AnyMessage>, Fingerprint)>,
+    pub(crate) decoded: DecodedMessages,
     /// One item per consumer, in consumer order.
     pub(crate) items: Vec<PreparedItem>,
     lag: Option<std::time::Duration>,
