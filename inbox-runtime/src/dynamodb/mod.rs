@@ -815,7 +815,7 @@ impl DynamoInbox {
             operation,
             source,
         };
-        let created = self
+        let create = self
             .client
             .create_table()
             .table_name(&self.table)
@@ -836,49 +836,9 @@ impl DynamoInbox {
             )
             .attribute_definitions(admin::index_attribute_definitions().0)
             .attribute_definitions(admin::index_attribute_definitions().1)
-            .global_secondary_indexes(admin::dead_letter_index())
-            .send()
-            .await;
-        if let Err(e) = created {
-            let exists = e
-                .as_service_error()
-                .is_some_and(|e| e.is_resource_in_use_exception());
-            if !exists {
-                return Err(error("CreateTable", e.into()));
-            }
-        }
-        // The SDK's waiter polls `DescribeTable` until the table is ACTIVE (at most 2 minutes).
-        let described = self
-            .client
-            .wait_until_table_exists()
-            .table_name(&self.table)
-            .wait(Duration::from_secs(120))
-            .await
-            .map_err(|e| error("DescribeTable", e.into()))?
-            .into_result()
-            .map_err(|e| error("DescribeTable", e.into()))?;
-        let Some(table) = described.table() else {
-            return Err(error("DescribeTable", "no table in the answer".into()));
-        };
-        let schema = table.key_schema();
-        if schema.len() != 1 || schema[0].attribute_name() != "pk" {
-            return Err(error(
-                "DescribeTable",
-                format!("the table's key schema is {schema:?}, not `pk` alone").into(),
-            ));
-        }
-        let pk_type = table
-            .attribute_definitions()
-            .iter()
-            .find(|d| d.attribute_name() == "pk")
-            .map(|d| d.attribute_type().clone());
-        if pk_type != Some(ScalarAttributeType::S) {
-            let shown = pk_type.map_or_else(|| "unknown".to_owned(), |t| t.as_str().to_owned());
-            return Err(error(
-                "DescribeTable",
-                format!("the table's partition key `pk` is of type {shown}, not S (string)").into(),
-            ));
-        }
+            .global_secondary_indexes(admin::dead_letter_index());
+        let table = create_pk_table(&self.client, &self.table, create).await?;
+        let table = &table;
         self.ensure_dead_letter_index(table).await?;
         ensure_ttl(&self.client, &self.table).await
     }
@@ -1438,6 +1398,65 @@ impl DynamoInbox {
             }
         }
     }
+}
+
+/// Sends `create` (a `CreateTable` of `table` keyed by `pk` alone; a table that exists already
+/// is not an error), waits until the table is `ACTIVE` (the SDK's waiter polls `DescribeTable`,
+/// at most 2 minutes) and checks that its key schema is `pk` (string) alone: what the inbox's
+/// and the outbox's `ensure_table` share. Returns the table's description.
+///
+/// # Errors
+/// [`TableError`] if a call fails, the table is not `ACTIVE` after 2 minutes, or its key schema
+/// is another.
+async fn create_pk_table(
+    client: &Client,
+    table: &str,
+    create: aws_sdk_dynamodb::operation::create_table::builders::CreateTableFluentBuilder,
+) -> Result<aws_sdk_dynamodb::types::TableDescription, TableError> {
+    let error = |operation: &'static str, source: BoxError| TableError {
+        table: table.to_owned(),
+        operation,
+        source,
+    };
+    if let Err(e) = create.send().await {
+        let exists = e
+            .as_service_error()
+            .is_some_and(|e| e.is_resource_in_use_exception());
+        if !exists {
+            return Err(error("CreateTable", e.into()));
+        }
+    }
+    let described = client
+        .wait_until_table_exists()
+        .table_name(table)
+        .wait(Duration::from_secs(120))
+        .await
+        .map_err(|e| error("DescribeTable", e.into()))?
+        .into_result()
+        .map_err(|e| error("DescribeTable", e.into()))?;
+    let Some(description) = described.table() else {
+        return Err(error("DescribeTable", "no table in the answer".into()));
+    };
+    let schema = description.key_schema();
+    if schema.len() != 1 || schema[0].attribute_name() != "pk" {
+        return Err(error(
+            "DescribeTable",
+            format!("the table's key schema is {schema:?}, not `pk` alone").into(),
+        ));
+    }
+    let pk_type = description
+        .attribute_definitions()
+        .iter()
+        .find(|d| d.attribute_name() == "pk")
+        .map(|d| d.attribute_type().clone());
+    if pk_type != Some(ScalarAttributeType::S) {
+        let shown = pk_type.map_or_else(|| "unknown".to_owned(), |t| t.as_str().to_owned());
+        return Err(error(
+            "DescribeTable",
+            format!("the table's partition key `pk` is of type {shown}, not S (string)").into(),
+        ));
+    }
+    Ok(description.clone())
 }
 
 /// Enables DynamoDB's TTL on [`TTL_ATTRIBUTE`] of `table` unless it is enabled (or being

@@ -142,7 +142,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use aws_sdk_dynamodb::Client;
-use aws_sdk_dynamodb::client::Waiters as _;
 use aws_sdk_dynamodb::primitives::Blob;
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, AttributeValue, BillingMode, GlobalSecondaryIndex, KeySchemaElement,
@@ -152,7 +151,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
 use super::{
-    Chain, DynamoTx, MAX_HANDLER_ITEMS, TTL_ATTRIBUTE, TableError, duration_ms, ensure_ttl, n, s,
+    Chain, DynamoTx, MAX_HANDLER_ITEMS, TTL_ATTRIBUTE, TableError, create_pk_table, duration_ms,
+    ensure_ttl, n, s,
 };
 use crate::outbox::relay::{
     check_lease, lease_lost, message_span, one_per_message, outgoing, report_abandoned,
@@ -448,7 +448,7 @@ impl DynamoOutbox {
             )
             .build()
             .map_err(|e| error("CreateTable", e.into()))?;
-        let created = self
+        let create = self
             .client
             .create_table()
             .table_name(&self.table)
@@ -457,36 +457,8 @@ impl DynamoOutbox {
             .attribute_definitions(string("pending_pk")?)
             .attribute_definitions(string("pending_sk")?)
             .key_schema(key("pk", KeyType::Hash)?)
-            .global_secondary_indexes(index)
-            .send()
-            .await;
-        if let Err(e) = created {
-            let exists = e
-                .as_service_error()
-                .is_some_and(|e| e.is_resource_in_use_exception());
-            if !exists {
-                return Err(error("CreateTable", e.into()));
-            }
-        }
-        let described = self
-            .client
-            .wait_until_table_exists()
-            .table_name(&self.table)
-            .wait(Duration::from_secs(120))
-            .await
-            .map_err(|e| error("DescribeTable", e.into()))?
-            .into_result()
-            .map_err(|e| error("DescribeTable", e.into()))?;
-        let Some(table) = described.table() else {
-            return Err(error("DescribeTable", "no table in the answer".into()));
-        };
-        let schema = table.key_schema();
-        if schema.len() != 1 || schema[0].attribute_name() != "pk" {
-            return Err(error(
-                "DescribeTable",
-                format!("the table's key schema is {schema:?}, not `pk` alone").into(),
-            ));
-        }
+            .global_secondary_indexes(index);
+        let table = create_pk_table(&self.client, &self.table, create).await?;
         let indexed = table
             .global_secondary_indexes()
             .iter()
