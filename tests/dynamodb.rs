@@ -7,6 +7,7 @@
 //!
 //! Each test has tables of its own (a fresh name), so they run side by side.
 
+use inbox_tests::dynamo::endpoint;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -61,15 +62,6 @@ impl Classify for TestError {
 
 type Result2<T> = Result<Outcome<T>, DynamoError<TestError>>;
 
-fn endpoint() -> String {
-    std::env::var("DYNAMODB_ENDPOINT").unwrap_or_else(|_| {
-        panic!(
-            "DYNAMODB_ENDPOINT is not set: start the serial moto server with \
-             `eval \"$(scripts/sqs.sh start)\"` (scripts/test.sh does)"
-        )
-    })
-}
-
 /// The runtime's client with long timeouts (120 s an attempt): moto answers one request at a
 /// time, so a storm's queue (or a busy CI machine) can hold an answer past the runtime's 10 s. A
 /// timed-out commit is resent by the SDK, and moto, which ignores client request tokens, answers
@@ -102,30 +94,7 @@ async fn setup(policy: RetryPolicy) -> (DynamoInbox, String) {
     // Twice: idempotent.
     inbox.ensure_table().await.expect("inbox table again");
     let counters = format!("counters_{suffix}");
-    use inbox_runtime::dynamodb::sdk::types::{
-        AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType,
-    };
-    client
-        .create_table()
-        .table_name(&counters)
-        .billing_mode(BillingMode::PayPerRequest)
-        .attribute_definitions(
-            AttributeDefinition::builder()
-                .attribute_name("id")
-                .attribute_type(ScalarAttributeType::S)
-                .build()
-                .unwrap(),
-        )
-        .key_schema(
-            KeySchemaElement::builder()
-                .attribute_name("id")
-                .key_type(KeyType::Hash)
-                .build()
-                .unwrap(),
-        )
-        .send()
-        .await
-        .expect("counters table");
+    inbox_tests::dynamo::create_id_table(&client, &counters).await;
     (inbox, counters)
 }
 
@@ -1192,10 +1161,10 @@ async fn ninety_nine_actions_and_the_claim_commit() {
 #[tokio::test]
 async fn foreign_key_types_and_attempt_counts_are_named() {
     let (inbox, counters) = setup(RetryPolicy::default()).await;
+    let numeric = format!("{}_numeric", inbox.table());
     use inbox_runtime::dynamodb::sdk::types::{
         AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType,
     };
-    let numeric = format!("{}_numeric", inbox.table());
     inbox
         .client()
         .create_table()

@@ -9,6 +9,7 @@
 //! the other, and their keys sort in that order, so that the expected order holds even when
 //! two are received in the same millisecond (ties sort by consumer, then key, as on SQL).
 
+use inbox_tests::dynamo::endpoint;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -62,15 +63,6 @@ impl Classify for TestError {
             _ => ErrorClass::Retryable,
         }
     }
-}
-
-fn endpoint() -> String {
-    std::env::var("DYNAMODB_ENDPOINT").unwrap_or_else(|_| {
-        panic!(
-            "DYNAMODB_ENDPOINT is not set: start the serial moto server with \
-             `eval \"$(scripts/sqs.sh start)\"` (scripts/test.sh does)"
-        )
-    })
 }
 
 fn suffix() -> String {

@@ -8,6 +8,7 @@
 //! one accounts table shared by the binary (the handlers are plain functions: they name it
 //! through [`ACCOUNTS`]).
 
+use inbox_tests::dynamo::endpoint;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -135,15 +136,6 @@ async fn apply_ordered(_tx: &mut DynamoTx, msg: Ordered) -> Result<(), TestError
     unreachable!("{} {}", msg.order_id, msg.seq)
 }
 
-fn endpoint() -> String {
-    std::env::var("DYNAMODB_ENDPOINT").unwrap_or_else(|_| {
-        panic!(
-            "DYNAMODB_ENDPOINT is not set: start the serial moto server with \
-             `eval \"$(scripts/sqs.sh start)\"` (scripts/test.sh does)"
-        )
-    })
-}
-
 fn fresh(prefix: &str) -> String {
     format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
 }
@@ -153,31 +145,8 @@ async fn setup() -> DynamoInbox {
     let client = dynamodb::client(Some(&endpoint())).await;
     ACCOUNTS
         .get_or_init(|| async {
-            use inbox_runtime::dynamodb::sdk::types::{
-                AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType,
-            };
             let name = format!("accounts_{}", uuid::Uuid::new_v4().simple());
-            client
-                .create_table()
-                .table_name(&name)
-                .billing_mode(BillingMode::PayPerRequest)
-                .attribute_definitions(
-                    AttributeDefinition::builder()
-                        .attribute_name("id")
-                        .attribute_type(ScalarAttributeType::S)
-                        .build()
-                        .unwrap(),
-                )
-                .key_schema(
-                    KeySchemaElement::builder()
-                        .attribute_name("id")
-                        .key_type(KeyType::Hash)
-                        .build()
-                        .unwrap(),
-                )
-                .send()
-                .await
-                .expect("accounts table");
+            inbox_tests::dynamo::create_id_table(&client, &name).await;
             name
         })
         .await;

@@ -23,6 +23,7 @@
 #[path = "ledger_support.rs"]
 mod support;
 
+use inbox_tests::dynamo::endpoint;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
@@ -37,15 +38,6 @@ use support::{ChildGuard, ledger_dynamodb_bin, sample, tail, wait_ledger};
 const HEAD_LINES: usize = 100;
 /// The first lines of the sample in the drill's stream.
 const DRILL_HEAD_LINES: usize = 150;
-
-fn endpoint() -> String {
-    std::env::var("DYNAMODB_ENDPOINT").unwrap_or_else(|_| {
-        panic!(
-            "DYNAMODB_ENDPOINT is not set: start the serial moto server with \
-             `eval \"$(scripts/sqs.sh start)\"` (scripts/test.sh does)"
-        )
-    })
-}
 
 /// A payment as the demo decodes it (field order as the demo's messages, for the fingerprint).
 #[derive(serde::Serialize, serde::Deserialize)]

@@ -5,6 +5,7 @@
 //!
 //! Each test has tables of its own (a fresh name), so they run side by side.
 
+use inbox_tests::dynamo::endpoint;
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
@@ -60,15 +61,6 @@ struct Setup {
     counters: String,
 }
 
-fn endpoint() -> String {
-    std::env::var("DYNAMODB_ENDPOINT").unwrap_or_else(|_| {
-        panic!(
-            "DYNAMODB_ENDPOINT is not set: start the serial moto server with \
-             `eval \"$(scripts/sqs.sh start)\"` (scripts/test.sh does)"
-        )
-    })
-}
-
 /// Fresh inbox, outbox and counters tables on the test server.
 async fn setup() -> Setup {
     let client = dynamodb::client(Some(&endpoint())).await;
@@ -81,30 +73,7 @@ async fn setup() -> Setup {
     // Twice: idempotent.
     outbox.ensure_table().await.expect("outbox table again");
     let counters = format!("counters_{suffix}");
-    use inbox_runtime::dynamodb::sdk::types::{
-        AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType,
-    };
-    client
-        .create_table()
-        .table_name(&counters)
-        .billing_mode(BillingMode::PayPerRequest)
-        .attribute_definitions(
-            AttributeDefinition::builder()
-                .attribute_name("id")
-                .attribute_type(ScalarAttributeType::S)
-                .build()
-                .unwrap(),
-        )
-        .key_schema(
-            KeySchemaElement::builder()
-                .attribute_name("id")
-                .key_type(KeyType::Hash)
-                .build()
-                .unwrap(),
-        )
-        .send()
-        .await
-        .expect("counters table");
+    inbox_tests::dynamo::create_id_table(&client, &counters).await;
     Setup {
         inbox,
         outbox,
