@@ -32,6 +32,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# No incremental compilation state: this command builds each crate once, and that state for ~70
+# test binaries takes gigabytes of disk the run never reads again (CI once ran out of disk with it).
+# Developers who rerun the tests may keep it with CARGO_INCREMENTAL=1.
+export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
+
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/inbox-test.XXXXXX")
 LOG=$WORK/cargo.log
 mkdir "$WORK/tmp"
