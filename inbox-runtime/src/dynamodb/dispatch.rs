@@ -572,6 +572,11 @@ impl DynamoDispatcher {
         self.max_payload_bytes.bytes()
     }
 
+    /// The payload limit, for a source ([`Source::set_payload_limit`](crate::source::Source::set_payload_limit)).
+    pub(crate) fn payload_limit(&self) -> PayloadLimit {
+        self.max_payload_bytes
+    }
+
     /// The inbox the handlers run on.
     pub fn inbox(&self) -> &DynamoInbox {
         &self.inbox

@@ -191,6 +191,7 @@ mod admin;
 pub(crate) mod dispatch;
 pub mod outbox;
 mod size;
+mod worker;
 
 pub use admin::{AdminError, DEAD_LETTER_ATTRIBUTE, DEAD_LETTER_INDEX, DynamoAdmin, INDEX_WAIT};
 pub use dispatch::{
@@ -230,6 +231,7 @@ use crate::types::policy::RetryPolicy;
 /// the [`sdk::Client`].
 pub use aws_sdk_dynamodb as sdk;
 pub use outbox::{DynamoOutbox, DynamoRelay, OutboxCallError, PENDING_INDEX};
+pub use worker::{DynamoWorker, dynamo_settlement_for};
 
 /// The most actions a handler may add to one [`DynamoTx`]: 99 (DynamoDB's 100 per
 /// `TransactWriteItems`, less the claim).

@@ -18,14 +18,16 @@
 
 mod batching;
 mod drain;
+pub(crate) mod ending;
+pub(crate) mod keys;
 mod poll;
 mod ready;
 mod report;
 mod run;
-mod settle;
+pub(crate) mod settle;
 mod signal;
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,7 +36,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::dispatch::dispatcher::Dispatcher;
 use crate::setters::setters;
-use crate::source::{Delivery, Source, SourceError};
+#[cfg(doc)]
+use crate::source::Delivery;
+use crate::source::{Source, SourceError};
 use crate::store::InboxDatabase;
 use crate::types::envelope::Envelope;
 use crate::types::slot::ConnectionSlot;
@@ -128,7 +132,7 @@ impl std::fmt::Debug for PartitionFn {
 pub const DEFAULT_BATCH_SIZE: usize = 100;
 
 /// `at + after`, or a year after `at` if that overflows (`Duration::MAX` means "never").
-fn later(at: Instant, after: Duration) -> Instant {
+pub(crate) fn later(at: Instant, after: Duration) -> Instant {
     at.checked_add(after).unwrap_or_else(|| at + FAR)
 }
 
@@ -211,21 +215,10 @@ struct Loop<'w, DB: InboxDatabase> {
     /// The most deliveries fetched and not yet settled: one per transaction in flight, or
     /// (batching) full batches in flight and one more batch ready.
     fetch_bound: usize,
-    /// Deliveries waiting for an earlier one of their ordering key.
-    waiting: HashMap<String, VecDeque<Delivery>>,
-    /// The ordering keys of deliveries running or waiting.
-    busy: HashSet<String>,
-    /// Why the loop stops (it stops fetching at once, and ends when nothing runs).
-    stop: Option<StopReason>,
-    /// The source's error, if it failed.
-    failure: Option<SourceError>,
-    /// After shutdown: when running deliveries are abandoned.
-    drain_deadline: Option<Instant>,
-    /// After a source failure: when running deliveries are abandoned (shutdown's deadline, if
-    /// earlier, wins).
-    failed_deadline: Option<Instant>,
-    /// When a delivery last arrived or a task last ended.
-    last_activity: Instant,
+    /// Ordering keys busy, and the deliveries waiting for an earlier one of their key.
+    keys: keys::KeyQueues,
+    /// Why and when the run stops, and when something last happened.
+    end: ending::Ending,
     /// Whether the timer that gives idle kept connections back to the pool is set.
     release_armed: bool,
 }
@@ -242,13 +235,8 @@ impl<'w, DB: InboxDatabase> Loop<'w, DB> {
             running: Running::new(worker),
             in_flight: 0,
             fetch_bound,
-            waiting: HashMap::new(),
-            busy: HashSet::new(),
-            stop: None,
-            failure: None,
-            drain_deadline: None,
-            failed_deadline: None,
-            last_activity: Instant::now(),
+            keys: keys::KeyQueues::default(),
+            end: ending::Ending::new(worker.drain_timeout, worker.idle),
             release_armed: false,
         }
     }

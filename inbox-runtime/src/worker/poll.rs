@@ -2,7 +2,6 @@
 //! then waits for whichever comes first: shutdown, the drain deadline, a task's end, a delivery
 //! from the source, idleness, a batch's linger, or a kept connection gone idle.
 
-use std::collections::VecDeque;
 use std::pin::Pin;
 
 use tokio::time::{Instant, Sleep};
@@ -13,7 +12,7 @@ use crate::store::InboxDatabase;
 use crate::types::slot::ConnectionSlot;
 
 use super::run::Done;
-use super::{FAR, Loop, SLOT_IDLE, StopReason, later};
+use super::{Loop, SLOT_IDLE, StopReason, later};
 
 impl<DB: InboxDatabase> Loop<'_, DB> {
     /// Runs the loop until it stops: the source is exhausted or failed, the worker is idle, or
@@ -27,20 +26,20 @@ impl<DB: InboxDatabase> Loop<'_, DB> {
         loop {
             self.start_ready();
             let can_batch = self.running.can_start_batch(worker);
-            if self.stop.is_some() && self.running.tasks.is_empty() {
+            if self.end.stop.is_some() && self.running.tasks.is_empty() {
                 break;
             }
             let batch_at = self.running.batch_at(worker);
             self.arm_release(release_timer.as_mut());
-            let can_fetch = self.stop.is_none() && self.in_flight < self.fetch_bound;
-            let abandon_at = self.abandon_at();
-            let idle_at = self.idle_at();
-            let never = self.last_activity + FAR;
+            let can_fetch = self.end.stop.is_none() && self.in_flight < self.fetch_bound;
+            let abandon_at = self.end.abandon_at();
+            let idle_at = self.end.idle_at(self.in_flight);
+            let never = self.end.never();
             tokio::select! {
                 biased;
                 // Also after the source ended (exhausted, failed): running deliveries then get
                 // the drain timeout too.
-                () = &mut cancelled, if self.drain_deadline.is_none() => {
+                () = &mut cancelled, if self.end.drain_deadline.is_none() => {
                     self.shut_down(source.name()).await;
                 }
                 () = tokio::time::sleep_until(abandon_at.unwrap_or(never)),
@@ -53,10 +52,8 @@ impl<DB: InboxDatabase> Loop<'_, DB> {
                     self.task_ended(id, joined);
                 }
                 fetched = source.next(), if can_fetch => self.fetched(source.name(), fetched),
-                () = tokio::time::sleep_until(idle_at),
-                    if worker.idle.is_some() && self.stop.is_none() && self.in_flight == 0 =>
-                {
-                    self.stop = Some(StopReason::Idle);
+                () = tokio::time::sleep_until(idle_at.unwrap_or(never)), if idle_at.is_some() => {
+                    self.end.stop = Some(StopReason::Idle);
                 }
                 // No linger: the gathered deliveries start as soon as the source has no more
                 // ready (this branch comes after the fetch).
@@ -79,7 +76,7 @@ impl<DB: InboxDatabase> Loop<'_, DB> {
     /// is there) once nothing more can join them.
     fn start_ready(&mut self) {
         self.running.flush_full(self.worker);
-        if self.stop.is_some() || self.in_flight >= self.fetch_bound {
+        if self.end.stop.is_some() || self.in_flight >= self.fetch_bound {
             self.running.flush_all(self.worker);
         }
     }
@@ -115,87 +112,36 @@ impl<DB: InboxDatabase> Loop<'_, DB> {
         }
     }
 
-    /// When running deliveries are abandoned: the drain deadline of a shutdown or of a source
-    /// failure, whichever is earlier; none before either.
-    fn abandon_at(&self) -> Option<Instant> {
-        match (self.drain_deadline, self.failed_deadline) {
-            (Some(drain), Some(failed)) => Some(drain.min(failed)),
-            (drain, failed) => drain.or(failed),
-        }
-    }
-
-    /// When the worker stops for idleness (if [`stop_when_idle`](super::Worker::stop_when_idle)
-    /// is set, nothing stops it yet and nothing is in flight).
-    fn idle_at(&self) -> Instant {
-        match (self.worker.idle, self.stop, self.in_flight) {
-            (Some(idle), None, 0) => later(self.last_activity, idle),
-            _ => self.last_activity + FAR,
-        }
-    }
-
     /// Task `id` ended: account for it, and start the next delivery waiting for each of its
     /// ordering keys.
     fn task_ended(&mut self, id: u64, joined: std::thread::Result<Done<DB>>) {
-        self.last_activity = Instant::now();
+        self.end.last_activity = Instant::now();
         let meta = self
             .running
             .ended(self.worker, id, joined, &mut self.report);
         self.in_flight -= meta.deliveries;
         for key in meta.keys {
-            let next = self.waiting.get_mut(&key).and_then(VecDeque::pop_front);
-            match next {
-                Some(delivery) if self.drain_deadline.is_none() => {
-                    self.running.start(self.worker, delivery);
-                }
-                Some(delivery) => {
-                    // Shutdown emptied the queues; nothing is queued since.
-                    self.waiting.entry(key).or_default().push_front(delivery);
-                }
-                None => {
-                    self.waiting.remove(&key);
-                    self.busy.remove(&key);
-                }
+            // After shutdown nothing waits (it went back to the source) and nothing starts.
+            let start = self.end.drain_deadline.is_none();
+            if let Some(delivery) = self.keys.ended(&key, start) {
+                self.running.start(self.worker, delivery);
             }
         }
     }
 
     /// The source answered: a delivery to admit, the end of its deliveries, or its failure.
     fn fetched(&mut self, source: &str, fetched: Result<Option<Delivery>, SourceError>) {
-        self.last_activity = Instant::now();
-        match fetched {
-            Ok(Some(delivery)) => {
-                self.report.deliveries += 1;
-                self.in_flight += 1;
-                self.admit(delivery);
-            }
-            Ok(None) => self.stop = Some(StopReason::SourceExhausted),
-            Err(error) => {
-                tracing::error!(
-                    source,
-                    %error,
-                    "source failed; finishing in-flight deliveries"
-                );
-                self.stop = Some(StopReason::SourceFailed);
-                self.failure = Some(error);
-                self.failed_deadline = Some(later(Instant::now(), self.worker.drain_timeout));
-            }
+        if let Some(delivery) = self.end.fetched(source, fetched) {
+            self.report.deliveries += 1;
+            self.in_flight += 1;
+            self.admit(delivery);
         }
     }
 
     /// Starts `delivery`, or queues it behind a running (or queued) one of its ordering key.
     fn admit(&mut self, delivery: Delivery) {
-        match delivery.ordering_key() {
-            Some(key) if self.busy.contains(key) => {
-                self.waiting
-                    .entry(key.to_owned())
-                    .or_default()
-                    .push_back(delivery);
-            }
-            Some(key) => {
-                self.busy.insert(key.to_owned());
-                self.running.start(self.worker, delivery);
-            }
-            None => self.running.start(self.worker, delivery),
+        if let Some(delivery) = self.keys.admit(delivery) {
+            self.running.start(self.worker, delivery);
         }
     }
 }

@@ -133,7 +133,7 @@ pub struct WorkerError {
 
 impl WorkerReport {
     /// Adds `one`'s counts (not its `deliveries`, `abandoned` or `stop`) to these.
-    pub(super) fn add(&mut self, one: &WorkerReport) {
+    pub(crate) fn add(&mut self, one: &WorkerReport) {
         self.processed += one.processed;
         self.duplicates += one.duplicates;
         self.conflicts += one.conflicts;

@@ -6,6 +6,7 @@ use std::time::Duration;
 use crate::dispatch::dispatcher::{ConsumerOutcome, Dispatcher};
 use crate::source::{Delivery, Settlement};
 use crate::store::InboxDatabase;
+use crate::types::classify::BoxError;
 use crate::types::envelope::Envelope;
 use crate::types::error::{DispatchError, Disposition, Error, HookError};
 use crate::types::outcome::Outcome;
@@ -41,37 +42,103 @@ pub fn settlement_for(
     result: &Result<Vec<ConsumerOutcome>, DispatchError>,
     requeue_delay: Duration,
 ) -> Settlement {
-    let outcomes = match result {
-        Ok(outcomes) => outcomes,
-        Err(_) => return Settlement::Reject,
-    };
+    match result {
+        Ok(outcomes) => settlement_of(
+            outcomes.iter().map(|outcome| Verdict::of(&outcome.result)),
+            requeue_delay,
+        ),
+        Err(_) => Settlement::Reject,
+    }
+}
+
+/// What one consumer's result means for its delivery and for the run's report: the input of the
+/// settlement policy, from the SQL dispatcher's results ([`Verdict::of`]) or the DynamoDB one's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// [`Outcome::Processed`].
+    Processed,
+    /// [`Outcome::Duplicate`].
+    Duplicate,
+    /// [`Outcome::Dead`]: dead-lettered earlier.
+    Dead,
+    /// [`Outcome::Discarded`].
+    Discarded,
+    /// [`Outcome::Stale`].
+    Stale,
+    /// [`Outcome::Parked`].
+    Parked,
+    /// A handler failure recorded as dead now (the payload is kept in the inbox).
+    DeadNow,
+    /// [`Outcome::NotYet`]: requeue with the time left.
+    NotYet(Duration),
+    /// The same key with another payload.
+    Conflict,
+    /// The message has no usable key or cannot be fingerprinted.
+    Invalid,
+    /// A failure to requeue: after this delay (a handler's [`Disposition::Retry`]), or after the
+    /// worker's `requeue_delay` (`None`: a database error, a failure not recorded, an outcome the
+    /// policy does not know).
+    Failed(Option<Duration>),
+}
+
+impl Verdict {
+    /// The verdict of an outcome.
+    pub(crate) fn of_outcome(outcome: &Outcome<()>) -> Self {
+        match outcome {
+            Outcome::Processed(()) => Self::Processed,
+            Outcome::Duplicate => Self::Duplicate,
+            Outcome::Dead => Self::Dead,
+            Outcome::Discarded => Self::Discarded,
+            Outcome::Stale => Self::Stale,
+            Outcome::Parked => Self::Parked,
+            Outcome::NotYet { retry_in } => Self::NotYet(*retry_in),
+            // Outcomes added later, until the policy knows them.
+            #[allow(unreachable_patterns)]
+            _ => Self::Failed(None),
+        }
+    }
+
+    /// The verdict of a handler failure of `disposition`.
+    pub(crate) fn of_failure(disposition: Disposition) -> Self {
+        match disposition {
+            _ if disposition.is_settled() => Self::DeadNow,
+            Disposition::Retry { after } => Self::Failed(Some(after)),
+            _ => Self::Failed(None),
+        }
+    }
+
+    /// The verdict of one consumer's result of the SQL [`Dispatcher`].
+    fn of(result: &Result<Outcome<()>, Error<BoxError>>) -> Self {
+        match result {
+            Ok(outcome) => Self::of_outcome(outcome),
+            Err(Error::Handler(failure)) => Self::of_failure(failure.disposition),
+            Err(Error::Conflict(_)) => Self::Conflict,
+            Err(Error::Key(_) | Error::Fingerprint(_)) => Self::Invalid,
+            Err(_) => Self::Failed(None),
+        }
+    }
+}
+
+/// The settlement of a delivery whose consumers' results are `verdicts` (see
+/// [`settlement_for`]): requeue wins over reject, reject over ack; of several requeue delays the
+/// longest is used.
+pub(crate) fn settlement_of(
+    verdicts: impl IntoIterator<Item = Verdict>,
+    requeue_delay: Duration,
+) -> Settlement {
     let mut reject = false;
     let mut requeue: Option<Duration> = None;
-    for outcome in outcomes {
-        match &outcome.result {
-            Ok(
-                Outcome::Processed(())
-                | Outcome::Duplicate
-                | Outcome::Dead
-                | Outcome::Discarded
-                | Outcome::Stale
-                | Outcome::Parked,
-            ) => {}
-            Err(Error::Handler(failure)) if failure.disposition.is_settled() => {}
-            Ok(Outcome::NotYet { retry_in }) => {
-                requeue = Some(requeue.map_or(*retry_in, |d| d.max(*retry_in)));
+    for verdict in verdicts {
+        let delay = match verdict {
+            Verdict::NotYet(retry_in) => retry_in,
+            Verdict::Failed(after) => after.unwrap_or(requeue_delay),
+            Verdict::Conflict | Verdict::Invalid => {
+                reject = true;
+                continue;
             }
-            Err(Error::Conflict(_) | Error::Key(_) | Error::Fingerprint(_)) => reject = true,
-            Err(Error::Handler(failure)) => {
-                let delay = match failure.disposition {
-                    Disposition::Retry { after } => after,
-                    _ => requeue_delay,
-                };
-                requeue = Some(requeue.map_or(delay, |d| d.max(delay)));
-            }
-            // Database errors, and outcomes added later until they are known here.
-            _ => requeue = Some(requeue.map_or(requeue_delay, |d| d.max(requeue_delay))),
-        }
+            _ => continue,
+        };
+        requeue = Some(requeue.map_or(delay, |d| d.max(delay)));
     }
     match (requeue, reject) {
         (Some(delay), _) => Settlement::Requeue { delay: Some(delay) },
@@ -156,14 +223,14 @@ async fn decide<DB: InboxDatabase>(
 }
 
 /// Where a delivery came from, for the log lines about its consumers.
-struct Origin<'a> {
-    message_name: &'a str,
-    source: &'a str,
-    offset: Option<i64>,
+pub(crate) struct Origin<'a> {
+    pub(crate) message_name: &'a str,
+    pub(crate) source: &'a str,
+    pub(crate) offset: Option<i64>,
 }
 
 impl<'a> Origin<'a> {
-    fn of(envelope: &'a Envelope) -> Self {
+    pub(crate) fn of(envelope: &'a Envelope) -> Self {
         let source = envelope.source.as_ref();
         Self {
             message_name: envelope.message_name.as_str(),
@@ -218,6 +285,92 @@ fn count(
             }
         }
     }
+    count_settlement(report, settlement);
+}
+
+/// Counts one consumer's outcome in `report`, and logs the ones that are not plain.
+fn count_outcome(report: &mut WorkerReport, origin: &Origin<'_>, outcome: &ConsumerOutcome) {
+    let verdict = Verdict::of(&outcome.result);
+    count_result(report, origin, outcome.consumer, verdict, &outcome.result);
+}
+
+/// Counts one consumer's `verdict` on its `result` (see [`count_verdict`]; the reason logged is
+/// its error, or its outcome's kind).
+pub(crate) fn count_result<E: std::fmt::Display>(
+    report: &mut WorkerReport,
+    origin: &Origin<'_>,
+    consumer: &str,
+    verdict: Verdict,
+    result: &Result<Outcome<()>, E>,
+) {
+    match result {
+        Err(error) => count_verdict(report, origin, consumer, verdict, error),
+        Ok(other) => count_verdict(report, origin, consumer, verdict, &other.kind()),
+    }
+}
+
+/// Counts one consumer's `verdict` in `report`, and logs the ones that are not plain with their
+/// `reason` (the consumer's error, or its outcome's kind).
+fn count_verdict(
+    report: &mut WorkerReport,
+    origin: &Origin<'_>,
+    consumer: &str,
+    verdict: Verdict,
+    reason: &dyn std::fmt::Display,
+) {
+    match verdict {
+        Verdict::Processed => report.processed += 1,
+        Verdict::Duplicate => report.duplicates += 1,
+        Verdict::Dead => report.dead += 1,
+        Verdict::Discarded => report.discarded += 1,
+        Verdict::Stale => report.stale += 1,
+        Verdict::Parked => report.parked += 1,
+        Verdict::NotYet(_) => report.not_yet += 1,
+        Verdict::DeadNow => {
+            report.dead += 1;
+            consumer_event!(
+                error,
+                origin,
+                consumer,
+                reason,
+                "dead-lettered in the inbox; acking the delivery"
+            );
+        }
+        Verdict::Conflict => {
+            report.conflicts += 1;
+            consumer_event!(
+                error,
+                origin,
+                consumer,
+                reason,
+                "rejecting delivery: conflict"
+            );
+        }
+        Verdict::Invalid => {
+            report.invalid += 1;
+            consumer_event!(
+                error,
+                origin,
+                consumer,
+                reason,
+                "rejecting delivery: invalid message"
+            );
+        }
+        Verdict::Failed(_) => {
+            report.failed += 1;
+            consumer_event!(
+                warn,
+                origin,
+                consumer,
+                reason,
+                "consumer failed; requeueing the delivery"
+            );
+        }
+    }
+}
+
+/// Counts `settlement` in `report`: acked, rejected or requeued.
+pub(crate) fn count_settlement(report: &mut WorkerReport, settlement: Settlement) {
     match settlement {
         Settlement::Ack => report.acked += 1,
         Settlement::Reject => report.rejected += 1,
@@ -225,74 +378,13 @@ fn count(
     }
 }
 
-/// Counts one consumer's outcome in `report`, and logs the ones that are not plain.
-fn count_outcome(report: &mut WorkerReport, origin: &Origin<'_>, outcome: &ConsumerOutcome) {
-    let consumer = outcome.consumer;
-    match &outcome.result {
-        Ok(Outcome::Processed(())) => report.processed += 1,
-        Ok(Outcome::Duplicate) => report.duplicates += 1,
-        Ok(Outcome::Dead) => report.dead += 1,
-        Ok(Outcome::Discarded) => report.discarded += 1,
-        Ok(Outcome::Stale) => report.stale += 1,
-        Ok(Outcome::Parked) => report.parked += 1,
-        Ok(Outcome::NotYet { .. }) => report.not_yet += 1,
-        Err(Error::Handler(failure)) if failure.disposition.is_settled() => {
-            report.dead += 1;
-            consumer_event!(
-                error,
-                origin,
-                consumer,
-                failure,
-                "dead-lettered in the inbox; acking the delivery"
-            );
-        }
-        Err(error @ Error::Conflict(_)) => {
-            report.conflicts += 1;
-            consumer_event!(
-                error,
-                origin,
-                consumer,
-                error,
-                "rejecting delivery: conflict"
-            );
-        }
-        Err(error @ (Error::Key(_) | Error::Fingerprint(_))) => {
-            report.invalid += 1;
-            consumer_event!(
-                error,
-                origin,
-                consumer,
-                error,
-                "rejecting delivery: invalid message"
-            );
-        }
-        Err(error) => {
-            report.failed += 1;
-            consumer_event!(
-                warn,
-                origin,
-                consumer,
-                error,
-                "consumer failed; requeueing the delivery"
-            );
-        }
-        // Outcomes added later, until the policy knows them.
-        #[allow(unreachable_patterns)]
-        Ok(other) => {
-            report.failed += 1;
-            tracing::warn!(
-                message_name = origin.message_name,
-                consumer,
-                outcome = other.kind(),
-                "outcome unknown to the settlement policy; requeueing the delivery"
-            );
-        }
-    }
-}
-
 /// Carries `settlement` out on the source; a settlement that fails is counted and logged (the
 /// source delivers the message again).
-async fn carry_out(report: &mut WorkerReport, delivery: Delivery, settlement: Settlement) {
+pub(crate) async fn carry_out(
+    report: &mut WorkerReport,
+    delivery: Delivery,
+    settlement: Settlement,
+) {
     let message_name = delivery.envelope().message_name.clone();
     if let Err(error) = delivery.settle(settlement).await {
         report.settle_errors += 1;

@@ -1,0 +1,391 @@
+//! The worker over DynamoDB: [`DynamoWorker`] pulls deliveries from a long-running broker
+//! [`Source`] (SQS, RabbitMQ, NATS, Kafka, a file, memory), runs a [`DynamoDispatcher`] on each
+//! and settles each after its consumers' `TransactWriteItems` committed, as the SQL
+//! [`Worker`](crate::Worker) does with a [`Dispatcher`](crate::Dispatcher).
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::FutureExt as _;
+use futures_util::stream::{FuturesUnordered, StreamExt as _};
+use tokio_util::sync::CancellationToken;
+
+use super::{DynamoConsumerOutcome, DynamoDispatcher, DynamoError};
+use crate::setters::setters;
+use crate::source::{Delivery, Settlement, Source, SourceError};
+use crate::types::error::DispatchError;
+use crate::worker::ending::{Ending, hand_back};
+use crate::worker::keys::KeyQueues;
+use crate::worker::settle::{
+    Origin, Verdict, carry_out, count_result, count_settlement, settlement_of,
+};
+use crate::worker::{StopReason, WorkerError, WorkerReport, cancel_on_signal};
+
+#[cfg(doc)]
+use crate::Outcome;
+#[cfg(doc)]
+use crate::types::error::Disposition;
+
+/// Pulls deliveries from a [`Source`], runs the [`DynamoDispatcher`] on each with bounded
+/// concurrency, and settles each delivery strictly **after** every consumer's
+/// `TransactWriteItems` committed (or its failure was recorded in the inbox table), as
+/// [`dynamo_settlement_for`] says: the DynamoDB counterpart of the SQL
+/// [`Worker`](crate::Worker), for a DynamoDB inbox fed by a queue outside Lambda (ECS, EC2, a
+/// container). In Lambda, use [`DynamoLambdaSqs`](crate::source::lambda::DynamoLambdaSqs).
+///
+/// * **Concurrency**: at most [`concurrency`](Self::concurrency) deliveries are fetched and not
+///   yet settled (running, or waiting for an earlier one of their ordering key); each runs its
+///   consumers one after the other, each consumer in its own `TransactWriteItems`. Size the
+///   broker's prefetch (SQS: [`SqsConfig::max_in_flight`](crate::source::sqs::SqsConfig)) to at
+///   least that.
+/// * **Tasks**: the deliveries in flight are polled on the task that runs [`run`](Self::run)
+///   (no Tokio task per delivery): keep blocking work out of handlers, and await `run` inside
+///   a spawned task.
+/// * **Order**: deliveries with the same [ordering key](Delivery::ordering_key) (SQS FIFO: the
+///   `MessageGroupId`) run one at a time, in the order the source handed them out. A requeued
+///   delivery comes back when the source redelivers it.
+/// * **Shutdown**: when the token is cancelled the worker stops fetching, requeues the
+///   deliveries that wait for their ordering key (not started), lets running ones finish
+///   (commit, then settle) for up to the [drain timeout](Self::drain_timeout), then drops the
+///   rest unsettled (a transaction that committed meanwhile is a duplicate on the redelivery),
+///   calls [`Source::close`] and returns.
+/// * **Source failure**: the worker stops fetching and lets running deliveries finish, for up
+///   to the drain timeout from the failure, then drops the rest unsettled and returns the error.
+///   [`Source::close`] gets the drain timeout too; past it, `run` returns a `close` error.
+/// * **Panics**: a handler that panics drops its delivery unsettled (counted in
+///   [`WorkerReport::abandoned`]; the source delivers it again); the others go on.
+///
+/// **Refused deliveries.** DynamoDB has no rejections table (the SQL stores keep refused
+/// deliveries in `inbox_rejections` and ack them). A delivery the dispatcher refuses
+/// ([`DispatchError`]: unknown or missing message name, malformed payload, bad key, over the
+/// payload limit) is logged at `error` level (message name, source, message id, offset, reason,
+/// payload size) and **rejected** ([`Settlement::Reject`]): it is the broker's dead-lettering
+/// that keeps it. Configure one, or the delivery is gone but for the log line: SQS —
+/// [`RejectAction::LeaveToRedrive`](crate::source::sqs::RejectAction::LeaveToRedrive) and a
+/// redrive policy (the default [`RejectAction::Delete`](crate::source::sqs::RejectAction::Delete)
+/// deletes it); RabbitMQ — a dead-letter exchange on the queue; JetStream — terminated
+/// (`+TERM`, an advisory is published; the message stays in the stream); Kafka and the file
+/// source move past it (it stays in the log or file).
+///
+/// **Not here** (SQL only): batches of deliveries per transaction, kept connection slots,
+/// partitions and the parked-message sweep (DynamoDB keeps no per-aggregate order), fencing
+/// hooks. [`WorkerReport`]'s `batches`, `batched`, `max_batches_in_flight`,
+/// `contention_fallbacks`, `fenced`, `stale` and `parked` stay 0.
+///
+/// ```no_run
+/// # async fn demo(source: impl inbox_runtime::source::Source) -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// use inbox_runtime::dynamodb::{DynamoDispatcher, DynamoInbox, DynamoWorker};
+///
+/// // `source`: an `SqsSource` (feature `sqs`) with `RejectAction::LeaveToRedrive` and a
+/// // redrive policy on the queue, an `AmqpSource`, a `NatsSource`, a `KafkaSource`, a file.
+/// let client = inbox_runtime::dynamodb::client(None).await;
+/// let dispatcher = DynamoDispatcher::from_registry(DynamoInbox::new(client, "inbox"))?;
+/// let report = DynamoWorker::new(dispatcher)
+///     .concurrency(16)
+///     .requeue_delay(Duration::from_secs(5))
+///     .run_until_signal(source)
+///     .await?;
+/// println!("processed {}, rejected {}", report.processed, report.rejected);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct DynamoWorker {
+    dispatcher: Arc<DynamoDispatcher>,
+    concurrency: usize,
+    requeue_delay: Duration,
+    drain_timeout: Duration,
+    idle: Option<Duration>,
+}
+
+/// The settlement policy of [`DynamoWorker`]: how the [`DynamoDispatcher`]'s result for one
+/// delivery settles it; the SQL [`settlement_for`](crate::worker::settlement_for) over DynamoDB's
+/// per-consumer results.
+///
+/// * every consumer's outcome is [`Outcome::Processed`], [`Outcome::Duplicate`],
+///   [`Outcome::Dead`] or [`Outcome::Discarded`], or a handler failure recorded as dead now
+///   ([`Disposition::Dead`]: the payload is kept in the inbox table, see
+///   [`DynamoAdmin`](super::DynamoAdmin)) → [`Settlement::Ack`];
+/// * a [`DispatchError`] (refused: nothing was written, see [`DynamoWorker`], "Refused
+///   deliveries"), or a consumer's [`DynamoError::Conflict`], [`DynamoError::Key`] or
+///   [`DynamoError::Fingerprint`] → [`Settlement::Reject`];
+/// * [`Outcome::NotYet`] → [`Settlement::Requeue`] after the time left; a handler failure to
+///   retry ([`Disposition::Retry`]) → after its `after` delay; any other [`DynamoError`] (a
+///   DynamoDB call that failed, a transient cancellation, contention, a transaction too large,
+///   a failure not recorded) → after `requeue_delay`. Nothing of the failed consumer was
+///   written; on the redelivery the consumers that did commit see a duplicate.
+///
+/// Requeue wins over reject, reject over ack; of several requeue delays the longest is used.
+pub fn dynamo_settlement_for(
+    result: &Result<Vec<DynamoConsumerOutcome>, DispatchError>,
+    requeue_delay: Duration,
+) -> Settlement {
+    match result {
+        Ok(outcomes) => settlement_of(outcomes.iter().map(verdict), requeue_delay),
+        Err(_) => Settlement::Reject,
+    }
+}
+
+/// The verdict of one DynamoDB consumer's result.
+fn verdict(outcome: &DynamoConsumerOutcome) -> Verdict {
+    match &outcome.result {
+        Ok(outcome) => Verdict::of_outcome(outcome),
+        Err(DynamoError::Handler(failure)) => Verdict::of_failure(failure.disposition),
+        Err(DynamoError::Conflict(_)) => Verdict::Conflict,
+        Err(DynamoError::Key(_) | DynamoError::Fingerprint(_)) => Verdict::Invalid,
+        Err(_) => Verdict::Failed(None),
+    }
+}
+
+impl DynamoWorker {
+    /// A worker over `dispatcher`: concurrency 8, requeue delay 1 s, drain timeout 30 s, no idle
+    /// stop.
+    pub fn new(dispatcher: DynamoDispatcher) -> Self {
+        Self::from_arc(Arc::new(dispatcher))
+    }
+
+    /// A worker over a shared dispatcher.
+    pub fn from_arc(dispatcher: Arc<DynamoDispatcher>) -> Self {
+        Self {
+            dispatcher,
+            concurrency: 8,
+            requeue_delay: Duration::from_secs(1),
+            drain_timeout: Duration::from_secs(30),
+            idle: None,
+        }
+    }
+
+    setters! {
+        /// At most `n` deliveries fetched and not yet settled (at least 1). Default 8.
+        pub fn concurrency(n: usize) {
+            self.concurrency = n.max(1);
+        }
+
+        /// How long a delivery waits before its redelivery after a failure that names no delay
+        /// of its own (see [`dynamo_settlement_for`]). Default 1 s.
+        pub fn requeue_delay(delay: Duration);
+
+        /// On shutdown, or after the source failed, how long running deliveries may take to
+        /// finish before they are abandoned unsettled; also the bound on [`Source::close`].
+        /// Default 30 s.
+        pub fn drain_timeout(timeout: Duration);
+
+        /// Stop (with [`StopReason::Idle`]) once nothing is in flight and the source has
+        /// delivered nothing for `idle`: for jobs that drain a queue and exit.
+        pub fn stop_when_idle(idle: Duration) {
+            self.idle = Some(idle);
+        }
+    }
+
+    /// The dispatcher.
+    pub fn dispatcher(&self) -> &DynamoDispatcher {
+        &self.dispatcher
+    }
+
+    /// Runs until the source is exhausted, the worker is idle (if set), `shutdown` is
+    /// cancelled, or the source fails; then closes the source. First gives the source the
+    /// dispatcher's payload limit ([`Source::set_payload_limit`]).
+    ///
+    /// # Errors
+    /// [`WorkerError`] (with the report so far, `stop` [`StopReason::SourceFailed`]) if fetching
+    /// from the source failed (running deliveries are finished first, for up to the
+    /// [drain timeout](Self::drain_timeout)), or closing it failed or took longer than the drain
+    /// timeout.
+    pub async fn run<S: Source>(
+        &self,
+        mut source: S,
+        shutdown: CancellationToken,
+    ) -> Result<WorkerReport, WorkerError> {
+        source.set_payload_limit(self.dispatcher.payload_limit());
+        let mut run = Run::new(self);
+        run.poll(&mut source, &shutdown).await;
+        run.finish(source).await
+    }
+
+    /// Like [`run`](Self::run), shutting down gracefully on SIGINT or SIGTERM (see
+    /// [`cancel_on_signal`]).
+    ///
+    /// # Errors
+    /// As [`run`](Self::run); a [`SourceError`] with operation `"install signal handlers"` if
+    /// the handlers cannot be installed.
+    pub async fn run_until_signal<S: Source>(
+        &self,
+        source: S,
+    ) -> Result<WorkerReport, WorkerError> {
+        let token = cancel_on_signal().map_err(|e| WorkerError {
+            error: SourceError::new(source.name(), "install signal handlers", e),
+            report: WorkerReport::default(),
+        })?;
+        self.run(source, token).await
+    }
+}
+
+/// A running delivery: its ordering key, and what it settled (or the panic that dropped it).
+type Task = crate::BoxFuture<'static, (Option<String>, std::thread::Result<WorkerReport>)>;
+
+/// The state of one [`DynamoWorker::run`].
+struct Run<'w> {
+    worker: &'w DynamoWorker,
+    report: WorkerReport,
+    tasks: FuturesUnordered<Task>,
+    /// Deliveries fetched and not yet settled (running or waiting for their ordering key).
+    in_flight: usize,
+    keys: KeyQueues,
+    end: Ending,
+}
+
+impl<'w> Run<'w> {
+    fn new(worker: &'w DynamoWorker) -> Self {
+        Self {
+            worker,
+            report: WorkerReport::default(),
+            tasks: FuturesUnordered::new(),
+            in_flight: 0,
+            keys: KeyQueues::default(),
+            end: Ending::new(worker.drain_timeout, worker.idle),
+        }
+    }
+
+    /// Runs the loop until it stops: the source is exhausted or failed, the worker is idle, or
+    /// `shutdown` is cancelled, and nothing runs any more; or the drain deadline passed.
+    async fn poll<S: Source>(&mut self, source: &mut S, shutdown: &CancellationToken) {
+        let cancelled = shutdown.cancelled();
+        tokio::pin!(cancelled);
+        loop {
+            if self.end.stop.is_some() && self.tasks.is_empty() {
+                break;
+            }
+            let can_fetch = self.end.stop.is_none() && self.in_flight < self.worker.concurrency;
+            let abandon_at = self.end.abandon_at();
+            let idle_at = self.end.idle_at(self.in_flight);
+            let never = self.end.never();
+            tokio::select! {
+                biased;
+                () = &mut cancelled, if self.end.drain_deadline.is_none() => {
+                    self.shut_down(source.name()).await;
+                }
+                () = tokio::time::sleep_until(abandon_at.unwrap_or(never)), if abandon_at.is_some() => {
+                    tracing::warn!(
+                        source = source.name(),
+                        running = self.tasks.len(),
+                        "drain timeout: abandoning running deliveries unsettled"
+                    );
+                    self.report.abandoned += self.tasks.len() as u64;
+                    self.tasks = FuturesUnordered::new();
+                    break;
+                }
+                Some((key, joined)) = self.tasks.next(), if !self.tasks.is_empty() => {
+                    self.ended(key, joined);
+                }
+                fetched = source.next(), if can_fetch => {
+                    if let Some(delivery) = self.end.fetched(source.name(), fetched) {
+                        self.report.deliveries += 1;
+                        self.in_flight += 1;
+                        if let Some(delivery) = self.keys.admit(delivery) {
+                            self.start(delivery);
+                        }
+                    }
+                }
+                () = tokio::time::sleep_until(idle_at.unwrap_or(never)), if idle_at.is_some() => {
+                    self.end.stop = Some(StopReason::Idle);
+                }
+            }
+        }
+    }
+
+    /// Starts `delivery`: dispatch, then settle, polled with the others on the worker's task.
+    fn start(&mut self, delivery: Delivery) {
+        let dispatcher = Arc::clone(&self.worker.dispatcher);
+        let requeue_delay = self.worker.requeue_delay;
+        let key = delivery.ordering_key().map(str::to_owned);
+        let task = AssertUnwindSafe(process(dispatcher, delivery, requeue_delay))
+            .catch_unwind()
+            .map(move |joined| (key, joined));
+        self.tasks.push(Box::pin(task));
+    }
+
+    /// A delivery's task ended: count it, and start the next delivery of its ordering key.
+    fn ended(&mut self, key: Option<String>, joined: std::thread::Result<WorkerReport>) {
+        self.end.last_activity = tokio::time::Instant::now();
+        self.in_flight -= 1;
+        match joined {
+            Ok(one) => self.report.add(&one),
+            Err(_) => {
+                tracing::error!(
+                    "a DynamoDB handler panicked; delivery abandoned unsettled (the source delivers it again)"
+                );
+                self.report.abandoned += 1;
+            }
+        }
+        let start = self.end.drain_deadline.is_none();
+        if let Some(next) = key.and_then(|key| self.keys.ended(&key, start)) {
+            self.start(next);
+        }
+    }
+
+    /// Shutdown: no more fetching; the deliveries waiting for their ordering key are handed
+    /// back (requeued), and the running ones get the drain timeout.
+    async fn shut_down(&mut self, source: &str) {
+        self.end.shut_down();
+        self.in_flight -= hand_back(self.keys.drain(), &mut self.report).await;
+        tracing::info!(
+            source,
+            running = self.tasks.len(),
+            "shutdown: no more fetching; finishing running deliveries"
+        );
+    }
+
+    /// After the loop: hands back what still waits (after a source failure), closes the source
+    /// and says how the run ended.
+    async fn finish<S: Source>(mut self, source: S) -> Result<WorkerReport, WorkerError> {
+        hand_back(self.keys.drain(), &mut self.report).await;
+        self.end.close(source, self.report).await
+    }
+}
+
+/// Dispatches `delivery`, then settles it by [`dynamo_settlement_for`]: what it did, for the
+/// report. A refused delivery is logged with what identifies it.
+async fn process(
+    dispatcher: Arc<DynamoDispatcher>,
+    delivery: Delivery,
+    requeue_delay: Duration,
+) -> WorkerReport {
+    let result = dispatcher.dispatch(delivery.envelope()).await;
+    let mut report = WorkerReport::default();
+    let envelope = delivery.envelope();
+    let origin = Origin::of(envelope);
+    match &result {
+        Err(error) => {
+            report.invalid += 1;
+            let metadata = envelope.source.as_ref();
+            tracing::error!(
+                message_name = origin.message_name,
+                source = origin.source,
+                message_id = metadata.and_then(|m| m.message_id.as_deref()),
+                offset = origin.offset,
+                payload_bytes = envelope.payload.len(),
+                reason = %error,
+                "refused delivery: the DynamoDB dispatcher cannot route it and DynamoDB keeps no \
+                 rejections; rejecting it at the broker (its dead-lettering keeps it)"
+            );
+        }
+        Ok(outcomes) => {
+            for outcome in outcomes {
+                let verdict = verdict(outcome);
+                count_result(
+                    &mut report,
+                    &origin,
+                    outcome.consumer,
+                    verdict,
+                    &outcome.result,
+                );
+            }
+        }
+    }
+    let settlement = dynamo_settlement_for(&result, requeue_delay);
+    count_settlement(&mut report, settlement);
+    drop(result);
+    carry_out(&mut report, delivery, settlement).await;
+    report
+}
