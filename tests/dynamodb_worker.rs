@@ -1,0 +1,727 @@
+//! `DynamoWorker`: a `DynamoDispatcher` run from a long-running `Source` (the memory source, and
+//! moto's SQS on `SQS_ENDPOINT`), against moto's DynamoDB (`DYNAMODB_ENDPOINT`): duplicates,
+//! retries with exact attempts, dead letters, refused deliveries at the broker, ordering keys,
+//! shutdown with a delivery in flight (nothing settled before its commit), the drain timeout,
+//! a failing source, `stop_when_idle`.
+//!
+//! Each test has an inbox table of its own and accounts of its own (fresh ids) in one accounts
+//! table shared by the binary.
+
+#![allow(missing_docs)]
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName};
+use inbox_runtime::dynamodb::sdk::types::{AttributeValue, Update};
+use inbox_runtime::dynamodb::{self, DynamoDispatcher, DynamoInbox, DynamoTx, DynamoWorker};
+use inbox_runtime::source::memory::{MemoryHandle, MemorySource};
+use inbox_runtime::source::sqs::{AwsSettings, RejectAction, SqsConfig, SqsSource};
+use inbox_runtime::source::{Delivery, Settlement, Source, SourceError};
+use inbox_runtime::{
+    BoxFuture, CancellationToken, Classify, Envelope, ErrorClass, Message, RetryPolicy, StopReason,
+    WorkerReport, idempotent,
+};
+use inbox_tests::dynamo::endpoint;
+use tokio::sync::Notify;
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, Message)]
+#[message(name = "dw.credited")]
+struct Credit {
+    #[message(key)]
+    id: String,
+    account: String,
+    amount: i64,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum TestError {
+    #[error("boom")]
+    Boom,
+    #[error("fatal")]
+    Fatal,
+    #[error("build: {0}")]
+    Build(String),
+}
+
+impl Classify for TestError {
+    fn class(&self) -> ErrorClass {
+        match self {
+            TestError::Fatal => ErrorClass::Permanent,
+            _ => ErrorClass::Retryable,
+        }
+    }
+}
+
+/// What the handler does per account before it credits.
+enum Step {
+    Fail(TestError),
+    /// Tell `entered`, then wait for `release`.
+    Block {
+        entered: Arc<Notify>,
+        release: Arc<Notify>,
+    },
+}
+
+static ACCOUNTS: tokio::sync::OnceCell<String> = tokio::sync::OnceCell::const_new();
+static SCRIPT: Mutex<Option<HashMap<String, Vec<Step>>>> = Mutex::new(None);
+/// Per account: the attempts the handler ran (its `DynamoTx::attempt`), and the message ids in
+/// the order it ran them.
+static RUNS: Mutex<Option<HashMap<String, Vec<(u32, String)>>>> = Mutex::new(None);
+
+fn script(account: &str, steps: Vec<Step>) {
+    SCRIPT
+        .lock()
+        .unwrap()
+        .get_or_insert_with(HashMap::new)
+        .insert(account.to_owned(), steps);
+}
+
+fn next_step(account: &str) -> Option<Step> {
+    let mut script = SCRIPT.lock().unwrap();
+    let steps = script.as_mut()?.get_mut(account)?;
+    (!steps.is_empty()).then(|| steps.remove(0))
+}
+
+fn runs(account: &str) -> Vec<(u32, String)> {
+    RUNS.lock()
+        .unwrap()
+        .get_or_insert_with(HashMap::new)
+        .get(account)
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// Credits the account (`ADD balance`); runs the account's script first. At most 3 attempts.
+#[idempotent(consumer = "dw-ledger", max_attempts = 3)]
+async fn credit(tx: &mut DynamoTx, msg: Credit) -> Result<(), TestError> {
+    RUNS.lock()
+        .unwrap()
+        .get_or_insert_with(HashMap::new)
+        .entry(msg.account.clone())
+        .or_default()
+        .push((tx.attempt(), msg.id.clone()));
+    match next_step(&msg.account) {
+        Some(Step::Fail(error)) => return Err(error),
+        Some(Step::Block { entered, release }) => {
+            entered.notify_one();
+            release.notified().await;
+        }
+        None => {}
+    }
+    let table = ACCOUNTS.get().expect("setup made the accounts table");
+    tx.update(
+        Update::builder()
+            .table_name(table)
+            .key("id", AttributeValue::S(msg.account.clone()))
+            .update_expression("ADD balance :amount")
+            .expression_attribute_values(":amount", AttributeValue::N(msg.amount.to_string()))
+            .build()
+            .map_err(|e| TestError::Build(e.to_string()))?,
+    );
+    Ok(())
+}
+
+fn fresh(prefix: &str) -> String {
+    format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
+}
+
+/// A dispatcher over a fresh inbox table (retries due at once), and the binary's accounts table.
+async fn setup() -> DynamoDispatcher {
+    let client = dynamodb::client(Some(&endpoint())).await;
+    ACCOUNTS
+        .get_or_init(|| async {
+            let name = format!("accounts_{}", uuid::Uuid::new_v4().simple());
+            inbox_tests::dynamo::create_id_table(&client, &name).await;
+            name
+        })
+        .await;
+    let inbox = DynamoInbox::new(client, format!("inbox_{}", uuid::Uuid::new_v4().simple()))
+        .retry_policy(RetryPolicy::default().retry_delays(Duration::ZERO, Duration::ZERO));
+    inbox.ensure_table().await.expect("inbox table");
+    DynamoDispatcher::from_registry(inbox).expect("the registry")
+}
+
+async fn balance(dispatcher: &DynamoDispatcher, account: &str) -> Option<i64> {
+    let item = dispatcher
+        .inbox()
+        .client()
+        .get_item()
+        .table_name(ACCOUNTS.get().unwrap())
+        .key("id", AttributeValue::S(account.to_owned()))
+        .consistent_read(true)
+        .send()
+        .await
+        .unwrap()
+        .item?;
+    match item.get("balance") {
+        Some(AttributeValue::N(n)) => Some(n.parse().unwrap()),
+        other => panic!("balance of {account}: {other:?}"),
+    }
+}
+
+/// The inbox item's status of `key` for the ledger consumer.
+async fn status(dispatcher: &DynamoDispatcher, key: &str) -> Option<String> {
+    let stored = dispatcher
+        .inbox()
+        .admin()
+        .show("dw-ledger", key)
+        .await
+        .unwrap()?;
+    Some(stored.status.as_str().to_owned())
+}
+
+fn credit_msg(account: &str, amount: i64) -> Credit {
+    Credit {
+        id: fresh("c"),
+        account: account.to_owned(),
+        amount,
+    }
+}
+
+fn envelope(msg: &Credit) -> Envelope {
+    inbox_tests::envelope(msg)
+}
+
+/// A closed memory source holding `msgs` (ordering key: the account), and its handle.
+fn memory(msgs: &[Credit]) -> (MemorySource, MemoryHandle, Vec<u64>) {
+    let source = MemorySource::new("dw-memory");
+    let handle = source.handle();
+    let ids = msgs
+        .iter()
+        .map(|msg| handle.push_keyed(envelope(msg), msg.account.clone()))
+        .collect();
+    (source, handle, ids)
+}
+
+fn report(build: impl FnOnce(&mut WorkerReport)) -> WorkerReport {
+    let mut report = WorkerReport::default();
+    build(&mut report);
+    report
+}
+
+#[tokio::test]
+async fn duplicates_credit_once_and_every_delivery_is_acked_after_its_commit() {
+    let dispatcher = setup().await;
+    let accounts: Vec<String> = (0..4).map(|_| fresh("acct")).collect();
+    let mut msgs: Vec<Credit> = (0..16)
+        .map(|i| credit_msg(&accounts[i % 4], 10 + i as i64))
+        .collect();
+    // Four duplicates, delivered again later in the stream.
+    let duplicates: Vec<Credit> = msgs[..4].to_vec();
+    msgs.extend(duplicates);
+    let (source, handle, ids) = memory(&msgs);
+    handle.close();
+    let worker = DynamoWorker::new(dispatcher).concurrency(4);
+    let run = worker.run(source, CancellationToken::new()).await.unwrap();
+    assert_eq!(
+        run,
+        report(|r| {
+            r.deliveries = 20;
+            r.processed = 16;
+            r.duplicates = 4;
+            r.acked = 20;
+            r.stop = StopReason::SourceExhausted;
+        })
+    );
+    let mut settled = handle.settlements();
+    settled.sort_by_key(|(id, _)| *id);
+    assert_eq!(
+        settled,
+        ids.iter()
+            .map(|id| (*id, Settlement::Ack))
+            .collect::<Vec<_>>()
+    );
+    for (a, account) in accounts.iter().enumerate() {
+        let expected: i64 = (0..16).filter(|i| i % 4 == a).map(|i| 10 + i as i64).sum();
+        assert_eq!(balance(worker.dispatcher(), account).await, Some(expected));
+    }
+}
+
+#[tokio::test]
+async fn a_failing_then_succeeding_handler_is_requeued_then_processed() {
+    let dispatcher = setup().await;
+    let account = fresh("acct");
+    script(
+        &account,
+        vec![Step::Fail(TestError::Boom), Step::Fail(TestError::Boom)],
+    );
+    let msg = credit_msg(&account, 700);
+    let (source, handle, ids) = memory(std::slice::from_ref(&msg));
+    handle.close();
+    let worker = DynamoWorker::new(dispatcher).requeue_delay(Duration::from_secs(3600));
+    let run = worker.run(source, CancellationToken::new()).await.unwrap();
+    assert_eq!(
+        run,
+        report(|r| {
+            r.deliveries = 3;
+            r.failed = 2;
+            r.requeued = 2;
+            r.processed = 1;
+            r.acked = 1;
+            r.stop = StopReason::SourceExhausted;
+        })
+    );
+    // The handler's retry delay (zero), not the worker's hour.
+    let requeue = Settlement::Requeue {
+        delay: Some(Duration::ZERO),
+    };
+    assert_eq!(
+        handle.settlements(),
+        [
+            (ids[0], requeue),
+            (ids[0], requeue),
+            (ids[0], Settlement::Ack)
+        ]
+    );
+    let attempts: Vec<u32> = runs(&account).into_iter().map(|(a, _)| a).collect();
+    assert_eq!(attempts, [1, 2, 3]);
+    assert_eq!(balance(worker.dispatcher(), &account).await, Some(700));
+    assert_eq!(
+        status(worker.dispatcher(), &msg.id).await.as_deref(),
+        Some("processed")
+    );
+}
+
+#[tokio::test]
+async fn a_permanent_failure_is_dead_lettered_in_the_table_and_acked() {
+    let dispatcher = setup().await;
+    let account = fresh("acct");
+    script(&account, vec![Step::Fail(TestError::Fatal)]);
+    let msg = credit_msg(&account, 300);
+    let (source, handle, ids) = memory(std::slice::from_ref(&msg));
+    handle.close();
+    let worker = DynamoWorker::new(dispatcher);
+    let run = worker.run(source, CancellationToken::new()).await.unwrap();
+    assert_eq!(
+        run,
+        report(|r| {
+            r.deliveries = 1;
+            r.dead = 1;
+            r.acked = 1;
+            r.stop = StopReason::SourceExhausted;
+        })
+    );
+    assert_eq!(handle.settlements(), [(ids[0], Settlement::Ack)]);
+    assert_eq!(balance(worker.dispatcher(), &account).await, None);
+    assert_eq!(
+        status(worker.dispatcher(), &msg.id).await.as_deref(),
+        Some("dead")
+    );
+    let dead = worker
+        .dispatcher()
+        .inbox()
+        .admin()
+        .show("dw-ledger", &msg.id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        dead.payload.as_deref(),
+        Some(&serde_json::to_vec(&msg).unwrap()[..])
+    );
+}
+
+#[tokio::test]
+async fn refused_deliveries_are_rejected_at_the_broker() {
+    let dispatcher = setup().await;
+    let source = MemorySource::new("dw-refused");
+    let handle = source.handle();
+    let malformed = handle.push(Envelope::new("dw.credited", b"{not json".to_vec()));
+    let unknown = handle.push(Envelope::new("dw.unknown", b"{}".to_vec()));
+    let no_key = handle.push(Envelope::new(
+        "dw.credited",
+        br#"{"id":"","account":"a","amount":1}"#.to_vec(),
+    ));
+    handle.close();
+    let run = DynamoWorker::new(dispatcher)
+        .run(source, CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(
+        run,
+        report(|r| {
+            r.deliveries = 3;
+            r.invalid = 3;
+            r.rejected = 3;
+            r.stop = StopReason::SourceExhausted;
+        })
+    );
+    let mut settled = handle.settlements();
+    settled.sort_by_key(|(id, _)| *id);
+    assert_eq!(
+        settled,
+        [
+            (malformed, Settlement::Reject),
+            (unknown, Settlement::Reject),
+            (no_key, Settlement::Reject)
+        ]
+    );
+}
+
+#[tokio::test]
+async fn deliveries_of_one_ordering_key_run_one_at_a_time_in_order() {
+    let dispatcher = setup().await;
+    let account = fresh("acct");
+    let other = fresh("acct");
+    // The first of `account` fails once: its requeue goes to the back of the memory queue.
+    script(&account, vec![Step::Fail(TestError::Boom)]);
+    let msgs: Vec<Credit> = (0..12)
+        .map(|i| credit_msg(if i % 3 == 2 { &other } else { &account }, 1 << i))
+        .collect();
+    let (source, handle, _) = memory(&msgs);
+    handle.close();
+    let worker = DynamoWorker::new(dispatcher).concurrency(8);
+    let run = worker.run(source, CancellationToken::new()).await.unwrap();
+    assert_eq!((run.processed, run.failed, run.acked), (12, 1, 12));
+    let of = |acct: &str| -> Vec<String> {
+        msgs.iter()
+            .filter(|m| m.account == acct)
+            .map(|m| m.id.clone())
+            .collect()
+    };
+    let ran: Vec<String> = runs(&account).into_iter().map(|(_, id)| id).collect();
+    // In the order pushed; the failed first one again after the ones admitted behind it.
+    let mut expected = of(&account);
+    expected.push(expected[0].clone());
+    assert_eq!(ran, expected);
+    let ran_other: Vec<String> = runs(&other).into_iter().map(|(_, id)| id).collect();
+    assert_eq!(ran_other, of(&other));
+    let sum = |acct: &str| {
+        msgs.iter()
+            .filter(|m| m.account == acct)
+            .map(|m| m.amount)
+            .sum()
+    };
+    assert_eq!(
+        balance(worker.dispatcher(), &account).await,
+        Some(sum(&account))
+    );
+    assert_eq!(
+        balance(worker.dispatcher(), &other).await,
+        Some(sum(&other))
+    );
+}
+
+/// A worker over `source` in a task, and the run's result.
+fn spawn_run(
+    worker: DynamoWorker,
+    source: impl Source + 'static,
+    token: CancellationToken,
+) -> tokio::task::JoinHandle<(
+    DynamoWorker,
+    Result<WorkerReport, inbox_runtime::WorkerError>,
+)> {
+    tokio::spawn(async move {
+        let result = worker.run(source, token).await;
+        (worker, result)
+    })
+}
+
+#[tokio::test]
+async fn shutdown_hands_back_waiting_deliveries_and_acks_the_running_one_after_its_commit() {
+    let dispatcher = setup().await;
+    let account = fresh("acct");
+    let (entered, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    script(
+        &account,
+        vec![Step::Block {
+            entered: entered.clone(),
+            release: release.clone(),
+        }],
+    );
+    let msgs: Vec<Credit> = (0..3).map(|i| credit_msg(&account, 100 + i)).collect();
+    let (source, handle, ids) = memory(&msgs);
+    let token = CancellationToken::new();
+    let task = spawn_run(DynamoWorker::new(dispatcher), source, token.clone());
+    entered.notified().await;
+    // The other two were fetched and wait behind the blocked one of their key.
+    while handle.deliveries() < 3 {
+        tokio::task::yield_now().await;
+    }
+    token.cancel();
+    // Handed back at shutdown, while the first one still runs: it is not settled.
+    while handle.settlements().len() < 2 {
+        tokio::task::yield_now().await;
+    }
+    let requeued = Settlement::Requeue { delay: None };
+    assert_eq!(
+        handle.settlements(),
+        [(ids[1], requeued), (ids[2], requeued)]
+    );
+    release.notify_one();
+    let (worker, result) = task.await.unwrap();
+    let run = result.unwrap();
+    assert_eq!(
+        run,
+        report(|r| {
+            r.deliveries = 3;
+            r.processed = 1;
+            r.acked = 1;
+            r.requeued = 2;
+            r.stop = StopReason::Shutdown;
+        })
+    );
+    assert_eq!(handle.settlements()[2], (ids[0], Settlement::Ack));
+    assert_eq!(balance(worker.dispatcher(), &account).await, Some(100));
+}
+
+#[tokio::test]
+async fn past_the_drain_timeout_a_running_delivery_is_abandoned_uncommitted() {
+    let dispatcher = setup().await;
+    let account = fresh("acct");
+    let (entered, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    script(
+        &account,
+        vec![Step::Block {
+            entered: entered.clone(),
+            release,
+        }],
+    );
+    let msg = credit_msg(&account, 5);
+    let (source, handle, ids) = memory(std::slice::from_ref(&msg));
+    let token = CancellationToken::new();
+    let worker = DynamoWorker::new(dispatcher).drain_timeout(Duration::from_millis(200));
+    let task = spawn_run(worker, source, token.clone());
+    entered.notified().await;
+    token.cancel();
+    let (worker, result) = task.await.unwrap();
+    let run = result.unwrap();
+    assert_eq!(
+        run,
+        report(|r| {
+            r.deliveries = 1;
+            r.abandoned = 1;
+            r.stop = StopReason::Shutdown;
+        })
+    );
+    assert!(handle.settlements().is_empty());
+    assert_eq!(handle.abandoned(), ids);
+    assert_eq!(balance(worker.dispatcher(), &account).await, None);
+    assert_eq!(status(worker.dispatcher(), &msg.id).await, None);
+}
+
+/// A memory source that fails with `receive` once its queue is empty.
+struct FailingWhenEmpty {
+    inner: MemorySource,
+    handle: MemoryHandle,
+}
+
+impl Source for FailingWhenEmpty {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn next(&mut self) -> BoxFuture<'_, Result<Option<Delivery>, SourceError>> {
+        if self.handle.queued() == 0 {
+            return Box::pin(async { Err(SourceError::new("dw-failing", "receive", "gone")) });
+        }
+        self.inner.next()
+    }
+}
+
+#[tokio::test]
+async fn a_source_failure_finishes_running_deliveries_and_returns_the_error() {
+    let dispatcher = setup().await;
+    let account = fresh("acct");
+    let msgs: Vec<Credit> = (0..2).map(|i| credit_msg(&account, 1 + i)).collect();
+    let (inner, handle, ids) = memory(&msgs);
+    let source = FailingWhenEmpty {
+        inner,
+        handle: handle.clone(),
+    };
+    let worker = DynamoWorker::new(dispatcher);
+    let error = worker
+        .run(source, CancellationToken::new())
+        .await
+        .unwrap_err();
+    assert_eq!(error.error.operation, "receive");
+    assert_eq!(
+        error.report,
+        report(|r| {
+            r.deliveries = 2;
+            r.processed = 2;
+            r.acked = 2;
+            r.stop = StopReason::SourceFailed;
+        })
+    );
+    let mut settled = handle.settlements();
+    settled.sort_by_key(|(id, _)| *id);
+    assert_eq!(
+        settled,
+        [(ids[0], Settlement::Ack), (ids[1], Settlement::Ack)]
+    );
+    assert_eq!(balance(worker.dispatcher(), &account).await, Some(3));
+}
+
+// --- SQS (moto) ---
+
+fn sqs_settings() -> AwsSettings {
+    let endpoint = std::env::var("SQS_ENDPOINT").expect("SQS_ENDPOINT (moto's SQS)");
+    AwsSettings::default().endpoint_url(endpoint)
+}
+
+async fn sqs_client() -> aws_sdk_sqs::Client {
+    inbox_runtime::source::sqs::client(&sqs_settings(), Duration::from_secs(20)).await
+}
+
+/// A new standard queue with visibility timeout 1 s; with a redrive policy to a new dead-letter
+/// queue after `max_receives`, if given. Returns its URL and the dead-letter queue's.
+async fn sqs_queue(
+    client: &aws_sdk_sqs::Client,
+    max_receives: Option<u32>,
+) -> (String, Option<String>) {
+    let create = |name: String| client.create_queue().queue_name(name);
+    let mut queue = create(fresh("dw")).attributes(QueueAttributeName::VisibilityTimeout, "1");
+    let mut dlq_url = None;
+    if let Some(max) = max_receives {
+        let url = create(fresh("dw-dlq"))
+            .send()
+            .await
+            .unwrap()
+            .queue_url
+            .unwrap();
+        let arn = client
+            .get_queue_attributes()
+            .queue_url(&url)
+            .attribute_names(QueueAttributeName::QueueArn)
+            .send()
+            .await
+            .unwrap()
+            .attributes
+            .unwrap()[&QueueAttributeName::QueueArn]
+            .clone();
+        let policy = format!(r#"{{"deadLetterTargetArn":"{arn}","maxReceiveCount":"{max}"}}"#);
+        queue = queue.attributes(QueueAttributeName::RedrivePolicy, policy);
+        dlq_url = Some(url);
+    }
+    (queue.send().await.unwrap().queue_url.unwrap(), dlq_url)
+}
+
+async fn sqs_send(client: &aws_sdk_sqs::Client, url: &str, name: &str, body: &[u8]) {
+    client
+        .send_message()
+        .queue_url(url)
+        .message_body(String::from_utf8(body.to_vec()).unwrap())
+        .message_attributes(
+            "message-name",
+            MessageAttributeValue::builder()
+                .data_type("String")
+                .string_value(name)
+                .build()
+                .unwrap(),
+        )
+        .send()
+        .await
+        .unwrap();
+}
+
+fn sqs_config(url: &str) -> SqsConfig {
+    SqsConfig::new(url)
+        .aws(sqs_settings())
+        .wait_time(Duration::from_secs(1))
+        .visibility_timeout(Duration::from_secs(1))
+}
+
+#[tokio::test]
+async fn an_sqs_queue_with_duplicates_and_a_retry_drains_until_idle() {
+    let dispatcher = setup().await;
+    let client = sqs_client().await;
+    let (url, _) = sqs_queue(&client, None).await;
+    let accounts: Vec<String> = (0..3).map(|_| fresh("acct")).collect();
+    let failing = fresh("acct");
+    script(&failing, vec![Step::Fail(TestError::Boom)]);
+    let msgs: Vec<Credit> = (0..9)
+        .map(|i| credit_msg(&accounts[i % 3], 1 + i as i64))
+        .chain([credit_msg(&failing, 50)])
+        .collect();
+    for msg in msgs.iter().chain(&msgs[..3]) {
+        sqs_send(
+            &client,
+            &url,
+            "dw.credited",
+            &serde_json::to_vec(msg).unwrap(),
+        )
+        .await;
+    }
+    let source = SqsSource::connect(sqs_config(&url)).await.unwrap();
+    let worker = DynamoWorker::new(dispatcher)
+        .concurrency(4)
+        .stop_when_idle(Duration::from_secs(3));
+    let run = worker.run(source, CancellationToken::new()).await.unwrap();
+    assert_eq!(
+        run,
+        report(|r| {
+            r.deliveries = 14;
+            r.processed = 10;
+            r.duplicates = 3;
+            r.failed = 1;
+            r.requeued = 1;
+            r.acked = 13;
+            r.stop = StopReason::Idle;
+        })
+    );
+    assert_eq!(
+        runs(&failing).iter().map(|(a, _)| *a).collect::<Vec<_>>(),
+        [1, 2]
+    );
+    assert_eq!(balance(worker.dispatcher(), &failing).await, Some(50));
+    for (a, account) in accounts.iter().enumerate() {
+        let expected: i64 = (0..9).filter(|i| i % 3 == a).map(|i| 1 + i as i64).sum();
+        assert_eq!(balance(worker.dispatcher(), account).await, Some(expected));
+    }
+    let left = client
+        .get_queue_attributes()
+        .queue_url(&url)
+        .attribute_names(QueueAttributeName::All)
+        .send()
+        .await
+        .unwrap()
+        .attributes
+        .unwrap();
+    assert_eq!(left[&QueueAttributeName::ApproximateNumberOfMessages], "0");
+    assert_eq!(
+        left[&QueueAttributeName::ApproximateNumberOfMessagesNotVisible],
+        "0"
+    );
+}
+
+#[tokio::test]
+async fn a_malformed_sqs_message_goes_to_the_queue_s_dead_letter_queue() {
+    let dispatcher = setup().await;
+    let client = sqs_client().await;
+    let (url, dlq) = sqs_queue(&client, Some(1)).await;
+    let dlq = dlq.unwrap();
+    sqs_send(&client, &url, "dw.credited", b"{not json").await;
+    let source = SqsSource::connect(sqs_config(&url).reject(RejectAction::LeaveToRedrive))
+        .await
+        .unwrap();
+    // Rejected (left to the redrive policy), received again after its 1 s visibility timeout:
+    // moto then moves it to the dead-letter queue instead.
+    let run = DynamoWorker::new(dispatcher)
+        .stop_when_idle(Duration::from_secs(4))
+        .run(source, CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(
+        run,
+        report(|r| {
+            r.deliveries = 1;
+            r.invalid = 1;
+            r.rejected = 1;
+            r.stop = StopReason::Idle;
+        })
+    );
+    let received = client
+        .receive_message()
+        .queue_url(&dlq)
+        .wait_time_seconds(5)
+        .send()
+        .await
+        .unwrap()
+        .messages
+        .unwrap_or_default();
+    let bodies: Vec<&str> = received.iter().filter_map(|m| m.body()).collect();
+    assert_eq!(bodies, ["{not json"]);
+}
