@@ -143,17 +143,8 @@ fn fresh(prefix: &str) -> String {
 /// A fresh inbox table (retries due at once), and the binary's accounts table.
 async fn setup() -> DynamoInbox {
     let client = dynamodb::client(Some(&endpoint())).await;
-    ACCOUNTS
-        .get_or_init(|| async {
-            let name = format!("accounts_{}", uuid::Uuid::new_v4().simple());
-            inbox_tests::dynamo::create_id_table(&client, &name).await;
-            name
-        })
-        .await;
-    let inbox = DynamoInbox::new(client, format!("inbox_{}", uuid::Uuid::new_v4().simple()))
-        .retry_policy(RetryPolicy::default().retry_delays(Duration::ZERO, Duration::ZERO));
-    inbox.ensure_table().await.expect("inbox table");
-    inbox
+    inbox_tests::dynamo::shared_id_table(&ACCOUNTS, &client, "accounts").await;
+    inbox_tests::dynamo::fresh_inbox(client).await
 }
 
 async fn balance(inbox: &DynamoInbox, account: &str) -> Option<i64> {

@@ -15,15 +15,14 @@ use std::time::Duration;
 
 use aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName};
 use inbox_runtime::dynamodb::sdk::types::{AttributeValue, Update};
-use inbox_runtime::dynamodb::{self, DynamoDispatcher, DynamoInbox, DynamoTx, DynamoWorker};
+use inbox_runtime::dynamodb::{self, DynamoDispatcher, DynamoTx, DynamoWorker};
 use inbox_runtime::source::memory::{MemoryHandle, MemorySource};
 use inbox_runtime::source::sqs::{AwsSettings, RejectAction, SqsConfig, SqsSource};
 use inbox_runtime::source::{Delivery, Settlement, Source, SourceError};
 use inbox_runtime::{
-    BoxFuture, CancellationToken, Classify, Envelope, ErrorClass, Message, RetryPolicy, StopReason,
-    WorkerReport, idempotent,
+    BoxFuture, CancellationToken, Envelope, Message, StopReason, WorkerReport, idempotent,
 };
-use inbox_tests::dynamo::endpoint;
+use inbox_tests::dynamo::{TestError, endpoint};
 use tokio::sync::Notify;
 
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize, Message)]
@@ -33,25 +32,6 @@ struct Credit {
     id: String,
     account: String,
     amount: i64,
-}
-
-#[derive(Debug, thiserror::Error)]
-enum TestError {
-    #[error("boom")]
-    Boom,
-    #[error("fatal")]
-    Fatal,
-    #[error("build: {0}")]
-    Build(String),
-}
-
-impl Classify for TestError {
-    fn class(&self) -> ErrorClass {
-        match self {
-            TestError::Fatal => ErrorClass::Permanent,
-            _ => ErrorClass::Retryable,
-        }
-    }
 }
 
 /// What the handler does per account before it credits.
@@ -130,35 +110,21 @@ fn fresh(prefix: &str) -> String {
 /// A dispatcher over a fresh inbox table (retries due at once), and the binary's accounts table.
 async fn setup() -> DynamoDispatcher {
     let client = dynamodb::client(Some(&endpoint())).await;
-    ACCOUNTS
-        .get_or_init(|| async {
-            let name = format!("accounts_{}", uuid::Uuid::new_v4().simple());
-            inbox_tests::dynamo::create_id_table(&client, &name).await;
-            name
-        })
-        .await;
-    let inbox = DynamoInbox::new(client, format!("inbox_{}", uuid::Uuid::new_v4().simple()))
-        .retry_policy(RetryPolicy::default().retry_delays(Duration::ZERO, Duration::ZERO));
-    inbox.ensure_table().await.expect("inbox table");
+    inbox_tests::dynamo::shared_id_table(&ACCOUNTS, &client, "accounts").await;
+    let inbox = inbox_tests::dynamo::fresh_inbox(client).await;
     DynamoDispatcher::from_registry(inbox).expect("the registry")
 }
 
 async fn balance(dispatcher: &DynamoDispatcher, account: &str) -> Option<i64> {
-    let item = dispatcher
-        .inbox()
-        .client()
-        .get_item()
-        .table_name(ACCOUNTS.get().unwrap())
-        .key("id", AttributeValue::S(account.to_owned()))
-        .consistent_read(true)
-        .send()
-        .await
-        .unwrap()
-        .item?;
-    match item.get("balance") {
-        Some(AttributeValue::N(n)) => Some(n.parse().unwrap()),
-        other => panic!("balance of {account}: {other:?}"),
-    }
+    let client = dispatcher.inbox().client();
+    inbox_tests::dynamo::number(client, ACCOUNTS.get().unwrap(), account, "balance").await
+}
+
+/// The memory source's settlements, by delivery id.
+fn settled(handle: &MemoryHandle) -> Vec<(u64, Settlement)> {
+    let mut settled = handle.settlements();
+    settled.sort_by_key(|(id, _)| *id);
+    settled
 }
 
 /// The inbox item's status of `key` for the ledger consumer.
@@ -225,10 +191,8 @@ async fn duplicates_credit_once_and_every_delivery_is_acked_after_its_commit() {
             r.stop = StopReason::SourceExhausted;
         })
     );
-    let mut settled = handle.settlements();
-    settled.sort_by_key(|(id, _)| *id);
     assert_eq!(
-        settled,
+        settled(&handle),
         ids.iter()
             .map(|id| (*id, Settlement::Ack))
             .collect::<Vec<_>>()
@@ -348,10 +312,8 @@ async fn refused_deliveries_are_rejected_at_the_broker() {
             r.stop = StopReason::SourceExhausted;
         })
     );
-    let mut settled = handle.settlements();
-    settled.sort_by_key(|(id, _)| *id);
     assert_eq!(
-        settled,
+        settled(&handle),
         [
             (malformed, Settlement::Reject),
             (unknown, Settlement::Reject),
@@ -546,10 +508,8 @@ async fn a_source_failure_finishes_running_deliveries_and_returns_the_error() {
             r.stop = StopReason::SourceFailed;
         })
     );
-    let mut settled = handle.settlements();
-    settled.sort_by_key(|(id, _)| *id);
     assert_eq!(
-        settled,
+        settled(&handle),
         [(ids[0], Settlement::Ack), (ids[1], Settlement::Ack)]
     );
     assert_eq!(balance(worker.dispatcher(), &account).await, Some(3));

@@ -38,3 +38,82 @@ pub async fn create_id_table(client: &Client, name: &str) {
         .await
         .unwrap_or_else(|error| panic!("creating table {name}: {error:?}"));
 }
+
+/// The number attribute `attribute` of the item whose string `id` is `id` in `table` (a strongly
+/// consistent read); `None` if there is no such item. Panics if the attribute is missing or not a
+/// number.
+pub async fn number(client: &Client, table: &str, id: &str, attribute: &str) -> Option<i64> {
+    use inbox_runtime::dynamodb::sdk::types::AttributeValue;
+    let item = client
+        .get_item()
+        .table_name(table)
+        .key("id", AttributeValue::S(id.to_owned()))
+        .consistent_read(true)
+        .send()
+        .await
+        .unwrap_or_else(|error| panic!("reading {id} of {table}: {error:?}"))
+        .item?;
+    match item.get(attribute) {
+        Some(AttributeValue::N(n)) => Some(n.parse().expect("a number attribute")),
+        other => panic!("{attribute} of {id} in {table}: {other:?}"),
+    }
+}
+
+/// The name of a table with a string `id` key shared by the tests of one binary (their handlers
+/// name it through `cell`), created on first use with [`create_id_table`].
+pub async fn shared_id_table<'a>(
+    cell: &'a tokio::sync::OnceCell<String>,
+    client: &Client,
+    prefix: &str,
+) -> &'a str {
+    cell.get_or_init(|| async {
+        let name = crate::unique_name(prefix);
+        create_id_table(client, &name).await;
+        name
+    })
+    .await
+}
+
+/// A fresh inbox table (a unique name) on `client`, with every retry due at once, ready.
+pub async fn fresh_inbox(client: Client) -> inbox_runtime::dynamodb::DynamoInbox {
+    use std::time::Duration;
+    let inbox = inbox_runtime::dynamodb::DynamoInbox::new(client, crate::unique_name("inbox"))
+        .retry_policy(
+            inbox_runtime::RetryPolicy::default().retry_delays(Duration::ZERO, Duration::ZERO),
+        );
+    inbox.ensure_table().await.expect("inbox table");
+    inbox
+}
+
+/// Handlers' errors in the DynamoDB tests: `Boom` retryable, `Fatal` permanent, `Build` an SDK
+/// builder's error (retryable).
+#[derive(Debug)]
+pub enum TestError {
+    /// Retryable.
+    Boom,
+    /// Permanent.
+    Fatal,
+    /// An SDK builder's error.
+    Build(String),
+}
+
+impl std::fmt::Display for TestError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TestError::Boom => f.write_str("boom"),
+            TestError::Fatal => f.write_str("fatal"),
+            TestError::Build(error) => write!(f, "build: {error}"),
+        }
+    }
+}
+
+impl std::error::Error for TestError {}
+
+impl inbox_runtime::Classify for TestError {
+    fn class(&self) -> inbox_runtime::ErrorClass {
+        match self {
+            TestError::Fatal => inbox_runtime::ErrorClass::Permanent,
+            _ => inbox_runtime::ErrorClass::Retryable,
+        }
+    }
+}

@@ -13,14 +13,19 @@ use tokio_util::sync::CancellationToken;
 
 use super::{DynamoConsumerOutcome, DynamoDispatcher, DynamoError};
 use crate::setters::setters;
-use crate::source::{Delivery, Settlement, Source, SourceError};
+#[cfg(doc)]
+use crate::source::SourceError;
+use crate::source::{Delivery, Settlement, Source};
 use crate::types::error::DispatchError;
+#[cfg(doc)]
+use crate::worker::cancel_on_signal;
 use crate::worker::ending::{Ending, hand_back};
 use crate::worker::keys::KeyQueues;
 use crate::worker::settle::{
     Origin, Verdict, carry_out, count_result, count_settlement, settlement_of,
 };
-use crate::worker::{StopReason, WorkerError, WorkerReport, cancel_on_signal};
+use crate::worker::signal::worker_token;
+use crate::worker::{StopReason, WorkerError, WorkerReport};
 
 #[cfg(doc)]
 use crate::Outcome;
@@ -213,10 +218,7 @@ impl DynamoWorker {
         &self,
         source: S,
     ) -> Result<WorkerReport, WorkerError> {
-        let token = cancel_on_signal().map_err(|e| WorkerError {
-            error: SourceError::new(source.name(), "install signal handlers", e),
-            report: WorkerReport::default(),
-        })?;
+        let token = worker_token(source.name())?;
         self.run(source, token).await
     }
 }
@@ -257,20 +259,14 @@ impl<'w> Run<'w> {
                 break;
             }
             let can_fetch = self.end.stop.is_none() && self.in_flight < self.worker.concurrency;
-            let abandon_at = self.end.abandon_at();
-            let idle_at = self.end.idle_at(self.in_flight);
-            let never = self.end.never();
+            let at = self.end.deadlines(self.in_flight);
             tokio::select! {
                 biased;
                 () = &mut cancelled, if self.end.drain_deadline.is_none() => {
                     self.shut_down(source.name()).await;
                 }
-                () = tokio::time::sleep_until(abandon_at.unwrap_or(never)), if abandon_at.is_some() => {
-                    tracing::warn!(
-                        source = source.name(),
-                        running = self.tasks.len(),
-                        "drain timeout: abandoning running deliveries unsettled"
-                    );
+                () = tokio::time::sleep_until(at.abandon.unwrap_or(at.never)), if at.abandon.is_some() => {
+                    self.end.abandoning(source.name(), self.tasks.len());
                     self.report.abandoned += self.tasks.len() as u64;
                     self.tasks = FuturesUnordered::new();
                     break;
@@ -287,7 +283,7 @@ impl<'w> Run<'w> {
                         }
                     }
                 }
-                () = tokio::time::sleep_until(idle_at.unwrap_or(never)), if idle_at.is_some() => {
+                () = tokio::time::sleep_until(at.idle.unwrap_or(at.never)), if at.idle.is_some() => {
                     self.end.stop = Some(StopReason::Idle);
                 }
             }

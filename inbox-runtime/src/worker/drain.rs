@@ -25,11 +25,7 @@ impl<DB: InboxDatabase> Loop<'_, DB> {
     /// The drain timeout passed: the running deliveries are dropped unsettled (their
     /// transactions roll back; the source delivers them again).
     pub(super) fn abandon(&mut self, source: &str) {
-        tracing::warn!(
-            source,
-            running = self.running.tasks.len(),
-            "drain timeout: abandoning running deliveries unsettled"
-        );
+        self.end.abandoning(source, self.running.tasks.len());
         self.running.abandon_all(&mut self.report);
     }
 

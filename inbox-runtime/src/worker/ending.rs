@@ -10,6 +10,16 @@ use crate::source::{Delivery, Source, SourceError};
 
 use super::{FAR, StopReason, WorkerError, WorkerReport, later};
 
+/// A loop's timers: when running deliveries are abandoned, when the run stops for idleness
+/// (each `None` while it does not apply), and a deadline that never comes for the timer
+/// branches that do not apply.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Deadlines {
+    pub(crate) abandon: Option<Instant>,
+    pub(crate) idle: Option<Instant>,
+    pub(crate) never: Instant,
+}
+
 /// Why and when a run stops.
 #[derive(Debug)]
 pub(crate) struct Ending {
@@ -70,9 +80,18 @@ impl Ending {
         None
     }
 
+    /// The loop's timers now, with `in_flight` deliveries fetched and not settled.
+    pub(crate) fn deadlines(&self, in_flight: usize) -> Deadlines {
+        Deadlines {
+            abandon: self.abandon_at(),
+            idle: self.idle_at(in_flight),
+            never: self.last_activity + FAR,
+        }
+    }
+
     /// When running deliveries are abandoned: the drain deadline of a shutdown or of a source
     /// failure, whichever is earlier; none before either.
-    pub(crate) fn abandon_at(&self) -> Option<Instant> {
+    fn abandon_at(&self) -> Option<Instant> {
         match (self.drain_deadline, self.failed_deadline) {
             (Some(drain), Some(failed)) => Some(drain.min(failed)),
             (drain, failed) => drain.or(failed),
@@ -81,16 +100,21 @@ impl Ending {
 
     /// Whether the run may stop for idleness (an idle time is set, nothing stops it yet and
     /// nothing is in flight), and when: `idle` after the last activity.
-    pub(crate) fn idle_at(&self, in_flight: usize) -> Option<Instant> {
+    fn idle_at(&self, in_flight: usize) -> Option<Instant> {
         match (self.idle, self.stop, in_flight) {
             (Some(idle), None, 0) => Some(later(self.last_activity, idle)),
             _ => None,
         }
     }
 
-    /// A deadline that never comes (for a disabled timer branch).
-    pub(crate) fn never(&self) -> Instant {
-        self.last_activity + FAR
+    /// The drain timeout passed with `running` deliveries running: logs that they are
+    /// abandoned unsettled (their transactions roll back; the source delivers them again).
+    pub(crate) fn abandoning(&self, source: &str, running: usize) {
+        tracing::warn!(
+            source,
+            running,
+            "drain timeout: abandoning running deliveries unsettled"
+        );
     }
 
     /// After the loop: the report's stop reason set, closes the source (bounded by the drain

@@ -25,7 +25,7 @@ mod ready;
 mod report;
 mod run;
 pub(crate) mod settle;
-mod signal;
+pub(crate) mod signal;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -38,13 +38,16 @@ use crate::dispatch::dispatcher::Dispatcher;
 use crate::setters::setters;
 #[cfg(doc)]
 use crate::source::Delivery;
-use crate::source::{Source, SourceError};
+use crate::source::Source;
+#[cfg(doc)]
+use crate::source::SourceError;
 use crate::store::InboxDatabase;
 use crate::types::envelope::Envelope;
 use crate::types::slot::ConnectionSlot;
 
 pub use report::{StopReason, WorkerError, WorkerReport};
 pub use settle::settlement_for;
+use signal::worker_token;
 pub use signal::{cancel_on_signal, shutdown_signal};
 
 #[cfg(doc)]
@@ -505,10 +508,7 @@ impl<DB: InboxDatabase> Worker<DB> {
         &self,
         source: S,
     ) -> Result<WorkerReport, WorkerError> {
-        let token = cancel_on_signal().map_err(|e| WorkerError {
-            error: SourceError::new(source.name(), "install signal handlers", e),
-            report: WorkerReport::default(),
-        })?;
+        let token = worker_token(source.name())?;
         self.run(source, token).await
     }
 }

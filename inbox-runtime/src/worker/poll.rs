@@ -32,9 +32,7 @@ impl<DB: InboxDatabase> Loop<'_, DB> {
             let batch_at = self.running.batch_at(worker);
             self.arm_release(release_timer.as_mut());
             let can_fetch = self.end.stop.is_none() && self.in_flight < self.fetch_bound;
-            let abandon_at = self.end.abandon_at();
-            let idle_at = self.end.idle_at(self.in_flight);
-            let never = self.end.never();
+            let at = self.end.deadlines(self.in_flight);
             tokio::select! {
                 biased;
                 // Also after the source ended (exhausted, failed): running deliveries then get
@@ -42,8 +40,8 @@ impl<DB: InboxDatabase> Loop<'_, DB> {
                 () = &mut cancelled, if self.end.drain_deadline.is_none() => {
                     self.shut_down(source.name()).await;
                 }
-                () = tokio::time::sleep_until(abandon_at.unwrap_or(never)),
-                    if abandon_at.is_some() =>
+                () = tokio::time::sleep_until(at.abandon.unwrap_or(at.never)),
+                    if at.abandon.is_some() =>
                 {
                     self.abandon(source.name());
                     break;
@@ -52,7 +50,7 @@ impl<DB: InboxDatabase> Loop<'_, DB> {
                     self.task_ended(id, joined);
                 }
                 fetched = source.next(), if can_fetch => self.fetched(source.name(), fetched),
-                () = tokio::time::sleep_until(idle_at.unwrap_or(never)), if idle_at.is_some() => {
+                () = tokio::time::sleep_until(at.idle.unwrap_or(at.never)), if at.idle.is_some() => {
                     self.end.stop = Some(StopReason::Idle);
                 }
                 // No linger: the gathered deliveries start as soon as the source has no more
@@ -62,7 +60,7 @@ impl<DB: InboxDatabase> Loop<'_, DB> {
                 {
                     self.running.flush(worker);
                 }
-                () = tokio::time::sleep_until(batch_at.unwrap_or(never)),
+                () = tokio::time::sleep_until(batch_at.unwrap_or(at.never)),
                     if batch_at.is_some() && can_batch && !worker.linger.is_zero() =>
                 {
                     self.running.flush(worker);

@@ -35,6 +35,15 @@ pub fn cancel_on_signal() -> std::io::Result<CancellationToken> {
     Ok(token)
 }
 
+/// [`cancel_on_signal`] for a worker's `run_until_signal` over the source named `source`: its
+/// error as a [`WorkerError`](super::WorkerError) with operation `"install signal handlers"`.
+pub(crate) fn worker_token(source: &str) -> Result<CancellationToken, super::WorkerError> {
+    cancel_on_signal().map_err(|e| super::WorkerError {
+        error: crate::source::SourceError::new(source, "install signal handlers", e),
+        report: super::WorkerReport::default(),
+    })
+}
+
 fn install_signal_handlers() -> std::io::Result<crate::BoxFuture<'static, ()>> {
     #[cfg(unix)]
     {
