@@ -257,6 +257,26 @@ async fn run_on_dynamodb(
     Ok(())
 }
 // ---- end README block ----
+
+// ---- README block: dynamodb worker ----
+use std::time::Duration;
+
+use inbox_runtime::dynamodb::DynamoWorker;
+use inbox_runtime::source::sqs::{RejectAction, SqsConfig, SqsSource};
+
+/// A DynamoDB inbox fed by SQS outside Lambda (ECS, EC2): until SIGINT or SIGTERM.
+async fn worker_on_dynamodb(inbox: DynamoInbox) -> Result<(), Box<dyn std::error::Error>> {
+    let config = SqsConfig::new("payments") // give the queue a redrive policy
+        .reject(RejectAction::LeaveToRedrive) // refused deliveries go to its dead-letter queue
+        .max_in_flight(16);
+    let worker = DynamoWorker::new(DynamoDispatcher::from_registry(inbox)?)
+        .concurrency(16)
+        .requeue_delay(Duration::from_secs(5));
+    let report = worker.run_until_signal(SqsSource::connect(config).await?).await?;
+    println!("processed {}, duplicates {}, rejected {}", report.processed, report.duplicates, report.rejected);
+    Ok(())
+}
+// ---- end README block ----
 }
 
 /// The README's outbox: a handler that publishes, and the relay. Compiled.
@@ -559,7 +579,7 @@ fn the_readme_shows_these_blocks_word_for_word() {
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
         .expect("read README.md");
     let blocks = blocks();
-    assert_eq!(blocks.len(), 18);
+    assert_eq!(blocks.len(), 19);
     for (name, text) in blocks {
         let fenced = format!("```rust\n{text}```\n");
         assert!(

@@ -214,8 +214,9 @@
 //! * `dynamodb`: `dynamodb`, Amazon DynamoDB as the inbox's store: the claim and the handler's
 //!   DynamoDB writes in one `TransactWriteItems` (the official aws-sdk-dynamodb, rustls with
 //!   ring): `dynamodb::DynamoInbox::process`, `#[idempotent]` handlers taking
-//!   `&mut dynamodb::DynamoTx`, and `dynamodb::DynamoDispatcher` (dispatch by message name,
-//!   replay); not yet the [`Worker`].
+//!   `&mut dynamodb::DynamoTx`, `dynamodb::DynamoDispatcher` (dispatch by message name,
+//!   replay), and `dynamodb::DynamoWorker`, which runs it from any [`Source`](source::Source)
+//!   as the [`Worker`] runs a [`Dispatcher`].
 //! * `lambda`: `source::lambda::LambdaSqs`, AWS Lambda's SQS batches (an SQS event source
 //!   mapping) run through a [`Worker`] and answered with the partial batch response
 //!   (`batchItemFailures`): retryable failures listed, duplicates, conflicts and dead letters

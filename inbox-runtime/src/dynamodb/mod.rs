@@ -154,6 +154,15 @@
 //! [`DynamoAdmin::discard`]) answers its key's redeliveries [`Outcome::Discarded`] until its
 //! retention window ends; another payload under it is a [`DynamoError::Conflict`].
 //!
+//! ## From a broker
+//!
+//! [`DynamoWorker`] runs the [`DynamoDispatcher`] from any long-running
+//! [`Source`](crate::source::Source) (SQS, RabbitMQ, NATS, Kafka, a file) with the
+//! [`Worker`](crate::Worker)'s guarantees: settled after commit ([`dynamo_settlement_for`]),
+//! bounded concurrency, ordering keys, graceful shutdown. In AWS Lambda,
+//! [`DynamoLambdaSqs`](crate::source::lambda::DynamoLambdaSqs) (feature `lambda`) answers SQS
+//! batches instead.
+//!
 //! ## Operating it
 //!
 //! [`DynamoInbox::admin`] gives the SQL admin's operations on the table ([`DynamoAdmin`]:
@@ -175,10 +184,13 @@
 //!   workers' clocks should agree to well under the retry delays and the retention window.
 //! * A handler action on the inbox table's own item of this key is refused by DynamoDB (one
 //!   action per item per transaction): [`DynamoError::Cancelled`] or [`DynamoError::Dynamo`].
-//! * Not yet: parked and stale states (per-aggregate ordering), the [`Worker`](crate::Worker),
-//!   `dead replay` on the command line, the console, the outbox's admin and command line. A
-//!   delivery the [`DynamoDispatcher`] refuses is not kept (there is no rejections table, and
-//!   `stats` has no `rejected:…` rows): leave it to the broker's dead-letter queue.
+//! * Not yet: parked and stale states (per-aggregate ordering), `dead replay` on the command
+//!   line, the console, the outbox's admin and command line. A delivery the
+//!   [`DynamoDispatcher`] refuses is not kept (there is no rejections table, and `stats` has no
+//!   `rejected:…` rows): leave it to the broker's dead-letter queue ([`DynamoWorker`] rejects
+//!   it).
+//! * [`DynamoWorker`] is the [`Worker`](crate::Worker) without what is SQL-only: batches of
+//!   deliveries per transaction, kept connection slots, partitions, the parked-message sweep.
 //!
 //! ## The outbox
 //!
