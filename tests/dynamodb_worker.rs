@@ -48,7 +48,10 @@ static ACCOUNTS: tokio::sync::OnceCell<String> = tokio::sync::OnceCell::const_ne
 static SCRIPT: Mutex<Option<HashMap<String, Vec<Step>>>> = Mutex::new(None);
 /// Per account: the attempts the handler ran (its `DynamoTx::attempt`), and the message ids in
 /// the order it ran them.
-static RUNS: Mutex<Option<HashMap<String, Vec<(u32, String)>>>> = Mutex::new(None);
+static RUNS: Mutex<Option<HashMap<String, Vec<Ran>>>> = Mutex::new(None);
+
+/// One run of the handler: its attempt and the message id.
+type Ran = (u32, String);
 
 fn script(account: &str, steps: Vec<Step>) {
     SCRIPT
@@ -64,7 +67,7 @@ fn next_step(account: &str) -> Option<Step> {
     (!steps.is_empty()).then(|| steps.remove(0))
 }
 
-fn runs(account: &str) -> Vec<(u32, String)> {
+fn runs(account: &str) -> Vec<Ran> {
     RUNS.lock()
         .unwrap()
         .get_or_insert_with(HashMap::new)
@@ -684,4 +687,67 @@ async fn a_malformed_sqs_message_goes_to_the_queue_s_dead_letter_queue() {
         .unwrap_or_default();
     let bodies: Vec<&str> = received.iter().filter_map(|m| m.body()).collect();
     assert_eq!(bodies, ["{not json"]);
+}
+
+#[tokio::test]
+async fn a_fifo_group_keeps_its_order_across_a_retry() {
+    let dispatcher = setup().await;
+    let client = sqs_client().await;
+    let url = client
+        .create_queue()
+        .queue_name(format!("{}.fifo", fresh("dw")))
+        .attributes(QueueAttributeName::FifoQueue, "true")
+        .attributes(QueueAttributeName::VisibilityTimeout, "1")
+        .send()
+        .await
+        .unwrap()
+        .queue_url
+        .unwrap();
+    let account = fresh("acct");
+    // The first message fails once: the later ones of its group must not run before it.
+    script(&account, vec![Step::Fail(TestError::Boom)]);
+    let msgs: Vec<Credit> = (0..4).map(|i| credit_msg(&account, 1 << i)).collect();
+    for msg in &msgs {
+        client
+            .send_message()
+            .queue_url(&url)
+            .message_body(serde_json::to_string(msg).unwrap())
+            .message_group_id("g")
+            .message_deduplication_id(&msg.id)
+            .message_attributes(
+                "message-name",
+                MessageAttributeValue::builder()
+                    .data_type("String")
+                    .string_value("dw.credited")
+                    .build()
+                    .unwrap(),
+            )
+            .send()
+            .await
+            .unwrap();
+    }
+    let source = SqsSource::connect(sqs_config(&url)).await.unwrap();
+    let worker = DynamoWorker::new(dispatcher)
+        .concurrency(8)
+        .stop_when_idle(Duration::from_secs(3));
+    let run = worker.run(source, CancellationToken::new()).await.unwrap();
+    let ran: Vec<Ran> = runs(&account);
+    let first = msgs[0].id.clone();
+    let mut expected = vec![(1, first.clone()), (2, first)];
+    expected.extend(msgs[1..].iter().map(|m| (1, m.id.clone())));
+    assert_eq!(ran, expected);
+    // The later messages received with the failed one were given up unrun, then received again.
+    assert_eq!(
+        (
+            run.processed,
+            run.failed,
+            run.requeued,
+            run.acked,
+            run.duplicates
+        ),
+        (4, 1, 1, 4, 0)
+    );
+    assert_eq!(run.deliveries, 5 + run.revoked);
+    assert_eq!(run.stop, StopReason::Idle);
+    assert_eq!(balance(worker.dispatcher(), &account).await, Some(15));
 }

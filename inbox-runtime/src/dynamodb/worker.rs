@@ -22,7 +22,7 @@ use crate::worker::cancel_on_signal;
 use crate::worker::ending::{Ending, hand_back};
 use crate::worker::keys::KeyQueues;
 use crate::worker::settle::{
-    Origin, Verdict, carry_out, count_result, count_settlement, settlement_of,
+    Origin, Verdict, carry_out, count_result, count_settlement, drop_revoked, settlement_of,
 };
 use crate::worker::signal::worker_token;
 use crate::worker::{StopReason, WorkerError, WorkerReport};
@@ -49,7 +49,10 @@ use crate::types::error::Disposition;
 ///   a spawned task.
 /// * **Order**: deliveries with the same [ordering key](Delivery::ordering_key) (SQS FIFO: the
 ///   `MessageGroupId`) run one at a time, in the order the source handed them out. A requeued
-///   delivery comes back when the source redelivers it.
+///   delivery comes back when the source redelivers it. A delivery its source gave up before it
+///   ran ([`Delivery::is_current`] false: a later message of an SQS FIFO group whose earlier one
+///   was requeued, a revoked Kafka partition) is dropped unrun and unsettled
+///   ([`WorkerReport::revoked`]); the source delivers it again in order.
 /// * **Shutdown**: when the token is cancelled the worker stops fetching, requeues the
 ///   deliveries that wait for their ordering key (not started), lets running ones finish
 ///   (commit, then settle) for up to the [drain timeout](Self::drain_timeout), then drops the
@@ -265,7 +268,9 @@ impl<'w> Run<'w> {
                 () = &mut cancelled, if self.end.drain_deadline.is_none() => {
                     self.shut_down(source.name()).await;
                 }
-                () = tokio::time::sleep_until(at.abandon.unwrap_or(at.never)), if at.abandon.is_some() => {
+                () = tokio::time::sleep_until(at.abandon.unwrap_or(at.never)),
+                    if at.abandon.is_some() =>
+                {
                     self.end.abandoning(source.name(), self.tasks.len());
                     self.report.abandoned += self.tasks.len() as u64;
                     self.tasks = FuturesUnordered::new();
@@ -283,7 +288,9 @@ impl<'w> Run<'w> {
                         }
                     }
                 }
-                () = tokio::time::sleep_until(at.idle.unwrap_or(at.never)), if at.idle.is_some() => {
+                () = tokio::time::sleep_until(at.idle.unwrap_or(at.never)),
+                    if at.idle.is_some() =>
+                {
                     self.end.stop = Some(StopReason::Idle);
                 }
             }
@@ -341,12 +348,16 @@ impl<'w> Run<'w> {
 }
 
 /// Dispatches `delivery`, then settles it by [`dynamo_settlement_for`]: what it did, for the
-/// report. A refused delivery is logged with what identifies it.
+/// report. A refused delivery is logged with what identifies it; one its source gave up since
+/// it was fetched (see [`Delivery::is_current`]) is dropped unrun and unsettled (revoked).
 async fn process(
     dispatcher: Arc<DynamoDispatcher>,
     delivery: Delivery,
     requeue_delay: Duration,
 ) -> WorkerReport {
+    if !delivery.is_current() {
+        return drop_revoked(delivery);
+    }
     let result = dispatcher.dispatch(delivery.envelope()).await;
     let mut report = WorkerReport::default();
     let envelope = delivery.envelope();

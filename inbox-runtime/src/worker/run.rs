@@ -17,7 +17,7 @@ use crate::types::error::DispatchError;
 use crate::types::slot::ConnectionSlot;
 
 use super::ready::{Kind, Pending};
-use super::settle::settle;
+use super::settle::{drop_revoked, settle};
 use super::{Running, Worker, WorkerReport};
 
 /// A finished task.
@@ -310,15 +310,7 @@ impl<DB: InboxDatabase> Task<'_, DB> {
             .into_iter()
             .partition(|pending| pending.delivery.is_current());
         for Pending { delivery, .. } in gone {
-            tracing::debug!(
-                message_name = delivery.envelope().message_name.as_str(),
-                "delivery no longer current (partition revoked); dropped before it ran"
-            );
-            drop(delivery);
-            self.record(&WorkerReport {
-                revoked: 1,
-                ..WorkerReport::default()
-            });
+            self.record(&drop_revoked(delivery));
         }
         deliveries
     }

@@ -181,6 +181,21 @@ pub(super) async fn settle<DB: InboxDatabase>(
     report
 }
 
+/// Drops `delivery`, which its source gave up since it was fetched ([`Delivery::is_current`]
+/// false: a Kafka partition revoked, a later delivery of an SQS FIFO group whose earlier one was
+/// requeued), unsettled and never run: the report of one revoked delivery.
+pub(crate) fn drop_revoked(delivery: Delivery) -> WorkerReport {
+    tracing::debug!(
+        message_name = delivery.envelope().message_name.as_str(),
+        "delivery no longer current (its source gave it up); dropped before it ran"
+    );
+    drop(delivery);
+    WorkerReport {
+        revoked: 1,
+        ..WorkerReport::default()
+    }
+}
+
 /// The hook error of a consumer whose transaction a hook fenced, if any.
 fn fenced(result: &Dispatched) -> Option<&HookError> {
     result

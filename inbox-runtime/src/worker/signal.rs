@@ -37,6 +37,9 @@ pub fn cancel_on_signal() -> std::io::Result<CancellationToken> {
 
 /// [`cancel_on_signal`] for a worker's `run_until_signal` over the source named `source`: its
 /// error as a [`WorkerError`](super::WorkerError) with operation `"install signal handlers"`.
+// The error is what `run_until_signal` returns, as large as the report it carries; it happens
+// once, before anything runs.
+#[allow(clippy::result_large_err)]
 pub(crate) fn worker_token(source: &str) -> Result<CancellationToken, super::WorkerError> {
     cancel_on_signal().map_err(|e| super::WorkerError {
         error: crate::source::SourceError::new(source, "install signal handlers", e),
