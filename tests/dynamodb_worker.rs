@@ -562,22 +562,28 @@ async fn sqs_queue(
     (queue.send().await.unwrap().queue_url.unwrap(), dlq_url)
 }
 
-async fn sqs_send(client: &aws_sdk_sqs::Client, url: &str, name: &str, body: &[u8]) {
-    client
+/// Sends `body` as message `name`; with `fifo`, in that group with that deduplication id.
+async fn sqs_send(
+    client: &aws_sdk_sqs::Client,
+    url: &str,
+    name: &str,
+    body: &[u8],
+    fifo: Option<(&str, &str)>,
+) {
+    let name = MessageAttributeValue::builder()
+        .data_type("String")
+        .string_value(name)
+        .build()
+        .unwrap();
+    let mut send = client
         .send_message()
         .queue_url(url)
         .message_body(String::from_utf8(body.to_vec()).unwrap())
-        .message_attributes(
-            "message-name",
-            MessageAttributeValue::builder()
-                .data_type("String")
-                .string_value(name)
-                .build()
-                .unwrap(),
-        )
-        .send()
-        .await
-        .unwrap();
+        .message_attributes("message-name", name);
+    if let Some((group, dedup)) = fifo {
+        send = send.message_group_id(group).message_deduplication_id(dedup);
+    }
+    send.send().await.unwrap();
 }
 
 fn sqs_config(url: &str) -> SqsConfig {
@@ -605,6 +611,7 @@ async fn an_sqs_queue_with_duplicates_and_a_retry_drains_until_idle() {
             &url,
             "dw.credited",
             &serde_json::to_vec(msg).unwrap(),
+            None,
         )
         .await;
     }
@@ -656,7 +663,7 @@ async fn a_malformed_sqs_message_goes_to_the_queue_s_dead_letter_queue() {
     let client = sqs_client().await;
     let (url, dlq) = sqs_queue(&client, Some(1)).await;
     let dlq = dlq.unwrap();
-    sqs_send(&client, &url, "dw.credited", b"{not json").await;
+    sqs_send(&client, &url, "dw.credited", b"{not json", None).await;
     let source = SqsSource::connect(sqs_config(&url).reject(RejectAction::LeaveToRedrive))
         .await
         .unwrap();
@@ -708,23 +715,8 @@ async fn a_fifo_group_keeps_its_order_across_a_retry() {
     script(&account, vec![Step::Fail(TestError::Boom)]);
     let msgs: Vec<Credit> = (0..4).map(|i| credit_msg(&account, 1 << i)).collect();
     for msg in &msgs {
-        client
-            .send_message()
-            .queue_url(&url)
-            .message_body(serde_json::to_string(msg).unwrap())
-            .message_group_id("g")
-            .message_deduplication_id(&msg.id)
-            .message_attributes(
-                "message-name",
-                MessageAttributeValue::builder()
-                    .data_type("String")
-                    .string_value("dw.credited")
-                    .build()
-                    .unwrap(),
-            )
-            .send()
-            .await
-            .unwrap();
+        let body = serde_json::to_vec(msg).unwrap();
+        sqs_send(&client, &url, "dw.credited", &body, Some(("g", &msg.id))).await;
     }
     let source = SqsSource::connect(sqs_config(&url)).await.unwrap();
     let worker = DynamoWorker::new(dispatcher)

@@ -7,7 +7,7 @@ use super::{Worker, cancel_on_signal};
 #[cfg(doc)]
 use crate::{DispatchError, Error, source::Delivery, types::outcome::Outcome};
 
-/// Why [`Worker::run`] returned.
+/// Why [`Worker::run`] (or `dynamodb::DynamoWorker::run`) returned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum StopReason {
@@ -22,7 +22,8 @@ pub enum StopReason {
     SourceFailed,
 }
 
-/// What one [`Worker::run`] did. Consumer counts are per consumer outcome (a message routed to
+/// What one [`Worker::run`] (or, feature `dynamodb`, one `dynamodb::DynamoWorker::run`) did.
+/// Consumer counts are per consumer outcome (a message routed to
 /// two consumers counts twice); delivery counts are per delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]

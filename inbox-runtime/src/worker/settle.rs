@@ -136,7 +136,13 @@ pub(crate) fn settlement_of(
                 reject = true;
                 continue;
             }
-            _ => continue,
+            Verdict::Processed
+            | Verdict::Duplicate
+            | Verdict::Dead
+            | Verdict::Discarded
+            | Verdict::Stale
+            | Verdict::Parked
+            | Verdict::DeadNow => continue,
         };
         requeue = Some(requeue.map_or(delay, |d| d.max(delay)));
     }
