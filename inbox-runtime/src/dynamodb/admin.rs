@@ -446,6 +446,51 @@ pub(super) fn dead_letter_index() -> GlobalSecondaryIndex {
 /// An item as read.
 type Item = HashMap<String, AttributeValue>;
 
+/// The expressions of a read of the dead-letter index: the consumer's key condition's names and
+/// values (a `Query`), and the filter on one status (none when both are wanted).
+struct Filter {
+    expression: Option<String>,
+    names: HashMap<String, String>,
+    values: Item,
+}
+
+impl Filter {
+    fn dead_letters(consumer: Option<&str>, status: Option<&str>) -> Self {
+        let mut filter = Self {
+            expression: None,
+            names: HashMap::new(),
+            values: HashMap::new(),
+        };
+        if let Some(consumer) = consumer {
+            filter
+                .names
+                .insert("#consumer".into(), DEAD_LETTER_ATTRIBUTE.into());
+            filter.values.insert(":consumer".into(), s(consumer));
+        }
+        if let Some(status) = status {
+            filter.expression = Some("#status = :status".into());
+            filter.names.insert("#status".into(), "status".into());
+            filter.values.insert(":status".into(), s(status));
+        }
+        filter
+    }
+
+    /// The filter expression, the names and the values; `None` for an empty map (DynamoDB
+    /// refuses one).
+    #[allow(clippy::type_complexity)]
+    fn into_parts(
+        self,
+    ) -> (
+        Option<String>,
+        Option<HashMap<String, String>>,
+        Option<Item>,
+    ) {
+        let names = (!self.names.is_empty()).then_some(self.names);
+        let values = (!self.values.is_empty()).then_some(self.values);
+        (self.expression, names, values)
+    }
+}
+
 impl DynamoAdmin {
     /// The inbox this admin works on.
     pub fn inbox(&self) -> &DynamoInbox {
@@ -605,34 +650,32 @@ impl DynamoAdmin {
         statuses: &[Status],
         limit: usize,
     ) -> Result<Vec<StoredMessage>, AdminError> {
+        // One status: a filter on it; both: none (the index holds only failed and dead items).
         let both = statuses.contains(&Status::Failed) && statuses.contains(&Status::Dead);
+        let status = (!both).then(|| statuses[0].as_str());
         let mut rows = Vec::new();
         let mut start: Option<Item> = None;
         loop {
             self.count_call();
             let page = match consumer {
                 Some(consumer) => {
-                    let mut query = self
+                    let (filter, names, values) =
+                        Filter::dead_letters(Some(consumer), status).into_parts();
+                    let page = self
                         .inbox
                         .client
                         .query()
                         .table_name(self.table())
                         .index_name(DEAD_LETTER_INDEX)
                         .key_condition_expression("#consumer = :consumer")
-                        .expression_attribute_names("#consumer", DEAD_LETTER_ATTRIBUTE)
-                        .expression_attribute_values(":consumer", s(consumer))
+                        .set_filter_expression(filter)
+                        .set_expression_attribute_names(names)
+                        .set_expression_attribute_values(values)
                         .scan_index_forward(true)
                         // One more than asked for: it tells whether the last one kept has
                         // items of the same millisecond after it.
                         .limit(i32::try_from(limit.saturating_add(1)).unwrap_or(i32::MAX))
-                        .set_exclusive_start_key(start.take());
-                    if !both {
-                        query = query
-                            .filter_expression("#status = :status")
-                            .expression_attribute_names("#status", "status")
-                            .expression_attribute_values(":status", s(statuses[0].as_str()));
-                    }
-                    let page = query
+                        .set_exclusive_start_key(start.take())
                         .send()
                         .await
                         .map_err(|e| self.dynamo("Query", e.into()))?;
@@ -640,20 +683,17 @@ impl DynamoAdmin {
                     (page.items, page.last_evaluated_key)
                 }
                 None => {
-                    let mut scan = self
+                    let (filter, names, values) = Filter::dead_letters(None, status).into_parts();
+                    let page = self
                         .inbox
                         .client
                         .scan()
                         .table_name(self.table())
                         .index_name(DEAD_LETTER_INDEX)
-                        .set_exclusive_start_key(start.take());
-                    if !both {
-                        scan = scan
-                            .filter_expression("#status = :status")
-                            .expression_attribute_names("#status", "status")
-                            .expression_attribute_values(":status", s(statuses[0].as_str()));
-                    }
-                    let page = scan
+                        .set_filter_expression(filter)
+                        .set_expression_attribute_names(names)
+                        .set_expression_attribute_values(values)
+                        .set_exclusive_start_key(start.take())
                         .send()
                         .await
                         .map_err(|e| self.dynamo("Scan", e.into()))?;
