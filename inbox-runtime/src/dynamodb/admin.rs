@@ -46,7 +46,8 @@
 //! * Replaying a failed or dead message runs its registered handler:
 //!   [`DynamoDispatcher::replay`](super::DynamoDispatcher::replay) (by consumer and key), or
 //!   [`DynamoInbox::replay_stored`] with a handler of your own on what [`DynamoAdmin::show`]
-//!   reads. The command line has no `dead replay` on DynamoDB yet.
+//!   reads. The command line's `dead replay` runs the first
+//!   ([`crate::ops::cli::dynamodb`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;

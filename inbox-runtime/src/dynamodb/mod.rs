@@ -176,7 +176,7 @@
 //! * A handler action on the inbox table's own item of this key is refused by DynamoDB (one
 //!   action per item per transaction): [`DynamoError::Cancelled`] or [`DynamoError::Dynamo`].
 //! * Not yet: parked and stale states (per-aggregate ordering), the [`Worker`](crate::Worker),
-//!   `dead replay` on the command line, the console, the outbox's admin and command line. A
+//!   the console, the outbox's admin and command line. A
 //!   delivery the [`DynamoDispatcher`] refuses is not kept (there is no rejections table, and
 //!   `stats` has no `rejected:…` rows): leave it to the broker's dead-letter queue.
 //!
