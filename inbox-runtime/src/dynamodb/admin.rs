@@ -54,6 +54,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, UNIX_EPOCH};
 
+use aws_sdk_dynamodb::operation::scan::builders::ScanFluentBuilder;
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, AttributeValue, GlobalSecondaryIndex, GlobalSecondaryIndexUpdate,
     IndexStatus, KeySchemaElement, KeyType, Projection, ProjectionType, ScalarAttributeType,
@@ -548,42 +549,30 @@ impl DynamoAdmin {
     pub async fn stats(&self) -> Result<Vec<StatsRow>, AdminError> {
         let now = Now::read();
         let mut groups: HashMap<(String, Status), (i64, i64)> = HashMap::new();
-        let mut start: Option<Item> = None;
-        loop {
-            self.count_call();
-            let page = self
-                .inbox
-                .client
-                .scan()
-                .table_name(self.table())
-                .projection_expression("#pk, #consumer, #status, #received, #expires")
-                .expression_attribute_names("#pk", "pk")
-                .expression_attribute_names("#consumer", "consumer")
-                .expression_attribute_names("#status", "status")
-                .expression_attribute_names("#received", "received_at")
-                .expression_attribute_names("#expires", TTL_ATTRIBUTE)
-                .set_exclusive_start_key(start.take())
-                .send()
-                .await
-                .map_err(|e| self.dynamo("Scan", e.into()))?;
-            self.count_read(page.scanned_count);
-            for item in page.items() {
-                let read = Read::new(self.table(), item);
-                if read.expired(now)? {
-                    continue;
-                }
-                let consumer = read.text("consumer")?.to_owned();
-                let status = read.status()?;
-                let received = read.number("received_at")?.unwrap_or(0);
-                let group = groups.entry((consumer, status)).or_insert((0, i64::MAX));
-                group.0 += 1;
-                group.1 = group.1.min(received);
+        let scan = self
+            .inbox
+            .client
+            .scan()
+            .table_name(self.table())
+            .projection_expression("#pk, #consumer, #status, #received, #expires")
+            .expression_attribute_names("#pk", "pk")
+            .expression_attribute_names("#consumer", "consumer")
+            .expression_attribute_names("#status", "status")
+            .expression_attribute_names("#received", "received_at")
+            .expression_attribute_names("#expires", TTL_ATTRIBUTE);
+        self.scan_each(scan, |read| {
+            if read.expired(now)? {
+                return Ok(());
             }
-            match page.last_evaluated_key {
-                Some(key) if !key.is_empty() => start = Some(key),
-                _ => break,
-            }
-        }
+            let consumer = read.text("consumer")?.to_owned();
+            let status = read.status()?;
+            let received = read.number("received_at")?.unwrap_or(0);
+            let group = groups.entry((consumer, status)).or_insert((0, i64::MAX));
+            group.0 += 1;
+            group.1 = group.1.min(received);
+            Ok(())
+        })
+        .await?;
         let mut rows: Vec<StatsRow> = groups
             .into_iter()
             .map(|((consumer, status), (count, oldest))| StatsRow {
@@ -750,32 +739,46 @@ impl DynamoAdmin {
                 .expression_attribute_names("#consumer", "consumer")
                 .expression_attribute_values(":consumer", s(consumer));
         }
-        let scan = scan.filter_expression(filter);
         let mut rows = Vec::new();
-        let mut start: Option<Item> = None;
-        loop {
-            self.count_call();
-            let page = scan
-                .clone()
-                .set_exclusive_start_key(start.take())
-                .send()
-                .await
-                .map_err(|e| self.dynamo("Scan", e.into()))?;
+        self.scan_each(scan.filter_expression(filter), |read| {
+            if !read.expired(now)? {
+                let mut row = read.message()?;
+                row.payload = None;
+                rows.push(row);
+            }
+            Ok(())
+        })
+        .await?;
+        Ok(rows)
+    }
+
+    /// Runs `scan` to its end, page by page (the SDK's paginator: one call per 1 MB page),
+    /// counting the calls and the items read, and hands each item to `each`.
+    ///
+    /// # Errors
+    /// [`AdminError::Dynamo`] if a `Scan` fails; the first error of `each`.
+    async fn scan_each(
+        &self,
+        scan: ScanFluentBuilder,
+        mut each: impl FnMut(Read<'_>) -> Result<(), AdminError>,
+    ) -> Result<(), AdminError> {
+        let mut pages = scan.into_paginator().send();
+        self.count_call();
+        while let Some(page) = pages.next().await {
+            let page = page.map_err(|e| self.dynamo("Scan", e.into()))?;
             self.count_read(page.scanned_count);
             for item in page.items() {
-                let read = Read::new(self.table(), item);
-                if !read.expired(now)? {
-                    let mut row = read.message()?;
-                    row.payload = None;
-                    rows.push(row);
-                }
+                each(Read::new(self.table(), item))?;
             }
-            match page.last_evaluated_key {
-                Some(key) if !key.is_empty() => start = Some(key),
-                _ => break,
+            if page
+                .last_evaluated_key
+                .as_ref()
+                .is_some_and(|key| !key.is_empty())
+            {
+                self.count_call();
             }
         }
-        Ok(rows)
+        Ok(())
     }
 
     /// One item of `consumer` and `key`, its payload included (failed and dead items keep it:

@@ -480,6 +480,21 @@ where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
+    parse_and_run(args, |command| async move { execute(&command, pool).await }).await
+}
+
+/// Parses `args` as an [`AdminCli`] and runs its command with `execute`: the exit status and
+/// printing of [`run`] (clap's message and status 2 on bad usage, `error: …` and status 1 on a
+/// [`CliError`]), for every store's command line.
+pub(crate) async fn parse_and_run<I, T, F>(
+    args: I,
+    execute: impl FnOnce(AdminCommand) -> F,
+) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+    F: Future<Output = Result<(), CliError>>,
+{
     let cli = match AdminCli::try_parse_from(args) {
         Ok(cli) => cli,
         Err(error) => {
@@ -488,7 +503,7 @@ where
             return ExitCode::from(code);
         }
     };
-    match execute(&cli.command, pool).await {
+    match execute(cli.command).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {error}");

@@ -30,11 +30,7 @@ use std::ffi::OsString;
 use std::io::{self, Write};
 use std::process::ExitCode;
 
-use clap::Parser as _;
-
-use super::{
-    AdminCli, AdminCommand, CliError, DeadCommand, DeadStatus, MessageRef, Replayed, Replayer,
-};
+use super::{AdminCommand, CliError, DeadCommand, DeadStatus, MessageRef, Replayed, Replayer};
 use crate::dynamodb::{DynamoAdmin, DynamoDispatcher, DynamoError, DynamoInbox};
 use crate::store::StoredMessage;
 use crate::types::outcome::Outcome;
@@ -51,21 +47,11 @@ where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
-    let cli = match AdminCli::try_parse_from(args) {
-        Ok(cli) => cli,
-        Err(error) => {
-            let code = if error.use_stderr() { 2 } else { 0 };
-            let _ = error.print();
-            return ExitCode::from(code);
-        }
-    };
-    match execute(&cli.command, inbox).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("error: {error}");
-            ExitCode::from(1)
-        }
-    }
+    super::parse_and_run(
+        args,
+        |command| async move { execute(&command, inbox).await },
+    )
+    .await
 }
 
 /// [`run`] on the inbox of the store URL `dynamodb://TABLE` ([`DynamoInbox::from_url`]: the
