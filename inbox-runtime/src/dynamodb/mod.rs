@@ -189,6 +189,8 @@
 
 mod admin;
 pub(crate) mod dispatch;
+#[cfg(feature = "http")]
+pub(crate) mod lease;
 pub mod outbox;
 mod size;
 
@@ -1240,19 +1242,34 @@ impl DynamoInbox {
         items.push(TransactWriteItem::builder().put(claim_put).build());
         items.extend(actions);
         check_sizes(&items)?;
+        let token = |resend: usize| request_token(ctx.consumer, ctx.key, attempt, resend);
+        self.transact(ctx, &items, token, resend).await
+    }
+
+    /// Sends `items` (action 0 the key's own conditional `Put`, then the handler's actions) as
+    /// one `TransactWriteItems` under the client request token `token(resend)`, resending after
+    /// transient cancellations and errors by the policy, and maps a cancellation by its reasons
+    /// (see the module's docs, step 4). `resend` is bumped after each definite cancellation.
+    async fn transact<E>(
+        &self,
+        ctx: &Ctx<'_>,
+        items: &[TransactWriteItem],
+        token: impl Fn(usize) -> String,
+        resend: &mut usize,
+    ) -> Result<Submitted, DynamoError<E>> {
         let mut delays = self.policy.transient_schedule();
         let mut tries = 0;
         loop {
             // The same token while the request may have been applied (an error with no
             // cancellation: throttled, in progress, an answer lost); the next after a definite
             // cancellation, which applied nothing.
-            let token = request_token(ctx.consumer, ctx.key, attempt, *resend);
+            let token = token(*resend);
             tries += 1;
             self.count_call();
             let sent = self
                 .client
                 .transact_write_items()
-                .set_transact_items(Some(items.clone()))
+                .set_transact_items(Some(items.to_vec()))
                 .client_request_token(&token)
                 .send()
                 .await;
@@ -1301,7 +1318,7 @@ impl DynamoInbox {
                 }
                 Verdict::ConditionFailed(index) => {
                     return Ok(Submitted::ConditionFailed(condition_failed(
-                        &items, &listed, index,
+                        items, &listed, index,
                     )));
                 }
                 Verdict::Transient => {
