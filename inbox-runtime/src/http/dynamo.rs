@@ -3,7 +3,7 @@
 //! `TransactWriteItems`.
 
 use std::sync::Arc;
-use std::task::{Context, Poll};
+
 use std::time::Duration;
 
 use axum::body::Body;
@@ -16,14 +16,13 @@ use crate::debug::some_fields;
 use crate::dynamodb::lease::{Committed, KeyRequest, KeyState, Lease, LeaseError, Leased};
 use crate::dynamodb::{DynamoError, DynamoInbox, DynamoTx};
 use crate::types::key::IdempotencyKey;
-use crate::types::step_key::StepKey;
 
-use super::extract::{MissingTransaction, Slot, Taken};
+use super::extract::{MissingTransaction, Slot, Taken, extractor_accessors};
 use super::problem::Problem;
 use super::service::{
-    Incoming, RequestInfo, ResponseBody, Route, Wrapped, count, in_flight, keyed, outcome_unknown,
-    outlived, read_request, replay_stored, respond, reused, traced, transaction_failed,
-    unavailable_problem,
+    Incoming, RequestBody, RequestInfo, ResponseBody, Route, Served, Wrapped, count, in_flight,
+    keyed, layer_service, outcome_unknown, outlived, read_request, replay_stored, respond, reused,
+    traced, transaction_failed, unavailable_problem,
 };
 use super::stored::StoredResponse;
 use super::{Settings, settings_setters};
@@ -230,31 +229,20 @@ impl<S: std::fmt::Debug> std::fmt::Debug for DynamoIdempotencyService<S> {
     }
 }
 
-impl<S, ReqBody, ResBody> tower::Service<Request<ReqBody>> for DynamoIdempotencyService<S>
+layer_service!(impl<> for DynamoIdempotencyService<S> => serve);
+
+/// One request through the layer, traced.
+fn serve<S, ReqBody, ResBody>(
+    config: Arc<DynamoConfig>,
+    inner: S,
+    request: Request<ReqBody>,
+) -> crate::BoxFuture<'static, Result<Response<Body>, S::Error>>
 where
-    S: tower::Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    S: Served<ResBody>,
+    ReqBody: RequestBody,
+    ResBody: ResponseBody,
 {
-    type Response = Response<Body>;
-    type Error = S::Error;
-    type Future = crate::BoxFuture<'static, Result<Response<Body>, S::Error>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        // The service that was polled ready goes with the request; a clone stays for the next.
-        let ready = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, ready);
-        let config = Arc::clone(&self.config);
-        traced(request, |request| handle(config, inner, request))
-    }
+    traced(request, |request| handle(config, inner, request))
 }
 
 async fn handle<S, ReqBody, ResBody>(
@@ -264,8 +252,7 @@ async fn handle<S, ReqBody, ResBody>(
 ) -> Result<Response<Body>, S::Error>
 where
     S: Wrapped<ResBody>,
-    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ReqBody: RequestBody,
     ResBody: ResponseBody,
 {
     let (parts, Incoming { info, key, bytes }) =
@@ -476,23 +463,7 @@ pub struct DynamoIdempotencyTx {
 }
 
 impl DynamoIdempotencyTx {
-    /// The request's idempotency key (the `Idempotency-Key` as the client sent it, unquoted),
-    /// or `None` for a request without one (where the key is optional).
-    pub fn key(&self) -> Option<&IdempotencyKey> {
-        self.taken.slot.key()
-    }
-
-    /// The scope the key is claimed in: `http <METHOD> <route>`, then a space and the
-    /// principal if there is one.
-    pub fn scope(&self) -> &str {
-        self.taken.slot.scope()
-    }
-
-    /// The idempotency key of step `step` of this request, for a call to another service
-    /// ([`StepKey::new`]`(scope, key, step)`); `None` without a key.
-    pub fn step_key(&self, step: &str) -> Option<StepKey> {
-        self.taken.step_key(step)
-    }
+    extractor_accessors!();
 }
 
 impl std::ops::Deref for DynamoIdempotencyTx {

@@ -138,6 +138,34 @@ impl<T: Send + 'static> Drop for Taken<T> {
     }
 }
 
+/// The accessors every store's extractor shares (`key`, `scope`, `step_key`), written once:
+/// expanded in the `impl` of an extractor whose field `taken` is a [`Taken`].
+macro_rules! extractor_accessors {
+    () => {
+        /// The request's idempotency key (the `Idempotency-Key` as the client sent it, unquoted),
+        /// or `None` for a request without one (where the key is optional).
+        pub fn key(&self) -> Option<&$crate::types::key::IdempotencyKey> {
+            self.taken.slot.key()
+        }
+
+        /// The scope the key is claimed in: `http <METHOD> <route>`, then a space and the
+        /// principal if there is one.
+        pub fn scope(&self) -> &str {
+            self.taken.slot.scope()
+        }
+
+        /// The idempotency key of step `step` of this request, for a call to another service: the
+        /// same for every retry of the request with its `Idempotency-Key`
+        /// ([`StepKey::new`](crate::types::step_key::StepKey::new)`(scope, key, step)`); `None`
+        /// without a key.
+        pub fn step_key(&self, step: &str) -> Option<$crate::types::step_key::StepKey> {
+            self.taken.step_key(step)
+        }
+    };
+}
+#[cfg(feature = "dynamodb")]
+pub(crate) use extractor_accessors;
+
 /// The request's database transaction, for a handler behind
 /// [`IdempotencyLayer`](super::IdempotencyLayer): an axum extractor.
 ///
@@ -200,24 +228,7 @@ impl<DB: InboxDatabase> IdempotencyTx<DB> {
         self.taken.get_mut().connection()
     }
 
-    /// The request's idempotency key (the `Idempotency-Key` as the client sent it, unquoted),
-    /// or `None` for a request without one (where the key is optional).
-    pub fn key(&self) -> Option<&IdempotencyKey> {
-        self.taken.slot.key()
-    }
-
-    /// The inbox scope the key is claimed in: `http <METHOD> <route>`, then a space and the
-    /// principal if there is one (see [`IdempotencyLayer`](super::IdempotencyLayer)).
-    pub fn scope(&self) -> &str {
-        self.taken.slot.scope()
-    }
-
-    /// The idempotency key of step `step` of this request, for a call to another service: the
-    /// same for every retry of the request with its `Idempotency-Key`
-    /// ([`StepKey::new`]`(scope, key, step)`); `None` without a key.
-    pub fn step_key(&self, step: &str) -> Option<StepKey> {
-        self.taken.step_key(step)
-    }
+    extractor_accessors!();
 }
 
 impl<DB: InboxDatabase> Deref for IdempotencyTx<DB> {

@@ -3,7 +3,6 @@
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use axum::body::Body;
 use axum::extract::MatchedPath;
@@ -61,38 +60,69 @@ impl<S: std::fmt::Debug, DB: InboxDatabase> std::fmt::Debug for IdempotencyServi
     }
 }
 
-impl<S, DB, ReqBody, ResBody> tower::Service<Request<ReqBody>> for IdempotencyService<S, DB>
+/// The `tower::Service` impl of a layer's service (a struct with fields `inner: S` and
+/// `config: Arc<…>`), written once: `poll_ready` is the wrapped service's, `call` hands the
+/// service that was polled ready, the config and the request to `$serve` (a clone of the
+/// wrapped service stays for the next request).
+macro_rules! layer_service {
+    (impl<$($generic:ident: $bound:path),*> for $service:ty => $serve:ident) => {
+        impl<S, $($generic: $bound,)* ReqBody, ResBody> tower::Service<http::Request<ReqBody>>
+            for $service
+        where
+            S: tower::Service<http::Request<axum::body::Body>, Response = http::Response<ResBody>>
+                + Clone
+                + Send
+                + 'static,
+            S::Future: Send + 'static,
+            S::Error: Send + 'static,
+            ReqBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+            ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+            ResBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+            ResBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        {
+            type Response = http::Response<axum::body::Body>;
+            type Error = S::Error;
+            type Future =
+                $crate::BoxFuture<'static, Result<http::Response<axum::body::Body>, S::Error>>;
+
+            fn poll_ready(
+                &mut self,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<Result<(), Self::Error>> {
+                self.inner.poll_ready(cx)
+            }
+
+            fn call(&mut self, request: http::Request<ReqBody>) -> Self::Future {
+                let ready = self.inner.clone();
+                let inner = std::mem::replace(&mut self.inner, ready);
+                $serve(std::sync::Arc::clone(&self.config), inner, request)
+            }
+        }
+    };
+}
+#[cfg(feature = "dynamodb")]
+pub(crate) use layer_service;
+
+layer_service!(impl<DB: InboxDatabase> for IdempotencyService<S, DB> => serve);
+
+/// One request through the SQL layer: in the table prefix of the scope the layer was built in
+/// (requests are served on the server's tasks, outside any scope), traced.
+fn serve<S, DB, ReqBody, ResBody>(
+    config: Arc<Config<DB>>,
+    inner: S,
+    request: Request<ReqBody>,
+) -> crate::BoxFuture<'static, Result<Response<Body>, S::Error>>
 where
-    S: tower::Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
+    S: Served<ResBody>,
     DB: InboxDatabase,
-    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ReqBody: RequestBody,
+    ResBody: ResponseBody,
 {
-    type Response = Response<Body>;
-    type Error = S::Error;
-    type Future = crate::BoxFuture<'static, Result<Response<Body>, S::Error>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        // The service that was polled ready goes with the request; a clone stays for the next.
-        let ready = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, ready);
-        let config = Arc::clone(&self.config);
-        // Requests are served on the server's tasks, outside any scope: each runs in the table
-        // prefix of the scope the layer was built in, if any.
-        let prefix = config.prefix.clone();
-        let handle = |config, inner, request| async move {
-            crate::store::within(prefix.as_ref(), handle(config, inner, request)).await
-        };
-        traced(request, |request| handle(config, inner, request))
-    }
+    let prefix = config.prefix.clone();
+    let handle = |config, inner, request| async move {
+        crate::store::within(prefix.as_ref(), handle(config, inner, request)).await
+    };
+    traced(request, |request| handle(config, inner, request))
 }
 
 /// `serve(request)`, the future that answers `request`, boxed; with the feature `otel`, in the
@@ -157,6 +187,40 @@ pub(crate) struct Incoming {
     pub(crate) bytes: Bytes,
 }
 
+/// A request body the layer reads whole.
+pub(crate) trait RequestBody:
+    http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static
+{
+}
+
+impl<B> RequestBody for B where
+    B: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static
+{
+}
+
+/// The service a layer wraps, as its boxed future serves it.
+pub(crate) trait Served<ResBody>:
+    tower::Service<
+        Request<Body>,
+        Response = Response<ResBody>,
+        Future: Send + 'static,
+        Error: Send + 'static,
+    > + Send
+    + 'static
+{
+}
+
+impl<S, ResBody> Served<ResBody> for S where
+    S: tower::Service<
+            Request<Body>,
+            Response = Response<ResBody>,
+            Future: Send + 'static,
+            Error: Send + 'static,
+        > + Send
+        + 'static
+{
+}
+
 /// The service the layer wraps, as the layer's steps call it: the request with its body
 /// buffered, answered with a response of any body.
 pub(crate) trait Wrapped<ResBody>:
@@ -177,8 +241,7 @@ async fn handle<S, DB, ReqBody, ResBody>(
 where
     S: Wrapped<ResBody>,
     DB: InboxDatabase,
-    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ReqBody: RequestBody,
     ResBody: ResponseBody,
 {
     let (mut parts, Incoming { info, key, bytes }) =
@@ -218,8 +281,7 @@ pub(crate) async fn read_request<S, ReqBody, ResBody>(
 ) -> Result<(http::request::Parts, Incoming), Result<Response<Body>, S::Error>>
 where
     S: Wrapped<ResBody>,
-    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ReqBody: RequestBody,
     ResBody: ResponseBody,
 {
     if !config.methods.contains(request.method()) {
@@ -242,8 +304,7 @@ async fn read<ReqBody>(
     body: ReqBody,
 ) -> Result<Incoming, Response<Body>>
 where
-    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ReqBody: RequestBody,
 {
     let route_text = parts
         .extensions
