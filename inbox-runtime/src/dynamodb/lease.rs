@@ -99,6 +99,7 @@ impl KeyRequest<'_> {
         }
     }
 
+    #[allow(clippy::result_large_err)] // `DynamoError`, as `DynamoInbox::decide`'s.
     fn pk(&self) -> Result<String, LeaseError> {
         let pk = partition_key(self.scope, self.key);
         if pk.len() > MAX_PARTITION_KEY_BYTES {

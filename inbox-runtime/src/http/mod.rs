@@ -121,12 +121,23 @@
 //! | 400 | `request-body-invalid` | a JSON-typed body that does not parse or is not Unicode text (bytes that are not UTF-8, an escape that decodes to an unpaired surrogate such as `"\ud800"`), or an unreadable body |
 //! | 413 | `request-body-too-large` | a body above `max_body_bytes` |
 //! | 409 | `idempotency-key-in-use` | a request with this key is still being processed (`Retry-After`) |
+//! | 409 | `condition-failed` | DynamoDB only ([`DynamoIdempotencyLayer`]): a condition of the handler's actions failed at the commit; nothing written |
 //! | 422 | `idempotency-key-reused` | this key was used for a different request |
 //! | 500 | `handler-panicked`, `response-too-large`, `transaction-unavailable`, `transaction-failed`, `stored-response-unreadable` | the application failed; nothing stored |
 //! | 503 | `store-unavailable`, `outcome-unknown` | the database failed (`Retry-After`) |
 //!
 //! None of them is stored, and none writes anything: a client may correct the request (or, for
 //! 409 and 503, wait) and retry with the same key.
+//!
+//! # On DynamoDB
+//!
+//! With the feature `dynamodb` too, [`DynamoIdempotencyLayer`] runs this pipeline (the same
+//! settings, steps 1 to 4, statuses and problems) on a [`DynamoInbox`](crate::dynamodb::DynamoInbox)'s
+//! table: the handler gets the [`DynamoTx`](crate::dynamodb::DynamoTx) through
+//! [`DynamoIdempotencyTx`], and its actions, the key's item and the stored response commit in one
+//! `TransactWriteItems`. DynamoDB has no locks: a lease on the key, taken before the handler
+//! runs, gives concurrent duplicates their 409. Its calls per request, its limits (a stored
+//! response in a 400 KB item) and its retention are in [`DynamoIdempotencyLayer`]'s docs.
 //!
 //! # Retention
 //!

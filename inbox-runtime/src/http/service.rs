@@ -396,6 +396,8 @@ async fn open_keyed<DB: InboxDatabase>(
 
 /// The fingerprint of a request with a key, and the key as the inbox takes it; a body that
 /// cannot be fingerprinted or a key the inbox refuses: a 400 answer (counted).
+// The answer is a response, as every step's: built once, on the way out.
+#[allow(clippy::result_large_err)]
 pub(crate) fn keyed(
     config: &Settings,
     info: &RequestInfo,
@@ -707,18 +709,16 @@ fn uncommitted(
 
 /// The 503 `outcome-unknown` problem: the commit was sent, its answer lost.
 pub(crate) fn outcome_unknown(route: &Route, error: &str, config: &Settings) -> Problem {
-    {
-        tracing::error!(route = %route.label, error = %error, "commit outcome unknown");
-        return Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "outcome-unknown",
-            "The outcome is unknown",
-            "the database did not confirm the commit; retry with the same \
-             Idempotency-Key to learn whether the request took effect (the retry \
-             replays its response if it did, and runs it if it did not)",
-        )
-        .retry_after(config.retry_after);
-    }
+    tracing::error!(route = %route.label, error = %error, "commit outcome unknown");
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "outcome-unknown",
+        "The outcome is unknown",
+        "the database did not confirm the commit; retry with the same \
+         Idempotency-Key to learn whether the request took effect (the retry \
+         replays its response if it did, and runs it if it did not)",
+    )
+    .retry_after(config.retry_after)
 }
 
 /// The 500 `transaction-failed` problem: nothing was stored.
