@@ -287,6 +287,12 @@ async fn a_concurrent_duplicate_gets_409_while_the_first_runs() {
     assert_eq!(headers.get("idempotent-replayed").unwrap(), "true");
     assert_eq!(body, first_body);
     assert_eq!(s.counter("c").await, 1);
+    let stats = s.inbox.admin().stats().await.unwrap();
+    let rows: Vec<_> = stats
+        .iter()
+        .map(|row| (row.consumer.as_deref(), row.status.as_str(), row.count))
+        .collect();
+    assert_eq!(rows, [(Some("http POST /slow"), "processed", 1)]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -26,7 +26,7 @@ use crate::types::fingerprint::Fingerprint;
 use crate::types::key::IdempotencyKey;
 
 /// The status of a key whose request is running (its lease).
-const IN_PROGRESS: &str = "in_progress";
+const IN_PROGRESS: &str = super::LEASED_STATUS;
 
 /// The errors of these calls: the store's own (no handler error type).
 pub(crate) type LeaseError = DynamoError<Infallible>;

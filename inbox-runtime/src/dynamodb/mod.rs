@@ -145,7 +145,9 @@
 //! One table, partition key `pk` (string): `<len>:<consumer><key>`, the consumer's length in
 //! UTF-8 bytes, a colon, the consumer and the idempotency key (no two pairs share one). On-demand
 //! billing; TTL on `expires_at`. Attributes: `consumer`, `message_key`, `message_name`,
-//! `payload_hash` (64 hex digits, [`Fingerprint`]), `status` (`processed` | `failed` | `dead`),
+//! `payload_hash` (64 hex digits, [`Fingerprint`]), `status` (`processed` | `failed` | `dead`;
+//! `in_progress` for the lease of an HTTP request still running, see
+//! `http::DynamoIdempotencyLayer`: skipped by the admin's `stats` and `show`),
 //! `attempts`, `received_at`, `processed_at`, `next_attempt_at` (epoch milliseconds),
 //! `last_error`, `payload` (binary; failed and dead only), `expires_at` (epoch seconds;
 //! processed, and discarded from the discard on), [`DEAD_LETTER_ATTRIBUTE`] (the consumer;
@@ -248,6 +250,10 @@ pub const MAX_PARTITION_KEY_BYTES: usize = 2048;
 
 /// The attribute DynamoDB's TTL is enabled on: the end of the retention window, epoch seconds.
 pub const TTL_ATTRIBUTE: &str = "expires_at";
+
+/// The status of the key item of an HTTP request still running: its lease
+/// (`crate::http::DynamoIdempotencyLayer`).
+pub(crate) const LEASED_STATUS: &str = "in_progress";
 
 /// The default retention window: 7 days.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 86_400);
