@@ -114,6 +114,16 @@ async fn guarded(
     created(&body)
 }
 
+/// Writes, then panics.
+async fn panics(
+    State(app): State<App>,
+    mut tx: DynamoIdempotencyTx,
+    body: String,
+) -> Response<Body> {
+    app.increment(&mut tx, &body);
+    panic!("the handler fails after its write");
+}
+
 /// Writes, and answers 201 with a body of 450,000 bytes: above DynamoDB's item limit.
 async fn big(State(app): State<App>, mut tx: DynamoIdempotencyTx, body: String) -> Response<Body> {
     app.increment(&mut tx, &body);
@@ -131,9 +141,16 @@ struct Setup {
 }
 
 async fn setup(configure: impl FnOnce(DynamoIdempotencyLayer) -> DynamoIdempotencyLayer) -> Setup {
+    setup_with(Duration::from_secs(86_400), configure).await
+}
+
+async fn setup_with(
+    retention: Duration,
+    configure: impl FnOnce(DynamoIdempotencyLayer) -> DynamoIdempotencyLayer,
+) -> Setup {
     let client = dynamodb::client(Some(&endpoint())).await;
     let id = uuid::Uuid::now_v7().simple().to_string();
-    let inbox = DynamoInbox::new(client.clone(), format!("http-inbox-{id}"));
+    let inbox = DynamoInbox::new(client.clone(), format!("http-inbox-{id}")).retention(retention);
     inbox.ensure_table().await.unwrap();
     let counters = format!("http-counters-{id}");
     create_id_table(&client, &counters).await;
@@ -149,6 +166,7 @@ async fn setup(configure: impl FnOnce(DynamoIdempotencyLayer) -> DynamoIdempoten
         .route("/status/{code}", post(status))
         .route("/guarded", post(guarded))
         .route("/big", post(big))
+        .route("/panic", post(panics))
         .route_layer(configure(DynamoIdempotencyLayer::new(inbox.clone())))
         .with_state(app.clone());
     Setup {
@@ -419,4 +437,30 @@ async fn an_optional_key_absent_runs_under_a_key_of_its_own() {
         assert!(headers.get("idempotent-replayed").is_none());
     }
     assert_eq!(s.counter("l").await, 2, "no key: each request takes effect");
+}
+
+#[tokio::test]
+async fn a_panicking_handler_writes_nothing_and_frees_the_key() {
+    let s = setup(|layer| layer).await;
+    for _ in 0..2 {
+        let (status, _, body) = s.send("/panic", Some("\"p\""), "m").await;
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(problem_type(&body), "handler-panicked");
+    }
+    assert_eq!(s.counter("m").await, 0);
+    assert_eq!(s.keys().await, 0);
+}
+
+#[tokio::test]
+async fn an_expired_key_counts_as_absent() {
+    // A retention window of 0: every stored response expires at once (DynamoDB's TTL deletes
+    // it later; the layer does not wait for that).
+    let s = setup_with(Duration::ZERO, |layer| layer).await;
+    for run in 1..=2 {
+        let (status, headers, _) = s.send("/orders", Some("\"x\""), "o").await;
+        assert_eq!(status, StatusCode::CREATED);
+        assert!(headers.get("idempotent-replayed").is_none());
+        assert_eq!(s.counter("o").await, run);
+    }
+    assert_eq!(s.keys().await, 1, "the expired item replaced in place");
 }
