@@ -225,6 +225,27 @@ impl Setup {
             .count()
     }
 
+    /// Sends the request twice (the second finds the key free again: the same answer, not a
+    /// 409); both answers are the problem `slug` with `status`. Returns the last body.
+    async fn problem_twice(
+        &self,
+        path: &str,
+        key: &str,
+        body: &str,
+        status: StatusCode,
+        slug: &str,
+    ) -> Vec<u8> {
+        let mut last = Vec::new();
+        for _ in 0..2 {
+            let (got, headers, answer) = self.send(path, Some(key), body).await;
+            assert_eq!(got, status, "{path}");
+            assert!(headers.get("retry-after").is_none());
+            assert_eq!(problem_type(&answer), slug);
+            last = answer;
+        }
+        last
+    }
+
     fn calls(&self) -> u64 {
         self.inbox.stats().calls
     }
@@ -283,7 +304,13 @@ async fn a_concurrent_duplicate_gets_409_while_the_first_runs() {
         tokio::spawn(async move { s.send("/slow", Some("\"k\""), "c").await })
     };
     s.app.entered.notified().await;
+    let calls = s.calls();
     let (status, headers, body) = s.send("/slow", Some("\"k\""), "c").await;
+    assert_eq!(
+        s.calls() - calls,
+        1,
+        "a 409: one call (the refused PutItem)"
+    );
     assert_eq!(status, StatusCode::CONFLICT);
     assert_eq!(headers.get("retry-after").unwrap(), "3");
     assert_eq!(problem_type(&body), "idempotency-key-in-use");
@@ -347,8 +374,13 @@ async fn a_lease_taken_over_after_it_ended_does_not_apply_twice() {
 async fn stored_statuses_commit_and_others_write_nothing_and_free_the_key() {
     let s = setup(|layer| layer).await;
     // 500: not stored, the write not committed, the key free (not a 409) for the retry.
-    for _ in 0..2 {
+    for run in 1..=2 {
         let (status, headers, body) = s.send("/status/500", Some("\"s\""), "f").await;
+        assert_eq!(
+            s.calls(),
+            run * 2,
+            "not stored: PutItem (lease), DeleteItem (release)"
+        );
         assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
         assert_eq!(body, b"status 500");
         assert!(headers.get("idempotent-replayed").is_none());
@@ -373,17 +405,20 @@ async fn stored_statuses_commit_and_others_write_nothing_and_free_the_key() {
 #[tokio::test]
 async fn a_failed_condition_of_the_handler_writes_nothing() {
     let s = setup(|layer| layer).await;
-    for _ in 0..2 {
-        let (status, headers, body) = s.send("/guarded", Some("\"g\""), "h").await;
-        assert_eq!(status, StatusCode::CONFLICT);
-        assert!(headers.get("retry-after").is_none());
-        assert_eq!(problem_type(&body), "condition-failed");
-        let detail = serde_json::from_slice::<serde_json::Value>(&body).unwrap()["detail"]
-            .as_str()
-            .unwrap()
-            .to_owned();
-        assert!(detail.contains("action 1 (ConditionCheck"), "{detail}");
-    }
+    let body = s
+        .problem_twice(
+            "/guarded",
+            "\"g\"",
+            "h",
+            StatusCode::CONFLICT,
+            "condition-failed",
+        )
+        .await;
+    let detail = serde_json::from_slice::<serde_json::Value>(&body).unwrap()["detail"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(detail.contains("action 1 (ConditionCheck"), "{detail}");
     assert_eq!(s.counter("h").await, 0);
     assert_eq!(s.keys().await, 0);
 }
@@ -415,11 +450,14 @@ async fn bad_keys_are_refused_before_any_call() {
 #[tokio::test]
 async fn a_response_too_large_to_store_commits_nothing() {
     let s = setup(|layer| layer).await;
-    for _ in 0..2 {
-        let (status, _, body) = s.send("/big", Some("\"b\""), "j").await;
-        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
-        assert_eq!(problem_type(&body), "response-too-large");
-    }
+    s.problem_twice(
+        "/big",
+        "\"b\"",
+        "j",
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "response-too-large",
+    )
+    .await;
     assert_eq!(s.counter("j").await, 0);
     assert_eq!(
         s.keys().await,
@@ -442,11 +480,14 @@ async fn an_optional_key_absent_runs_under_a_key_of_its_own() {
 #[tokio::test]
 async fn a_panicking_handler_writes_nothing_and_frees_the_key() {
     let s = setup(|layer| layer).await;
-    for _ in 0..2 {
-        let (status, _, body) = s.send("/panic", Some("\"p\""), "m").await;
-        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
-        assert_eq!(problem_type(&body), "handler-panicked");
-    }
+    s.problem_twice(
+        "/panic",
+        "\"p\"",
+        "m",
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "handler-panicked",
+    )
+    .await;
     assert_eq!(s.counter("m").await, 0);
     assert_eq!(s.keys().await, 0);
 }
