@@ -561,7 +561,7 @@ impl DynamoAdmin {
             .expression_attribute_names("#received", "received_at")
             .expression_attribute_names("#expires", TTL_ATTRIBUTE);
         self.scan_each(scan, |read| {
-            if read.expired(now)? {
+            if read.expired(now)? || read.leased() {
                 return Ok(());
             }
             let consumer = read.text("consumer")?.to_owned();
@@ -814,7 +814,7 @@ impl DynamoAdmin {
         };
         self.count_read(1);
         let read = Read::new(self.table(), &item);
-        if read.expired(Now::read())? {
+        if read.expired(Now::read())? || read.leased() {
             return Ok(None);
         }
         read.message().map(Some)
@@ -962,6 +962,12 @@ impl<'a> Read<'a> {
             ) => Ok(status),
             _ => Err(self.malformed(format!("status `{text}` is not one this store writes"))),
         }
+    }
+
+    /// The lease of an HTTP request still running (`crate::http::DynamoIdempotencyLayer`):
+    /// nothing settled yet, absent to the admin as an uncommitted claim is on the SQL stores.
+    fn leased(&self) -> bool {
+        matches!(self.item.get("status"), Some(AttributeValue::S(status)) if status == super::LEASED_STATUS)
     }
 
     /// A processed or discarded item whose retention window has passed: absent to the inbox.
