@@ -779,10 +779,11 @@ async fn the_command_line_on_dynamodb() {
              DynamoInbox::retention)",
         ),
         (
+            // This program links no DynamoDB handlers (tests/dynamodb_handlers.rs replays).
             vec!["dead", "replay", "ledger", "m1"],
-            "`dead replay` is not available on DynamoDB: replaying runs the message's registered \
-             handler: the command line has none on DynamoDB yet: run DynamoDispatcher::replay in \
-             the program that links the handlers (`dead show` gives the message name and payload)",
+            "no #[idempotent] DynamoDB handlers are registered; a crate whose handlers nothing \
+             references is not linked: add `use that_crate as _;`, or list the handlers with \
+             `DynamoDispatcher::from_handlers(inbox, [handler!(path::to::function)])`",
         ),
         (
             vec!["outbox", "list"],

@@ -615,3 +615,84 @@ async fn the_closure_api_refuses_an_ordered_message_too() {
         None
     );
 }
+
+/// Runs the admin command line (`ops::cli::dynamodb`) with `args` on `inbox`: what it printed,
+/// and its error's text if it failed.
+async fn cli(inbox: &DynamoInbox, args: &[&str]) -> (String, Option<String>) {
+    use clap::Parser as _;
+    let command = inbox_runtime::ops::cli::AdminCli::try_parse_from(
+        std::iter::once("admin").chain(args.iter().copied()),
+    )
+    .unwrap()
+    .command;
+    let mut out = Vec::new();
+    let result = inbox_runtime::ops::cli::dynamodb::execute_to(&command, inbox, &mut out).await;
+    (
+        String::from_utf8(out).unwrap(),
+        result.err().map(|error| error.to_string()),
+    )
+}
+
+/// `dead replay` on the command line runs the program's registered DynamoDB handlers: one key
+/// (then a duplicate), and `--all` with a message whose cause is not fixed yet, then fixed.
+#[tokio::test]
+async fn the_command_line_replays_dead_letters_through_the_registered_handlers() {
+    let inbox = setup().await;
+    let (a, b) = (fresh("acct"), fresh("acct"));
+    let (first, second) = (message(&a, 100), message(&b, 200));
+    for msg in [&first, &second] {
+        script(&msg.account, vec![TestError::Fatal]);
+        let (_, _, _, disposition) = failure(credit(&inbox, msg.clone()).await);
+        assert_eq!(disposition, Disposition::Dead);
+    }
+
+    let one = ["dead", "replay", "ledger", first.id.as_str()];
+    assert_eq!(
+        cli(&inbox, &one).await,
+        (format!("ledger/{}: processed\n", first.id), None)
+    );
+    assert_eq!(balance(&inbox, &a).await, Some(100));
+    assert_eq!(
+        cli(&inbox, &one).await,
+        (
+            format!("ledger/{}: duplicate (processed meanwhile)\n", first.id),
+            None
+        )
+    );
+    assert_eq!(balance(&inbox, &a).await, Some(100));
+
+    // The second one's cause is not fixed: its replay fails again and it stays dead.
+    script(&b, vec![TestError::Fatal]);
+    assert_eq!(
+        cli(&inbox, &["dead", "replay", "--all"]).await,
+        (
+            format!(
+                "ledger/{}: handler failed (permanent error, attempt 2, dead-lettered): fatal\n\
+                 replayed 1: 0 processed, 0 duplicates, 1 not processed\n",
+                second.id
+            ),
+            Some("1 of 1 replays did not succeed".to_owned())
+        )
+    );
+    assert_eq!(balance(&inbox, &b).await, None);
+    assert_eq!(
+        inbox_status(&inbox, "ledger", &second.id).await.as_deref(),
+        Some("dead")
+    );
+    // Fixed now.
+    assert_eq!(
+        cli(&inbox, &["dead", "replay", "--all", "--consumer", "ledger"]).await,
+        (
+            "replayed 1: 1 processed, 0 duplicates, 0 not processed\n".to_owned(),
+            None
+        )
+    );
+    assert_eq!(balance(&inbox, &b).await, Some(200));
+    assert_eq!(
+        cli(&inbox, &["dead", "replay", "ledger", "no-such-key"]).await,
+        (
+            String::new(),
+            Some("consumer `ledger` has no message with key `no-such-key`".to_owned())
+        )
+    );
+}

@@ -359,6 +359,40 @@ inbox_tests::backend_matrix! {
         assert!(clock.cutoff < clock.now, "{clock:?}");
     }
 
+    /// `dead replay` prints each replay's outcome, and with `--all` the ones not processed and
+    /// the totals (the loop DynamoDB's command line shares): a processed key is a duplicate, a
+    /// note the handler still refuses fails again and stays dead, nothing applies twice.
+    #[tokio::test]
+    async fn dead_replay_prints_each_outcome_and_the_totals() {
+        let (pool, _guard) = fixture().await;
+        let dispatcher = Dispatcher::from_registry(pool.clone()).unwrap();
+        assert_eq!(send(&dispatcher, "r-ok", false).await, "processed");
+        assert_eq!(send(&dispatcher, "r-bad", true).await, "handler");
+
+        let (result, printed) = admin_cli(&pool, "dead replay ops r-ok").await;
+        result.unwrap();
+        assert_eq!(printed, "ops/r-ok: duplicate (processed meanwhile)\n");
+        let (result, printed) = admin_cli(&pool, "dead replay ops r-bad").await;
+        assert_eq!(result.unwrap_err().to_string(), "1 of 1 replays did not succeed");
+        assert_eq!(
+            printed,
+            "ops/r-bad: handler failed (permanent error, attempt 2, dead-lettered): \
+             note `r-bad` refused\n"
+        );
+        let (result, printed) = admin_cli(&pool, "dead replay --all --consumer ops").await;
+        assert_eq!(result.unwrap_err().to_string(), "1 of 1 replays did not succeed");
+        assert_eq!(
+            printed,
+            "ops/r-bad: handler failed (permanent error, attempt 3, dead-lettered): \
+             note `r-bad` refused\nreplayed 1: 0 processed, 0 duplicates, 1 not processed\n"
+        );
+        assert_eq!(inbox_tests::effect(&pool, "ops:r-ok").await, Some((1, 1)));
+        assert_eq!(
+            admin::show(&pool, "ops", "r-bad").await.unwrap().unwrap().status.as_str(),
+            "dead"
+        );
+    }
+
     /// Item 7: every command that names a consumer refuses one that has neither rows nor a
     /// registered handler, naming those that exist; nothing is printed, nothing changes.
     #[tokio::test]

@@ -363,6 +363,34 @@ fn payments_api(pool: sqlx::SqlitePool) -> Router {
 // ---- end README block ----
 }
 
+/// The README's Idempotency-Key layer on DynamoDB, compiled.
+#[rustfmt::skip]
+mod http_dynamodb {
+// ---- README block: http-dynamodb ----
+use axum::{Router, http::StatusCode, routing::post};
+use inbox_runtime::dynamodb::{DynamoInbox, sdk::types::{AttributeValue, Update}};
+use inbox_runtime::http::{DynamoIdempotencyLayer, DynamoIdempotencyTx};
+
+/// `POST /accounts/acct-1/credits`: the update, the key and the stored response in one
+/// TransactWriteItems.
+async fn credit(mut tx: DynamoIdempotencyTx) -> Result<StatusCode, StatusCode> {
+    let update = Update::builder().table_name("accounts")
+        .key("id", AttributeValue::S("acct-1".into()))
+        .update_expression("ADD balance :amount")
+        .expression_attribute_values(":amount", AttributeValue::N("500".into()))
+        .build().map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+    tx.update(update);
+    Ok(StatusCode::CREATED)
+}
+
+fn credits_api(inbox: DynamoInbox) -> Router {
+    Router::new()
+        .route("/accounts/acct-1/credits", post(credit))
+        .route_layer(DynamoIdempotencyLayer::new(inbox)) // lease 30 s, keys kept 7 days
+}
+// ---- end README block ----
+}
+
 /// The README's step key for a call to a payment provider, compiled; the message, the error
 /// and a stand-in for the provider's client first.
 #[rustfmt::skip]
@@ -579,7 +607,7 @@ fn the_readme_shows_these_blocks_word_for_word() {
     let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
         .expect("read README.md");
     let blocks = blocks();
-    assert_eq!(blocks.len(), 19);
+    assert_eq!(blocks.len(), 20);
     for (name, text) in blocks {
         let fenced = format!("```rust\n{text}```\n");
         assert!(

@@ -46,13 +46,15 @@
 //! * Replaying a failed or dead message runs its registered handler:
 //!   [`DynamoDispatcher::replay`](super::DynamoDispatcher::replay) (by consumer and key), or
 //!   [`DynamoInbox::replay_stored`] with a handler of your own on what [`DynamoAdmin::show`]
-//!   reads. The command line has no `dead replay` on DynamoDB yet.
+//!   reads. The command line's `dead replay` runs the first
+//!   ([`crate::ops::cli::dynamodb`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, UNIX_EPOCH};
 
+use aws_sdk_dynamodb::operation::scan::builders::ScanFluentBuilder;
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, AttributeValue, GlobalSecondaryIndex, GlobalSecondaryIndexUpdate,
     IndexStatus, KeySchemaElement, KeyType, Projection, ProjectionType, ScalarAttributeType,
@@ -446,6 +448,51 @@ pub(super) fn dead_letter_index() -> GlobalSecondaryIndex {
 /// An item as read.
 type Item = HashMap<String, AttributeValue>;
 
+/// The expressions of a read of the dead-letter index: the consumer's key condition's names and
+/// values (a `Query`), and the filter on one status (none when both are wanted).
+struct Filter {
+    expression: Option<String>,
+    names: HashMap<String, String>,
+    values: Item,
+}
+
+impl Filter {
+    fn dead_letters(consumer: Option<&str>, status: Option<&str>) -> Self {
+        let mut filter = Self {
+            expression: None,
+            names: HashMap::new(),
+            values: HashMap::new(),
+        };
+        if let Some(consumer) = consumer {
+            filter
+                .names
+                .insert("#consumer".into(), DEAD_LETTER_ATTRIBUTE.into());
+            filter.values.insert(":consumer".into(), s(consumer));
+        }
+        if let Some(status) = status {
+            filter.expression = Some("#status = :status".into());
+            filter.names.insert("#status".into(), "status".into());
+            filter.values.insert(":status".into(), s(status));
+        }
+        filter
+    }
+
+    /// The filter expression, the names and the values; `None` for an empty map (DynamoDB
+    /// refuses one).
+    #[allow(clippy::type_complexity)]
+    fn into_parts(
+        self,
+    ) -> (
+        Option<String>,
+        Option<HashMap<String, String>>,
+        Option<Item>,
+    ) {
+        let names = (!self.names.is_empty()).then_some(self.names);
+        let values = (!self.values.is_empty()).then_some(self.values);
+        (self.expression, names, values)
+    }
+}
+
 impl DynamoAdmin {
     /// The inbox this admin works on.
     pub fn inbox(&self) -> &DynamoInbox {
@@ -502,42 +549,30 @@ impl DynamoAdmin {
     pub async fn stats(&self) -> Result<Vec<StatsRow>, AdminError> {
         let now = Now::read();
         let mut groups: HashMap<(String, Status), (i64, i64)> = HashMap::new();
-        let mut start: Option<Item> = None;
-        loop {
-            self.count_call();
-            let page = self
-                .inbox
-                .client
-                .scan()
-                .table_name(self.table())
-                .projection_expression("#pk, #consumer, #status, #received, #expires")
-                .expression_attribute_names("#pk", "pk")
-                .expression_attribute_names("#consumer", "consumer")
-                .expression_attribute_names("#status", "status")
-                .expression_attribute_names("#received", "received_at")
-                .expression_attribute_names("#expires", TTL_ATTRIBUTE)
-                .set_exclusive_start_key(start.take())
-                .send()
-                .await
-                .map_err(|e| self.dynamo("Scan", e.into()))?;
-            self.count_read(page.scanned_count);
-            for item in page.items() {
-                let read = Read::new(self.table(), item);
-                if read.expired(now)? {
-                    continue;
-                }
-                let consumer = read.text("consumer")?.to_owned();
-                let status = read.status()?;
-                let received = read.number("received_at")?.unwrap_or(0);
-                let group = groups.entry((consumer, status)).or_insert((0, i64::MAX));
-                group.0 += 1;
-                group.1 = group.1.min(received);
+        let scan = self
+            .inbox
+            .client
+            .scan()
+            .table_name(self.table())
+            .projection_expression("#pk, #consumer, #status, #received, #expires")
+            .expression_attribute_names("#pk", "pk")
+            .expression_attribute_names("#consumer", "consumer")
+            .expression_attribute_names("#status", "status")
+            .expression_attribute_names("#received", "received_at")
+            .expression_attribute_names("#expires", TTL_ATTRIBUTE);
+        self.scan_each(scan, |read| {
+            if read.expired(now)? || read.leased() {
+                return Ok(());
             }
-            match page.last_evaluated_key {
-                Some(key) if !key.is_empty() => start = Some(key),
-                _ => break,
-            }
-        }
+            let consumer = read.text("consumer")?.to_owned();
+            let status = read.status()?;
+            let received = read.number("received_at")?.unwrap_or(0);
+            let group = groups.entry((consumer, status)).or_insert((0, i64::MAX));
+            group.0 += 1;
+            group.1 = group.1.min(received);
+            Ok(())
+        })
+        .await?;
         let mut rows: Vec<StatsRow> = groups
             .into_iter()
             .map(|((consumer, status), (count, oldest))| StatsRow {
@@ -605,34 +640,32 @@ impl DynamoAdmin {
         statuses: &[Status],
         limit: usize,
     ) -> Result<Vec<StoredMessage>, AdminError> {
+        // One status: a filter on it; both: none (the index holds only failed and dead items).
         let both = statuses.contains(&Status::Failed) && statuses.contains(&Status::Dead);
+        let status = (!both).then(|| statuses[0].as_str());
         let mut rows = Vec::new();
         let mut start: Option<Item> = None;
         loop {
             self.count_call();
             let page = match consumer {
                 Some(consumer) => {
-                    let mut query = self
+                    let (filter, names, values) =
+                        Filter::dead_letters(Some(consumer), status).into_parts();
+                    let page = self
                         .inbox
                         .client
                         .query()
                         .table_name(self.table())
                         .index_name(DEAD_LETTER_INDEX)
                         .key_condition_expression("#consumer = :consumer")
-                        .expression_attribute_names("#consumer", DEAD_LETTER_ATTRIBUTE)
-                        .expression_attribute_values(":consumer", s(consumer))
+                        .set_filter_expression(filter)
+                        .set_expression_attribute_names(names)
+                        .set_expression_attribute_values(values)
                         .scan_index_forward(true)
                         // One more than asked for: it tells whether the last one kept has
                         // items of the same millisecond after it.
                         .limit(i32::try_from(limit.saturating_add(1)).unwrap_or(i32::MAX))
-                        .set_exclusive_start_key(start.take());
-                    if !both {
-                        query = query
-                            .filter_expression("#status = :status")
-                            .expression_attribute_names("#status", "status")
-                            .expression_attribute_values(":status", s(statuses[0].as_str()));
-                    }
-                    let page = query
+                        .set_exclusive_start_key(start.take())
                         .send()
                         .await
                         .map_err(|e| self.dynamo("Query", e.into()))?;
@@ -640,20 +673,17 @@ impl DynamoAdmin {
                     (page.items, page.last_evaluated_key)
                 }
                 None => {
-                    let mut scan = self
+                    let (filter, names, values) = Filter::dead_letters(None, status).into_parts();
+                    let page = self
                         .inbox
                         .client
                         .scan()
                         .table_name(self.table())
                         .index_name(DEAD_LETTER_INDEX)
-                        .set_exclusive_start_key(start.take());
-                    if !both {
-                        scan = scan
-                            .filter_expression("#status = :status")
-                            .expression_attribute_names("#status", "status")
-                            .expression_attribute_values(":status", s(statuses[0].as_str()));
-                    }
-                    let page = scan
+                        .set_filter_expression(filter)
+                        .set_expression_attribute_names(names)
+                        .set_expression_attribute_values(values)
+                        .set_exclusive_start_key(start.take())
                         .send()
                         .await
                         .map_err(|e| self.dynamo("Scan", e.into()))?;
@@ -709,32 +739,46 @@ impl DynamoAdmin {
                 .expression_attribute_names("#consumer", "consumer")
                 .expression_attribute_values(":consumer", s(consumer));
         }
-        let scan = scan.filter_expression(filter);
         let mut rows = Vec::new();
-        let mut start: Option<Item> = None;
-        loop {
-            self.count_call();
-            let page = scan
-                .clone()
-                .set_exclusive_start_key(start.take())
-                .send()
-                .await
-                .map_err(|e| self.dynamo("Scan", e.into()))?;
+        self.scan_each(scan.filter_expression(filter), |read| {
+            if !read.expired(now)? {
+                let mut row = read.message()?;
+                row.payload = None;
+                rows.push(row);
+            }
+            Ok(())
+        })
+        .await?;
+        Ok(rows)
+    }
+
+    /// Runs `scan` to its end, page by page (the SDK's paginator: one call per 1 MB page),
+    /// counting the calls and the items read, and hands each item to `each`.
+    ///
+    /// # Errors
+    /// [`AdminError::Dynamo`] if a `Scan` fails; the first error of `each`.
+    async fn scan_each(
+        &self,
+        scan: ScanFluentBuilder,
+        mut each: impl FnMut(Read<'_>) -> Result<(), AdminError>,
+    ) -> Result<(), AdminError> {
+        let mut pages = scan.into_paginator().send();
+        self.count_call();
+        while let Some(page) = pages.next().await {
+            let page = page.map_err(|e| self.dynamo("Scan", e.into()))?;
             self.count_read(page.scanned_count);
             for item in page.items() {
-                let read = Read::new(self.table(), item);
-                if !read.expired(now)? {
-                    let mut row = read.message()?;
-                    row.payload = None;
-                    rows.push(row);
-                }
+                each(Read::new(self.table(), item))?;
             }
-            match page.last_evaluated_key {
-                Some(key) if !key.is_empty() => start = Some(key),
-                _ => break,
+            if page
+                .last_evaluated_key
+                .as_ref()
+                .is_some_and(|key| !key.is_empty())
+            {
+                self.count_call();
             }
         }
-        Ok(rows)
+        Ok(())
     }
 
     /// One item of `consumer` and `key`, its payload included (failed and dead items keep it:
@@ -770,7 +814,7 @@ impl DynamoAdmin {
         };
         self.count_read(1);
         let read = Read::new(self.table(), &item);
-        if read.expired(Now::read())? {
+        if read.expired(Now::read())? || read.leased() {
             return Ok(None);
         }
         read.message().map(Some)
@@ -918,6 +962,12 @@ impl<'a> Read<'a> {
             ) => Ok(status),
             _ => Err(self.malformed(format!("status `{text}` is not one this store writes"))),
         }
+    }
+
+    /// The lease of an HTTP request still running (`crate::http::DynamoIdempotencyLayer`):
+    /// nothing settled yet, absent to the admin as an uncommitted claim is on the SQL stores.
+    fn leased(&self) -> bool {
+        matches!(self.item.get("status"), Some(AttributeValue::S(status)) if status == super::LEASED_STATUS)
     }
 
     /// A processed or discarded item whose retention window has passed: absent to the inbox.

@@ -145,7 +145,9 @@
 //! One table, partition key `pk` (string): `<len>:<consumer><key>`, the consumer's length in
 //! UTF-8 bytes, a colon, the consumer and the idempotency key (no two pairs share one). On-demand
 //! billing; TTL on `expires_at`. Attributes: `consumer`, `message_key`, `message_name`,
-//! `payload_hash` (64 hex digits, [`Fingerprint`]), `status` (`processed` | `failed` | `dead`),
+//! `payload_hash` (64 hex digits, [`Fingerprint`]), `status` (`processed` | `failed` | `dead`;
+//! `in_progress` for the lease of an HTTP request still running, see
+//! `http::DynamoIdempotencyLayer`: skipped by the admin's `stats` and `show`),
 //! `attempts`, `received_at`, `processed_at`, `next_attempt_at` (epoch milliseconds),
 //! `last_error`, `payload` (binary; failed and dead only), `expires_at` (epoch seconds;
 //! processed, and discarded from the discard on), [`DEAD_LETTER_ATTRIBUTE`] (the consumer;
@@ -184,11 +186,10 @@
 //!   workers' clocks should agree to well under the retry delays and the retention window.
 //! * A handler action on the inbox table's own item of this key is refused by DynamoDB (one
 //!   action per item per transaction): [`DynamoError::Cancelled`] or [`DynamoError::Dynamo`].
-//! * Not yet: parked and stale states (per-aggregate ordering), `dead replay` on the command
-//!   line, the console, the outbox's admin and command line. A delivery the
-//!   [`DynamoDispatcher`] refuses is not kept (there is no rejections table, and `stats` has no
-//!   `rejected:…` rows): leave it to the broker's dead-letter queue ([`DynamoWorker`] rejects
-//!   it).
+//! * Not yet: parked and stale states (per-aggregate ordering), the console, the outbox's admin
+//!   and command line. A delivery the [`DynamoDispatcher`] refuses is not kept (there is no
+//!   rejections table, and `stats` has no `rejected:…` rows): leave it to the broker's
+//!   dead-letter queue ([`DynamoWorker`] rejects it).
 //! * [`DynamoWorker`] is the [`Worker`](crate::Worker) without what is SQL-only: batches of
 //!   deliveries per transaction, kept connection slots, partitions, the parked-message sweep.
 //!
@@ -201,6 +202,8 @@
 
 mod admin;
 pub(crate) mod dispatch;
+#[cfg(feature = "http")]
+pub(crate) mod lease;
 pub mod outbox;
 mod size;
 mod worker;
@@ -260,6 +263,10 @@ pub const MAX_PARTITION_KEY_BYTES: usize = 2048;
 
 /// The attribute DynamoDB's TTL is enabled on: the end of the retention window, epoch seconds.
 pub const TTL_ATTRIBUTE: &str = "expires_at";
+
+/// The status of the key item of an HTTP request still running: its lease
+/// (`crate::http::DynamoIdempotencyLayer`).
+pub(crate) const LEASED_STATUS: &str = "in_progress";
 
 /// The default retention window: 7 days.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 86_400);
@@ -1254,19 +1261,34 @@ impl DynamoInbox {
         items.push(TransactWriteItem::builder().put(claim_put).build());
         items.extend(actions);
         check_sizes(&items)?;
+        let token = |resend: usize| request_token(ctx.consumer, ctx.key, attempt, resend);
+        self.transact(ctx, &items, token, resend).await
+    }
+
+    /// Sends `items` (action 0 the key's own conditional `Put`, then the handler's actions) as
+    /// one `TransactWriteItems` under the client request token `token(resend)`, resending after
+    /// transient cancellations and errors by the policy, and maps a cancellation by its reasons
+    /// (see the module's docs, step 4). `resend` is bumped after each definite cancellation.
+    async fn transact<E>(
+        &self,
+        ctx: &Ctx<'_>,
+        items: &[TransactWriteItem],
+        token: impl Fn(usize) -> String,
+        resend: &mut usize,
+    ) -> Result<Submitted, DynamoError<E>> {
         let mut delays = self.policy.transient_schedule();
         let mut tries = 0;
         loop {
             // The same token while the request may have been applied (an error with no
             // cancellation: throttled, in progress, an answer lost); the next after a definite
             // cancellation, which applied nothing.
-            let token = request_token(ctx.consumer, ctx.key, attempt, *resend);
+            let token = token(*resend);
             tries += 1;
             self.count_call();
             let sent = self
                 .client
                 .transact_write_items()
-                .set_transact_items(Some(items.clone()))
+                .set_transact_items(Some(items.to_vec()))
                 .client_request_token(&token)
                 .send()
                 .await;
@@ -1315,7 +1337,7 @@ impl DynamoInbox {
                 }
                 Verdict::ConditionFailed(index) => {
                     return Ok(Submitted::ConditionFailed(condition_failed(
-                        &items, &listed, index,
+                        items, &listed, index,
                     )));
                 }
                 Verdict::Transient => {

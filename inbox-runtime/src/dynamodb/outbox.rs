@@ -155,8 +155,8 @@ use super::{
     ensure_ttl, n, s,
 };
 use crate::outbox::relay::{
-    check_lease, lease_lost, message_span, one_per_message, outgoing, report_abandoned,
-    report_failed, report_sent, report_timed_out, retry_in,
+    check_lease, in_round_span, lease_lost, message_span, one_per_message, outgoing,
+    report_abandoned, report_failed, report_sent, report_timed_out, retry_in,
 };
 use crate::outbox::{
     MAX_BACKOFF, Outbox, OutboxError, OutboxMessage, RelayConfigError, RelayReport, RoundReport,
@@ -611,25 +611,7 @@ impl DynamoRelay {
     /// error is returned (their outcomes are in the metrics and spans, not in a report).
     /// Items leased and not marked are published again after their lease, with the same ids.
     pub async fn run_once(&self) -> Result<RoundReport, OutboxCallError> {
-        let span = tracing::info_span!(
-            "inbox.outbox.round",
-            leased = tracing::field::Empty,
-            published = tracing::field::Empty,
-            failed = tracing::field::Empty,
-            dead = tracing::field::Empty,
-            abandoned = tracing::field::Empty,
-            timed_out = tracing::field::Empty,
-            lease_lost = tracing::field::Empty,
-        );
-        let report = self.round().instrument(span.clone()).await?;
-        span.record("leased", report.leased);
-        span.record("published", report.published);
-        span.record("failed", report.failed);
-        span.record("dead", report.dead);
-        span.record("abandoned", report.abandoned);
-        span.record("timed_out", report.timed_out);
-        span.record("lease_lost", report.lease_lost);
-        Ok(report)
+        in_round_span(self.round()).await
     }
 
     async fn round(&self) -> Result<RoundReport, OutboxCallError> {

@@ -40,24 +40,28 @@ impl<DB: InboxDatabase> Held<DB> {
     }
 }
 
-/// Where the layer puts the request's transaction for the handler, and takes it back from after
-/// the handler returned: a request extension shared by both.
-pub(crate) struct TxSlot<DB: InboxDatabase>(Arc<SlotInner<DB>>);
+/// Where the layer puts the request's transaction (`T`: the SQL stores' [`Held`], DynamoDB's
+/// `DynamoTx`) for the handler, and takes it back from after the handler returned: a request
+/// extension shared by both.
+pub(crate) struct Slot<T>(Arc<SlotInner<T>>);
 
-pub(crate) struct SlotInner<DB: InboxDatabase> {
-    held: Mutex<Option<Held<DB>>>,
+/// The SQL stores' slot.
+pub(crate) type TxSlot<DB> = Slot<Held<DB>>;
+
+pub(crate) struct SlotInner<T> {
+    held: Mutex<Option<T>>,
     scope: String,
     key: Option<IdempotencyKey>,
 }
 
-impl<DB: InboxDatabase> Clone for TxSlot<DB> {
+impl<T> Clone for Slot<T> {
     fn clone(&self) -> Self {
         Self(Arc::clone(&self.0))
     }
 }
 
-impl<DB: InboxDatabase> TxSlot<DB> {
-    pub(crate) fn new(held: Held<DB>, scope: String, key: Option<IdempotencyKey>) -> Self {
+impl<T: Send + 'static> Slot<T> {
+    pub(crate) fn new(held: T, scope: String, key: Option<IdempotencyKey>) -> Self {
         Self(Arc::new(SlotInner {
             held: Mutex::new(Some(held)),
             scope,
@@ -65,15 +69,102 @@ impl<DB: InboxDatabase> TxSlot<DB> {
         }))
     }
 
-    /// The transaction, if it is in the slot (not taken by a live [`IdempotencyTx`]).
-    pub(crate) fn take(&self) -> Option<Held<DB>> {
+    /// The transaction, if it is in the slot (not taken by a live extractor).
+    pub(crate) fn take(&self) -> Option<T> {
         self.0.held.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 
-    fn put(&self, held: Held<DB>) {
+    fn put(&self, held: T) {
         *self.0.held.lock().unwrap_or_else(|e| e.into_inner()) = Some(held);
     }
+
+    pub(crate) fn scope(&self) -> &str {
+        &self.0.scope
+    }
+
+    pub(crate) fn key(&self) -> Option<&IdempotencyKey> {
+        self.0.key.as_ref()
+    }
 }
+
+/// A transaction taken from its [`Slot`] by an extractor, given back when dropped.
+pub(crate) struct Taken<T: Send + 'static> {
+    held: Option<T>,
+    pub(crate) slot: Slot<T>,
+}
+
+impl<T: Send + 'static> Taken<T> {
+    /// Takes the transaction of the request's slot.
+    pub(crate) fn from_parts(parts: &Parts) -> Result<Self, MissingTransaction> {
+        let slot = parts
+            .extensions
+            .get::<Slot<T>>()
+            .cloned()
+            .ok_or(MissingTransaction::NotBehindLayer)?;
+        let held = slot.take().ok_or(MissingTransaction::AlreadyTaken)?;
+        Ok(Self {
+            held: Some(held),
+            slot,
+        })
+    }
+
+    pub(crate) fn get(&self) -> &T {
+        self.held
+            .as_ref()
+            .expect("an extractor holds its transaction until dropped")
+    }
+
+    pub(crate) fn get_mut(&mut self) -> &mut T {
+        self.held
+            .as_mut()
+            .expect("an extractor holds its transaction until dropped")
+    }
+
+    /// The idempotency key of step `step` of this request ([`StepKey::new`]`(scope, key,
+    /// step)`); `None` without a key.
+    pub(crate) fn step_key(&self, step: &str) -> Option<StepKey> {
+        self.slot
+            .key()
+            .map(|key| StepKey::new(self.slot.scope(), key.as_str(), step))
+    }
+}
+
+/// Gives the transaction back to the layer.
+impl<T: Send + 'static> Drop for Taken<T> {
+    fn drop(&mut self) {
+        if let Some(held) = self.held.take() {
+            self.slot.put(held);
+        }
+    }
+}
+
+/// The accessors every store's extractor shares (`key`, `scope`, `step_key`), written once:
+/// expanded in the `impl` of an extractor whose field `taken` is a [`Taken`].
+macro_rules! extractor_accessors {
+    () => {
+        /// The request's idempotency key (the `Idempotency-Key` as the client sent it, unquoted),
+        /// or `None` for a request without one (where the key is optional).
+        pub fn key(&self) -> Option<&$crate::types::key::IdempotencyKey> {
+            self.taken.slot.key()
+        }
+
+        /// The scope the key is claimed in: `http <METHOD> <route>`, then a space and the
+        /// principal if there is one.
+        pub fn scope(&self) -> &str {
+            self.taken.slot.scope()
+        }
+
+        /// The idempotency key of step `step` of this request, for a call to another service: the
+        /// same for every retry of the request with its `Idempotency-Key`
+        /// ([`StepKey::new`](crate::types::step_key::StepKey::new)`(scope, key, step)`); `None`
+        /// without a key.
+        pub fn step_key(&self, step: &str) -> Option<$crate::types::step_key::StepKey> {
+            self.taken.step_key(step)
+        }
+    };
+}
+#[cfg(feature = "dynamodb")]
+pub(crate) use extractor_accessors;
 
 /// The request's database transaction, for a handler behind
 /// [`IdempotencyLayer`](super::IdempotencyLayer): an axum extractor.
@@ -128,63 +219,29 @@ impl<DB: InboxDatabase> TxSlot<DB> {
 /// # }
 /// ```
 pub struct IdempotencyTx<DB: InboxDatabase> {
-    held: Option<Held<DB>>,
-    slot: TxSlot<DB>,
+    taken: Taken<Held<DB>>,
 }
 
 impl<DB: InboxDatabase> IdempotencyTx<DB> {
     /// The connection, inside the request's transaction (also reachable as `&mut *tx`).
     pub fn connection(&mut self) -> &mut DB::Connection {
-        self.held
-            .as_mut()
-            .expect("an IdempotencyTx holds its transaction until dropped")
-            .connection()
+        self.taken.get_mut().connection()
     }
 
-    /// The request's idempotency key (the `Idempotency-Key` as the client sent it, unquoted),
-    /// or `None` for a request without one (where the key is optional).
-    pub fn key(&self) -> Option<&IdempotencyKey> {
-        self.slot.0.key.as_ref()
-    }
-
-    /// The inbox scope the key is claimed in: `http <METHOD> <route>`, then a space and the
-    /// principal if there is one (see [`IdempotencyLayer`](super::IdempotencyLayer)).
-    pub fn scope(&self) -> &str {
-        &self.slot.0.scope
-    }
-
-    /// The idempotency key of step `step` of this request, for a call to another service: the
-    /// same for every retry of the request with its `Idempotency-Key`
-    /// ([`StepKey::new`]`(scope, key, step)`); `None` without a key.
-    pub fn step_key(&self, step: &str) -> Option<StepKey> {
-        self.key()
-            .map(|key| StepKey::new(self.scope(), key.as_str(), step))
-    }
+    extractor_accessors!();
 }
 
 impl<DB: InboxDatabase> Deref for IdempotencyTx<DB> {
     type Target = DB::Connection;
 
     fn deref(&self) -> &Self::Target {
-        self.held
-            .as_ref()
-            .expect("an IdempotencyTx holds its transaction until dropped")
-            .connection_ref()
+        self.taken.get().connection_ref()
     }
 }
 
 impl<DB: InboxDatabase> DerefMut for IdempotencyTx<DB> {
     fn deref_mut(&mut self) -> &mut Self::Target {
         self.connection()
-    }
-}
-
-/// Gives the transaction back to the layer.
-impl<DB: InboxDatabase> Drop for IdempotencyTx<DB> {
-    fn drop(&mut self) {
-        if let Some(held) = self.held.take() {
-            self.slot.put(held);
-        }
     }
 }
 
@@ -235,15 +292,6 @@ where
     type Rejection = MissingTransaction;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        let slot = parts
-            .extensions
-            .get::<TxSlot<DB>>()
-            .cloned()
-            .ok_or(MissingTransaction::NotBehindLayer)?;
-        let held = slot.take().ok_or(MissingTransaction::AlreadyTaken)?;
-        Ok(Self {
-            held: Some(held),
-            slot,
-        })
+        Taken::from_parts(parts).map(|taken| Self { taken })
     }
 }

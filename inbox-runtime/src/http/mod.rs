@@ -121,12 +121,23 @@
 //! | 400 | `request-body-invalid` | a JSON-typed body that does not parse or is not Unicode text (bytes that are not UTF-8, an escape that decodes to an unpaired surrogate such as `"\ud800"`), or an unreadable body |
 //! | 413 | `request-body-too-large` | a body above `max_body_bytes` |
 //! | 409 | `idempotency-key-in-use` | a request with this key is still being processed (`Retry-After`) |
+//! | 409 | `condition-failed` | DynamoDB only ([`DynamoIdempotencyLayer`]): a condition of the handler's actions failed at the commit; nothing written |
 //! | 422 | `idempotency-key-reused` | this key was used for a different request |
 //! | 500 | `handler-panicked`, `response-too-large`, `transaction-unavailable`, `transaction-failed`, `stored-response-unreadable` | the application failed; nothing stored |
 //! | 503 | `store-unavailable`, `outcome-unknown` | the database failed (`Retry-After`) |
 //!
 //! None of them is stored, and none writes anything: a client may correct the request (or, for
 //! 409 and 503, wait) and retry with the same key.
+//!
+//! # On DynamoDB
+//!
+//! With the feature `dynamodb` too, [`DynamoIdempotencyLayer`] runs this pipeline (the same
+//! settings, steps 1 to 4, statuses and problems) on a [`DynamoInbox`](crate::dynamodb::DynamoInbox)'s
+//! table: the handler gets the [`DynamoTx`](crate::dynamodb::DynamoTx) through
+//! [`DynamoIdempotencyTx`], and its actions, the key's item and the stored response commit in one
+//! `TransactWriteItems`. DynamoDB has no locks: a lease on the key, taken before the handler
+//! runs, gives concurrent duplicates their 409. Its calls per request, its limits (a stored
+//! response in a 400 KB item) and its retention are in [`DynamoIdempotencyLayer`]'s docs.
 //!
 //! # Retention
 //!
@@ -157,6 +168,8 @@
 //! [`Fingerprint::of`]: crate::Fingerprint::of
 //! [`Fingerprint::of_bytes`]: crate::Fingerprint::of_bytes
 
+#[cfg(feature = "dynamodb")]
+mod dynamo;
 mod extract;
 mod key;
 mod problem;
@@ -170,10 +183,12 @@ use http::{HeaderName, Method, StatusCode, header};
 use sqlx::Pool;
 
 use crate::protocol::hooks::{Hooks, TransactionHook};
-use crate::setters::setters;
 use crate::store::InboxDatabase;
-use crate::types::key::MAX_KEY_BYTES;
 
+#[cfg(feature = "dynamodb")]
+pub use dynamo::{
+    DEFAULT_LEASE, DynamoIdempotencyLayer, DynamoIdempotencyService, DynamoIdempotencyTx,
+};
 pub use extract::{IdempotencyTx, MissingTransaction};
 pub use service::IdempotencyService;
 
@@ -209,8 +224,9 @@ pub struct IdempotencyLayer<DB: InboxDatabase> {
     config: Arc<Config<DB>>,
 }
 
-pub(crate) struct Config<DB: InboxDatabase> {
-    pool: Pool<DB>,
+/// The settings every store's layer shares: what the request pipeline reads.
+#[derive(Clone)]
+pub(crate) struct Settings {
     methods: Vec<Method>,
     require_key: bool,
     accept_unquoted: bool,
@@ -222,9 +238,57 @@ pub(crate) struct Config<DB: InboxDatabase> {
     stored_headers: Vec<HeaderName>,
     retry_after: Duration,
     problem_base: String,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            methods: vec![Method::POST, Method::PATCH],
+            require_key: true,
+            accept_unquoted: false,
+            max_key_len: DEFAULT_MAX_KEY_LEN,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            max_response_bytes: DEFAULT_MAX_BODY_BYTES,
+            principal: None,
+            stores: Arc::new(stored_by_default),
+            stored_headers: default_stored_headers(),
+            retry_after: Duration::from_secs(1),
+            problem_base: DEFAULT_PROBLEM_BASE.to_owned(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("methods", &self.methods)
+            .field("require_key", &self.require_key)
+            .field("accept_unquoted_keys", &self.accept_unquoted)
+            .field("max_key_len", &self.max_key_len)
+            .field("max_body_bytes", &self.max_body_bytes)
+            .field("max_response_bytes", &self.max_response_bytes)
+            .field("principal", &self.principal.is_some())
+            .field("stored_headers", &self.stored_headers)
+            .field("retry_after", &self.retry_after)
+            .field("problem_type_base", &self.problem_base)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) struct Config<DB: InboxDatabase> {
+    settings: Settings,
+    pool: Pool<DB>,
     hooks: Hooks<DB>,
     /// The table prefix of the scope the layer was built in: requests run in it.
     pub(crate) prefix: Option<crate::store::TablePrefix>,
+}
+
+impl<DB: InboxDatabase> std::ops::Deref for Config<DB> {
+    type Target = Settings;
+
+    fn deref(&self) -> &Settings {
+        &self.settings
+    }
 }
 
 impl<DB: InboxDatabase> Clone for IdempotencyLayer<DB> {
@@ -238,18 +302,8 @@ impl<DB: InboxDatabase> Clone for IdempotencyLayer<DB> {
 impl<DB: InboxDatabase> Clone for Config<DB> {
     fn clone(&self) -> Self {
         Self {
+            settings: self.settings.clone(),
             pool: self.pool.clone(),
-            methods: self.methods.clone(),
-            require_key: self.require_key,
-            accept_unquoted: self.accept_unquoted,
-            max_key_len: self.max_key_len,
-            max_body_bytes: self.max_body_bytes,
-            max_response_bytes: self.max_response_bytes,
-            principal: self.principal.clone(),
-            stores: Arc::clone(&self.stores),
-            stored_headers: self.stored_headers.clone(),
-            retry_after: self.retry_after,
-            problem_base: self.problem_base.clone(),
             hooks: self.hooks.clone(),
             prefix: self.prefix.clone(),
         }
@@ -258,19 +312,9 @@ impl<DB: InboxDatabase> Clone for Config<DB> {
 
 impl<DB: InboxDatabase> std::fmt::Debug for IdempotencyLayer<DB> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let c = &self.config;
         f.debug_struct("IdempotencyLayer")
-            .field("methods", &c.methods)
-            .field("require_key", &c.require_key)
-            .field("accept_unquoted_keys", &c.accept_unquoted)
-            .field("max_key_len", &c.max_key_len)
-            .field("max_body_bytes", &c.max_body_bytes)
-            .field("max_response_bytes", &c.max_response_bytes)
-            .field("principal", &c.principal.is_some())
-            .field("stored_headers", &c.stored_headers)
-            .field("retry_after", &c.retry_after)
-            .field("problem_type_base", &c.problem_base)
-            .field("hooks", &c.hooks.runner().is_some())
+            .field("settings", &self.config.settings)
+            .field("hooks", &self.config.hooks.runner().is_some())
             .finish_non_exhaustive()
     }
 }
@@ -305,6 +349,124 @@ pub fn default_stored_headers() -> Vec<HeaderName> {
     ]
 }
 
+/// The builder setters of the settings every store's layer shares, written once: expanded in
+/// each layer's `impl`, which has `fn settings_mut(&mut self) -> &mut Settings`.
+macro_rules! settings_setters {
+    () => {
+    $crate::setters::setters! {
+            /// The methods the layer covers (default `POST` and `PATCH`, the methods RFC 9110 does not
+            /// make idempotent); requests with other methods pass through untouched.
+            pub fn methods(methods: impl IntoIterator<Item = Method>) {
+                self.settings_mut().methods = methods.into_iter().collect();
+            }
+
+            /// Whether a covered request without `Idempotency-Key` is refused with 400 (`true`, the
+            /// default) or runs without a claim, in a plain transaction that commits by the same
+            /// status rule and stores nothing (`false`).
+            pub fn require_key(required: bool) {
+                self.settings_mut().require_key = required;
+            }
+
+            /// Also accept keys sent without the quotes of an sf-string (`Idempotency-Key: abc123`, as
+            /// clients written for Stripe-style APIs send them): a value that does not parse as an
+            /// sf-string is taken verbatim if it is visible ASCII without spaces (`%x21-7E`) and does
+            /// not start with `"`. Default `false`: such a key is a 400, as the draft's syntax says.
+            pub fn accept_unquoted_keys(accept: bool) {
+                self.settings_mut().accept_unquoted = accept;
+            }
+
+            /// The longest key accepted, in characters (sf-string characters are ASCII, so also bytes);
+            /// longer keys are a 400. Default 255; values above [`MAX_KEY_BYTES`](crate::types::key::MAX_KEY_BYTES) (512, what the inbox
+            /// stores) are lowered to it, and 0 is raised to 1.
+            pub fn max_key_len(chars: usize) {
+                self.settings_mut().max_key_len = chars.clamp(1, $crate::types::key::MAX_KEY_BYTES);
+            }
+
+            /// The largest request body read, in bytes (default 1 MiB; 0: only empty bodies); above it:
+            /// 413, before the handler and the claim. The whole body is held in memory to fingerprint
+            /// it, so values above [`PayloadLimit::MAX_BYTES`](crate::types::PayloadLimit::MAX_BYTES)
+            /// (256 MiB, the largest payload the runtime holds) are lowered to it.
+            pub fn max_body_bytes(bytes: usize) {
+                self.settings_mut().max_body_bytes = bytes.min(crate::types::PayloadLimit::MAX_BYTES);
+            }
+
+            /// The largest response body stored, in bytes (default 1 MiB; 0: only empty bodies, as a
+            /// `204`). A handler response above it cannot be replayed, so it is not sent as a success:
+            /// the transaction rolls back and the client gets a 500 (`response-too-large`). Values
+            /// above [`PayloadLimit::MAX_BYTES`](crate::types::PayloadLimit::MAX_BYTES) (256 MiB) are
+            /// lowered to it: the body is held in memory and stored as one database value.
+            pub fn max_response_bytes(bytes: usize) {
+                self.settings_mut().max_response_bytes = bytes.min(crate::types::PayloadLimit::MAX_BYTES);
+            }
+        }
+
+        /// Who sends the request: keys are unique per principal (and method and route), so two
+        /// users who happen to send the same key do not see each other's responses. `principal`
+        /// reads the request's head — typically an identity that an authentication layer *before*
+        /// this one put into the extensions — and returns `None` for an anonymous request (all
+        /// anonymous requests share one scope). The text is stored in the inbox as part of the
+        /// scope: return an id, never a credential (see
+        /// [`principal_header`](Self::principal_header) for a header that is one).
+        pub fn principal(
+            mut self,
+            principal: impl Fn(&http::request::Parts) -> Option<String> + Send + Sync + 'static,
+        ) -> Self {
+            self.settings_mut().principal = Some(Arc::new(principal));
+            self
+        }
+
+        /// The principal is the value of header `name` (an API key, an `Authorization` header),
+        /// stored as `sha256:` and the first 32 hex digits of its SHA-256, so the credential itself
+        /// never reaches the database. A request without the header is anonymous.
+        pub fn principal_header(self, name: HeaderName) -> Self {
+            self.principal(move |parts| {
+                use sha2::Digest as _;
+                parts.headers.get(&name).map(|value| {
+                    let digest = sha2::Sha256::digest(value.as_bytes());
+                    format!("sha256:{}", hex::encode(&digest[..16]))
+                })
+            })
+        }
+
+        /// Which response statuses are final and stored with the key (their writes commit); any
+        /// other status rolls the transaction back and leaves the key free. Default:
+        /// [`stored_by_default`](crate::http::stored_by_default). Whatever this says, a status that is never stored cannot become
+        /// a replay: choose statuses a client should not retry into a different answer.
+        pub fn store_statuses(
+            mut self,
+            stores: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
+        ) -> Self {
+            self.settings_mut().stores = Arc::new(stores);
+            self
+        }
+
+        $crate::setters::setters! {
+            /// The response headers stored and replayed (every value of each); default
+            /// [`default_stored_headers`](crate::http::default_stored_headers). Headers not in the list are sent with the first response
+            /// only.
+            pub fn stored_headers(headers: impl IntoIterator<Item = HeaderName>) {
+                self.settings_mut().stored_headers = headers.into_iter().collect();
+            }
+
+            /// The `Retry-After` of a 409 (a request with the key still running) and of a 503: how long
+            /// a client should wait before retrying, sent in whole seconds rounded up (at least 1).
+            /// Default 1 s.
+            pub fn retry_after(after: Duration) {
+                self.settings_mut().retry_after = after;
+            }
+
+            /// The prefix of the `type` URI of the layer's problem responses (RFC 9457), followed by
+            /// the slug of each problem: point it at your API's documentation. Default
+            /// [`DEFAULT_PROBLEM_BASE`](crate::http::DEFAULT_PROBLEM_BASE).
+            pub fn problem_type_base(base: impl Into<String>) {
+                self.settings_mut().problem_base = base.into();
+            }
+        }
+    };
+}
+#[cfg(feature = "dynamodb")]
+pub(crate) use settings_setters;
+
 impl<DB: InboxDatabase> IdempotencyLayer<DB> {
     /// A layer claiming keys in the inbox of `pool`, with every default: methods `POST` and
     /// `PATCH`, key required, sf-string keys of at most 255 characters, no principal, bodies
@@ -313,18 +475,8 @@ impl<DB: InboxDatabase> IdempotencyLayer<DB> {
     pub fn new(pool: Pool<DB>) -> Self {
         Self {
             config: Arc::new(Config {
+                settings: Settings::default(),
                 pool,
-                methods: vec![Method::POST, Method::PATCH],
-                require_key: true,
-                accept_unquoted: false,
-                max_key_len: DEFAULT_MAX_KEY_LEN,
-                max_body_bytes: DEFAULT_MAX_BODY_BYTES,
-                max_response_bytes: DEFAULT_MAX_BODY_BYTES,
-                principal: None,
-                stores: Arc::new(stored_by_default),
-                stored_headers: default_stored_headers(),
-                retry_after: Duration::from_secs(1),
-                problem_base: DEFAULT_PROBLEM_BASE.to_owned(),
                 hooks: Hooks::default(),
                 prefix: crate::store::TablePrefix::current(),
             }),
@@ -335,115 +487,11 @@ impl<DB: InboxDatabase> IdempotencyLayer<DB> {
         Arc::make_mut(&mut self.config)
     }
 
-    setters! {
-        /// The methods the layer covers (default `POST` and `PATCH`, the methods RFC 9110 does not
-        /// make idempotent); requests with other methods pass through untouched.
-        pub fn methods(methods: impl IntoIterator<Item = Method>) {
-            self.config_mut().methods = methods.into_iter().collect();
-        }
-
-        /// Whether a covered request without `Idempotency-Key` is refused with 400 (`true`, the
-        /// default) or runs without a claim, in a plain transaction that commits by the same
-        /// status rule and stores nothing (`false`).
-        pub fn require_key(required: bool) {
-            self.config_mut().require_key = required;
-        }
-
-        /// Also accept keys sent without the quotes of an sf-string (`Idempotency-Key: abc123`, as
-        /// clients written for Stripe-style APIs send them): a value that does not parse as an
-        /// sf-string is taken verbatim if it is visible ASCII without spaces (`%x21-7E`) and does
-        /// not start with `"`. Default `false`: such a key is a 400, as the draft's syntax says.
-        pub fn accept_unquoted_keys(accept: bool) {
-            self.config_mut().accept_unquoted = accept;
-        }
-
-        /// The longest key accepted, in characters (sf-string characters are ASCII, so also bytes);
-        /// longer keys are a 400. Default 255; values above [`MAX_KEY_BYTES`] (512, what the inbox
-        /// stores) are lowered to it, and 0 is raised to 1.
-        pub fn max_key_len(chars: usize) {
-            self.config_mut().max_key_len = chars.clamp(1, MAX_KEY_BYTES);
-        }
-
-        /// The largest request body read, in bytes (default 1 MiB; 0: only empty bodies); above it:
-        /// 413, before the handler and the claim. The whole body is held in memory to fingerprint
-        /// it, so values above [`PayloadLimit::MAX_BYTES`](crate::types::PayloadLimit::MAX_BYTES)
-        /// (256 MiB, the largest payload the runtime holds) are lowered to it.
-        pub fn max_body_bytes(bytes: usize) {
-            self.config_mut().max_body_bytes = bytes.min(crate::types::PayloadLimit::MAX_BYTES);
-        }
-
-        /// The largest response body stored, in bytes (default 1 MiB; 0: only empty bodies, as a
-        /// `204`). A handler response above it cannot be replayed, so it is not sent as a success:
-        /// the transaction rolls back and the client gets a 500 (`response-too-large`). Values
-        /// above [`PayloadLimit::MAX_BYTES`](crate::types::PayloadLimit::MAX_BYTES) (256 MiB) are
-        /// lowered to it: the body is held in memory and stored as one database value.
-        pub fn max_response_bytes(bytes: usize) {
-            self.config_mut().max_response_bytes = bytes.min(crate::types::PayloadLimit::MAX_BYTES);
-        }
+    fn settings_mut(&mut self) -> &mut Settings {
+        &mut self.config_mut().settings
     }
 
-    /// Who sends the request: keys are unique per principal (and method and route), so two
-    /// users who happen to send the same key do not see each other's responses. `principal`
-    /// reads the request's head — typically an identity that an authentication layer *before*
-    /// this one put into the extensions — and returns `None` for an anonymous request (all
-    /// anonymous requests share one scope). The text is stored in the inbox as part of the
-    /// scope: return an id, never a credential (see
-    /// [`principal_header`](Self::principal_header) for a header that is one).
-    pub fn principal(
-        mut self,
-        principal: impl Fn(&http::request::Parts) -> Option<String> + Send + Sync + 'static,
-    ) -> Self {
-        self.config_mut().principal = Some(Arc::new(principal));
-        self
-    }
-
-    /// The principal is the value of header `name` (an API key, an `Authorization` header),
-    /// stored as `sha256:` and the first 32 hex digits of its SHA-256, so the credential itself
-    /// never reaches the database. A request without the header is anonymous.
-    pub fn principal_header(self, name: HeaderName) -> Self {
-        self.principal(move |parts| {
-            use sha2::Digest as _;
-            parts.headers.get(&name).map(|value| {
-                let digest = sha2::Sha256::digest(value.as_bytes());
-                format!("sha256:{}", hex::encode(&digest[..16]))
-            })
-        })
-    }
-
-    /// Which response statuses are final and stored with the key (their writes commit); any
-    /// other status rolls the transaction back and leaves the key free. Default:
-    /// [`stored_by_default`]. Whatever this says, a status that is never stored cannot become
-    /// a replay: choose statuses a client should not retry into a different answer.
-    pub fn store_statuses(
-        mut self,
-        stores: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
-    ) -> Self {
-        self.config_mut().stores = Arc::new(stores);
-        self
-    }
-
-    setters! {
-        /// The response headers stored and replayed (every value of each); default
-        /// [`default_stored_headers`]. Headers not in the list are sent with the first response
-        /// only.
-        pub fn stored_headers(headers: impl IntoIterator<Item = HeaderName>) {
-            self.config_mut().stored_headers = headers.into_iter().collect();
-        }
-
-        /// The `Retry-After` of a 409 (a request with the key still running) and of a 503: how long
-        /// a client should wait before retrying, sent in whole seconds rounded up (at least 1).
-        /// Default 1 s.
-        pub fn retry_after(after: Duration) {
-            self.config_mut().retry_after = after;
-        }
-
-        /// The prefix of the `type` URI of the layer's problem responses (RFC 9457), followed by
-        /// the slug of each problem: point it at your API's documentation. Default
-        /// [`DEFAULT_PROBLEM_BASE`].
-        pub fn problem_type_base(base: impl Into<String>) {
-            self.config_mut().problem_base = base.into();
-        }
-    }
+    settings_setters!();
 
     /// Adds a [`TransactionHook`], as
     /// [`Dispatcher::with_hook`](crate::Dispatcher::with_hook) does for messages: its

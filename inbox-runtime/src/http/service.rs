@@ -3,7 +3,6 @@
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use axum::body::Body;
 use axum::extract::MatchedPath;
@@ -29,7 +28,7 @@ use super::extract::{Held, TxSlot};
 use super::key::{self, KeyProblem};
 use super::problem::Problem;
 use super::stored::StoredResponse;
-use super::{Config, IDEMPOTENT_REPLAYED};
+use super::{Config, IDEMPOTENT_REPLAYED, Settings};
 
 /// The service [`IdempotencyLayer`](super::IdempotencyLayer) wraps around `S`. It takes any
 /// request body (`http_body::Body` with `Bytes` data, as hyper and axum give), hands `S` an
@@ -61,57 +60,103 @@ impl<S: std::fmt::Debug, DB: InboxDatabase> std::fmt::Debug for IdempotencyServi
     }
 }
 
-impl<S, DB, ReqBody, ResBody> tower::Service<Request<ReqBody>> for IdempotencyService<S, DB>
-where
-    S: tower::Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    DB: InboxDatabase,
-    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    type Response = Response<Body>;
-    type Error = S::Error;
-    type Future = crate::BoxFuture<'static, Result<Response<Body>, S::Error>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        // The service that was polled ready goes with the request; a clone stays for the next.
-        let ready = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, ready);
-        let config = Arc::clone(&self.config);
-        // Requests are served on the server's tasks, outside any scope: each runs in the table
-        // prefix of the scope the layer was built in, if any.
-        let prefix = config.prefix.clone();
-        let handle = |config, inner, request| async move {
-            crate::store::within(prefix.as_ref(), handle(config, inner, request)).await
-        };
-        #[cfg(feature = "otel")]
+/// The `tower::Service` impl of a layer's service (a struct with fields `inner: S` and
+/// `config: Arc<…>`), written once: `poll_ready` is the wrapped service's, `call` hands the
+/// service that was polled ready, the config and the request to `$serve` (a clone of the
+/// wrapped service stays for the next request).
+macro_rules! layer_service {
+    (impl<$($generic:ident: $bound:path),*> for $service:ty => $serve:ident) => {
+        impl<S, $($generic: $bound,)* ReqBody, ResBody> tower::Service<http::Request<ReqBody>>
+            for $service
+        where
+            S: tower::Service<http::Request<axum::body::Body>, Response = http::Response<ResBody>>
+                + Clone
+                + Send
+                + 'static,
+            S::Future: Send + 'static,
+            S::Error: Send + 'static,
+            ReqBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+            ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+            ResBody: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+            ResBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
         {
-            use tracing::Instrument as _;
-            // The request continues its client's trace: `inbox.http` is a child of the request's
-            // W3C Trace Context (a malformed or missing one is ignored, see `crate::trace`), and
-            // the handler, its claim and its outbox rows run in it.
-            let span = tracing::info_span!(
-                "inbox.http",
-                method = %request.method(),
-                path = request.uri().path(),
-            );
-            crate::trace::continue_http(&span, request.headers());
-            Box::pin(handle(config, inner, request).instrument(span))
+            type Response = http::Response<axum::body::Body>;
+            type Error = S::Error;
+            type Future =
+                $crate::BoxFuture<'static, Result<http::Response<axum::body::Body>, S::Error>>;
+
+            fn poll_ready(
+                &mut self,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<Result<(), Self::Error>> {
+                self.inner.poll_ready(cx)
+            }
+
+            fn call(&mut self, request: http::Request<ReqBody>) -> Self::Future {
+                let ready = self.inner.clone();
+                let inner = std::mem::replace(&mut self.inner, ready);
+                $serve(std::sync::Arc::clone(&self.config), inner, request)
+            }
         }
-        #[cfg(not(feature = "otel"))]
-        Box::pin(handle(config, inner, request))
+    };
+}
+#[cfg(feature = "dynamodb")]
+pub(crate) use layer_service;
+
+layer_service!(impl<DB: InboxDatabase> for IdempotencyService<S, DB> => serve);
+
+/// One request through the SQL layer: in the table prefix of the scope the layer was built in
+/// (requests are served on the server's tasks, outside any scope), traced.
+fn serve<S, DB, ReqBody, ResBody>(
+    config: Arc<Config<DB>>,
+    inner: S,
+    request: Request<ReqBody>,
+) -> crate::BoxFuture<'static, Result<Response<Body>, S::Error>>
+where
+    S: Served<ResBody>,
+    DB: InboxDatabase,
+    ReqBody: RequestBody,
+    ResBody: ResponseBody,
+{
+    let prefix = config.prefix.clone();
+    let handle = |config, inner, request| async move {
+        crate::store::within(prefix.as_ref(), handle(config, inner, request)).await
+    };
+    traced(request, |request| handle(config, inner, request))
+}
+
+/// `serve(request)`, the future that answers `request`, boxed; with the feature `otel`, in the
+/// span `inbox.http`, a child of the request's W3C Trace Context.
+pub(crate) fn traced<B, F>(
+    request: Request<B>,
+    serve: impl FnOnce(Request<B>) -> F,
+) -> crate::BoxFuture<'static, F::Output>
+where
+    F: std::future::Future + Send + 'static,
+{
+    #[cfg(feature = "otel")]
+    {
+        use tracing::Instrument as _;
+        // The request continues its client's trace: `inbox.http` is a child of the request's
+        // W3C Trace Context (a malformed or missing one is ignored, see `crate::trace`), and
+        // the handler, its claim and its outbox rows run in it.
+        let span = tracing::info_span!(
+            "inbox.http",
+            method = %request.method(),
+            path = request.uri().path(),
+        );
+        crate::trace::continue_http(&span, request.headers());
+        Box::pin(serve(request).instrument(span))
     }
+    #[cfg(not(feature = "otel"))]
+    Box::pin(serve(request))
 }
 
 /// A body the layer reads whole: the handler's response body.
-trait ResponseBody: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
+pub(crate) trait ResponseBody:
+    http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static
+{
+}
 
 impl<B> ResponseBody for B where
     B: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static
@@ -119,32 +164,69 @@ impl<B> ResponseBody for B where
 }
 
 /// The label of the `route` in metrics and logs, and the scope's first part.
-struct Route {
+pub(crate) struct Route {
     /// `POST /payments/{id}`.
-    label: String,
+    pub(crate) label: String,
 }
 
 /// What the layer knows of a request it runs.
-struct RequestInfo {
-    route: Route,
+pub(crate) struct RequestInfo {
+    pub(crate) route: Route,
     /// The scope its key is claimed in: `http <METHOD> <route>`, then the principal if any.
-    scope: String,
+    pub(crate) scope: String,
     /// The method and target: `POST /payments/7?draft=1`.
-    name: String,
+    pub(crate) name: String,
 }
 
 /// A request read, before its claim.
-struct Incoming {
-    info: RequestInfo,
+pub(crate) struct Incoming {
+    pub(crate) info: RequestInfo,
     /// The `Idempotency-Key`, unquoted, if one was sent.
-    key: Option<String>,
+    pub(crate) key: Option<String>,
     /// The body, read whole.
-    bytes: Bytes,
+    pub(crate) bytes: Bytes,
+}
+
+/// A request body the layer reads whole.
+pub(crate) trait RequestBody:
+    http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static
+{
+}
+
+impl<B> RequestBody for B where
+    B: http_body::Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static
+{
+}
+
+/// The service a layer wraps, as its boxed future serves it.
+pub(crate) trait Served<ResBody>:
+    tower::Service<
+        Request<Body>,
+        Response = Response<ResBody>,
+        Future: Send + 'static,
+        Error: Send + 'static,
+    > + Send
+    + 'static
+{
+}
+
+impl<S, ResBody> Served<ResBody> for S where
+    S: tower::Service<
+            Request<Body>,
+            Response = Response<ResBody>,
+            Future: Send + 'static,
+            Error: Send + 'static,
+        > + Send
+        + 'static
+{
 }
 
 /// The service the layer wraps, as the layer's steps call it: the request with its body
 /// buffered, answered with a response of any body.
-trait Wrapped<ResBody>: tower::Service<Request<Body>, Response = Response<ResBody>> {}
+pub(crate) trait Wrapped<ResBody>:
+    tower::Service<Request<Body>, Response = Response<ResBody>>
+{
+}
 
 impl<S, ResBody> Wrapped<ResBody> for S where
     S: tower::Service<Request<Body>, Response = Response<ResBody>>
@@ -159,20 +241,14 @@ async fn handle<S, DB, ReqBody, ResBody>(
 where
     S: Wrapped<ResBody>,
     DB: InboxDatabase,
-    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ReqBody: RequestBody,
     ResBody: ResponseBody,
 {
-    if !config.methods.contains(request.method()) {
-        return call(&mut inner, request.map(Body::new))
-            .await
-            .map(|r| r.map(Body::new));
-    }
-    let (mut parts, body) = request.into_parts();
-    let Incoming { info, key, bytes } = match read(&config, &parts, body).await {
-        Ok(incoming) => incoming,
-        Err(problem) => return Ok(problem),
-    };
+    let (mut parts, Incoming { info, key, bytes }) =
+        match read_request(&config, &mut inner, request).await {
+            Ok(read) => read,
+            Err(answer) => return answer,
+        };
     let opened = match key {
         None => open_keyless(&config, &info)
             .await
@@ -195,17 +271,40 @@ where
     }
 }
 
+/// The pipeline's first steps, for every store: a request whose method the layer does not cover
+/// goes to `inner` untouched (its answer is the `Err`); a covered one is read ([`read`]: a bad
+/// key or body is the `Err`, answered).
+pub(crate) async fn read_request<S, ReqBody, ResBody>(
+    config: &Settings,
+    inner: &mut S,
+    request: Request<ReqBody>,
+) -> Result<(http::request::Parts, Incoming), Result<Response<Body>, S::Error>>
+where
+    S: Wrapped<ResBody>,
+    ReqBody: RequestBody,
+    ResBody: ResponseBody,
+{
+    if !config.methods.contains(request.method()) {
+        return Err(call(inner, request.map(Body::new))
+            .await
+            .map(|r| r.map(Body::new)));
+    }
+    let (parts, body) = request.into_parts();
+    match read(config, &parts, body).await {
+        Ok(incoming) => Ok((parts, incoming)),
+        Err(problem) => Err(Ok(problem)),
+    }
+}
+
 /// Reads what the layer needs of a request: its route, key, body (up to the limit), scope and
 /// name. A bad key or body is answered (400, 413) and counted.
-async fn read<DB, ReqBody>(
-    config: &Config<DB>,
+async fn read<ReqBody>(
+    config: &Settings,
     parts: &http::request::Parts,
     body: ReqBody,
 ) -> Result<Incoming, Response<Body>>
 where
-    DB: InboxDatabase,
-    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ReqBody: RequestBody,
 {
     let route_text = parts
         .extensions
@@ -273,27 +372,7 @@ async fn open_keyed<DB: InboxDatabase>(
     key: String,
 ) -> Result<(ClaimedKey<'static, DB::Connection>, IdempotencyKey), Response<Body>> {
     let problem = |p: Problem| p.into_response(&config.problem_base);
-    let fingerprint = match fingerprint(headers, &info.name, bytes) {
-        Ok(fingerprint) => fingerprint,
-        Err(bad) => {
-            count(&info.route, "bad_request");
-            return Err(problem(bad));
-        }
-    };
-    let key = match IdempotencyKey::new(key, "http request", "Idempotency-Key") {
-        Ok(key) => key,
-        Err(error) => {
-            // Blank or NUL keys: refused by the inbox's own rules (the header parser already
-            // refuses both; kept for any future relaxation of it).
-            count(&info.route, "bad_request");
-            return Err(problem(Problem::new(
-                StatusCode::BAD_REQUEST,
-                "idempotency-key-malformed",
-                "Idempotency-Key is malformed",
-                error.to_string(),
-            )));
-        }
-    };
+    let (fingerprint, key) = keyed(config, info, headers, bytes, key)?;
     let state = match open_claim(config, info, &key, fingerprint).await {
         Ok(state) => state,
         Err(unavailable) => return Err(problem(unavailable)),
@@ -301,17 +380,7 @@ async fn open_keyed<DB: InboxDatabase>(
     match state {
         ClaimState::Claimed(claim) => Ok((claim, key)),
         ClaimState::Settled(settled) => Err(replay(config, info, &key, settled)),
-        ClaimState::Conflict(_) => {
-            count(&info.route, "mismatch");
-            Err(problem(Problem::new(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "idempotency-key-reused",
-                "Idempotency-Key is already used",
-                "this Idempotency-Key was used for a different request (another method, path, \
-                 query or body); a key must not be reused across different requests: send \
-                 the original request to get its response, or use a new key",
-            )))
-        }
+        ClaimState::Conflict(_) => Err(reused(config, &info.route)),
         ClaimState::InProgress => {
             count(&info.route, "in_flight");
             Err(problem(in_flight(config.retry_after)))
@@ -323,6 +392,55 @@ async fn open_keyed<DB: InboxDatabase>(
             Err(problem(in_flight(retry_in.max(config.retry_after))))
         }
     }
+}
+
+/// The fingerprint of a request with a key, and the key as the inbox takes it; a body that
+/// cannot be fingerprinted or a key the inbox refuses: a 400 answer (counted).
+// The answer is a response, as every step's: built once, on the way out.
+#[allow(clippy::result_large_err)]
+pub(crate) fn keyed(
+    config: &Settings,
+    info: &RequestInfo,
+    headers: &http::HeaderMap,
+    bytes: &[u8],
+    key: String,
+) -> Result<(Fingerprint, IdempotencyKey), Response<Body>> {
+    let problem = |p: Problem| p.into_response(&config.problem_base);
+    let fingerprint = match fingerprint(headers, &info.name, bytes) {
+        Ok(fingerprint) => fingerprint,
+        Err(bad) => {
+            count(&info.route, "bad_request");
+            return Err(problem(bad));
+        }
+    };
+    match IdempotencyKey::new(key, "http request", "Idempotency-Key") {
+        Ok(key) => Ok((fingerprint, key)),
+        Err(error) => {
+            // Blank or NUL keys: refused by the inbox's own rules (the header parser already
+            // refuses both; kept for any future relaxation of it).
+            count(&info.route, "bad_request");
+            Err(problem(Problem::new(
+                StatusCode::BAD_REQUEST,
+                "idempotency-key-malformed",
+                "Idempotency-Key is malformed",
+                error.to_string(),
+            )))
+        }
+    }
+}
+
+/// The 422 answer (counted): the key is settled or held with another fingerprint.
+pub(crate) fn reused(config: &Settings, route: &Route) -> Response<Body> {
+    count(route, "mismatch");
+    Problem::new(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "idempotency-key-reused",
+        "Idempotency-Key is already used",
+        "this Idempotency-Key was used for a different request (another method, path, \
+         query or body); a key must not be reused across different requests: send \
+         the original request to get its response, or use a new key",
+    )
+    .into_response(&config.problem_base)
 }
 
 /// Opens the claim of `key` on a pooled connection that goes with it, without waiting. The
@@ -359,14 +477,25 @@ fn replay<DB: InboxDatabase>(
     key: &IdempotencyKey,
     settled: Settled,
 ) -> Response<Body> {
-    let replay = match (settled.status, settled.result) {
-        (Status::Processed, Some(result)) => {
-            StoredResponse::decode(&result).map_err(|damaged| damaged.to_string())
-        }
+    let stored = match (settled.status, settled.result) {
+        (Status::Processed, Some(result)) => Ok(result),
         (status, _) => Err(format!(
             "the key is settled as `{status}` without a stored response"
         )),
     };
+    replay_stored(config, info, key, stored)
+}
+
+/// The answer to a request whose key holds a stored response (`Err`: why there is none to
+/// replay): the response, replayed byte for byte, or a 500 (counted).
+pub(crate) fn replay_stored(
+    config: &Settings,
+    info: &RequestInfo,
+    key: &IdempotencyKey,
+    stored: Result<Vec<u8>, String>,
+) -> Response<Body> {
+    let replay = stored
+        .and_then(|result| StoredResponse::decode(&result).map_err(|damaged| damaged.to_string()));
     match replay {
         Ok(stored) => {
             count(&info.route, "replayed");
@@ -402,22 +531,21 @@ where
 {
     let route = &info.route;
     let problem = |p: Problem| Ok(p.into_response(&config.problem_base));
-    let (head, body) = match respond(config, route, inner, request, &slot).await? {
-        Ok(response) => response,
-        Err(failed) => return problem(failed),
+    let (head, body) = match respond(config, route, inner, request).await {
+        Ok(Ok(response)) => response,
+        Ok(Err(failed)) => {
+            rollback(slot.take()).await;
+            return problem(failed);
+        }
+        Err(error) => {
+            rollback(slot.take()).await;
+            return Err(error);
+        }
     };
     let Some(held) = slot.take() else {
         // The handler kept the transaction (moved it into a spawned task, say): it can be
         // neither committed nor stored here. Dropping it elsewhere rolls it back.
-        count(route, "failed");
-        tracing::error!(route = %route.label, "the idempotency transaction outlived the handler");
-        return problem(Problem::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "transaction-unavailable",
-            "The transaction outlived the handler",
-            "the handler kept the request's transaction beyond its return; it is rolled back \
-             and nothing was stored",
-        ));
+        return problem(outlived(route));
     };
     if !(config.stores)(head.status) {
         rollback(Some(held)).await;
@@ -437,31 +565,41 @@ where
     }
 }
 
+/// The 500 answer (counted) when the handler kept the request's transaction beyond its return.
+pub(crate) fn outlived(route: &Route) -> Problem {
+    count(route, "failed");
+    tracing::error!(route = %route.label, "the idempotency transaction outlived the handler");
+    Problem::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "transaction-unavailable",
+        "The transaction outlived the handler",
+        "the handler kept the request's transaction beyond its return; it is rolled back \
+         and nothing was stored",
+    )
+}
+
 /// Calls the handler and reads its response body whole (up to the limit). A handler that
-/// panics, or a body over the limit or failing: rolled back, counted, and the problem to answer
-/// as the `Err`; the handler's own error is returned as it is.
-async fn respond<S, DB, ResBody>(
-    config: &Config<DB>,
+/// panics, or a body over the limit or failing: counted, and the problem to answer as the inner
+/// `Err`; the handler's own error is returned as it is (counted). The caller ends the request's
+/// transaction in both cases.
+pub(crate) async fn respond<S, ResBody>(
+    config: &Settings,
     route: &Route,
     inner: &mut S,
     request: Request<Body>,
-    slot: &TxSlot<DB>,
 ) -> Result<Result<(http::response::Parts, Bytes), Problem>, S::Error>
 where
     S: Wrapped<ResBody>,
-    DB: InboxDatabase,
     ResBody: ResponseBody,
 {
     let outcome = AssertUnwindSafe(call(inner, request)).catch_unwind().await;
     let response = match outcome {
         Ok(Ok(response)) => response,
         Ok(Err(error)) => {
-            rollback(slot.take()).await;
             count(route, "failed");
             return Err(error);
         }
         Err(_panic) => {
-            rollback(slot.take()).await;
             count(route, "failed");
             tracing::error!(route = %route.label, "handler panicked; rolled back");
             return Ok(Err(Problem::new(
@@ -480,7 +618,6 @@ where
     {
         Ok(collected) => Ok(Ok((head, collected.to_bytes()))),
         Err(error) => {
-            rollback(slot.take()).await;
             count(route, "failed");
             let too_large = error.downcast_ref::<LengthLimitError>().is_some();
             tracing::error!(route = %route.label, too_large, "response body not stored; rolled back");
@@ -557,25 +694,35 @@ async fn commit_held<DB: InboxDatabase>(
 
 /// The answer to a request whose transaction did not commit (counted as failed): the outcome
 /// unknown (503) after a failed `COMMIT`, else rolled back (500).
-fn uncommitted<DB: InboxDatabase>(
+fn uncommitted(
     route: &Route,
     operation: Option<StoreOperation>,
     error: &str,
-    config: &Config<DB>,
+    config: &Settings,
 ) -> Problem {
     count(route, "failed");
     if operation == Some(StoreOperation::Commit) {
-        tracing::error!(route = %route.label, error = %error, "commit outcome unknown");
-        return Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "outcome-unknown",
-            "The outcome is unknown",
-            "the database did not confirm the commit; retry with the same \
-             Idempotency-Key to learn whether the request took effect (the retry \
-             replays its response if it did, and runs it if it did not)",
-        )
-        .retry_after(config.retry_after);
+        return outcome_unknown(route, error, config);
     }
+    transaction_failed(route, error)
+}
+
+/// The 503 `outcome-unknown` problem: the commit was sent, its answer lost.
+pub(crate) fn outcome_unknown(route: &Route, error: &str, config: &Settings) -> Problem {
+    tracing::error!(route = %route.label, error = %error, "commit outcome unknown");
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "outcome-unknown",
+        "The outcome is unknown",
+        "the database did not confirm the commit; retry with the same \
+         Idempotency-Key to learn whether the request took effect (the retry \
+         replays its response if it did, and runs it if it did not)",
+    )
+    .retry_after(config.retry_after)
+}
+
+/// The 500 `transaction-failed` problem: nothing was stored.
+pub(crate) fn transaction_failed(route: &Route, error: &str) -> Problem {
     tracing::error!(route = %route.label, error = %error, "transaction failed; rolled back");
     Problem::new(
         StatusCode::INTERNAL_SERVER_ERROR,
@@ -604,7 +751,7 @@ async fn rollback<DB: InboxDatabase>(held: Option<Held<DB>>) {
     }
 }
 
-async fn call<S, B>(inner: &mut S, request: Request<B>) -> Result<S::Response, S::Error>
+pub(crate) async fn call<S, B>(inner: &mut S, request: Request<B>) -> Result<S::Response, S::Error>
 where
     S: tower::Service<Request<B>>,
 {
@@ -698,7 +845,7 @@ fn is_json(headers: &http::HeaderMap) -> bool {
     essence == "application/json" || (essence.ends_with("+json") && essence.contains('/'))
 }
 
-fn replayed(stored: StoredResponse) -> Response<Body> {
+pub(crate) fn replayed(stored: StoredResponse) -> Response<Body> {
     let mut response = Response::new(Body::from(stored.body));
     *response.status_mut() = stored.status;
     let headers = response.headers_mut();
@@ -709,12 +856,12 @@ fn replayed(stored: StoredResponse) -> Response<Body> {
     response
 }
 
-fn key_problem(problem: KeyProblem) -> Problem {
+pub(crate) fn key_problem(problem: KeyProblem) -> Problem {
     let (slug, title, detail) = problem.describe();
     Problem::new(StatusCode::BAD_REQUEST, slug, title, detail)
 }
 
-fn in_flight(retry_after: std::time::Duration) -> Problem {
+pub(crate) fn in_flight(retry_after: std::time::Duration) -> Problem {
     Problem::new(
         StatusCode::CONFLICT,
         "idempotency-key-in-use",
@@ -725,7 +872,7 @@ fn in_flight(retry_after: std::time::Duration) -> Problem {
     .retry_after(retry_after)
 }
 
-fn store_unavailable<DB: InboxDatabase>(config: &Config<DB>, error: &sqlx::Error) -> Problem {
+fn store_unavailable(config: &Settings, error: &sqlx::Error) -> Problem {
     tracing::warn!(error = %error, "idempotency store unavailable");
     unavailable_problem(
         config,
@@ -734,7 +881,7 @@ fn store_unavailable<DB: InboxDatabase>(config: &Config<DB>, error: &sqlx::Error
 }
 
 /// The 503 `store-unavailable` problem, with `Retry-After`; `detail` says what failed.
-fn unavailable_problem<DB: InboxDatabase>(config: &Config<DB>, detail: &'static str) -> Problem {
+pub(crate) fn unavailable_problem(config: &Settings, detail: &'static str) -> Problem {
     Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,
         "store-unavailable",
@@ -744,7 +891,7 @@ fn unavailable_problem<DB: InboxDatabase>(config: &Config<DB>, detail: &'static 
     .retry_after(config.retry_after)
 }
 
-fn count(route: &Route, outcome: &'static str) {
+pub(crate) fn count(route: &Route, outcome: &'static str) {
     metrics::counter!("inbox_http_requests_total", "route" => route.label.clone(), "outcome" => outcome)
         .increment(1);
 }

@@ -68,7 +68,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sqlx::Pool;
 
-use crate::dispatch::dispatcher::{ConsumerOutcome, Dispatcher};
+use crate::dispatch::dispatcher::Dispatcher;
 use crate::dispatch::registry::registered_handlers;
 use crate::ops::admin::{
     self, PurgeError, PurgePreview, PurgeReport, Retention, RetentionError, utc_time,
@@ -440,7 +440,16 @@ pub enum CliError {
     #[cfg(feature = "dynamodb")]
     #[error(transparent)]
     DynamoTable(#[from] crate::dynamodb::TableError),
-    /// A command the store does not have ([`dynamodb`]: `dead replay`, `outbox …`, `purge`).
+    /// `dead replay` on DynamoDB: the registered DynamoDB handlers cannot build a
+    /// [`DynamoDispatcher`](crate::dynamodb::DynamoDispatcher).
+    #[cfg(feature = "dynamodb")]
+    #[error(transparent)]
+    DynamoRegistry(#[from] crate::dynamodb::DynamoRegistryError),
+    /// `dead replay` on DynamoDB: a single replay could not run.
+    #[cfg(feature = "dynamodb")]
+    #[error(transparent)]
+    DynamoReplay(#[from] crate::dynamodb::DynamoReplayError),
+    /// A command the store does not have ([`dynamodb`]: `outbox …`, `purge`).
     #[cfg(feature = "dynamodb")]
     #[error("`{command}` is not available on DynamoDB: {why}")]
     Unsupported {
@@ -471,6 +480,21 @@ where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
+    parse_and_run(args, |command| async move { execute(&command, pool).await }).await
+}
+
+/// Parses `args` as an [`AdminCli`] and runs its command with `execute`: the exit status and
+/// printing of [`run`] (clap's message and status 2 on bad usage, `error: …` and status 1 on a
+/// [`CliError`]), for every store's command line.
+pub(crate) async fn parse_and_run<I, T, F>(
+    args: I,
+    execute: impl FnOnce(AdminCommand) -> F,
+) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+    F: Future<Output = Result<(), CliError>>,
+{
     let cli = match AdminCli::try_parse_from(args) {
         Ok(cli) => cli,
         Err(error) => {
@@ -479,7 +503,7 @@ where
             return ExitCode::from(code);
         }
     };
-    match execute(&cli.command, pool).await {
+    match execute(cli.command).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {error}");
@@ -1126,19 +1150,58 @@ fn progress_bar(len: Option<u64>, template: &str) -> ProgressBar {
     bar
 }
 
-/// How one replay ended, as a short text, and whether it succeeded.
-fn describe(outcome: &ConsumerOutcome) -> (String, bool) {
-    match &outcome.result {
-        Ok(Outcome::Processed(())) => ("processed".into(), true),
-        Ok(Outcome::Duplicate) => ("duplicate (processed meanwhile)".into(), true),
-        Ok(other) => (other.kind().into(), false),
-        Err(Error::Handler(failure)) => (failure.to_string(), false),
-        Err(error) => (error.to_string(), false),
+/// How one replay ended.
+pub(crate) enum Replayed {
+    /// The handler ran and its effect committed.
+    Processed,
+    /// The key was processed meanwhile: nothing ran.
+    Duplicate,
+    /// It did not end processed (it failed again, is not due, was discarded …): why, as text.
+    NotProcessed(String),
+}
+
+/// What `dead replay` needs of a store: one replay through the registered handler, and the
+/// failed and dead messages to replay with `--all`.
+pub(crate) trait Replayer {
+    /// Replays `consumer`'s message `key` once.
+    async fn replay_one(&self, consumer: &str, key: &str) -> Result<Replayed, CliError>;
+    /// The messages of `statuses` (of `consumer`, if given), oldest first.
+    async fn failed_and_dead(
+        &self,
+        consumer: Option<&str>,
+        statuses: &[Status],
+    ) -> Result<Vec<StoredMessage>, CliError>;
+}
+
+impl<DB: InboxDatabase> Replayer for Dispatcher<DB> {
+    async fn replay_one(&self, consumer: &str, key: &str) -> Result<Replayed, CliError> {
+        let outcome = self.replay(consumer, key).await?;
+        Ok(match outcome.result {
+            Ok(Outcome::Processed(())) => Replayed::Processed,
+            Ok(Outcome::Duplicate) => Replayed::Duplicate,
+            Ok(other) => Replayed::NotProcessed(other.kind().into()),
+            Err(Error::Handler(failure)) => Replayed::NotProcessed(failure.to_string()),
+            Err(error) => Replayed::NotProcessed(error.to_string()),
+        })
+    }
+
+    async fn failed_and_dead(
+        &self,
+        consumer: Option<&str>,
+        statuses: &[Status],
+    ) -> Result<Vec<StoredMessage>, CliError> {
+        Ok(admin::list(self.pool(), consumer, statuses, u32::MAX).await?)
     }
 }
 
-async fn replay<DB: InboxDatabase>(
-    dispatcher: &Dispatcher<DB>,
+/// `dead replay`: one message (its outcome printed), or with `--all` every failed and dead one
+/// (a progress bar, the ones not processed printed, then the totals).
+///
+/// # Errors
+/// The store's error for a single replay that could not run; [`CliError::ReplayFailed`] if
+/// any replay did not end processed or duplicate.
+pub(crate) async fn replay(
+    store: &impl Replayer,
     args: &ReplayArgs,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
@@ -1146,26 +1209,27 @@ async fn replay<DB: InboxDatabase>(
         let (Some(consumer), Some(key)) = (&args.consumer, &args.key) else {
             unreachable!("clap requires CONSUMER and KEY without --all")
         };
-        let outcome = dispatcher.replay(consumer, key).await?;
-        let (text, ok) = describe(&outcome);
-        writeln!(out, "{consumer}/{key}: {text}")?;
-        return if ok {
-            Ok(())
-        } else {
-            Err(CliError::ReplayFailed {
-                failed: 1,
-                total: 1,
-            })
+        let text = match store.replay_one(consumer, key).await? {
+            Replayed::Processed => "processed".to_owned(),
+            Replayed::Duplicate => "duplicate (processed meanwhile)".to_owned(),
+            Replayed::NotProcessed(why) => {
+                writeln!(out, "{consumer}/{key}: {why}")?;
+                return Err(CliError::ReplayFailed {
+                    failed: 1,
+                    total: 1,
+                });
+            }
         };
+        writeln!(out, "{consumer}/{key}: {text}")?;
+        return Ok(());
     }
 
-    let rows = admin::list(
-        dispatcher.pool(),
-        args.only_consumer.as_deref(),
-        DeadStatus::statuses(args.status),
-        u32::MAX,
-    )
-    .await?;
+    let rows = store
+        .failed_and_dead(
+            args.only_consumer.as_deref(),
+            DeadStatus::statuses(args.status),
+        )
+        .await?;
     let total = rows.len() as u64;
     let bar = progress_bar(
         Some(total),
@@ -1173,19 +1237,16 @@ async fn replay<DB: InboxDatabase>(
     );
     let (mut processed, mut duplicates, mut failed) = (0_u64, 0_u64, 0_u64);
     for row in &rows {
-        let result = dispatcher.replay(&row.consumer, &row.message_key).await;
-        let line = match result {
-            Ok(outcome) => match describe(&outcome) {
-                (_, true) if outcome.result.as_ref().is_ok_and(Outcome::is_processed) => {
-                    processed += 1;
-                    None
-                }
-                (_, true) => {
-                    duplicates += 1;
-                    None
-                }
-                (text, false) => Some(text),
-            },
+        let line = match store.replay_one(&row.consumer, &row.message_key).await {
+            Ok(Replayed::Processed) => {
+                processed += 1;
+                None
+            }
+            Ok(Replayed::Duplicate) => {
+                duplicates += 1;
+                None
+            }
+            Ok(Replayed::NotProcessed(text)) => Some(text),
             Err(error) => Some(error.to_string()),
         };
         if let Some(text) = line {

@@ -135,6 +135,33 @@ pub struct RoundReport {
     pub lease_lost: usize,
 }
 
+/// Runs `round` in the span `inbox.outbox.round` and records the counts of its report on the
+/// span (`leased`, `published`, `failed`, `dead`, `abandoned`, `timed_out`, `lease_lost`): the
+/// round span of every relay (SQL and DynamoDB).
+pub(crate) async fn in_round_span<E>(
+    round: impl Future<Output = Result<RoundReport, E>>,
+) -> Result<RoundReport, E> {
+    let span = tracing::info_span!(
+        "inbox.outbox.round",
+        leased = tracing::field::Empty,
+        published = tracing::field::Empty,
+        failed = tracing::field::Empty,
+        dead = tracing::field::Empty,
+        abandoned = tracing::field::Empty,
+        timed_out = tracing::field::Empty,
+        lease_lost = tracing::field::Empty,
+    );
+    let report = round.instrument(span.clone()).await?;
+    span.record("leased", report.leased);
+    span.record("published", report.published);
+    span.record("failed", report.failed);
+    span.record("dead", report.dead);
+    span.record("abandoned", report.abandoned);
+    span.record("timed_out", report.timed_out);
+    span.record("lease_lost", report.lease_lost);
+    Ok(report)
+}
+
 /// What [`Relay::run`] did until it stopped.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -302,25 +329,7 @@ impl<DB: OutboxDatabase> Relay<DB> {
     /// and are published again, with the same message ids, after their lease.
     pub async fn run_once(&self) -> Result<RoundReport, sqlx::Error> {
         crate::store::within(self.prefix.as_ref(), async {
-            let span = tracing::info_span!(
-                "inbox.outbox.round",
-                leased = tracing::field::Empty,
-                published = tracing::field::Empty,
-                failed = tracing::field::Empty,
-                dead = tracing::field::Empty,
-                abandoned = tracing::field::Empty,
-                timed_out = tracing::field::Empty,
-                lease_lost = tracing::field::Empty,
-            );
-            let report = self.round().instrument(span.clone()).await?;
-            span.record("leased", report.leased);
-            span.record("published", report.published);
-            span.record("failed", report.failed);
-            span.record("dead", report.dead);
-            span.record("abandoned", report.abandoned);
-            span.record("timed_out", report.timed_out);
-            span.record("lease_lost", report.lease_lost);
-            Ok(report)
+            in_round_span(self.round()).await
         })
         .await
     }

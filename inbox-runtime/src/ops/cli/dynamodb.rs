@@ -18,7 +18,8 @@
 //! | `dead list` | [`DynamoAdmin::list`] (the dead-letter index) |
 //! | `dead show` | [`DynamoAdmin::show`] |
 //! | `dead discard` | [`DynamoAdmin::discard`] |
-//! | `dead replay`, `outbox …`, `purge` | refused: [`CliError::Unsupported`] (replay comes with the DynamoDB dispatcher; the DynamoDB outbox has no commands yet; DynamoDB's TTL is the purge) |
+//! | `dead replay` | [`DynamoDispatcher::replay`] through the program's registered `#[idempotent]` DynamoDB handlers ([`DynamoDispatcher::from_registry`]: run the command line from the program that links them); `--all` lists with [`DynamoAdmin::list`] |
+//! | `outbox …`, `purge` | refused: [`CliError::Unsupported`] (the DynamoDB outbox has no commands yet; DynamoDB's TTL is the purge) |
 //!
 //! A command that names a consumer and finds nothing (`dead list --consumer` with no rows,
 //! `dead show`, `dead discard`) then reads the statistics to tell an unknown consumer
@@ -29,10 +30,11 @@ use std::ffi::OsString;
 use std::io::{self, Write};
 use std::process::ExitCode;
 
-use clap::Parser as _;
-
-use super::{AdminCli, AdminCommand, CliError, DeadCommand, DeadStatus, MessageRef};
-use crate::dynamodb::{DynamoAdmin, DynamoInbox};
+use super::{AdminCommand, CliError, DeadCommand, DeadStatus, MessageRef, Replayed, Replayer};
+use crate::dynamodb::{DynamoAdmin, DynamoDispatcher, DynamoError, DynamoInbox};
+use crate::store::StoredMessage;
+use crate::types::outcome::Outcome;
+use crate::types::status::Status;
 
 /// Parses `args` (the program name first, as in `std::env::args_os()`) as an [`AdminCli`] and
 /// runs the command on `inbox`, printing results on standard output and errors on standard
@@ -45,21 +47,11 @@ where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
-    let cli = match AdminCli::try_parse_from(args) {
-        Ok(cli) => cli,
-        Err(error) => {
-            let code = if error.use_stderr() { 2 } else { 0 };
-            let _ = error.print();
-            return ExitCode::from(code);
-        }
-    };
-    match execute(&cli.command, inbox).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("error: {error}");
-            ExitCode::from(1)
-        }
-    }
+    super::parse_and_run(
+        args,
+        |command| async move { execute(&command, inbox).await },
+    )
+    .await
 }
 
 /// [`run`] on the inbox of the store URL `dynamodb://TABLE` ([`DynamoInbox::from_url`]: the
@@ -83,7 +75,9 @@ where
 /// # Errors
 /// [`CliError::Dynamo`] (a DynamoDB call failed, or an item is malformed),
 /// [`CliError::DynamoTable`] (`migrate`), [`CliError::UnknownConsumer`],
-/// [`CliError::NotFound`], [`CliError::Unsupported`] (`dead replay`, `outbox …`, `purge`),
+/// [`CliError::NotFound`], [`CliError::Unsupported`] (`outbox …`, `purge`),
+/// [`CliError::DynamoRegistry`] (`dead replay` in a program with no DynamoDB handlers),
+/// [`CliError::DynamoReplay`] (a single replay could not run), [`CliError::ReplayFailed`],
 /// [`CliError::Io`].
 pub async fn execute(command: &AdminCommand, inbox: &DynamoInbox) -> Result<(), CliError> {
     let stdout = io::stdout();
@@ -142,13 +136,9 @@ pub async fn execute_to(
                 message.consumer, message.key
             )?;
         }
-        AdminCommand::Dead(DeadCommand::Replay(_)) => {
-            return Err(CliError::Unsupported {
-                command: "dead replay",
-                why: "replaying runs the message's registered handler: the command line \
-                      has none on DynamoDB yet: run DynamoDispatcher::replay in the program that \
-                      links the handlers (`dead show` gives the message name and payload)",
-            });
+        AdminCommand::Dead(DeadCommand::Replay(args)) => {
+            let dispatcher = DynamoDispatcher::from_registry(inbox.clone())?;
+            super::replay(&dispatcher, args, out).await?;
         }
         AdminCommand::Outbox(_) => {
             return Err(CliError::Unsupported {
@@ -191,5 +181,30 @@ async fn not_found(admin: &DynamoAdmin, message: &MessageRef, what: &'static str
     match check_consumer(admin, &message.consumer).await {
         Ok(()) => message.not_found(what),
         Err(error) => error,
+    }
+}
+
+impl Replayer for DynamoDispatcher {
+    async fn replay_one(&self, consumer: &str, key: &str) -> Result<Replayed, CliError> {
+        let outcome = self.replay(consumer, key).await?;
+        Ok(match outcome.result {
+            Ok(Outcome::Processed(())) => Replayed::Processed,
+            Ok(Outcome::Duplicate) => Replayed::Duplicate,
+            Ok(other) => Replayed::NotProcessed(other.kind().into()),
+            Err(DynamoError::Handler(failure)) => Replayed::NotProcessed(failure.to_string()),
+            Err(error) => Replayed::NotProcessed(error.to_string()),
+        })
+    }
+
+    async fn failed_and_dead(
+        &self,
+        consumer: Option<&str>,
+        statuses: &[Status],
+    ) -> Result<Vec<StoredMessage>, CliError> {
+        Ok(self
+            .inbox()
+            .admin()
+            .list(consumer, statuses, u32::MAX)
+            .await?)
     }
 }
