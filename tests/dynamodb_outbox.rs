@@ -958,3 +958,61 @@ async fn a_failed_lease_call_ends_the_leasing_and_what_was_leased_is_still_publi
     assert_eq!(text(&items[&damaged[0]], "status"), "pending");
     assert_eq!(number(&items[&damaged[0]], "attempts"), 0);
 }
+
+/// A sink that never answers.
+struct Silent;
+
+impl inbox_runtime::sink::Sink for Silent {
+    fn publish_batch<'a>(
+        &'a self,
+        _messages: &'a [OutgoingMessage],
+    ) -> inbox_runtime::sink::PublishFuture<'a> {
+        Box::pin(std::future::pending())
+    }
+}
+
+/// A sink that does not answer within the lease: the round stops waiting at the lease's end
+/// (`timed_out`), marks nothing, and the item is published by a later lease with its id, the
+/// attempt counted.
+#[tokio::test]
+async fn a_publish_that_outlives_its_lease_is_timed_out_and_published_again_with_its_id() {
+    let setup = setup().await;
+    let ids = committed(&setup, &credit("t-1", "acct-1", 1), 1, None).await;
+    let lease = Duration::from_millis(300);
+    let silent = DynamoRelay::new(setup.outbox.clone(), Silent)
+        .lease(lease)
+        .unwrap();
+    let report = silent.run_once().await.unwrap();
+    assert_eq!(
+        (
+            report.leased,
+            report.published,
+            report.timed_out,
+            report.failed
+        ),
+        (1, 0, 1, 0)
+    );
+    let item = &outbox_items(&setup).await[&ids[0]];
+    assert_eq!(text(item, "status"), "pending");
+    assert_eq!(number(item, "attempts"), 1);
+    // The round stopped waiting as its lease ran out (a few milliseconds before the lease's
+    // end, which is read from the clock after the wait began): the next lease takes it.
+    let sink = MemorySink::new();
+    let relay = relay(&setup.outbox, &sink);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let report = loop {
+        let report = relay.run_once().await.unwrap();
+        if report.leased > 0 {
+            break report;
+        }
+        assert!(std::time::Instant::now() < deadline, "never leased again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!((report.leased, report.published), (1, 1));
+    assert_eq!(
+        published(&sink),
+        [(ids[0].clone(), "acct-1:1:0".to_owned(), 2)]
+    );
+    let item = &outbox_items(&setup).await[&ids[0]];
+    assert_eq!(text(item, "status"), "sent");
+}

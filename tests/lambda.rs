@@ -14,6 +14,7 @@ use std::sync::Mutex as StdMutex;
 use std::time::Duration;
 
 use inbox_runtime::source::lambda::LambdaSqs;
+use inbox_runtime::source::lambda::sqs::SqsEvent;
 use inbox_runtime::{Classify, Dispatcher, ErrorClass, Worker};
 use inbox_tests::lambda::{Answer, Event, invoke, listed, record, runtime_api};
 use serde_json::{Value, json};
@@ -62,6 +63,9 @@ fn set_unavailable(ids: &[&str]) {
     *UNAVAILABLE.lock().unwrap() = Some(ids.iter().map(|id| (*id).to_owned()).collect());
 }
 
+/// Ids whose handler never answers while they are in here.
+static HELD: StdMutex<Option<HashSet<String>>> = StdMutex::new(None);
+
 #[inbox_runtime::idempotent(consumer = "lambda-credits")]
 async fn credit(conn: &mut sqlx::PgConnection, msg: Credit) -> Result<(), CreditError> {
     if msg.amount < 0 {
@@ -74,6 +78,15 @@ async fn credit(conn: &mut sqlx::PgConnection, msg: Credit) -> Result<(), Credit
         .is_some_and(|ids| ids.contains(&msg.id))
     {
         return Err(CreditError::Unavailable);
+    }
+    if HELD
+        .lock()
+        .unwrap()
+        .as_ref()
+        .is_some_and(|ids| ids.contains(&msg.id))
+    {
+        // Never answers: the invocation's deadline has to drop it.
+        std::future::pending::<()>().await;
     }
     sqlx::query(inbox_tests::APPLY_EFFECT)
         .bind(&msg.account)
@@ -471,6 +484,54 @@ async fn a_cold_start_replaying_a_batch_applies_each_effect_once() {
         3
     );
     third.abort();
+}
+
+/// A record still running the worker's drain timeout after the deadline margin began is
+/// dropped unsettled and listed: its transaction rolls back, nothing of it is written; its
+/// redelivery applies it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_still_running_past_the_drain_timeout_is_dropped_and_listed() {
+    let _serial = SERIAL.lock().await;
+    set_unavailable(&[]);
+    let pool = inbox_tests::pg_pool(4).await;
+    *HELD.lock().unwrap() = Some(HashSet::from(["c-held".to_owned()]));
+    let dispatcher =
+        Dispatcher::from_handlers(pool.clone(), [inbox_runtime::handler!(credit)]).unwrap();
+    let worker = Worker::new(dispatcher)
+        .requeue_delay(Duration::ZERO)
+        .drain_timeout(Duration::from_millis(200));
+    let function = LambdaSqs::new(worker).deadline_margin(Duration::from_millis(400));
+    let records = vec![credit_record("m-1", "c-held", "hal", 5)];
+    let event: SqsEvent = serde_json::from_value(json!({ "Records": records.clone() })).unwrap();
+    // The margin begins 300 ms from now; the held record is dropped 200 ms later.
+    let deadline = std::time::SystemTime::now() + Duration::from_millis(700);
+    let (response, report) = function.handle_by(event, deadline).await.unwrap();
+    let listed: Vec<_> = response
+        .batch_item_failures
+        .into_iter()
+        .map(|failure| failure.item_identifier)
+        .collect();
+    assert_eq!(listed, ["m-1"]);
+    assert_eq!(
+        (report.abandoned, report.processed, report.acked),
+        (1, 0, 0)
+    );
+    assert_eq!(inbox_tests::effect(&pool, "hal").await, None);
+    assert_eq!(
+        inbox_tests::inbox_row(&pool, CONSUMER, "c-held").await,
+        None
+    );
+
+    *HELD.lock().unwrap() = None;
+    let event: SqsEvent = serde_json::from_value(json!({ "Records": records })).unwrap();
+    let (response, report) = function.handle_reporting(event).await.unwrap();
+    assert!(response.batch_item_failures.is_empty());
+    assert_eq!((report.processed, report.abandoned), (1, 0));
+    assert_eq!(inbox_tests::effect(&pool, "hal").await, Some((1, 5)));
+    assert_eq!(
+        inbox_tests::inbox_row(&pool, CONSUMER, "c-held").await,
+        Some(("processed".to_owned(), 1))
+    );
 }
 
 /// An invocation whose deadline is within the function's margin (3 s by default): no record

@@ -73,6 +73,9 @@ fn set_unavailable(ids: &[&str], unavailable: bool) {
     }
 }
 
+/// Credit ids whose handler never answers while they are in here.
+static HELD: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+
 /// The accounts table of this test binary (`id` string key), made once.
 static ACCOUNTS: tokio::sync::OnceCell<String> = tokio::sync::OnceCell::const_new();
 
@@ -88,6 +91,15 @@ async fn credit(tx: &mut DynamoTx, msg: Credit) -> Result<(), CreditError> {
         .is_some_and(|ids| ids.contains(&msg.id))
     {
         return Err(CreditError::Unavailable);
+    }
+    if HELD
+        .lock()
+        .unwrap()
+        .as_ref()
+        .is_some_and(|ids| ids.contains(&msg.id))
+    {
+        // Never answers: the invocation's deadline has to drop it.
+        std::future::pending::<()>().await;
     }
     let table = ACCOUNTS.get().expect("setup made the accounts table");
     tx.update(
@@ -484,6 +496,51 @@ async fn records_not_started_before_the_deadline_margin_are_listed() {
     assert_eq!(listed, ["m-1", "m-2"]);
     assert_eq!((report.not_run, report.listed, report.processed), (2, 2, 0));
     assert_eq!(effect(&function, &gus).await, None);
+}
+
+/// A record still running half the deadline margin after the margin began is dropped and
+/// listed: nothing of it is written, and its redelivery applies it once.
+#[tokio::test]
+async fn a_record_still_running_half_the_margin_after_it_began_is_dropped_and_listed() {
+    let function = function().await.deadline_margin(Duration::from_millis(400));
+    let ids = Ids::new();
+    let (c1, hal) = (ids.of("c1"), ids.of("hal"));
+    HELD.lock()
+        .unwrap()
+        .get_or_insert_with(HashSet::new)
+        .insert(c1.clone());
+    let records = vec![credit_record("m-1", &c1, &hal, 5)];
+    let event: SqsEvent = serde_json::from_value(json!({ "Records": records.clone() })).unwrap();
+    // The margin begins 300 ms from now; the held record is dropped 200 ms later.
+    let deadline = SystemTime::now() + Duration::from_millis(700);
+    let (response, report) = function.handle_by(event, deadline).await.unwrap();
+    let listed: Vec<_> = response
+        .batch_item_failures
+        .into_iter()
+        .map(|failure| failure.item_identifier)
+        .collect();
+    assert_eq!(listed, ["m-1"]);
+    assert_eq!(
+        (
+            report.abandoned,
+            report.listed,
+            report.processed,
+            report.not_run
+        ),
+        (1, 1, 0, 0)
+    );
+    assert_eq!(effect(&function, &hal).await, None);
+    assert_eq!(status(&function, &c1).await, None);
+
+    HELD.lock().unwrap().as_mut().unwrap().remove(&c1);
+    let (failures, report) = invoke(&function, records).await;
+    assert_eq!(failures, NONE);
+    assert_eq!((report.processed, report.abandoned), (1, 0));
+    assert_eq!(effect(&function, &hal).await, Some((1, 5)));
+    assert_eq!(
+        status(&function, &c1).await,
+        Some(("processed".to_owned(), 1))
+    );
 }
 
 /// A record to list without a `messageId` fails the invocation (Lambda retries the whole batch).

@@ -36,7 +36,7 @@ use crate::store::StoredMessage;
 use crate::types::outcome::Outcome;
 use crate::types::status::Status;
 
-/// Parses `args` (the program name first, as in `std::env::args_os()`) as an [`AdminCli`] and
+/// Parses `args` (the program name first, as in `std::env::args_os()`) as an [`AdminCli`](super::AdminCli) and
 /// runs the command on `inbox`, printing results on standard output and errors on standard
 /// error, as [`super::run`] does on a pool.
 ///
