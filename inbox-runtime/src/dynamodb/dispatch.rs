@@ -9,12 +9,12 @@
 //! [`Dispatcher`](crate::Dispatcher) never sees it) for [`DynamoDispatcher::from_registry`].
 
 use std::any::TypeId;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::fmt;
 
 use super::{AdminError, DynamoError, DynamoInbox, DynamoTx, Failed, Mode};
 use crate::BoxFuture;
-use crate::protocol::erased::{AnyMessage, DecodedMessages, decode_once};
+use crate::protocol::erased::{AnyMessage, DecodedMessages, decode_once, routes};
 use crate::types::classify::{BoxError, ErrorClass};
 use crate::types::envelope::Envelope;
 use crate::types::error::{DispatchError, HandlerFailure};
@@ -519,29 +519,18 @@ impl DynamoDispatcher {
 
     fn build(
         inbox: DynamoInbox,
-        mut handlers: Vec<&'static dyn DynDynamoHandler>,
+        handlers: Vec<&'static dyn DynDynamoHandler>,
         explicit: bool,
     ) -> Result<Self, DynamoRegistryError> {
-        handlers.sort_by_key(|h| (h.message_name(), h.consumer(), h.function()));
-        let mut routes: HashMap<&'static str, Vec<&'static dyn DynDynamoHandler>> = HashMap::new();
-        let mut seen: BTreeMap<(&'static str, &'static str), &'static str> = BTreeMap::new();
-        for handler in handlers {
-            if let Some(first) = seen.insert(
-                (handler.consumer(), handler.message_name()),
-                handler.function(),
-            ) {
-                return Err(DynamoRegistryError::DuplicateConsumer {
-                    consumer: handler.consumer(),
-                    message_name: handler.message_name(),
-                    first,
-                    second: handler.function(),
-                });
-            }
-            routes
-                .entry(handler.message_name())
-                .or_default()
-                .push(handler);
-        }
+        let routes =
+            routes(handlers, |h| (h.message_name(), h.consumer(), h.function())).map_err(|d| {
+                DynamoRegistryError::DuplicateConsumer {
+                    consumer: d.consumer,
+                    message_name: d.message_name,
+                    first: d.first,
+                    second: d.second,
+                }
+            })?;
         if routes.is_empty() {
             return Err(if explicit {
                 DynamoRegistryError::NoHandlersListed

@@ -49,6 +49,45 @@ pub(crate) fn decode_once(
     Ok(decoded.len() - 1)
 }
 
+/// Two handlers of one consumer for one message name: they would share one inbox scope, so one
+/// of them would see every message as a duplicate.
+pub(crate) struct DuplicateHandler {
+    pub(crate) consumer: &'static str,
+    pub(crate) message_name: &'static str,
+    /// One handler (module path and function name), and the other.
+    pub(crate) first: &'static str,
+    pub(crate) second: &'static str,
+}
+
+/// A dispatcher's routes: `handlers` by message name, each name's handlers sorted by consumer
+/// and function. `names` gives a handler's message name, consumer and function.
+///
+/// # Errors
+/// [`DuplicateHandler`] for the first two handlers of one consumer and message name.
+#[allow(clippy::type_complexity)]
+pub(crate) fn routes<H: ?Sized>(
+    mut handlers: Vec<&'static H>,
+    names: impl Fn(&H) -> (&'static str, &'static str, &'static str),
+) -> Result<std::collections::HashMap<&'static str, Vec<&'static H>>, DuplicateHandler> {
+    handlers.sort_by_key(|h| names(h));
+    let mut routes: std::collections::HashMap<&'static str, Vec<&'static H>> =
+        std::collections::HashMap::new();
+    let mut seen = std::collections::BTreeMap::new();
+    for handler in handlers {
+        let (message_name, consumer, function) = names(handler);
+        if let Some(first) = seen.insert((consumer, message_name), function) {
+            return Err(DuplicateHandler {
+                consumer,
+                message_name,
+                first,
+                second: function,
+            });
+        }
+        routes.entry(message_name).or_default().push(handler);
+    }
+    Ok(routes)
+}
+
 /// A handler with its types erased, as the dispatcher drives it.
 #[doc(hidden)]
 pub trait DynHandler: Send + Sync + 'static {

@@ -3,7 +3,7 @@
 
 mod batch;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
@@ -12,7 +12,7 @@ use sqlx::Pool;
 use crate::cache::{CacheLayer, DedupeCache, Fill};
 use crate::dispatch::registry::{HandlerInfo, Registration, info};
 use crate::ops::admin::Retention;
-use crate::protocol::erased::{AnyMessage, DecodedMessages, DynHandler, decode_once};
+use crate::protocol::erased::{AnyMessage, DecodedMessages, DynHandler, decode_once, routes};
 use crate::protocol::hooks::{HookRunner, Hooks, TransactionHook};
 use crate::protocol::park::{Routes, apply_parked_successors, run_stored};
 use crate::protocol::single::AttemptPlan;
@@ -196,31 +196,20 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         mut registrations: Vec<&'static dyn DynHandler>,
         explicit: bool,
     ) -> Result<Self, RegistryError> {
-        let mut routes: HashMap<&'static str, Vec<&'static dyn DynHandler>> = HashMap::new();
-        let mut other = 0;
-        let mut seen: BTreeMap<(&'static str, &'static str), &'static str> = BTreeMap::new();
-        registrations.sort_by_key(|h| (h.message_name(), h.consumer(), h.function()));
-        for handler in registrations {
-            if handler.backend() != DB::BACKEND {
-                other += 1;
-                continue;
-            }
-            if let Some(first) = seen.insert(
-                (handler.consumer(), handler.message_name()),
-                handler.function(),
-            ) {
-                return Err(RegistryError::DuplicateConsumer {
-                    consumer: handler.consumer(),
-                    message_name: handler.message_name(),
-                    first,
-                    second: handler.function(),
-                });
-            }
-            routes
-                .entry(handler.message_name())
-                .or_default()
-                .push(handler);
-        }
+        let other = registrations
+            .iter()
+            .filter(|h| h.backend() != DB::BACKEND)
+            .count();
+        registrations.retain(|h| h.backend() == DB::BACKEND);
+        let routes = routes(registrations, |h| {
+            (h.message_name(), h.consumer(), h.function())
+        })
+        .map_err(|d| RegistryError::DuplicateConsumer {
+            consumer: d.consumer,
+            message_name: d.message_name,
+            first: d.first,
+            second: d.second,
+        })?;
         if routes.is_empty() {
             return Err(if explicit {
                 RegistryError::NoHandlersListed {
