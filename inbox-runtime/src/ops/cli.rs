@@ -1160,6 +1160,18 @@ pub(crate) enum Replayed {
     NotProcessed(String),
 }
 
+impl Replayed {
+    /// A replay's outcome, or its error's text.
+    pub(crate) fn of(result: Result<Outcome<()>, String>) -> Self {
+        match result {
+            Ok(Outcome::Processed(())) => Self::Processed,
+            Ok(Outcome::Duplicate) => Self::Duplicate,
+            Ok(other) => Self::NotProcessed(other.kind().into()),
+            Err(text) => Self::NotProcessed(text),
+        }
+    }
+}
+
 /// What `dead replay` needs of a store: one replay through the registered handler, and the
 /// failed and dead messages to replay with `--all`.
 pub(crate) trait Replayer {
@@ -1176,13 +1188,10 @@ pub(crate) trait Replayer {
 impl<DB: InboxDatabase> Replayer for Dispatcher<DB> {
     async fn replay_one(&self, consumer: &str, key: &str) -> Result<Replayed, CliError> {
         let outcome = self.replay(consumer, key).await?;
-        Ok(match outcome.result {
-            Ok(Outcome::Processed(())) => Replayed::Processed,
-            Ok(Outcome::Duplicate) => Replayed::Duplicate,
-            Ok(other) => Replayed::NotProcessed(other.kind().into()),
-            Err(Error::Handler(failure)) => Replayed::NotProcessed(failure.to_string()),
-            Err(error) => Replayed::NotProcessed(error.to_string()),
-        })
+        Ok(Replayed::of(outcome.result.map_err(|error| match error {
+            Error::Handler(failure) => failure.to_string(),
+            error => error.to_string(),
+        })))
     }
 
     async fn failed_and_dead(

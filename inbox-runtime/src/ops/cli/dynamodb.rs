@@ -33,7 +33,6 @@ use std::process::ExitCode;
 use super::{AdminCommand, CliError, DeadCommand, DeadStatus, MessageRef, Replayed, Replayer};
 use crate::dynamodb::{DynamoAdmin, DynamoDispatcher, DynamoError, DynamoInbox};
 use crate::store::StoredMessage;
-use crate::types::outcome::Outcome;
 use crate::types::status::Status;
 
 /// Parses `args` (the program name first, as in `std::env::args_os()`) as an [`AdminCli`](super::AdminCli) and
@@ -187,13 +186,10 @@ async fn not_found(admin: &DynamoAdmin, message: &MessageRef, what: &'static str
 impl Replayer for DynamoDispatcher {
     async fn replay_one(&self, consumer: &str, key: &str) -> Result<Replayed, CliError> {
         let outcome = self.replay(consumer, key).await?;
-        Ok(match outcome.result {
-            Ok(Outcome::Processed(())) => Replayed::Processed,
-            Ok(Outcome::Duplicate) => Replayed::Duplicate,
-            Ok(other) => Replayed::NotProcessed(other.kind().into()),
-            Err(DynamoError::Handler(failure)) => Replayed::NotProcessed(failure.to_string()),
-            Err(error) => Replayed::NotProcessed(error.to_string()),
-        })
+        Ok(Replayed::of(outcome.result.map_err(|error| match error {
+            DynamoError::Handler(failure) => failure.to_string(),
+            error => error.to_string(),
+        })))
     }
 
     async fn failed_and_dead(
