@@ -782,33 +782,8 @@ async fn change_data_capture_writes_items_already_sent_for_no_relay() {
     );
 }
 
-/// Settles the dead item `message_id` as the module docs tell an operator to: back to
-/// `pending`, attempts 0, no retry time, in the index again (an item that had left it gets the
-/// sort key given; one still there keeps its place).
-async fn settle_dead(setup: &Setup, message_id: &str, sort_key: &str) {
-    setup
-        .inbox
-        .client()
-        .update_item()
-        .table_name(setup.outbox.table())
-        .key("pk", AttributeValue::S(message_id.to_owned()))
-        .update_expression(
-            "SET #status = :pending, attempts = :zero, pending_pk = :pending, \
-             pending_sk = if_not_exists(pending_sk, :sk) REMOVE next_attempt_at",
-        )
-        .condition_expression("#status = :dead")
-        .expression_attribute_names("#status", "status")
-        .expression_attribute_values(":pending", AttributeValue::S("pending".into()))
-        .expression_attribute_values(":zero", AttributeValue::N("0".into()))
-        .expression_attribute_values(":sk", AttributeValue::S(sort_key.to_owned()))
-        .expression_attribute_values(":dead", AttributeValue::S("dead".into()))
-        .send()
-        .await
-        .unwrap();
-}
-
 #[tokio::test]
-async fn a_dead_item_settled_as_the_docs_say_is_published_again_with_its_id() {
+async fn a_dead_item_retried_is_published_again_with_its_id() {
     let setup = setup().await;
     // One without an aggregate (it left the index), one with (it stayed, blocking "b").
     committed(&setup, &credit("s-1", "acct-1", 1), 1, None).await;
@@ -828,15 +803,18 @@ async fn a_dead_item_settled_as_the_docs_say_is_published_again_with_its_id() {
     assert_eq!(text(&items[&id("s-2", 0)], "pending_pk"), "pending");
     let place = text(&items[&id("s-2", 0)], "pending_sk");
 
-    settle_dead(
-        &setup,
-        &id("s-1", 0),
-        &format!("{:020}#00000#{}", 1, id("s-1", 0)),
-    )
-    .await;
-    settle_dead(&setup, &id("s-2", 0), "unused").await;
+    assert!(setup.outbox.retry(&id("s-1", 0)).await.unwrap());
+    assert!(setup.outbox.retry(&id("s-2", 0)).await.unwrap());
+    // Not dead (any more, or at all): nothing to retry or discard.
+    assert!(!setup.outbox.retry(&id("s-2", 0)).await.unwrap());
+    assert!(!setup.outbox.retry(&id("s-2", 1)).await.unwrap());
+    assert!(!setup.outbox.discard(&id("s-2", 1)).await.unwrap());
+    assert!(!setup.outbox.discard("no-such-id").await.unwrap());
     let items = outbox_items(&setup).await;
+    // The aggregate's item kept its place; the other is back in the index; attempts reset.
     assert_eq!(text(&items[&id("s-2", 0)], "pending_sk"), place);
+    assert_eq!(text(&items[&id("s-1", 0)], "pending_pk"), "pending");
+    assert_eq!(number(&items[&id("s-1", 0)], "attempts"), 0);
     let sink = MemorySink::new();
     let relay = relay(&setup.outbox, &sink).max_attempts(2);
     let mut leased = Vec::new();
@@ -846,9 +824,10 @@ async fn a_dead_item_settled_as_the_docs_say_is_published_again_with_its_id() {
     assert_eq!(leased, vec![2, 1, 0]);
     assert_eq!(
         published(&sink),
+        // The item without an aggregate came back at the end of the index.
         vec![
-            (id("s-1", 0), "acct-1:1:0".to_owned(), 1),
             (id("s-2", 0), "acct-2:1:0".to_owned(), 1),
+            (id("s-1", 0), "acct-1:1:0".to_owned(), 1),
             (id("s-2", 1), "acct-2:1:1".to_owned(), 1),
         ]
     );
@@ -1015,4 +994,35 @@ async fn a_publish_that_outlives_its_lease_is_timed_out_and_published_again_with
     );
     let item = &outbox_items(&setup).await[&ids[0]];
     assert_eq!(text(item, "status"), "sent");
+}
+
+/// A dead item discarded is deleted: never sent, and its aggregate's later items go ahead.
+#[tokio::test]
+async fn a_dead_item_discarded_lets_its_aggregate_go_ahead() {
+    let setup = setup().await;
+    committed(&setup, &credit("d-1", "acct-1", 1), 2, Some("d")).await;
+    let refusing = MemorySink::new().fail_when(|m: &OutgoingMessage| {
+        (m.message_id == id("d-1", 0)).then(|| SinkError::permanent("refused"))
+    });
+    let report = relay(&setup.outbox, &refusing).run_once().await.unwrap();
+    assert_eq!((report.leased, report.dead), (1, 1));
+    // The dead item blocks its aggregate.
+    assert_eq!(
+        relay(&setup.outbox, &refusing)
+            .run_once()
+            .await
+            .unwrap()
+            .leased,
+        0
+    );
+    assert!(setup.outbox.discard(&id("d-1", 0)).await.unwrap());
+    assert!(!setup.outbox.discard(&id("d-1", 0)).await.unwrap());
+    assert!(!outbox_items(&setup).await.contains_key(&id("d-1", 0)));
+    let sink = MemorySink::new();
+    let report = relay(&setup.outbox, &sink).run_once().await.unwrap();
+    assert_eq!((report.leased, report.published), (1, 1));
+    assert_eq!(
+        published(&sink),
+        [(id("d-1", 1), "acct-1:1:1".to_owned(), 1)]
+    );
 }

@@ -186,8 +186,9 @@
 //!   workers' clocks should agree to well under the retry delays and the retention window.
 //! * A handler action on the inbox table's own item of this key is refused by DynamoDB (one
 //!   action per item per transaction): [`DynamoError::Cancelled`] or [`DynamoError::Dynamo`].
-//! * Not yet: parked and stale states (per-aggregate ordering), the console, the outbox's admin
-//!   and command line. A delivery the [`DynamoDispatcher`] refuses is not kept (there is no
+//! * Not yet: parked and stale states (per-aggregate ordering), the console, the outbox's
+//!   listing and command line (dead outbox items: [`DynamoOutbox::retry`] and
+//!   [`DynamoOutbox::discard`]). A delivery the [`DynamoDispatcher`] refuses is not kept (there is no
 //!   rejections table, and `stats` has no `rejected:…` rows): leave it to the broker's
 //!   dead-letter queue ([`DynamoWorker`] rejects it).
 //! * [`DynamoWorker`] is the [`Worker`](crate::Worker) without what is SQL-only: batches of

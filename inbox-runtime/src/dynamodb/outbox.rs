@@ -116,21 +116,12 @@
 //! * A round reads at most [`scan_limit`](DynamoRelay::scan_limit) index entries, oldest first:
 //!   more entries than that ahead of a due item (say, thousands of items of one aggregate
 //!   behind a dead one, or failing ones waiting for their backoff) keep that item from being
-//!   seen until they clear. Settle dead items (no admin API for the DynamoDB outbox yet):
-//!   a `DeleteItem` (never sent; the aggregate's later items go ahead), or, to send one again
-//!   with its id (as the SQL [`admin::retry`](crate::outbox::admin::retry)), the
-//!   `UpdateItem` below. Setting `status` back to `pending` alone loses the item: one without
-//!   an aggregate left the index when it went dead (no relay ever sees it again), and one
-//!   whose attempts ran out goes dead again at the next round.
-//!
-//!   ```text
-//!   UpdateItem  Key: {pk: <message id>}
-//!     UpdateExpression:    SET #status = :pending, attempts = :zero, pending_pk = :pending,
-//!                              pending_sk = if_not_exists(pending_sk, :sk) REMOVE next_attempt_at
-//!     ConditionExpression: #status = :dead
-//!     #status = status; :pending = "pending"; :dead = "dead"; :zero = 0;
-//!     :sk = "<now, epoch nanoseconds, 20 digits>#00000#<message id>"
-//!   ```
+//!   seen until they clear. Settle dead items: [`DynamoOutbox::discard`] (never sent; the
+//!   aggregate's later items go ahead) or [`DynamoOutbox::retry`] (sent again with its id, as the
+//!   SQL [`admin::retry`](crate::outbox::admin::retry)). Do not set `status` back to `pending`
+//!   by hand: one without an aggregate left the index when it went dead (no relay would ever
+//!   see it again), and one whose attempts ran out would go dead again at the next round;
+//!   `retry` puts it back in the index and resets its attempts.
 //! * The index has one partition key value: DynamoDB's throughput per index partition (about
 //!   1000 writes per second) bounds the outbox's rate.
 //! * [`Transport::ChangeDataCapture`](crate::outbox::Transport::ChangeDataCapture): items are
@@ -395,6 +386,90 @@ impl DynamoOutbox {
     /// The table's name.
     pub fn table(&self) -> &str {
         &self.table
+    }
+
+    /// Sends the `dead` item `message_id` again, as the SQL
+    /// [`admin::retry`](crate::outbox::admin::retry): it becomes `pending` with its attempts
+    /// reset to 0 and no retry time (its `last_error` stays until it is sent), back in the index
+    /// [`PENDING_INDEX`] (an item of an aggregate never left it and keeps its place, so the
+    /// aggregate's later items wait for it again; one without an aggregate comes back at the
+    /// end), and relays publish it with the **same** message id. One conditional `UpdateItem`.
+    /// Returns `false` if no dead item has this id (none, or one `pending` or `sent`).
+    ///
+    /// # Errors
+    /// [`OutboxCallError`] (operation `UpdateItem`) if the call fails.
+    pub async fn retry(&self, message_id: &str) -> Result<bool, OutboxCallError> {
+        let created_ns = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |elapsed| elapsed.as_nanos());
+        let answer = self
+            .client
+            .update_item()
+            .table_name(&self.table)
+            .key("pk", s(message_id))
+            .update_expression(
+                "SET #status = :pending, attempts = :zero, pending_pk = :pending, \
+                 pending_sk = if_not_exists(pending_sk, :sk) \
+                 REMOVE next_attempt_at, lease_owner, lease_until",
+            )
+            .condition_expression("#status = :dead")
+            .expression_attribute_names("#status", "status")
+            .expression_attribute_values(":pending", s(PENDING))
+            .expression_attribute_values(":zero", n(0))
+            .expression_attribute_values(
+                ":sk",
+                s(format!("{created_ns:020}#{:05}#{message_id}", 0)),
+            )
+            .expression_attribute_values(":dead", s("dead"))
+            .send()
+            .await;
+        self.settled(answer.map(|_| ()), "UpdateItem")
+    }
+
+    /// Deletes the `dead` item `message_id`, as the SQL
+    /// [`admin::discard`](crate::outbox::admin::discard): the message is never sent, and its
+    /// aggregate's later items, which waited behind it, go out next. One conditional
+    /// `DeleteItem`. Returns `false` if no dead item has this id (a `pending` one may be out with
+    /// a relay; a `sent` one is TTL's).
+    ///
+    /// # Errors
+    /// [`OutboxCallError`] (operation `DeleteItem`) if the call fails.
+    pub async fn discard(&self, message_id: &str) -> Result<bool, OutboxCallError> {
+        let answer = self
+            .client
+            .delete_item()
+            .table_name(&self.table)
+            .key("pk", s(message_id))
+            .condition_expression("#status = :dead")
+            .expression_attribute_names("#status", "status")
+            .expression_attribute_values(":dead", s("dead"))
+            .send()
+            .await;
+        self.settled(answer.map(|_| ()), "DeleteItem")
+    }
+
+    /// `true` if a conditional call on a dead item applied, `false` if its condition failed.
+    fn settled<E>(
+        &self,
+        answer: Result<(), aws_sdk_dynamodb::error::SdkError<E>>,
+        operation: &'static str,
+    ) -> Result<bool, OutboxCallError>
+    where
+        E: aws_sdk_dynamodb::error::ProvideErrorMetadata
+            + std::error::Error
+            + Send
+            + Sync
+            + 'static,
+    {
+        match answer {
+            Ok(()) => Ok(true),
+            Err(e) if is_condition_failure(&e) => Ok(false),
+            Err(e) => Err(OutboxCallError {
+                table: self.table.clone(),
+                operation,
+                source: e.into(),
+            }),
+        }
     }
 
     /// Creates the outbox table if it does not exist (partition key `pk`, string; on-demand
