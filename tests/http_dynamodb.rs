@@ -133,6 +133,31 @@ async fn big(State(app): State<App>, mut tx: DynamoIdempotencyTx, body: String) 
         .unwrap()
 }
 
+/// Adds two actions on one counter item: DynamoDB refuses the transaction
+/// (`ValidationException`), whatever is retried.
+async fn twice(
+    State(app): State<App>,
+    mut tx: DynamoIdempotencyTx,
+    body: String,
+) -> Response<Body> {
+    app.increment(&mut tx, &body);
+    app.increment(&mut tx, &body);
+    created(&body)
+}
+
+/// Adds `count` actions, one per counter item `<body>-<i>`.
+async fn many(
+    State(app): State<App>,
+    Path(count): Path<usize>,
+    mut tx: DynamoIdempotencyTx,
+    body: String,
+) -> Response<Body> {
+    for i in 0..count {
+        app.increment(&mut tx, &format!("{body}-{i}"));
+    }
+    created(&body)
+}
+
 struct Setup {
     client: Client,
     inbox: DynamoInbox,
@@ -167,6 +192,8 @@ async fn setup_with(
         .route("/guarded", post(guarded))
         .route("/big", post(big))
         .route("/panic", post(panics))
+        .route("/twice", post(twice))
+        .route("/many/{count}", post(many))
         .route_layer(configure(DynamoIdempotencyLayer::new(inbox.clone())))
         .with_state(app.clone());
     Setup {
@@ -504,4 +531,93 @@ async fn an_expired_key_counts_as_absent() {
         assert_eq!(s.counter("o").await, run);
     }
     assert_eq!(s.keys().await, 1, "the expired item replaced in place");
+}
+
+#[tokio::test]
+async fn a_transaction_dynamodb_refuses_is_a_500_not_an_unknown_outcome() {
+    // Two actions on one item: DynamoDB refuses the request (`ValidationException`) before it
+    // applies anything. That is no lost answer: the documented 500 `transaction-failed`, no
+    // Retry-After (a retry is refused again), the lease released.
+    let s = setup(|layer| layer).await;
+    s.problem_twice(
+        "/twice",
+        "\"v\"",
+        "q",
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "transaction-failed",
+    )
+    .await;
+    assert_eq!(s.counter("q").await, 0);
+    assert_eq!(s.keys().await, 0, "the lease released");
+}
+
+#[tokio::test]
+async fn a_handler_may_add_99_actions_and_no_more() {
+    let s = setup(|layer| layer).await;
+    let (status, _, _) = s.send("/many/99", Some("\"m99\""), "r").await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!((s.counter("r-0").await, s.counter("r-98").await), (1, 1));
+    s.problem_twice(
+        "/many/100",
+        "\"m100\"",
+        "u",
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "transaction-failed",
+    )
+    .await;
+    assert_eq!((s.counter("u-0").await, s.counter("u-99").await), (0, 0));
+    assert_eq!(s.keys().await, 1, "the 100 actions' lease released");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retention_window_shorter_than_the_lease_keeps_the_lease() {
+    // The lease (30 s) outlives the retention window (0 s): a concurrent duplicate still gets
+    // its 409 while the first runs, and does not take the key over.
+    let s = Arc::new(setup_with(Duration::ZERO, |layer| layer).await);
+    let first = {
+        let s = Arc::clone(&s);
+        tokio::spawn(async move { s.send("/slow", Some("\"w\""), "w").await })
+    };
+    s.app.entered.notified().await;
+    let (status, headers, body) = s.send("/slow", Some("\"w\""), "w").await;
+    assert_eq!(
+        status,
+        StatusCode::CONFLICT,
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    assert_eq!(headers.get("retry-after").unwrap(), "1");
+    assert_eq!(s.counter("w").await, 0);
+    s.app.release.notify_one();
+    let (status, headers, _) = first.await.unwrap();
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(headers.get("idempotent-replayed").is_none());
+    assert_eq!(s.counter("w").await, 1);
+}
+
+#[tokio::test]
+async fn the_admin_shows_an_http_key_with_its_stored_response() {
+    // As the SQL admin's `show` (`StoredMessage::result`): the key's stored response.
+    let s = setup(|layer| layer).await;
+    let (status, _, body) = s.send("/orders", Some("\"r1\""), "y").await;
+    assert_eq!(status, StatusCode::CREATED);
+    let shown = s
+        .inbox
+        .admin()
+        .show("http POST /orders", "r1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(shown.status.as_str(), "processed");
+    let result = shown.result.expect("the stored response");
+    assert!(result.starts_with(b"IKR1"));
+    assert!(result.ends_with(&body), "the stored body at the end");
+    let listed = s
+        .inbox
+        .admin()
+        .list(None, &[inbox_runtime::Status::Processed], 10)
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].result.as_deref(), Some(&result[..]));
 }
