@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use std::time::Duration;
 
+use aws_sdk_dynamodb::error::SdkError;
+use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError;
 use axum::body::Body;
 use axum::extract::FromRequestParts;
 use bytes::Bytes;
@@ -435,10 +437,15 @@ fn failed(config: &Settings, route: &Route, error: &LeaseError) -> Response<Body
 }
 
 /// The answer to a commit that failed (counted): its outcome unknown (503), transient (503), or
-/// refused (500).
+/// refused (500: too large, or DynamoDB's `ValidationException`, which applied nothing).
 fn commit_failed(config: &Settings, route: &Route, error: &LeaseError) -> Problem {
     count(route, "failed");
     match error {
+        DynamoError::Dynamo {
+            operation: "TransactWriteItems",
+            source,
+            ..
+        } if refused(source.as_ref()) => transaction_failed(route, &error.to_string()),
         DynamoError::Dynamo {
             operation: "TransactWriteItems",
             ..
@@ -453,6 +460,16 @@ fn commit_failed(config: &Settings, route: &Route, error: &LeaseError) -> Proble
         }
         other => transaction_failed(route, &other.to_string()),
     }
+}
+
+/// Whether DynamoDB answered the `TransactWriteItems` with a `ValidationException` (two actions
+/// on one item, a bad expression, an item too large): it refused the request, nothing applied,
+/// and a resend is refused again.
+fn refused(source: &(dyn std::error::Error + 'static)) -> bool {
+    source
+        .downcast_ref::<SdkError<TransactWriteItemsError>>()
+        .and_then(SdkError::as_service_error)
+        .is_some_and(|e| e.meta().code() == Some("ValidationException"))
 }
 
 /// The request's DynamoDB transaction, for a handler behind [`DynamoIdempotencyLayer`]: an
