@@ -133,8 +133,14 @@ impl DynamoInbox {
             ("status".to_owned(), s(IN_PROGRESS)),
             ("lease_owner".to_owned(), s(&owner)),
             ("lease_until".to_owned(), n(until)),
-            // An abandoned lease leaves with the retention window, as a processed key does.
-            (TTL_ATTRIBUTE.to_owned(), n(self.expires_at(now))),
+            // An abandoned lease leaves with the retention window, as a processed key does, but
+            // never before it ends: an expired item is free to the next request's condition.
+            (
+                TTL_ATTRIBUTE.to_owned(),
+                n(self
+                    .expires_at(now)
+                    .max(until.div_euclid(1000).saturating_add(1))),
+            ),
         ]);
         let put = self.inbox_put(&ctx, Claim::New, now, attributes)?;
         self.count_call();

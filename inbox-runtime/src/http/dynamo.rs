@@ -113,7 +113,8 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// inbox's [`retention`](DynamoInbox::retention) window, 7 days by default): DynamoDB's TTL
 /// deletes it lazily, and an expired item counts as absent at once (the same key runs the
 /// handler again), as for [`DynamoInbox`]. A lease carries it too, so an abandoned one is
-/// deleted by TTL as well.
+/// deleted by TTL as well (at the end of the retention window, or of the lease if that is later: a
+/// window shorter than the lease does not free a running request's key).
 ///
 /// ```no_run
 /// use axum::{Json, Router, http::StatusCode, routing::post};
