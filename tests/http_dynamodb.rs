@@ -621,3 +621,31 @@ async fn the_admin_shows_an_http_key_with_its_stored_response() {
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0].result.as_deref(), Some(&result[..]));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_dropped_mid_handler_frees_its_key() {
+    // The client goes away while the handler runs: hyper drops the service's future. Nothing
+    // commits, and the key is free again (as the SQL layer's dropped transaction rolls back),
+    // not held until the lease (30 s) ends.
+    let s = Arc::new(setup(|layer| layer).await);
+    let dropped = {
+        let s = Arc::clone(&s);
+        tokio::spawn(async move { s.send("/slow", Some("\"d\""), "z").await })
+    };
+    s.app.entered.notified().await;
+    assert_eq!(s.keys().await, 1, "the lease");
+    dropped.abort();
+    assert!(dropped.await.unwrap_err().is_cancelled());
+    // The release runs in a task of its own: wait for it (the bound only ends a failing run).
+    let mut rounds = 0;
+    while s.keys().await != 0 {
+        rounds += 1;
+        assert!(rounds < 500, "the dropped request's lease was not released");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(s.counter("z").await, 0);
+    let (status, headers, _) = s.send("/slow", Some("\"d\""), "z").await;
+    assert_eq!(status, StatusCode::CREATED, "the key is free: no 409");
+    assert!(headers.get("idempotent-replayed").is_none());
+    assert_eq!(s.counter("z").await, 1);
+}
