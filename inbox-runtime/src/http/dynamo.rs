@@ -15,7 +15,9 @@ use http::request::Parts;
 use http::{HeaderName, Method, Request, Response, StatusCode};
 
 use crate::debug::some_fields;
-use crate::dynamodb::lease::{Committed, KeyRequest, KeyState, Lease, LeaseError, Leased};
+use crate::dynamodb::lease::{
+    Committed, KeyRequest, KeyState, Lease, LeaseError, Leased, Unsettled,
+};
 use crate::dynamodb::{DynamoError, DynamoInbox, DynamoTx};
 use crate::types::key::IdempotencyKey;
 
@@ -70,6 +72,8 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 ///    lease's token (a SDK retry of a send whose answer was lost is not applied twice). Any
 ///    other status: the lease is **released** (a conditional `DeleteItem`) and nothing of the
 ///    handler's is written; the key is free at once, as the SQL layer's rollback leaves it.
+///    So is it when the request's future is dropped before it answers (the client went away:
+///    hyper drops it): the lease is released in a task of its own.
 ///
 /// Calls per request (measured against moto in `tests/http_dynamodb.rs`): a **new key** 2
 /// (`PutItem`, `TransactWriteItems`); a **replay**, a **422** or a **409** 1 (`PutItem`; 2
@@ -323,6 +327,7 @@ impl Running<'_> {
         ResBody: ResponseBody,
     {
         let (config, route) = (self.config, &self.info.route);
+        let lease = Unsettled::new(&config.inbox, self.request, lease);
         let key = (!self.keyless).then(|| self.request.key.clone());
         let slot = Slot::new(
             DynamoInbox::leased_tx(&self.request),
@@ -335,7 +340,7 @@ impl Running<'_> {
             Ok(Ok(response)) => response,
             Ok(Err(problem)) => return Ok(self.release(lease, problem).await),
             Err(error) => {
-                self.config.inbox.release(&self.request, lease).await;
+                lease.release().await;
                 return Err(error);
             }
         };
@@ -343,7 +348,7 @@ impl Running<'_> {
             return Ok(self.release(lease, outlived(route)).await);
         };
         if !(config.stores)(head.status) {
-            config.inbox.release(&self.request, lease).await;
+            lease.release().await;
             count(route, "not_stored");
             return Ok(Response::from_parts(head, Body::from(body)));
         }
@@ -356,16 +361,18 @@ impl Running<'_> {
         .encode();
         let committed = config
             .inbox
-            .commit_leased(&self.request, &lease, tx, &stored)
+            .commit_leased(&self.request, lease.lease(), tx, &stored)
             .await;
         let problem = match committed {
             Ok(Committed::Done) => {
+                lease.settle();
                 if !self.keyless {
                     count(route, "first");
                 }
                 return Ok(Response::from_parts(head, Body::from(body)));
             }
             Ok(Committed::LeaseLost(state)) => {
+                lease.settle();
                 return Ok(held(config, self.info, self.request.key, state));
             }
             Ok(Committed::Condition(failed)) => {
@@ -395,8 +402,8 @@ impl Running<'_> {
     }
 
     /// Releases the lease (nothing of the handler's was written) and answers `problem`.
-    async fn release(&self, lease: Lease, problem: Problem) -> Response<Body> {
-        self.config.inbox.release(&self.request, lease).await;
+    async fn release(&self, lease: Unsettled<'_>, problem: Problem) -> Response<Body> {
+        lease.release().await;
         problem.into_response(&self.config.problem_base)
     }
 }
