@@ -446,6 +446,11 @@ async fn a_failed_condition_of_the_handler_writes_nothing() {
         .unwrap()
         .to_owned();
     assert!(detail.contains("action 1 (ConditionCheck"), "{detail}");
+    assert_eq!(
+        s.calls(),
+        6,
+        "a failed condition: PutItem, TransactWriteItems, DeleteItem; sent twice"
+    );
     assert_eq!(s.counter("h").await, 0);
     assert_eq!(s.keys().await, 0);
 }
@@ -549,6 +554,11 @@ async fn a_transaction_dynamodb_refuses_is_a_500_not_an_unknown_outcome() {
     .await;
     assert_eq!(s.counter("q").await, 0);
     assert_eq!(s.keys().await, 0, "the lease released");
+    assert_eq!(
+        s.calls(),
+        6,
+        "refused: PutItem, TransactWriteItems, DeleteItem; sent twice"
+    );
 }
 
 #[tokio::test]

@@ -79,7 +79,10 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// (`PutItem`, `TransactWriteItems`); a **replay**, a **422** or a **409** 1 (`PutItem`; 2
 /// where the service does not return the item with the failed condition: a consistent
 /// `GetItem` then); a response **not stored** 2
-/// (`PutItem`, `DeleteItem`); plus the resends of a transient cancellation
+/// (`PutItem`, `DeleteItem`); a commit cancelled by a **failed condition** of the handler's
+/// actions or **refused** by DynamoDB (409 `condition-failed`, 500 `transaction-failed`) 3
+/// (`PutItem`, `TransactWriteItems`, `DeleteItem`); a commit whose **lease was taken over** 2
+/// (3 where the cancellation does not return the item: a `GetItem`); plus the resends of a transient cancellation
 /// ([`RetryPolicy::transient_retries`](crate::RetryPolicy)). A request without a key (where it
 /// is optional) runs as one with a fresh random key (UUIDv7) that no client knows: 2 calls, and
 /// its response is never replayed.
