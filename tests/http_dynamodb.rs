@@ -19,6 +19,12 @@ use axum::extract::{Path, State};
 use axum::http::{Request, Response, StatusCode};
 use axum::routing::post;
 use inbox_runtime::dynamodb::sdk::Client;
+use inbox_runtime::dynamodb::sdk::config::interceptors::{
+    BeforeDeserializationInterceptorContextRef, BeforeSerializationInterceptorContextRef,
+};
+use inbox_runtime::dynamodb::sdk::config::{ConfigBag, Intercept, RuntimeComponents};
+use inbox_runtime::dynamodb::sdk::error::BoxError;
+use inbox_runtime::dynamodb::sdk::operation::transact_write_items::TransactWriteItemsInput;
 use inbox_runtime::dynamodb::sdk::types::{AttributeValue, ConditionCheck, Update};
 use inbox_runtime::dynamodb::{self, DynamoInbox};
 use inbox_runtime::http::{DynamoIdempotencyLayer, DynamoIdempotencyTx};
@@ -173,7 +179,19 @@ async fn setup_with(
     retention: Duration,
     configure: impl FnOnce(DynamoIdempotencyLayer) -> DynamoIdempotencyLayer,
 ) -> Setup {
-    let client = dynamodb::client(Some(&endpoint())).await;
+    setup_on(
+        dynamodb::client(Some(&endpoint())).await,
+        retention,
+        configure,
+    )
+    .await
+}
+
+async fn setup_on(
+    client: Client,
+    retention: Duration,
+    configure: impl FnOnce(DynamoIdempotencyLayer) -> DynamoIdempotencyLayer,
+) -> Setup {
     let id = uuid::Uuid::now_v7().simple().to_string();
     let inbox = DynamoInbox::new(client.clone(), format!("http-inbox-{id}")).retention(retention);
     inbox.ensure_table().await.unwrap();
@@ -658,4 +676,85 @@ async fn a_request_dropped_mid_handler_frees_its_key() {
     assert_eq!(status, StatusCode::CREATED, "the key is free: no 409");
     assert!(headers.get("idempotent-replayed").is_none());
     assert_eq!(s.counter("z").await, 1);
+}
+
+/// Loses the answer of the next `TransactWriteItems` that DynamoDB applied, once armed: the
+/// client sees an error after the commit took effect.
+#[derive(Debug, Clone, Default)]
+struct LoseCommitAnswer {
+    armed: Arc<AtomicBool>,
+    /// A `TransactWriteItems` is on its way while armed.
+    sending: Arc<AtomicBool>,
+}
+
+impl Intercept for LoseCommitAnswer {
+    fn name(&self) -> &'static str {
+        "LoseCommitAnswer"
+    }
+
+    fn read_before_execution(
+        &self,
+        context: &BeforeSerializationInterceptorContextRef<'_>,
+        _: &mut ConfigBag,
+    ) -> Result<(), BoxError> {
+        if context
+            .input()
+            .downcast_ref::<TransactWriteItemsInput>()
+            .is_some()
+            && self.armed.swap(false, Ordering::SeqCst)
+        {
+            self.sending.store(true, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+
+    fn read_before_deserialization(
+        &self,
+        context: &BeforeDeserializationInterceptorContextRef<'_>,
+        _: &RuntimeComponents,
+        _: &mut ConfigBag,
+    ) -> Result<(), BoxError> {
+        if context.response().status().is_success() && self.sending.swap(false, Ordering::SeqCst) {
+            return Err("the answer was lost on the way back".into());
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_commit_whose_answer_was_lost_is_503_then_replayed_not_run_again() {
+    let lose = LoseCommitAnswer::default();
+    let client = dynamodb::client(Some(&endpoint())).await;
+    let client = Client::from_conf(
+        client
+            .config()
+            .to_builder()
+            .interceptor(lose.clone())
+            .build(),
+    );
+    let s = setup_on(client, Duration::from_secs(86_400), |layer| {
+        layer.retry_after(Duration::from_secs(2))
+    })
+    .await;
+    lose.armed.store(true, Ordering::SeqCst);
+    let (status, headers, body) = s.send("/orders", Some("\"lost\""), "lost").await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(headers.get("retry-after").unwrap(), "2");
+    assert_eq!(problem_type(&body), "outcome-unknown");
+    assert!(!lose.sending.load(Ordering::SeqCst), "the answer was lost");
+    assert_eq!(s.counter("lost").await, 1, "it committed");
+    assert_eq!(
+        s.calls(),
+        3,
+        "PutItem, TransactWriteItems, DeleteItem (refused: the key is processed)"
+    );
+    let (status, headers, _) = s.send("/orders", Some("\"lost\""), "lost").await;
+    assert_eq!(
+        status,
+        StatusCode::CREATED,
+        "the retry learns it took effect"
+    );
+    assert_eq!(headers.get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(s.counter("lost").await, 1, "applied once");
+    assert_eq!(s.keys().await, 1);
 }
