@@ -20,7 +20,7 @@ use axum::http::{Request, Response, StatusCode};
 use axum::routing::post;
 use inbox_runtime::dynamodb::sdk::Client;
 use inbox_runtime::dynamodb::sdk::config::interceptors::{
-    BeforeDeserializationInterceptorContextRef, BeforeSerializationInterceptorContextRef,
+    BeforeDeserializationInterceptorContextMut, BeforeSerializationInterceptorContextRef,
 };
 use inbox_runtime::dynamodb::sdk::config::{ConfigBag, Intercept, RuntimeComponents};
 use inbox_runtime::dynamodb::sdk::error::BoxError;
@@ -685,6 +685,8 @@ struct LoseCommitAnswer {
     armed: Arc<AtomicBool>,
     /// A `TransactWriteItems` is on its way while armed.
     sending: Arc<AtomicBool>,
+    /// Turn its answer into a 500 (which the SDK retries) instead of an error it does not.
+    as_500: Arc<AtomicBool>,
 }
 
 impl Intercept for LoseCommitAnswer {
@@ -708,13 +710,18 @@ impl Intercept for LoseCommitAnswer {
         Ok(())
     }
 
-    fn read_before_deserialization(
+    fn modify_before_deserialization(
         &self,
-        context: &BeforeDeserializationInterceptorContextRef<'_>,
+        context: &mut BeforeDeserializationInterceptorContextMut<'_>,
         _: &RuntimeComponents,
         _: &mut ConfigBag,
     ) -> Result<(), BoxError> {
         if context.response().status().is_success() && self.sending.swap(false, Ordering::SeqCst) {
+            if self.as_500.load(Ordering::SeqCst) {
+                // An answer the SDK retries (under the same client request token).
+                *context.response_mut().status_mut() = 500u16.try_into()?;
+                return Ok(());
+            }
             return Err("the answer was lost on the way back".into());
         }
         Ok(())
@@ -757,4 +764,33 @@ async fn a_commit_whose_answer_was_lost_is_503_then_replayed_not_run_again() {
     assert_eq!(headers.get("idempotent-replayed").unwrap(), "true");
     assert_eq!(s.counter("lost").await, 1, "applied once");
     assert_eq!(s.keys().await, 1);
+}
+
+#[tokio::test]
+async fn a_commit_resent_by_the_sdk_after_a_lost_answer_applies_once() {
+    // The SDK resends a commit whose answer was a 500 (it had applied) under the same client
+    // request token: DynamoDB answers the resend without applying it again (moto, which keeps
+    // no tokens, cancels it on the lease's condition: the request answers with the stored
+    // response). Either way: the handler's response, applied once.
+    let lose = LoseCommitAnswer::default();
+    lose.as_500.store(true, Ordering::SeqCst);
+    let client = dynamodb::client(Some(&endpoint())).await;
+    let client = Client::from_conf(
+        client
+            .config()
+            .to_builder()
+            .interceptor(lose.clone())
+            .build(),
+    );
+    let s = setup_on(client, Duration::from_secs(86_400), |layer| layer).await;
+    lose.armed.store(true, Ordering::SeqCst);
+    let (status, _, first) = s.send("/orders", Some("\"resent\""), "resent").await;
+    assert!(!lose.sending.load(Ordering::SeqCst), "the answer was lost");
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(s.counter("resent").await, 1);
+    let (status, headers, again) = s.send("/orders", Some("\"resent\""), "resent").await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(headers.get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(again, first, "the first answer was the stored response");
+    assert_eq!(s.counter("resent").await, 1, "applied once");
 }
