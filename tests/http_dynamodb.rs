@@ -794,3 +794,21 @@ async fn a_commit_resent_by_the_sdk_after_a_lost_answer_applies_once() {
     assert_eq!(again, first, "the first answer was the stored response");
     assert_eq!(s.counter("resent").await, 1, "applied once");
 }
+
+#[tokio::test]
+async fn a_scope_and_key_too_long_for_a_partition_key_are_refused_before_any_call() {
+    // A principal of 2,100 bytes: the scope and key make a partition key above DynamoDB's
+    // 2048 bytes. The documented 500 `transaction-failed`, nothing called or written.
+    let s = setup(|layer| layer.principal(|_| Some("é".repeat(1_050)))).await;
+    s.problem_twice(
+        "/orders",
+        "\"long\"",
+        "pk",
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "transaction-failed",
+    )
+    .await;
+    assert_eq!(s.calls(), 0);
+    assert_eq!(s.counter("pk").await, 0);
+    assert_eq!(s.keys().await, 0);
+}
