@@ -4,8 +4,11 @@
 //! (`tower::ServiceExt::oneshot`): a first request takes effect once and its response replays
 //! byte for byte; another body is a 422; a concurrent duplicate is a 409 while the first runs;
 //! statuses stored and not stored; a handler's failed condition; bad keys; a response too large
-//! for an item; a lease taken over after it ended does not apply twice. The handlers' effect is
-//! a counter item in a DynamoDB table of each test's own.
+//! for an item; a lease taken over after it ended does not apply twice (nor when the duplicate
+//! fails); a refused transaction; 99 actions and no more; a retention window shorter than the
+//! lease; a request dropped mid-handler; a commit whose answer was lost (an SDK interceptor);
+//! the admin's view of an HTTP key. The handlers' effect is a counter item in a DynamoDB table
+//! of each test's own.
 
 #![allow(missing_docs)]
 
@@ -86,6 +89,24 @@ async fn slow(State(app): State<App>, mut tx: DynamoIdempotencyTx, body: String)
         app.entered.notify_one();
         app.release.notified().await;
     }
+    created(&body)
+}
+
+/// Writes; its first call then waits (as `/slow`) and answers 201, the later ones answer 500.
+async fn flaky(
+    State(app): State<App>,
+    mut tx: DynamoIdempotencyTx,
+    body: String,
+) -> Response<Body> {
+    app.increment(&mut tx, &body);
+    if app.slow_called.swap(true, Ordering::SeqCst) {
+        return Response::builder()
+            .status(StatusCode::INTERNAL_SERVER_ERROR)
+            .body(Body::from("later calls fail"))
+            .unwrap();
+    }
+    app.entered.notify_one();
+    app.release.notified().await;
     created(&body)
 }
 
@@ -211,6 +232,7 @@ async fn setup_on(
         .route("/big", post(big))
         .route("/panic", post(panics))
         .route("/twice", post(twice))
+        .route("/flaky", post(flaky))
         .route("/many/{count}", post(many))
         .route_layer(configure(DynamoIdempotencyLayer::new(inbox.clone())))
         .with_state(app.clone());
@@ -810,5 +832,29 @@ async fn a_scope_and_key_too_long_for_a_partition_key_are_refused_before_any_cal
     .await;
     assert_eq!(s.calls(), 0);
     assert_eq!(s.counter("pk").await, 0);
+    assert_eq!(s.keys().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_taken_over_and_released_by_a_failing_duplicate_commits_nothing() {
+    // Every lease ends at once: the duplicate takes the key over, fails (500, not stored) and
+    // releases it; the first, still running, then finds no lease of its own: nothing commits,
+    // and it answers 409 (a retry runs again).
+    let s = Arc::new(setup(|layer| layer.lease(Duration::ZERO)).await);
+    let first = {
+        let s = Arc::clone(&s);
+        tokio::spawn(async move { s.send("/flaky", Some("\"f\""), "fl").await })
+    };
+    s.app.entered.notified().await;
+    let (status, _, body) = s.send("/flaky", Some("\"f\""), "fl").await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(body, b"later calls fail");
+    assert_eq!(s.keys().await, 0, "the duplicate released the key");
+    s.app.release.notify_one();
+    let (status, headers, body) = first.await.unwrap();
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert!(headers.get("retry-after").is_some());
+    assert_eq!(problem_type(&body), "idempotency-key-in-use");
+    assert_eq!(s.counter("fl").await, 0, "nothing committed");
     assert_eq!(s.keys().await, 0);
 }
