@@ -313,6 +313,20 @@ impl Setup {
         last
     }
 
+    /// Sends the request in a task of its own, and returns once its handler waits (`/slow`'s
+    /// or `/flaky`'s first call): the task answers after `app.release`.
+    async fn running(
+        self: &Arc<Self>,
+        path: &'static str,
+        key: &'static str,
+        body: &'static str,
+    ) -> tokio::task::JoinHandle<(StatusCode, axum::http::HeaderMap, Vec<u8>)> {
+        let s = Arc::clone(self);
+        let task = tokio::spawn(async move { s.send(path, Some(key), body).await });
+        self.app.entered.notified().await;
+        task
+    }
+
     fn calls(&self) -> u64 {
         self.inbox.stats().calls
     }
@@ -366,11 +380,7 @@ async fn a_request_takes_effect_once_and_replays_byte_for_byte() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_concurrent_duplicate_gets_409_while_the_first_runs() {
     let s = Arc::new(setup(|layer| layer.retry_after(Duration::from_secs(3))).await);
-    let first = {
-        let s = Arc::clone(&s);
-        tokio::spawn(async move { s.send("/slow", Some("\"k\""), "c").await })
-    };
-    s.app.entered.notified().await;
+    let first = s.running("/slow", "\"k\"", "c").await;
     let calls = s.calls();
     let (status, headers, body) = s.send("/slow", Some("\"k\""), "c").await;
     assert_eq!(
@@ -411,11 +421,7 @@ async fn a_concurrent_duplicate_gets_409_while_the_first_runs() {
 async fn a_lease_taken_over_after_it_ended_does_not_apply_twice() {
     // Every lease ends at once: the duplicate takes the key over while the first still runs.
     let s = Arc::new(setup(|layer| layer.lease(Duration::ZERO)).await);
-    let first = {
-        let s = Arc::clone(&s);
-        tokio::spawn(async move { s.send("/slow", Some("\"t\""), "e").await })
-    };
-    s.app.entered.notified().await;
+    let first = s.running("/slow", "\"t\"", "e").await;
     let (status, headers, second_body) = s.send("/slow", Some("\"t\""), "e").await;
     assert_eq!(
         status,
@@ -624,11 +630,7 @@ async fn a_retention_window_shorter_than_the_lease_keeps_the_lease() {
     // The lease (30 s) outlives the retention window (0 s): a concurrent duplicate still gets
     // its 409 while the first runs, and does not take the key over.
     let s = Arc::new(setup_with(Duration::ZERO, |layer| layer).await);
-    let first = {
-        let s = Arc::clone(&s);
-        tokio::spawn(async move { s.send("/slow", Some("\"w\""), "w").await })
-    };
-    s.app.entered.notified().await;
+    let first = s.running("/slow", "\"w\"", "w").await;
     let (status, headers, body) = s.send("/slow", Some("\"w\""), "w").await;
     assert_eq!(
         status,
@@ -678,11 +680,7 @@ async fn a_request_dropped_mid_handler_frees_its_key() {
     // commits, and the key is free again (as the SQL layer's dropped transaction rolls back),
     // not held until the lease (30 s) ends.
     let s = Arc::new(setup(|layer| layer).await);
-    let dropped = {
-        let s = Arc::clone(&s);
-        tokio::spawn(async move { s.send("/slow", Some("\"d\""), "z").await })
-    };
-    s.app.entered.notified().await;
+    let dropped = s.running("/slow", "\"d\"", "z").await;
     assert_eq!(s.keys().await, 1, "the lease");
     dropped.abort();
     assert!(dropped.await.unwrap_err().is_cancelled());
@@ -709,6 +707,20 @@ struct LoseCommitAnswer {
     sending: Arc<AtomicBool>,
     /// Turn its answer into a 500 (which the SDK retries) instead of an error it does not.
     as_500: Arc<AtomicBool>,
+}
+
+impl LoseCommitAnswer {
+    /// A client on moto with this interceptor.
+    async fn client(&self) -> Client {
+        let client = dynamodb::client(Some(&endpoint())).await;
+        Client::from_conf(
+            client
+                .config()
+                .to_builder()
+                .interceptor(self.clone())
+                .build(),
+        )
+    }
 }
 
 impl Intercept for LoseCommitAnswer {
@@ -753,14 +765,7 @@ impl Intercept for LoseCommitAnswer {
 #[tokio::test]
 async fn a_commit_whose_answer_was_lost_is_503_then_replayed_not_run_again() {
     let lose = LoseCommitAnswer::default();
-    let client = dynamodb::client(Some(&endpoint())).await;
-    let client = Client::from_conf(
-        client
-            .config()
-            .to_builder()
-            .interceptor(lose.clone())
-            .build(),
-    );
+    let client = lose.client().await;
     let s = setup_on(client, Duration::from_secs(86_400), |layer| {
         layer.retry_after(Duration::from_secs(2))
     })
@@ -796,14 +801,7 @@ async fn a_commit_resent_by_the_sdk_after_a_lost_answer_applies_once() {
     // response). Either way: the handler's response, applied once.
     let lose = LoseCommitAnswer::default();
     lose.as_500.store(true, Ordering::SeqCst);
-    let client = dynamodb::client(Some(&endpoint())).await;
-    let client = Client::from_conf(
-        client
-            .config()
-            .to_builder()
-            .interceptor(lose.clone())
-            .build(),
-    );
+    let client = lose.client().await;
     let s = setup_on(client, Duration::from_secs(86_400), |layer| layer).await;
     lose.armed.store(true, Ordering::SeqCst);
     let (status, _, first) = s.send("/orders", Some("\"resent\""), "resent").await;
@@ -841,11 +839,7 @@ async fn a_lease_taken_over_and_released_by_a_failing_duplicate_commits_nothing(
     // releases it; the first, still running, then finds no lease of its own: nothing commits,
     // and it answers 409 (a retry runs again).
     let s = Arc::new(setup(|layer| layer.lease(Duration::ZERO)).await);
-    let first = {
-        let s = Arc::clone(&s);
-        tokio::spawn(async move { s.send("/flaky", Some("\"f\""), "fl").await })
-    };
-    s.app.entered.notified().await;
+    let first = s.running("/flaky", "\"f\"", "fl").await;
     let (status, _, body) = s.send("/flaky", Some("\"f\""), "fl").await;
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(body, b"later calls fail");
