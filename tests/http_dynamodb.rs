@@ -510,6 +510,7 @@ async fn bad_keys_are_refused_before_any_call() {
         (Some("\"\""), "idempotency-key-malformed"),
         (Some("\"   \""), "idempotency-key-malformed"),
         (Some("unquoted"), "idempotency-key-malformed"),
+        (Some("\"clé\""), "idempotency-key-malformed"),
         (Some(long.as_str()), "idempotency-key-too-long"),
     ] {
         let (status, headers, body) = s.send("/orders", key, "i").await;
