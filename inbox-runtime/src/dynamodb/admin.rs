@@ -988,6 +988,14 @@ impl<'a> Read<'a> {
                 return Err(self.malformed(format!("`payload` is not binary: {other:?}")));
             }
         };
+        // The response an HTTP request stored with its key (`http::DynamoIdempotencyLayer`).
+        let result = match self.item.get("result") {
+            None | Some(AttributeValue::Null(_)) => None,
+            Some(AttributeValue::B(bytes)) => Some(bytes.as_ref().to_vec()),
+            Some(other) => {
+                return Err(self.malformed(format!("`result` is not binary: {other:?}")));
+            }
+        };
         let received_at = self
             .number("received_at")?
             .ok_or_else(|| self.malformed("`received_at` is missing".to_owned()))?;
@@ -1006,7 +1014,7 @@ impl<'a> Read<'a> {
             source: None,
             aggregate_id: None,
             sequence: None,
-            result: None,
+            result,
         })
     }
 }

@@ -43,7 +43,7 @@ pub(crate) struct KeyRequest<'a> {
 }
 
 /// A lease this request holds on its key.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Lease {
     pk: String,
     owner: String,
@@ -133,8 +133,14 @@ impl DynamoInbox {
             ("status".to_owned(), s(IN_PROGRESS)),
             ("lease_owner".to_owned(), s(&owner)),
             ("lease_until".to_owned(), n(until)),
-            // An abandoned lease leaves with the retention window, as a processed key does.
-            (TTL_ATTRIBUTE.to_owned(), n(self.expires_at(now))),
+            // An abandoned lease leaves with the retention window, as a processed key does, but
+            // never before it ends: an expired item is free to the next request's condition.
+            (
+                TTL_ATTRIBUTE.to_owned(),
+                n(self
+                    .expires_at(now)
+                    .max(until.div_euclid(1000).saturating_add(1))),
+            ),
         ]);
         let put = self.inbox_put(&ctx, Claim::New, now, attributes)?;
         self.count_call();
@@ -269,7 +275,7 @@ impl DynamoInbox {
     /// Gives the lease up (a conditional `DeleteItem`, only while it is still this request's):
     /// the key is free again at once. A failure is logged, not returned: the lease then ends at
     /// its `lease_until`.
-    pub(crate) async fn release(&self, request: &KeyRequest<'_>, lease: Lease) {
+    pub(crate) async fn release(&self, request: &KeyRequest<'_>, lease: &Lease) {
         self.count_call();
         let deleted = self
             .client
@@ -279,7 +285,7 @@ impl DynamoInbox {
             .condition_expression("#status = :leased AND lease_owner = :owner")
             .expression_attribute_names("#status", "status")
             .expression_attribute_values(":leased", s(IN_PROGRESS))
-            .expression_attribute_values(":owner", s(lease.owner))
+            .expression_attribute_values(":owner", s(&lease.owner))
             .send()
             .await;
         if let Err(error) = deleted
@@ -294,6 +300,68 @@ impl DynamoInbox {
                 "the idempotency lease could not be released; it ends at its lease_until"
             );
         }
+    }
+}
+
+/// A lease a running request holds and has not settled yet (committed, released, or found lost):
+/// dropped unsettled — the request's future dropped mid-handler, the client gone (hyper drops
+/// it) — it is released in a task of its own, so the key is free again at once (as the SQL
+/// layer's dropped transaction rolls back) instead of held until `lease_until`. Outside a
+/// tokio runtime it is left to end there.
+pub(crate) struct Unsettled<'a> {
+    inbox: &'a DynamoInbox,
+    request: KeyRequest<'a>,
+    lease: Lease,
+    armed: bool,
+}
+
+impl<'a> Unsettled<'a> {
+    pub(crate) fn new(inbox: &'a DynamoInbox, request: KeyRequest<'a>, lease: Lease) -> Self {
+        Self {
+            inbox,
+            request,
+            lease,
+            armed: true,
+        }
+    }
+
+    pub(crate) fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// Nothing to release: committed, or no longer this request's.
+    pub(crate) fn settle(mut self) {
+        self.armed = false;
+    }
+
+    /// Releases the lease now ([`DynamoInbox::release`]).
+    pub(crate) async fn release(mut self) {
+        self.armed = false;
+        self.inbox.release(&self.request, &self.lease).await;
+    }
+}
+
+impl Drop for Unsettled<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let inbox = self.inbox.clone();
+        let (scope, name) = (self.request.scope.to_owned(), self.request.name.to_owned());
+        let (key, fingerprint) = (self.request.key.clone(), self.request.fingerprint);
+        let lease = self.lease.clone();
+        runtime.spawn(async move {
+            let request = KeyRequest {
+                scope: &scope,
+                name: &name,
+                key: &key,
+                fingerprint,
+            };
+            inbox.release(&request, &lease).await;
+        });
     }
 }
 

@@ -147,7 +147,10 @@
 //! billing; TTL on `expires_at`. Attributes: `consumer`, `message_key`, `message_name`,
 //! `payload_hash` (64 hex digits, [`Fingerprint`]), `status` (`processed` | `failed` | `dead`;
 //! `in_progress` for the lease of an HTTP request still running, see
-//! `http::DynamoIdempotencyLayer`: skipped by the admin's `stats` and `show`),
+//! `http::DynamoIdempotencyLayer`, with `lease_owner` and `lease_until`: skipped by the admin's
+//! `stats` and `show`), `result` (binary: the stored response of an HTTP request's processed
+//! key, in [`StoredMessage::result`](crate::store::StoredMessage) of the admin's `show` and
+//! `list`),
 //! `attempts`, `received_at`, `processed_at`, `next_attempt_at` (epoch milliseconds),
 //! `last_error`, `payload` (binary; failed and dead only), `expires_at` (epoch seconds;
 //! processed, and discarded from the discard on), [`DEAD_LETTER_ATTRIBUTE`] (the consumer;

@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use std::time::Duration;
 
+use aws_sdk_dynamodb::error::SdkError;
+use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError;
 use axum::body::Body;
 use axum::extract::FromRequestParts;
 use bytes::Bytes;
@@ -13,7 +15,9 @@ use http::request::Parts;
 use http::{HeaderName, Method, Request, Response, StatusCode};
 
 use crate::debug::some_fields;
-use crate::dynamodb::lease::{Committed, KeyRequest, KeyState, Lease, LeaseError, Leased};
+use crate::dynamodb::lease::{
+    Committed, KeyRequest, KeyState, Lease, LeaseError, Leased, Unsettled,
+};
 use crate::dynamodb::{DynamoError, DynamoInbox, DynamoTx};
 use crate::types::key::IdempotencyKey;
 
@@ -68,12 +72,17 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 ///    lease's token (a SDK retry of a send whose answer was lost is not applied twice). Any
 ///    other status: the lease is **released** (a conditional `DeleteItem`) and nothing of the
 ///    handler's is written; the key is free at once, as the SQL layer's rollback leaves it.
+///    So is it when the request's future is dropped before it answers (the client went away:
+///    hyper drops it): the lease is released in a task of its own.
 ///
 /// Calls per request (measured against moto in `tests/http_dynamodb.rs`): a **new key** 2
 /// (`PutItem`, `TransactWriteItems`); a **replay**, a **422** or a **409** 1 (`PutItem`; 2
 /// where the service does not return the item with the failed condition: a consistent
 /// `GetItem` then); a response **not stored** 2
-/// (`PutItem`, `DeleteItem`); plus the resends of a transient cancellation
+/// (`PutItem`, `DeleteItem`); a commit cancelled by a **failed condition** of the handler's
+/// actions or **refused** by DynamoDB (409 `condition-failed`, 500 `transaction-failed`) 3
+/// (`PutItem`, `TransactWriteItems`, `DeleteItem`); a commit whose **lease was taken over** 2
+/// (3 where the cancellation does not return the item: a `GetItem`); plus the resends of a transient cancellation
 /// ([`RetryPolicy::transient_retries`](crate::RetryPolicy)). A request without a key (where it
 /// is optional) runs as one with a fresh random key (UUIDv7) that no client knows: 2 calls, and
 /// its response is never replayed.
@@ -111,7 +120,8 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// inbox's [`retention`](DynamoInbox::retention) window, 7 days by default): DynamoDB's TTL
 /// deletes it lazily, and an expired item counts as absent at once (the same key runs the
 /// handler again), as for [`DynamoInbox`]. A lease carries it too, so an abandoned one is
-/// deleted by TTL as well.
+/// deleted by TTL as well (at the end of the retention window, or of the lease if that is later: a
+/// window shorter than the lease does not free a running request's key).
 ///
 /// ```no_run
 /// use axum::{Json, Router, http::StatusCode, routing::post};
@@ -320,6 +330,7 @@ impl Running<'_> {
         ResBody: ResponseBody,
     {
         let (config, route) = (self.config, &self.info.route);
+        let lease = Unsettled::new(&config.inbox, self.request, lease);
         let key = (!self.keyless).then(|| self.request.key.clone());
         let slot = Slot::new(
             DynamoInbox::leased_tx(&self.request),
@@ -332,7 +343,7 @@ impl Running<'_> {
             Ok(Ok(response)) => response,
             Ok(Err(problem)) => return Ok(self.release(lease, problem).await),
             Err(error) => {
-                self.config.inbox.release(&self.request, lease).await;
+                lease.release().await;
                 return Err(error);
             }
         };
@@ -340,7 +351,7 @@ impl Running<'_> {
             return Ok(self.release(lease, outlived(route)).await);
         };
         if !(config.stores)(head.status) {
-            config.inbox.release(&self.request, lease).await;
+            lease.release().await;
             count(route, "not_stored");
             return Ok(Response::from_parts(head, Body::from(body)));
         }
@@ -353,16 +364,18 @@ impl Running<'_> {
         .encode();
         let committed = config
             .inbox
-            .commit_leased(&self.request, &lease, tx, &stored)
+            .commit_leased(&self.request, lease.lease(), tx, &stored)
             .await;
         let problem = match committed {
             Ok(Committed::Done) => {
+                lease.settle();
                 if !self.keyless {
                     count(route, "first");
                 }
                 return Ok(Response::from_parts(head, Body::from(body)));
             }
             Ok(Committed::LeaseLost(state)) => {
+                lease.settle();
                 return Ok(held(config, self.info, self.request.key, state));
             }
             Ok(Committed::Condition(failed)) => {
@@ -392,8 +405,8 @@ impl Running<'_> {
     }
 
     /// Releases the lease (nothing of the handler's was written) and answers `problem`.
-    async fn release(&self, lease: Lease, problem: Problem) -> Response<Body> {
-        self.config.inbox.release(&self.request, lease).await;
+    async fn release(&self, lease: Unsettled<'_>, problem: Problem) -> Response<Body> {
+        lease.release().await;
         problem.into_response(&self.config.problem_base)
     }
 }
@@ -435,10 +448,15 @@ fn failed(config: &Settings, route: &Route, error: &LeaseError) -> Response<Body
 }
 
 /// The answer to a commit that failed (counted): its outcome unknown (503), transient (503), or
-/// refused (500).
+/// refused (500: too large, or DynamoDB's `ValidationException`, which applied nothing).
 fn commit_failed(config: &Settings, route: &Route, error: &LeaseError) -> Problem {
     count(route, "failed");
     match error {
+        DynamoError::Dynamo {
+            operation: "TransactWriteItems",
+            source,
+            ..
+        } if refused(source.as_ref()) => transaction_failed(route, &error.to_string()),
         DynamoError::Dynamo {
             operation: "TransactWriteItems",
             ..
@@ -453,6 +471,16 @@ fn commit_failed(config: &Settings, route: &Route, error: &LeaseError) -> Proble
         }
         other => transaction_failed(route, &other.to_string()),
     }
+}
+
+/// Whether DynamoDB answered the `TransactWriteItems` with a `ValidationException` (two actions
+/// on one item, a bad expression, an item too large): it refused the request, nothing applied,
+/// and a resend is refused again.
+fn refused(source: &(dyn std::error::Error + 'static)) -> bool {
+    source
+        .downcast_ref::<SdkError<TransactWriteItemsError>>()
+        .and_then(SdkError::as_service_error)
+        .is_some_and(|e| e.meta().code() == Some("ValidationException"))
 }
 
 /// The request's DynamoDB transaction, for a handler behind [`DynamoIdempotencyLayer`]: an
