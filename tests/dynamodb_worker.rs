@@ -743,3 +743,167 @@ async fn a_fifo_group_keeps_its_order_across_a_retry() {
     assert_eq!(run.stop, StopReason::Idle);
     assert_eq!(balance(worker.dispatcher(), &account).await, Some(15));
 }
+
+// ---- Review: a DynamoDB that does not answer, and several consumers of one message name ----
+
+/// A message two consumers take, each crediting an account of its own (`{account}-a`,
+/// `{account}-b`); the second runs the script of its account first.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, Message)]
+#[message(name = "dw.split")]
+struct Split {
+    #[message(key)]
+    id: String,
+    account: String,
+    amount: i64,
+}
+
+fn add(tx: &mut DynamoTx, account: String, amount: i64) -> Result<(), TestError> {
+    let table = ACCOUNTS.get().expect("setup made the accounts table");
+    tx.update(
+        Update::builder()
+            .table_name(table)
+            .key("id", AttributeValue::S(account))
+            .update_expression("ADD balance :amount")
+            .expression_attribute_values(":amount", AttributeValue::N(amount.to_string()))
+            .build()
+            .map_err(|e| TestError::Build(e.to_string()))?,
+    );
+    Ok(())
+}
+
+#[idempotent(consumer = "dw-split-a", max_attempts = 3)]
+async fn split_a(tx: &mut DynamoTx, msg: Split) -> Result<(), TestError> {
+    add(tx, format!("{}-a", msg.account), msg.amount)
+}
+
+#[idempotent(consumer = "dw-split-b", max_attempts = 3)]
+async fn split_b(tx: &mut DynamoTx, msg: Split) -> Result<(), TestError> {
+    let account = format!("{}-b", msg.account);
+    if let Some(Step::Fail(error)) = next_step(&account) {
+        return Err(error);
+    }
+    add(tx, account, msg.amount)
+}
+
+fn split_msg(account: &str, amount: i64) -> Split {
+    Split {
+        id: fresh("s"),
+        account: account.to_owned(),
+        amount,
+    }
+}
+
+#[tokio::test]
+async fn with_dynamodb_unreachable_the_delivery_is_requeued_never_acked_nor_rejected() {
+    let reachable = setup().await;
+    // Connection refused: every call fails, the outcome of nothing is known.
+    let config = reachable
+        .inbox()
+        .client()
+        .config()
+        .to_builder()
+        .endpoint_url("http://127.0.0.1:9")
+        .build();
+    let client = dynamodb::sdk::Client::from_conf(config);
+    let inbox = dynamodb::DynamoInbox::new(client, reachable.inbox().table().to_owned());
+    let dispatcher = DynamoDispatcher::from_registry(inbox).unwrap();
+    let account = fresh("acct");
+    let credit = credit_msg(&account, 5);
+    let split = split_msg(&account, 7);
+    let source = MemorySource::new("dw-down");
+    let handle = source.handle();
+    let one = handle.push(envelope(&credit));
+    let two = handle.push(inbox_tests::envelope(&split));
+    let token = CancellationToken::new();
+    let delay = Duration::from_secs(3600);
+    let task = spawn_run(
+        DynamoWorker::new(dispatcher).requeue_delay(delay),
+        source,
+        token.clone(),
+    );
+    while handle.settlements().len() < 2 {
+        tokio::task::yield_now().await;
+    }
+    token.cancel();
+    let (_, result) = task.await.unwrap();
+    assert_eq!(
+        result.unwrap(),
+        report(|r| {
+            r.deliveries = 2;
+            r.failed = 3;
+            r.requeued = 2;
+            r.stop = StopReason::Shutdown;
+        })
+    );
+    let requeue = Settlement::Requeue { delay: Some(delay) };
+    assert_eq!(settled(&handle), [(one, requeue), (two, requeue)]);
+    assert_eq!(balance(&reachable, &account).await, None);
+    assert_eq!(status(&reachable, &credit.id).await, None);
+}
+
+#[tokio::test]
+async fn two_consumers_one_failing_requeue_then_each_applies_once() {
+    let dispatcher = setup().await;
+    let account = fresh("acct");
+    script(&format!("{account}-b"), vec![Step::Fail(TestError::Boom)]);
+    let msg = split_msg(&account, 40);
+    let source = MemorySource::new("dw-split");
+    let handle = source.handle();
+    let id = handle.push(inbox_tests::envelope(&msg));
+    handle.close();
+    let worker = DynamoWorker::new(dispatcher).requeue_delay(Duration::from_secs(3600));
+    let run = worker.run(source, CancellationToken::new()).await.unwrap();
+    assert_eq!(
+        run,
+        report(|r| {
+            r.deliveries = 2;
+            r.processed = 2;
+            r.failed = 1;
+            r.duplicates = 1;
+            r.requeued = 1;
+            r.acked = 1;
+            r.stop = StopReason::SourceExhausted;
+        })
+    );
+    // The handler's retry delay (zero: the inbox's policy), not the worker's hour.
+    let requeue = Settlement::Requeue {
+        delay: Some(Duration::ZERO),
+    };
+    assert_eq!(
+        handle.settlements(),
+        [(id, requeue), (id, Settlement::Ack)]
+    );
+    let d = worker.dispatcher();
+    assert_eq!(balance(d, &format!("{account}-a")).await, Some(40));
+    assert_eq!(balance(d, &format!("{account}-b")).await, Some(40));
+}
+
+#[tokio::test]
+async fn two_consumers_one_dead_the_other_processed_is_acked_with_the_dead_letter_kept() {
+    let dispatcher = setup().await;
+    let account = fresh("acct");
+    script(&format!("{account}-b"), vec![Step::Fail(TestError::Fatal)]);
+    let msg = split_msg(&account, 9);
+    let source = MemorySource::new("dw-split-dead");
+    let handle = source.handle();
+    let id = handle.push(inbox_tests::envelope(&msg));
+    handle.close();
+    let worker = DynamoWorker::new(dispatcher);
+    let run = worker.run(source, CancellationToken::new()).await.unwrap();
+    assert_eq!(
+        run,
+        report(|r| {
+            r.deliveries = 1;
+            r.processed = 1;
+            r.dead = 1;
+            r.acked = 1;
+            r.stop = StopReason::SourceExhausted;
+        })
+    );
+    assert_eq!(handle.settlements(), [(id, Settlement::Ack)]);
+    let d = worker.dispatcher();
+    assert_eq!(balance(d, &format!("{account}-a")).await, Some(9));
+    assert_eq!(balance(d, &format!("{account}-b")).await, None);
+    let dead = d.inbox().admin().show("dw-split-b", &msg.id).await.unwrap();
+    assert_eq!(dead.unwrap().status.as_str(), "dead");
+}
