@@ -37,6 +37,8 @@ struct Credit {
 /// What the handler does per account before it credits.
 enum Step {
     Fail(TestError),
+    /// Panic.
+    Panic,
     /// Tell `entered`, then wait for `release`.
     Block {
         entered: Arc<Notify>,
@@ -87,6 +89,7 @@ async fn credit(tx: &mut DynamoTx, msg: Credit) -> Result<(), TestError> {
         .push((tx.attempt(), msg.id.clone()));
     match next_step(&msg.account) {
         Some(Step::Fail(error)) => return Err(error),
+        Some(Step::Panic) => panic!("scripted panic"),
         Some(Step::Block { entered, release }) => {
             entered.notify_one();
             release.notified().await;
@@ -906,4 +909,68 @@ async fn two_consumers_one_dead_the_other_processed_is_acked_with_the_dead_lette
     assert_eq!(balance(d, &format!("{account}-b")).await, None);
     let dead = d.inbox().admin().show("dw-split-b", &msg.id).await.unwrap();
     assert_eq!(dead.unwrap().status.as_str(), "dead");
+}
+
+#[tokio::test]
+async fn a_panicking_handler_drops_its_delivery_unsettled_and_the_redelivery_applies_once() {
+    let dispatcher = setup().await;
+    let account = fresh("acct");
+    script(&account, vec![Step::Panic]);
+    let msg = credit_msg(&account, 11);
+    let other = credit_msg(&fresh("acct"), 12);
+    let (source, handle, ids) = memory(&[msg.clone(), other.clone()]);
+    handle.close();
+    let worker = DynamoWorker::new(dispatcher).concurrency(1);
+    let run = worker.run(source, CancellationToken::new()).await.unwrap();
+    assert_eq!(
+        run,
+        report(|r| {
+            r.deliveries = 3;
+            r.abandoned = 1;
+            r.processed = 2;
+            r.acked = 2;
+            r.stop = StopReason::SourceExhausted;
+        })
+    );
+    assert_eq!(handle.abandoned(), [ids[0]]);
+    assert_eq!(
+        settled(&handle),
+        [(ids[0], Settlement::Ack), (ids[1], Settlement::Ack)]
+    );
+    assert_eq!(balance(worker.dispatcher(), &account).await, Some(11));
+    assert_eq!(balance(worker.dispatcher(), &other.account).await, Some(12));
+}
+
+#[tokio::test]
+async fn an_oversized_delivery_is_rejected_at_the_broker_and_nothing_is_written() {
+    let dispatcher = setup().await.with_max_payload_bytes(256).unwrap();
+    let account = fresh("acct");
+    let mut big = credit_msg(&account, 1);
+    big.account = format!("{account}{}", "x".repeat(300));
+    let small = Credit {
+        id: "k".to_owned(),
+        account: account.clone(),
+        amount: 2,
+    };
+    let (source, handle, ids) = memory(&[big.clone(), small]);
+    handle.close();
+    let worker = DynamoWorker::new(dispatcher);
+    let run = worker.run(source, CancellationToken::new()).await.unwrap();
+    assert_eq!(
+        run,
+        report(|r| {
+            r.deliveries = 2;
+            r.invalid = 1;
+            r.rejected = 1;
+            r.processed = 1;
+            r.acked = 1;
+            r.stop = StopReason::SourceExhausted;
+        })
+    );
+    assert_eq!(
+        settled(&handle),
+        [(ids[0], Settlement::Reject), (ids[1], Settlement::Ack)]
+    );
+    assert_eq!(balance(worker.dispatcher(), &big.account).await, None);
+    assert_eq!(status(worker.dispatcher(), &big.id).await, None);
 }
