@@ -78,6 +78,21 @@ fn runs(account: &str) -> Vec<Ran> {
         .unwrap_or_default()
 }
 
+/// Adds `amount` to the account's balance (`ADD balance`), in the delivery's transaction.
+fn add(tx: &mut DynamoTx, account: String, amount: i64) -> Result<(), TestError> {
+    let table = ACCOUNTS.get().expect("setup made the accounts table");
+    tx.update(
+        Update::builder()
+            .table_name(table)
+            .key("id", AttributeValue::S(account))
+            .update_expression("ADD balance :amount")
+            .expression_attribute_values(":amount", AttributeValue::N(amount.to_string()))
+            .build()
+            .map_err(|e| TestError::Build(e.to_string()))?,
+    );
+    Ok(())
+}
+
 /// Credits the account (`ADD balance`); runs the account's script first. At most 3 attempts.
 #[idempotent(consumer = "dw-ledger", max_attempts = 3)]
 async fn credit(tx: &mut DynamoTx, msg: Credit) -> Result<(), TestError> {
@@ -96,17 +111,7 @@ async fn credit(tx: &mut DynamoTx, msg: Credit) -> Result<(), TestError> {
         }
         None => {}
     }
-    let table = ACCOUNTS.get().expect("setup made the accounts table");
-    tx.update(
-        Update::builder()
-            .table_name(table)
-            .key("id", AttributeValue::S(msg.account.clone()))
-            .update_expression("ADD balance :amount")
-            .expression_attribute_values(":amount", AttributeValue::N(msg.amount.to_string()))
-            .build()
-            .map_err(|e| TestError::Build(e.to_string()))?,
-    );
-    Ok(())
+    add(tx, msg.account, msg.amount)
 }
 
 fn fresh(prefix: &str) -> String {
@@ -760,20 +765,6 @@ struct Split {
     amount: i64,
 }
 
-fn add(tx: &mut DynamoTx, account: String, amount: i64) -> Result<(), TestError> {
-    let table = ACCOUNTS.get().expect("setup made the accounts table");
-    tx.update(
-        Update::builder()
-            .table_name(table)
-            .key("id", AttributeValue::S(account))
-            .update_expression("ADD balance :amount")
-            .expression_attribute_values(":amount", AttributeValue::N(amount.to_string()))
-            .build()
-            .map_err(|e| TestError::Build(e.to_string()))?,
-    );
-    Ok(())
-}
-
 #[idempotent(consumer = "dw-split-a", max_attempts = 3)]
 async fn split_a(tx: &mut DynamoTx, msg: Split) -> Result<(), TestError> {
     add(tx, format!("{}-a", msg.account), msg.amount)
@@ -872,10 +863,7 @@ async fn two_consumers_one_failing_requeue_then_each_applies_once() {
     let requeue = Settlement::Requeue {
         delay: Some(Duration::ZERO),
     };
-    assert_eq!(
-        handle.settlements(),
-        [(id, requeue), (id, Settlement::Ack)]
-    );
+    assert_eq!(handle.settlements(), [(id, requeue), (id, Settlement::Ack)]);
     let d = worker.dispatcher();
     assert_eq!(balance(d, &format!("{account}-a")).await, Some(40));
     assert_eq!(balance(d, &format!("{account}-b")).await, Some(40));
@@ -973,4 +961,38 @@ async fn an_oversized_delivery_is_rejected_at_the_broker_and_nothing_is_written(
     );
     assert_eq!(balance(worker.dispatcher(), &big.account).await, None);
     assert_eq!(status(worker.dispatcher(), &big.id).await, None);
+}
+
+#[tokio::test]
+async fn a_conflict_is_rejected_and_the_first_payload_stays_applied_once() {
+    let dispatcher = setup().await;
+    let account = fresh("acct");
+    let first = credit_msg(&account, 50);
+    let mut other = first.clone();
+    other.amount = 51;
+    let (source, handle, ids) = memory(&[first.clone(), other, first]);
+    handle.close();
+    let worker = DynamoWorker::new(dispatcher).concurrency(1);
+    let run = worker.run(source, CancellationToken::new()).await.unwrap();
+    assert_eq!(
+        run,
+        report(|r| {
+            r.deliveries = 3;
+            r.processed = 1;
+            r.conflicts = 1;
+            r.duplicates = 1;
+            r.acked = 2;
+            r.rejected = 1;
+            r.stop = StopReason::SourceExhausted;
+        })
+    );
+    assert_eq!(
+        settled(&handle),
+        [
+            (ids[0], Settlement::Ack),
+            (ids[1], Settlement::Reject),
+            (ids[2], Settlement::Ack)
+        ]
+    );
+    assert_eq!(balance(worker.dispatcher(), &account).await, Some(50));
 }
