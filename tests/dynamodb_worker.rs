@@ -996,3 +996,103 @@ async fn a_conflict_is_rejected_and_the_first_payload_stays_applied_once() {
     );
     assert_eq!(balance(worker.dispatcher(), &account).await, Some(50));
 }
+
+/// A TCP proxy to moto's DynamoDB that forwards everything but the answer to the first
+/// `TransactWriteItems`: that one is committed by moto, its answer dropped and the connection
+/// closed (an unknown outcome). Returns the proxy's endpoint and how many answers it dropped.
+async fn lossy_proxy() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let upstream = endpoint().trim_start_matches("http://").to_owned();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let armed = Arc::new(AtomicBool::new(true));
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&dropped);
+    tokio::spawn(async move {
+        loop {
+            let Ok((client, _)) = listener.accept().await else {
+                return;
+            };
+            let server = tokio::net::TcpStream::connect(&upstream).await.unwrap();
+            let (mut client_read, mut client_write) = client.into_split();
+            let (mut server_read, mut server_write) = server.into_split();
+            // The request bytes since the last answer.
+            let request = Arc::new(Mutex::new(Vec::<u8>::new()));
+            let seen = Arc::clone(&request);
+            tokio::spawn(async move {
+                let mut buf = vec![0; 64 * 1024];
+                while let Ok(n @ 1..) = client_read.read(&mut buf).await {
+                    seen.lock().unwrap().extend_from_slice(&buf[..n]);
+                    if server_write.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            let (armed, dropped) = (Arc::clone(&armed), Arc::clone(&counter));
+            tokio::spawn(async move {
+                let mut buf = vec![0; 64 * 1024];
+                while let Ok(n @ 1..) = server_read.read(&mut buf).await {
+                    let asked = std::mem::take(&mut *request.lock().unwrap());
+                    let transact = asked
+                        .windows(b"TransactWriteItems".len())
+                        .any(|w| w == b"TransactWriteItems");
+                    if transact && armed.swap(false, Ordering::SeqCst) {
+                        dropped.fetch_add(1, Ordering::SeqCst);
+                        return; // both halves dropped: the client sees the connection close
+                    }
+                    if client_write.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (format!("http://{address}"), dropped)
+}
+
+#[tokio::test]
+async fn a_commit_whose_answer_is_lost_is_applied_once_and_acked_only_after_it() {
+    let direct = setup().await;
+    let (proxy, dropped) = lossy_proxy().await;
+    let config = direct
+        .inbox()
+        .client()
+        .config()
+        .to_builder()
+        .endpoint_url(proxy)
+        .build();
+    let inbox = dynamodb::DynamoInbox::new(
+        dynamodb::sdk::Client::from_conf(config),
+        direct.inbox().table().to_owned(),
+    );
+    let dispatcher = DynamoDispatcher::from_registry(inbox).unwrap();
+    let account = fresh("acct");
+    let msg = credit_msg(&account, 77);
+    let (source, handle, ids) = memory(&[msg.clone(), msg.clone()]);
+    handle.close();
+    let run = DynamoWorker::new(dispatcher)
+        .requeue_delay(Duration::ZERO)
+        .run(source, CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(dropped.load(std::sync::atomic::Ordering::SeqCst), 1);
+    // The SDK resends the lost submit: DynamoDB answers it from its client request token
+    // (`Processed`), moto, which ignores the token, with the claim's condition (read as a
+    // `Duplicate`). Either way the effect is there once and both deliveries are acked after it.
+    assert_eq!(balance(&direct, &account).await, Some(77));
+    assert_eq!(status(&direct, &msg.id).await.as_deref(), Some("processed"));
+    assert_eq!(run.processed + run.duplicates, run.acked);
+    assert_eq!(run.acked, 2);
+    assert_eq!(run.rejected, 0);
+    let acks: Vec<u64> = settled(&handle)
+        .into_iter()
+        .filter(|(_, s)| *s == Settlement::Ack)
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(acks, ids);
+    assert_eq!(
+        (run.deliveries, run.failed, run.requeued, run.abandoned),
+        (2, 0, 0, 0)
+    );
+}
