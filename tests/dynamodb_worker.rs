@@ -1096,3 +1096,55 @@ async fn a_commit_whose_answer_is_lost_is_applied_once_and_acked_only_after_it()
         (2, 0, 0, 0)
     );
 }
+
+#[tokio::test]
+async fn a_fifo_group_keeps_its_order_across_a_shutdown_that_hands_back_its_waiting_messages() {
+    let dispatcher = Arc::new(setup().await);
+    let client = sqs_client().await;
+    let url = client
+        .create_queue()
+        .queue_name(format!("{}.fifo", fresh("dw")))
+        .attributes(QueueAttributeName::FifoQueue, "true")
+        .attributes(QueueAttributeName::VisibilityTimeout, "1")
+        .send()
+        .await
+        .unwrap()
+        .queue_url
+        .unwrap();
+    let account = fresh("acct");
+    let (entered, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    script(
+        &account,
+        vec![Step::Block {
+            entered: entered.clone(),
+            release: release.clone(),
+        }],
+    );
+    let msgs: Vec<Credit> = (0..3).map(|i| credit_msg(&account, 1 << i)).collect();
+    for msg in &msgs {
+        let body = serde_json::to_vec(msg).unwrap();
+        sqs_send(&client, &url, "dw.credited", &body, Some(("g", &msg.id))).await;
+    }
+    let token = CancellationToken::new();
+    let first = DynamoWorker::from_arc(Arc::clone(&dispatcher));
+    let source = SqsSource::connect(sqs_config(&url)).await.unwrap();
+    let task = spawn_run(first, source, token.clone());
+    entered.notified().await;
+    token.cancel();
+    release.notify_one();
+    let (_, result) = task.await.unwrap();
+    let stopped = result.unwrap();
+    assert_eq!(
+        (stopped.processed, stopped.acked, stopped.stop),
+        (1, 1, StopReason::Shutdown)
+    );
+    // The next worker runs the rest of the group, in order, each once.
+    let source = SqsSource::connect(sqs_config(&url)).await.unwrap();
+    let second =
+        DynamoWorker::from_arc(Arc::clone(&dispatcher)).stop_when_idle(Duration::from_secs(3));
+    let run = second.run(source, CancellationToken::new()).await.unwrap();
+    assert_eq!((run.processed, run.acked, run.duplicates), (2, 2, 0));
+    let expected: Vec<Ran> = msgs.iter().map(|m| (1, m.id.clone())).collect();
+    assert_eq!(runs(&account), expected);
+    assert_eq!(balance(&dispatcher, &account).await, Some(7));
+}
