@@ -1148,3 +1148,58 @@ async fn a_fifo_group_keeps_its_order_across_a_shutdown_that_hands_back_its_wait
     assert_eq!(runs(&account), expected);
     assert_eq!(balance(&dispatcher, &account).await, Some(7));
 }
+
+#[tokio::test]
+async fn at_most_concurrency_deliveries_are_fetched_and_unsettled() {
+    let dispatcher = setup().await;
+    let accounts: Vec<String> = (0..4).map(|_| fresh("acct")).collect();
+    let gates: Vec<(Arc<Notify>, Arc<Notify>)> = accounts
+        .iter()
+        .map(|account| {
+            let gate = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+            script(
+                account,
+                vec![Step::Block {
+                    entered: gate.0.clone(),
+                    release: gate.1.clone(),
+                }],
+            );
+            gate
+        })
+        .collect();
+    let msgs: Vec<Credit> = accounts.iter().map(|a| credit_msg(a, 3)).collect();
+    let (source, handle, _) = memory(&msgs);
+    handle.close();
+    let task = spawn_run(
+        DynamoWorker::new(dispatcher).concurrency(2),
+        source,
+        CancellationToken::new(),
+    );
+    gates[0].0.notified().await;
+    gates[1].0.notified().await;
+    for _ in 0..200 {
+        tokio::task::yield_now().await;
+    }
+    // Two running, none more fetched.
+    assert_eq!((handle.deliveries(), handle.settlements().len()), (2, 0));
+    gates[0].1.notify_one();
+    gates[2].0.notified().await;
+    assert_eq!((handle.deliveries(), handle.settlements().len()), (3, 1));
+    gates[1].1.notify_one();
+    gates[2].1.notify_one();
+    gates[3].0.notified().await;
+    gates[3].1.notify_one();
+    let (worker, result) = task.await.unwrap();
+    assert_eq!(
+        result.unwrap(),
+        report(|r| {
+            r.deliveries = 4;
+            r.processed = 4;
+            r.acked = 4;
+            r.stop = StopReason::SourceExhausted;
+        })
+    );
+    for account in &accounts {
+        assert_eq!(balance(worker.dispatcher(), account).await, Some(3));
+    }
+}
