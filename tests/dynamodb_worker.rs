@@ -37,6 +37,8 @@ struct Credit {
 /// What the handler does per account before it credits.
 enum Step {
     Fail(TestError),
+    /// Panic.
+    Panic,
     /// Tell `entered`, then wait for `release`.
     Block {
         entered: Arc<Notify>,
@@ -76,6 +78,21 @@ fn runs(account: &str) -> Vec<Ran> {
         .unwrap_or_default()
 }
 
+/// Adds `amount` to the account's balance (`ADD balance`), in the delivery's transaction.
+fn add(tx: &mut DynamoTx, account: String, amount: i64) -> Result<(), TestError> {
+    let table = ACCOUNTS.get().expect("setup made the accounts table");
+    tx.update(
+        Update::builder()
+            .table_name(table)
+            .key("id", AttributeValue::S(account))
+            .update_expression("ADD balance :amount")
+            .expression_attribute_values(":amount", AttributeValue::N(amount.to_string()))
+            .build()
+            .map_err(|e| TestError::Build(e.to_string()))?,
+    );
+    Ok(())
+}
+
 /// Credits the account (`ADD balance`); runs the account's script first. At most 3 attempts.
 #[idempotent(consumer = "dw-ledger", max_attempts = 3)]
 async fn credit(tx: &mut DynamoTx, msg: Credit) -> Result<(), TestError> {
@@ -87,23 +104,14 @@ async fn credit(tx: &mut DynamoTx, msg: Credit) -> Result<(), TestError> {
         .push((tx.attempt(), msg.id.clone()));
     match next_step(&msg.account) {
         Some(Step::Fail(error)) => return Err(error),
+        Some(Step::Panic) => panic!("scripted panic"),
         Some(Step::Block { entered, release }) => {
             entered.notify_one();
             release.notified().await;
         }
         None => {}
     }
-    let table = ACCOUNTS.get().expect("setup made the accounts table");
-    tx.update(
-        Update::builder()
-            .table_name(table)
-            .key("id", AttributeValue::S(msg.account.clone()))
-            .update_expression("ADD balance :amount")
-            .expression_attribute_values(":amount", AttributeValue::N(msg.amount.to_string()))
-            .build()
-            .map_err(|e| TestError::Build(e.to_string()))?,
-    );
-    Ok(())
+    add(tx, msg.account, msg.amount)
 }
 
 fn fresh(prefix: &str) -> String {
@@ -742,4 +750,456 @@ async fn a_fifo_group_keeps_its_order_across_a_retry() {
     assert_eq!(run.deliveries, 5 + run.revoked);
     assert_eq!(run.stop, StopReason::Idle);
     assert_eq!(balance(worker.dispatcher(), &account).await, Some(15));
+}
+
+// ---- Review: a DynamoDB that does not answer, and several consumers of one message name ----
+
+/// A message two consumers take, each crediting an account of its own (`{account}-a`,
+/// `{account}-b`); the second runs the script of its account first.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, Message)]
+#[message(name = "dw.split")]
+struct Split {
+    #[message(key)]
+    id: String,
+    account: String,
+    amount: i64,
+}
+
+#[idempotent(consumer = "dw-split-a", max_attempts = 3)]
+async fn split_a(tx: &mut DynamoTx, msg: Split) -> Result<(), TestError> {
+    add(tx, format!("{}-a", msg.account), msg.amount)
+}
+
+#[idempotent(consumer = "dw-split-b", max_attempts = 3)]
+async fn split_b(tx: &mut DynamoTx, msg: Split) -> Result<(), TestError> {
+    let account = format!("{}-b", msg.account);
+    if let Some(Step::Fail(error)) = next_step(&account) {
+        return Err(error);
+    }
+    add(tx, account, msg.amount)
+}
+
+fn split_msg(account: &str, amount: i64) -> Split {
+    Split {
+        id: fresh("s"),
+        account: account.to_owned(),
+        amount,
+    }
+}
+
+#[tokio::test]
+async fn with_dynamodb_unreachable_the_delivery_is_requeued_never_acked_nor_rejected() {
+    let reachable = setup().await;
+    // Connection refused: every call fails, the outcome of nothing is known.
+    let config = reachable
+        .inbox()
+        .client()
+        .config()
+        .to_builder()
+        .endpoint_url("http://127.0.0.1:9")
+        .build();
+    let client = dynamodb::sdk::Client::from_conf(config);
+    let inbox = dynamodb::DynamoInbox::new(client, reachable.inbox().table().to_owned());
+    let dispatcher = DynamoDispatcher::from_registry(inbox).unwrap();
+    let account = fresh("acct");
+    let credit = credit_msg(&account, 5);
+    let split = split_msg(&account, 7);
+    let source = MemorySource::new("dw-down");
+    let handle = source.handle();
+    let one = handle.push(envelope(&credit));
+    let two = handle.push(inbox_tests::envelope(&split));
+    let token = CancellationToken::new();
+    let delay = Duration::from_secs(3600);
+    let task = spawn_run(
+        DynamoWorker::new(dispatcher).requeue_delay(delay),
+        source,
+        token.clone(),
+    );
+    while handle.settlements().len() < 2 {
+        tokio::task::yield_now().await;
+    }
+    token.cancel();
+    let (_, result) = task.await.unwrap();
+    assert_eq!(
+        result.unwrap(),
+        report(|r| {
+            r.deliveries = 2;
+            r.failed = 3;
+            r.requeued = 2;
+            r.stop = StopReason::Shutdown;
+        })
+    );
+    let requeue = Settlement::Requeue { delay: Some(delay) };
+    assert_eq!(settled(&handle), [(one, requeue), (two, requeue)]);
+    assert_eq!(balance(&reachable, &account).await, None);
+    assert_eq!(status(&reachable, &credit.id).await, None);
+}
+
+#[tokio::test]
+async fn two_consumers_one_failing_requeue_then_each_applies_once() {
+    let dispatcher = setup().await;
+    let account = fresh("acct");
+    script(&format!("{account}-b"), vec![Step::Fail(TestError::Boom)]);
+    let msg = split_msg(&account, 40);
+    let source = MemorySource::new("dw-split");
+    let handle = source.handle();
+    let id = handle.push(inbox_tests::envelope(&msg));
+    handle.close();
+    let worker = DynamoWorker::new(dispatcher).requeue_delay(Duration::from_secs(3600));
+    let run = worker.run(source, CancellationToken::new()).await.unwrap();
+    assert_eq!(
+        run,
+        report(|r| {
+            r.deliveries = 2;
+            r.processed = 2;
+            r.failed = 1;
+            r.duplicates = 1;
+            r.requeued = 1;
+            r.acked = 1;
+            r.stop = StopReason::SourceExhausted;
+        })
+    );
+    // The handler's retry delay (zero: the inbox's policy), not the worker's hour.
+    let requeue = Settlement::Requeue {
+        delay: Some(Duration::ZERO),
+    };
+    assert_eq!(handle.settlements(), [(id, requeue), (id, Settlement::Ack)]);
+    let d = worker.dispatcher();
+    assert_eq!(balance(d, &format!("{account}-a")).await, Some(40));
+    assert_eq!(balance(d, &format!("{account}-b")).await, Some(40));
+}
+
+#[tokio::test]
+async fn two_consumers_one_dead_the_other_processed_is_acked_with_the_dead_letter_kept() {
+    let dispatcher = setup().await;
+    let account = fresh("acct");
+    script(&format!("{account}-b"), vec![Step::Fail(TestError::Fatal)]);
+    let msg = split_msg(&account, 9);
+    let source = MemorySource::new("dw-split-dead");
+    let handle = source.handle();
+    let id = handle.push(inbox_tests::envelope(&msg));
+    handle.close();
+    let worker = DynamoWorker::new(dispatcher);
+    let run = worker.run(source, CancellationToken::new()).await.unwrap();
+    assert_eq!(
+        run,
+        report(|r| {
+            r.deliveries = 1;
+            r.processed = 1;
+            r.dead = 1;
+            r.acked = 1;
+            r.stop = StopReason::SourceExhausted;
+        })
+    );
+    assert_eq!(handle.settlements(), [(id, Settlement::Ack)]);
+    let d = worker.dispatcher();
+    assert_eq!(balance(d, &format!("{account}-a")).await, Some(9));
+    assert_eq!(balance(d, &format!("{account}-b")).await, None);
+    let dead = d.inbox().admin().show("dw-split-b", &msg.id).await.unwrap();
+    assert_eq!(dead.unwrap().status.as_str(), "dead");
+}
+
+#[tokio::test]
+async fn a_panicking_handler_drops_its_delivery_unsettled_and_the_redelivery_applies_once() {
+    let dispatcher = setup().await;
+    let account = fresh("acct");
+    script(&account, vec![Step::Panic]);
+    let msg = credit_msg(&account, 11);
+    let other = credit_msg(&fresh("acct"), 12);
+    let (source, handle, ids) = memory(&[msg.clone(), other.clone()]);
+    handle.close();
+    let worker = DynamoWorker::new(dispatcher).concurrency(1);
+    let run = worker.run(source, CancellationToken::new()).await.unwrap();
+    assert_eq!(
+        run,
+        report(|r| {
+            r.deliveries = 3;
+            r.abandoned = 1;
+            r.processed = 2;
+            r.acked = 2;
+            r.stop = StopReason::SourceExhausted;
+        })
+    );
+    assert_eq!(handle.abandoned(), [ids[0]]);
+    assert_eq!(
+        settled(&handle),
+        [(ids[0], Settlement::Ack), (ids[1], Settlement::Ack)]
+    );
+    assert_eq!(balance(worker.dispatcher(), &account).await, Some(11));
+    assert_eq!(balance(worker.dispatcher(), &other.account).await, Some(12));
+}
+
+#[tokio::test]
+async fn an_oversized_delivery_is_rejected_at_the_broker_and_nothing_is_written() {
+    let dispatcher = setup().await.with_max_payload_bytes(256).unwrap();
+    let account = fresh("acct");
+    let mut big = credit_msg(&account, 1);
+    big.account = format!("{account}{}", "x".repeat(300));
+    let small = Credit {
+        id: "k".to_owned(),
+        account: account.clone(),
+        amount: 2,
+    };
+    let (source, handle, ids) = memory(&[big.clone(), small]);
+    handle.close();
+    let worker = DynamoWorker::new(dispatcher);
+    let run = worker.run(source, CancellationToken::new()).await.unwrap();
+    assert_eq!(
+        run,
+        report(|r| {
+            r.deliveries = 2;
+            r.invalid = 1;
+            r.rejected = 1;
+            r.processed = 1;
+            r.acked = 1;
+            r.stop = StopReason::SourceExhausted;
+        })
+    );
+    assert_eq!(
+        settled(&handle),
+        [(ids[0], Settlement::Reject), (ids[1], Settlement::Ack)]
+    );
+    assert_eq!(balance(worker.dispatcher(), &big.account).await, None);
+    assert_eq!(status(worker.dispatcher(), &big.id).await, None);
+}
+
+#[tokio::test]
+async fn a_conflict_is_rejected_and_the_first_payload_stays_applied_once() {
+    let dispatcher = setup().await;
+    let account = fresh("acct");
+    let first = credit_msg(&account, 50);
+    let mut other = first.clone();
+    other.amount = 51;
+    let (source, handle, ids) = memory(&[first.clone(), other, first]);
+    handle.close();
+    let worker = DynamoWorker::new(dispatcher).concurrency(1);
+    let run = worker.run(source, CancellationToken::new()).await.unwrap();
+    assert_eq!(
+        run,
+        report(|r| {
+            r.deliveries = 3;
+            r.processed = 1;
+            r.conflicts = 1;
+            r.duplicates = 1;
+            r.acked = 2;
+            r.rejected = 1;
+            r.stop = StopReason::SourceExhausted;
+        })
+    );
+    assert_eq!(
+        settled(&handle),
+        [
+            (ids[0], Settlement::Ack),
+            (ids[1], Settlement::Reject),
+            (ids[2], Settlement::Ack)
+        ]
+    );
+    assert_eq!(balance(worker.dispatcher(), &account).await, Some(50));
+}
+
+/// A TCP proxy to moto's DynamoDB that forwards everything but the answer to the first
+/// `TransactWriteItems`: that one is committed by moto, its answer dropped and the connection
+/// closed (an unknown outcome). Returns the proxy's endpoint and how many answers it dropped.
+async fn lossy_proxy() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let upstream = endpoint().trim_start_matches("http://").to_owned();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let armed = Arc::new(AtomicBool::new(true));
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&dropped);
+    tokio::spawn(async move {
+        loop {
+            let Ok((client, _)) = listener.accept().await else {
+                return;
+            };
+            let server = tokio::net::TcpStream::connect(&upstream).await.unwrap();
+            let (mut client_read, mut client_write) = client.into_split();
+            let (mut server_read, mut server_write) = server.into_split();
+            // The request bytes since the last answer.
+            let request = Arc::new(Mutex::new(Vec::<u8>::new()));
+            let seen = Arc::clone(&request);
+            tokio::spawn(async move {
+                let mut buf = vec![0; 64 * 1024];
+                while let Ok(n @ 1..) = client_read.read(&mut buf).await {
+                    seen.lock().unwrap().extend_from_slice(&buf[..n]);
+                    if server_write.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            let (armed, dropped) = (Arc::clone(&armed), Arc::clone(&counter));
+            tokio::spawn(async move {
+                let mut buf = vec![0; 64 * 1024];
+                while let Ok(n @ 1..) = server_read.read(&mut buf).await {
+                    let asked = std::mem::take(&mut *request.lock().unwrap());
+                    let transact = asked
+                        .windows(b"TransactWriteItems".len())
+                        .any(|w| w == b"TransactWriteItems");
+                    if transact && armed.swap(false, Ordering::SeqCst) {
+                        dropped.fetch_add(1, Ordering::SeqCst);
+                        return; // both halves dropped: the client sees the connection close
+                    }
+                    if client_write.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (format!("http://{address}"), dropped)
+}
+
+#[tokio::test]
+async fn a_commit_whose_answer_is_lost_is_applied_once_and_acked_only_after_it() {
+    let direct = setup().await;
+    let (proxy, dropped) = lossy_proxy().await;
+    let config = direct
+        .inbox()
+        .client()
+        .config()
+        .to_builder()
+        .endpoint_url(proxy)
+        .build();
+    let inbox = dynamodb::DynamoInbox::new(
+        dynamodb::sdk::Client::from_conf(config),
+        direct.inbox().table().to_owned(),
+    );
+    let dispatcher = DynamoDispatcher::from_registry(inbox).unwrap();
+    let account = fresh("acct");
+    let msg = credit_msg(&account, 77);
+    let (source, handle, ids) = memory(&[msg.clone(), msg.clone()]);
+    handle.close();
+    let run = DynamoWorker::new(dispatcher)
+        .requeue_delay(Duration::ZERO)
+        .run(source, CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(dropped.load(std::sync::atomic::Ordering::SeqCst), 1);
+    // The SDK resends the lost submit: DynamoDB answers it from its client request token
+    // (`Processed`), moto, which ignores the token, with the claim's condition (read as a
+    // `Duplicate`). Either way the effect is there once and both deliveries are acked after it.
+    assert_eq!(balance(&direct, &account).await, Some(77));
+    assert_eq!(status(&direct, &msg.id).await.as_deref(), Some("processed"));
+    assert_eq!(run.processed + run.duplicates, run.acked);
+    assert_eq!(run.acked, 2);
+    assert_eq!(run.rejected, 0);
+    let acks: Vec<u64> = settled(&handle)
+        .into_iter()
+        .filter(|(_, s)| *s == Settlement::Ack)
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(acks, ids);
+    assert_eq!(
+        (run.deliveries, run.failed, run.requeued, run.abandoned),
+        (2, 0, 0, 0)
+    );
+}
+
+#[tokio::test]
+async fn a_fifo_group_keeps_its_order_across_a_shutdown_that_hands_back_its_waiting_messages() {
+    let dispatcher = Arc::new(setup().await);
+    let client = sqs_client().await;
+    let url = client
+        .create_queue()
+        .queue_name(format!("{}.fifo", fresh("dw")))
+        .attributes(QueueAttributeName::FifoQueue, "true")
+        .attributes(QueueAttributeName::VisibilityTimeout, "1")
+        .send()
+        .await
+        .unwrap()
+        .queue_url
+        .unwrap();
+    let account = fresh("acct");
+    let (entered, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    script(
+        &account,
+        vec![Step::Block {
+            entered: entered.clone(),
+            release: release.clone(),
+        }],
+    );
+    let msgs: Vec<Credit> = (0..3).map(|i| credit_msg(&account, 1 << i)).collect();
+    for msg in &msgs {
+        let body = serde_json::to_vec(msg).unwrap();
+        sqs_send(&client, &url, "dw.credited", &body, Some(("g", &msg.id))).await;
+    }
+    let token = CancellationToken::new();
+    let first = DynamoWorker::from_arc(Arc::clone(&dispatcher));
+    let source = SqsSource::connect(sqs_config(&url)).await.unwrap();
+    let task = spawn_run(first, source, token.clone());
+    entered.notified().await;
+    token.cancel();
+    release.notify_one();
+    let (_, result) = task.await.unwrap();
+    let stopped = result.unwrap();
+    assert_eq!(
+        (stopped.processed, stopped.acked, stopped.stop),
+        (1, 1, StopReason::Shutdown)
+    );
+    // The next worker runs the rest of the group, in order, each once.
+    let source = SqsSource::connect(sqs_config(&url)).await.unwrap();
+    let second =
+        DynamoWorker::from_arc(Arc::clone(&dispatcher)).stop_when_idle(Duration::from_secs(3));
+    let run = second.run(source, CancellationToken::new()).await.unwrap();
+    assert_eq!((run.processed, run.acked, run.duplicates), (2, 2, 0));
+    let expected: Vec<Ran> = msgs.iter().map(|m| (1, m.id.clone())).collect();
+    assert_eq!(runs(&account), expected);
+    assert_eq!(balance(&dispatcher, &account).await, Some(7));
+}
+
+#[tokio::test]
+async fn at_most_concurrency_deliveries_are_fetched_and_unsettled() {
+    let dispatcher = setup().await;
+    let accounts: Vec<String> = (0..4).map(|_| fresh("acct")).collect();
+    let gates: Vec<(Arc<Notify>, Arc<Notify>)> = accounts
+        .iter()
+        .map(|account| {
+            let gate = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+            script(
+                account,
+                vec![Step::Block {
+                    entered: gate.0.clone(),
+                    release: gate.1.clone(),
+                }],
+            );
+            gate
+        })
+        .collect();
+    let msgs: Vec<Credit> = accounts.iter().map(|a| credit_msg(a, 3)).collect();
+    let (source, handle, _) = memory(&msgs);
+    handle.close();
+    let task = spawn_run(
+        DynamoWorker::new(dispatcher).concurrency(2),
+        source,
+        CancellationToken::new(),
+    );
+    gates[0].0.notified().await;
+    gates[1].0.notified().await;
+    for _ in 0..200 {
+        tokio::task::yield_now().await;
+    }
+    // Two running, none more fetched.
+    assert_eq!((handle.deliveries(), handle.settlements().len()), (2, 0));
+    gates[0].1.notify_one();
+    gates[2].0.notified().await;
+    assert_eq!((handle.deliveries(), handle.settlements().len()), (3, 1));
+    gates[1].1.notify_one();
+    gates[2].1.notify_one();
+    gates[3].0.notified().await;
+    gates[3].1.notify_one();
+    let (worker, result) = task.await.unwrap();
+    assert_eq!(
+        result.unwrap(),
+        report(|r| {
+            r.deliveries = 4;
+            r.processed = 4;
+            r.acked = 4;
+            r.stop = StopReason::SourceExhausted;
+        })
+    );
+    for account in &accounts {
+        assert_eq!(balance(worker.dispatcher(), account).await, Some(3));
+    }
 }

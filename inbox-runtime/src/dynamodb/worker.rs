@@ -396,3 +396,105 @@ async fn process(
     carry_out(&mut report, delivery, settlement).await;
     report
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Outcome;
+    use crate::dynamodb::CancellationReason;
+    use crate::types::classify::ErrorClass;
+    use crate::types::error::{Disposition, HandlerFailure};
+    use crate::types::key::IdempotencyKey;
+
+    const DELAY: Duration = Duration::from_secs(7);
+
+    fn outcome(result: Result<Outcome<()>, DynamoError<crate::BoxError>>) -> DynamoConsumerOutcome {
+        DynamoConsumerOutcome {
+            consumer: "c",
+            function: "f",
+            result,
+        }
+    }
+
+    fn key() -> IdempotencyKey {
+        IdempotencyKey::new("k", "m", "id").unwrap()
+    }
+
+    fn failure(disposition: Disposition) -> DynamoError<crate::BoxError> {
+        DynamoError::Handler(HandlerFailure {
+            error: super::super::Failed::Handler("boom".into()),
+            class: ErrorClass::Retryable,
+            attempts: 1,
+            disposition,
+        })
+    }
+
+    fn settle(results: Vec<Result<Outcome<()>, DynamoError<crate::BoxError>>>) -> Settlement {
+        dynamo_settlement_for(&Ok(results.into_iter().map(outcome).collect()), DELAY)
+    }
+
+    /// Throttling and transaction conflicts on every try, contention, an unknown outcome, a
+    /// failure not recorded: requeued after `requeue_delay`, never acked or rejected.
+    #[test]
+    fn transient_and_unknown_outcomes_are_requeued() {
+        let requeue = Settlement::Requeue { delay: Some(DELAY) };
+        let transient = DynamoError::Transient {
+            tries: 3,
+            reasons: vec![CancellationReason {
+                index: 0,
+                code: "ThrottlingError".to_owned(),
+                message: None,
+            }],
+        };
+        let contended = DynamoError::Contended {
+            consumer: "c".to_owned(),
+            key: key(),
+        };
+        let unknown = DynamoError::Dynamo {
+            consumer: "c".to_owned(),
+            key: key(),
+            operation: "TransactWriteItems",
+            source: "connection reset".into(),
+        };
+        for error in [
+            transient,
+            contended,
+            unknown,
+            failure(Disposition::NotRecorded),
+        ] {
+            assert_eq!(settle(vec![Err(error)]), requeue);
+        }
+        // With a consumer that committed: still requeued (it sees a duplicate next time).
+        let unknown = DynamoError::Dynamo {
+            consumer: "c".to_owned(),
+            key: key(),
+            operation: "TransactWriteItems",
+            source: "timeout".into(),
+        };
+        assert_eq!(
+            settle(vec![Ok(Outcome::Processed(())), Err(unknown)]),
+            requeue
+        );
+    }
+
+    #[test]
+    fn dead_now_acks_and_a_retry_waits_its_own_delay() {
+        assert_eq!(
+            settle(vec![
+                Ok(Outcome::Processed(())),
+                Err(failure(Disposition::Dead))
+            ]),
+            Settlement::Ack
+        );
+        let after = Duration::from_secs(60);
+        assert_eq!(
+            settle(vec![
+                Err(failure(Disposition::Retry { after })),
+                Ok(Outcome::NotYet {
+                    retry_in: Duration::from_secs(2)
+                })
+            ]),
+            Settlement::Requeue { delay: Some(after) }
+        );
+    }
+}
