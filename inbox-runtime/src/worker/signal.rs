@@ -43,7 +43,10 @@ pub fn cancel_on_signal() -> std::io::Result<CancellationToken> {
 pub(crate) fn worker_token(source: &str) -> Result<CancellationToken, super::WorkerError> {
     cancel_on_signal().map_err(|e| super::WorkerError {
         error: crate::source::SourceError::new(source, "install signal handlers", e),
-        report: super::WorkerReport::default(),
+        report: super::WorkerReport {
+            stop: super::StopReason::SourceFailed,
+            ..super::WorkerReport::default()
+        },
     })
 }
 
