@@ -116,8 +116,9 @@ pub struct DynamoWorker {
 ///   ([`Disposition::Dead`]: the payload is kept in the inbox table, see
 ///   [`DynamoAdmin`](super::DynamoAdmin)) → [`Settlement::Ack`];
 /// * a [`DispatchError`] (refused: nothing was written, see [`DynamoWorker`], "Refused
-///   deliveries"), or a consumer's [`DynamoError::Conflict`], [`DynamoError::Key`] or
-///   [`DynamoError::Fingerprint`] → [`Settlement::Reject`];
+///   deliveries"), or a consumer's [`DynamoError::Conflict`], [`DynamoError::Key`],
+///   [`DynamoError::Fingerprint`] or [`DynamoError::PartitionKeyTooLong`] (consumer and key too
+///   long for a DynamoDB partition key: it can never be claimed) → [`Settlement::Reject`];
 /// * [`Outcome::NotYet`] → [`Settlement::Requeue`] after the time left; a handler failure to
 ///   retry ([`Disposition::Retry`]) → after its `after` delay; any other [`DynamoError`] (a
 ///   DynamoDB call that failed, a transient cancellation, contention, a transaction too large,
@@ -141,7 +142,12 @@ fn verdict(outcome: &DynamoConsumerOutcome) -> Verdict {
         Ok(outcome) => Verdict::of_outcome(outcome),
         Err(DynamoError::Handler(failure)) => Verdict::of_failure(failure.disposition),
         Err(DynamoError::Conflict(_)) => Verdict::Conflict,
-        Err(DynamoError::Key(_) | DynamoError::Fingerprint(_)) => Verdict::Invalid,
+        // A partition key too long is a key this store cannot hold, ever: a bad key.
+        Err(
+            DynamoError::Key(_)
+            | DynamoError::Fingerprint(_)
+            | DynamoError::PartitionKeyTooLong { .. },
+        ) => Verdict::Invalid,
         Err(_) => Verdict::Failed(None),
     }
 }
@@ -474,6 +480,21 @@ mod tests {
         assert_eq!(
             settle(vec![Ok(Outcome::Processed(())), Err(unknown)]),
             requeue
+        );
+    }
+
+    /// A key this store can never hold is rejected as a bad key is, beside a processed one.
+    #[test]
+    fn a_partition_key_too_long_is_rejected_as_a_bad_key() {
+        let too_long = DynamoError::PartitionKeyTooLong {
+            consumer: "c".repeat(2000),
+            key: key(),
+            bytes: 2004,
+            max: crate::dynamodb::MAX_PARTITION_KEY_BYTES,
+        };
+        assert_eq!(
+            settle(vec![Ok(Outcome::Processed(())), Err(too_long)]),
+            Settlement::Reject
         );
     }
 
