@@ -226,9 +226,10 @@ fn fifo_record(message_id: &str, id: &str, group: &str, amount: i64) -> Value {
 const NONE: Vec<String> = Vec::new();
 
 /// A redelivery and a producer's retry under a new messageId are duplicates; the same key with
-/// another amount is a conflict: all deleted, each credit applied once.
+/// another amount is a conflict: listed (DynamoDB keeps no rejections: the queue's dead-letter
+/// queue does), the rest deleted, each credit applied once.
 #[tokio::test]
-async fn duplicates_across_invocations_are_successes_and_a_conflict_is_deleted() {
+async fn duplicates_across_invocations_are_successes_and_a_conflict_is_listed() {
     let function = function().await;
     let ids = Ids::new();
     let (c1, c2, c3, alice) = (ids.of("c1"), ids.of("c2"), ids.of("c3"), ids.of("alice"));
@@ -251,7 +252,7 @@ async fn duplicates_across_invocations_are_successes_and_a_conflict_is_deleted()
         credit_record("m-5", &c3, &alice, 7),
     ];
     let (failures, report) = invoke(&function, second).await;
-    assert_eq!(failures, NONE);
+    assert_eq!(failures, ["m-4"]);
     let counts = |r: &DynamoLambdaReport| {
         [
             r.records,
@@ -267,7 +268,7 @@ async fn duplicates_across_invocations_are_successes_and_a_conflict_is_deleted()
             r.abandoned,
         ]
     };
-    assert_eq!(counts(&report), [4, 4, 0, 1, 2, 1, 0, 0, 0, 0, 0]);
+    assert_eq!(counts(&report), [4, 3, 1, 1, 2, 1, 0, 0, 0, 0, 0]);
 
     assert_eq!(effect(&function, &alice).await, Some((3, 157)));
     assert_eq!(

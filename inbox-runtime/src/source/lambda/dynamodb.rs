@@ -77,7 +77,8 @@ pub struct DynamoLambdaReport {
     /// Consumer outcomes [`Outcome::NotYet`]: a failed key received again before its next
     /// attempt was due; listed.
     pub not_yet: u64,
-    /// Consumer results [`DynamoError::Conflict`]: deleted, logged.
+    /// Consumer results [`DynamoError::Conflict`]: listed, logged (for the dead-letter queue:
+    /// DynamoDB keeps no rejections).
     pub conflicts: u64,
     /// Consumer failures to receive again: a retryable handler failure, a failure not recorded,
     /// a DynamoDB error (any [`DynamoError`] but a conflict or a dead letter); listed.
@@ -352,9 +353,12 @@ impl Run<'_> {
                 report.not_yet += 1;
                 return false;
             }
+            // DynamoDB keeps no rejections: deleting it would lose the conflicting payload.
+            // Listed, the queue's redrive policy moves it to its dead-letter queue.
             Err(DynamoError::Conflict(conflict)) => {
-                tracing::warn!(message_id, consumer, %conflict, "SQS record rejected: deleted");
+                tracing::warn!(message_id, consumer, %conflict, "SQS record in conflict: listed");
                 report.conflicts += 1;
+                return false;
             }
             Err(DynamoError::Handler(failure)) if failure.disposition == Disposition::Dead => {
                 tracing::warn!(message_id, consumer, %failure, "SQS record dead-lettered: deleted");
