@@ -350,10 +350,21 @@ pub fn default_stored_headers() -> Vec<HeaderName> {
 }
 
 /// The builder setters of the settings every store's layer shares, written once: expanded in
-/// each layer's `impl`, which has `fn settings_mut(&mut self) -> &mut Settings`.
+/// each layer's `impl`, which has `fn settings_mut(&mut self) -> &mut Settings`. Three steps:
+/// the key ([`key_setters`]), the sizes ([`size_setters`]), the scope and the stored response
+/// ([`response_setters`]).
 macro_rules! settings_setters {
     () => {
-    $crate::setters::setters! {
+        $crate::http::key_setters!();
+        $crate::http::size_setters!();
+        $crate::http::response_setters!();
+    };
+}
+
+/// The setters of which requests are covered and what key they take.
+macro_rules! key_setters {
+    () => {
+        $crate::setters::setters! {
             /// The methods the layer covers (default `POST` and `PATCH`, the methods RFC 9110 does not
             /// make idempotent); requests with other methods pass through untouched.
             pub fn methods(methods: impl IntoIterator<Item = Method>) {
@@ -382,6 +393,14 @@ macro_rules! settings_setters {
                 self.settings_mut().max_key_len = chars.clamp(1, $crate::types::key::MAX_KEY_BYTES);
             }
 
+        }
+    };
+}
+
+/// The setters of the largest request and response bodies.
+macro_rules! size_setters {
+    () => {
+    $crate::setters::setters! {
             /// The largest request body read, in bytes (default 1 MiB; 0: only empty bodies); above it:
             /// 413, before the handler and the claim. The whole body is held in memory to fingerprint
             /// it, so values above [`PayloadLimit::MAX_BYTES`](crate::types::PayloadLimit::MAX_BYTES)
@@ -399,7 +418,12 @@ macro_rules! settings_setters {
                 self.settings_mut().max_response_bytes = bytes.min(crate::types::PayloadLimit::MAX_BYTES);
             }
         }
+    };
+}
 
+/// The setters of the key's scope (the principal) and of what is stored and replayed.
+macro_rules! response_setters {
+    () => {
         /// Who sends the request: keys are unique per principal (and method and route), so two
         /// users who happen to send the same key do not see each other's responses. `principal`
         /// reads the request's head — typically an identity that an authentication layer *before*
@@ -466,6 +490,7 @@ macro_rules! settings_setters {
 }
 #[cfg(feature = "dynamodb")]
 pub(crate) use settings_setters;
+pub(crate) use {key_setters, response_setters, size_setters};
 
 impl<DB: InboxDatabase> IdempotencyLayer<DB> {
     /// A layer claiming keys in the inbox of `pool`, with every default: methods `POST` and
