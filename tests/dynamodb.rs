@@ -17,9 +17,7 @@ use inbox_runtime::dynamodb::sdk::types::{AttributeValue, ConditionCheck, Put, U
 use inbox_runtime::dynamodb::{
     self, DynamoError, DynamoInbox, DynamoTx, Failed, MAX_HANDLER_ITEMS,
 };
-use inbox_runtime::{
-    Classify, Disposition, ErrorClass, Fingerprint, Message, Outcome, RetryPolicy,
-};
+use inbox_runtime::{Disposition, ErrorClass, Fingerprint, Message, Outcome, RetryPolicy};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 
@@ -40,25 +38,7 @@ fn credit(id: &str, account: &str, amount: i64) -> Credit {
     }
 }
 
-/// The handlers' errors: `Boom` retryable, `Fatal` permanent, `Build` an SDK builder's error.
-#[derive(Debug, thiserror::Error)]
-enum TestError {
-    #[error("boom")]
-    Boom,
-    #[error("fatal")]
-    Fatal,
-    #[error("build: {0}")]
-    Build(String),
-}
-
-impl Classify for TestError {
-    fn class(&self) -> ErrorClass {
-        match self {
-            TestError::Fatal => ErrorClass::Permanent,
-            _ => ErrorClass::Retryable,
-        }
-    }
-}
+use inbox_tests::dynamo::TestError;
 
 type Result2<T> = Result<Outcome<T>, DynamoError<TestError>>;
 

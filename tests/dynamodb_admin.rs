@@ -24,9 +24,7 @@ use inbox_runtime::dynamodb::{
 use inbox_runtime::ops::admin::utc_time;
 use inbox_runtime::ops::cli::{self, AdminCli, CliError};
 use inbox_runtime::store::{StatsRow, StatsStatus, StoredMessage};
-use inbox_runtime::{
-    Classify, Disposition, ErrorClass, Fingerprint, Message, Outcome, RetryPolicy, Status,
-};
+use inbox_runtime::{Disposition, Fingerprint, Message, Outcome, RetryPolicy, Status};
 
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize, Message)]
 #[message(name = "accounts.credited")]
@@ -46,24 +44,7 @@ fn credit(id: &str, amount: i64) -> Credit {
 }
 
 /// `Boom` is retryable (the key is recorded `failed`), `Fatal` permanent (`dead` at once).
-#[derive(Debug, thiserror::Error)]
-enum TestError {
-    #[error("boom")]
-    Boom,
-    #[error("fatal")]
-    Fatal,
-    #[error("build: {0}")]
-    Build(String),
-}
-
-impl Classify for TestError {
-    fn class(&self) -> ErrorClass {
-        match self {
-            TestError::Fatal => ErrorClass::Permanent,
-            _ => ErrorClass::Retryable,
-        }
-    }
-}
+use inbox_tests::dynamo::TestError;
 
 fn suffix() -> String {
     uuid::Uuid::new_v4().simple().to_string()

@@ -19,8 +19,8 @@ use inbox_runtime::dynamodb::{
     DynamoTx,
 };
 use inbox_runtime::{
-    Classify, DispatchError, Disposition, Envelope, ErrorClass, KeyError, Message, Outcome,
-    RetryPolicy, handler, idempotent,
+    DispatchError, Disposition, Envelope, ErrorClass, KeyError, Message, Outcome, RetryPolicy,
+    handler, idempotent,
 };
 
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize, Message)]
@@ -53,25 +53,7 @@ struct Ordered {
     seq: u64,
 }
 
-/// The handlers' errors: `Boom` retryable, `Fatal` permanent, `Build` an SDK builder's error.
-#[derive(Debug, thiserror::Error)]
-enum TestError {
-    #[error("boom")]
-    Boom,
-    #[error("fatal")]
-    Fatal,
-    #[error("build: {0}")]
-    Build(String),
-}
-
-impl Classify for TestError {
-    fn class(&self) -> ErrorClass {
-        match self {
-            TestError::Fatal => ErrorClass::Permanent,
-            _ => ErrorClass::Retryable,
-        }
-    }
-}
+use inbox_tests::dynamo::TestError;
 
 /// The accounts table of this test binary (`id` string key), made once.
 static ACCOUNTS: tokio::sync::OnceCell<String> = tokio::sync::OnceCell::const_new();
