@@ -71,20 +71,10 @@ async fn credit(conn: &mut sqlx::PgConnection, msg: Credit) -> Result<(), Credit
     if msg.amount < 0 {
         return Err(CreditError::Negative(msg.amount));
     }
-    if UNAVAILABLE
-        .lock()
-        .unwrap()
-        .as_ref()
-        .is_some_and(|ids| ids.contains(&msg.id))
-    {
+    if inbox_tests::in_set(&UNAVAILABLE, &msg.id) {
         return Err(CreditError::Unavailable);
     }
-    if HELD
-        .lock()
-        .unwrap()
-        .as_ref()
-        .is_some_and(|ids| ids.contains(&msg.id))
-    {
+    if inbox_tests::in_set(&HELD, &msg.id) {
         // Never answers: the invocation's deadline has to drop it.
         std::future::pending::<()>().await;
     }

@@ -220,3 +220,12 @@ pub fn outcome_kind<T, E>(
 pub fn outcome_kinds(outcomes: &[ConsumerOutcome]) -> Vec<Result<&'static str, &'static str>> {
     outcomes.iter().map(|o| outcome_kind(&o.result)).collect()
 }
+
+/// Whether `id` is in `ids` (a test's switchable set of ids: the handlers that fail, or hold,
+/// while their id is in it).
+pub fn in_set(ids: &std::sync::Mutex<Option<std::collections::HashSet<String>>>, id: &str) -> bool {
+    ids.lock()
+        .unwrap()
+        .as_ref()
+        .is_some_and(|ids| ids.contains(id))
+}
