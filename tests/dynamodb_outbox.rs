@@ -1026,3 +1026,21 @@ async fn a_dead_item_discarded_lets_its_aggregate_go_ahead() {
         [(id("d-1", 1), "acct-1:1:1".to_owned(), 1)]
     );
 }
+
+/// `retry` and `discard` on an unreachable DynamoDB: the call's error, naming the table and the
+/// operation, not a `false` (which would read as "no dead item").
+#[tokio::test]
+async fn retry_and_discard_report_a_failed_call() {
+    let client = dynamodb::client(Some("http://127.0.0.1:9")).await;
+    let outbox = DynamoOutbox::new(client, "unreachable", OUTBOX);
+    let error = outbox.retry("m-1").await.unwrap_err();
+    assert_eq!(
+        (error.table.as_str(), error.operation),
+        ("unreachable", "UpdateItem")
+    );
+    let error = outbox.discard("m-1").await.unwrap_err();
+    assert_eq!(
+        (error.table.as_str(), error.operation),
+        ("unreachable", "DeleteItem")
+    );
+}
