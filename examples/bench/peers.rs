@@ -149,6 +149,12 @@ COMMIT;\n\
 ROLLBACK;\n\
 \\endif\n";
 
+/// The hand-written sqlx inbox's claim: the naive `INSERT … ON CONFLICT DO NOTHING` on the
+/// naive inbox with its retention index (`$1` the consumer, `$2` the key); one row affected is a
+/// new key. The row sends `BEGIN`, this, [`EFFECT`] if it inserted, `COMMIT`: 4 round trips.
+pub(crate) const SQLX_CLAIM: &str =
+    "INSERT INTO peer_inbox_indexed (consumer, key) VALUES ($1, $2) ON CONFLICT DO NOTHING";
+
 /// The psycopg2 reference consumer, written to a temporary file to run.
 const PSYCOPG2_SCRIPT: &str = include_str!("peers_psycopg2.py");
 
@@ -289,6 +295,9 @@ pub(crate) enum Row {
     PgbenchRuntime(usize),
     /// The psycopg2 reference consumer with this many threads.
     Psycopg2(usize),
+    /// The naive inbox as a Rust user writes it by hand with sqlx ([`SQLX_CLAIM`]), this many
+    /// tasks.
+    SqlxNaive(usize),
     /// `Dispatcher::dispatch_on` with this many tasks.
     DispatchOn(usize),
     /// The Worker, one message per transaction, at this concurrency.
@@ -317,6 +326,7 @@ pub(crate) fn rows(clients: &[usize]) -> Vec<Row> {
             Row::PgbenchIndexed(n),
             Row::PgbenchRuntime(n),
             Row::Psycopg2(n),
+            Row::SqlxNaive(n),
             Row::DispatchOn(n),
             Row::Worker(n),
         ]);
@@ -344,6 +354,9 @@ impl Row {
                 "pgbench: the runtime's statements (BEGIN; claim; UPDATE; verify; COMMIT, or BEGIN; claim; ROLLBACK)"
             }
             Row::Psycopg2(_) => "psycopg2 reference consumer (the same naive statements)",
+            Row::SqlxNaive(_) => {
+                "hand-written sqlx inbox (the same naive statements, with the retention index)"
+            }
             Row::DispatchOn(_) => "ours: Dispatcher::dispatch_on, 1 message per transaction",
             Row::Worker(_) => "ours: Worker, 1 message per transaction (one_per_transaction())",
             Row::WorkerBatch(_) => "ours: Worker::batch(100, 5 ms)",
@@ -360,6 +373,7 @@ impl Row {
             | Row::PgbenchIndexed(n)
             | Row::PgbenchRuntime(n)
             | Row::Psycopg2(n)
+            | Row::SqlxNaive(n)
             | Row::DispatchOn(n)
             | Row::Worker(n)
             | Row::WorkerBatch(n)
@@ -372,7 +386,7 @@ impl Row {
     fn inbox(self) -> Inbox {
         match self {
             Row::Pgbench(_) | Row::Psycopg2(_) => Inbox::Naive,
-            Row::PgbenchIndexed(_) => Inbox::NaiveIndexed,
+            Row::PgbenchIndexed(_) | Row::SqlxNaive(_) => Inbox::NaiveIndexed,
             _ => Inbox::Runtime,
         }
     }
@@ -737,6 +751,88 @@ pub(crate) async fn run_psycopg2(
     })
 }
 
+/// The naive inbox as a Rust user writes it by hand with sqlx over the whole list: `workers`
+/// tasks, each holding one connection of a pool of `workers`, taking the next delivery of the
+/// list; per delivery `begin()`, [`SQLX_CLAIM`], [`EFFECT`] if it inserted, `commit()`.
+async fn run_sqlx_naive(pg: &Pg, workload: &Workload, workers: usize) -> Result<Ran, BoxError> {
+    let pool = crate::pg_pool(&pg.opts, workers).await?;
+    // (key, amount, account) of each delivery, as a consumer has them after decoding.
+    let list: Arc<Vec<(String, i64, i32)>> = Arc::new(
+        workload
+            .deliveries
+            .iter()
+            .map(|m| (m.event_id.to_string(), m.amount, m.account))
+            .collect(),
+    );
+    let next = Arc::new(AtomicUsize::new(0));
+    let start = Arc::new(tokio::sync::Barrier::new(workers + 1));
+    let mut tasks = Vec::with_capacity(workers);
+    for _ in 0..workers {
+        let (pool, list, next, start) = (pool.clone(), list.clone(), next.clone(), start.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut conn = pool.acquire().await?;
+            let (mut inserted, mut duplicates) = (0_usize, 0_usize);
+            start.wait().await;
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some((key, amount, account)) = list.get(i) else {
+                    break;
+                };
+                let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+                let new = sqlx::query(SQLX_CLAIM)
+                    .bind(CONSUMER)
+                    .bind(key.as_str())
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected()
+                    == 1;
+                if new {
+                    sqlx::query(EFFECT)
+                        .bind(amount)
+                        .bind(account)
+                        .execute(&mut *tx)
+                        .await?;
+                    inserted += 1;
+                } else {
+                    duplicates += 1;
+                }
+                tx.commit().await?;
+            }
+            Ok::<_, BoxError>((inserted, duplicates))
+        }));
+    }
+    start.wait().await;
+    let before = pg.cpu.snapshot();
+    let started = Instant::now();
+    let (mut inserted, mut duplicates, mut failure) = (0, 0, None);
+    for task in tasks {
+        match task.await? {
+            Ok((p, d)) => {
+                inserted += p;
+                duplicates += d;
+            }
+            Err(error) => {
+                failure.get_or_insert(error.to_string());
+            }
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let cpu = pg.cpu.snapshot().since(&before);
+    pool.close().await;
+    if failure.is_none() && (inserted != workload.messages || duplicates != workload.redeliveries) {
+        failure = Some(format!(
+            "{inserted} inserted, {duplicates} duplicates; expected {} and {}",
+            workload.messages, workload.redeliveries
+        ));
+    }
+    Ok(Ran {
+        seconds,
+        cpu,
+        client_cpu: cpu.client,
+        failure,
+    })
+}
+
 /// `Dispatcher::dispatch_on` over the whole list: `workers` tasks, each with its own
 /// `ConnectionSlot` on a pool of `workers` connections, taking the next delivery of the list.
 async fn run_dispatch_on(
@@ -934,6 +1030,7 @@ async fn run_row(
         }
         Row::PgbenchRuntime(_) => run_pgbench(pg, workload, PGBENCH_RUNTIME_SCRIPT, n).await,
         Row::Psycopg2(_) => run_psycopg2(pg, password, workload, n, None).await,
+        Row::SqlxNaive(_) => run_sqlx_naive(pg, workload, n).await,
         Row::DispatchOn(_) => run_dispatch_on(pg, workload, envelopes, n).await,
         Row::Worker(_) => run_worker(pg, workload, envelopes, n + 1, |w| {
             w.concurrency(n).one_per_transaction()
@@ -1233,6 +1330,14 @@ fn describe(out: &mut Out, workload: &Workload, sizes: Sizes, p: &Profile, defau
     }
     out.line("");
     out.line(format!(
+        "The hand-written sqlx inbox: what a Rust user writes without the runtime, N tasks each \
+         holding one connection of a pool of N; per delivery `begin()`, `{SQLX_CLAIM}`, the \
+         effect if one row was inserted, `commit()` (4 round trips, sqlx's extended protocol \
+         with its statement cache). Against pgbench on the same table it measures sqlx's client \
+         against libpq's; ours against it, what the runtime costs over the same client library."
+    ));
+    out.line("");
+    out.line(format!(
         "psycopg2: examples/bench/peers_psycopg2.py, N threads with one connection each (libpq's \
          simple protocol, psycopg2's implicit BEGIN: 4 round trips per new message). Ours: \
          `Dispatcher::dispatch_on` with N tasks each holding a `ConnectionSlot` (pool of N); the \
@@ -1279,6 +1384,16 @@ fn write_ratios(out: &mut Out, acc: &HashMap<Row, Acc>, clients: &[usize], round
                 times(ratio_of(rate(row), indexed)),
             ));
         }
+        let by_hand = rate(Row::SqlxNaive(n));
+        lines.push(format!(
+            "- {n}: against the hand-written sqlx inbox (the same client library, the naive \
+             statements on the naive inbox with its retention index): dispatch_on ÷ it = {}, \
+             Worker 1/tx ÷ it = {}; it ÷ pgbench naive with its index = {} (sqlx's client \
+             against libpq's, the same statements)",
+            times(ratio_of(rate(Row::DispatchOn(n)), by_hand)),
+            times(ratio_of(rate(Row::Worker(n)), by_hand)),
+            times(ratio_of(by_hand, indexed)),
+        ));
         lines.push(format!(
             "- {n}: Worker ÷ dispatch_on = {}; protocol: pgbench with the runtime's statements ÷ \
              naive pgbench = {} (÷ naive with its index = {}); client: dispatch_on ÷ pgbench with \
