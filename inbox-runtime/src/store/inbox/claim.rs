@@ -177,16 +177,9 @@ pub(super) async fn verify<D: InboxDialect>(
 /// reads as a lost connection: the connection is fine, and the attempt is a failure to record
 /// ([`ErrorClass::Retryable`](crate::ErrorClass::Retryable)), not a delivery whose commit is
 /// unknown.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
 struct ClaimGone(&'static str);
-
-impl std::fmt::Display for ClaimGone {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.0)
-    }
-}
-
-impl std::error::Error for ClaimGone {}
 
 impl sqlx::error::DatabaseError for ClaimGone {
     fn message(&self) -> &str {
