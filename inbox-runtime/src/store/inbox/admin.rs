@@ -3,7 +3,9 @@
 
 use sqlx::QueryBuilder;
 
-use super::{InboxDialect, Param, Write, attempts_at, hash_at, null_column, required, status_at};
+use super::{
+    InboxDialect, Param, Write, attempts_at, hash_at, key_values, null_column, required, status_at,
+};
 use crate::store::retry::{Retry, with_retries};
 use crate::store::sql::{Arg, text};
 use crate::store::types::stats_status;
@@ -57,9 +59,10 @@ pub(super) async fn mark_message<D: InboxDialect>(
     ordering: &crate::types::Ordering,
     payload: Option<&[u8]>,
 ) -> Result<(), sqlx::Error> {
+    let [consumer, key] = key_values(consumer, key);
     let values = [
-        (Param::Consumer, consumer.into()),
-        (Param::Key, key.into()),
+        consumer,
+        key,
         (Param::NewStatus, status.as_str().into()),
         (Param::Aggregate, ordering.aggregate_id.as_str().into()),
         (Param::Sequence, ordering.sequence.into()),
@@ -119,11 +122,8 @@ pub(super) async fn dead_letter_parked<D: InboxDialect>(
     key: &str,
     reason: &str,
 ) -> Result<bool, sqlx::Error> {
-    let values = [
-        (Param::Consumer, consumer.into()),
-        (Param::Key, key.into()),
-        (Param::Reason, reason.into()),
-    ];
+    let [consumer, key] = key_values(consumer, key);
+    let values = [consumer, key, (Param::Reason, reason.into())];
     Ok(D::DEAD_LETTER_PARKED.run(conn, &values, D::execute).await? > 0)
 }
 
@@ -154,7 +154,7 @@ pub(super) async fn fetch_message<D: InboxDialect>(
     consumer: &str,
     key: &str,
 ) -> Result<Option<StoredMessage>, sqlx::Error> {
-    let values = [(Param::Consumer, consumer.into()), (Param::Key, key.into())];
+    let values = key_values(consumer, key);
     let row = D::FETCH.run(conn, &values, D::fetch_optional).await?;
     row.as_ref().map(stored_message::<D>).transpose()
 }
@@ -195,7 +195,7 @@ pub(super) async fn discard_message<D: InboxDialect>(
     consumer: &str,
     key: &str,
 ) -> Result<bool, sqlx::Error> {
-    let values = [(Param::Consumer, consumer.into()), (Param::Key, key.into())];
+    let values = key_values(consumer, key);
     Ok(D::DISCARD.run(conn, &values, D::execute).await? > 0)
 }
 

@@ -5,7 +5,8 @@ use sqlx::{Connection as _, QueryBuilder};
 
 use super::{
     BatchClaim, ClaimShape, HashParam, InboxDialect, Item, Param, Stmt, Write, attempts_at,
-    existing_at, push_key_tuples, push_row, push_template, source_args, standard, status_at, token,
+    existing_at, key_values, push_key_tuples, push_row, push_template, source_args, standard,
+    status_at, token,
 };
 use crate::store::retry::{Retry, with_retries};
 use crate::store::sql::Arg;
@@ -201,11 +202,6 @@ impl sqlx::error::DatabaseError for ClaimGone {
     fn kind(&self) -> sqlx::error::ErrorKind {
         sqlx::error::ErrorKind::Other
     }
-}
-
-/// A key's values.
-fn key_values<'a>(consumer: &'a str, key: &'a str) -> [(Param, Arg<'a>); 2] {
-    [(Param::Consumer, consumer.into()), (Param::Key, key.into())]
 }
 
 /// See [`ClaimStore::existing`](crate::store::ClaimStore::existing).

@@ -590,6 +590,11 @@ fn source_args(source: Option<&crate::types::envelope::SourceMetadata>) -> [(Par
     ]
 }
 
+/// A key's values.
+fn key_values<'a>(consumer: &'a str, key: &'a str) -> [(Param, Arg<'a>); 2] {
+    [(Param::Consumer, consumer.into()), (Param::Key, key.into())]
+}
+
 impl<D> super::InboxDatabase for D
 where
     D: InboxDialect,
