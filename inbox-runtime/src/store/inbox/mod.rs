@@ -383,8 +383,9 @@ impl<'a> Bound<'a> {
 }
 
 impl Stmt {
-    /// Runs this statement on `conn` by `method` ([`Sql::execute`], [`Sql::fetch_optional`]
-    /// or [`Sql::fetch_all`]), binding what its placeholders name from `values`.
+    /// Runs this statement on `conn` by `method` ([`Sql::execute`], [`Sql::fetch_optional`],
+    /// [`Sql::fetch_one`] or [`Sql::fetch_all`]), binding what its placeholders name from
+    /// `values` (`sqlx::Error::Protocol` if one is not given, or it binds too many).
     async fn run<C, T, M>(
         &self,
         conn: &mut C,
