@@ -125,16 +125,9 @@ fn as_string<'de>(
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
 struct NotAString(&'static str);
-
-impl std::fmt::Display for NotAString {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.0)
-    }
-}
-
-impl std::error::Error for NotAString {}
 
 #[cfg(test)]
 mod tests {

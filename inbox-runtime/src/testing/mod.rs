@@ -791,28 +791,35 @@ async fn clean_up<DB: InboxDatabase>(pool: &Pool<DB>, consumer: &str) -> Result<
     ];
     let any: &dyn Any = pool;
     if let Some(pool) = any.downcast_ref::<sqlx::PgPool>() {
-        for sql in DOLLAR {
-            sqlx::query(prefixed(sql))
-                .bind(consumer)
-                .execute(pool)
-                .await?;
-        }
+        delete_rows(pool, DOLLAR, consumer).await?;
     } else if let Some(pool) = any.downcast_ref::<sqlx::SqlitePool>() {
-        for sql in QUESTION {
-            sqlx::query(prefixed(sql))
-                .bind(consumer)
-                .execute(pool)
-                .await?;
-        }
+        delete_rows(pool, QUESTION, consumer).await?;
     } else if let Some(pool) = any.downcast_ref::<sqlx::MySqlPool>() {
-        for sql in QUESTION {
-            sqlx::query(prefixed(sql))
-                .bind(consumer)
-                .execute(pool)
-                .await?;
-        }
+        delete_rows(pool, QUESTION, consumer).await?;
     } else {
         return Err(format!("the test kit does not know the {} backend", DB::BACKEND).into());
+    }
+    Ok(())
+}
+
+/// Runs each of `statements`, binding `consumer` to its one parameter, on `pool` (in the table
+/// prefix in scope).
+async fn delete_rows<DB>(
+    pool: &Pool<DB>,
+    statements: [&'static str; 3],
+    consumer: &str,
+) -> Result<(), sqlx::Error>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'a> &'a str: sqlx::Encode<'a, DB> + sqlx::Type<DB>,
+{
+    for sql in statements {
+        sqlx::query(prefixed(sql))
+            .bind(consumer)
+            .execute(pool)
+            .await?;
     }
     Ok(())
 }

@@ -4,8 +4,7 @@
 use sqlx::QueryBuilder;
 
 use super::{
-    Bound, InboxDialect, Param, Write, attempts_at, execute, fetch_all, fetch_optional, hash_at,
-    null_column, required, status_at,
+    InboxDialect, Param, Write, attempts_at, hash_at, key_values, null_column, required, status_at,
 };
 use crate::store::retry::{Retry, with_retries};
 use crate::store::sql::{Arg, text};
@@ -29,7 +28,7 @@ pub(super) async fn lock_aggregate<D: InboxDialect>(
 ) -> Result<i64, sqlx::Error> {
     let values = aggregate_values(consumer, aggregate_id);
     let row = match D::LOCK_AGGREGATE {
-        Write::Returning(stmt) => fetch_optional::<D>(conn, &stmt, &values).await?,
+        Write::Returning(stmt) => stmt.run(conn, &values, D::fetch_optional).await?,
         Write::ReadBack { write, read } | Write::Stamped { write, read } => {
             super::claim::written::<D>(conn, [&write, &read], &values, false).await?
         }
@@ -47,7 +46,7 @@ pub(super) async fn advance_aggregate<D: InboxDialect>(
 ) -> Result<(), sqlx::Error> {
     let [consumer, aggregate] = aggregate_values(consumer, aggregate_id);
     let values = [consumer, aggregate, (Param::Sequence, sequence.into())];
-    execute::<D>(conn, &D::ADVANCE_AGGREGATE, &values).await?;
+    D::ADVANCE_AGGREGATE.run(conn, &values, D::execute).await?;
     Ok(())
 }
 
@@ -60,15 +59,16 @@ pub(super) async fn mark_message<D: InboxDialect>(
     ordering: &crate::types::Ordering,
     payload: Option<&[u8]>,
 ) -> Result<(), sqlx::Error> {
+    let [consumer, key] = key_values(consumer, key);
     let values = [
-        (Param::Consumer, consumer.into()),
-        (Param::Key, key.into()),
+        consumer,
+        key,
         (Param::NewStatus, status.as_str().into()),
         (Param::Aggregate, ordering.aggregate_id.as_str().into()),
         (Param::Sequence, ordering.sequence.into()),
         (Param::Payload, payload.into()),
     ];
-    execute::<D>(conn, &D::MARK_MESSAGE, &values).await?;
+    D::MARK_MESSAGE.run(conn, &values, D::execute).await?;
     Ok(())
 }
 
@@ -92,7 +92,7 @@ pub(super) async fn find_parked<D: InboxDialect>(
 ) -> Result<Option<ParkedMessage>, sqlx::Error> {
     let [consumer, aggregate] = aggregate_values(consumer, aggregate_id);
     let values = [consumer, aggregate, (Param::Sequence, sequence.into())];
-    let row = fetch_optional::<D>(conn, &D::FIND_PARKED, &values).await?;
+    let row = D::FIND_PARKED.run(conn, &values, D::fetch_optional).await?;
     row.as_ref().map(parked::<D>).transpose()
 }
 
@@ -103,7 +103,7 @@ pub(super) async fn expired_parked<D: InboxDialect>(
     limit: i64,
 ) -> Result<Vec<ParkedMessage>, sqlx::Error> {
     let values = window_limit(older_than_secs, limit);
-    let rows = fetch_all::<D>(conn, &D::EXPIRED_PARKED, &values).await?;
+    let rows = D::EXPIRED_PARKED.run(conn, &values, D::fetch_all).await?;
     rows.iter().map(parked::<D>).collect()
 }
 
@@ -122,12 +122,9 @@ pub(super) async fn dead_letter_parked<D: InboxDialect>(
     key: &str,
     reason: &str,
 ) -> Result<bool, sqlx::Error> {
-    let values = [
-        (Param::Consumer, consumer.into()),
-        (Param::Key, key.into()),
-        (Param::Reason, reason.into()),
-    ];
-    Ok(execute::<D>(conn, &D::DEAD_LETTER_PARKED, &values).await? > 0)
+    let [consumer, key] = key_values(consumer, key);
+    let values = [consumer, key, (Param::Reason, reason.into())];
+    Ok(D::DEAD_LETTER_PARKED.run(conn, &values, D::execute).await? > 0)
 }
 
 /// A row of [`InboxDialect::MESSAGE_COLUMNS`].
@@ -157,8 +154,8 @@ pub(super) async fn fetch_message<D: InboxDialect>(
     consumer: &str,
     key: &str,
 ) -> Result<Option<StoredMessage>, sqlx::Error> {
-    let values = [(Param::Consumer, consumer.into()), (Param::Key, key.into())];
-    let row = fetch_optional::<D>(conn, &D::FETCH, &values).await?;
+    let values = key_values(consumer, key);
+    let row = D::FETCH.run(conn, &values, D::fetch_optional).await?;
     row.as_ref().map(stored_message::<D>).transpose()
 }
 
@@ -198,8 +195,8 @@ pub(super) async fn discard_message<D: InboxDialect>(
     consumer: &str,
     key: &str,
 ) -> Result<bool, sqlx::Error> {
-    let values = [(Param::Consumer, consumer.into()), (Param::Key, key.into())];
-    Ok(execute::<D>(conn, &D::DISCARD, &values).await? > 0)
+    let values = key_values(consumer, key);
+    Ok(D::DISCARD.run(conn, &values, D::execute).await? > 0)
 }
 
 /// Rows of `consumer, status (or rejected:<reason>), count, oldest`.
@@ -276,7 +273,7 @@ async fn purge<D: InboxDialect, const N: usize>(
         conn,
         Retry::autocommit(operation),
         statement,
-        |conn, (stmt, values)| Box::pin(execute::<D>(conn, stmt, values)),
+        |conn, (stmt, values)| Box::pin(stmt.run(conn, values, D::execute)),
     )
     .await
 }
@@ -287,8 +284,7 @@ pub(super) async fn purge_clock<D: InboxDialect>(
     older_than_secs: f64,
 ) -> Result<PurgeClock, sqlx::Error> {
     let values = [(Param::Window, older_than_secs.into())];
-    let bound = Bound::new(&D::PURGE_CLOCK, &values)?;
-    let row = D::fetch_one(conn, text(D::PURGE_CLOCK.sql), bound.args()).await?;
+    let row = D::PURGE_CLOCK.run(conn, &values, D::fetch_one).await?;
     Ok(PurgeClock {
         now: D::text_required(&row, 0)?,
         cutoff: D::text_required(&row, 1)?,
@@ -314,6 +310,6 @@ pub(super) async fn purge_preview<D: InboxDialect>(
         (Param::Window, older_than_secs.into()),
         (Param::Rejections, rejections.into()),
     ];
-    let rows = fetch_all::<D>(conn, &D::PURGE_PREVIEW, &values).await?;
+    let rows = D::PURGE_PREVIEW.run(conn, &values, D::fetch_all).await?;
     stats_rows::<D>(&rows)
 }

@@ -5,8 +5,8 @@ use sqlx::{Connection as _, QueryBuilder};
 
 use super::{
     BatchClaim, ClaimShape, HashParam, InboxDialect, Item, Param, Stmt, Write, attempts_at,
-    execute, existing_at, fetch_optional, push_key_tuples, push_row, push_template, source_args,
-    standard, status_at, token,
+    existing_at, key_values, push_key_tuples, push_row, push_template, source_args, standard,
+    status_at, token,
 };
 use crate::store::retry::{Retry, with_retries};
 use crate::store::sql::Arg;
@@ -72,7 +72,7 @@ async fn claim_returning<D: InboxDialect>(
     // A key deleted by a retention purge between the claim and the read is claimed again;
     // three rounds are more than such a race can take.
     for _ in 0..3 {
-        let row = fetch_optional::<D>(conn, stmt, &values).await?;
+        let row = stmt.run(conn, &values, D::fetch_optional).await?;
         let mut found = row.as_ref().map(returned::<D>).transpose()?;
         if let Some(ClaimResult::Claimed { .. }) = found {
             return Ok(found.expect("checked"));
@@ -136,8 +136,8 @@ async fn claim_stamped<D: InboxDialect>(
     let token = token();
     let hash = HashParam::new::<D>(request.payload_hash);
     let values = claim_values(request, hash.arg(), Some(&token));
-    execute::<D>(conn, upsert, &values).await?;
-    let Some(row) = fetch_optional::<D>(conn, read, &values).await? else {
+    upsert.run(conn, &values, D::execute).await?;
+    let Some(row) = read.run(conn, &values, D::fetch_optional).await? else {
         // The upsert holds the row's lock until the transaction ends: never missing.
         return Err(sqlx::Error::Protocol(
             "inbox claim: the claimed row is missing after the upsert".into(),
@@ -145,7 +145,7 @@ async fn claim_stamped<D: InboxDialect>(
     };
     let attempts = attempts_at::<D>(&row, 2)?;
     if D::i64(&row, 3)? == Some(1) {
-        execute::<D>(conn, remember, &values).await?;
+        remember.run(conn, &values, D::execute).await?;
         return Ok(ClaimResult::Claimed { attempts });
     }
     Ok(ClaimResult::Existing {
@@ -166,7 +166,7 @@ pub(super) async fn verify<D: InboxDialect>(
         return Ok(());
     };
     let values = key_values(consumer, key);
-    match fetch_optional::<D>(conn, &stmt, &values).await? {
+    match stmt.run(conn, &values, D::fetch_optional).await? {
         Some(_) => Ok(()),
         None => Err(sqlx::Error::Database(Box::new(ClaimGone(D::CLAIM_GONE)))),
     }
@@ -178,16 +178,9 @@ pub(super) async fn verify<D: InboxDialect>(
 /// reads as a lost connection: the connection is fine, and the attempt is a failure to record
 /// ([`ErrorClass::Retryable`](crate::ErrorClass::Retryable)), not a delivery whose commit is
 /// unknown.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
 struct ClaimGone(&'static str);
-
-impl std::fmt::Display for ClaimGone {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.0)
-    }
-}
-
-impl std::error::Error for ClaimGone {}
 
 impl sqlx::error::DatabaseError for ClaimGone {
     fn message(&self) -> &str {
@@ -211,18 +204,15 @@ impl sqlx::error::DatabaseError for ClaimGone {
     }
 }
 
-/// A key's values.
-fn key_values<'a>(consumer: &'a str, key: &'a str) -> [(Param, Arg<'a>); 2] {
-    [(Param::Consumer, consumer.into()), (Param::Key, key.into())]
-}
-
 /// See [`ClaimStore::existing`](crate::store::ClaimStore::existing).
 pub(super) async fn existing<D: InboxDialect>(
     conn: &mut D::Connection,
     consumer: &str,
     key: &str,
 ) -> Result<Option<ClaimResult>, sqlx::Error> {
-    let row = fetch_optional::<D>(conn, &D::EXISTING, &key_values(consumer, key)).await?;
+    let row = D::EXISTING
+        .run(conn, &key_values(consumer, key), D::fetch_optional)
+        .await?;
     row.as_ref().map(|row| existing_at::<D>(row, 0)).transpose()
 }
 
@@ -277,14 +267,14 @@ async fn record_failure_once<D: InboxDialect>(
     let token = matches!(D::RECORD_FAILURE, Write::Stamped { .. }).then(token);
     let values = failure_values(r, hash.arg(), token.as_ref().map(|token| &token[..]));
     let row = match D::RECORD_FAILURE {
-        Write::Returning(stmt) => fetch_optional::<D>(conn, &stmt, &values).await?,
+        Write::Returning(stmt) => stmt.run(conn, &values, D::fetch_optional).await?,
         Write::ReadBack { write, read } => {
             written::<D>(conn, [&write, &read], &values, true).await?
         }
         Write::Stamped { write, read } => {
             let mut tx = conn.begin().await?;
-            execute::<D>(&mut *tx, &write, &values).await?;
-            let row = fetch_optional::<D>(&mut *tx, &read, &values).await?;
+            write.run(&mut *tx, &values, D::execute).await?;
+            let row = read.run(&mut *tx, &values, D::fetch_optional).await?;
             tx.commit().await?;
             match row {
                 Some(row) if D::i64(&row, 2)? == Some(1) => Some(row),
@@ -308,11 +298,11 @@ pub(super) async fn written<D: InboxDialect>(
     values: &[(Param, Arg<'_>)],
     stop_if_none: bool,
 ) -> Result<Option<D::Row>, sqlx::Error> {
-    let matched = execute::<D>(conn, write, values).await?;
+    let matched = write.run(conn, values, D::execute).await?;
     if stop_if_none && matched == 0 {
         return Ok(None);
     }
-    fetch_optional::<D>(conn, read, values).await
+    read.run(conn, values, D::fetch_optional).await
 }
 
 /// See [`ClaimStore::record_rejection`](crate::store::ClaimStore::record_rejection).
@@ -334,7 +324,7 @@ pub(super) async fn record_rejection<D: InboxDialect>(
         offset,
         (Param::PayloadSize, r.payload_size.into()),
     ];
-    execute::<D>(conn, &D::RECORD_REJECTION, &values).await?;
+    D::RECORD_REJECTION.run(conn, &values, D::execute).await?;
     Ok(())
 }
 
@@ -405,7 +395,7 @@ async fn claim_batch_once<D: InboxDialect>(
             );
             let rows = D::fetch_all_built(conn, &mut read).await?;
             // For `verify_claim`, as after a single claim.
-            execute::<D>(conn, &remember, &values).await?;
+            remember.run(conn, &values, D::execute).await?;
             rows
         }
     };
@@ -477,8 +467,8 @@ pub(super) async fn unclaim<D: InboxDialect>(
 ) -> Result<(), sqlx::Error> {
     let [consumer, key] = key_values(consumer, key);
     let values = [consumer, key, (Param::Payload, payload.into())];
-    execute::<D>(conn, &D::UNCLAIM_FRESH, &values).await?;
-    execute::<D>(conn, &D::UNCLAIM_TAKEN_OVER, &values).await?;
+    D::UNCLAIM_FRESH.run(conn, &values, D::execute).await?;
+    D::UNCLAIM_TAKEN_OVER.run(conn, &values, D::execute).await?;
     Ok(())
 }
 
@@ -490,7 +480,7 @@ pub(super) async fn fail_claimed<D: InboxDialect>(
     let hash = HashParam::new::<D>(r.payload_hash);
     let values = failure_values(r, hash.arg(), None);
     let row = match D::FAIL_CLAIMED {
-        Write::Returning(stmt) => fetch_optional::<D>(conn, &stmt, &values).await?,
+        Write::Returning(stmt) => stmt.run(conn, &values, D::fetch_optional).await?,
         Write::ReadBack { write, read } | Write::Stamped { write, read } => {
             written::<D>(conn, [&write, &read], &values, true).await?
         }
@@ -507,7 +497,7 @@ pub(super) async fn store_result<D: InboxDialect>(
 ) -> Result<(), sqlx::Error> {
     let [consumer, key] = key_values(consumer, key);
     let values = [consumer, key, (Param::ResultBytes, result.into())];
-    execute::<D>(conn, &D::STORE_RESULT, &values).await?;
+    D::STORE_RESULT.run(conn, &values, D::execute).await?;
     Ok(())
 }
 
@@ -517,7 +507,9 @@ pub(super) async fn fetch_result<D: InboxDialect>(
     consumer: &str,
     key: &str,
 ) -> Result<Option<Vec<u8>>, sqlx::Error> {
-    let row = fetch_optional::<D>(conn, &D::FETCH_RESULT, &key_values(consumer, key)).await?;
+    let row = D::FETCH_RESULT
+        .run(conn, &key_values(consumer, key), D::fetch_optional)
+        .await?;
     Ok(match row {
         Some(row) => D::bytes(&row, 0)?,
         None => None,

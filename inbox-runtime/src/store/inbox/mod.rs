@@ -16,7 +16,7 @@ pub(crate) mod standard;
 
 use std::time::Duration;
 
-use sqlx::{QueryBuilder, Transaction};
+use sqlx::{QueryBuilder, SqlStr, Transaction};
 
 use super::dialect::{Contention, Dialect, contention};
 use super::sql::{Arg, Sql, text};
@@ -382,34 +382,26 @@ impl<'a> Bound<'a> {
     }
 }
 
-/// Runs `stmt` with its values; the rows it affected.
-async fn execute<D: Sql>(
-    conn: &mut D::Connection,
-    stmt: &Stmt,
-    values: &[(Param, Arg<'_>)],
-) -> Result<u64, sqlx::Error> {
-    let bound = Bound::new(stmt, values)?;
-    D::execute(conn, text(stmt.sql), bound.args()).await
-}
-
-/// Runs `stmt` with its values; its first row, if any.
-async fn fetch_optional<D: Sql>(
-    conn: &mut D::Connection,
-    stmt: &Stmt,
-    values: &[(Param, Arg<'_>)],
-) -> Result<Option<D::Row>, sqlx::Error> {
-    let bound = Bound::new(stmt, values)?;
-    D::fetch_optional(conn, text(stmt.sql), bound.args()).await
-}
-
-/// Runs `stmt` with its values; every row.
-async fn fetch_all<D: Sql>(
-    conn: &mut D::Connection,
-    stmt: &Stmt,
-    values: &[(Param, Arg<'_>)],
-) -> Result<Vec<D::Row>, sqlx::Error> {
-    let bound = Bound::new(stmt, values)?;
-    D::fetch_all(conn, text(stmt.sql), bound.args()).await
+impl Stmt {
+    /// Runs this statement on `conn` by `method` ([`Sql::execute`], [`Sql::fetch_optional`],
+    /// [`Sql::fetch_one`] or [`Sql::fetch_all`]), binding what its placeholders name from
+    /// `values` (`sqlx::Error::Protocol` if one is not given, or it binds too many).
+    async fn run<C, T, M>(
+        &self,
+        conn: &mut C,
+        values: &[(Param, Arg<'_>)],
+        method: M,
+    ) -> Result<T, sqlx::Error>
+    where
+        M: for<'c> FnOnce(
+            &'c mut C,
+            SqlStr,
+            &'c [Arg<'c>],
+        ) -> BoxFuture<'c, Result<T, sqlx::Error>>,
+    {
+        let bound = Bound::new(self, values)?;
+        method(conn, text(self.sql), bound.args()).await
+    }
 }
 
 /// Appends `(a, b, …)`: each item a bound value or SQL text, as `QueryBuilder::push_values`
@@ -597,6 +589,11 @@ fn source_args(source: Option<&crate::types::envelope::SourceMetadata>) -> [(Par
         (Param::Partition, partition.into()),
         (Param::Offset, offset.into()),
     ]
+}
+
+/// A key's values.
+fn key_values<'a>(consumer: &'a str, key: &'a str) -> [(Param, Arg<'a>); 2] {
+    [(Param::Consumer, consumer.into()), (Param::Key, key.into())]
 }
 
 impl<D> super::InboxDatabase for D
