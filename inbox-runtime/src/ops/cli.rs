@@ -77,8 +77,8 @@ use crate::outbox::admin as outbox_admin;
 use crate::store::{InboxDatabase, OutboxDatabase, OutboxEntry, OutboxStatsRow, OutboxStatus};
 use crate::store::{RejectionReason, StatsStatus};
 use crate::store::{StatsRow, StoredMessage};
+use crate::types::error::RegistryError;
 use crate::types::error::ReplayError;
-use crate::types::error::{Error, RegistryError};
 use crate::types::outcome::Outcome;
 use crate::types::status::Status;
 
@@ -1161,13 +1161,14 @@ pub(crate) enum Replayed {
 }
 
 impl Replayed {
-    /// A replay's outcome, or its error's text.
-    pub(crate) fn of(result: Result<Outcome<()>, String>) -> Self {
+    /// A replay's outcome, or its error's text: the SQL store's [`Error`](crate::Error) or the DynamoDB one's
+    /// `DynamoError`, which both display a handler failure as the failure itself.
+    pub(crate) fn of(result: Result<Outcome<()>, impl std::fmt::Display>) -> Self {
         match result {
             Ok(Outcome::Processed(())) => Self::Processed,
             Ok(Outcome::Duplicate) => Self::Duplicate,
             Ok(other) => Self::NotProcessed(other.kind().into()),
-            Err(text) => Self::NotProcessed(text),
+            Err(error) => Self::NotProcessed(error.to_string()),
         }
     }
 }
@@ -1187,11 +1188,7 @@ pub(crate) trait Replayer {
 
 impl<DB: InboxDatabase> Replayer for Dispatcher<DB> {
     async fn replay_one(&self, consumer: &str, key: &str) -> Result<Replayed, CliError> {
-        let outcome = self.replay(consumer, key).await?;
-        Ok(Replayed::of(outcome.result.map_err(|error| match error {
-            Error::Handler(failure) => failure.to_string(),
-            error => error.to_string(),
-        })))
+        Ok(Replayed::of(self.replay(consumer, key).await?.result))
     }
 
     async fn failed_and_dead(

@@ -31,7 +31,7 @@ use std::io::{self, Write};
 use std::process::ExitCode;
 
 use super::{AdminCommand, CliError, DeadCommand, DeadStatus, MessageRef, Replayed, Replayer};
-use crate::dynamodb::{DynamoAdmin, DynamoDispatcher, DynamoError, DynamoInbox};
+use crate::dynamodb::{DynamoAdmin, DynamoDispatcher, DynamoInbox};
 use crate::store::StoredMessage;
 use crate::types::status::Status;
 
@@ -185,11 +185,7 @@ async fn not_found(admin: &DynamoAdmin, message: &MessageRef, what: &'static str
 
 impl Replayer for DynamoDispatcher {
     async fn replay_one(&self, consumer: &str, key: &str) -> Result<Replayed, CliError> {
-        let outcome = self.replay(consumer, key).await?;
-        Ok(Replayed::of(outcome.result.map_err(|error| match error {
-            DynamoError::Handler(failure) => failure.to_string(),
-            error => error.to_string(),
-        })))
+        Ok(Replayed::of(self.replay(consumer, key).await?.result))
     }
 
     async fn failed_and_dead(
