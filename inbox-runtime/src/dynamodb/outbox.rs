@@ -139,20 +139,19 @@ use aws_sdk_dynamodb::types::{
     KeyType, Projection, ProjectionType, Put, ReturnValue, ScalarAttributeType,
 };
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument as _;
 
 use super::{
     Chain, DynamoTx, MAX_HANDLER_ITEMS, TTL_ATTRIBUTE, TableError, create_pk_table, duration_ms,
     ensure_ttl, n, s,
 };
 use crate::outbox::relay::{
-    check_lease, in_round_span, lease_lost, message_span, one_per_message, outgoing,
-    report_abandoned, report_failed, report_sent, report_timed_out, retry_in,
+    check_lease, in_round_span, publish_leased, report_abandoned, report_marked_failed,
+    report_marked_sent, retry_in, tally,
 };
 use crate::outbox::{
     MAX_BACKOFF, Outbox, OutboxError, OutboxMessage, RelayConfigError, RelayReport, RoundReport,
 };
-use crate::sink::{OutgoingMessage, Sink, SinkError};
+use crate::sink::{Sink, SinkError};
 use crate::store::OutboxRecord;
 use crate::types::classify::BoxError;
 
@@ -739,42 +738,35 @@ impl DynamoRelay {
         if records.is_empty() {
             return Ok(report);
         }
-        let spans: Vec<tracing::Span> = records.iter().map(|r| message_span(r, "")).collect();
-        let (indices, messages, mut failures) = outgoing(&records, &spans);
-        let Some(results) = self.publish(&messages, first_lease).await else {
-            let lease_ms = duration_ms(self.lease);
-            for index in &indices {
-                report_timed_out(&records[*index], &spans[*index], lease_ms);
-                report.timed_out += 1;
-            }
+        // The sink is waited for until the round's first lease runs out: the leases are taken
+        // one call at a time, and a sink still publishing after the first of them ran out could
+        // publish an item that another relay has leased since.
+        let left = || self.lease.saturating_sub(first_lease.elapsed());
+        let answered = publish_leased(self.sink.as_ref(), &records, self.lease, left, &mut report);
+        let Some(answered) = answered.await else {
             return Ok(report);
         };
-        let since_lease = leased_at.elapsed();
-        let mut sent = Vec::new();
-        for (index, result) in indices.iter().zip(one_per_message(results, messages.len())) {
-            match result {
-                Ok(()) => sent.push(*index),
-                Err(error) => failures.push((*index, error)),
-            }
-        }
-        for index in sent {
+        let since_lease = answered.confirmed_at.saturating_duration_since(leased_at);
+        for index in answered.sent {
             let record = &records[index];
-            if self.mark_sent(record, token).await? {
-                report_sent(record, &spans[index], record.age + since_lease, &mut report);
-            } else {
-                lease_lost(record, &spans[index], "sent", &mut report);
-            }
+            let marked = self.mark_sent(record, token).await?;
+            let latency = record.age + since_lease;
+            report_marked_sent(record, &answered.spans[index], marked, latency, &mut report);
         }
-        failures.sort_by_key(|(index, _)| *index);
-        for (index, error) in failures {
+        for (index, error) in answered.failures {
             let record = &records[index];
             let dead = error.is_permanent() || record.attempts >= self.max_attempts;
             let wait = retry_in(self.backoff, self.max_backoff, record.attempts);
-            if self.mark_failed(record, token, &error, dead, wait).await? {
-                report_failed(record, &spans[index], dead, &error, wait, &mut report);
-            } else {
-                lease_lost(record, &spans[index], "failed", &mut report);
-            }
+            let marked = self.mark_failed(record, token, &error, dead, wait).await?;
+            let span = &answered.spans[index];
+            report_marked_failed(
+                record,
+                span,
+                marked.then_some(dead),
+                &error,
+                wait,
+                &mut report,
+            );
         }
         Ok(report)
     }
@@ -975,36 +967,6 @@ impl DynamoRelay {
         }
     }
 
-    /// Publishes `messages` in one sink call, waiting at most until the round's first lease
-    /// (taken after `first_lease`) runs out: the leases are taken one call at a time, and a
-    /// sink still publishing after the first of them ran out could publish an item that another
-    /// relay has leased since. `None`: no answer in time (no call if no time is left).
-    async fn publish(
-        &self,
-        messages: &[OutgoingMessage],
-        first_lease: Instant,
-    ) -> Option<Vec<Result<(), SinkError>>> {
-        if messages.is_empty() {
-            return Some(Vec::new());
-        }
-        let left = self.lease.saturating_sub(first_lease.elapsed());
-        if left.is_zero() {
-            return None;
-        }
-        let started = Instant::now();
-        let publish = self
-            .sink
-            .publish_batch(messages)
-            .instrument(tracing::info_span!(
-                "inbox.outbox.sink",
-                messages = messages.len()
-            ));
-        let results = tokio::time::timeout(left, publish).await.ok();
-        metrics::histogram!("inbox_outbox_sink_batch_seconds")
-            .record(started.elapsed().as_secs_f64());
-        results
-    }
-
     /// Marks `record` sent (out of the index, `expires_at` set) if `token` still holds its
     /// lease. `false`: the lease was lost.
     async fn mark_sent(&self, record: &OutboxRecord, token: &str) -> Result<bool, OutboxCallError> {
@@ -1097,24 +1059,8 @@ impl DynamoRelay {
     pub async fn run(self, shutdown: CancellationToken) -> RelayReport {
         let mut report = RelayReport::default();
         while !shutdown.is_cancelled() {
-            match self.run_once().await {
-                Ok(round) => {
-                    report.abandoned += round.abandoned as u64;
-                    report.timed_out += round.timed_out as u64;
-                    report.lease_lost += round.lease_lost as u64;
-                    if round.leased > 0 {
-                        report.rounds += 1;
-                        report.published += round.published as u64;
-                        report.failed += round.failed as u64;
-                        report.dead += round.dead as u64;
-                        continue;
-                    }
-                }
-                Err(error) => {
-                    report.errors += 1;
-                    metrics::counter!("inbox_outbox_relay_errors_total").increment(1);
-                    tracing::warn!(%error, "DynamoDB outbox relay round failed; retrying");
-                }
+            if tally(&mut report, self.run_once().await, "DynamoDB outbox relay") {
+                continue;
             }
             tokio::select! {
                 () = shutdown.cancelled() => {}

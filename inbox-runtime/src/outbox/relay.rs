@@ -363,61 +363,29 @@ impl<DB: OutboxDatabase> Relay<DB> {
         if records.is_empty() {
             return Ok(report);
         }
-        let spans: Vec<tracing::Span> = records.iter().map(|r| message_span(r, "")).collect();
-        let (indices, messages, mut failures) = outgoing(&records, &spans);
-        let results = self.publish(&messages).await;
-        let confirmed_at = Instant::now();
-        let Some(results) = results else {
-            // The lease ran out while the sink said nothing: stop waiting and leave the rows as
-            // they are. They are orphans now; the next lease counts another attempt on each.
-            for index in &indices {
-                report_timed_out(&records[*index], &spans[*index], lease_ms);
-                report.timed_out += 1;
-            }
+        let answered = publish_leased(
+            self.sink.as_ref(),
+            &records,
+            self.lease,
+            || self.lease,
+            &mut report,
+        );
+        let Some(answered) = answered.await else {
             return Ok(report);
         };
-        let mut sent = Vec::new();
-        for (index, result) in indices.iter().zip(one_per_message(results, messages.len())) {
-            match result {
-                Ok(()) => sent.push(*index),
-                Err(error) => failures.push((*index, error)),
-            }
-        }
         let leased = Leased {
             token: &lease.token,
             records: &records,
-            spans: &spans,
+            spans: &answered.spans,
         };
-        let since_lease = confirmed_at.saturating_duration_since(leased_at);
-        self.mark_sent(&mut conn, &leased, &sent, since_lease, &mut report)
+        let since_lease = answered.confirmed_at.saturating_duration_since(leased_at);
+        self.mark_sent(&mut conn, &leased, &answered.sent, since_lease, &mut report)
             .await?;
-        failures.sort_by_key(|(index, _)| *index);
-        for (index, error) in failures {
+        for (index, error) in answered.failures {
             self.mark_failed(&mut conn, &leased, index, &error, &mut report)
                 .await?;
         }
         Ok(report)
-    }
-
-    /// Publishes `messages` in one sink call (span `inbox.outbox.sink`), waiting at most the
-    /// lease: one result per message as the sink gave them, or `None` if it did not answer in
-    /// time. No messages: no call.
-    async fn publish(&self, messages: &[OutgoingMessage]) -> Option<Vec<Result<(), SinkError>>> {
-        if messages.is_empty() {
-            return Some(Vec::new());
-        }
-        let started = Instant::now();
-        let publish = self
-            .sink
-            .publish_batch(messages)
-            .instrument(tracing::info_span!(
-                "inbox.outbox.sink",
-                messages = messages.len()
-            ));
-        let results = tokio::time::timeout(self.lease, publish).await.ok();
-        metrics::histogram!("inbox_outbox_sink_batch_seconds")
-            .record(started.elapsed().as_secs_f64());
-        results
     }
 
     /// Marks the rows at `sent` (indices into the lease's records) sent, and reports each: the
@@ -438,16 +406,9 @@ impl<DB: OutboxDatabase> Relay<DB> {
             .collect();
         for index in sent {
             let record = &leased.records[*index];
-            if !marked.contains(&record.id) {
-                lease_lost(record, &leased.spans[*index], "sent", report);
-                continue;
-            }
-            report_sent(
-                record,
-                &leased.spans[*index],
-                record.age + since_lease,
-                report,
-            );
+            let latency = record.age + since_lease;
+            let span = &leased.spans[*index];
+            report_marked_sent(record, span, marked.contains(&record.id), latency, report);
         }
         Ok(())
     }
@@ -476,17 +437,8 @@ impl<DB: OutboxDatabase> Relay<DB> {
                 i64::try_from(retry_in.as_millis()).unwrap_or(i64::MAX),
             )
             .await?;
-        match status {
-            None => lease_lost(record, span, "failed", report),
-            Some(status) => report_failed(
-                record,
-                span,
-                status == OutboxStatus::Dead,
-                error,
-                retry_in,
-                report,
-            ),
-        }
+        let dead = status.map(|status| status == OutboxStatus::Dead);
+        report_marked_failed(record, span, dead, error, retry_in, report);
         Ok(())
     }
 
@@ -508,26 +460,7 @@ impl<DB: OutboxDatabase> Relay<DB> {
         let mut busy = false;
         while !shutdown.is_cancelled() {
             let was_busy = busy;
-            busy = false;
-            match self.run_once().await {
-                Ok(round) => {
-                    report.abandoned += round.abandoned as u64;
-                    report.timed_out += round.timed_out as u64;
-                    report.lease_lost += round.lease_lost as u64;
-                    if round.leased > 0 {
-                        report.rounds += 1;
-                        report.published += round.published as u64;
-                        report.failed += round.failed as u64;
-                        report.dead += round.dead as u64;
-                        busy = true;
-                    }
-                }
-                Err(error) => {
-                    report.errors += 1;
-                    metrics::counter!("inbox_outbox_relay_errors_total").increment(1);
-                    tracing::warn!(%error, "outbox relay round failed; retrying");
-                }
-            }
+            busy = tally(&mut report, self.run_once().await, "outbox relay");
             let due = gauged_at.is_none_or(|at| at.elapsed() >= self.backlog_interval);
             if due || (was_busy && !busy) {
                 gauged_at = Some(Instant::now());
@@ -597,6 +530,152 @@ impl<DB: OutboxDatabase> Relay<DB> {
 pub(crate) fn retry_in(first: Duration, max: Duration, attempts: u32) -> Duration {
     let doublings = attempts.saturating_sub(1).min(30);
     first.saturating_mul(1u32 << doublings).min(max)
+}
+
+/// Adds a relay's round to `report`: its counts, or, if it failed, an error (counted,
+/// `inbox_outbox_relay_errors_total`, logged as the warning "`relay` round failed; retrying").
+/// `true` if the round leased rows: there may be more, the next round follows at once. The tally
+/// of every relay's `run` (SQL and DynamoDB).
+pub(crate) fn tally(
+    report: &mut RelayReport,
+    round: Result<RoundReport, impl std::fmt::Display>,
+    relay: &str,
+) -> bool {
+    match round {
+        Ok(round) => {
+            report.abandoned += round.abandoned as u64;
+            report.timed_out += round.timed_out as u64;
+            report.lease_lost += round.lease_lost as u64;
+            if round.leased == 0 {
+                return false;
+            }
+            report.rounds += 1;
+            report.published += round.published as u64;
+            report.failed += round.failed as u64;
+            report.dead += round.dead as u64;
+            true
+        }
+        Err(error) => {
+            report.errors += 1;
+            metrics::counter!("inbox_outbox_relay_errors_total").increment(1);
+            tracing::warn!(%error, "{relay} round failed; retrying");
+            false
+        }
+    }
+}
+
+/// A round's leased records once the sink answered ([`publish_leased`]).
+pub(crate) struct Answered {
+    /// Each record's span (`inbox.outbox.publish`), by index.
+    pub(crate) spans: Vec<tracing::Span>,
+    /// The indices of the records the sink accepted, ascending.
+    pub(crate) sent: Vec<usize>,
+    /// The records the sink refused, or whose stored headers do not parse, by index
+    /// (ascending), with the error.
+    pub(crate) failures: Vec<(usize, SinkError)>,
+    /// When the sink answered.
+    pub(crate) confirmed_at: Instant,
+}
+
+/// Publishes a round's leased `records` (leased for `lease`) in one sink call: each record in
+/// its span ([`message_span`]), its message from [`outgoing`], the sink waited for at most
+/// `wait()` (asked once there are messages; zero: no call). `None` if the sink did not answer
+/// in time: the messages are reported timed out ([`report_timed_out`], `report.timed_out`) and
+/// left unmarked, orphans whose next lease counts another attempt. The publish step of every
+/// relay's round (SQL and DynamoDB); the marks are the relay's own.
+pub(crate) async fn publish_leased(
+    sink: &dyn Sink,
+    records: &[OutboxRecord],
+    lease: Duration,
+    wait: impl FnOnce() -> Duration,
+    report: &mut RoundReport,
+) -> Option<Answered> {
+    let spans: Vec<tracing::Span> = records.iter().map(|r| message_span(r, "")).collect();
+    let (indices, messages, mut failures) = outgoing(records, &spans);
+    let results = publish(sink, &messages, wait).await;
+    let confirmed_at = Instant::now();
+    let Some(results) = results else {
+        // The lease ran out while the sink said nothing: stop waiting and leave the rows as
+        // they are. They are orphans now; the next lease counts another attempt on each.
+        let lease_ms = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX);
+        for index in &indices {
+            report_timed_out(&records[*index], &spans[*index], lease_ms);
+            report.timed_out += 1;
+        }
+        return None;
+    };
+    let mut sent = Vec::new();
+    for (index, result) in indices.iter().zip(one_per_message(results, messages.len())) {
+        match result {
+            Ok(()) => sent.push(*index),
+            Err(error) => failures.push((*index, error)),
+        }
+    }
+    failures.sort_by_key(|(index, _)| *index);
+    Some(Answered {
+        spans,
+        sent,
+        failures,
+        confirmed_at,
+    })
+}
+
+/// Publishes `messages` in one sink call (span `inbox.outbox.sink`, its time in
+/// `inbox_outbox_sink_batch_seconds`), waiting at most `wait()` (asked only if there are
+/// messages): one result per message as the sink gave them, or `None` if it did not answer in
+/// time or no time was left (`wait()` zero: no call). No messages: no call, no results.
+async fn publish(
+    sink: &dyn Sink,
+    messages: &[OutgoingMessage],
+    wait: impl FnOnce() -> Duration,
+) -> Option<Vec<Result<(), SinkError>>> {
+    if messages.is_empty() {
+        return Some(Vec::new());
+    }
+    let wait = wait();
+    if wait.is_zero() {
+        return None;
+    }
+    let started = Instant::now();
+    let publish = sink.publish_batch(messages).instrument(tracing::info_span!(
+        "inbox.outbox.sink",
+        messages = messages.len()
+    ));
+    let results = tokio::time::timeout(wait, publish).await.ok();
+    metrics::histogram!("inbox_outbox_sink_batch_seconds").record(started.elapsed().as_secs_f64());
+    results
+}
+
+/// Reports the mark of a publish the sink accepted: published if `marked` ([`report_sent`],
+/// `latency` after the row's creation), else its lease lost ([`lease_lost`], mark `sent`).
+pub(crate) fn report_marked_sent(
+    record: &OutboxRecord,
+    span: &tracing::Span,
+    marked: bool,
+    latency: Duration,
+    report: &mut RoundReport,
+) {
+    if marked {
+        report_sent(record, span, latency, report);
+    } else {
+        lease_lost(record, span, "sent", report);
+    }
+}
+
+/// Reports the mark of a failed publish: `Some(dead)`, recorded `dead` or to be retried in
+/// `retry_in` ([`report_failed`]); `None`, its lease lost ([`lease_lost`], mark `failed`).
+pub(crate) fn report_marked_failed(
+    record: &OutboxRecord,
+    span: &tracing::Span,
+    marked: Option<bool>,
+    error: &SinkError,
+    retry_in: Duration,
+    report: &mut RoundReport,
+) {
+    match marked {
+        Some(dead) => report_failed(record, span, dead, error, retry_in, report),
+        None => lease_lost(record, span, "failed", report),
+    }
 }
 
 /// What a round's marks need of its lease: the token, the records and their spans.
