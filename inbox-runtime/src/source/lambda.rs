@@ -237,9 +237,7 @@ impl<DB: InboxDatabase> LambdaSqs<DB> {
     /// [`LambdaSqsError::MissingMessageId`] if a record to list has no `messageId` (the whole
     /// batch is then retried by Lambda).
     pub async fn handle(&self, event: SqsEvent) -> Result<SqsBatchResponse, LambdaSqsError> {
-        self.handle_reporting(event)
-            .await
-            .map(|(response, _report)| response)
+        answer(self, event).await
     }
 
     /// [`handle`](Self::handle), with the worker's counts for the batch (processed,
@@ -268,6 +266,27 @@ impl<DB: InboxDatabase> LambdaSqs<DB> {
     ) -> Result<(SqsBatchResponse, WorkerReport), LambdaSqsError> {
         self.run_batch(event, Some(deadline)).await
     }
+
+    /// Runs the function: polls the Lambda runtime API (`AWS_LAMBDA_RUNTIME_API`) for SQS
+    /// events, answers each with [`handle_by`](Self::handle_by)'s response under the
+    /// invocation's deadline, until the runtime API stops answering.
+    ///
+    /// # Errors
+    /// What [`lambda_runtime::run`] returns: the runtime API could not be reached or answered
+    /// with an error. (An invocation's own [`LambdaSqsError`] is reported to Lambda as that
+    /// invocation's error, and the function goes on.)
+    ///
+    /// # Panics
+    /// As [`lambda_runtime::run`]: if the environment variables Lambda sets
+    /// (`AWS_LAMBDA_FUNCTION_NAME`, `AWS_LAMBDA_FUNCTION_MEMORY_SIZE`,
+    /// `AWS_LAMBDA_FUNCTION_VERSION`, `AWS_LAMBDA_RUNTIME_API`) are missing.
+    pub async fn run(self) -> Result<(), lambda_runtime::Error> {
+        serve(self).await
+    }
+}
+
+impl<DB: InboxDatabase> BatchRunner for LambdaSqs<DB> {
+    type Report = WorkerReport;
 
     async fn run_batch(
         &self,
@@ -313,31 +332,6 @@ impl<DB: InboxDatabase> LambdaSqs<DB> {
         );
         Ok((response, report))
     }
-
-    /// Runs the function: polls the Lambda runtime API (`AWS_LAMBDA_RUNTIME_API`) for SQS
-    /// events, answers each with [`handle_by`](Self::handle_by)'s response under the
-    /// invocation's deadline, until the runtime API stops answering.
-    ///
-    /// # Errors
-    /// What [`lambda_runtime::run`] returns: the runtime API could not be reached or answered
-    /// with an error. (An invocation's own [`LambdaSqsError`] is reported to Lambda as that
-    /// invocation's error, and the function goes on.)
-    ///
-    /// # Panics
-    /// As [`lambda_runtime::run`]: if the environment variables Lambda sets
-    /// (`AWS_LAMBDA_FUNCTION_NAME`, `AWS_LAMBDA_FUNCTION_MEMORY_SIZE`,
-    /// `AWS_LAMBDA_FUNCTION_VERSION`, `AWS_LAMBDA_RUNTIME_API`) are missing.
-    pub async fn run(self) -> Result<(), lambda_runtime::Error> {
-        serve(move |event, deadline| {
-            let this = self.clone();
-            async move {
-                this.handle_by(event, deadline)
-                    .await
-                    .map(|(response, _)| response)
-            }
-        })
-        .await
-    }
 }
 
 /// How long from now until `margin` before `deadline`: zero if that has passed.
@@ -348,15 +342,45 @@ fn time_to_margin(deadline: SystemTime, margin: Duration) -> Duration {
         .saturating_sub(margin)
 }
 
+/// What the functions of both stores do with one invocation's batch: [`LambdaSqs`] runs it
+/// through the SQL [`Worker`], `DynamoLambdaSqs` through a DynamoDB dispatcher. Their `handle`
+/// ([`answer`]) and `run` ([`serve`]) are written once over it.
+trait BatchRunner: Clone + Send + Sync + 'static {
+    /// The counts of one batch.
+    type Report;
+
+    /// Runs `event`'s batch (under the invocation's `deadline`, if given): its partial batch
+    /// response and its counts.
+    fn run_batch(
+        &self,
+        event: SqsEvent,
+        deadline: Option<SystemTime>,
+    ) -> impl Future<Output = Result<(SqsBatchResponse, Self::Report), LambdaSqsError>> + Send;
+}
+
+/// `runner`'s partial batch response to `event`, with no deadline: `handle` of both functions.
+async fn answer(
+    runner: &impl BatchRunner,
+    event: SqsEvent,
+) -> Result<SqsBatchResponse, LambdaSqsError> {
+    runner
+        .run_batch(event, None)
+        .await
+        .map(|(response, _report)| response)
+}
+
 /// Polls the Lambda runtime API for SQS events until it stops answering, answering each with
-/// `handle(event, deadline)`'s response (an error is reported as the invocation's).
-async fn serve<F, Fut>(handle: F) -> Result<(), lambda_runtime::Error>
-where
-    F: Fn(SqsEvent, SystemTime) -> Fut,
-    Fut: Future<Output = Result<SqsBatchResponse, LambdaSqsError>> + Send,
-{
+/// `runner`'s response under the invocation's deadline (an error is reported as the
+/// invocation's): `run` of both functions.
+async fn serve(runner: impl BatchRunner) -> Result<(), lambda_runtime::Error> {
     lambda_runtime::run(service_fn(move |event: LambdaEvent<SqsEvent>| {
-        handle(event.payload, event.context.deadline())
+        let runner = runner.clone();
+        async move {
+            runner
+                .run_batch(event.payload, Some(event.context.deadline()))
+                .await
+                .map(|(response, _)| response)
+        }
     }))
     .await
 }

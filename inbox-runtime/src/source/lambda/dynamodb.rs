@@ -10,8 +10,8 @@ use tokio::time::Instant;
 
 use super::sqs::{SqsBatchResponse, SqsEvent};
 use super::{
-    Batch, DEFAULT_DEADLINE_MARGIN, DEFAULT_NAME_ATTRIBUTE, Fate, LambdaSqsError, envelope, serve,
-    time_to_margin,
+    Batch, BatchRunner, DEFAULT_DEADLINE_MARGIN, DEFAULT_NAME_ATTRIBUTE, Fate, LambdaSqsError,
+    answer, envelope, serve, time_to_margin,
 };
 use crate::dynamodb::{DynamoConsumerOutcome, DynamoDispatcher, DynamoError};
 use crate::setters::setters;
@@ -140,9 +140,7 @@ impl DynamoLambdaSqs {
     /// [`LambdaSqsError::MissingMessageId`] if a record to list has no `messageId` (the whole
     /// batch is then retried by Lambda).
     pub async fn handle(&self, event: SqsEvent) -> Result<SqsBatchResponse, LambdaSqsError> {
-        self.run_batch(event, None)
-            .await
-            .map(|(response, _report)| response)
+        answer(self, event).await
     }
 
     /// [`handle`](Self::handle), with the counts of the batch.
@@ -182,16 +180,12 @@ impl DynamoLambdaSqs {
     /// As [`LambdaSqs::run`](super::LambdaSqs::run): if the environment variables Lambda sets are
     /// missing.
     pub async fn run(self) -> Result<(), lambda_runtime::Error> {
-        serve(move |event, deadline| {
-            let this = self.clone();
-            async move {
-                this.handle_by(event, deadline)
-                    .await
-                    .map(|(response, _)| response)
-            }
-        })
-        .await
+        serve(self).await
     }
+}
+
+impl BatchRunner for DynamoLambdaSqs {
+    type Report = DynamoLambdaReport;
 
     async fn run_batch(
         &self,
