@@ -145,11 +145,11 @@ use super::{
     ensure_ttl, n, s,
 };
 use crate::outbox::relay::{
-    check_lease, in_round_span, publish_leased, report_abandoned, report_marked_failed,
-    report_marked_sent, retry_in, tally,
+    Backoff, check_lease, in_round_span, publish_leased, report_abandoned, report_marked_failed,
+    report_marked_sent, tally,
 };
 use crate::outbox::{
-    MAX_BACKOFF, Outbox, OutboxError, OutboxMessage, RelayConfigError, RelayReport, RoundReport,
+    Outbox, OutboxError, OutboxMessage, RelayConfigError, RelayReport, RoundReport,
 };
 use crate::sink::{Sink, SinkError};
 use crate::store::OutboxRecord;
@@ -574,8 +574,7 @@ pub struct DynamoRelay {
     lease: Duration,
     poll_interval: Duration,
     max_attempts: u32,
-    backoff: Duration,
-    max_backoff: Duration,
+    backoff: Backoff,
 }
 
 impl std::fmt::Debug for DynamoRelay {
@@ -587,8 +586,8 @@ impl std::fmt::Debug for DynamoRelay {
             .field("lease", &self.lease)
             .field("poll_interval", &self.poll_interval)
             .field("max_attempts", &self.max_attempts)
-            .field("backoff", &self.backoff)
-            .field("max_backoff", &self.max_backoff)
+            .field("backoff", &self.backoff.first)
+            .field("max_backoff", &self.backoff.max)
             .finish_non_exhaustive()
     }
 }
@@ -613,8 +612,7 @@ impl DynamoRelay {
             lease: Duration::from_secs(30),
             poll_interval: Duration::from_millis(500),
             max_attempts: 10,
-            backoff: Duration::from_secs(1),
-            max_backoff: Duration::from_secs(300),
+            backoff: Backoff::DEFAULT,
         }
     }
 
@@ -659,10 +657,9 @@ impl DynamoRelay {
     }
 
     /// The wait before a failed item's second attempt, doubled for each later one up to `max`
-    /// (default 1 s to 5 min; both at most [`MAX_BACKOFF`], `max` at least `first`).
+    /// (default 1 s to 5 min; both at most [`MAX_BACKOFF`](crate::outbox::MAX_BACKOFF), `max` at least `first`).
     pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
-        self.backoff = first.min(MAX_BACKOFF);
-        self.max_backoff = max.min(MAX_BACKOFF).max(self.backoff);
+        self.backoff = Backoff::new(first, max);
         self
     }
 
@@ -756,7 +753,7 @@ impl DynamoRelay {
         for (index, error) in answered.failures {
             let record = &records[index];
             let dead = error.is_permanent() || record.attempts >= self.max_attempts;
-            let wait = retry_in(self.backoff, self.max_backoff, record.attempts);
+            let wait = self.backoff.retry_in(record.attempts);
             let marked = self.mark_failed(record, token, &error, dead, wait).await?;
             let span = &answered.spans[index];
             report_marked_failed(

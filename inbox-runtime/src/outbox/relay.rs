@@ -83,8 +83,7 @@ pub struct Relay<DB: OutboxDatabase> {
     lease: Duration,
     poll_interval: Duration,
     max_attempts: u32,
-    backoff: Duration,
-    max_backoff: Duration,
+    backoff: Backoff,
     backlog_interval: Duration,
     /// The destinations whose backlog gauges this relay has set (to zero them when emptied).
     gauged: Mutex<BTreeSet<String>>,
@@ -99,8 +98,8 @@ impl<DB: OutboxDatabase> std::fmt::Debug for Relay<DB> {
             .field("lease", &self.lease)
             .field("poll_interval", &self.poll_interval)
             .field("max_attempts", &self.max_attempts)
-            .field("backoff", &self.backoff)
-            .field("max_backoff", &self.max_backoff)
+            .field("backoff", &self.backoff.first)
+            .field("max_backoff", &self.backoff.max)
             .field("backlog_interval", &self.backlog_interval)
             .finish_non_exhaustive()
     }
@@ -245,8 +244,7 @@ impl<DB: OutboxDatabase> Relay<DB> {
             lease: Duration::from_secs(30),
             poll_interval: Duration::from_millis(500),
             max_attempts: 10,
-            backoff: Duration::from_secs(1),
-            max_backoff: Duration::from_secs(300),
+            backoff: Backoff::DEFAULT,
             backlog_interval: Duration::from_secs(5),
             gauged: Mutex::new(BTreeSet::new()),
             prefix: crate::store::TablePrefix::current(),
@@ -294,8 +292,7 @@ impl<DB: OutboxDatabase> Relay<DB> {
     /// (default 1 s to 5 min). Both are lowered to [`MAX_BACKOFF`] (30 days) if above it, and
     /// `max` is raised to `first` if below it.
     pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
-        self.backoff = first.min(MAX_BACKOFF);
-        self.max_backoff = max.min(MAX_BACKOFF).max(self.backoff);
+        self.backoff = Backoff::new(first, max);
         self
     }
 
@@ -306,11 +303,6 @@ impl<DB: OutboxDatabase> Relay<DB> {
     pub fn backlog_interval(mut self, interval: Duration) -> Self {
         self.backlog_interval = interval;
         self
-    }
-
-    /// The wait after a row's `attempts`-th failed publish.
-    fn retry_in(&self, attempts: u32) -> Duration {
-        retry_in(self.backoff, self.max_backoff, attempts)
     }
 
     /// One round: lease, publish, mark. Returns what it did (`leased == 0`: nothing to do).
@@ -426,7 +418,7 @@ impl<DB: OutboxDatabase> Relay<DB> {
         let record = &leased.records[index];
         let span = &leased.spans[index];
         let text = error.to_string();
-        let retry_in = self.retry_in(record.attempts);
+        let retry_in = self.backoff.retry_in(record.attempts);
         let status = conn
             .mark_outbox_failed(
                 record.id,
@@ -525,11 +517,38 @@ impl<DB: OutboxDatabase> Relay<DB> {
     }
 }
 
-/// The wait after a message's `attempts`-th failed publish: `first` doubled per attempt after
-/// the first, at most `max`.
-pub(crate) fn retry_in(first: Duration, max: Duration, attempts: u32) -> Duration {
-    let doublings = attempts.saturating_sub(1).min(30);
-    first.saturating_mul(1u32 << doublings).min(max)
+/// A relay's backoff between a failed publish and the next attempt (SQL and DynamoDB relays).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Backoff {
+    /// The wait before the second attempt.
+    pub(crate) first: Duration,
+    /// The longest wait, at least `first`.
+    pub(crate) max: Duration,
+}
+
+impl Backoff {
+    /// The relays' default: 1 s doubling to 5 min.
+    pub(crate) const DEFAULT: Self = Self {
+        first: Duration::from_secs(1),
+        max: Duration::from_secs(300),
+    };
+
+    /// From `first` doubling to `max`: both lowered to [`MAX_BACKOFF`] if above it, then `max`
+    /// raised to `first` if below it.
+    pub(crate) fn new(first: Duration, max: Duration) -> Self {
+        let first = first.min(MAX_BACKOFF);
+        Self {
+            first,
+            max: max.min(MAX_BACKOFF).max(first),
+        }
+    }
+
+    /// The wait after a message's `attempts`-th failed publish: `first` doubled per attempt
+    /// after the first, at most `max`.
+    pub(crate) fn retry_in(self, attempts: u32) -> Duration {
+        let doublings = attempts.saturating_sub(1).min(30);
+        self.first.saturating_mul(1u32 << doublings).min(self.max)
+    }
 }
 
 /// Adds a relay's round to `report`: its counts, or, if it failed, an error (counted,
