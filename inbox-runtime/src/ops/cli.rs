@@ -617,24 +617,35 @@ impl<DB: OutboxDatabase> Target<'_, DB> {
             return Ok(());
         }
         let rows = admin::stats(self.pool()).await?;
-        if rows
-            .iter()
-            .any(|row| row.consumer.as_deref() == Some(consumer))
-        {
-            return Ok(());
-        }
-        let mut known: Vec<String> = handlers
-            .into_iter()
-            .map(str::to_owned)
-            .chain(rows.into_iter().filter_map(|row| row.consumer))
-            .collect();
-        known.sort_unstable();
-        known.dedup();
-        Err(CliError::UnknownConsumer {
-            consumer: consumer.to_owned(),
-            known,
-        })
+        consumer_in_stats(consumer, &handlers, rows)
     }
+}
+
+/// `Ok` if `consumer` has rows in the inbox statistics `rows`, else
+/// [`CliError::UnknownConsumer`] with the known consumers: those of `handlers` (the handlers at
+/// hand) and of `rows`, sorted, each once. The check of both stores (SQL and DynamoDB).
+pub(crate) fn consumer_in_stats(
+    consumer: &str,
+    handlers: &[&str],
+    rows: Vec<StatsRow>,
+) -> Result<(), CliError> {
+    if rows
+        .iter()
+        .any(|row| row.consumer.as_deref() == Some(consumer))
+    {
+        return Ok(());
+    }
+    let mut known: Vec<String> = handlers
+        .iter()
+        .map(|handler| (*handler).to_owned())
+        .chain(rows.into_iter().filter_map(|row| row.consumer))
+        .collect();
+    known.sort_unstable();
+    known.dedup();
+    Err(CliError::UnknownConsumer {
+        consumer: consumer.to_owned(),
+        known,
+    })
 }
 
 /// Runs `command` on `target`: checks the consumer it names, then runs its step.

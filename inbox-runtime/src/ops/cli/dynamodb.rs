@@ -159,19 +159,7 @@ pub async fn execute_to(
 /// [`CliError::UnknownConsumer`] unless `consumer` has items in the inbox (reads the
 /// statistics: a `Scan`).
 async fn check_consumer(admin: &DynamoAdmin, consumer: &str) -> Result<(), CliError> {
-    let rows = admin.stats().await?;
-    if rows
-        .iter()
-        .any(|row| row.consumer.as_deref() == Some(consumer))
-    {
-        return Ok(());
-    }
-    let mut known: Vec<String> = rows.into_iter().filter_map(|row| row.consumer).collect();
-    known.dedup();
-    Err(CliError::UnknownConsumer {
-        consumer: consumer.to_owned(),
-        known,
-    })
+    super::consumer_in_stats(consumer, &[], admin.stats().await?)
 }
 
 /// The error for a message not found: [`CliError::UnknownConsumer`] if its consumer has no
