@@ -707,7 +707,7 @@ struct Leased<'a> {
 /// Reports a publish the sink accepted and that was marked sent, `latency` after the row's
 /// creation: counted, `inbox_outbox_published_total` and `inbox_outbox_publish_latency_seconds`
 /// (label `destination`), logged in the row's span (outcome `sent`).
-pub(crate) fn report_sent(
+fn report_sent(
     record: &OutboxRecord,
     span: &tracing::Span,
     latency: Duration,
@@ -735,7 +735,7 @@ pub(crate) fn report_sent(
 /// `inbox_outbox_dead_total` with `reason` `permanent` or `exhausted`, logged as an error) or
 /// to be retried in `retry_in` ([`RoundReport::failed`], `inbox_outbox_failed_total`, a
 /// warning), in the row's span.
-pub(crate) fn report_failed(
+fn report_failed(
     record: &OutboxRecord,
     span: &tracing::Span,
     dead: bool,
@@ -784,7 +784,7 @@ pub(crate) fn report_failed(
 /// Reports a mark (`mark`: `sent` or `failed`) that changed nothing because the lease on
 /// `record` was lost: counted, `inbox_outbox_lease_lost_total` (labels `destination`, `mark`),
 /// logged as a warning in the row's span (outcome `lease_lost`).
-pub(crate) fn lease_lost(
+fn lease_lost(
     record: &OutboxRecord,
     span: &tracing::Span,
     mark: &'static str,
@@ -832,7 +832,7 @@ pub(crate) fn report_abandoned(abandoned: &[OutboxRecord], error: &str) {
 /// Reports a row whose publish did not answer within the lease (`lease_ms`):
 /// `inbox_outbox_timed_out_total` (label `destination`), logged as a warning in its span
 /// (outcome `timed_out`).
-pub(crate) fn report_timed_out(record: &OutboxRecord, span: &tracing::Span, lease_ms: i64) {
+fn report_timed_out(record: &OutboxRecord, span: &tracing::Span, lease_ms: i64) {
     metrics::counter!(
         "inbox_outbox_timed_out_total",
         "destination" => record.destination.clone()
@@ -850,7 +850,7 @@ pub(crate) fn report_timed_out(record: &OutboxRecord, span: &tracing::Span, leas
 
 /// The sink's `results`, or, if it did not answer one per message (of `messages`), a retryable
 /// error for each message.
-pub(crate) fn one_per_message(
+fn one_per_message(
     results: Vec<Result<(), SinkError>>,
     messages: usize,
 ) -> Vec<Result<(), SinkError>> {
@@ -868,7 +868,7 @@ pub(crate) fn one_per_message(
 }
 
 /// The span of one leased row (`outcome` recorded when known).
-pub(crate) fn message_span(record: &OutboxRecord, outcome: &str) -> tracing::Span {
+fn message_span(record: &OutboxRecord, outcome: &str) -> tracing::Span {
     let span = tracing::info_span!(
         "inbox.outbox.publish",
         message_id = %record.message_id,
@@ -889,7 +889,7 @@ pub(crate) fn message_span(record: &OutboxRecord, outcome: &str) -> tracing::Spa
 /// stored headers do not parse (a damaged row: dead at once), by index. Each message's headers
 /// carry the W3C Trace Context of its record's span in `spans` (feature `otel`, see
 /// [`crate::trace`]).
-pub(crate) fn outgoing(records: &[OutboxRecord], spans: &[tracing::Span]) -> Outgoing {
+fn outgoing(records: &[OutboxRecord], spans: &[tracing::Span]) -> Outgoing {
     let mut indices = Vec::with_capacity(records.len());
     let mut messages = Vec::with_capacity(records.len());
     let mut unreadable = Vec::new();
@@ -918,4 +918,4 @@ pub(crate) fn outgoing(records: &[OutboxRecord], spans: &[tracing::Span]) -> Out
 }
 
 /// [`outgoing`]'s answer: the records' indices and their messages, and the unreadable ones.
-pub(crate) type Outgoing = (Vec<usize>, Vec<OutgoingMessage>, Vec<(usize, SinkError)>);
+type Outgoing = (Vec<usize>, Vec<OutgoingMessage>, Vec<(usize, SinkError)>);
