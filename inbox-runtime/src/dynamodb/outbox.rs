@@ -657,7 +657,8 @@ impl DynamoRelay {
     }
 
     /// The wait before a failed item's second attempt, doubled for each later one up to `max`
-    /// (default 1 s to 5 min; both at most [`MAX_BACKOFF`](crate::outbox::MAX_BACKOFF), `max` at least `first`).
+    /// (default 1 s to 5 min; both at most [`MAX_BACKOFF`](crate::outbox::MAX_BACKOFF), `max`
+    /// at least `first`).
     pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
         self.backoff = Backoff::new(first, max);
         self
@@ -756,14 +757,8 @@ impl DynamoRelay {
             let wait = self.backoff.retry_in(record.attempts);
             let marked = self.mark_failed(record, token, &error, dead, wait).await?;
             let span = &answered.spans[index];
-            report_marked_failed(
-                record,
-                span,
-                marked.then_some(dead),
-                &error,
-                wait,
-                &mut report,
-            );
+            let outcome = marked.then_some(dead);
+            report_marked_failed(record, span, outcome, &error, wait, &mut report);
         }
         Ok(report)
     }

@@ -1172,8 +1172,8 @@ pub(crate) enum Replayed {
 }
 
 impl Replayed {
-    /// A replay's outcome, or its error's text: the SQL store's [`Error`](crate::Error) or the DynamoDB one's
-    /// `DynamoError`, which both display a handler failure as the failure itself.
+    /// A replay's outcome, or its error's text: the SQL store's [`Error`](crate::Error) or the
+    /// DynamoDB one's `DynamoError`, which both display a handler failure as the failure itself.
     pub(crate) fn of(result: Result<Outcome<()>, impl std::fmt::Display>) -> Self {
         match result {
             Ok(Outcome::Processed(())) => Self::Processed,
