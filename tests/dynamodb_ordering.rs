@@ -104,8 +104,17 @@ async fn resume_opened(tx: &mut DynamoTx, msg: OrderOpened) -> Result<(), TestEr
     append(tx, "orders-resume", &msg.order_id, "opened")
 }
 
+/// Event ids whose next run fails (retryable), once each.
+static FAIL_ONCE: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
 #[idempotent(consumer = "orders-resume", gaps = "park")]
 async fn resume_note(tx: &mut DynamoTx, msg: OrderNote) -> Result<(), TestError> {
+    let mut failing = FAIL_ONCE.lock().unwrap();
+    if let Some(at) = failing.iter().position(|id| *id == msg.event_id) {
+        failing.remove(at);
+        return Err(TestError::Boom);
+    }
+    drop(failing);
     append(
         tx,
         "orders-resume",
@@ -202,11 +211,12 @@ async fn in_order_deliveries_cost_two_calls_with_apply_and_three_with_park() {
             Some("placed,paid,packed")
         );
     }
-    // A duplicate: one read (and with `park`, the lookup of successors left parked).
+    // A duplicate: one read (and with `park`, the lookup of successors left parked: the
+    // position, then the pointer after it).
     let (n, outcome) = calls(&inbox, track_newest(&inbox, event(&order, 2, "paid"))).await;
     assert_eq!((n, outcome.unwrap()), (1, Outcome::Duplicate));
     let (n, outcome) = calls(&inbox, track_parked(&inbox, event(&order, 2, "paid"))).await;
-    assert_eq!((n, outcome.unwrap()), (2, Outcome::Duplicate));
+    assert_eq!((n, outcome.unwrap()), (3, Outcome::Duplicate));
 }
 
 #[tokio::test]
@@ -469,6 +479,60 @@ async fn a_redelivered_predecessor_releases_successors_left_parked() {
         Some("opened,note2")
     );
     assert_eq!(parked(&inbox).await, 0);
+}
+
+/// A successor that fails when released stays (failed, with its pointer) and stops the release:
+/// the rest stay parked. The redelivery of the message that started the release (never acked)
+/// is a duplicate, and goes on from the aggregate's position: the failed one, then the rest.
+#[tokio::test]
+async fn a_release_stopped_midway_goes_on_from_the_position_on_a_duplicate() {
+    let inbox = setup().await;
+    let m = fresh("m");
+    let note = |seq: i64| OrderNote {
+        event_id: format!("{m}/{seq}"),
+        order_id: m.clone(),
+        seq,
+    };
+    for seq in [4, 3, 2] {
+        assert_eq!(
+            resume_note(&inbox, note(seq)).await.unwrap(),
+            Outcome::Parked
+        );
+    }
+    FAIL_ONCE.lock().unwrap().push(format!("{m}/3"));
+    let opened = OrderOpened {
+        event_id: format!("{m}/1"),
+        order_id: m.clone(),
+        seq: 1,
+    };
+    let outcome = resume_opened(&inbox, opened.clone()).await.unwrap();
+    assert_eq!(outcome, Outcome::Processed(()));
+    assert_eq!(
+        history(&inbox, "orders-resume", &m).await.as_deref(),
+        Some("opened,note2")
+    );
+    let row = inbox
+        .admin()
+        .show("orders-resume", &format!("{m}/3"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (row.status, row.attempts, row.last_error.as_deref()),
+        (Status::Failed, 2, Some("boom"))
+    );
+    assert_eq!(parked(&inbox).await, 1);
+    let outcome = resume_opened(&inbox, opened).await.unwrap();
+    assert_eq!(outcome, Outcome::Duplicate);
+    assert_eq!(
+        history(&inbox, "orders-resume", &m).await.as_deref(),
+        Some("opened,note2,note3,note4")
+    );
+    assert_eq!(parked(&inbox).await, 0);
+    assert_eq!(
+        status(&inbox, "orders-resume", &format!("{m}/3")).await,
+        Some(Status::Processed)
+    );
 }
 
 #[tokio::test]

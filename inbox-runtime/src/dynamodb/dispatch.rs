@@ -138,7 +138,8 @@ async fn run_with<H: DynamoHandler>(
         && H::GAPS == GapPolicy::Park
         && matches!(mode, Mode::Deliver | Mode::Replay)
     {
-        release_successors(inbox, routes, H::CONSUMER, &ordered.ordering).await;
+        let duplicate = matches!(result, Ok(Outcome::Duplicate));
+        release_successors(inbox, routes, H::CONSUMER, &ordered.ordering, duplicate).await;
     }
     result
 }

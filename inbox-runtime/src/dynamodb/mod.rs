@@ -121,6 +121,9 @@
 //!      The item as it is now comes with the reason (`ALL_OLD`) or from a new read, and is
 //!      decided as in step 1 (duplicate, conflict, dead, not yet due); if it can be claimed
 //!      again, the delivery starts over (at most [`MAX_ROUNDS`] rounds);
+//!    * for a message ordered per aggregate, the sequence guard's `ConditionalCheckFailed`
+//!      (action 1, between the claim and the handler's actions): stale, or parked
+//!      ([`ordering`]);
 //!    * a handler action's `ConditionalCheckFailed`: the handler's own business failure
 //!      ([`ConditionFailed`]), recorded like a handler error;
 //!    * `TransactionConflict` (another transaction on one of the items), `ThrottlingError`,
@@ -378,15 +381,16 @@ pub enum DynamoError<E> {
     /// The message could not be serialized or fingerprinted: nothing ran.
     #[error(transparent)]
     Fingerprint(#[from] FingerprintError),
-    /// The handler added more than [`MAX_HANDLER_ITEMS`] actions: nothing was submitted or
-    /// recorded.
+    /// The handler added more than [`MAX_HANDLER_ITEMS`] actions (a handler of an ordered
+    /// message: 98, or 97 when it takes a parked message over; see [`ordering`]): nothing was
+    /// submitted or recorded.
     #[error(
         "the handler added {items} DynamoDB actions; a transaction takes at most {max} besides the claim"
     )]
     TooManyItems {
         /// Actions the handler added.
         items: usize,
-        /// [`MAX_HANDLER_ITEMS`].
+        /// The most this handler may add: [`MAX_HANDLER_ITEMS`], less the sequence guard's actions.
         max: usize,
     },
     /// The transaction (claim and actions) is larger than DynamoDB's 4 MB, or one `Put` item
@@ -599,7 +603,8 @@ pub struct DynamoStats {
     /// DynamoDB calls made by [`DynamoInbox::process`] (`GetItem`, `TransactWriteItems`,
     /// `PutItem`), each counted once whatever the SDK's own retries of it: a new key costs 2
     /// (read, transaction), a duplicate 1 (read), a failure 2 (read, record), plus the rounds
-    /// and resends of contended keys.
+    /// and resends of contended keys. Ordered messages' paths (stale, parked, the release of
+    /// parked successors, the sweep) are counted too: see [`ordering`].
     pub calls: u64,
     /// Resends of a transaction after a transient cancellation (`TransactionConflict`,
     /// throttling) or a transient error.

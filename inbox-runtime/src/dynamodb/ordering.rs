@@ -49,9 +49,10 @@
 //!
 //! ## Release in order
 //!
-//! After a `gaps = "park"` message is applied (or read as a duplicate: a process that stopped
-//! between a commit and the release left its successors parked, and the message, never acked,
-//! comes again), the pointer of sequence `n + 1` is read (`GetItem`); if there is one, its
+//! After a `gaps = "park"` message is applied, the pointer of sequence `n + 1` is read
+//! (`GetItem`; after a duplicate, `n` is the aggregate's position, read first: a process that
+//! stopped between a commit and the release, or inside the release, left successors parked,
+//! and the message that started it, never acked, comes again); if there is one, its
 //! payload runs through its handler (routed by consumer and message name, as
 //! [`DynamoDispatcher::replay`]) with a claim that takes the `parked` item over (`status =
 //! parked AND attempts = … AND payload_hash = …`), the position's condition and the pointer's
@@ -69,6 +70,7 @@
 //! | stale | 3: `GetItem`, `TransactWriteItems` (cancelled), `TransactWriteItems` (the record) |
 //! | parked | 3: `GetItem`, `TransactWriteItems` (cancelled), `TransactWriteItems` (the park) |
 //! | a redelivery of a parked or stale key | 1: `GetItem` |
+//! | a duplicate, `gaps = "park"` | 3: `GetItem`, the position's `GetItem`, the next pointer's |
 //! | each parked successor released | 3: `GetItem` of its pointer, `GetItem` of its item, `TransactWriteItems` |
 //!
 //! (DynamoDB returns the position with the cancellation reason, `ALL_OLD`, when it exists; a
@@ -396,6 +398,44 @@ impl DynamoInbox {
         Ok(answer.item)
     }
 
+    /// The `last_sequence` of `consumer`'s position on `aggregate` (0 for none): one consistent
+    /// `GetItem`.
+    async fn position(&self, consumer: &str, aggregate: &str) -> Result<i64, AdminError> {
+        let pk = position_key(consumer, aggregate);
+        let error = |operation: &'static str, source: BoxError| AdminError::Dynamo {
+            table: self.table.clone(),
+            operation,
+            source,
+        };
+        self.count_call();
+        let answer = self
+            .client
+            .get_item()
+            .table_name(&self.table)
+            .key("pk", s(&pk))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(|e| error("GetItem", e.into()))?;
+        match answer
+            .item
+            .as_ref()
+            .and_then(|item| item.get("last_sequence"))
+        {
+            None => Ok(0),
+            Some(AttributeValue::N(text)) => text.parse().map_err(|_| AdminError::Malformed {
+                table: self.table.clone(),
+                pk,
+                reason: format!("`last_sequence` is not an integer: {text}"),
+            }),
+            Some(other) => Err(AdminError::Malformed {
+                table: self.table.clone(),
+                pk,
+                reason: format!("`last_sequence` is not a number: {other:?}"),
+            }),
+        }
+    }
+
     /// The pointer to `consumer`'s parked message of `aggregate` at `sequence`: its key,
     /// message name and payload (one consistent `GetItem`).
     async fn read_pointer(
@@ -510,18 +550,31 @@ pub(crate) async fn run_payload(
     Ok(handler.invoke(inbox, &*msg, run).await)
 }
 
-/// After `ordering` of `consumer` was applied (or read as a duplicate): applies, in order, each
-/// parked successor of its aggregate (sequence + 1, + 2, …), each in its own transaction, until
-/// one is missing or is not applied. Problems are logged, not returned: the message that
-/// triggered this was processed.
+/// After `ordering` of `consumer` was applied (`duplicate` false) or read as a duplicate:
+/// applies, in order, each parked successor of its aggregate, each in its own transaction,
+/// until one is missing or is not applied. The first is the one after the message's sequence,
+/// or after a duplicate, the one after the aggregate's position (read first: a process that
+/// stopped inside this loop left the rest parked, and the message that started it, never
+/// acked, comes again). Problems are logged, not returned: the message that triggered this was
+/// processed.
 pub(crate) async fn release_successors(
     inbox: &DynamoInbox,
     routes: &dyn DynamoRoutes,
     consumer: &str,
     ordering: &Ordering,
+    duplicate: bool,
 ) {
     let aggregate = ordering.aggregate_id.as_str();
     let mut sequence = ordering.sequence;
+    if duplicate {
+        match inbox.position(consumer, aggregate).await {
+            Ok(last) => sequence = sequence.max(last),
+            Err(error) => {
+                tracing::warn!(%error, consumer, aggregate, "cannot read the aggregate's position");
+                return;
+            }
+        }
+    }
     while let Some(next) = sequence.checked_add(1) {
         let pointer = match inbox.read_pointer(consumer, aggregate, next).await {
             Ok(Some(pointer)) => pointer,
@@ -586,11 +639,11 @@ impl DynamoDispatcher {
     /// call, oldest first: dead-lettered (payload kept, the reason in `last_error`) or released
     /// (applied despite the gap, the aggregate's position jumping to it; its own parked
     /// successors follow in order), as [`Dispatcher::sweep_parked`](crate::Dispatcher::sweep_parked).
-    /// A parked message of a consumer this dispatcher has no handler for is left alone. Its
-    /// calls are in the module's docs ([`super::ordering`]-level: a `Query` of the dead-letter
-    /// index per consumer, a `GetItem` per message, then one `TransactWriteItems` to dead-letter
-    /// it, or a release's calls). The index is eventually consistent: a message parked a moment
-    /// ago may be swept by the next call.
+    /// A parked message of a consumer this dispatcher has no handler for is left alone. Calls:
+    /// a `Query` of the dead-letter index per consumer (one per 1 MB page), a `GetItem` per
+    /// message found, then one `TransactWriteItems` to dead-letter it, or a release's calls
+    /// (see the [module's docs](self)). The index is eventually consistent: a message parked a
+    /// moment ago may be swept by the next call.
     ///
     /// # Errors
     /// [`AdminError::Dynamo`] if a `Query`, `GetItem` or the dead letter's
@@ -650,7 +703,7 @@ impl DynamoDispatcher {
                                 aggregate_id: aggregate.clone(),
                                 sequence,
                             };
-                            release_successors(inbox, self, consumer, &ordering).await;
+                            release_successors(inbox, self, consumer, &ordering, false).await;
                         }
                     }
                 }
