@@ -1857,6 +1857,29 @@ mod tests {
         for (reasons, expected) in cases {
             assert_eq!(verdict(reasons, None), expected, "{reasons:?}");
         }
+        // With the sequence guard at index 1: its condition is told apart from the claim's
+        // (which still decides) and from the handler's actions' (after it).
+        let guarded: [(&[CancellationReason], Verdict); 4] = [
+            (&[reason(1, "ConditionalCheckFailed")], GuardFailed(1)),
+            (
+                &[
+                    reason(0, "ConditionalCheckFailed"),
+                    reason(1, "ConditionalCheckFailed"),
+                ],
+                ClaimTaken,
+            ),
+            (
+                &[
+                    reason(1, "ConditionalCheckFailed"),
+                    reason(3, "ConditionalCheckFailed"),
+                ],
+                GuardFailed(1),
+            ),
+            (&[reason(3, "ConditionalCheckFailed")], ConditionFailed(3)),
+        ];
+        for (reasons, expected) in guarded {
+            assert_eq!(verdict(reasons, Some(1)), expected, "{reasons:?}");
+        }
     }
 
     #[test]
@@ -1880,6 +1903,9 @@ mod tests {
         );
         assert_eq!(failed.message, "The conditional request failed");
         // DynamoDB answered with more reasons than the request had actions.
+        // After a sequence guard of 2 actions, request index 5 is the handler's action 2.
+        let failed = condition_failed(&items, &[reason(5, "ConditionalCheckFailed")], 5, 2);
+        assert_eq!(failed.index, 2);
         let failed = condition_failed(&items, &[reason(5, "ConditionalCheckFailed")], 5, 0);
         assert_eq!(
             (failed.index, failed.action, failed.table.as_str()),
