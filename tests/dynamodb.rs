@@ -794,7 +794,7 @@ async fn foreign_tables_and_items_are_refused() {
             "pk",
             AttributeValue::S(dynamodb::partition_key("ledger", &key)),
         )
-        .item("status", AttributeValue::S("parked".into()))
+        .item("status", AttributeValue::S("frozen".into()))
         .item("payload_hash", AttributeValue::S(fingerprint.to_hex()))
         .send()
         .await
@@ -810,7 +810,7 @@ async fn foreign_tables_and_items_are_refused() {
         panic!("{error:?}")
     };
     assert_eq!((consumer.as_str(), key.as_str()), ("ledger", "m1"));
-    assert_eq!(reason, "status `parked` is not one this store writes");
+    assert_eq!(reason, "status `frozen` is not one this store writes");
     assert_eq!(calls.load(Ordering::SeqCst), 0);
 }
 

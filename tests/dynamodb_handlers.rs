@@ -43,7 +43,8 @@ struct Transfer {
     amount: i64,
 }
 
-/// A message ordered per aggregate: refused by a DynamoDB handler.
+/// A message ordered per aggregate: through the sequence guard (tests/dynamodb_ordering.rs has
+/// the rest of ordering on DynamoDB).
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize, Message)]
 #[message(name = "dyn.ordered", key = "{order_id}:{seq}")]
 struct Ordered {
@@ -112,10 +113,10 @@ async fn transfer(tx: &mut DynamoTx, msg: Transfer) -> Result<(), TestError> {
     add(tx, &msg.account, msg.amount)
 }
 
-/// Never runs: its messages are ordered.
+/// Counts the applied messages of the order on `order:<order_id>` (`gaps = "apply"`).
 #[idempotent(consumer = "orders")]
-async fn apply_ordered(_tx: &mut DynamoTx, msg: Ordered) -> Result<(), TestError> {
-    unreachable!("{} {}", msg.order_id, msg.seq)
+async fn apply_ordered(tx: &mut DynamoTx, msg: Ordered) -> Result<(), TestError> {
+    add(tx, &format!("order:{}", msg.order_id), 1)
 }
 
 fn fresh(prefix: &str) -> String {
@@ -475,24 +476,26 @@ async fn dispatch_by_message_name_and_its_refusals() {
     // A refused envelope made no call.
     assert_eq!(inbox.stats().calls, calls);
 
-    // An ordered message: each consumer's result says so; nothing ran or was called.
-    let ordered = Envelope::new("dyn.ordered", br#"{"order_id":"o-1","seq":2}"#.to_vec());
+    // An ordered message goes through the sequence guard: 2 applies over the gap, 1 is stale.
+    let order = fresh("o");
+    let payload = format!(r#"{{"order_id":"{order}","seq":2}}"#);
+    let ordered = Envelope::new("dyn.ordered", payload.into_bytes());
     let outcomes = dispatcher.dispatch(&ordered).await.unwrap();
     assert_eq!(outcomes.len(), 1);
-    match &outcomes[0].result {
-        Err(DynamoError::Ordered { message_name }) => assert_eq!(message_name, "dyn.ordered"),
-        other => panic!("expected Ordered, got {other:?}"),
-    }
+    assert_eq!(
+        outcomes[0].result.as_ref().unwrap(),
+        &Outcome::Processed(())
+    );
     let direct = apply_ordered(
         &inbox,
         Ordered {
-            order_id: "o-1".into(),
-            seq: 2,
+            order_id: order.clone(),
+            seq: 1,
         },
     )
     .await;
-    assert!(matches!(direct, Err(DynamoError::Ordered { .. })));
-    assert_eq!(inbox.stats().calls, calls);
+    assert_eq!(direct.unwrap(), Outcome::Stale);
+    assert_eq!(balance(&inbox, &format!("order:{order}")).await, Some(1));
 }
 
 #[tokio::test]
@@ -567,34 +570,40 @@ async fn explicit_handler_lists() {
     );
 }
 
-/// `DynamoInbox::process` (the closure API) given a message ordered per aggregate refuses it as
-/// the macro path does: `DynamoError::Ordered`, the closure not run, no DynamoDB call, no item.
-/// (Before, it claimed and applied `seq` 2 though `seq` 1 had never been seen.)
+/// `DynamoInbox::process` (the closure API) given a message ordered per aggregate runs it
+/// through the sequence guard (`gaps = "apply"`): 2 applies over the gap; 1 is stale, and what
+/// its closure added is not committed.
 #[tokio::test]
-async fn the_closure_api_refuses_an_ordered_message_too() {
+async fn the_closure_api_guards_an_ordered_message() {
     let inbox = setup().await;
-    let calls = inbox.stats().calls;
-    let runs = std::sync::atomic::AtomicUsize::new(0);
     let order = fresh("o");
-    let msg = Ordered {
-        order_id: order.clone(),
-        seq: 2,
-    };
-    let result = inbox
-        .process("orders", &msg, |tx| {
-            runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            async move { Ok::<_, TestError>((tx, ())) }
-        })
-        .await;
-    match result {
-        Err(DynamoError::Ordered { message_name }) => assert_eq!(message_name, "dyn.ordered"),
-        other => panic!("expected Ordered, got {other:?}"),
+    let counter = format!("order:{order}");
+    for (seq, expected) in [(2, Outcome::Processed(())), (1, Outcome::Stale)] {
+        let msg = Ordered {
+            order_id: order.clone(),
+            seq,
+        };
+        let outcome = inbox
+            .process("orders", &msg, |mut tx| {
+                let result = add(&mut tx, &counter, 1);
+                async move { result.map(|()| (tx, ())) }
+            })
+            .await
+            .unwrap();
+        assert_eq!(outcome, expected, "seq {seq}");
     }
-    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 0);
-    assert_eq!(inbox.stats().calls, calls);
+    assert_eq!(balance(&inbox, &counter).await, Some(1));
     assert_eq!(
-        inbox_status(&inbox, "orders", &format!("{order}:2")).await,
-        None
+        inbox_status(&inbox, "orders", &format!("{order}:2"))
+            .await
+            .as_deref(),
+        Some("processed")
+    );
+    assert_eq!(
+        inbox_status(&inbox, "orders", &format!("{order}:1"))
+            .await
+            .as_deref(),
+        Some("stale")
     );
 }
 

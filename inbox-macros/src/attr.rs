@@ -96,11 +96,6 @@ pub(crate) fn parse(args: TokenStream, item: TokenStream) -> syn::Result<Handler
         }
     };
     let sig = func.as_ref().map(|f| check_signature(&f.sig, &mut errors));
-    if let (Some(args), Some(Some(sig))) = (&args, &sig)
-        && is_dynamo_tx(&sig.connection)
-    {
-        check_dynamo_args(args, &mut errors);
-    }
     errors.finish()?;
     // No error means every part was found.
     let (
@@ -187,17 +182,6 @@ struct Args {
     ordering: Option<OrderingArgs>,
     gaps: Option<GapPolicy>,
     max_attempts: Option<syn::LitInt>,
-    /// What DynamoDB does not support, for its errors: see [`check_dynamo_args`].
-    unsupported: Unsupported,
-}
-
-/// The arguments given (valid or not) that a DynamoDB handler cannot have.
-#[derive(Default)]
-struct Unsupported {
-    /// `aggregate` or `sequence`, the first given.
-    ordering: Option<Path>,
-    /// The string of `gaps = "park"`.
-    park: Option<LitStr>,
 }
 
 /// Whether the connection type `T` of `&mut T` is a path ending in `DynamoTx` (without
@@ -210,26 +194,6 @@ pub(crate) fn is_dynamo_tx(connection: &Type) -> bool {
             .last()
             .is_some_and(|last| last.ident == "DynamoTx" && last.arguments.is_none()),
         _ => false,
-    }
-}
-
-/// Reports the arguments a DynamoDB handler cannot have: per-aggregate ordering and
-/// `gaps = "park"` (the DynamoDB store processes each message on its own).
-fn check_dynamo_args(args: &Args, errors: &mut Errors) {
-    if let Some(path) = &args.unsupported.ordering {
-        errors.spanned(
-            path,
-            "per-aggregate ordering (`aggregate`, `sequence`) is not supported on DynamoDB: a \
-             handler taking `&mut DynamoTx` processes each message on its own; remove \
-             `aggregate` and `sequence`, or take an SQL connection",
-        );
-    }
-    if let Some(lit) = &args.unsupported.park {
-        errors.spanned(
-            lit,
-            "`gaps = \"park\"` is not supported on DynamoDB: a handler taking `&mut DynamoTx` \
-             has no per-aggregate ordering to park messages for; remove `gaps`",
-        );
     }
 }
 
@@ -251,7 +215,6 @@ fn parse_args(args: TokenStream, errors: &mut Errors) -> Option<Args> {
         ordering: parsed.ordering,
         gaps: parsed.gaps,
         max_attempts: parsed.max_attempts,
-        unsupported: parsed.unsupported,
     })
 }
 
@@ -262,7 +225,6 @@ struct Parsed {
     ordering: Option<OrderingArgs>,
     gaps: Option<GapPolicy>,
     max_attempts: Option<syn::LitInt>,
-    unsupported: Unsupported,
 }
 
 fn parse_metas(metas: &MetaList, errors: &mut Errors) -> Parsed {
@@ -274,7 +236,6 @@ fn parse_metas(metas: &MetaList, errors: &mut Errors) -> Parsed {
     let mut max_attempts = Setting::new("max_attempts");
     // The `aggregate` and `sequence` names, for "one without the other" errors.
     let (mut aggregate_path, mut sequence_path) = (None, None);
-    let mut unsupported = Unsupported::default();
     for meta in metas {
         let path = meta.path();
         if path.is_ident("consumer") {
@@ -289,22 +250,15 @@ fn parse_metas(metas: &MetaList, errors: &mut Errors) -> Parsed {
             let field = args::string_value(meta, errors, "\"order_id\"")
                 .and_then(|lit| Some((field_arg("aggregate", &lit, errors)?, lit)));
             aggregate_path.get_or_insert(path);
-            unsupported.ordering.get_or_insert_with(|| path.clone());
             aggregate.set(errors, path, field);
         } else if path.is_ident("sequence") {
             let field = args::string_value(meta, errors, "\"seq\"")
                 .and_then(|lit| Some((field_arg("sequence", &lit, errors)?, lit)));
             sequence_path.get_or_insert(path);
-            unsupported.ordering.get_or_insert_with(|| path.clone());
             sequence.set(errors, path, field);
         } else if path.is_ident("gaps") {
-            let policy = args::string_value(meta, errors, "\"park\"").and_then(|lit| {
-                let policy = gap_policy(&lit, errors);
-                if policy == Some(GapPolicy::Park) {
-                    unsupported.park.get_or_insert(lit);
-                }
-                policy
-            });
+            let policy = args::string_value(meta, errors, "\"park\"")
+                .and_then(|lit| gap_policy(&lit, errors));
             gaps.set(errors, path, policy);
         } else if path.is_ident("max_attempts") {
             let value = args::positive_int_value(meta, errors, "5");
@@ -347,7 +301,6 @@ fn parse_metas(metas: &MetaList, errors: &mut Errors) -> Parsed {
         ordering,
         gaps: gaps.get(),
         max_attempts: max_attempts.get(),
-        unsupported,
     }
 }
 
@@ -836,31 +789,25 @@ mod tests {
     }
 
     #[test]
-    fn dynamodb_handlers_have_no_ordering() {
+    fn dynamodb_handlers_take_ordering_arguments() {
         let item = quote!(
             async fn h(tx: &mut DynamoTx, m: M) -> Result<(), E> {
                 Ok(())
             }
         );
-        assert_eq!(
-            errors_of(
-                quote!(
-                    consumer = "c",
-                    sequence = "seq",
-                    aggregate = "id",
-                    gaps = "park"
-                ),
-                item.clone()
+        let handler = parse(
+            quote!(
+                consumer = "c",
+                sequence = "seq",
+                aggregate = "id",
+                gaps = "park"
             ),
-            [
-                "per-aggregate ordering (`aggregate`, `sequence`) is not supported on DynamoDB: \
-                 a handler taking `&mut DynamoTx` processes each message on its own; remove \
-                 `aggregate` and `sequence`, or take an SQL connection",
-                "`gaps = \"park\"` is not supported on DynamoDB: a handler taking `&mut \
-                 DynamoTx` has no per-aggregate ordering to park messages for; remove `gaps`",
-            ]
-        );
-        // `gaps = "apply"` is the default: nothing to refuse.
+            item.clone(),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(handler.dynamo);
+        assert_eq!(handler.gaps, Some(GapPolicy::Park));
+        assert!(handler.ordering.is_some());
         assert!(errors_of(quote!(consumer = "c", gaps = "apply"), item).is_empty());
     }
 

@@ -748,6 +748,8 @@ fn dynamo_handler(handler: &Handler) -> TokenStream {
     let Handler {
         consumer,
         key,
+        ordering,
+        gaps,
         max_attempts,
         func,
         connection,
@@ -769,6 +771,10 @@ fn dynamo_handler(handler: &Handler) -> TokenStream {
     let FnAttrs { cfgs, body, outer } = &attrs;
     let ResultTypes { ok, err, .. } = &result;
     let max_attempts = max_attempts.as_ref().map(max_attempts_const);
+    let gaps = gaps_const(*gaps);
+    let ordering = ordering
+        .as_ref()
+        .map(|ordering| handler_ordering(ordering, message));
     let classify = classify_fn(&result);
     let key = key_fn(key.as_ref(), message);
     let inputs = &func.sig.inputs;
@@ -809,9 +815,13 @@ fn dynamo_handler(handler: &Handler) -> TokenStream {
 
             #max_attempts
 
+            #gaps
+
             #classify
 
             #key
+
+            #ordering
 
             fn call<'t>(
                 tx: &'t mut #connection,

@@ -194,9 +194,10 @@ pub fn derive_message(input: TokenStream) -> TokenStream {
 /// one `TransactWriteItems`. The function becomes
 /// `fn(inbox: &DynamoInbox, msg: M) -> Result<Outcome<T>, inbox_runtime::dynamodb::DynamoError<E>>`,
 /// and registers for `inbox_runtime::dynamodb::DynamoDispatcher` (not for the SQL `Dispatcher`).
-/// `consumer`, `key`, `max_attempts` and the error's class work as on SQL; `aggregate`,
-/// `sequence` and `gaps = "park"` are compile errors (no ordering on DynamoDB), and so is such a
-/// handler without the `dynamodb` feature (the error names it, at the first parameter). The
+/// `consumer`, `key`, `max_attempts`, the error's class and per-aggregate ordering (`aggregate`,
+/// `sequence`, `gaps = "park"`: positions and parked messages in the inbox table, see
+/// `inbox_runtime::dynamodb`'s module `ordering`) work as on SQL. Such a handler without the
+/// `dynamodb` feature is a compile error (the error names it, at the first parameter). The
 /// example is compiled in `inbox_runtime::dynamodb`'s documentation (this crate's doc tests
 /// build inbox-runtime without the feature).
 ///

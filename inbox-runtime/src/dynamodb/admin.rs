@@ -42,7 +42,11 @@
 //!   SQL stores' retention purge would have deleted it.
 //! * The DynamoDB store does not record rejected deliveries (conflicts, malformed payloads):
 //!   `stats` has no `rejected:…` rows, and the command line's `CONFLICTS SEEN` is 0.
-//! * Parked and stale states do not exist on DynamoDB yet.
+//! * Parked items are in the dead-letter index too (the sweep finds them there,
+//!   [`super::DynamoDispatcher::sweep_parked`]; the index does not project their
+//!   `aggregate_id` and `sequence`); `list` of `parked` or `stale` scans the table.
+//!   The aggregates' positions and parked messages' pointers ([`super::ordering`]) are not
+//!   inbox items: `stats` and `list` skip them.
 //! * Replaying a failed or dead message runs its registered handler:
 //!   [`DynamoDispatcher::replay`](super::DynamoDispatcher::replay) (by consumer and key), or
 //!   [`DynamoInbox::replay_stored`] with a handler of your own on what [`DynamoAdmin::show`]
@@ -72,11 +76,12 @@ use crate::types::key::IdempotencyKey;
 use crate::types::outcome::Outcome;
 use crate::types::status::Status;
 
-/// The attribute the dead-letter index is keyed on: the consumer, set on `failed` and `dead`
-/// items only (so the index is sparse: processed and discarded items are not in it).
+/// The attribute the dead-letter index is keyed on: the consumer, set on `failed`, `dead` and
+/// `parked` items only (so the index is sparse: processed, stale and discarded items are not
+/// in it).
 pub const DEAD_LETTER_ATTRIBUTE: &str = "dead_letter_consumer";
 
-/// The global secondary index of failed and dead items: partition key
+/// The global secondary index of failed, dead and parked items: partition key
 /// [`DEAD_LETTER_ATTRIBUTE`] (string), sort key `received_at` (number, epoch milliseconds);
 /// every attribute but `payload` projected.
 pub const DEAD_LETTER_INDEX: &str = "dead_letters";
@@ -321,6 +326,12 @@ impl DynamoInbox {
                 key: key.clone(),
                 reason: "`payload_hash` is not 64 hex digits".to_owned(),
             })?;
+        // An ordered message goes through the sequence guard (`gaps = "apply"`, as
+        // `DynamoInbox::process`).
+        let ordered = stored.ordering().map(|ordering| super::ordering::Ordered {
+            ordering,
+            gaps: crate::types::ordering::GapPolicy::Apply,
+        });
         let delivery = Delivery {
             consumer: &stored.consumer,
             message_name: &stored.message_name,
@@ -328,6 +339,7 @@ impl DynamoInbox {
             fingerprint,
             payload,
             mode: Mode::Replay,
+            ordering: ordered.as_ref(),
         };
         let result = self
             .run(&delivery, |error: &E| error.class(), handler)
@@ -457,7 +469,7 @@ struct Filter {
 }
 
 impl Filter {
-    fn dead_letters(consumer: Option<&str>, status: Option<&str>) -> Self {
+    fn dead_letters(consumer: Option<&str>, statuses: &[&str]) -> Self {
         let mut filter = Self {
             expression: None,
             names: HashMap::new(),
@@ -469,10 +481,13 @@ impl Filter {
                 .insert("#consumer".into(), DEAD_LETTER_ATTRIBUTE.into());
             filter.values.insert(":consumer".into(), s(consumer));
         }
-        if let Some(status) = status {
-            filter.expression = Some("#status = :status".into());
+        if !statuses.is_empty() {
+            let names: Vec<String> = (0..statuses.len()).map(|i| format!(":status{i}")).collect();
+            filter.expression = Some(format!("#status IN ({})", names.join(", ")));
             filter.names.insert("#status".into(), "status".into());
-            filter.values.insert(":status".into(), s(status));
+            for (name, status) in names.into_iter().zip(statuses) {
+                filter.values.insert(name, s(*status));
+            }
         }
         filter
     }
@@ -561,7 +576,7 @@ impl DynamoAdmin {
             .expression_attribute_names("#received", "received_at")
             .expression_attribute_names("#expires", TTL_ATTRIBUTE);
         self.scan_each(scan, |read| {
-            if read.expired(now)? || read.leased() {
+            if read.expired(now)? || read.leased() || read.ordering_item() {
                 return Ok(());
             }
             let consumer = read.text("consumer")?.to_owned();
@@ -592,11 +607,12 @@ impl DynamoAdmin {
     /// Items whose status is one of `statuses`, of `consumer` or of all, oldest first (by
     /// `received_at`, then consumer, then key, as [`crate::ops::admin::list`]), at most
     /// `limit`; without their payloads (see [`show`](Self::show)). An empty `statuses` lists
-    /// nothing (no call); `parked` and `stale` match nothing on DynamoDB.
+    /// nothing (no call).
     ///
     /// Cost (see the module's docs): `failed` and `dead` alone are read from the dead-letter
     /// index (a `Query` of the consumer's items, eventually consistent, or a `Scan` of the
-    /// index for all consumers); `processed` or `discarded` asked for scans the whole table.
+    /// index for all consumers); `processed`, `discarded`, `parked` or `stale` asked for
+    /// scans the whole table.
     ///
     /// # Errors
     /// [`AdminError::Dynamo`] if a call fails (a table without the index: run
@@ -640,9 +656,8 @@ impl DynamoAdmin {
         statuses: &[Status],
         limit: usize,
     ) -> Result<Vec<StoredMessage>, AdminError> {
-        // One status: a filter on it; both: none (the index holds only failed and dead items).
-        let both = statuses.contains(&Status::Failed) && statuses.contains(&Status::Dead);
-        let status = (!both).then(|| statuses[0].as_str());
+        // A filter on the statuses asked for (the index holds parked items too).
+        let wanted: Vec<&str> = statuses.iter().map(|status| status.as_str()).collect();
         let mut rows = Vec::new();
         let mut start: Option<Item> = None;
         loop {
@@ -650,7 +665,7 @@ impl DynamoAdmin {
             let page = match consumer {
                 Some(consumer) => {
                     let (filter, names, values) =
-                        Filter::dead_letters(Some(consumer), status).into_parts();
+                        Filter::dead_letters(Some(consumer), &wanted).into_parts();
                     let page = self
                         .inbox
                         .client
@@ -673,7 +688,7 @@ impl DynamoAdmin {
                     (page.items, page.last_evaluated_key)
                 }
                 None => {
-                    let (filter, names, values) = Filter::dead_letters(None, status).into_parts();
+                    let (filter, names, values) = Filter::dead_letters(None, &wanted).into_parts();
                     let page = self
                         .inbox
                         .client
@@ -958,7 +973,12 @@ impl<'a> Read<'a> {
         let text = self.text("status")?;
         match text.parse::<Status>() {
             Ok(
-                status @ (Status::Processed | Status::Failed | Status::Dead | Status::Discarded),
+                status @ (Status::Processed
+                | Status::Failed
+                | Status::Dead
+                | Status::Discarded
+                | Status::Parked
+                | Status::Stale),
             ) => Ok(status),
             _ => Err(self.malformed(format!("status `{text}` is not one this store writes"))),
         }
@@ -968,6 +988,12 @@ impl<'a> Read<'a> {
     /// nothing settled yet, absent to the admin as an uncommitted claim is on the SQL stores.
     fn leased(&self) -> bool {
         matches!(self.item.get("status"), Some(AttributeValue::S(status)) if status == super::LEASED_STATUS)
+    }
+
+    /// An aggregate's position or a parked message's pointer (`super::ordering`), not an inbox
+    /// item: its partition key does not start with a digit, as every inbox item's does.
+    fn ordering_item(&self) -> bool {
+        !matches!(self.item.get("pk"), Some(AttributeValue::S(pk)) if pk.starts_with(|c: char| c.is_ascii_digit()))
     }
 
     /// A processed or discarded item whose retention window has passed: absent to the inbox.
@@ -1012,8 +1038,8 @@ impl<'a> Read<'a> {
             processed_at: self.number("processed_at")?.map(time_text),
             next_attempt_at: self.number("next_attempt_at")?.map(time_text),
             source: None,
-            aggregate_id: None,
-            sequence: None,
+            aggregate_id: self.optional_text("aggregate_id")?.map(str::to_owned),
+            sequence: self.number("sequence")?,
             result,
         })
     }

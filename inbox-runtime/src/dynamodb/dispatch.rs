@@ -12,6 +12,7 @@ use std::any::TypeId;
 use std::collections::HashMap;
 use std::fmt;
 
+use super::ordering::{DynamoRoutes, Ordered, Registered, release_successors};
 use super::{AdminError, DynamoError, DynamoInbox, DynamoTx, Failed, Mode};
 use crate::BoxFuture;
 use crate::protocol::erased::{AnyMessage, DecodedMessages, decode_once, routes};
@@ -23,6 +24,7 @@ use crate::types::json_text::json_text;
 use crate::types::key::{IdempotencyKey, KeyError};
 use crate::types::limit::{PayloadLimit, PayloadLimitError};
 use crate::types::message::Message;
+use crate::types::ordering::{GapPolicy, Ordering, ParkPolicy};
 use crate::types::outcome::Outcome;
 use crate::types::status::Status;
 
@@ -42,9 +44,18 @@ pub trait DynamoHandler: Send + Sync + 'static {
     const FUNCTION: &'static str;
     /// `#[idempotent(max_attempts = N)]`, overriding the inbox's [`RetryPolicy`](crate::RetryPolicy).
     const MAX_ATTEMPTS: Option<u32> = None;
+    /// `#[idempotent(gaps = "park")]`: what an ordered message does on a gap.
+    const GAPS: GapPolicy = GapPolicy::Apply;
 
     /// The idempotency key of `msg` for this handler.
     fn key(msg: &Self::Message) -> Result<IdempotencyKey, KeyError>;
+
+    /// The place of `msg` in its aggregate for this handler: the message's own
+    /// (`#[message(aggregate)]`, `#[message(sequence)]`) unless `#[idempotent(aggregate = …,
+    /// sequence = …)]` names other fields.
+    fn ordering(msg: &Self::Message) -> Result<Option<Ordering>, KeyError> {
+        msg.ordering()
+    }
 
     /// The class of a handler error (generated: `Classify`, else the error chain).
     fn classify(_error: &Self::Error) -> ErrorClass {
@@ -69,25 +80,30 @@ pub async fn run<H: DynamoHandler>(
     let key = H::key(&msg)?;
     let fingerprint = Fingerprint::of(<H::Message as Message>::NAME, &msg)?;
     let payload = serde_json::to_vec(&msg).map_err(FingerprintError::from_json)?;
-    run_with::<H>(inbox, &msg, &key, fingerprint, &payload, Mode::Deliver).await
+    let run = Run::new(&key, fingerprint, &payload, Mode::Deliver, &Registered);
+    run_with::<H>(inbox, &msg, run).await
 }
 
-/// One delivery of `msg` (its `key`, `fingerprint` and `payload` given) to `H` in `mode`.
+/// One delivery of `msg` to `H` as `run` says (its key, fingerprint, payload, mode, and the
+/// routes of parked successors to release after it).
 async fn run_with<H: DynamoHandler>(
     inbox: &DynamoInbox,
     msg: &H::Message,
-    key: &IdempotencyKey,
-    fingerprint: Fingerprint,
-    payload: &[u8],
-    mode: Mode,
+    run: Run<'_>,
 ) -> Result<Outcome<H::Output>, DynamoError<H::Error>> {
-    // No aggregate positions on DynamoDB: an ordered message is refused, not applied unordered.
-    if msg.ordering()?.is_some() {
-        return Err(DynamoError::Ordered {
-            message_name: <H::Message as Message>::NAME.to_owned(),
-        });
-    }
+    let Run {
+        key,
+        fingerprint,
+        payload,
+        mode,
+        routes,
+    } = run;
+    let ordered = H::ordering(msg)?.map(|ordering| Ordered {
+        ordering,
+        gaps: H::GAPS,
+    });
     let own;
+    let base = inbox;
     let inbox = match H::MAX_ATTEMPTS {
         Some(max) => {
             // A clone shares the client and the counters: only the policy differs.
@@ -105,8 +121,9 @@ async fn run_with<H: DynamoHandler>(
         fingerprint,
         payload,
         mode,
+        ordering: ordered.as_ref(),
     };
-    inbox
+    let result = inbox
         .deliver(&delivery, H::classify, |mut tx| {
             let msg = msg.clone();
             async move {
@@ -114,7 +131,19 @@ async fn run_with<H: DynamoHandler>(
                 Ok((tx, value))
             }
         })
-        .await
+        .await;
+    // After a duplicate too: a process that stopped between a message's commit and the release
+    // of its parked successors left them parked, and the message, never acked, comes again. A
+    // released successor (`Resume`) does not release: the loop that runs it goes on itself.
+    if let (Ok(Outcome::Processed(_) | Outcome::Duplicate), Some(ordered)) = (&result, &ordered)
+        && H::GAPS == GapPolicy::Park
+        && matches!(mode, Mode::Deliver | Mode::Replay)
+    {
+        let duplicate = matches!(result, Ok(Outcome::Duplicate));
+        // On the inbox as given: each successor's handler applies its own `max_attempts`.
+        release_successors(base, routes, H::CONSUMER, &ordered.ordering, duplicate).await;
+    }
+    result
 }
 
 /// A DynamoDB handler with its types erased, as the [`DynamoDispatcher`] drives it.
@@ -143,6 +172,26 @@ pub struct Run<'a> {
     fingerprint: Fingerprint,
     payload: &'a [u8],
     mode: Mode,
+    /// Where parked successors released after this run are routed.
+    routes: &'a dyn DynamoRoutes,
+}
+
+impl<'a> Run<'a> {
+    pub(crate) fn new(
+        key: &'a IdempotencyKey,
+        fingerprint: Fingerprint,
+        payload: &'a [u8],
+        mode: Mode,
+        routes: &'a dyn DynamoRoutes,
+    ) -> Self {
+        Self {
+            key,
+            fingerprint,
+            payload,
+            mode,
+            routes,
+        }
+    }
 }
 
 fn downcast<M: 'static>(msg: &AnyMessage) -> &M {
@@ -184,7 +233,7 @@ where
     ) -> BoxFuture<'a, Result<Outcome<()>, DynamoError<BoxError>>> {
         Box::pin(async move {
             let msg = downcast::<H::Message>(msg);
-            run_with::<H>(inbox, msg, run.key, run.fingerprint, run.payload, run.mode)
+            run_with::<H>(inbox, msg, run)
                 .await
                 .map(|outcome| outcome.map(|_| ()))
                 .map_err(|error| map_handler_error(error, Into::into))
@@ -248,7 +297,6 @@ fn map_handler_error<E, F>(error: DynamoError<E>, f: impl FnOnce(E) -> F) -> Dyn
             key,
             reason,
         },
-        DynamoError::Ordered { message_name } => DynamoError::Ordered { message_name },
         DynamoError::EmptyConsumer => DynamoError::EmptyConsumer,
     }
 }
@@ -268,6 +316,11 @@ impl DynamoRegistration {
     #[doc(hidden)]
     pub const fn new(handler: &'static dyn DynDynamoHandler) -> Self {
         Self { handler }
+    }
+
+    /// The handler.
+    pub(crate) fn handler(&self) -> &'static dyn DynDynamoHandler {
+        self.handler
     }
 
     /// The handler's consumer, message and function.
@@ -468,6 +521,8 @@ pub struct DynamoDispatcher {
     inbox: DynamoInbox,
     routes: HashMap<&'static str, Vec<&'static dyn DynDynamoHandler>>,
     max_payload_bytes: PayloadLimit,
+    /// What [`sweep_parked`](Self::sweep_parked) does with parked messages.
+    pub(super) park: ParkPolicy,
 }
 
 impl fmt::Debug for DynamoDispatcher {
@@ -542,6 +597,7 @@ impl DynamoDispatcher {
             inbox,
             routes,
             max_payload_bytes: PayloadLimit::DEFAULT,
+            park: ParkPolicy::default(),
         })
     }
 
@@ -583,7 +639,11 @@ impl DynamoDispatcher {
         all
     }
 
-    fn route(&self, consumer: &str, message_name: &str) -> Option<&'static dyn DynDynamoHandler> {
+    pub(crate) fn route(
+        &self,
+        consumer: &str,
+        message_name: &str,
+    ) -> Option<&'static dyn DynDynamoHandler> {
         self.routes
             .get(message_name)
             .and_then(|handlers| handlers.iter().find(|h| h.consumer() == consumer))
@@ -638,12 +698,7 @@ impl DynamoDispatcher {
         let mut outcomes = Vec::with_capacity(items.len());
         for (handler, index, key) in &items {
             let (_, msg, fingerprint) = &decoded[*index];
-            let run = Run {
-                key,
-                fingerprint: *fingerprint,
-                payload: &envelope.payload,
-                mode: Mode::Deliver,
-            };
+            let run = Run::new(key, *fingerprint, &envelope.payload, Mode::Deliver, self);
             let result = handler.invoke(&self.inbox, &**msg, run).await;
             outcomes.push(DynamoConsumerOutcome::of(*handler, result));
         }
@@ -728,12 +783,7 @@ impl DynamoDispatcher {
         let fingerprint = handler
             .fingerprint(&*msg)
             .map_err(DynamoReplayError::Fingerprint)?;
-        let run = Run {
-            key: &idempotency_key,
-            fingerprint,
-            payload,
-            mode: Mode::Replay,
-        };
+        let run = Run::new(&idempotency_key, fingerprint, payload, Mode::Replay, self);
         let result = handler.invoke(&self.inbox, &*msg, run).await;
         Ok(DynamoConsumerOutcome::of(handler, result))
     }

@@ -19,8 +19,9 @@ use aws_sdk_dynamodb::types::{
 };
 
 use super::{
-    Claim, ConditionFailed, Ctx, DynamoError, DynamoInbox, DynamoTx, MAX_PARTITION_KEY_BYTES, Now,
-    Submitted, TTL_ATTRIBUTE, check_sizes, duration_ms, n, partition_key, s, size,
+    Claim, ConditionFailed, Ctx, DynamoError, DynamoInbox, DynamoTx, Layout,
+    MAX_PARTITION_KEY_BYTES, Now, Submitted, TTL_ATTRIBUTE, check_sizes, duration_ms, n,
+    partition_key, s, size,
 };
 use crate::types::fingerprint::Fingerprint;
 use crate::types::key::IdempotencyKey;
@@ -96,6 +97,7 @@ impl KeyRequest<'_> {
             key: self.key,
             fingerprint: self.fingerprint,
             pk,
+            guard: None,
         }
     }
 
@@ -245,7 +247,7 @@ impl DynamoInbox {
         let mut items = Vec::with_capacity(tx.items.len() + 1);
         items.push(TransactWriteItem::builder().put(put).build());
         items.extend(tx.items);
-        check_sizes(&items)?;
+        check_sizes(&items, 0)?;
         // One token per lease and resend: the SDK's retries of a send whose answer was lost are
         // not applied twice, and another request's commit never shares a token with this one.
         let token = |resend: usize| {
@@ -255,10 +257,14 @@ impl DynamoInbox {
             }
             token
         };
-        match self.transact(&ctx, &items, token, &mut 0).await? {
+        match self
+            .transact(&ctx, &items, Layout::default(), token, &mut 0)
+            .await?
+        {
             Submitted::Committed => Ok(Committed::Done),
             Submitted::ConditionFailed(failed) => Ok(Committed::Condition(failed)),
-            Submitted::ClaimFailed(current) => {
+            // No sequence guard in a request's transaction.
+            Submitted::ClaimFailed(current) | Submitted::GuardFailed(current) => {
                 let item = match current {
                     Some(item) => Some(item),
                     None => self.read(&ctx).await?,

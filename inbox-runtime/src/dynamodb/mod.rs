@@ -49,8 +49,8 @@
 //! handler: its body adds the actions, and the function becomes
 //! `fn(inbox: &DynamoInbox, msg: M) -> Result<Outcome<T>, DynamoError<E>>` (the SQL form takes
 //! the connection and returns [`crate::Error<E>`]), run as [`DynamoInbox::process`] runs a
-//! closure, with the handler's `key`, `max_attempts` and error class. Per-aggregate ordering
-//! (`aggregate`, `sequence`, `gaps = "park"`) is a compile error. The handlers register apart
+//! closure, with the handler's `key`, `max_attempts` and error class, and per-aggregate ordering
+//! (`aggregate`, `sequence`, `gaps = "park"`; see [`ordering`]). The handlers register apart
 //! from the SQL ones: [`DynamoDispatcher`] runs raw deliveries by message name and replays dead
 //! letters ([`DynamoDispatcher::replay`]).
 //!
@@ -121,6 +121,9 @@
 //!      The item as it is now comes with the reason (`ALL_OLD`) or from a new read, and is
 //!      decided as in step 1 (duplicate, conflict, dead, not yet due); if it can be claimed
 //!      again, the delivery starts over (at most [`MAX_ROUNDS`] rounds);
+//!    * for a message ordered per aggregate, the sequence guard's `ConditionalCheckFailed`
+//!      (action 1, between the claim and the handler's actions): stale, or parked
+//!      ([`ordering`]);
 //!    * a handler action's `ConditionalCheckFailed`: the handler's own business failure
 //!      ([`ConditionFailed`]), recorded like a handler error;
 //!    * `TransactionConflict` (another transaction on one of the items), `ThrottlingError`,
@@ -145,8 +148,10 @@
 //! One table, partition key `pk` (string): `<len>:<consumer><key>`, the consumer's length in
 //! UTF-8 bytes, a colon, the consumer and the idempotency key (no two pairs share one). On-demand
 //! billing; TTL on `expires_at`. Attributes: `consumer`, `message_key`, `message_name`,
-//! `payload_hash` (64 hex digits, [`Fingerprint`]), `status` (`processed` | `failed` | `dead`;
-//! `in_progress` for the lease of an HTTP request still running, see
+//! `payload_hash` (64 hex digits, [`Fingerprint`]), `status` (`processed`, `failed`, `dead`,
+//! `parked` or `stale`, with `aggregate_id` and `sequence` for ordered messages: see
+//! [`ordering`], which also describes the aggregates' positions and the parked messages'
+//! pointers kept in the same table; `in_progress` for the lease of an HTTP request still running, see
 //! `http::DynamoIdempotencyLayer`, with `lease_owner` and `lease_until`: skipped by the admin's
 //! `stats` and `show`), `result` (binary: the stored response of an HTTP request's processed
 //! key, in [`StoredMessage::result`](crate::store::StoredMessage) of the admin's `show` and
@@ -189,13 +194,20 @@
 //!   workers' clocks should agree to well under the retry delays and the retention window.
 //! * A handler action on the inbox table's own item of this key is refused by DynamoDB (one
 //!   action per item per transaction): [`DynamoError::Cancelled`] or [`DynamoError::Dynamo`].
-//! * Not yet: parked and stale states (per-aggregate ordering), the console, the outbox's
-//!   listing and command line (dead outbox items: [`DynamoOutbox::retry`] and
-//!   [`DynamoOutbox::discard`]). A delivery the [`DynamoDispatcher`] refuses is not kept (there is no
+//! * Not yet: the console, the outbox's listing and command line (dead outbox items:
+//!   [`DynamoOutbox::retry`] and [`DynamoOutbox::discard`]). A delivery the [`DynamoDispatcher`] refuses is not kept (there is no
 //!   rejections table, and `stats` has no `rejected:…` rows): leave it to the broker's
 //!   dead-letter queue ([`DynamoWorker`] rejects it).
 //! * [`DynamoWorker`] is the [`Worker`](crate::Worker) without what is SQL-only: batches of
-//!   deliveries per transaction, kept connection slots, partitions, the parked-message sweep.
+//!   deliveries per transaction, kept connection slots, partitions.
+//!
+//! ## Per-aggregate ordering
+//!
+//! Ordered messages (`#[message(aggregate)]`, `#[message(sequence)]`) go through a sequence
+//! guard in the claim's own transaction: [`Outcome::Stale`], [`Outcome::Parked`] and the release
+//! of parked successors in order, as on the SQL stores, with the aggregate's position and parked
+//! messages' pointers as items of the inbox table. The items, each path's calls and the sweep:
+//! [`ordering`].
 //!
 //! ## The outbox
 //!
@@ -208,6 +220,7 @@ mod admin;
 pub(crate) mod dispatch;
 #[cfg(feature = "http")]
 pub(crate) mod lease;
+pub mod ordering;
 pub mod outbox;
 mod size;
 mod worker;
@@ -370,15 +383,16 @@ pub enum DynamoError<E> {
     /// The message could not be serialized or fingerprinted: nothing ran.
     #[error(transparent)]
     Fingerprint(#[from] FingerprintError),
-    /// The handler added more than [`MAX_HANDLER_ITEMS`] actions: nothing was submitted or
-    /// recorded.
+    /// The handler added more than [`MAX_HANDLER_ITEMS`] actions (a handler of an ordered
+    /// message: 98, or 97 when it takes a parked message over; see [`ordering`]): nothing was
+    /// submitted or recorded.
     #[error(
         "the handler added {items} DynamoDB actions; a transaction takes at most {max} besides the claim"
     )]
     TooManyItems {
         /// Actions the handler added.
         items: usize,
-        /// [`MAX_HANDLER_ITEMS`].
+        /// The most this handler may add: [`MAX_HANDLER_ITEMS`], less the sequence guard's actions.
         max: usize,
     },
     /// The transaction (claim and actions) is larger than DynamoDB's 4 MB, or one `Put` item
@@ -475,19 +489,6 @@ pub enum DynamoError<E> {
         key: IdempotencyKey,
         /// What is wrong with it.
         reason: String,
-    },
-    /// [`DynamoInbox::process`] or an `#[idempotent]` DynamoDB handler got a message ordered
-    /// per aggregate (its type has `#[message(aggregate)]` and `#[message(sequence)]` fields):
-    /// the DynamoDB store keeps no aggregate positions, and would apply it out of order.
-    /// Nothing ran, nothing was called. ([`DynamoInbox::process_raw`] has no message type to
-    /// look at: it does not check.)
-    #[error(
-        "message `{message_name}` is ordered per aggregate (`#[message(aggregate)]`, \
-         `#[message(sequence)]`), which the DynamoDB store does not support: nothing ran"
-    )]
-    Ordered {
-        /// The message's routing name.
-        message_name: String,
     },
 }
 
@@ -604,7 +605,8 @@ pub struct DynamoStats {
     /// DynamoDB calls made by [`DynamoInbox::process`] (`GetItem`, `TransactWriteItems`,
     /// `PutItem`), each counted once whatever the SDK's own retries of it: a new key costs 2
     /// (read, transaction), a duplicate 1 (read), a failure 2 (read, record), plus the rounds
-    /// and resends of contended keys.
+    /// and resends of contended keys. Ordered messages' paths (stale, parked, the release of
+    /// parked successors, the sweep) are counted too: see [`ordering`].
     pub calls: u64,
     /// Resends of a transaction after a transient cancellation (`TransactionConflict`,
     /// throttling) or a transient error.
@@ -626,12 +628,12 @@ enum Decision {
 enum Claim {
     /// No item, or an expired one.
     New,
-    /// A failed item with this many attempts, due again (or a failed or dead one, `dead`, that
-    /// a replay takes over).
+    /// A failed item with this many attempts, due again (or a failed or dead one that a replay
+    /// takes over, a parked or failed one that a release takes over); `read` is its status.
     Takeover {
         attempts: u32,
         received_at: i64,
-        dead: bool,
+        read: &'static str,
     },
 }
 
@@ -714,13 +716,15 @@ fn request_token(consumer: &str, key: &IdempotencyKey, attempt: u32, resend: usi
     hex::encode(&hasher.finalize()[..16])
 }
 
-/// The handler's failed condition at request `index` (1..), from DynamoDB's reasons. An index
-/// past the request's actions (DynamoDB answered with more reasons than actions) is named
-/// `(unknown action)`, not a panic.
+/// The handler's failed condition at request `index` (1..), from DynamoDB's reasons, the
+/// request's first `guard` actions after the claim being the sequence guard's (not the
+/// handler's). An index past the request's actions (DynamoDB answered with more reasons than
+/// actions) is named `(unknown action)`, not a panic.
 fn condition_failed(
     items: &[TransactWriteItem],
     listed: &[CancellationReason],
     index: usize,
+    guard: usize,
 ) -> ConditionFailed {
     let (action, table) = items
         .get(index)
@@ -731,7 +735,7 @@ fn condition_failed(
         .and_then(|r| r.message.clone())
         .unwrap_or_default();
     ConditionFailed {
-        index: index.saturating_sub(1),
+        index: index.saturating_sub(1 + guard),
         action,
         table,
         message,
@@ -877,10 +881,16 @@ impl DynamoInbox {
     /// actions. Its error type must say its class ([`Classify`]; [`crate::Permanent`] wraps any
     /// error as permanent).
     ///
+    /// A message ordered per aggregate (`#[message(aggregate)]`, `#[message(sequence)]`) goes
+    /// through the sequence guard with `gaps = "apply"` (see [`ordering`]): one not newer than
+    /// its aggregate's last applied message is [`Outcome::Stale`], the closure's actions not
+    /// committed.
+    ///
     /// # Returns
     /// [`Outcome::Processed`] with the handler's value (committed: the source may ack),
     /// [`Outcome::Duplicate`], [`Outcome::Dead`] (dead-lettered earlier), [`Outcome::Discarded`],
-    /// or [`Outcome::NotYet`] (a failed attempt's next attempt is not due).
+    /// [`Outcome::Stale`], [`Outcome::Parked`] (a key parked by a `gaps = "park"` handler), or
+    /// [`Outcome::NotYet`] (a failed attempt's next attempt is not due).
     ///
     /// # Errors
     /// Every [`DynamoError`] variant, as documented there.
@@ -896,17 +906,25 @@ impl DynamoInbox {
         F: FnMut(DynamoTx) -> Fut,
         Fut: Future<Output = Result<(DynamoTx, T), E>>,
     {
-        // No aggregate positions on DynamoDB: an ordered message is refused, not applied
-        // out of order (as `#[idempotent]` handlers and the dispatcher refuse it).
-        if msg.ordering()?.is_some() {
-            return Err(DynamoError::Ordered {
-                message_name: M::NAME.to_owned(),
-            });
-        }
         let key = msg.idempotency_key()?;
         let fingerprint = Fingerprint::of(M::NAME, msg)?;
         let payload = serde_json::to_vec(msg).map_err(FingerprintError::from_json)?;
-        self.process_raw(consumer, M::NAME, &key, fingerprint, &payload, handler)
+        // An ordered message goes through the sequence guard (`gaps = "apply"`: a closure has
+        // no parked successors to release).
+        let ordered = msg.ordering()?.map(|ordering| ordering::Ordered {
+            ordering,
+            gaps: crate::types::ordering::GapPolicy::Apply,
+        });
+        let delivery = Delivery {
+            consumer,
+            message_name: M::NAME,
+            key: &key,
+            fingerprint,
+            payload: &payload,
+            mode: Mode::Deliver,
+            ordering: ordered.as_ref(),
+        };
+        self.deliver(&delivery, |error: &E| error.class(), handler)
             .await
     }
 
@@ -937,6 +955,7 @@ impl DynamoInbox {
             fingerprint,
             payload,
             mode: Mode::Deliver,
+            ordering: None,
         };
         self.deliver(&delivery, |error: &E| error.class(), handler)
             .await
@@ -1000,6 +1019,7 @@ impl DynamoInbox {
             fingerprint,
             payload,
             mode,
+            ordering: ordered,
         } = *delivery;
         if consumer.is_empty() {
             return Err(DynamoError::EmptyConsumer);
@@ -1013,12 +1033,17 @@ impl DynamoInbox {
                 max: MAX_PARTITION_KEY_BYTES,
             });
         }
+        let guard = match ordered {
+            Some(ordered) => Some(ordering::Guard::new(consumer, key, ordered, mode)?),
+            None => None,
+        };
         let ctx = Ctx {
             consumer,
             message_name,
             key,
             fingerprint,
             pk: &pk,
+            guard: guard.as_ref(),
         };
         let mut item = self.read(&ctx).await?;
         // Numbers the client request tokens of this delivery's sends (see `request_token`).
@@ -1066,6 +1091,23 @@ impl DynamoInbox {
                         Some(current) => Some(current),
                         None => self.read(&ctx).await?,
                     };
+                }
+                // The sequence guard's condition failed: stale, or a gap (see `ordering`).
+                Submitted::GuardFailed(position) => {
+                    let settled = self
+                        .out_of_order(&ctx, claim, now, attempt, &mut resend, position, payload)
+                        .await?;
+                    match settled {
+                        ordering::Settled::Done(outcome) => {
+                            return Ok(outcome.map(|never| match never {}));
+                        }
+                        ordering::Settled::Again(current) => {
+                            item = match current {
+                                Some(current) => Some(current),
+                                None => self.read(&ctx).await?,
+                            };
+                        }
+                    }
                 }
                 Submitted::ConditionFailed(failed) => {
                     let class = failed.class();
@@ -1146,14 +1188,24 @@ impl DynamoInbox {
         if stored != ctx.fingerprint {
             return Ok(Decision::Conflict(stored));
         }
-        let dead = status == "dead";
+        let read = match status {
+            "dead" => "dead",
+            "parked" => "parked",
+            _ => "failed",
+        };
         match status {
             "processed" => Ok(Decision::Settled(Outcome::Duplicate)),
             "discarded" => Ok(Decision::Settled(Outcome::Discarded)),
-            "dead" if mode == Mode::Deliver => Ok(Decision::Settled(Outcome::Dead)),
+            "stale" => Ok(Decision::Settled(Outcome::Stale)),
+            "dead" if mode != Mode::Replay => Ok(Decision::Settled(Outcome::Dead)),
+            // Only the release of its predecessor's successors, or the sweep, takes a parked
+            // item over (as `ClaimMode::takes_over` on the SQL stores).
+            "parked" if !matches!(mode, Mode::Resume | Mode::Release) => {
+                Ok(Decision::Settled(Outcome::Parked))
+            }
             // A replay takes over a dead item, and a failed one without waiting for its next
-            // attempt, as the SQL stores' replay claim does.
-            "failed" | "dead" => {
+            // attempt, as the SQL stores' replay claim does (a release, a failed one too).
+            "failed" | "dead" | "parked" => {
                 let attempts = number("attempts")?
                     .ok_or_else(|| ctx.malformed("`attempts` is missing".to_owned()))?;
                 let attempts = u32::try_from(attempts).map_err(|_| {
@@ -1173,7 +1225,7 @@ impl DynamoInbox {
                 Ok(Decision::Claim(Claim::Takeover {
                     attempts,
                     received_at,
-                    dead,
+                    read,
                 }))
             }
             other => Err(ctx.malformed(format!("status `{other}` is not one this store writes"))),
@@ -1209,6 +1261,9 @@ impl DynamoInbox {
             n(claim.attempts_before().saturating_add(1)),
         );
         attributes.insert("received_at".into(), n(received_at));
+        if let Some(guard) = ctx.guard {
+            guard.attributes(&mut attributes);
+        }
         let builder = Put::builder()
             .table_name(&self.table)
             .set_item(Some(attributes))
@@ -1218,12 +1273,12 @@ impl DynamoInbox {
                 .condition_expression("attribute_not_exists(pk) OR #expires <= :now")
                 .expression_attribute_names("#expires", TTL_ATTRIBUTE)
                 .expression_attribute_values(":now", n(now.secs())),
-            Claim::Takeover { attempts, dead, .. } => builder
+            Claim::Takeover { attempts, read, .. } => builder
                 .condition_expression(
                     "#status = :read AND attempts = :attempts AND payload_hash = :hash",
                 )
                 .expression_attribute_names("#status", "status")
-                .expression_attribute_values(":read", s(if dead { "dead" } else { "failed" }))
+                .expression_attribute_values(":read", s(read))
                 .expression_attribute_values(":attempts", n(attempts))
                 .expression_attribute_values(":hash", s(ctx.fingerprint.to_hex())),
         };
@@ -1243,10 +1298,16 @@ impl DynamoInbox {
         resend: &mut usize,
         actions: Vec<TransactWriteItem>,
     ) -> Result<Submitted, DynamoError<E>> {
-        if actions.len() > MAX_HANDLER_ITEMS {
+        // The sequence guard's actions go between the claim and the handler's.
+        let guarded = match ctx.guard {
+            Some(guard) => guard.actions(self, ctx, claim)?,
+            None => Vec::new(),
+        };
+        let max = MAX_HANDLER_ITEMS - guarded.len();
+        if actions.len() > max {
             return Err(DynamoError::TooManyItems {
                 items: actions.len(),
-                max: MAX_HANDLER_ITEMS,
+                max,
             });
         }
         let claim_put = self.inbox_put(
@@ -1261,12 +1322,17 @@ impl DynamoInbox {
                 (TTL_ATTRIBUTE.to_owned(), n(self.expires_at(now))),
             ]),
         )?;
-        let mut items = Vec::with_capacity(actions.len() + 1);
+        let layout = Layout {
+            guard: ctx.guard.map(|_| 1),
+            guard_actions: guarded.len(),
+        };
+        let mut items = Vec::with_capacity(actions.len() + 1 + guarded.len());
         items.push(TransactWriteItem::builder().put(claim_put).build());
+        items.extend(guarded);
         items.extend(actions);
-        check_sizes(&items)?;
+        check_sizes(&items, layout.guard_actions)?;
         let token = |resend: usize| request_token(ctx.consumer, ctx.key, attempt, resend);
-        self.transact(ctx, &items, token, resend).await
+        self.transact(ctx, &items, layout, token, resend).await
     }
 
     /// Sends `items` (action 0 the key's own conditional `Put`, then the handler's actions) as
@@ -1277,6 +1343,7 @@ impl DynamoInbox {
         &self,
         ctx: &Ctx<'_>,
         items: &[TransactWriteItem],
+        layout: Layout,
         token: impl Fn(usize) -> String,
         resend: &mut usize,
     ) -> Result<Submitted, DynamoError<E>> {
@@ -1333,15 +1400,23 @@ impl DynamoInbox {
                 return Err(ctx.dynamo("TransactWriteItems", error.into()));
             };
             let listed = listed_reasons(&reasons);
-            match verdict(&listed) {
+            match verdict(&listed, layout.guard) {
                 Verdict::ClaimTaken => {
                     *resend += 1;
                     let current = reasons.first().and_then(|r| r.item().cloned());
                     return Ok(Submitted::ClaimFailed(current));
                 }
+                Verdict::GuardFailed(index) => {
+                    *resend += 1;
+                    let current = reasons.get(index).and_then(|r| r.item().cloned());
+                    return Ok(Submitted::GuardFailed(current));
+                }
                 Verdict::ConditionFailed(index) => {
                     return Ok(Submitted::ConditionFailed(condition_failed(
-                        items, &listed, index,
+                        items,
+                        &listed,
+                        index,
+                        layout.guard_actions,
                     )));
                 }
                 Verdict::Transient => {
@@ -1547,6 +1622,9 @@ enum Verdict {
     /// The claim's (action 0) condition failed: the key was taken or changed meanwhile; this
     /// decides the delivery, whatever else failed.
     ClaimTaken,
+    /// The sequence guard's condition (the action at this index) failed: the message is stale,
+    /// or a gap is open before it.
+    GuardFailed(usize),
     /// The condition of the action at this request index (1..) failed: the handler's business
     /// failure.
     ConditionFailed(usize),
@@ -1556,13 +1634,21 @@ enum Verdict {
     Cancelled,
 }
 
-/// Maps a cancellation's reasons (codes other than `None`) to what the delivery does.
-fn verdict(reasons: &[CancellationReason]) -> Verdict {
+/// Maps a cancellation's reasons (codes other than `None`) to what the delivery does;
+/// `guard` is the index of the sequence guard's conditional action, if there is one.
+fn verdict(reasons: &[CancellationReason], guard: Option<usize>) -> Verdict {
     if reasons
         .iter()
         .any(|r| r.index == 0 && r.code == "ConditionalCheckFailed")
     {
         return Verdict::ClaimTaken;
+    }
+    if let Some(guard) = guard
+        && reasons
+            .iter()
+            .any(|r| r.index == guard && r.code == "ConditionalCheckFailed")
+    {
+        return Verdict::GuardFailed(guard);
     }
     if let Some(reason) = reasons
         .iter()
@@ -1576,11 +1662,23 @@ fn verdict(reasons: &[CancellationReason]) -> Verdict {
     Verdict::Cancelled
 }
 
+/// Where the actions of a transaction are, after the claim (action 0): the sequence guard's
+/// conditional action's index, if any, and how many actions of the guard come before the
+/// handler's.
+#[derive(Clone, Copy, Default)]
+struct Layout {
+    guard: Option<usize>,
+    guard_actions: usize,
+}
+
 /// What a submit found.
 enum Submitted {
     Committed,
     /// The claim's condition failed; the item as it is now, if DynamoDB returned it.
     ClaimFailed(Option<HashMap<String, AttributeValue>>),
+    /// The sequence guard's condition failed; the aggregate's position item as it is now, if
+    /// DynamoDB returned it.
+    GuardFailed(Option<HashMap<String, AttributeValue>>),
     ConditionFailed(ConditionFailed),
 }
 
@@ -1591,6 +1689,11 @@ pub(crate) enum Mode {
     Deliver,
     /// An operator's replay: also a dead key, and a failed one before its next attempt is due.
     Replay,
+    /// A parked successor released after its predecessor was applied: a parked key, or a
+    /// failed one (a released successor that failed), in order only.
+    Resume,
+    /// A parked message released by the sweep despite its gap (the position jumps to it).
+    Release,
 }
 
 /// One delivery as [`DynamoInbox::deliver`] runs it.
@@ -1603,6 +1706,8 @@ pub(crate) struct Delivery<'a> {
     /// The payload kept in a failed or dead item.
     pub(crate) payload: &'a [u8],
     pub(crate) mode: Mode,
+    /// The message's place in its aggregate and the handler's gap policy, if it is ordered.
+    pub(crate) ordering: Option<&'a ordering::Ordered>,
 }
 
 /// The delivery's identity, for the calls and their errors.
@@ -1612,6 +1717,8 @@ struct Ctx<'a> {
     key: &'a IdempotencyKey,
     fingerprint: Fingerprint,
     pk: &'a str,
+    /// The sequence guard of an ordered message.
+    guard: Option<&'a ordering::Guard>,
 }
 
 impl Ctx<'_> {
@@ -1650,7 +1757,7 @@ impl Ctx<'_> {
 /// # Errors
 /// [`DynamoError::TooLarge`] naming the item or the transaction, its size and the limit in bytes.
 #[allow(clippy::result_large_err)] // See `decide`.
-fn check_sizes<E>(items: &[TransactWriteItem]) -> Result<(), DynamoError<E>> {
+fn check_sizes<E>(items: &[TransactWriteItem], guard: usize) -> Result<(), DynamoError<E>> {
     let mut total = 0;
     for (index, item) in items.iter().enumerate() {
         if let Some(put) = item.put() {
@@ -1659,7 +1766,8 @@ fn check_sizes<E>(items: &[TransactWriteItem]) -> Result<(), DynamoError<E>> {
                 return Err(DynamoError::TooLarge {
                     what: match index {
                         0 => "the claim's inbox item".to_owned(),
-                        _ => format!("the Put item of action {}", index - 1),
+                        _ if index <= guard => "the sequence guard's item".to_owned(),
+                        _ => format!("the Put item of action {}", index - 1 - guard),
                     },
                     bytes,
                     max: size::MAX_ITEM_BYTES,
@@ -1749,7 +1857,30 @@ mod tests {
             (&[], Cancelled),
         ];
         for (reasons, expected) in cases {
-            assert_eq!(verdict(reasons), expected, "{reasons:?}");
+            assert_eq!(verdict(reasons, None), expected, "{reasons:?}");
+        }
+        // With the sequence guard at index 1: its condition is told apart from the claim's
+        // (which still decides) and from the handler's actions' (after it).
+        let guarded: [(&[CancellationReason], Verdict); 4] = [
+            (&[reason(1, "ConditionalCheckFailed")], GuardFailed(1)),
+            (
+                &[
+                    reason(0, "ConditionalCheckFailed"),
+                    reason(1, "ConditionalCheckFailed"),
+                ],
+                ClaimTaken,
+            ),
+            (
+                &[
+                    reason(1, "ConditionalCheckFailed"),
+                    reason(3, "ConditionalCheckFailed"),
+                ],
+                GuardFailed(1),
+            ),
+            (&[reason(3, "ConditionalCheckFailed")], ConditionFailed(3)),
+        ];
+        for (reasons, expected) in guarded {
+            assert_eq!(verdict(reasons, Some(1)), expected, "{reasons:?}");
         }
     }
 
@@ -1767,14 +1898,17 @@ mod tests {
         ];
         let mut failing = reason(1, "ConditionalCheckFailed");
         failing.message = Some("The conditional request failed".into());
-        let failed = condition_failed(&items, &[failing], 1);
+        let failed = condition_failed(&items, &[failing], 1, 0);
         assert_eq!(
             (failed.index, failed.action, failed.table.as_str()),
             (0, "ConditionCheck", "t")
         );
         assert_eq!(failed.message, "The conditional request failed");
         // DynamoDB answered with more reasons than the request had actions.
-        let failed = condition_failed(&items, &[reason(5, "ConditionalCheckFailed")], 5);
+        // After a sequence guard of 2 actions, request index 5 is the handler's action 2.
+        let failed = condition_failed(&items, &[reason(5, "ConditionalCheckFailed")], 5, 2);
+        assert_eq!(failed.index, 2);
+        let failed = condition_failed(&items, &[reason(5, "ConditionalCheckFailed")], 5, 0);
         assert_eq!(
             (failed.index, failed.action, failed.table.as_str()),
             (4, "(unknown action)", "")

@@ -76,10 +76,14 @@ use crate::types::error::Disposition;
 /// (`+TERM`, an advisory is published; the message stays in the stream); Kafka and the file
 /// source move past it (it stays in the log or file).
 ///
+/// **Parked messages**: while it runs, the worker calls
+/// [`DynamoDispatcher::sweep_parked`] every [`park_sweep`](Self::park_sweep) (default 60 s), as
+/// the SQL [`Worker`](crate::Worker) does; parked and stale deliveries are acked (counted in
+/// [`WorkerReport::parked`] and [`WorkerReport::stale`]).
+///
 /// **Not here** (SQL only): batches of deliveries per transaction, kept connection slots,
-/// partitions and the parked-message sweep (DynamoDB keeps no per-aggregate order), fencing
-/// hooks. [`WorkerReport`]'s `batches`, `batched`, `max_batches_in_flight`,
-/// `contention_fallbacks`, `fenced`, `stale` and `parked` stay 0.
+/// partitions, fencing hooks. [`WorkerReport`]'s `batches`, `batched`,
+/// `max_batches_in_flight`, `contention_fallbacks` and `fenced` stay 0.
 ///
 /// ```no_run
 /// # async fn demo(source: impl inbox_runtime::source::Source) -> Result<(), Box<dyn std::error::Error>> {
@@ -105,6 +109,7 @@ pub struct DynamoWorker {
     requeue_delay: Duration,
     drain_timeout: Duration,
     idle: Option<Duration>,
+    park_sweep: Option<Duration>,
 }
 
 /// The settlement policy of [`DynamoWorker`]: how the [`DynamoDispatcher`]'s result for one
@@ -154,7 +159,7 @@ fn verdict(outcome: &DynamoConsumerOutcome) -> Verdict {
 
 impl DynamoWorker {
     /// A worker over `dispatcher`: concurrency 8, requeue delay 1 s, drain timeout 30 s, no idle
-    /// stop.
+    /// stop, the parked-message sweep every 60 s.
     pub fn new(dispatcher: DynamoDispatcher) -> Self {
         Self::from_arc(Arc::new(dispatcher))
     }
@@ -167,10 +172,17 @@ impl DynamoWorker {
             requeue_delay: Duration::from_secs(1),
             drain_timeout: Duration::from_secs(30),
             idle: None,
+            park_sweep: Some(Duration::from_secs(60)),
         }
     }
 
     setters! {
+        /// How often, while running, the worker calls [`DynamoDispatcher::sweep_parked`]
+        /// (parked messages whose gap stayed open past the dispatcher's
+        /// [`ParkPolicy`](crate::types::ParkPolicy) are dead-lettered or released). Default
+        /// every 60 s; `None` turns it off.
+        pub fn park_sweep(every: Option<Duration>);
+
         /// At most `n` deliveries fetched and not yet settled (at least 1). Default 8.
         pub fn concurrency(n: usize) {
             self.concurrency = n.max(1);
@@ -213,8 +225,39 @@ impl DynamoWorker {
     ) -> Result<WorkerReport, WorkerError> {
         source.set_payload_limit(self.dispatcher.payload_limit());
         let mut run = Run::new(self);
+        // The parked-message sweep runs beside the loop and stops with it.
+        let _stop_sweeping = self.sweep_parked_beside();
         run.poll(&mut source, &shutdown).await;
         run.finish(source).await
+    }
+
+    /// Starts the parked-message sweep (every [`park_sweep`](Self::park_sweep), if set) on its
+    /// own task; it stops when the returned guard is dropped.
+    fn sweep_parked_beside(&self) -> tokio_util::sync::DropGuard {
+        let sweeping = CancellationToken::new();
+        let guard = sweeping.clone().drop_guard();
+        let Some(every) = self.park_sweep else {
+            return guard;
+        };
+        let dispatcher = self.dispatcher.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    () = sweeping.cancelled() => break,
+                    () = tokio::time::sleep(every) => {}
+                }
+                match dispatcher.sweep_parked().await {
+                    Ok(report) if report.dead_lettered + report.released > 0 => tracing::warn!(
+                        dead_lettered = report.dead_lettered,
+                        released = report.released,
+                        "parked messages whose gap stayed open"
+                    ),
+                    Ok(_) => {}
+                    Err(error) => tracing::warn!(%error, "parked-message sweep failed"),
+                }
+            }
+        });
+        guard
     }
 
     /// Like [`run`](Self::run), shutting down gracefully on SIGINT or SIGTERM (see
