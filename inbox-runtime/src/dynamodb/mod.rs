@@ -700,6 +700,28 @@ pub fn partition_key(consumer: &str, key: &IdempotencyKey) -> String {
     format!("{}:{consumer}{}", consumer.len(), key.as_str())
 }
 
+/// The key's [`partition_key`], refused before any call: [`DynamoError::EmptyConsumer`], or
+/// [`DynamoError::PartitionKeyTooLong`] above [`MAX_PARTITION_KEY_BYTES`].
+#[allow(clippy::result_large_err)] // See `decide`.
+fn checked_partition_key<E>(
+    consumer: &str,
+    key: &IdempotencyKey,
+) -> Result<String, DynamoError<E>> {
+    if consumer.is_empty() {
+        return Err(DynamoError::EmptyConsumer);
+    }
+    let pk = partition_key(consumer, key);
+    if pk.len() > MAX_PARTITION_KEY_BYTES {
+        return Err(DynamoError::PartitionKeyTooLong {
+            consumer: consumer.to_owned(),
+            key: key.clone(),
+            bytes: pk.len(),
+            max: MAX_PARTITION_KEY_BYTES,
+        });
+    }
+    Ok(pk)
+}
+
 /// The client request token of an attempt's `resend`: 32 hex digits of SHA-256 over consumer,
 /// key, attempt number and resend number (DynamoDB takes 1 to 36 characters). The SDK's own
 /// retries of one send (an answer lost) keep its token; a resend after a cancellation, which
@@ -1021,18 +1043,7 @@ impl DynamoInbox {
             mode,
             ordering: ordered,
         } = *delivery;
-        if consumer.is_empty() {
-            return Err(DynamoError::EmptyConsumer);
-        }
-        let pk = partition_key(consumer, key);
-        if pk.len() > MAX_PARTITION_KEY_BYTES {
-            return Err(DynamoError::PartitionKeyTooLong {
-                consumer: consumer.to_owned(),
-                key: key.clone(),
-                bytes: pk.len(),
-                max: MAX_PARTITION_KEY_BYTES,
-            });
-        }
+        let pk = checked_partition_key(consumer, key)?;
         let guard = match ordered {
             Some(ordered) => Some(ordering::Guard::new(consumer, key, ordered, mode)?),
             None => None,
@@ -1069,16 +1080,8 @@ impl DynamoInbox {
                 Ok(done) => done,
                 Err(error) => {
                     let class = classify(&error);
-                    let text = error.to_string();
-                    let disposition = self
-                        .record_failure(&ctx, claim, now, class, text, payload)
-                        .await?;
-                    return Err(DynamoError::Handler(HandlerFailure {
-                        error: Failed::Handler(error),
-                        class,
-                        attempts: attempt,
-                        disposition,
-                    }));
+                    let failed = Failed::Handler(error);
+                    return Err(self.failed(&ctx, claim, now, class, failed, payload).await);
                 }
             };
             match self
@@ -1086,12 +1089,7 @@ impl DynamoInbox {
                 .await?
             {
                 Submitted::Committed => return Ok(Outcome::Processed(value)),
-                Submitted::ClaimFailed(current) => {
-                    item = match current {
-                        Some(current) => Some(current),
-                        None => self.read(&ctx).await?,
-                    };
-                }
+                Submitted::ClaimFailed(current) => item = self.reread(&ctx, current).await?,
                 // The sequence guard's condition failed: stale, or a gap (see `ordering`).
                 Submitted::GuardFailed(position) => {
                     let settled = self
@@ -1102,24 +1100,14 @@ impl DynamoInbox {
                             return Ok(outcome.map(|never| match never {}));
                         }
                         ordering::Settled::Again(current) => {
-                            item = match current {
-                                Some(current) => Some(current),
-                                None => self.read(&ctx).await?,
-                            };
+                            item = self.reread(&ctx, current).await?;
                         }
                     }
                 }
                 Submitted::ConditionFailed(failed) => {
                     let class = failed.class();
-                    let disposition = self
-                        .record_failure(&ctx, claim, now, class, failed.to_string(), payload)
-                        .await?;
-                    return Err(DynamoError::Handler(HandlerFailure {
-                        error: Failed::Condition(failed),
-                        class,
-                        attempts: attempt,
-                        disposition,
-                    }));
+                    let failed = Failed::Condition(failed);
+                    return Err(self.failed(&ctx, claim, now, class, failed, payload).await);
                 }
             }
         }
@@ -1127,6 +1115,45 @@ impl DynamoInbox {
             consumer: consumer.to_owned(),
             key: key.clone(),
         })
+    }
+
+    /// The item as a cancellation returned it (`ALL_OLD`), or a consistent read where it did not.
+    async fn reread<E>(
+        &self,
+        ctx: &Ctx<'_>,
+        returned: Option<HashMap<String, AttributeValue>>,
+    ) -> Result<Option<HashMap<String, AttributeValue>>, DynamoError<E>> {
+        match returned {
+            Some(current) => Ok(Some(current)),
+            None => self.read(ctx).await,
+        }
+    }
+
+    /// A handler's failure (its error, or a condition of its actions) recorded on the claim's
+    /// condition ([`Self::record_failure`]): [`DynamoError::Handler`] with the disposition, or
+    /// the error of the record's write.
+    async fn failed<E: std::fmt::Display>(
+        &self,
+        ctx: &Ctx<'_>,
+        claim: Claim,
+        now: Now,
+        class: ErrorClass,
+        failed: Failed<E>,
+        payload: &[u8],
+    ) -> DynamoError<E> {
+        let attempts = claim.attempts_before().saturating_add(1);
+        match self
+            .record_failure(ctx, claim, now, class, failed.to_string(), payload)
+            .await
+        {
+            Ok(disposition) => DynamoError::Handler(HandlerFailure {
+                error: failed,
+                class,
+                attempts,
+                disposition,
+            }),
+            Err(error) => error,
+        }
     }
 
     /// A consistent read of the key's item.
