@@ -751,6 +751,77 @@ pub(crate) async fn run_psycopg2(
     })
 }
 
+/// The shared cursor of a row's client tasks: the list's next index, and the start line they
+/// all wait at once set up (so that the clock starts when every client is ready).
+#[derive(Clone)]
+struct Cursor {
+    next: Arc<AtomicUsize>,
+    start: Arc<tokio::sync::Barrier>,
+}
+
+impl Cursor {
+    /// Waits until every client (and the clock) is ready.
+    async fn started(&self) {
+        self.start.wait().await;
+    }
+
+    /// The next index of the list to run (past its end when the list is done).
+    fn take(&self) -> usize {
+        self.next.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// Runs `workers` client tasks (`client`, given the shared [`Cursor`]; each returns how many
+/// new messages it applied and how many duplicates it saw) from a common start to the last
+/// one's end, and checks their counts against the list. The CPU is measured over that span.
+async fn run_clients<F, Fut>(
+    pg: &Pg,
+    workload: &Workload,
+    workers: usize,
+    client: F,
+) -> Result<Ran, BoxError>
+where
+    F: Fn(Cursor) -> Fut,
+    Fut: std::future::Future<Output = Result<(usize, usize), BoxError>> + Send + 'static,
+{
+    let cursor = Cursor {
+        next: Arc::new(AtomicUsize::new(0)),
+        start: Arc::new(tokio::sync::Barrier::new(workers + 1)),
+    };
+    let tasks: Vec<_> = (0..workers)
+        .map(|_| tokio::spawn(client(cursor.clone())))
+        .collect();
+    cursor.started().await;
+    let before = pg.cpu.snapshot();
+    let started = Instant::now();
+    let (mut new, mut duplicates, mut failure) = (0, 0, None);
+    for task in tasks {
+        match task.await? {
+            Ok((n, d)) => {
+                new += n;
+                duplicates += d;
+            }
+            Err(error) => {
+                failure.get_or_insert(error.to_string());
+            }
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let cpu = pg.cpu.snapshot().since(&before);
+    if failure.is_none() && (new != workload.messages || duplicates != workload.redeliveries) {
+        failure = Some(format!(
+            "{new} applied, {duplicates} duplicates; expected {} and {}",
+            workload.messages, workload.redeliveries
+        ));
+    }
+    Ok(Ran {
+        seconds,
+        cpu,
+        client_cpu: cpu.client,
+        failure,
+    })
+}
+
 /// The naive inbox as a Rust user writes it by hand with sqlx over the whole list: `workers`
 /// tasks, each holding one connection of a pool of `workers`, taking the next delivery of the
 /// list; per delivery `begin()`, [`SQLX_CLAIM`], [`EFFECT`] if it inserted, `commit()`.
@@ -764,20 +835,13 @@ async fn run_sqlx_naive(pg: &Pg, workload: &Workload, workers: usize) -> Result<
             .map(|m| (m.event_id.to_string(), m.amount, m.account))
             .collect(),
     );
-    let next = Arc::new(AtomicUsize::new(0));
-    let start = Arc::new(tokio::sync::Barrier::new(workers + 1));
-    let mut tasks = Vec::with_capacity(workers);
-    for _ in 0..workers {
-        let (pool, list, next, start) = (pool.clone(), list.clone(), next.clone(), start.clone());
-        tasks.push(tokio::spawn(async move {
+    let ran = run_clients(pg, workload, workers, |cursor| {
+        let (pool, list) = (pool.clone(), list.clone());
+        async move {
             let mut conn = pool.acquire().await?;
             let (mut inserted, mut duplicates) = (0_usize, 0_usize);
-            start.wait().await;
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some((key, amount, account)) = list.get(i) else {
-                    break;
-                };
+            cursor.started().await;
+            while let Some((key, amount, account)) = list.get(cursor.take()) {
                 let mut tx = sqlx::Connection::begin(&mut *conn).await?;
                 let new = sqlx::query(SQLX_CLAIM)
                     .bind(CONSUMER)
@@ -798,39 +862,12 @@ async fn run_sqlx_naive(pg: &Pg, workload: &Workload, workers: usize) -> Result<
                 }
                 tx.commit().await?;
             }
-            Ok::<_, BoxError>((inserted, duplicates))
-        }));
-    }
-    start.wait().await;
-    let before = pg.cpu.snapshot();
-    let started = Instant::now();
-    let (mut inserted, mut duplicates, mut failure) = (0, 0, None);
-    for task in tasks {
-        match task.await? {
-            Ok((p, d)) => {
-                inserted += p;
-                duplicates += d;
-            }
-            Err(error) => {
-                failure.get_or_insert(error.to_string());
-            }
+            Ok((inserted, duplicates))
         }
-    }
-    let seconds = started.elapsed().as_secs_f64();
-    let cpu = pg.cpu.snapshot().since(&before);
-    pool.close().await;
-    if failure.is_none() && (inserted != workload.messages || duplicates != workload.redeliveries) {
-        failure = Some(format!(
-            "{inserted} inserted, {duplicates} duplicates; expected {} and {}",
-            workload.messages, workload.redeliveries
-        ));
-    }
-    Ok(Ran {
-        seconds,
-        cpu,
-        client_cpu: cpu.client,
-        failure,
     })
+    .await;
+    pool.close().await;
+    ran
 }
 
 /// `Dispatcher::dispatch_on` over the whole list: `workers` tasks, each with its own
@@ -843,22 +880,14 @@ async fn run_dispatch_on(
 ) -> Result<Ran, BoxError> {
     let pool = crate::pg_pool(&pg.opts, workers).await?;
     let dispatcher = Arc::new(Dispatcher::from_registry(pool.clone())?);
-    let next = Arc::new(AtomicUsize::new(0));
-    let start = Arc::new(tokio::sync::Barrier::new(workers + 1));
-    let mut tasks = Vec::with_capacity(workers);
-    for _ in 0..workers {
-        let (dispatcher, envelopes, next, start) = (
-            dispatcher.clone(),
-            envelopes.clone(),
-            next.clone(),
-            start.clone(),
-        );
-        tasks.push(tokio::spawn(async move {
+    let ran = run_clients(pg, workload, workers, |cursor| {
+        let (dispatcher, envelopes) = (dispatcher.clone(), envelopes.clone());
+        async move {
             let mut slot = ConnectionSlot::new();
             let (mut processed, mut duplicates) = (0_usize, 0_usize);
-            start.wait().await;
+            cursor.started().await;
             loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
+                let i = cursor.take();
                 let Some(envelope) = envelopes.get(i) else {
                     break;
                 };
@@ -870,40 +899,12 @@ async fn run_dispatch_on(
                     }
                 }
             }
-            Ok::<_, BoxError>((processed, duplicates))
-        }));
-    }
-    start.wait().await;
-    let before = pg.cpu.snapshot();
-    let started = Instant::now();
-    let (mut processed, mut duplicates, mut failure) = (0, 0, None);
-    for task in tasks {
-        match task.await? {
-            Ok((p, d)) => {
-                processed += p;
-                duplicates += d;
-            }
-            Err(error) => {
-                failure.get_or_insert(error.to_string());
-            }
+            Ok((processed, duplicates))
         }
-    }
-    let seconds = started.elapsed().as_secs_f64();
-    let cpu = pg.cpu.snapshot().since(&before);
-    pool.close().await;
-    if failure.is_none() && (processed != workload.messages || duplicates != workload.redeliveries)
-    {
-        failure = Some(format!(
-            "{processed} processed, {duplicates} duplicates; expected {} and {}",
-            workload.messages, workload.redeliveries
-        ));
-    }
-    Ok(Ran {
-        seconds,
-        cpu,
-        client_cpu: cpu.client,
-        failure,
     })
+    .await;
+    pool.close().await;
+    ran
 }
 
 /// The Worker's settings after `configure`, as its `Debug` shows them (the dispatcher left out).
