@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_runtime::dynamodb::sdk::types::{AttributeValue, Update};
-use inbox_runtime::dynamodb::{self, DynamoDispatcher, DynamoError, DynamoInbox, DynamoTx};
+use inbox_runtime::dynamodb::{self, DynamoDispatcher, DynamoInbox, DynamoTx};
 use inbox_runtime::types::{ParkPolicy, ParkTimeout, Status};
 use inbox_runtime::{Message, Outcome, idempotent};
 use inbox_tests::dynamo::{TestError, endpoint};
