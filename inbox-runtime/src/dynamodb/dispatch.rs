@@ -103,6 +103,7 @@ async fn run_with<H: DynamoHandler>(
         gaps: H::GAPS,
     });
     let own;
+    let base = inbox;
     let inbox = match H::MAX_ATTEMPTS {
         Some(max) => {
             // A clone shares the client and the counters: only the policy differs.
@@ -139,7 +140,8 @@ async fn run_with<H: DynamoHandler>(
         && matches!(mode, Mode::Deliver | Mode::Replay)
     {
         let duplicate = matches!(result, Ok(Outcome::Duplicate));
-        release_successors(inbox, routes, H::CONSUMER, &ordered.ordering, duplicate).await;
+        // On the inbox as given: each successor's handler applies its own `max_attempts`.
+        release_successors(base, routes, H::CONSUMER, &ordered.ordering, duplicate).await;
     }
     result
 }
@@ -154,7 +156,6 @@ pub trait DynDynamoHandler: Send + Sync + 'static {
     fn decode(&self, payload: &str) -> Result<Box<AnyMessage>, serde_json::Error>;
     fn key(&self, msg: &AnyMessage) -> Result<IdempotencyKey, KeyError>;
     fn fingerprint(&self, msg: &AnyMessage) -> Result<Fingerprint, FingerprintError>;
-    fn gaps(&self) -> GapPolicy;
     fn invoke<'a>(
         &'a self,
         inbox: &'a DynamoInbox,
@@ -223,9 +224,6 @@ where
     }
     fn fingerprint(&self, msg: &AnyMessage) -> Result<Fingerprint, FingerprintError> {
         Fingerprint::of(<H::Message as Message>::NAME, downcast::<H::Message>(msg))
-    }
-    fn gaps(&self) -> GapPolicy {
-        H::GAPS
     }
     fn invoke<'a>(
         &'a self,

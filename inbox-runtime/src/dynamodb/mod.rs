@@ -148,8 +148,10 @@
 //! One table, partition key `pk` (string): `<len>:<consumer><key>`, the consumer's length in
 //! UTF-8 bytes, a colon, the consumer and the idempotency key (no two pairs share one). On-demand
 //! billing; TTL on `expires_at`. Attributes: `consumer`, `message_key`, `message_name`,
-//! `payload_hash` (64 hex digits, [`Fingerprint`]), `status` (`processed` | `failed` | `dead`;
-//! `in_progress` for the lease of an HTTP request still running, see
+//! `payload_hash` (64 hex digits, [`Fingerprint`]), `status` (`processed`, `failed`, `dead`,
+//! `parked` or `stale`, with `aggregate_id` and `sequence` for ordered messages: see
+//! [`ordering`], which also describes the aggregates' positions and the parked messages'
+//! pointers kept in the same table; `in_progress` for the lease of an HTTP request still running, see
 //! `http::DynamoIdempotencyLayer`, with `lease_owner` and `lease_until`: skipped by the admin's
 //! `stats` and `show`), `result` (binary: the stored response of an HTTP request's processed
 //! key, in [`StoredMessage::result`](crate::store::StoredMessage) of the admin's `show` and
@@ -192,8 +194,8 @@
 //!   workers' clocks should agree to well under the retry delays and the retention window.
 //! * A handler action on the inbox table's own item of this key is refused by DynamoDB (one
 //!   action per item per transaction): [`DynamoError::Cancelled`] or [`DynamoError::Dynamo`].
-//! * Not yet: the console, the outbox's listing and command line (dead outbox items: [`DynamoOutbox::retry`] and
-//!   [`DynamoOutbox::discard`]). A delivery the [`DynamoDispatcher`] refuses is not kept (there is no
+//! * Not yet: the console, the outbox's listing and command line (dead outbox items:
+//!   [`DynamoOutbox::retry`] and [`DynamoOutbox::discard`]). A delivery the [`DynamoDispatcher`] refuses is not kept (there is no
 //!   rejections table, and `stats` has no `rejected:…` rows): leave it to the broker's
 //!   dead-letter queue ([`DynamoWorker`] rejects it).
 //! * [`DynamoWorker`] is the [`Worker`](crate::Worker) without what is SQL-only: batches of
@@ -1868,6 +1870,29 @@ mod tests {
         for (reasons, expected) in cases {
             assert_eq!(verdict(reasons, None), expected, "{reasons:?}");
         }
+        // With the sequence guard at index 1: its condition is told apart from the claim's
+        // (which still decides) and from the handler's actions' (after it).
+        let guarded: [(&[CancellationReason], Verdict); 4] = [
+            (&[reason(1, "ConditionalCheckFailed")], GuardFailed(1)),
+            (
+                &[
+                    reason(0, "ConditionalCheckFailed"),
+                    reason(1, "ConditionalCheckFailed"),
+                ],
+                ClaimTaken,
+            ),
+            (
+                &[
+                    reason(1, "ConditionalCheckFailed"),
+                    reason(3, "ConditionalCheckFailed"),
+                ],
+                GuardFailed(1),
+            ),
+            (&[reason(3, "ConditionalCheckFailed")], ConditionFailed(3)),
+        ];
+        for (reasons, expected) in guarded {
+            assert_eq!(verdict(reasons, Some(1)), expected, "{reasons:?}");
+        }
     }
 
     #[test]
@@ -1891,6 +1916,9 @@ mod tests {
         );
         assert_eq!(failed.message, "The conditional request failed");
         // DynamoDB answered with more reasons than the request had actions.
+        // After a sequence guard of 2 actions, request index 5 is the handler's action 2.
+        let failed = condition_failed(&items, &[reason(5, "ConditionalCheckFailed")], 5, 2);
+        assert_eq!(failed.index, 2);
         let failed = condition_failed(&items, &[reason(5, "ConditionalCheckFailed")], 5, 0);
         assert_eq!(
             (failed.index, failed.action, failed.table.as_str()),

@@ -15,6 +15,11 @@
 //!   consumer's and the aggregate's lengths): `message_key`, `message_name` and `payload`,
 //!   so that the release finds sequence `n + 1` and runs it from one `GetItem`.
 //!
+//! Positions have no retention window (TTL never deletes them), as the SQL stores keep their
+//! aggregate state rows. A pointer is deleted in the transaction that applies, releases or
+//! dead-letters its message. Two keys parked at one aggregate's same sequence share a pointer:
+//! the later park replaces it, and the earlier message is settled by the sweep only.
+//!
 //! Inbox items of ordered messages carry `aggregate_id` and `sequence`. A `parked` item keeps
 //! its payload and the dead-letter index's attribute ([`DEAD_LETTER_ATTRIBUTE`]: the sweep finds
 //! the consumer's parked items through the index, by `received_at`); it has no retention window
