@@ -885,3 +885,93 @@ async fn the_sweep_releases_a_successor_whose_gap_closed_instead_of_dead_letteri
     );
     assert_eq!(pointers(&inbox).await, Vec::<String>::new());
 }
+
+/// Two keys parked at one aggregate's same sequence (a producer's mistake) share a pointer. The
+/// sweep's release applies one of them (the aggregate's position jumps to it) and settles the
+/// other as stale: neither is left parked for ever, nothing is applied twice, no pointer stays.
+#[tokio::test]
+async fn two_keys_parked_at_one_sequence_are_both_settled_by_the_sweep() {
+    let inbox = setup().await;
+    let dispatcher = DynamoDispatcher::from_registry(inbox.clone()).unwrap();
+    let order = fresh("dup");
+    let mut first = event(&order, 3, "first");
+    first.event_id = format!("{order}/3a");
+    let mut second = event(&order, 3, "second");
+    second.event_id = format!("{order}/3b");
+    assert_eq!(park(&dispatcher, &first).await, Ok(Outcome::Parked));
+    assert_eq!(park(&dispatcher, &second).await, Ok(Outcome::Parked));
+    assert_eq!(pointers(&inbox).await.len(), 1);
+    let release = DynamoDispatcher::from_registry(inbox.clone())
+        .unwrap()
+        .with_park_policy(ParkPolicy::new(Duration::ZERO, ParkTimeout::Release));
+    let report = release.sweep_parked().await.unwrap();
+    assert_eq!(
+        (report.released, report.dead_lettered),
+        (1, 0),
+        "{report:?}"
+    );
+    assert_eq!(
+        history(&inbox, "rv-park", &order).await.as_deref(),
+        Some("first")
+    );
+    assert_eq!(
+        (
+            status(&inbox, "rv-park", &first.event_id).await,
+            status(&inbox, "rv-park", &second.event_id).await
+        ),
+        (Some(Status::Processed), Some(Status::Stale))
+    );
+    assert_eq!(pointers(&inbox).await, Vec::<String>::new());
+    // Swept again: nothing left.
+    let report = release.sweep_parked().await.unwrap();
+    assert_eq!(
+        (report.released, report.dead_lettered),
+        (0, 0),
+        "{report:?}"
+    );
+}
+
+/// A successor whose release failed (retryable: `failed`, its pointer kept) and the one parked
+/// behind it are applied in order by the next sweep with the release policy, not released over
+/// a gap: `released` counts none (no gap was open), and each effect is once.
+#[tokio::test]
+async fn the_release_sweep_goes_on_from_the_position_past_a_failed_successor() {
+    let inbox = setup().await;
+    let dispatcher = DynamoDispatcher::from_registry(inbox.clone()).unwrap();
+    let order = fresh("fr");
+    for seq in [4, 3, 2] {
+        assert_eq!(
+            park(&dispatcher, &event(&order, seq, &seq.to_string())).await,
+            Ok(Outcome::Parked)
+        );
+    }
+    FAIL_ONCE.lock().unwrap().push(format!("rv-park:{order}/2"));
+    assert_eq!(
+        park(&dispatcher, &event(&order, 1, "1")).await,
+        Ok(Outcome::Processed(()))
+    );
+    assert_eq!(
+        history(&inbox, "rv-park", &order).await.as_deref(),
+        Some("1")
+    );
+    let release = DynamoDispatcher::from_registry(inbox.clone())
+        .unwrap()
+        .with_park_policy(ParkPolicy::new(Duration::ZERO, ParkTimeout::Release));
+    let report = release.sweep_parked().await.unwrap();
+    assert_eq!(
+        (report.released, report.dead_lettered),
+        (0, 0),
+        "{report:?}"
+    );
+    assert_eq!(
+        history(&inbox, "rv-park", &order).await.as_deref(),
+        Some("1,2,3,4")
+    );
+    for seq in 2..=4 {
+        assert_eq!(
+            status(&inbox, "rv-park", &format!("{order}/{seq}")).await,
+            Some(Status::Processed)
+        );
+    }
+    assert_eq!(pointers(&inbox).await, Vec::<String>::new());
+}

@@ -17,8 +17,9 @@
 //!
 //! Positions have no retention window (TTL never deletes them), as the SQL stores keep their
 //! aggregate state rows. A pointer is deleted in the transaction that applies, releases or
-//! dead-letters its message. Two keys parked at one aggregate's same sequence share a pointer:
-//! the later park replaces it, and the earlier message is settled by the sweep only.
+//! dead-letters its message (or, for a handler with 98 actions, right after that transaction).
+//! Two keys parked at one aggregate's same sequence share a pointer: the later park replaces
+//! it, and the earlier message is settled by the sweep only.
 //!
 //! Inbox items of ordered messages carry `aggregate_id` and `sequence`. A `parked` item keeps
 //! its payload and the dead-letter index's attribute ([`DEAD_LETTER_ATTRIBUTE`]: the sweep finds
@@ -746,7 +747,14 @@ impl DynamoDispatcher {
                     }
                 };
                 reached = Some((aggregate, applied_to));
-                if *sequence <= applied_to {
+                // Applied meanwhile, most likely: read again. One still parked (another key
+                // at a sequence applied) is settled by the policy (released: stale).
+                if *sequence <= applied_to
+                    && admin
+                        .show(consumer, key)
+                        .await?
+                        .is_none_or(|now| now.status != Status::Parked)
+                {
                     continue;
                 }
                 match self.park.on_timeout {
