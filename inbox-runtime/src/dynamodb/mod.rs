@@ -384,7 +384,7 @@ pub enum DynamoError<E> {
     #[error(transparent)]
     Fingerprint(#[from] FingerprintError),
     /// The handler added more than [`MAX_HANDLER_ITEMS`] actions (a handler of an ordered
-    /// message: 98, or 97 when it takes a parked message over; see [`ordering`]): nothing was
+    /// message: 98; see [`ordering`]): nothing was
     /// submitted or recorded.
     #[error(
         "the handler added {items} DynamoDB actions; a transaction takes at most {max} besides the claim"
@@ -1326,10 +1326,17 @@ impl DynamoInbox {
         actions: Vec<TransactWriteItem>,
     ) -> Result<Submitted, DynamoError<E>> {
         // The sequence guard's actions go between the claim and the handler's.
-        let guarded = match ctx.guard {
+        let mut guarded = match ctx.guard {
             Some(guard) => guard.actions(self, ctx, claim)?,
             None => Vec::new(),
         };
+        // A takeover's pointer `Delete` (the guard's second action) leaves its place to a
+        // handler's 98th action, and follows the commit instead (see `ordering`).
+        let mut pointer_after = false;
+        if guarded.len() == 2 && actions.len() + guarded.len() > MAX_HANDLER_ITEMS {
+            guarded.truncate(1);
+            pointer_after = true;
+        }
         let max = MAX_HANDLER_ITEMS - guarded.len();
         if actions.len() > max {
             return Err(DynamoError::TooManyItems {
@@ -1359,7 +1366,11 @@ impl DynamoInbox {
         items.extend(actions);
         check_sizes(&items, layout.guard_actions)?;
         let token = |resend: usize| request_token(ctx.consumer, ctx.key, attempt, resend);
-        self.transact(ctx, &items, layout, token, resend).await
+        let submitted = self.transact(ctx, &items, layout, token, resend).await?;
+        if let (Submitted::Committed, true, Some(guard)) = (&submitted, pointer_after, ctx.guard) {
+            guard.delete_pointer_after_commit(self, ctx).await;
+        }
+        Ok(submitted)
     }
 
     /// Sends `items` (action 0 the key's own conditional `Put`, then the handler's actions) as

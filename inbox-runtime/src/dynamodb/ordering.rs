@@ -17,8 +17,9 @@
 //!
 //! Positions have no retention window (TTL never deletes them), as the SQL stores keep their
 //! aggregate state rows. A pointer is deleted in the transaction that applies, releases or
-//! dead-letters its message. Two keys parked at one aggregate's same sequence share a pointer:
-//! the later park replaces it, and the earlier message is settled by the sweep only.
+//! dead-letters its message (or, for a handler with 98 actions, right after that transaction).
+//! Two keys parked at one aggregate's same sequence share a pointer: the later park replaces
+//! it, and the earlier message is settled by the sweep only.
 //!
 //! Inbox items of ordered messages carry `aggregate_id` and `sequence`. A `parked` item keeps
 //! its payload and the dead-letter index's attribute ([`DEAD_LETTER_ATTRIBUTE`]: the sweep finds
@@ -34,8 +35,10 @@
 //! release by the sweep) or `last_sequence = :seq - 1` (`gaps = "park"`; for sequence 1 also
 //! `attribute_not_exists(last_sequence)`: a fresh aggregate starts at 0, as on SQL). A claim
 //! that takes a parked (or failed) item over also deletes its pointer in the same transaction.
-//! The handler's actions follow (so an ordered handler has at most 98 actions, 97 when it takes
-//! a parked item over). When the position's condition fails (told apart from the claim's and the
+//! The handler's actions follow (so an ordered handler has at most 98 actions; when one with
+//! 98 takes an item over, the pointer's `Delete` has no room, and a `DeleteItem` on the
+//! pointer follows the commit instead — a pointer that outlives it, the process stopped
+//! between them, leads the release to a processed item, which it goes past). When the position's condition fails (told apart from the claim's and the
 //! handler's by its index), the position as it is now comes with the cancellation reason
 //! (`ALL_OLD`), or from a consistent `GetItem`, and:
 //!
@@ -86,10 +89,15 @@
 //! [`DynamoDispatcher::sweep_parked`] finds, per consumer of the dispatcher, the parked items
 //! received at least [`ParkPolicy::timeout`] ago (a `Query` of the dead-letter index on the
 //! consumer and `received_at`, filtered on `status = parked`, eventually consistent), reads each
-//! (`GetItem`) and, by [`ParkPolicy::on_timeout`], dead-letters it (one `TransactWriteItems`:
-//! the item `dead` with the reason, payload kept, and its pointer deleted) or releases it (its
-//! handler runs with the position's condition `last_sequence < :seq`: the position jumps to it,
-//! then its own successors follow in order). [`DynamoWorker`](super::DynamoWorker) runs it
+//! (`GetItem`) and takes them in each aggregate's sequence order (the index gives them by
+//! arrival: a later one released first would make the earlier ones stale). Per aggregate it
+//! first goes on from the aggregate's position, as a duplicate does: successors a release left
+//! behind with their gap closed (its process stopped after the commit, or a successor's handler
+//! failed: `failed`, with its pointer — no delivery of it comes again, it was acked as parked)
+//! are applied in order. Then, by [`ParkPolicy::on_timeout`], each one still parked is
+//! dead-lettered (one `TransactWriteItems`: the item `dead` with the reason, payload kept, and
+//! its pointer deleted) or released (its handler runs with the position's condition
+//! `last_sequence < :seq`: the position jumps to it, then its own successors follow in order). [`DynamoWorker`](super::DynamoWorker) runs it
 //! periodically ([`DynamoWorker::park_sweep`](super::DynamoWorker::park_sweep)).
 
 use std::collections::{BTreeSet, HashMap};
@@ -241,6 +249,35 @@ impl Guard {
             actions.push(self.delete_pointer(inbox, ctx)?);
         }
         Ok(actions)
+    }
+
+    /// Deletes the pointer of this message after its takeover committed without the pointer's
+    /// `Delete` (a handler with 98 actions left it no room): one `DeleteItem`, on the
+    /// condition that the pointer is this key's. A failure is logged: a pointer left to a
+    /// processed item reads as a duplicate to the release, which goes on past it.
+    pub(super) async fn delete_pointer_after_commit(&self, inbox: &DynamoInbox, ctx: &Ctx<'_>) {
+        inbox.count_call();
+        let deleted = inbox
+            .client
+            .delete_item()
+            .table_name(&inbox.table)
+            .key("pk", s(&self.pointer_pk))
+            .condition_expression("message_key = :key")
+            .expression_attribute_values(":key", s(ctx.key.as_str()))
+            .send()
+            .await;
+        if let Err(error) = deleted
+            && !error
+                .as_service_error()
+                .is_some_and(|e| e.is_conditional_check_failed_exception())
+        {
+            tracing::warn!(
+                consumer = ctx.consumer,
+                key = ctx.key.as_str(),
+                error = %super::Chain(&error),
+                "the parked message's pointer could not be deleted after its commit"
+            );
+        }
     }
 
     #[allow(clippy::result_large_err)] // See `new`.
@@ -560,15 +597,17 @@ pub(crate) async fn run_payload(
 /// until one is missing or is not applied. The first is the one after the message's sequence,
 /// or after a duplicate, the one after the aggregate's position (read first: a process that
 /// stopped inside this loop left the rest parked, and the message that started it, never
-/// acked, comes again). Problems are logged, not returned: the message that triggered this was
-/// processed.
+/// acked, comes again). A successor already processed (a concurrent release applied it, or its
+/// pointer outlived its commit) is gone past. Problems are logged, not returned: the message
+/// that triggered this was processed. Returns the sequence of the last successor applied (or
+/// gone past), else the one it started after.
 pub(crate) async fn release_successors(
     inbox: &DynamoInbox,
     routes: &dyn DynamoRoutes,
     consumer: &str,
     ordering: &Ordering,
     duplicate: bool,
-) {
+) -> i64 {
     let aggregate = ordering.aggregate_id.as_str();
     let mut sequence = ordering.sequence;
     if duplicate {
@@ -576,17 +615,17 @@ pub(crate) async fn release_successors(
             Ok(last) => sequence = sequence.max(last),
             Err(error) => {
                 tracing::warn!(%error, consumer, aggregate, "cannot read the aggregate's position");
-                return;
+                return sequence;
             }
         }
     }
     while let Some(next) = sequence.checked_add(1) {
         let pointer = match inbox.read_pointer(consumer, aggregate, next).await {
             Ok(Some(pointer)) => pointer,
-            Ok(None) => return,
+            Ok(None) => return sequence,
             Err(error) => {
                 tracing::warn!(%error, consumer, aggregate, "cannot look up parked successors");
-                return;
+                return sequence;
             }
         };
         let Some(handler) = routes.route(consumer, &pointer.message_name) else {
@@ -595,7 +634,7 @@ pub(crate) async fn release_successors(
                 message = pointer.message_name,
                 "parked message has no registered handler"
             );
-            return;
+            return sequence;
         };
         let result = run_payload(
             inbox,
@@ -607,7 +646,7 @@ pub(crate) async fn release_successors(
         )
         .await;
         match result {
-            Ok(Ok(Outcome::Processed(()))) => sequence = next,
+            Ok(Ok(Outcome::Processed(()) | Outcome::Duplicate)) => sequence = next,
             Ok(other) => {
                 tracing::info!(
                     consumer,
@@ -615,14 +654,15 @@ pub(crate) async fn release_successors(
                     outcome = ?other.as_ref().map(|o| o.kind()).map_err(ToString::to_string),
                     "parked successor not applied"
                 );
-                return;
+                return sequence;
             }
             Err(error) => {
                 tracing::warn!(%error, consumer, key = pointer.message_key, "parked successor cannot run");
-                return;
+                return sequence;
             }
         }
     }
+    sequence
 }
 
 impl DynamoDispatcher {
@@ -644,10 +684,14 @@ impl DynamoDispatcher {
     /// call, oldest first: dead-lettered (payload kept, the reason in `last_error`) or released
     /// (applied despite the gap, the aggregate's position jumping to it; its own parked
     /// successors follow in order), as [`Dispatcher::sweep_parked`](crate::Dispatcher::sweep_parked).
-    /// A parked message of a consumer this dispatcher has no handler for is left alone. Calls:
-    /// a `Query` of the dead-letter index per consumer (one per 1 MB page), a `GetItem` per
-    /// message found, then one `TransactWriteItems` to dead-letter it, or a release's calls
-    /// (see the [module's docs](self)). The index is eventually consistent: a message parked a
+    /// A parked message of a consumer this dispatcher has no handler for is left alone. The
+    /// messages are taken in each aggregate's sequence order, and each aggregate's successors
+    /// whose gap is closed (a release stopped by a failure or a crash) are first applied in
+    /// order, not swept. Calls: a `Query` of the dead-letter index per consumer (one per 1 MB
+    /// page), a `GetItem` per message found, per aggregate a `GetItem` of its position and one
+    /// of the pointer after it (and a release's calls per successor applied), then one
+    /// `TransactWriteItems` to dead-letter a message, or a release's calls (see the
+    /// [module's docs](self)). The index is eventually consistent: a message parked a
     /// moment ago may be swept by the next call.
     ///
     /// # Errors
@@ -667,15 +711,50 @@ impl DynamoDispatcher {
             self.handlers().iter().map(|info| info.consumer).collect();
         let mut report = SweepReport::default();
         for consumer in consumers {
+            // The expired parked messages, in each aggregate's sequence order (as the SQL
+            // stores' sweep: a later one released first would make the earlier ones stale).
+            let mut expired = Vec::new();
             for key in self.expired_parked(consumer, cutoff).await? {
                 let Some(stored) = admin.show(consumer, &key).await? else {
                     continue;
                 };
-                let (Some(aggregate), Some(sequence)) = (&stored.aggregate_id, stored.sequence)
+                let (Some(aggregate), Some(sequence)) =
+                    (stored.aggregate_id.clone(), stored.sequence)
                 else {
                     continue;
                 };
                 if stored.status != Status::Parked {
+                    continue;
+                }
+                expired.push((aggregate, sequence, key, stored));
+            }
+            expired.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+            // Per aggregate, the sequence its messages were applied up to, once read.
+            let mut reached: Option<(&str, i64)> = None;
+            for (aggregate, sequence, key, stored) in &expired {
+                let applied_to = match reached {
+                    Some((of, to)) if of == aggregate => to,
+                    // First, what a release left behind (stopped by a failure or a crash after
+                    // the commit that closed the gap): the successors of the aggregate's
+                    // position, applied in order, neither dead-lettered nor released over a
+                    // gap that is closed.
+                    _ => {
+                        let ordering = Ordering {
+                            aggregate_id: aggregate.clone(),
+                            sequence: 0,
+                        };
+                        release_successors(inbox, self, consumer, &ordering, true).await
+                    }
+                };
+                reached = Some((aggregate, applied_to));
+                // Applied meanwhile, most likely: read again. One still parked (another key
+                // at a sequence applied) is settled by the policy (released: stale).
+                if *sequence <= applied_to
+                    && admin
+                        .show(consumer, key)
+                        .await?
+                        .is_none_or(|now| now.status != Status::Parked)
+                {
                     continue;
                 }
                 match self.park.on_timeout {
@@ -687,7 +766,7 @@ impl DynamoDispatcher {
                             aggregate
                         );
                         if self
-                            .dead_letter_parked(consumer, &key, aggregate, sequence, &reason)
+                            .dead_letter_parked(consumer, key, aggregate, *sequence, &reason)
                             .await?
                         {
                             report.dead_lettered += 1;
@@ -701,14 +780,16 @@ impl DynamoDispatcher {
                             continue;
                         };
                         let result =
-                            run_payload(inbox, self, handler, &key, payload, Mode::Release).await;
+                            run_payload(inbox, self, handler, key, payload, Mode::Release).await;
                         if let Ok(Ok(Outcome::Processed(()))) = result {
                             report.released += 1;
                             let ordering = Ordering {
                                 aggregate_id: aggregate.clone(),
-                                sequence,
+                                sequence: *sequence,
                             };
-                            release_successors(inbox, self, consumer, &ordering, false).await;
+                            let to =
+                                release_successors(inbox, self, consumer, &ordering, false).await;
+                            reached = Some((aggregate, to));
                         }
                     }
                 }
