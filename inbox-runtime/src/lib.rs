@@ -382,7 +382,7 @@ pub mod __private {
     pub use crate::dispatch::direct::run;
     pub use crate::dispatch::registry::Registration;
     #[cfg(feature = "dynamodb")]
-    pub use crate::dynamodb::dispatch::{DynDynamoHandler, DynamoHandler, run as run_dynamo};
+    pub use crate::dynamodb::handler::{DynDynamoHandler, DynamoHandler, run as run_dynamo};
     pub use crate::partition::partitions_from;
     pub use crate::protocol::erased::DynHandler;
     pub use crate::protocol::single::{Handler, HandlerResult};

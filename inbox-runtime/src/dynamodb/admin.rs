@@ -328,7 +328,7 @@ impl DynamoInbox {
             })?;
         // An ordered message goes through the sequence guard (`gaps = "apply"`, as
         // `DynamoInbox::process`).
-        let ordered = stored.ordering().map(|ordering| super::ordering::Ordered {
+        let ordered = stored.ordering().map(|ordering| super::Ordered {
             ordering,
             gaps: crate::types::ordering::GapPolicy::Apply,
         });

@@ -8,379 +8,23 @@
 //! `TransactWriteItems`), and registers it (`inventory`, a collection of its own: the SQL
 //! [`Dispatcher`](crate::Dispatcher) never sees it) for [`DynamoDispatcher::from_registry`].
 
-use std::any::TypeId;
 use std::collections::HashMap;
 use std::fmt;
 
-use super::ordering::{DynamoRoutes, Ordered, Registered, release_successors};
-use super::{AdminError, DynamoError, DynamoInbox, DynamoTx, Failed, Mode};
-use crate::BoxFuture;
-use crate::protocol::erased::{AnyMessage, DecodedMessages, decode_once, routes};
-use crate::types::classify::{BoxError, ErrorClass};
+use super::handler::{
+    DynDynamoHandler, DynamoHandlerInfo, DynamoRegistration, DynamoReplayError, Run, info,
+};
+use super::{DynamoError, DynamoInbox, Mode};
+use crate::protocol::erased::{DecodedMessages, decode_once, routes};
+use crate::types::classify::BoxError;
 use crate::types::envelope::Envelope;
-use crate::types::error::{DispatchError, HandlerFailure};
-use crate::types::fingerprint::{Fingerprint, FingerprintError};
+use crate::types::error::DispatchError;
 use crate::types::json_text::json_text;
-use crate::types::key::{IdempotencyKey, KeyError};
+use crate::types::key::IdempotencyKey;
 use crate::types::limit::{PayloadLimit, PayloadLimitError};
-use crate::types::message::Message;
-use crate::types::ordering::{GapPolicy, Ordering, ParkPolicy};
+use crate::types::ordering::ParkPolicy;
 use crate::types::outcome::Outcome;
 use crate::types::status::Status;
-
-/// One `#[idempotent]` function whose first parameter is `&mut DynamoTx`, as the macro
-/// describes it to the runtime (generated code only).
-#[doc(hidden)]
-pub trait DynamoHandler: Send + Sync + 'static {
-    /// The message type of the second parameter.
-    type Message: Message;
-    /// The handler's `Ok` type.
-    type Output: Send + 'static;
-    /// The handler's `Err` type.
-    type Error: fmt::Display + Send + 'static;
-    /// The consumer name: the inbox scope of this handler.
-    const CONSUMER: &'static str;
-    /// Module path and name of the function, for diagnostics.
-    const FUNCTION: &'static str;
-    /// `#[idempotent(max_attempts = N)]`, overriding the inbox's [`RetryPolicy`](crate::RetryPolicy).
-    const MAX_ATTEMPTS: Option<u32> = None;
-    /// `#[idempotent(gaps = "park")]`: what an ordered message does on a gap.
-    const GAPS: GapPolicy = GapPolicy::Apply;
-
-    /// The idempotency key of `msg` for this handler.
-    fn key(msg: &Self::Message) -> Result<IdempotencyKey, KeyError>;
-
-    /// The place of `msg` in its aggregate for this handler: the message's own
-    /// (`#[message(aggregate)]`, `#[message(sequence)]`) unless `#[idempotent(aggregate = …,
-    /// sequence = …)]` names other fields.
-    fn ordering(msg: &Self::Message) -> Result<Option<Ordering>, KeyError> {
-        msg.ordering()
-    }
-
-    /// The class of a handler error (generated: `Classify`, else the error chain).
-    fn classify(_error: &Self::Error) -> ErrorClass {
-        ErrorClass::Retryable
-    }
-
-    /// The original function body: adds its actions to `tx`.
-    fn call<'t>(
-        tx: &'t mut DynamoTx,
-        msg: Self::Message,
-    ) -> BoxFuture<'t, Result<Self::Output, Self::Error>>;
-}
-
-/// What the rewritten function calls: one delivery of `msg` to `H` on `inbox` (its key from
-/// `H::key`, its fingerprint `Fingerprint::of(M::NAME, &msg)`, its JSON kept for a failed or dead
-/// item), with `H`'s `max_attempts` if it has one.
-#[doc(hidden)]
-pub async fn run<H: DynamoHandler>(
-    inbox: &DynamoInbox,
-    msg: H::Message,
-) -> Result<Outcome<H::Output>, DynamoError<H::Error>> {
-    let key = H::key(&msg)?;
-    let fingerprint = Fingerprint::of(<H::Message as Message>::NAME, &msg)?;
-    let payload = serde_json::to_vec(&msg).map_err(FingerprintError::from_json)?;
-    let run = Run::new(&key, fingerprint, &payload, Mode::Deliver, &Registered);
-    run_with::<H>(inbox, &msg, run).await
-}
-
-/// One delivery of `msg` to `H` as `run` says (its key, fingerprint, payload, mode, and the
-/// routes of parked successors to release after it).
-async fn run_with<H: DynamoHandler>(
-    inbox: &DynamoInbox,
-    msg: &H::Message,
-    run: Run<'_>,
-) -> Result<Outcome<H::Output>, DynamoError<H::Error>> {
-    let Run {
-        key,
-        fingerprint,
-        payload,
-        mode,
-        routes,
-    } = run;
-    let ordered = H::ordering(msg)?.map(|ordering| Ordered {
-        ordering,
-        gaps: H::GAPS,
-    });
-    let own;
-    let base = inbox;
-    let inbox = match H::MAX_ATTEMPTS {
-        Some(max) => {
-            // A clone shares the client and the counters: only the policy differs.
-            own = inbox
-                .clone()
-                .retry_policy(inbox.policy.clone().max_attempts(max));
-            &own
-        }
-        None => inbox,
-    };
-    let delivery = super::Delivery {
-        consumer: H::CONSUMER,
-        message_name: <H::Message as Message>::NAME,
-        key,
-        fingerprint,
-        payload,
-        mode,
-        ordering: ordered.as_ref(),
-    };
-    let result = inbox
-        .deliver(&delivery, H::classify, |mut tx| {
-            let msg = msg.clone();
-            async move {
-                let value = H::call(&mut tx, msg).await?;
-                Ok((tx, value))
-            }
-        })
-        .await;
-    // After a duplicate too: a process that stopped between a message's commit and the release
-    // of its parked successors left them parked, and the message, never acked, comes again. A
-    // released successor (`Resume`) does not release: the loop that runs it goes on itself.
-    if let (Ok(Outcome::Processed(_) | Outcome::Duplicate), Some(ordered)) = (&result, &ordered)
-        && H::GAPS == GapPolicy::Park
-        && matches!(mode, Mode::Deliver | Mode::Replay)
-    {
-        let duplicate = matches!(result, Ok(Outcome::Duplicate));
-        // On the inbox as given: each successor's handler applies its own `max_attempts`.
-        release_successors(base, routes, H::CONSUMER, &ordered.ordering, duplicate).await;
-    }
-    result
-}
-
-/// A DynamoDB handler with its types erased, as the [`DynamoDispatcher`] drives it.
-#[doc(hidden)]
-pub trait DynDynamoHandler: Send + Sync + 'static {
-    fn consumer(&self) -> &'static str;
-    fn message_name(&self) -> &'static str;
-    fn function(&self) -> &'static str;
-    fn message_type(&self) -> TypeId;
-    fn decode(&self, payload: &str) -> Result<Box<AnyMessage>, serde_json::Error>;
-    fn key(&self, msg: &AnyMessage) -> Result<IdempotencyKey, KeyError>;
-    fn fingerprint(&self, msg: &AnyMessage) -> Result<Fingerprint, FingerprintError>;
-    fn invoke<'a>(
-        &'a self,
-        inbox: &'a DynamoInbox,
-        msg: &'a AnyMessage,
-        run: Run<'a>,
-    ) -> BoxFuture<'a, Result<Outcome<()>, DynamoError<BoxError>>>;
-}
-
-/// What one erased run needs besides the message.
-#[doc(hidden)]
-#[derive(Clone, Copy)]
-pub struct Run<'a> {
-    key: &'a IdempotencyKey,
-    fingerprint: Fingerprint,
-    payload: &'a [u8],
-    mode: Mode,
-    /// Where parked successors released after this run are routed.
-    routes: &'a dyn DynamoRoutes,
-}
-
-impl<'a> Run<'a> {
-    pub(crate) fn new(
-        key: &'a IdempotencyKey,
-        fingerprint: Fingerprint,
-        payload: &'a [u8],
-        mode: Mode,
-        routes: &'a dyn DynamoRoutes,
-    ) -> Self {
-        Self {
-            key,
-            fingerprint,
-            payload,
-            mode,
-            routes,
-        }
-    }
-}
-
-fn downcast<M: 'static>(msg: &AnyMessage) -> &M {
-    msg.downcast_ref::<M>()
-        .expect("the dispatcher decodes each message as its handler's type")
-}
-
-impl<H> DynDynamoHandler for H
-where
-    H: DynamoHandler,
-    H::Error: Into<BoxError>,
-{
-    fn consumer(&self) -> &'static str {
-        H::CONSUMER
-    }
-    fn message_name(&self) -> &'static str {
-        <H::Message as Message>::NAME
-    }
-    fn function(&self) -> &'static str {
-        H::FUNCTION
-    }
-    fn message_type(&self) -> TypeId {
-        TypeId::of::<H::Message>()
-    }
-    fn decode(&self, payload: &str) -> Result<Box<AnyMessage>, serde_json::Error> {
-        Ok(Box::new(serde_json::from_str::<H::Message>(payload)?))
-    }
-    fn key(&self, msg: &AnyMessage) -> Result<IdempotencyKey, KeyError> {
-        H::key(downcast::<H::Message>(msg))
-    }
-    fn fingerprint(&self, msg: &AnyMessage) -> Result<Fingerprint, FingerprintError> {
-        Fingerprint::of(<H::Message as Message>::NAME, downcast::<H::Message>(msg))
-    }
-    fn invoke<'a>(
-        &'a self,
-        inbox: &'a DynamoInbox,
-        msg: &'a AnyMessage,
-        run: Run<'a>,
-    ) -> BoxFuture<'a, Result<Outcome<()>, DynamoError<BoxError>>> {
-        Box::pin(async move {
-            let msg = downcast::<H::Message>(msg);
-            run_with::<H>(inbox, msg, run)
-                .await
-                .map(|outcome| outcome.map(|_| ()))
-                .map_err(|error| map_handler_error(error, Into::into))
-        })
-    }
-}
-
-/// `error` with its handler error mapped by `f` (every other variant as it is).
-fn map_handler_error<E, F>(error: DynamoError<E>, f: impl FnOnce(E) -> F) -> DynamoError<F> {
-    match error {
-        DynamoError::Handler(HandlerFailure {
-            error,
-            class,
-            attempts,
-            disposition,
-        }) => DynamoError::Handler(HandlerFailure {
-            error: match error {
-                Failed::Handler(error) => Failed::Handler(f(error)),
-                Failed::Condition(condition) => Failed::Condition(condition),
-            },
-            class,
-            attempts,
-            disposition,
-        }),
-        DynamoError::Conflict(e) => DynamoError::Conflict(e),
-        DynamoError::Key(e) => DynamoError::Key(e),
-        DynamoError::Fingerprint(e) => DynamoError::Fingerprint(e),
-        DynamoError::TooManyItems { items, max } => DynamoError::TooManyItems { items, max },
-        DynamoError::TooLarge { what, bytes, max } => DynamoError::TooLarge { what, bytes, max },
-        DynamoError::Transient { tries, reasons } => DynamoError::Transient { tries, reasons },
-        DynamoError::Cancelled { reasons } => DynamoError::Cancelled { reasons },
-        DynamoError::Contended { consumer, key } => DynamoError::Contended { consumer, key },
-        DynamoError::Dynamo {
-            consumer,
-            key,
-            operation,
-            source,
-        } => DynamoError::Dynamo {
-            consumer,
-            key,
-            operation,
-            source,
-        },
-        DynamoError::PartitionKeyTooLong {
-            consumer,
-            key,
-            bytes,
-            max,
-        } => DynamoError::PartitionKeyTooLong {
-            consumer,
-            key,
-            bytes,
-            max,
-        },
-        DynamoError::Malformed {
-            consumer,
-            key,
-            reason,
-        } => DynamoError::Malformed {
-            consumer,
-            key,
-            reason,
-        },
-        DynamoError::EmptyConsumer => DynamoError::EmptyConsumer,
-    }
-}
-
-/// One `#[idempotent]` DynamoDB handler, as the registry holds it: what
-/// [`handler!(path::to::function)`](crate::handler!) gives for a function whose first parameter
-/// is `&mut DynamoTx`, for [`DynamoDispatcher::from_handlers`]. `#[idempotent]` submits one of
-/// these to a registry of its own (not the SQL [`Registration`](crate::dispatch::Registration)s')
-/// for every such handler.
-#[derive(Clone, Copy)]
-pub struct DynamoRegistration {
-    handler: &'static dyn DynDynamoHandler,
-}
-
-impl DynamoRegistration {
-    /// Wraps a handler (generated code only).
-    #[doc(hidden)]
-    pub const fn new(handler: &'static dyn DynDynamoHandler) -> Self {
-        Self { handler }
-    }
-
-    /// The handler.
-    pub(crate) fn handler(&self) -> &'static dyn DynDynamoHandler {
-        self.handler
-    }
-
-    /// The handler's consumer, message and function.
-    pub fn info(&self) -> DynamoHandlerInfo {
-        info(self.handler)
-    }
-}
-
-impl fmt::Debug for DynamoRegistration {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("DynamoRegistration")
-            .field(&self.info())
-            .finish()
-    }
-}
-
-inventory::collect!(DynamoRegistration);
-
-/// What the registry knows of one DynamoDB handler.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct DynamoHandlerInfo {
-    /// The consumer name (the handler's inbox scope).
-    pub consumer: &'static str,
-    /// The routing name of the message it handles.
-    pub message_name: &'static str,
-    /// Module path and name of the function.
-    pub function: &'static str,
-}
-
-impl fmt::Display for DynamoHandlerInfo {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} <- {} ({}, DynamoDB)",
-            self.consumer, self.message_name, self.function
-        )
-    }
-}
-
-fn info(handler: &dyn DynDynamoHandler) -> DynamoHandlerInfo {
-    DynamoHandlerInfo {
-        consumer: handler.consumer(),
-        message_name: handler.message_name(),
-        function: handler.function(),
-    }
-}
-
-/// Every `#[idempotent]` DynamoDB handler linked into this program, sorted by message name,
-/// consumer and function.
-pub fn registered_dynamo_handlers() -> Vec<DynamoHandlerInfo> {
-    let mut all: Vec<DynamoHandlerInfo> = inventory::iter::<DynamoRegistration>
-        .into_iter()
-        .map(|registration| info(registration.handler))
-        .collect();
-    all.sort_by(|a, b| {
-        (a.message_name, a.consumer, a.function).cmp(&(b.message_name, b.consumer, b.function))
-    });
-    all
-}
 
 /// Why a [`DynamoDispatcher`] could not be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -438,65 +82,6 @@ impl DynamoConsumerOutcome {
     }
 }
 
-/// Why [`DynamoDispatcher::replay`] did not run a stored message. Nothing was written.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum DynamoReplayError {
-    /// No item for this consumer and key (or an expired processed one).
-    #[error("consumer `{consumer}` has no message with key `{key}`")]
-    NotFound {
-        /// The consumer.
-        consumer: String,
-        /// The key.
-        key: String,
-    },
-    /// The item keeps no payload (a processed item does not; one written by something else).
-    #[error("message `{key}` of consumer `{consumer}` is {status} and keeps no payload")]
-    NoPayload {
-        /// The consumer.
-        consumer: String,
-        /// The key.
-        key: String,
-        /// Its status.
-        status: String,
-    },
-    /// No handler of this dispatcher serves that consumer and message.
-    #[error("no registered handler for consumer `{consumer}` and message `{message_name}`")]
-    NoHandler {
-        /// The consumer.
-        consumer: String,
-        /// The message name.
-        message_name: String,
-    },
-    /// The stored payload is not UTF-8 or does not decode as the handler's message type (any
-    /// more).
-    #[error("stored payload of `{message_name}` does not decode: {reason}")]
-    Decode {
-        /// The message name.
-        message_name: String,
-        /// The decoder's error.
-        reason: String,
-    },
-    /// The key given, or the decoded message's, is not a valid idempotency key.
-    #[error(transparent)]
-    Key(KeyError),
-    /// The decoded message cannot be fingerprinted.
-    #[error(transparent)]
-    Fingerprint(FingerprintError),
-    /// The decoded message's key is not the stored key (the key's definition changed).
-    #[error("stored key `{stored}` but the payload now yields key `{decoded}`")]
-    KeyMismatch {
-        /// The stored key.
-        stored: String,
-        /// The key the handler reads from the payload now.
-        decoded: String,
-    },
-    /// Reading the stored message failed ([`DynamoAdmin::show`](super::DynamoAdmin::show)'s
-    /// `GetItem`: the SDK's error with DynamoDB's code, or a malformed item).
-    #[error("reading the stored message failed: {0}")]
-    Read(#[from] AdminError),
-}
-
 /// Routes raw deliveries (message name and JSON payload, an [`Envelope`]) to every DynamoDB
 /// handler registered for their message name, each through the claim protocol of its
 /// [`DynamoInbox`]: the DynamoDB counterpart of the SQL [`Dispatcher`](crate::Dispatcher), with
@@ -544,7 +129,7 @@ impl DynamoDispatcher {
     pub fn from_registry(inbox: DynamoInbox) -> Result<Self, DynamoRegistryError> {
         let handlers = inventory::iter::<DynamoRegistration>
             .into_iter()
-            .map(|registration| registration.handler)
+            .map(|registration| registration.handler())
             .collect();
         Self::build(inbox, handlers, false)
     }
@@ -564,9 +149,9 @@ impl DynamoDispatcher {
         for registration in handlers {
             if !listed
                 .iter()
-                .any(|h| h.function() == registration.handler.function())
+                .any(|h| h.function() == registration.handler().function())
             {
-                listed.push(registration.handler);
+                listed.push(registration.handler());
             }
         }
         Self::build(inbox, listed, true)

@@ -218,17 +218,19 @@
 
 mod admin;
 pub(crate) mod dispatch;
+pub(crate) mod handler;
 #[cfg(feature = "http")]
 pub(crate) mod lease;
 pub mod ordering;
 pub mod outbox;
 mod size;
+mod sweep;
 mod worker;
 
 pub use admin::{AdminError, DEAD_LETTER_ATTRIBUTE, DEAD_LETTER_INDEX, DynamoAdmin, INDEX_WAIT};
-pub use dispatch::{
-    DynamoConsumerOutcome, DynamoDispatcher, DynamoHandlerInfo, DynamoRegistration,
-    DynamoRegistryError, DynamoReplayError, registered_dynamo_handlers,
+pub use dispatch::{DynamoConsumerOutcome, DynamoDispatcher, DynamoRegistryError};
+pub use handler::{
+    DynamoHandlerInfo, DynamoRegistration, DynamoReplayError, registered_dynamo_handlers,
 };
 
 use std::collections::HashMap;
@@ -933,7 +935,7 @@ impl DynamoInbox {
         let payload = serde_json::to_vec(msg).map_err(FingerprintError::from_json)?;
         // An ordered message goes through the sequence guard (`gaps = "apply"`: a closure has
         // no parked successors to release).
-        let ordered = msg.ordering()?.map(|ordering| ordering::Ordered {
+        let ordered = msg.ordering()?.map(|ordering| Ordered {
             ordering,
             gaps: crate::types::ordering::GapPolicy::Apply,
         });
@@ -1745,7 +1747,7 @@ pub(crate) struct Delivery<'a> {
     pub(crate) payload: &'a [u8],
     pub(crate) mode: Mode,
     /// The message's place in its aggregate and the handler's gap policy, if it is ordered.
-    pub(crate) ordering: Option<&'a ordering::Ordered>,
+    pub(crate) ordering: Option<&'a Ordered>,
 }
 
 /// The delivery's identity, for the calls and their errors.
@@ -1841,6 +1843,13 @@ fn listed_reasons(
             })
         })
         .collect()
+}
+
+/// An ordered message's place in its aggregate, with its handler's gap policy.
+#[derive(Debug, Clone)]
+pub(crate) struct Ordered {
+    pub(crate) ordering: crate::types::ordering::Ordering,
+    pub(crate) gaps: crate::types::ordering::GapPolicy,
 }
 
 #[cfg(test)]

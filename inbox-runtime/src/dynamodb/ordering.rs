@@ -1,7 +1,7 @@
 //! Per-aggregate ordering on DynamoDB: the sequence guard (`gaps = "apply"`), the durable
 //! reorder buffer (`gaps = "park"`), the release of parked successors in order, and the sweep
-//! of parked messages whose gap stays open ([`DynamoDispatcher::sweep_parked`]); the same
-//! semantics as the SQL stores' (`Outcome::Stale`, `Outcome::Parked`, [`ParkPolicy`]).
+//! of parked messages whose gap stays open ([`DynamoDispatcher::sweep_parked`](super::DynamoDispatcher::sweep_parked)); the same
+//! semantics as the SQL stores' (`Outcome::Stale`, `Outcome::Parked`, [`ParkPolicy`](crate::types::ParkPolicy)).
 //!
 //! ## The items
 //!
@@ -62,7 +62,7 @@
 //! stopped between a commit and the release, or inside the release, left successors parked,
 //! and the message that started it, never acked, comes again); if there is one, its
 //! payload runs through its handler (routed by consumer and message name, as
-//! [`DynamoDispatcher::replay`]) with a claim that takes the `parked` item over (`status =
+//! [`DynamoDispatcher::replay`](super::DynamoDispatcher::replay)) with a claim that takes the `parked` item over (`status =
 //! parked AND attempts = … AND payload_hash = …`), the position's condition and the pointer's
 //! `Delete` in its transaction; then `n + 2`, …, until a pointer is missing or a successor is not
 //! applied (it stays parked, or failed, with its pointer: the next commit of its aggregate, a
@@ -86,21 +86,21 @@
 //!
 //! ## The sweep
 //!
-//! [`DynamoDispatcher::sweep_parked`] finds, per consumer of the dispatcher, the parked items
-//! received at least [`ParkPolicy::timeout`] ago (a `Query` of the dead-letter index on the
+//! [`DynamoDispatcher::sweep_parked`](super::DynamoDispatcher::sweep_parked) finds, per consumer of the dispatcher, the parked items
+//! received at least [`ParkPolicy::timeout`](crate::types::ParkPolicy::timeout) ago (a `Query` of the dead-letter index on the
 //! consumer and `received_at`, filtered on `status = parked`, eventually consistent), reads each
 //! (`GetItem`) and takes them in each aggregate's sequence order (the index gives them by
 //! arrival: a later one released first would make the earlier ones stale). Per aggregate it
 //! first goes on from the aggregate's position, as a duplicate does: successors a release left
 //! behind with their gap closed (its process stopped after the commit, or a successor's handler
 //! failed: `failed`, with its pointer — no delivery of it comes again, it was acked as parked)
-//! are applied in order. Then, by [`ParkPolicy::on_timeout`], each one still parked is
+//! are applied in order. Then, by [`ParkPolicy::on_timeout`](crate::types::ParkPolicy::on_timeout), each one still parked is
 //! dead-lettered (one `TransactWriteItems`: the item `dead` with the reason, payload kept, and
 //! its pointer deleted) or released (its handler runs with the position's condition
 //! `last_sequence < :seq`: the position jumps to it, then its own successors follow in order). [`DynamoWorker`](super::DynamoWorker) runs it
 //! periodically ([`DynamoWorker::park_sweep`](super::DynamoWorker::park_sweep)).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::convert::Infallible;
 
 use aws_sdk_dynamodb::primitives::Blob;
@@ -109,29 +109,18 @@ use aws_sdk_dynamodb::types::{
     TransactWriteItem, Update,
 };
 
-use super::admin::{AdminError, DEAD_LETTER_ATTRIBUTE, DEAD_LETTER_INDEX};
-use super::dispatch::{DynDynamoHandler, DynamoDispatcher, DynamoReplayError, Run};
+use super::admin::{AdminError, DEAD_LETTER_ATTRIBUTE};
 use super::{
-    Claim, Ctx, DynamoError, DynamoInbox, Layout, MAX_PARTITION_KEY_BYTES, Mode, Now, Submitted,
-    TTL_ATTRIBUTE, n, request_token, s,
+    Claim, Ctx, DynamoError, DynamoInbox, Layout, MAX_PARTITION_KEY_BYTES, Mode, Now, Ordered,
+    Submitted, TTL_ATTRIBUTE, n, request_token, s,
 };
-use crate::dispatch::SweepReport;
 use crate::types::classify::BoxError;
-use crate::types::json_text::json_text;
 use crate::types::key::IdempotencyKey;
-use crate::types::ordering::{GapPolicy, Ordering, ParkPolicy, ParkTimeout};
+use crate::types::ordering::{GapPolicy, Ordering};
 use crate::types::outcome::Outcome;
-use crate::types::status::Status;
 
 /// An item as read.
 type Item = HashMap<String, AttributeValue>;
-
-/// An ordered message's place in its aggregate, with its handler's gap policy.
-#[derive(Debug, Clone)]
-pub(crate) struct Ordered {
-    pub(crate) ordering: Ordering,
-    pub(crate) gaps: GapPolicy,
-}
 
 /// The partition key of `consumer`'s position on `aggregate`: `pos:<len>:<consumer><aggregate>`.
 fn position_key(consumer: &str, aggregate: &str) -> String {
@@ -140,7 +129,7 @@ fn position_key(consumer: &str, aggregate: &str) -> String {
 
 /// The partition key of the pointer to `consumer`'s parked message of `aggregate` at
 /// `sequence`: `park:<len>:<consumer><len>:<aggregate><sequence>`.
-fn pointer_key(consumer: &str, aggregate: &str, sequence: i64) -> String {
+pub(super) fn pointer_key(consumer: &str, aggregate: &str, sequence: i64) -> String {
     format!(
         "park:{}:{consumer}{}:{aggregate}{sequence}",
         consumer.len(),
@@ -442,7 +431,11 @@ impl DynamoInbox {
 
     /// The `last_sequence` of `consumer`'s position on `aggregate` (0 for none): one consistent
     /// `GetItem`.
-    async fn position(&self, consumer: &str, aggregate: &str) -> Result<i64, AdminError> {
+    pub(super) async fn position(
+        &self,
+        consumer: &str,
+        aggregate: &str,
+    ) -> Result<i64, AdminError> {
         let pk = position_key(consumer, aggregate);
         let error = |operation: &'static str, source: BoxError| AdminError::Dynamo {
             table: self.table.clone(),
@@ -480,7 +473,7 @@ impl DynamoInbox {
 
     /// The pointer to `consumer`'s parked message of `aggregate` at `sequence`: its key,
     /// message name and payload (one consistent `GetItem`).
-    async fn read_pointer(
+    pub(super) async fn read_pointer(
         &self,
         consumer: &str,
         aggregate: &str,
@@ -529,380 +522,10 @@ impl DynamoInbox {
 }
 
 /// A parked message as its pointer gives it.
-struct Pointer {
-    message_key: String,
-    message_name: String,
-    payload: Vec<u8>,
-}
-
-/// Which handler runs a stored message of a consumer: a dispatcher's own routes, or (for a
-/// handler called directly) every DynamoDB handler linked into the program.
-pub(crate) trait DynamoRoutes: Sync {
-    /// The handler of `consumer` for `message_name`, if there is one.
-    fn route(&self, consumer: &str, message_name: &str) -> Option<&'static dyn DynDynamoHandler>;
-}
-
-/// Every `#[idempotent]` DynamoDB handler linked into the program.
-pub(crate) struct Registered;
-
-impl DynamoRoutes for Registered {
-    fn route(&self, consumer: &str, message_name: &str) -> Option<&'static dyn DynDynamoHandler> {
-        inventory::iter::<super::DynamoRegistration>
-            .into_iter()
-            .map(|registration| registration.handler())
-            .find(|h| h.consumer() == consumer && h.message_name() == message_name)
-    }
-}
-
-/// Runs a stored payload of `key` through `handler` in `mode` (decoded, its key checked against
-/// the stored one, fingerprinted), as [`DynamoDispatcher::replay`] does.
-pub(crate) async fn run_payload(
-    inbox: &DynamoInbox,
-    routes: &dyn DynamoRoutes,
-    handler: &'static dyn DynDynamoHandler,
-    key: &str,
-    payload: &[u8],
-    mode: Mode,
-) -> Result<Result<Outcome<()>, DynamoError<BoxError>>, DynamoReplayError> {
-    let message_name = handler.message_name();
-    let decode_error = |reason: String| DynamoReplayError::Decode {
-        message_name: message_name.to_owned(),
-        reason,
-    };
-    let text = json_text(payload).map_err(|error| {
-        decode_error(format!(
-            "not Unicode text at line {}, column {}",
-            error.line, error.column
-        ))
-    })?;
-    let msg = handler
-        .decode(text)
-        .map_err(|error| decode_error(error.to_string()))?;
-    let decoded = handler.key(&*msg).map_err(DynamoReplayError::Key)?;
-    if decoded.as_str() != key {
-        return Err(DynamoReplayError::KeyMismatch {
-            stored: key.to_owned(),
-            decoded: decoded.into_string(),
-        });
-    }
-    let fingerprint = handler
-        .fingerprint(&*msg)
-        .map_err(DynamoReplayError::Fingerprint)?;
-    let run = Run::new(&decoded, fingerprint, payload, mode, routes);
-    Ok(handler.invoke(inbox, &*msg, run).await)
-}
-
-/// After `ordering` of `consumer` was applied (`duplicate` false) or read as a duplicate:
-/// applies, in order, each parked successor of its aggregate, each in its own transaction,
-/// until one is missing or is not applied. The first is the one after the message's sequence,
-/// or after a duplicate, the one after the aggregate's position (read first: a process that
-/// stopped inside this loop left the rest parked, and the message that started it, never
-/// acked, comes again). A successor already processed (a concurrent release applied it, or its
-/// pointer outlived its commit) is gone past. Problems are logged, not returned: the message
-/// that triggered this was processed. Returns the sequence of the last successor applied (or
-/// gone past), else the one it started after.
-pub(crate) async fn release_successors(
-    inbox: &DynamoInbox,
-    routes: &dyn DynamoRoutes,
-    consumer: &str,
-    ordering: &Ordering,
-    duplicate: bool,
-) -> i64 {
-    let aggregate = ordering.aggregate_id.as_str();
-    let mut sequence = ordering.sequence;
-    if duplicate {
-        match inbox.position(consumer, aggregate).await {
-            Ok(last) => sequence = sequence.max(last),
-            Err(error) => {
-                tracing::warn!(%error, consumer, aggregate, "cannot read the aggregate's position");
-                return sequence;
-            }
-        }
-    }
-    while let Some(next) = sequence.checked_add(1) {
-        let pointer = match inbox.read_pointer(consumer, aggregate, next).await {
-            Ok(Some(pointer)) => pointer,
-            Ok(None) => return sequence,
-            Err(error) => {
-                tracing::warn!(%error, consumer, aggregate, "cannot look up parked successors");
-                return sequence;
-            }
-        };
-        let Some(handler) = routes.route(consumer, &pointer.message_name) else {
-            tracing::warn!(
-                consumer,
-                message = pointer.message_name,
-                "parked message has no registered handler"
-            );
-            return sequence;
-        };
-        let result = run_payload(
-            inbox,
-            routes,
-            handler,
-            &pointer.message_key,
-            &pointer.payload,
-            Mode::Resume,
-        )
-        .await;
-        match result {
-            Ok(Ok(Outcome::Processed(()) | Outcome::Duplicate)) => sequence = next,
-            Ok(other) => {
-                tracing::info!(
-                    consumer,
-                    key = pointer.message_key,
-                    outcome = ?other.as_ref().map(|o| o.kind()).map_err(ToString::to_string),
-                    "parked successor not applied"
-                );
-                return sequence;
-            }
-            Err(error) => {
-                tracing::warn!(%error, consumer, key = pointer.message_key, "parked successor cannot run");
-                return sequence;
-            }
-        }
-    }
-    sequence
-}
-
-impl DynamoDispatcher {
-    /// Sets what happens to parked messages whose gap stays open (default: dead-lettered after
-    /// 1 h), as the SQL [`Dispatcher::with_park_policy`](crate::Dispatcher::with_park_policy);
-    /// applied by [`sweep_parked`](Self::sweep_parked).
-    pub fn with_park_policy(mut self, policy: ParkPolicy) -> Self {
-        self.park = policy;
-        self
-    }
-
-    /// The park policy in force.
-    pub fn park_policy(&self) -> ParkPolicy {
-        self.park
-    }
-
-    /// Settles the parked messages of this dispatcher's consumers received at least the
-    /// [`ParkPolicy::timeout`] ago (by this process's clock), at most 1000 per consumer per
-    /// call, oldest first: dead-lettered (payload kept, the reason in `last_error`) or released
-    /// (applied despite the gap, the aggregate's position jumping to it; its own parked
-    /// successors follow in order), as [`Dispatcher::sweep_parked`](crate::Dispatcher::sweep_parked).
-    /// A parked message of a consumer this dispatcher has no handler for is left alone. The
-    /// messages are taken in each aggregate's sequence order, and each aggregate's successors
-    /// whose gap is closed (a release stopped by a failure or a crash) are first applied in
-    /// order, not swept. Calls: a `Query` of the dead-letter index per consumer (one per 1 MB
-    /// page), a `GetItem` per message found, per aggregate a `GetItem` of its position and one
-    /// of the pointer after it (and a release's calls per successor applied), then one
-    /// `TransactWriteItems` to dead-letter a message, or a release's calls (see the
-    /// [module's docs](self)). The index is eventually consistent: a message parked a
-    /// moment ago may be swept by the next call.
-    ///
-    /// # Errors
-    /// [`AdminError::Dynamo`] if a `Query`, `GetItem` or the dead letter's
-    /// `TransactWriteItems` fails (the messages settled before it stay settled);
-    /// [`AdminError::Malformed`] for an item that does not read as an inbox item. A release
-    /// whose handler fails is recorded as any attempt is (`failed`, with its pointer kept) and
-    /// is not an error here.
-    pub async fn sweep_parked(&self) -> Result<SweepReport, AdminError> {
-        let inbox = self.inbox();
-        let admin = inbox.admin();
-        let timeout = self.park.effective_timeout();
-        let cutoff = Now::read()
-            .ms
-            .saturating_sub(i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX));
-        let consumers: BTreeSet<&'static str> =
-            self.handlers().iter().map(|info| info.consumer).collect();
-        let mut report = SweepReport::default();
-        for consumer in consumers {
-            // The expired parked messages, in each aggregate's sequence order (as the SQL
-            // stores' sweep: a later one released first would make the earlier ones stale).
-            let mut expired = Vec::new();
-            for key in self.expired_parked(consumer, cutoff).await? {
-                let Some(stored) = admin.show(consumer, &key).await? else {
-                    continue;
-                };
-                let (Some(aggregate), Some(sequence)) =
-                    (stored.aggregate_id.clone(), stored.sequence)
-                else {
-                    continue;
-                };
-                if stored.status != Status::Parked {
-                    continue;
-                }
-                expired.push((aggregate, sequence, key, stored));
-            }
-            expired.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
-            // Per aggregate, the sequence its messages were applied up to, once read.
-            let mut reached: Option<(&str, i64)> = None;
-            for (aggregate, sequence, key, stored) in &expired {
-                let applied_to = match reached {
-                    Some((of, to)) if of == aggregate => to,
-                    // First, what a release left behind (stopped by a failure or a crash after
-                    // the commit that closed the gap): the successors of the aggregate's
-                    // position, applied in order, neither dead-lettered nor released over a
-                    // gap that is closed.
-                    _ => {
-                        let ordering = Ordering {
-                            aggregate_id: aggregate.clone(),
-                            sequence: 0,
-                        };
-                        release_successors(inbox, self, consumer, &ordering, true).await
-                    }
-                };
-                reached = Some((aggregate, applied_to));
-                // Applied meanwhile, most likely: read again. One still parked (another key
-                // at a sequence applied) is settled by the policy (released: stale).
-                if *sequence <= applied_to
-                    && admin
-                        .show(consumer, key)
-                        .await?
-                        .is_none_or(|now| now.status != Status::Parked)
-                {
-                    continue;
-                }
-                match self.park.on_timeout {
-                    ParkTimeout::DeadLetter => {
-                        let reason = format!(
-                            "parked for more than {} s waiting for sequence {} of aggregate `{}`",
-                            timeout.as_secs(),
-                            sequence - 1,
-                            aggregate
-                        );
-                        if self
-                            .dead_letter_parked(consumer, key, aggregate, *sequence, &reason)
-                            .await?
-                        {
-                            report.dead_lettered += 1;
-                        }
-                    }
-                    ParkTimeout::Release => {
-                        let (Some(handler), Some(payload)) = (
-                            DynamoRoutes::route(self, consumer, &stored.message_name),
-                            &stored.payload,
-                        ) else {
-                            continue;
-                        };
-                        let result =
-                            run_payload(inbox, self, handler, key, payload, Mode::Release).await;
-                        if let Ok(Ok(Outcome::Processed(()))) = result {
-                            report.released += 1;
-                            let ordering = Ordering {
-                                aggregate_id: aggregate.clone(),
-                                sequence: *sequence,
-                            };
-                            let to =
-                                release_successors(inbox, self, consumer, &ordering, false).await;
-                            reached = Some((aggregate, to));
-                        }
-                    }
-                }
-            }
-        }
-        Ok(report)
-    }
-
-    /// The keys of `consumer`'s parked items received at or before `cutoff` (epoch
-    /// milliseconds), oldest first, at most 1000: `Query`s of the dead-letter index.
-    async fn expired_parked(&self, consumer: &str, cutoff: i64) -> Result<Vec<String>, AdminError> {
-        let inbox = self.inbox();
-        let mut keys = Vec::new();
-        let mut start = None;
-        loop {
-            inbox.count_call();
-            let page = inbox
-                .client
-                .query()
-                .table_name(&inbox.table)
-                .index_name(DEAD_LETTER_INDEX)
-                .key_condition_expression("#consumer = :consumer AND #received <= :cutoff")
-                .filter_expression("#status = :parked")
-                .expression_attribute_names("#consumer", DEAD_LETTER_ATTRIBUTE)
-                .expression_attribute_names("#received", "received_at")
-                .expression_attribute_names("#status", "status")
-                .expression_attribute_values(":consumer", s(consumer))
-                .expression_attribute_values(":cutoff", n(cutoff))
-                .expression_attribute_values(":parked", s("parked"))
-                .scan_index_forward(true)
-                .set_exclusive_start_key(start.take())
-                .send()
-                .await
-                .map_err(|e| AdminError::Dynamo {
-                    table: inbox.table.clone(),
-                    operation: "Query",
-                    source: e.into(),
-                })?;
-            for item in page.items() {
-                if let Some(AttributeValue::S(key)) = item.get("message_key") {
-                    keys.push(key.clone());
-                }
-            }
-            match page.last_evaluated_key.filter(|key| !key.is_empty()) {
-                Some(key) if keys.len() < 1000 => start = Some(key),
-                _ => break,
-            }
-        }
-        keys.truncate(1000);
-        Ok(keys)
-    }
-
-    /// Turns a parked item dead with `reason` (payload kept) and deletes its pointer, in one
-    /// transaction on the condition that it is still parked. `false` if it is not.
-    async fn dead_letter_parked(
-        &self,
-        consumer: &str,
-        key: &str,
-        aggregate: &str,
-        sequence: i64,
-        reason: &str,
-    ) -> Result<bool, AdminError> {
-        let inbox = self.inbox();
-        let dynamo = |e: BoxError| AdminError::Dynamo {
-            table: inbox.table.clone(),
-            operation: "TransactWriteItems",
-            source: e,
-        };
-        let update = Update::builder()
-            .table_name(&inbox.table)
-            .key("pk", s(format!("{}:{consumer}{key}", consumer.len())))
-            .update_expression("SET #status = :dead, #error = :reason")
-            .condition_expression("#status = :parked")
-            .expression_attribute_names("#status", "status")
-            .expression_attribute_names("#error", "last_error")
-            .expression_attribute_values(":dead", s("dead"))
-            .expression_attribute_values(":parked", s("parked"))
-            .expression_attribute_values(
-                ":reason",
-                s(inbox.policy.bounded_error(reason.to_owned())),
-            )
-            .build()
-            .map_err(|e| dynamo(e.into()))?;
-        let delete = Delete::builder()
-            .table_name(&inbox.table)
-            .key("pk", s(pointer_key(consumer, aggregate, sequence)))
-            .build()
-            .map_err(|e| dynamo(e.into()))?;
-        inbox.count_call();
-        let sent = inbox
-            .client
-            .transact_write_items()
-            .transact_items(TransactWriteItem::builder().update(update).build())
-            .transact_items(TransactWriteItem::builder().delete(delete).build())
-            .send()
-            .await;
-        match sent {
-            Ok(_) => Ok(true),
-            Err(e)
-                if e.as_service_error()
-                    .is_some_and(|e| e.is_transaction_canceled_exception()) =>
-            {
-                Ok(false)
-            }
-            Err(e) => Err(dynamo(e.into())),
-        }
-    }
-}
-
-impl DynamoRoutes for DynamoDispatcher {
-    fn route(&self, consumer: &str, message_name: &str) -> Option<&'static dyn DynDynamoHandler> {
-        DynamoDispatcher::route(self, consumer, message_name)
-    }
+pub(super) struct Pointer {
+    pub(super) message_key: String,
+    pub(super) message_name: String,
+    pub(super) payload: Vec<u8>,
 }
 
 #[cfg(test)]
