@@ -8,7 +8,6 @@
 //! one accounts table shared by the binary (the handlers are plain functions: they name it
 //! through [`ACCOUNTS`]).
 
-use inbox_tests::dynamo::endpoint;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -125,9 +124,7 @@ fn fresh(prefix: &str) -> String {
 
 /// A fresh inbox table (retries due at once), and the binary's accounts table.
 async fn setup() -> DynamoInbox {
-    let client = dynamodb::client(Some(&endpoint())).await;
-    inbox_tests::dynamo::shared_id_table(&ACCOUNTS, &client, "accounts").await;
-    inbox_tests::dynamo::fresh_inbox(client).await
+    inbox_tests::dynamo::setup_with_table(&ACCOUNTS, "accounts").await
 }
 
 async fn balance(inbox: &DynamoInbox, account: &str) -> Option<i64> {

@@ -17,7 +17,7 @@ use inbox_runtime::source::Settlement;
 use inbox_runtime::source::memory::MemorySource;
 use inbox_runtime::types::{ParkPolicy, ParkTimeout, Status};
 use inbox_runtime::{CancellationToken, Envelope, Message, Outcome, handler, idempotent};
-use inbox_tests::dynamo::{TestError, endpoint};
+use inbox_tests::dynamo::{TestError, status};
 use inbox_tests::envelope;
 use serde::{Deserialize, Serialize};
 
@@ -132,43 +132,13 @@ fn fresh(prefix: &str) -> String {
 
 /// A fresh inbox table (retries due at once), and the binary's orders table.
 async fn setup() -> DynamoInbox {
-    let client = dynamodb::client(Some(&endpoint())).await;
-    inbox_tests::dynamo::shared_id_table(&ORDERS, &client, "orders").await;
-    inbox_tests::dynamo::fresh_inbox(client).await
+    inbox_tests::dynamo::setup_with_table(&ORDERS, "orders").await
 }
 
 /// The history of the consumer's order, comma-joined; `None` if nothing was applied.
 async fn history(inbox: &DynamoInbox, consumer: &str, order: &str) -> Option<String> {
-    let item = inbox
-        .client()
-        .get_item()
-        .table_name(ORDERS.get().unwrap())
-        .key("id", AttributeValue::S(format!("{consumer}:{order}")))
-        .consistent_read(true)
-        .send()
-        .await
-        .unwrap()
-        .item?;
-    match item.get("history") {
-        Some(AttributeValue::L(kinds)) => Some(
-            kinds
-                .iter()
-                .map(|kind| kind.as_s().unwrap().as_str())
-                .collect::<Vec<_>>()
-                .join(","),
-        ),
-        other => panic!("history of {order}: {other:?}"),
-    }
-}
-
-/// The stored status of the consumer's key (through the admin's `show`).
-async fn status(inbox: &DynamoInbox, consumer: &str, key: &str) -> Option<Status> {
-    inbox
-        .admin()
-        .show(consumer, key)
-        .await
-        .unwrap()
-        .map(|row| row.status)
+    let id = format!("{consumer}:{order}");
+    inbox_tests::dynamo::history(inbox, ORDERS.get().unwrap(), &id).await
 }
 
 /// How many parked messages the inbox holds (the admin's `list`).

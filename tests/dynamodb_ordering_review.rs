@@ -13,10 +13,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inbox_runtime::dynamodb::sdk::types::{AttributeValue, Update};
-use inbox_runtime::dynamodb::{self, DynamoDispatcher, DynamoInbox, DynamoTx};
+use inbox_runtime::dynamodb::{DynamoDispatcher, DynamoInbox, DynamoTx};
 use inbox_runtime::types::{ParkPolicy, ParkTimeout, Status};
 use inbox_runtime::{Message, Outcome, idempotent};
-use inbox_tests::dynamo::{TestError, endpoint};
+use inbox_tests::dynamo::{TestError, status};
 use inbox_tests::envelope;
 use serde::{Deserialize, Serialize};
 
@@ -115,66 +115,40 @@ fn fresh(prefix: &str) -> String {
 
 /// A fresh inbox table (retries due at once), and the binary's orders table.
 async fn setup() -> DynamoInbox {
-    let client = dynamodb::client(Some(&endpoint())).await;
-    inbox_tests::dynamo::shared_id_table(&ORDERS, &client, "orders").await;
-    inbox_tests::dynamo::fresh_inbox(client).await
+    inbox_tests::dynamo::setup_with_table(&ORDERS, "orders").await
 }
 
 /// The history of `id` in the orders table, comma-joined; `None` if nothing was applied.
 async fn history_of(inbox: &DynamoInbox, id: &str) -> Option<String> {
-    let item = inbox
-        .client()
-        .get_item()
-        .table_name(ORDERS.get().unwrap())
-        .key("id", AttributeValue::S(id.to_owned()))
-        .consistent_read(true)
-        .send()
-        .await
-        .unwrap()
-        .item?;
-    match item.get("history") {
-        Some(AttributeValue::L(kinds)) => Some(
-            kinds
-                .iter()
-                .map(|kind| kind.as_s().unwrap().as_str())
-                .collect::<Vec<_>>()
-                .join(","),
-        ),
-        other => panic!("history of {id}: {other:?}"),
-    }
+    inbox_tests::dynamo::history(inbox, ORDERS.get().unwrap(), id).await
 }
 
 async fn history(inbox: &DynamoInbox, consumer: &str, order: &str) -> Option<String> {
     history_of(inbox, &format!("{consumer}:{order}")).await
 }
 
-async fn status(inbox: &DynamoInbox, consumer: &str, key: &str) -> Option<Status> {
-    inbox
-        .admin()
-        .show(consumer, key)
-        .await
-        .unwrap()
-        .map(|row| row.status)
+/// The result of `consumer` in a dispatch of `e`.
+async fn result_of(
+    dispatcher: &DynamoDispatcher,
+    e: &RvEvent,
+    consumer: &str,
+) -> Result<Outcome<()>, String> {
+    let outcomes = dispatcher.dispatch(&envelope(e)).await.unwrap();
+    let outcome = outcomes
+        .into_iter()
+        .find(|o| o.consumer == consumer)
+        .unwrap();
+    outcome.result.map_err(|e| format!("{e:?}"))
 }
 
 /// The `rv-park` result of a dispatch.
 async fn park(dispatcher: &DynamoDispatcher, e: &RvEvent) -> Result<Outcome<()>, String> {
-    let outcomes = dispatcher.dispatch(&envelope(e)).await.unwrap();
-    let outcome = outcomes
-        .into_iter()
-        .find(|o| o.consumer == "rv-park")
-        .unwrap();
-    outcome.result.map_err(|e| format!("{e:?}"))
+    result_of(dispatcher, e, "rv-park").await
 }
 
 /// The `rv-apply` result of a dispatch.
 async fn apply(dispatcher: &DynamoDispatcher, e: &RvEvent) -> Result<Outcome<()>, String> {
-    let outcomes = dispatcher.dispatch(&envelope(e)).await.unwrap();
-    let outcome = outcomes
-        .into_iter()
-        .find(|o| o.consumer == "rv-apply")
-        .unwrap();
-    outcome.result.map_err(|e| format!("{e:?}"))
+    result_of(dispatcher, e, "rv-apply").await
 }
 
 /// Every item of the inbox table (a consistent scan), as (pk, item).

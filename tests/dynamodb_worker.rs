@@ -120,9 +120,7 @@ fn fresh(prefix: &str) -> String {
 
 /// A dispatcher over a fresh inbox table (retries due at once), and the binary's accounts table.
 async fn setup() -> DynamoDispatcher {
-    let client = dynamodb::client(Some(&endpoint())).await;
-    inbox_tests::dynamo::shared_id_table(&ACCOUNTS, &client, "accounts").await;
-    let inbox = inbox_tests::dynamo::fresh_inbox(client).await;
+    let inbox = inbox_tests::dynamo::setup_with_table(&ACCOUNTS, "accounts").await;
     DynamoDispatcher::from_registry(inbox).expect("the registry")
 }
 

@@ -85,6 +85,61 @@ pub async fn fresh_inbox(client: Client) -> inbox_runtime::dynamodb::DynamoInbox
     inbox
 }
 
+/// A fresh inbox table ([`fresh_inbox`]) on a client of [`endpoint`], and the binary's shared
+/// table of effects (`cell`, named after `prefix`, [`shared_id_table`]).
+pub async fn setup_with_table(
+    cell: &tokio::sync::OnceCell<String>,
+    prefix: &str,
+) -> inbox_runtime::dynamodb::DynamoInbox {
+    let client = inbox_runtime::dynamodb::client(Some(&endpoint())).await;
+    shared_id_table(cell, &client, prefix).await;
+    fresh_inbox(client).await
+}
+
+/// The stored status of `consumer`'s `key` (through the admin's `show`); `None` if none.
+pub async fn status(
+    inbox: &inbox_runtime::dynamodb::DynamoInbox,
+    consumer: &str,
+    key: &str,
+) -> Option<inbox_runtime::types::Status> {
+    inbox
+        .admin()
+        .show(consumer, key)
+        .await
+        .unwrap()
+        .map(|row| row.status)
+}
+
+/// The list attribute `history` (strings) of item `id` of `table`, comma-joined (a consistent
+/// read); `None` if there is no item. Panics on another shape.
+pub async fn history(
+    inbox: &inbox_runtime::dynamodb::DynamoInbox,
+    table: &str,
+    id: &str,
+) -> Option<String> {
+    use inbox_runtime::dynamodb::sdk::types::AttributeValue;
+    let item = inbox
+        .client()
+        .get_item()
+        .table_name(table)
+        .key("id", AttributeValue::S(id.to_owned()))
+        .consistent_read(true)
+        .send()
+        .await
+        .unwrap()
+        .item?;
+    match item.get("history") {
+        Some(AttributeValue::L(kinds)) => Some(
+            kinds
+                .iter()
+                .map(|kind| kind.as_s().unwrap().as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+        ),
+        other => panic!("history of {id}: {other:?}"),
+    }
+}
+
 /// Handlers' errors in the DynamoDB tests: `Boom` retryable, `Fatal` permanent, `Build` an SDK
 /// builder's error (retryable).
 #[derive(Debug)]
