@@ -13,13 +13,13 @@ use std::fmt;
 
 use super::handler::{
     DynDynamoHandler, DynamoHandlerInfo, DynamoRegistration, DynamoReplayError, Run, info,
+    run_payload,
 };
 use super::{DynamoError, DynamoInbox, Mode};
 use crate::protocol::erased::{DecodedMessages, decode_once, routes};
 use crate::types::classify::BoxError;
 use crate::types::envelope::Envelope;
 use crate::types::error::DispatchError;
-use crate::types::json_text::json_text;
 use crate::types::key::IdempotencyKey;
 use crate::types::limit::{PayloadLimit, PayloadLimitError};
 use crate::types::ordering::ParkPolicy;
@@ -310,8 +310,8 @@ impl DynamoDispatcher {
         consumer: &str,
         key: &str,
     ) -> Result<DynamoConsumerOutcome, DynamoReplayError> {
-        let idempotency_key =
-            IdempotencyKey::new(key, "(replay)", "key").map_err(DynamoReplayError::Key)?;
+        // A key that could not have been stored is refused before any call.
+        IdempotencyKey::new(key, "(replay)", "key").map_err(DynamoReplayError::Key)?;
         let stored = self
             .inbox
             .admin()
@@ -344,32 +344,7 @@ impl DynamoDispatcher {
                 status: stored.status.as_str().to_owned(),
             });
         };
-        let payload = payload.as_ref();
-        let decode_error = |reason: String| DynamoReplayError::Decode {
-            message_name: message_name.to_owned(),
-            reason,
-        };
-        let text = json_text(payload).map_err(|error| {
-            decode_error(format!(
-                "not Unicode text at line {}, column {}",
-                error.line, error.column
-            ))
-        })?;
-        let msg = handler
-            .decode(text)
-            .map_err(|error| decode_error(error.to_string()))?;
-        let decoded = handler.key(&*msg).map_err(DynamoReplayError::Key)?;
-        if decoded != idempotency_key {
-            return Err(DynamoReplayError::KeyMismatch {
-                stored: key.to_owned(),
-                decoded: decoded.into_string(),
-            });
-        }
-        let fingerprint = handler
-            .fingerprint(&*msg)
-            .map_err(DynamoReplayError::Fingerprint)?;
-        let run = Run::new(&idempotency_key, fingerprint, payload, Mode::Replay, self);
-        let result = handler.invoke(&self.inbox, &*msg, run).await;
+        let result = run_payload(&self.inbox, self, handler, key, payload, Mode::Replay).await?;
         Ok(DynamoConsumerOutcome::of(handler, result))
     }
 }

@@ -1163,16 +1163,26 @@ impl DynamoInbox {
         &self,
         ctx: &Ctx<'_>,
     ) -> Result<Option<HashMap<String, AttributeValue>>, DynamoError<E>> {
+        self.get_consistent(ctx.pk)
+            .await
+            .map_err(|e| ctx.dynamo("GetItem", e))
+    }
+
+    /// One strongly consistent `GetItem` of the item keyed `pk` (counted in
+    /// [`stats`](Self::stats)' calls): the item, `None` if there is none, or the SDK's error.
+    pub(super) async fn get_consistent(
+        &self,
+        pk: &str,
+    ) -> Result<Option<HashMap<String, AttributeValue>>, BoxError> {
         self.count_call();
         let answer = self
             .client
             .get_item()
             .table_name(&self.table)
-            .key("pk", s(ctx.pk))
+            .key("pk", s(pk))
             .consistent_read(true)
             .send()
-            .await
-            .map_err(|e| ctx.dynamo("GetItem", e.into()))?;
+            .await?;
         Ok(answer.item)
     }
 

@@ -416,17 +416,9 @@ impl DynamoInbox {
         ctx: &Ctx<'_>,
         guard: &Guard,
     ) -> Result<Option<Item>, DynamoError<E>> {
-        self.count_call();
-        let answer = self
-            .client
-            .get_item()
-            .table_name(&self.table)
-            .key("pk", s(&guard.position_pk))
-            .consistent_read(true)
-            .send()
+        self.get_consistent(&guard.position_pk)
             .await
-            .map_err(|e| ctx.dynamo("GetItem", e.into()))?;
-        Ok(answer.item)
+            .map_err(|e| ctx.dynamo("GetItem", e))
     }
 
     /// The `last_sequence` of `consumer`'s position on `aggregate` (0 for none): one consistent
@@ -442,21 +434,11 @@ impl DynamoInbox {
             operation,
             source,
         };
-        self.count_call();
-        let answer = self
-            .client
-            .get_item()
-            .table_name(&self.table)
-            .key("pk", s(&pk))
-            .consistent_read(true)
-            .send()
+        let item = self
+            .get_consistent(&pk)
             .await
-            .map_err(|e| error("GetItem", e.into()))?;
-        match answer
-            .item
-            .as_ref()
-            .and_then(|item| item.get("last_sequence"))
-        {
+            .map_err(|e| error("GetItem", e))?;
+        match item.as_ref().and_then(|item| item.get("last_sequence")) {
             None => Ok(0),
             Some(AttributeValue::N(text)) => text.parse().map_err(|_| AdminError::Malformed {
                 table: self.table.clone(),
@@ -483,21 +465,15 @@ impl DynamoInbox {
         if pk.len() > MAX_PARTITION_KEY_BYTES {
             return Ok(None);
         }
-        self.count_call();
-        let answer = self
-            .client
-            .get_item()
-            .table_name(&self.table)
-            .key("pk", s(&pk))
-            .consistent_read(true)
-            .send()
+        let item = self
+            .get_consistent(&pk)
             .await
-            .map_err(|e| AdminError::Dynamo {
+            .map_err(|source| AdminError::Dynamo {
                 table: self.table.clone(),
                 operation: "GetItem",
-                source: e.into(),
+                source,
             })?;
-        let Some(item) = answer.item else {
+        let Some(item) = item else {
             return Ok(None);
         };
         let malformed = |reason: &str| AdminError::Malformed {
