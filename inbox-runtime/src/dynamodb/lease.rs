@@ -282,8 +282,7 @@ impl DynamoInbox {
     /// the key is free again at once. A failure is logged, not returned: the lease then ends at
     /// its `lease_until`.
     pub(crate) async fn release(&self, request: &KeyRequest<'_>, lease: &Lease) {
-        self.count_call();
-        let deleted = self
+        let delete = self
             .client
             .delete_item()
             .table_name(&self.table)
@@ -291,14 +290,8 @@ impl DynamoInbox {
             .condition_expression("#status = :leased AND lease_owner = :owner")
             .expression_attribute_names("#status", "status")
             .expression_attribute_values(":leased", s(IN_PROGRESS))
-            .expression_attribute_values(":owner", s(&lease.owner))
-            .send()
-            .await;
-        if let Err(error) = deleted
-            && !error
-                .as_service_error()
-                .is_some_and(|e| e.is_conditional_check_failed_exception())
-        {
+            .expression_attribute_values(":owner", s(&lease.owner));
+        if let Err(error) = self.delete_unless_changed(delete).await {
             tracing::warn!(
                 scope = request.scope,
                 key = request.key.as_str(),

@@ -1168,6 +1168,27 @@ impl DynamoInbox {
             .map_err(|e| ctx.dynamo("GetItem", e))
     }
 
+    /// Sends `delete` (a conditional `DeleteItem` of this table, counted in
+    /// [`stats`](Self::stats)' calls). A failed condition is not an error (the item is not the
+    /// one the condition names any more: there is nothing of the caller's to delete); any other
+    /// failure is returned, the SDK's error.
+    pub(super) async fn delete_unless_changed(
+        &self,
+        delete: aws_sdk_dynamodb::operation::delete_item::builders::DeleteItemFluentBuilder,
+    ) -> Result<(), SdkError<aws_sdk_dynamodb::operation::delete_item::DeleteItemError>> {
+        self.count_call();
+        match delete.send().await {
+            Err(error)
+                if error
+                    .as_service_error()
+                    .is_some_and(|e| e.is_conditional_check_failed_exception()) =>
+            {
+                Ok(())
+            }
+            other => other.map(|_| ()),
+        }
+    }
+
     /// One strongly consistent `GetItem` of the item keyed `pk` (counted in
     /// [`stats`](Self::stats)' calls): the item, `None` if there is none, or the SDK's error.
     pub(super) async fn get_consistent(

@@ -245,21 +245,14 @@ impl Guard {
     /// condition that the pointer is this key's. A failure is logged: a pointer left to a
     /// processed item reads as a duplicate to the release, which goes on past it.
     pub(super) async fn delete_pointer_after_commit(&self, inbox: &DynamoInbox, ctx: &Ctx<'_>) {
-        inbox.count_call();
-        let deleted = inbox
+        let delete = inbox
             .client
             .delete_item()
             .table_name(&inbox.table)
             .key("pk", s(&self.pointer_pk))
             .condition_expression("message_key = :key")
-            .expression_attribute_values(":key", s(ctx.key.as_str()))
-            .send()
-            .await;
-        if let Err(error) = deleted
-            && !error
-                .as_service_error()
-                .is_some_and(|e| e.is_conditional_check_failed_exception())
-        {
+            .expression_attribute_values(":key", s(ctx.key.as_str()));
+        if let Err(error) = inbox.delete_unless_changed(delete).await {
             tracing::warn!(
                 consumer = ctx.consumer,
                 key = ctx.key.as_str(),
