@@ -8,7 +8,7 @@ use std::fmt;
 
 use super::{AdminError, DynamoError, DynamoInbox, DynamoTx, Failed, Mode, Ordered};
 use crate::BoxFuture;
-use crate::protocol::erased::AnyMessage;
+use crate::protocol::erased::{AnyMessage, downcast};
 use crate::types::classify::{BoxError, ErrorClass};
 use crate::types::error::HandlerFailure;
 use crate::types::fingerprint::{Fingerprint, FingerprintError};
@@ -182,11 +182,6 @@ impl<'a> Run<'a> {
             routes,
         }
     }
-}
-
-fn downcast<M: 'static>(msg: &AnyMessage) -> &M {
-    msg.downcast_ref::<M>()
-        .expect("the dispatcher decodes each message as its handler's type")
 }
 
 impl<H> DynDynamoHandler for H

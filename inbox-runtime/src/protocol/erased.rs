@@ -127,7 +127,9 @@ pub struct BodyError {
     pub(crate) error: BoxError,
 }
 
-fn downcast<M: 'static>(msg: &AnyMessage) -> &M {
+/// The decoded message as its handler's type (the dispatchers, SQL and DynamoDB, decode each
+/// message once per message type and hand it only to the handlers of that type).
+pub(crate) fn downcast<M: 'static>(msg: &AnyMessage) -> &M {
     msg.downcast_ref::<M>()
         .expect("dispatcher grouped handlers by message type")
 }
