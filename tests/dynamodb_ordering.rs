@@ -749,7 +749,9 @@ async fn the_worker_acks_parked_messages_and_applies_them_in_order() {
 }
 
 /// tests/ordering.rs's worker case: a parked delivery is acked, and the periodic sweep
-/// dead-letters it once its (zero) timeout has passed.
+/// dead-letters it once its (zero) timeout has passed, while the worker runs. The worker is
+/// stopped once the sweep did it (at most 30 s: the serial moto is shared by every DynamoDB
+/// test binary, so a sweep's duration is not bounded by a fixed idle time).
 #[tokio::test]
 async fn the_worker_sweeps_expired_parked_messages() {
     let inbox = setup().await;
@@ -757,15 +759,27 @@ async fn the_worker_sweeps_expired_parked_messages() {
         .unwrap()
         .with_park_policy(ParkPolicy::new(Duration::ZERO, ParkTimeout::DeadLetter));
     let x = fresh("x");
+    let key = format!("{x}/2");
     let source = MemorySource::new("mem");
     let handle = source.handle();
     let id = handle.push(envelope(&event(&x, 2, "paid")));
-    let report = DynamoWorker::new(dispatcher)
-        .park_sweep(Some(Duration::from_millis(50)))
-        .stop_when_idle(Duration::from_millis(500))
-        .run(source, CancellationToken::new())
-        .await
-        .unwrap();
+    let shutdown = CancellationToken::new();
+    let worker = DynamoWorker::new(dispatcher).park_sweep(Some(Duration::from_millis(50)));
+    let running = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { worker.run(source, shutdown).await }
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while status(&inbox, "orders-park", &key).await != Some(Status::Dead) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not dead-lettered by the sweep within 30 s: {:?}",
+            status(&inbox, "orders-park", &key).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    shutdown.cancel();
+    let report = running.await.unwrap().unwrap();
     // orders-park parked it, orders-apply applied it: the delivery is acked.
     assert_eq!(
         (report.parked, report.processed, report.acked),
@@ -774,7 +788,7 @@ async fn the_worker_sweeps_expired_parked_messages() {
     );
     assert_eq!(handle.settlements(), [(id, Settlement::Ack)]);
     assert_eq!(
-        status(&inbox, "orders-park", &format!("{x}/2")).await,
+        status(&inbox, "orders-park", &key).await,
         Some(Status::Dead)
     );
 }

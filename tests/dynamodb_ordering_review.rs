@@ -949,3 +949,101 @@ async fn the_release_sweep_goes_on_from_the_position_past_a_failed_successor() {
     }
     assert_eq!(pointers(&inbox).await, Vec::<String>::new());
 }
+
+/// Writes `attributes` as the item keyed `pk` of the inbox table (an item the runtime did not
+/// write: a hand edit, another program).
+async fn put_raw(inbox: &DynamoInbox, pk: &str, attributes: &[(&str, AttributeValue)]) {
+    let mut put = inbox
+        .client()
+        .put_item()
+        .table_name(inbox.table())
+        .item("pk", AttributeValue::S(pk.to_owned()));
+    for (name, value) in attributes {
+        put = put.item(*name, value.clone());
+    }
+    put.send().await.unwrap();
+}
+
+/// An aggregate's position item whose `last_sequence` is not an integer (written by hand) makes
+/// the next ordered delivery of that aggregate a `Malformed` error naming the attribute: the
+/// handler's effect is not applied and no inbox item is written, so the delivery is not acked
+/// as done and can be applied once the item is repaired.
+#[tokio::test]
+async fn a_malformed_position_is_an_error_and_applies_nothing() {
+    let inbox = setup().await;
+    let dispatcher = DynamoDispatcher::from_registry(inbox.clone()).unwrap();
+    let order = fresh("mp");
+    let position = format!("pos:{}:rv-park{order}", "rv-park".len());
+    put_raw(
+        &inbox,
+        &position,
+        &[("last_sequence", AttributeValue::N("1.5".into()))],
+    )
+    .await;
+    let result = park(&dispatcher, &event(&order, 1, "1")).await;
+    assert!(
+        result
+            .as_ref()
+            .is_err_and(|e| e.starts_with("Malformed") && e.contains("last_sequence")),
+        "{result:?}"
+    );
+    assert_eq!(history(&inbox, "rv-park", &order).await, None);
+    assert_eq!(status(&inbox, "rv-park", &format!("{order}/1")).await, None);
+    // Repaired (the item removed): the same delivery applies, once.
+    inbox
+        .client()
+        .delete_item()
+        .table_name(inbox.table())
+        .key("pk", AttributeValue::S(position))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        park(&dispatcher, &event(&order, 1, "1")).await,
+        Ok(Outcome::Processed(()))
+    );
+    assert_eq!(
+        history(&inbox, "rv-park", &order).await.as_deref(),
+        Some("1")
+    );
+}
+
+/// A pointer item without its payload (written by hand) stops the release at it: the
+/// predecessor that triggered the release is processed all the same, nothing after the bad
+/// pointer is applied, and the pointer is left for an operator.
+#[tokio::test]
+async fn a_malformed_pointer_stops_the_release_and_the_predecessor_still_commits() {
+    let inbox = setup().await;
+    let dispatcher = DynamoDispatcher::from_registry(inbox.clone()).unwrap();
+    let order = fresh("mq");
+    let pointer = format!("park:{}:rv-park{}:{order}2", "rv-park".len(), order.len());
+    put_raw(
+        &inbox,
+        &pointer,
+        &[
+            ("message_key", AttributeValue::S(format!("{order}/2"))),
+            ("message_name", AttributeValue::S("rv.order.event".into())),
+        ],
+    )
+    .await;
+    assert_eq!(
+        park(&dispatcher, &event(&order, 3, "3")).await,
+        Ok(Outcome::Parked)
+    );
+    assert_eq!(
+        park(&dispatcher, &event(&order, 1, "1")).await,
+        Ok(Outcome::Processed(()))
+    );
+    assert_eq!(
+        history(&inbox, "rv-park", &order).await.as_deref(),
+        Some("1")
+    );
+    assert_eq!(
+        status(&inbox, "rv-park", &format!("{order}/3")).await,
+        Some(Status::Parked)
+    );
+    let mut left = pointers(&inbox).await;
+    left.retain(|pk| pk.contains(&order));
+    assert_eq!(left.len(), 2, "{left:?}");
+    assert!(left.contains(&pointer), "{left:?}");
+}
