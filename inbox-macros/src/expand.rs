@@ -746,39 +746,23 @@ pub(crate) fn registration(mut path: syn::Path) -> TokenStream {
 /// without inbox-runtime's `dynamodb` feature, that macro is an error there saying so.
 fn dynamo_handler(handler: &Handler) -> TokenStream {
     let Handler {
-        consumer,
-        key,
-        ordering,
-        gaps,
-        max_attempts,
         func,
         connection,
-        message,
-        output,
         msg_arg,
         ..
     } = handler;
     let names = Names::of(&func.sig.ident);
     let attrs = FnAttrs::split(&func.attrs);
-    let result = ResultTypes::of(output);
+    let result = ResultTypes::of(&handler.output);
     let private = quote!(::inbox_runtime::__private);
     let dynamodb = quote!(::inbox_runtime::dynamodb);
     let Names {
         handler_ty,
         registration,
-        function,
+        ..
     } = &names;
-    let FnAttrs { cfgs, body, outer } = &attrs;
-    let ResultTypes { ok, err, .. } = &result;
-    let max_attempts = max_attempts.as_ref().map(max_attempts_const);
-    let gaps = gaps_const(*gaps);
-    let ordering = ordering
-        .as_ref()
-        .map(|ordering| handler_ordering(ordering, message));
-    let classify = classify_fn(&result);
-    let key = key_fn(key.as_ref(), message);
-    let inputs = &func.sig.inputs;
-    let block = &func.block;
+    let FnAttrs { cfgs, outer, .. } = &attrs;
+    let handler_impl = dynamo_handler_impl(handler, &names, &attrs, &result);
     let vis = &func.vis;
     let ident = &func.sig.ident;
     let asyncness = &func.sig.asyncness;
@@ -804,6 +788,76 @@ fn dynamo_handler(handler: &Handler) -> TokenStream {
         #[allow(non_camel_case_types)]
         struct #handler_ty;
 
+        #handler_impl
+
+        /// The registration of the handler, for `inbox_runtime::handler!`.
+        #(#cfgs)*
+        #[doc(hidden)]
+        #[allow(non_upper_case_globals, unreachable_pub)]
+        #vis const #registration: #dynamodb::DynamoRegistration =
+            #dynamodb::DynamoRegistration::new(#registered);
+
+        #(#cfgs)*
+        #private::inventory::submit! {
+            #registration
+        }
+
+        // Registered, the wrapper needs no caller: this use keeps it from being dead code.
+        #(#cfgs)*
+        const _: () = {
+            let _ = #ident;
+        };
+
+        #(#outer)*
+        #vis #asyncness fn #ident(
+            #inbox_arg: &#dynamodb::DynamoInbox,
+            #msg_arg: #msg_ty,
+        ) -> #returns {
+            #private::run_dynamo::<#handler_ty>(#inbox_arg, #msg_arg).await
+        }
+    };
+    spanned_by(connection, items)
+}
+
+/// The `impl DynamoHandler` of a DynamoDB handler's hidden type: its consumer, function name,
+/// policies (`max_attempts`, gaps, error classes), key and ordering, and `call`, which runs the
+/// original body on the transaction.
+fn dynamo_handler_impl(
+    handler: &Handler,
+    names: &Names,
+    attrs: &FnAttrs<'_>,
+    result: &ResultTypes,
+) -> TokenStream {
+    let Handler {
+        consumer,
+        key,
+        ordering,
+        gaps,
+        max_attempts,
+        func,
+        connection,
+        message,
+        output,
+        ..
+    } = handler;
+    let private = quote!(::inbox_runtime::__private);
+    let Names {
+        handler_ty,
+        function,
+        ..
+    } = names;
+    let FnAttrs { cfgs, body, .. } = attrs;
+    let ResultTypes { ok, err, .. } = result;
+    let max_attempts = max_attempts.as_ref().map(max_attempts_const);
+    let gaps = gaps_const(*gaps);
+    let ordering = ordering
+        .as_ref()
+        .map(|ordering| handler_ordering(ordering, message));
+    let classify = classify_fn(result);
+    let key = key_fn(key.as_ref(), message);
+    let inputs = &func.sig.inputs;
+    let block = &func.block;
+    quote! {
         #(#cfgs)*
         impl #private::DynamoHandler for #handler_ty {
             type Message = #message;
@@ -832,35 +886,13 @@ fn dynamo_handler(handler: &Handler) -> TokenStream {
                 ::std::boxed::Box::pin(__inbox_body(tx, msg))
             }
         }
+    }
+}
 
-        /// The registration of the handler, for `inbox_runtime::handler!`.
-        #(#cfgs)*
-        #[doc(hidden)]
-        #[allow(non_upper_case_globals, unreachable_pub)]
-        #vis const #registration: #dynamodb::DynamoRegistration =
-            #dynamodb::DynamoRegistration::new(#registered);
-
-        #(#cfgs)*
-        #private::inventory::submit! {
-            #registration
-        }
-
-        // Registered, the wrapper needs no caller: this use keeps it from being dead code.
-        #(#cfgs)*
-        const _: () = {
-            let _ = #ident;
-        };
-
-        #(#outer)*
-        #vis #asyncness fn #ident(
-            #inbox_arg: &#dynamodb::DynamoInbox,
-            #msg_arg: #msg_ty,
-        ) -> #returns {
-            #private::run_dynamo::<#handler_ty>(#inbox_arg, #msg_arg).await
-        }
-    };
-    // The call spans the whole type (its first token to its last: what rustc blames for an
-    // error of the macro), where one span would cover only the type's first token on stable.
+/// `items` passed through `__private::dynamodb_items!`, the call spanning the whole
+/// `connection` type (its first token to its last: what rustc blames for an error of the
+/// macro), where one span would cover only the type's first token on stable.
+fn spanned_by(connection: &syn::Type, items: TokenStream) -> TokenStream {
     let mut tokens = connection.to_token_stream().into_iter();
     let first = tokens.next().map_or_else(Span::call_site, |t| t.span());
     let last = tokens.last().map_or(first, |t| t.span());
