@@ -635,10 +635,26 @@ macro_rules! prefix_tests {
                 let order = inbox_tests::envelope(&Order { id: "o-3".into() });
                 let dispatched = shipping.scope(dispatcher.dispatch(&order)).await.unwrap();
                 assert_eq!(inbox_tests::outcome_kinds(&dispatched), [Ok("processed")]);
-                let round = tokio::spawn(async move { relay.run_once().await.unwrap() })
-                    .await
-                    .unwrap();
-                assert_eq!((round.leased, round.published), (1, 1));
+                // On PostgreSQL a row is published once no transaction older than its own is
+                // running (the outbox's commit-order horizon, over the whole server): another
+                // test's transaction can hold o-3 back for a moment, so the spawned task runs
+                // rounds (at most for 30 s) until one publishes, and the totals are checked.
+                let round = tokio::spawn(async move {
+                    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+                    let (mut leased, mut published) = (0, 0);
+                    loop {
+                        let round = relay.run_once().await.unwrap();
+                        leased += round.leased;
+                        published += round.published;
+                        if published > 0 || std::time::Instant::now() >= deadline {
+                            break (leased, published);
+                        }
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    }
+                })
+                .await
+                .unwrap();
+                assert_eq!(round, (1, 1));
                 let published: Vec<String> =
                     sink.published().into_iter().map(|m| m.message_id).collect();
                 assert_eq!(published, ["shipping_:o-3"]);
