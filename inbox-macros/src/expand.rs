@@ -328,10 +328,6 @@ fn handler_type(
 ) -> TokenStream {
     let Handler {
         consumer,
-        key,
-        ordering,
-        gaps,
-        max_attempts,
         connection,
         message,
         ..
@@ -344,13 +340,7 @@ fn handler_type(
     } = names;
     let cfgs = &attrs.cfgs;
     let ResultTypes { ok, err, .. } = result;
-    let max_attempts = max_attempts.as_ref().map(max_attempts_const);
-    let gaps = gaps_const(*gaps);
-    let classify = classify_fn(result);
-    let key = key_fn(key.as_ref(), message);
-    let ordering = ordering
-        .as_ref()
-        .map(|ordering| handler_ordering(ordering, message));
+    let policies = policy_items(handler, result);
     let call = call_fn(handler, attrs);
     quote! {
         #(#cfgs)*
@@ -368,18 +358,34 @@ fn handler_type(
             const FUNCTION: &'static ::core::primitive::str =
                 ::core::concat!(::core::module_path!(), "::", #function);
 
-            #max_attempts
-
-            #gaps
-
-            #classify
-
-            #key
-
-            #ordering
+            #policies
 
             #call
         }
+    }
+}
+
+/// The items both handler traits share, from the attribute: `MAX_ATTEMPTS`, `GAPS`, the
+/// error classification, the key and the ordering.
+fn policy_items(handler: &Handler, result: &ResultTypes) -> TokenStream {
+    let max_attempts = handler.max_attempts.as_ref().map(max_attempts_const);
+    let gaps = gaps_const(handler.gaps);
+    let classify = classify_fn(result);
+    let key = key_fn(handler.key.as_ref(), &handler.message);
+    let ordering = handler
+        .ordering
+        .as_ref()
+        .map(|ordering| handler_ordering(ordering, &handler.message));
+    quote! {
+        #max_attempts
+
+        #gaps
+
+        #classify
+
+        #key
+
+        #ordering
     }
 }
 
@@ -830,10 +836,6 @@ fn dynamo_handler_impl(
 ) -> TokenStream {
     let Handler {
         consumer,
-        key,
-        ordering,
-        gaps,
-        max_attempts,
         func,
         connection,
         message,
@@ -848,13 +850,7 @@ fn dynamo_handler_impl(
     } = names;
     let FnAttrs { cfgs, body, .. } = attrs;
     let ResultTypes { ok, err, .. } = result;
-    let max_attempts = max_attempts.as_ref().map(max_attempts_const);
-    let gaps = gaps_const(*gaps);
-    let ordering = ordering
-        .as_ref()
-        .map(|ordering| handler_ordering(ordering, message));
-    let classify = classify_fn(result);
-    let key = key_fn(key.as_ref(), message);
+    let policies = policy_items(handler, result);
     let inputs = &func.sig.inputs;
     let block = &func.block;
     quote! {
@@ -867,15 +863,7 @@ fn dynamo_handler_impl(
             const FUNCTION: &'static ::core::primitive::str =
                 ::core::concat!(::core::module_path!(), "::", #function);
 
-            #max_attempts
-
-            #gaps
-
-            #classify
-
-            #key
-
-            #ordering
+            #policies
 
             fn call<'t>(
                 tx: &'t mut #connection,
