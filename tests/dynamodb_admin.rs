@@ -762,7 +762,8 @@ async fn the_command_line_on_dynamodb() {
         (
             // This program links no DynamoDB handlers (tests/dynamodb_handlers.rs replays).
             vec!["dead", "replay", "ledger", "m1"],
-            "no #[idempotent] DynamoDB handlers are registered; a crate whose handlers nothing \
+            "no #[idempotent] handlers for dynamodb are registered (0 for other backends); a crate \
+             whose handlers nothing \
              references is not linked: add `use that_crate as _;`, or list the handlers with \
              `DynamoDispatcher::from_handlers(inbox, [handler!(path::to::function)])`",
         ),

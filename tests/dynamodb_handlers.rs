@@ -13,13 +13,10 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use inbox_runtime::dynamodb::sdk::types::{AttributeValue, Update};
-use inbox_runtime::dynamodb::{
-    self, DynamoDispatcher, DynamoError, DynamoInbox, DynamoRegistryError, DynamoReplayError,
-    DynamoTx,
-};
+use inbox_runtime::dynamodb::{self, DynamoDispatcher, DynamoError, DynamoInbox, DynamoTx};
 use inbox_runtime::{
-    DispatchError, Disposition, Envelope, ErrorClass, KeyError, Message, Outcome, RetryPolicy,
-    handler, idempotent,
+    DispatchError, Disposition, Envelope, ErrorClass, KeyError, Message, Outcome, RegistryError,
+    ReplayError, RetryPolicy, handler, idempotent, store::Backend,
 };
 
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize, Message)]
@@ -341,14 +338,14 @@ async fn a_permanent_error_dead_letters_and_its_replay_processes_once() {
 
     // Unknown keys and consumers.
     match dispatcher.replay("ledger", "no-such-key").await {
-        Err(DynamoReplayError::NotFound { consumer, key }) => {
+        Err(ReplayError::NotFound { consumer, key }) => {
             assert_eq!((consumer.as_str(), key.as_str()), ("ledger", "no-such-key"));
         }
         other => panic!("expected NotFound, got {other:?}"),
     }
     assert!(matches!(
         dispatcher.replay("ledger", "").await,
-        Err(DynamoReplayError::Key(KeyError::Empty { .. }))
+        Err(ReplayError::Key(KeyError::Empty { .. }))
     ));
 }
 
@@ -364,10 +361,10 @@ async fn dispatch_by_message_name_and_its_refusals() {
     assert_eq!(
         names,
         [
-            "audit <- dyn.credited (dynamodb_handlers::audit, DynamoDB)",
-            "ledger <- dyn.credited (dynamodb_handlers::credit, DynamoDB)",
-            "orders <- dyn.ordered (dynamodb_handlers::apply_ordered, DynamoDB)",
-            "transfers <- dyn.transferred (dynamodb_handlers::transfer, DynamoDB)",
+            "audit <- dyn.credited (dynamodb_handlers::audit, dynamodb)",
+            "ledger <- dyn.credited (dynamodb_handlers::credit, dynamodb)",
+            "orders <- dyn.ordered (dynamodb_handlers::apply_ordered, dynamodb)",
+            "transfers <- dyn.transferred (dynamodb_handlers::transfer, dynamodb)",
         ]
     );
     let account = fresh("acct");
@@ -550,7 +547,9 @@ async fn explicit_handler_lists() {
     assert_eq!(listed, ["dynamodb_handlers::credit"]);
     assert_eq!(
         DynamoDispatcher::from_handlers(inbox, []).unwrap_err(),
-        DynamoRegistryError::NoHandlersListed
+        RegistryError::NoHandlersListed {
+            backend: Backend::DynamoDb
+        }
     );
     let registered: Vec<_> = dynamodb::registered_dynamo_handlers()
         .into_iter()

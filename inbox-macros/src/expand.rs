@@ -206,7 +206,7 @@ fn key_part_fn() -> TokenStream {
 }
 
 /// The items generated for an `#[idempotent]` handler, in this order: the hidden handler type and
-/// its `impl Handler`, the registration, and the function with its new signature.
+/// its `impl HandlerSpec` and `impl Handler`, the registration, and the function with its new signature.
 pub(crate) fn handler(handler: &Handler) -> TokenStream {
     if handler.dynamo {
         return dynamo_handler(handler);
@@ -319,28 +319,18 @@ impl ResultTypes {
     }
 }
 
-/// The hidden handler type and its `impl Handler`, which holds the body.
+/// The hidden handler type, its `impl HandlerSpec` and its `impl Handler`, which holds the body.
 fn handler_type(
     handler: &Handler,
     names: &Names,
     attrs: &FnAttrs<'_>,
     result: &ResultTypes,
 ) -> TokenStream {
-    let Handler {
-        consumer,
-        connection,
-        message,
-        ..
-    } = handler;
     let private = quote!(::inbox_runtime::__private);
-    let Names {
-        handler_ty,
-        function,
-        ..
-    } = names;
+    let handler_ty = &names.handler_ty;
+    let connection = &handler.connection;
     let cfgs = &attrs.cfgs;
-    let ResultTypes { ok, err, .. } = result;
-    let policies = policy_items(handler, result);
+    let spec = spec_impl(handler, names, attrs, result);
     let call = call_fn(handler, attrs);
     quote! {
         #(#cfgs)*
@@ -348,9 +338,40 @@ fn handler_type(
         #[allow(non_camel_case_types)]
         struct #handler_ty;
 
+        #spec
+
         #(#cfgs)*
         impl #private::Handler for #handler_ty {
             type Connection = #connection;
+
+            #call
+        }
+    }
+}
+
+/// The `impl HandlerSpec` every handler has, SQL or DynamoDB: its message and result types,
+/// consumer, function name and the policies of its attribute.
+fn spec_impl(
+    handler: &Handler,
+    names: &Names,
+    attrs: &FnAttrs<'_>,
+    result: &ResultTypes,
+) -> TokenStream {
+    let private = quote!(::inbox_runtime::__private);
+    let Names {
+        handler_ty,
+        function,
+        ..
+    } = names;
+    let Handler {
+        consumer, message, ..
+    } = handler;
+    let cfgs = &attrs.cfgs;
+    let ResultTypes { ok, err, .. } = result;
+    let policies = policy_items(handler, result);
+    quote! {
+        #(#cfgs)*
+        impl #private::HandlerSpec for #handler_ty {
             type Message = #message;
             type Output = #ok;
             type Error = #err;
@@ -359,8 +380,6 @@ fn handler_type(
                 ::core::concat!(::core::module_path!(), "::", #function);
 
             #policies
-
-            #call
         }
     }
 }
@@ -389,7 +408,7 @@ fn policy_items(handler: &Handler, result: &ResultTypes) -> TokenStream {
     }
 }
 
-/// `const MAX_ATTEMPTS` of `impl Handler`, for `max_attempts = N`.
+/// `const MAX_ATTEMPTS` of `impl HandlerSpec`, for `max_attempts = N`.
 fn max_attempts_const(n: &syn::LitInt) -> TokenStream {
     quote! {
         const MAX_ATTEMPTS: ::core::option::Option<::core::primitive::u32> =
@@ -397,7 +416,7 @@ fn max_attempts_const(n: &syn::LitInt) -> TokenStream {
     }
 }
 
-/// `const GAPS` of `impl Handler`, for `gaps = "park"`; nothing for `"apply"`, the trait's
+/// `const GAPS` of `impl HandlerSpec`, for `gaps = "park"`; nothing for `"apply"`, the trait's
 /// default.
 fn gaps_const(gaps: Option<GapPolicy>) -> Option<TokenStream> {
     match gaps {
@@ -408,7 +427,7 @@ fn gaps_const(gaps: Option<GapPolicy>) -> Option<TokenStream> {
     }
 }
 
-/// `fn classify` of `impl Handler`: the error's class, through the first of the probes that
+/// `fn classify` of `impl HandlerSpec`: the error's class, through the first of the probes that
 /// applies. Spanned at the return type, like [`ResultTypes`]: a non-`Result` is blamed there.
 fn classify_fn(result: &ResultTypes) -> TokenStream {
     let private = quote!(::inbox_runtime::__private);
@@ -422,7 +441,7 @@ fn classify_fn(result: &ResultTypes) -> TokenStream {
     }
 }
 
-/// `fn key` of `impl Handler`: from the field named by `key = "..."`, else the message's own key.
+/// `fn key` of `impl HandlerSpec`: from the field named by `key = "..."`, else the message's own key.
 fn key_fn(key: Option<&FieldArg>, message: &syn::Type) -> TokenStream {
     let private = quote!(::inbox_runtime::__private);
     let key_body = match key {
@@ -675,7 +694,7 @@ fn is_expect(attr: &Attribute) -> bool {
     attr.path().is_ident("expect")
 }
 
-/// `fn ordering(msg)` of `impl Handler`, for `#[idempotent(aggregate = "...", sequence = "...")]`:
+/// `fn ordering(msg)` of `impl HandlerSpec`, for `#[idempotent(aggregate = "...", sequence = "...")]`:
 /// overrides the message's own ordering.
 ///
 /// A field that does not exist, or whose type is not a `KeyPart` (aggregate) or a
@@ -825,9 +844,9 @@ fn dynamo_handler(handler: &Handler) -> TokenStream {
     spanned_by(connection, items)
 }
 
-/// The `impl DynamoHandler` of a DynamoDB handler's hidden type: its consumer, function name,
-/// policies (`max_attempts`, gaps, error classes), key and ordering, and `call`, which runs the
-/// original body on the transaction.
+/// The `impl HandlerSpec` and `impl DynamoHandler` of a DynamoDB handler's hidden type: its
+/// consumer, function name, policies (`max_attempts`, gaps, error classes), key and ordering,
+/// and `call`, which runs the original body on the transaction.
 fn dynamo_handler_impl(
     handler: &Handler,
     names: &Names,
@@ -835,7 +854,6 @@ fn dynamo_handler_impl(
     result: &ResultTypes,
 ) -> TokenStream {
     let Handler {
-        consumer,
         func,
         connection,
         message,
@@ -843,28 +861,16 @@ fn dynamo_handler_impl(
         ..
     } = handler;
     let private = quote!(::inbox_runtime::__private);
-    let Names {
-        handler_ty,
-        function,
-        ..
-    } = names;
+    let handler_ty = &names.handler_ty;
     let FnAttrs { cfgs, body, .. } = attrs;
-    let ResultTypes { ok, err, .. } = result;
-    let policies = policy_items(handler, result);
+    let spec = spec_impl(handler, names, attrs, result);
     let inputs = &func.sig.inputs;
     let block = &func.block;
     quote! {
+        #spec
+
         #(#cfgs)*
         impl #private::DynamoHandler for #handler_ty {
-            type Message = #message;
-            type Output = #ok;
-            type Error = #err;
-            const CONSUMER: &'static ::core::primitive::str = #consumer;
-            const FUNCTION: &'static ::core::primitive::str =
-                ::core::concat!(::core::module_path!(), "::", #function);
-
-            #policies
-
             fn call<'t>(
                 tx: &'t mut #connection,
                 msg: #message,

@@ -382,9 +382,9 @@ mod tests {
             },
         );
         let file: syn::File = syn::parse2(output.clone()).unwrap_or_else(|e| panic!("{e}"));
-        // struct, impl, registration const, submit!, the use of the wrapper, the wrapper: each
-        // under the `cfg`.
-        assert_eq!(file.items.len(), 6);
+        // struct, impl HandlerSpec, impl Handler, registration const, submit!, the use of the
+        // wrapper, the wrapper: each under the `cfg`.
+        assert_eq!(file.items.len(), 7);
         let text = output.to_string();
         assert!(text.contains("struct __inbox_handler_credit"), "{text}");
         assert!(
@@ -393,7 +393,7 @@ mod tests {
         );
         assert_eq!(
             text.matches("# [cfg (feature = \"pg\")]").count(),
-            6,
+            7,
             "{text}"
         );
         // `#[expect]` moves to the body: once, not on the wrapper.

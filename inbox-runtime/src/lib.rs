@@ -385,7 +385,7 @@ pub mod __private {
     pub use crate::dynamodb::handler::{DynDynamoHandler, DynamoHandler, run as run_dynamo};
     pub use crate::partition::partitions_from;
     pub use crate::protocol::erased::DynHandler;
-    pub use crate::protocol::single::{Handler, HandlerResult};
+    pub use crate::protocol::single::{Handler, HandlerResult, HandlerSpec};
     pub use crate::types::classify::probe::{
         Probe, ViaAsRefError, ViaClassify, ViaFallback, ViaStdError,
     };

@@ -1,11 +1,13 @@
 //! The handler registry: every `#[idempotent]` handler linked into the program (collected by
 //! `inventory`), or an explicit list of them.
 
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
-use crate::protocol::erased::DynHandler;
+use crate::protocol::erased::{DynHandler, ErasedHandler};
 use crate::protocol::park::Routes;
 use crate::store::Backend;
+use crate::types::error::RegistryError;
 
 /// One `#[idempotent]` handler, as the registry holds it: what
 /// [`handler!(path::to::function)`](crate::handler!) gives, for
@@ -62,25 +64,38 @@ impl fmt::Display for HandlerInfo {
 }
 
 pub(crate) fn info(handler: &dyn DynHandler) -> HandlerInfo {
-    HandlerInfo {
-        consumer: handler.consumer(),
-        message_name: handler.message_name(),
-        function: handler.function(),
-        backend: handler.backend(),
+    HandlerInfo::of(handler, handler.backend())
+}
+
+impl HandlerInfo {
+    /// What the registry knows of `handler`, a handler of `backend`.
+    pub(crate) fn of<H: ErasedHandler + ?Sized>(handler: &H, backend: Backend) -> Self {
+        Self {
+            consumer: handler.consumer(),
+            message_name: handler.message_name(),
+            function: handler.function(),
+            backend,
+        }
+    }
+
+    /// `handlers` sorted by message name, consumer and function.
+    pub(crate) fn sorted(mut handlers: Vec<Self>) -> Vec<Self> {
+        handlers.sort_by(|a, b| {
+            (a.message_name, a.consumer, a.function).cmp(&(b.message_name, b.consumer, b.function))
+        });
+        handlers
     }
 }
 
 /// Every `#[idempotent]` handler linked into this program, for every backend, sorted by message
 /// name, consumer and function.
 pub fn registered_handlers() -> Vec<HandlerInfo> {
-    let mut all: Vec<HandlerInfo> = inventory::iter::<Registration>
-        .into_iter()
-        .map(|registration| info(registration.handler))
-        .collect();
-    all.sort_by(|a, b| {
-        (a.message_name, a.consumer, a.function).cmp(&(b.message_name, b.consumer, b.function))
-    });
-    all
+    HandlerInfo::sorted(
+        inventory::iter::<Registration>
+            .into_iter()
+            .map(|registration| info(registration.handler))
+            .collect(),
+    )
 }
 
 impl Registration {
@@ -104,5 +119,88 @@ impl Routes for GlobalRoutes {
                     && h.consumer() == consumer
                     && h.message_name() == message_name
             })
+    }
+}
+
+/// A dispatcher's handlers (SQL or DynamoDB) by message name, each name's handlers sorted by
+/// consumer and function.
+pub(crate) struct HandlerRoutes<H: ?Sized + 'static> {
+    by_name: HashMap<&'static str, Vec<&'static H>>,
+}
+
+impl<H: ErasedHandler + ?Sized> HandlerRoutes<H> {
+    /// The routes of `handlers`, of a dispatcher of `backend`: `explicit` if they were listed
+    /// (`from_handlers`), else the registry's; `other` handlers of the registry are of other
+    /// backends.
+    ///
+    /// # Errors
+    /// [`RegistryError::DuplicateConsumer`] for the first two handlers of one consumer and
+    /// message name; [`RegistryError::NoHandlersListed`] / [`RegistryError::NoHandlers`] if
+    /// there are none.
+    pub(crate) fn new(
+        mut handlers: Vec<&'static H>,
+        backend: Backend,
+        explicit: bool,
+        other: usize,
+    ) -> Result<Self, RegistryError> {
+        handlers.sort_by_key(|h| (h.message_name(), h.consumer(), h.function()));
+        let mut by_name: HashMap<&'static str, Vec<&'static H>> = HashMap::new();
+        let mut seen = BTreeMap::new();
+        for handler in handlers {
+            let (consumer, message_name) = (handler.consumer(), handler.message_name());
+            if let Some(first) = seen.insert((consumer, message_name), handler.function()) {
+                return Err(RegistryError::DuplicateConsumer {
+                    consumer,
+                    message_name,
+                    first,
+                    second: handler.function(),
+                });
+            }
+            by_name.entry(message_name).or_default().push(handler);
+        }
+        if by_name.is_empty() {
+            return Err(if explicit {
+                RegistryError::NoHandlersListed { backend }
+            } else {
+                RegistryError::NoHandlers { backend, other }
+            });
+        }
+        Ok(Self { by_name })
+    }
+
+    /// The handlers of a `from_handlers` list, each once (listing one twice is harmless).
+    pub(crate) fn listed(handlers: impl IntoIterator<Item = &'static H>) -> Vec<&'static H> {
+        let mut listed: Vec<&'static H> = Vec::new();
+        for handler in handlers {
+            if !listed.iter().any(|h| h.function() == handler.function()) {
+                listed.push(handler);
+            }
+        }
+        listed
+    }
+
+    /// The handlers by message name.
+    pub(crate) fn by_name(&self) -> &HashMap<&'static str, Vec<&'static H>> {
+        &self.by_name
+    }
+
+    /// The handler of `consumer` for `message_name`, if there is one.
+    pub(crate) fn route(&self, consumer: &str, message_name: &str) -> Option<&'static H> {
+        self.by_name
+            .get(message_name)
+            .and_then(|handlers| handlers.iter().find(|h| h.consumer() == consumer))
+            .copied()
+    }
+
+    /// What the registry knows of every handler, `backend` giving each one's backend, sorted
+    /// by message name, consumer and function.
+    pub(crate) fn infos(&self, backend: impl Fn(&H) -> Backend) -> Vec<HandlerInfo> {
+        HandlerInfo::sorted(
+            self.by_name
+                .values()
+                .flatten()
+                .map(|handler| HandlerInfo::of(*handler, backend(handler)))
+                .collect(),
+        )
     }
 }

@@ -8,54 +8,22 @@
 //! `TransactWriteItems`), and registers it (`inventory`, a collection of its own: the SQL
 //! [`Dispatcher`](crate::Dispatcher) never sees it) for [`DynamoDispatcher::from_registry`].
 
-use std::collections::HashMap;
 use std::fmt;
 
-use super::handler::{
-    DynDynamoHandler, DynamoHandlerInfo, DynamoRegistration, DynamoReplayError, Run, info,
-    run_payload,
-};
+use super::handler::{DynDynamoHandler, DynamoRegistration, Run, run_payload};
 use super::{DynamoError, DynamoInbox, Mode};
-use crate::protocol::erased::{DecodedMessages, decode_once, routes};
+use crate::dispatch::HandlerInfo;
+use crate::dispatch::registry::HandlerRoutes;
+use crate::protocol::erased::{DecodedMessages, decode_once};
+use crate::store::Backend;
 use crate::types::classify::BoxError;
 use crate::types::envelope::Envelope;
-use crate::types::error::DispatchError;
+use crate::types::error::{DispatchError, RegistryError, ReplayError};
 use crate::types::key::IdempotencyKey;
 use crate::types::limit::{PayloadLimit, PayloadLimitError};
 use crate::types::ordering::ParkPolicy;
 use crate::types::outcome::Outcome;
 use crate::types::status::Status;
-
-/// Why a [`DynamoDispatcher`] could not be built.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum DynamoRegistryError {
-    /// No `#[idempotent]` handler taking `&mut DynamoTx` is linked into the program.
-    #[error(
-        "no #[idempotent] DynamoDB handlers are registered; a crate whose handlers nothing \
-         references is not linked: add `use that_crate as _;`, or list the handlers with \
-         `DynamoDispatcher::from_handlers(inbox, [handler!(path::to::function)])`"
-    )]
-    NoHandlers,
-    /// [`DynamoDispatcher::from_handlers`] got an empty list.
-    #[error("no handlers listed for the DynamoDB dispatcher")]
-    NoHandlersListed,
-    /// Two handlers claim the same message under the same consumer name: they would share one
-    /// inbox scope, so one of them would see every message as a duplicate.
-    #[error(
-        "consumer `{consumer}` has two handlers for message `{message_name}`: `{first}` and `{second}`"
-    )]
-    DuplicateConsumer {
-        /// The consumer name.
-        consumer: &'static str,
-        /// The message's routing name.
-        message_name: &'static str,
-        /// One handler (module path and function name).
-        first: &'static str,
-        /// The other one.
-        second: &'static str,
-    },
-}
 
 /// The result of one message for one consumer of a [`DynamoDispatcher`].
 #[derive(Debug)]
@@ -104,7 +72,7 @@ impl DynamoConsumerOutcome {
 /// ```
 pub struct DynamoDispatcher {
     inbox: DynamoInbox,
-    routes: HashMap<&'static str, Vec<&'static dyn DynDynamoHandler>>,
+    routes: HandlerRoutes<dyn DynDynamoHandler>,
     max_payload_bytes: PayloadLimit,
     /// What [`sweep_parked`](Self::sweep_parked) does with parked messages.
     pub(super) park: ParkPolicy,
@@ -123,64 +91,42 @@ impl DynamoDispatcher {
     /// A dispatcher over `inbox` with every registered `#[idempotent]` DynamoDB handler.
     ///
     /// # Errors
-    /// [`DynamoRegistryError::NoHandlers`] if none is linked in;
-    /// [`DynamoRegistryError::DuplicateConsumer`] if two handlers share a consumer name for
-    /// the same message.
-    pub fn from_registry(inbox: DynamoInbox) -> Result<Self, DynamoRegistryError> {
+    /// [`RegistryError::NoHandlers`] (backend [`Backend::DynamoDb`]) if none is linked in;
+    /// [`RegistryError::DuplicateConsumer`] if two handlers share a consumer name for the same
+    /// message.
+    pub fn from_registry(inbox: DynamoInbox) -> Result<Self, RegistryError> {
         let handlers = inventory::iter::<DynamoRegistration>
             .into_iter()
             .map(|registration| registration.handler())
             .collect();
-        Self::build(inbox, handlers, false)
+        let other = crate::dispatch::registered_handlers().len();
+        Self::build(inbox, handlers, false, other)
     }
 
     /// A dispatcher over `inbox` with exactly the handlers listed, each named with
     /// [`handler!`](crate::handler!). Listing one handler twice is harmless.
     ///
     /// # Errors
-    /// [`DynamoRegistryError::NoHandlersListed`] if the list is empty;
-    /// [`DynamoRegistryError::DuplicateConsumer`] if two handlers share a consumer name for
-    /// the same message.
+    /// [`RegistryError::NoHandlersListed`] if the list is empty;
+    /// [`RegistryError::DuplicateConsumer`] if two handlers share a consumer name for the same
+    /// message.
     pub fn from_handlers(
         inbox: DynamoInbox,
         handlers: impl IntoIterator<Item = DynamoRegistration>,
-    ) -> Result<Self, DynamoRegistryError> {
-        let mut listed: Vec<&'static dyn DynDynamoHandler> = Vec::new();
-        for registration in handlers {
-            if !listed
-                .iter()
-                .any(|h| h.function() == registration.handler().function())
-            {
-                listed.push(registration.handler());
-            }
-        }
-        Self::build(inbox, listed, true)
+    ) -> Result<Self, RegistryError> {
+        let listed = HandlerRoutes::listed(handlers.into_iter().map(|r| r.handler()));
+        Self::build(inbox, listed, true, 0)
     }
 
     fn build(
         inbox: DynamoInbox,
         handlers: Vec<&'static dyn DynDynamoHandler>,
         explicit: bool,
-    ) -> Result<Self, DynamoRegistryError> {
-        let routes =
-            routes(handlers, |h| (h.message_name(), h.consumer(), h.function())).map_err(|d| {
-                DynamoRegistryError::DuplicateConsumer {
-                    consumer: d.consumer,
-                    message_name: d.message_name,
-                    first: d.first,
-                    second: d.second,
-                }
-            })?;
-        if routes.is_empty() {
-            return Err(if explicit {
-                DynamoRegistryError::NoHandlersListed
-            } else {
-                DynamoRegistryError::NoHandlers
-            });
-        }
+        other: usize,
+    ) -> Result<Self, RegistryError> {
         Ok(Self {
             inbox,
-            routes,
+            routes: HandlerRoutes::new(handlers, Backend::DynamoDb, explicit, other)?,
             max_payload_bytes: PayloadLimit::DEFAULT,
             park: ParkPolicy::default(),
         })
@@ -213,15 +159,8 @@ impl DynamoDispatcher {
     }
 
     /// The handlers this dispatcher routes to, sorted by message name and consumer.
-    pub fn handlers(&self) -> Vec<DynamoHandlerInfo> {
-        let mut all: Vec<DynamoHandlerInfo> = self
-            .routes
-            .values()
-            .flatten()
-            .map(|handler| info(*handler))
-            .collect();
-        all.sort_by(|a, b| (a.message_name, a.consumer).cmp(&(b.message_name, b.consumer)));
-        all
+    pub fn handlers(&self) -> Vec<HandlerInfo> {
+        self.routes.infos(|_| Backend::DynamoDb)
     }
 
     pub(crate) fn route(
@@ -229,10 +168,7 @@ impl DynamoDispatcher {
         consumer: &str,
         message_name: &str,
     ) -> Option<&'static dyn DynDynamoHandler> {
-        self.routes
-            .get(message_name)
-            .and_then(|handlers| handlers.iter().find(|h| h.consumer() == consumer))
-            .copied()
+        self.routes.route(consumer, message_name)
     }
 
     /// Runs every consumer registered for `envelope.message_name`, one after the other in
@@ -260,7 +196,7 @@ impl DynamoDispatcher {
         &self,
         envelope: &Envelope,
     ) -> Result<Vec<DynamoConsumerOutcome>, DispatchError> {
-        let (handlers, text) = envelope.admit(self.max_payload_bytes, &self.routes)?;
+        let (handlers, text) = envelope.admit(self.max_payload_bytes, self.routes.by_name())?;
         let mut decoded: DecodedMessages = Vec::with_capacity(1);
         let mut items = Vec::with_capacity(handlers.len());
         for handler in handlers {
@@ -301,7 +237,7 @@ impl DynamoDispatcher {
     /// (the second's claim condition fails, and it reads the item as processed).
     ///
     /// # Errors
-    /// [`DynamoReplayError`] if the key is unknown, its item keeps no payload or is malformed,
+    /// [`ReplayError`] if the key is unknown, its item keeps no payload or is malformed,
     /// no handler of this dispatcher serves its consumer and message, its payload no longer
     /// decodes or yields the stored key, or the read failed. The run's own errors are in the
     /// returned [`DynamoConsumerOutcome::result`].
@@ -309,25 +245,26 @@ impl DynamoDispatcher {
         &self,
         consumer: &str,
         key: &str,
-    ) -> Result<DynamoConsumerOutcome, DynamoReplayError> {
+    ) -> Result<DynamoConsumerOutcome, ReplayError> {
         // A key that could not have been stored is refused before any call.
-        IdempotencyKey::new(key, "(replay)", "key").map_err(DynamoReplayError::Key)?;
+        IdempotencyKey::new(key, "(replay)", "key").map_err(ReplayError::Key)?;
         let stored = self
             .inbox
             .admin()
             .show(consumer, key)
-            .await?
-            .ok_or_else(|| DynamoReplayError::NotFound {
+            .await
+            .map_err(|error| ReplayError::Read(Box::new(error)))?
+            .ok_or_else(|| ReplayError::NotFound {
                 consumer: consumer.to_owned(),
                 key: key.to_owned(),
             })?;
         let message_name = stored.message_name.as_str();
-        let handler =
-            self.route(consumer, message_name)
-                .ok_or_else(|| DynamoReplayError::NoHandler {
-                    consumer: consumer.to_owned(),
-                    message_name: message_name.to_owned(),
-                })?;
+        let handler = self
+            .route(consumer, message_name)
+            .ok_or_else(|| ReplayError::NoHandler {
+                consumer: consumer.to_owned(),
+                message_name: message_name.to_owned(),
+            })?;
         match stored.status {
             Status::Processed => {
                 return Ok(DynamoConsumerOutcome::of(handler, Ok(Outcome::Duplicate)));
@@ -338,7 +275,7 @@ impl DynamoDispatcher {
             _ => {}
         }
         let Some(payload) = &stored.payload else {
-            return Err(DynamoReplayError::NoPayload {
+            return Err(ReplayError::NoPayload {
                 consumer: consumer.to_owned(),
                 key: key.to_owned(),
                 status: stored.status.as_str().to_owned(),

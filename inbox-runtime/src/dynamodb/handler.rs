@@ -3,17 +3,19 @@
 //! (`inventory`), the run of a stored payload (a replay, a parked successor) and the release of
 //! an aggregate's parked successors in order.
 
-use std::any::TypeId;
 use std::fmt;
 
-use super::{AdminError, DynamoError, DynamoInbox, DynamoTx, Failed, Mode, Ordered};
+use super::{DynamoError, DynamoInbox, DynamoTx, Failed, Mode, Ordered};
 use crate::BoxFuture;
-use crate::protocol::erased::{AnyMessage, downcast};
-use crate::types::classify::{BoxError, ErrorClass};
+use crate::dispatch::HandlerInfo;
+use crate::protocol::erased::{AnyMessage, ErasedHandler, decode_stored, downcast};
+use crate::protocol::single::HandlerSpec;
+use crate::store::Backend;
+use crate::types::classify::BoxError;
 use crate::types::error::HandlerFailure;
+use crate::types::error::ReplayError;
 use crate::types::fingerprint::{Fingerprint, FingerprintError};
-use crate::types::json_text::json_text;
-use crate::types::key::{IdempotencyKey, KeyError};
+use crate::types::key::IdempotencyKey;
 use crate::types::message::Message;
 use crate::types::ordering::{GapPolicy, Ordering};
 use crate::types::outcome::Outcome;
@@ -21,37 +23,7 @@ use crate::types::outcome::Outcome;
 /// One `#[idempotent]` function whose first parameter is `&mut DynamoTx`, as the macro
 /// describes it to the runtime (generated code only).
 #[doc(hidden)]
-pub trait DynamoHandler: Send + Sync + 'static {
-    /// The message type of the second parameter.
-    type Message: Message;
-    /// The handler's `Ok` type.
-    type Output: Send + 'static;
-    /// The handler's `Err` type.
-    type Error: fmt::Display + Send + 'static;
-    /// The consumer name: the inbox scope of this handler.
-    const CONSUMER: &'static str;
-    /// Module path and name of the function, for diagnostics.
-    const FUNCTION: &'static str;
-    /// `#[idempotent(max_attempts = N)]`, overriding the inbox's [`RetryPolicy`](crate::RetryPolicy).
-    const MAX_ATTEMPTS: Option<u32> = None;
-    /// `#[idempotent(gaps = "park")]`: what an ordered message does on a gap.
-    const GAPS: GapPolicy = GapPolicy::Apply;
-
-    /// The idempotency key of `msg` for this handler.
-    fn key(msg: &Self::Message) -> Result<IdempotencyKey, KeyError>;
-
-    /// The place of `msg` in its aggregate for this handler: the message's own
-    /// (`#[message(aggregate)]`, `#[message(sequence)]`) unless `#[idempotent(aggregate = …,
-    /// sequence = …)]` names other fields.
-    fn ordering(msg: &Self::Message) -> Result<Option<Ordering>, KeyError> {
-        msg.ordering()
-    }
-
-    /// The class of a handler error (generated: `Classify`, else the error chain).
-    fn classify(_error: &Self::Error) -> ErrorClass {
-        ErrorClass::Retryable
-    }
-
+pub trait DynamoHandler: HandlerSpec {
     /// The original function body: adds its actions to `tx`.
     fn call<'t>(
         tx: &'t mut DynamoTx,
@@ -138,14 +110,7 @@ async fn run_with<H: DynamoHandler>(
 
 /// A DynamoDB handler with its types erased, as the [`DynamoDispatcher`](super::DynamoDispatcher) drives it.
 #[doc(hidden)]
-pub trait DynDynamoHandler: Send + Sync + 'static {
-    fn consumer(&self) -> &'static str;
-    fn message_name(&self) -> &'static str;
-    fn function(&self) -> &'static str;
-    fn message_type(&self) -> TypeId;
-    fn decode(&self, payload: &str) -> Result<Box<AnyMessage>, serde_json::Error>;
-    fn key(&self, msg: &AnyMessage) -> Result<IdempotencyKey, KeyError>;
-    fn fingerprint(&self, msg: &AnyMessage) -> Result<Fingerprint, FingerprintError>;
+pub trait DynDynamoHandler: ErasedHandler {
     fn invoke<'a>(
         &'a self,
         inbox: &'a DynamoInbox,
@@ -189,27 +154,6 @@ where
     H: DynamoHandler,
     H::Error: Into<BoxError>,
 {
-    fn consumer(&self) -> &'static str {
-        H::CONSUMER
-    }
-    fn message_name(&self) -> &'static str {
-        <H::Message as Message>::NAME
-    }
-    fn function(&self) -> &'static str {
-        H::FUNCTION
-    }
-    fn message_type(&self) -> TypeId {
-        TypeId::of::<H::Message>()
-    }
-    fn decode(&self, payload: &str) -> Result<Box<AnyMessage>, serde_json::Error> {
-        Ok(Box::new(serde_json::from_str::<H::Message>(payload)?))
-    }
-    fn key(&self, msg: &AnyMessage) -> Result<IdempotencyKey, KeyError> {
-        H::key(downcast::<H::Message>(msg))
-    }
-    fn fingerprint(&self, msg: &AnyMessage) -> Result<Fingerprint, FingerprintError> {
-        Fingerprint::of(<H::Message as Message>::NAME, downcast::<H::Message>(msg))
-    }
     fn invoke<'a>(
         &'a self,
         inbox: &'a DynamoInbox,
@@ -308,9 +252,9 @@ impl DynamoRegistration {
         self.handler
     }
 
-    /// The handler's consumer, message and function.
-    pub fn info(&self) -> DynamoHandlerInfo {
-        info(self.handler)
+    /// The handler's consumer, message and function (backend [`Backend::DynamoDb`]).
+    pub fn info(&self) -> HandlerInfo {
+        HandlerInfo::of(self.handler, Backend::DynamoDb)
     }
 }
 
@@ -324,106 +268,15 @@ impl fmt::Debug for DynamoRegistration {
 
 inventory::collect!(DynamoRegistration);
 
-/// What the registry knows of one DynamoDB handler.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct DynamoHandlerInfo {
-    /// The consumer name (the handler's inbox scope).
-    pub consumer: &'static str,
-    /// The routing name of the message it handles.
-    pub message_name: &'static str,
-    /// Module path and name of the function.
-    pub function: &'static str,
-}
-
-impl fmt::Display for DynamoHandlerInfo {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} <- {} ({}, DynamoDB)",
-            self.consumer, self.message_name, self.function
-        )
-    }
-}
-
-pub(super) fn info(handler: &dyn DynDynamoHandler) -> DynamoHandlerInfo {
-    DynamoHandlerInfo {
-        consumer: handler.consumer(),
-        message_name: handler.message_name(),
-        function: handler.function(),
-    }
-}
-
-/// Every `#[idempotent]` DynamoDB handler linked into this program, sorted by message name,
-/// consumer and function.
-pub fn registered_dynamo_handlers() -> Vec<DynamoHandlerInfo> {
-    let mut all: Vec<DynamoHandlerInfo> = inventory::iter::<DynamoRegistration>
-        .into_iter()
-        .map(|registration| info(registration.handler))
-        .collect();
-    all.sort_by(|a, b| {
-        (a.message_name, a.consumer, a.function).cmp(&(b.message_name, b.consumer, b.function))
-    });
-    all
-}
-
-/// Why [`DynamoDispatcher::replay`](super::DynamoDispatcher::replay) did not run a stored message. Nothing was written.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum DynamoReplayError {
-    /// No item for this consumer and key (or an expired processed one).
-    #[error("consumer `{consumer}` has no message with key `{key}`")]
-    NotFound {
-        /// The consumer.
-        consumer: String,
-        /// The key.
-        key: String,
-    },
-    /// The item keeps no payload (a processed item does not; one written by something else).
-    #[error("message `{key}` of consumer `{consumer}` is {status} and keeps no payload")]
-    NoPayload {
-        /// The consumer.
-        consumer: String,
-        /// The key.
-        key: String,
-        /// Its status.
-        status: String,
-    },
-    /// No handler of this dispatcher serves that consumer and message.
-    #[error("no registered handler for consumer `{consumer}` and message `{message_name}`")]
-    NoHandler {
-        /// The consumer.
-        consumer: String,
-        /// The message name.
-        message_name: String,
-    },
-    /// The stored payload is not UTF-8 or does not decode as the handler's message type (any
-    /// more).
-    #[error("stored payload of `{message_name}` does not decode: {reason}")]
-    Decode {
-        /// The message name.
-        message_name: String,
-        /// The decoder's error.
-        reason: String,
-    },
-    /// The key given, or the decoded message's, is not a valid idempotency key.
-    #[error(transparent)]
-    Key(KeyError),
-    /// The decoded message cannot be fingerprinted.
-    #[error(transparent)]
-    Fingerprint(FingerprintError),
-    /// The decoded message's key is not the stored key (the key's definition changed).
-    #[error("stored key `{stored}` but the payload now yields key `{decoded}`")]
-    KeyMismatch {
-        /// The stored key.
-        stored: String,
-        /// The key the handler reads from the payload now.
-        decoded: String,
-    },
-    /// Reading the stored message failed ([`DynamoAdmin::show`](super::DynamoAdmin::show)'s
-    /// `GetItem`: the SDK's error with DynamoDB's code, or a malformed item).
-    #[error("reading the stored message failed: {0}")]
-    Read(#[from] AdminError),
+/// Every `#[idempotent]` DynamoDB handler linked into this program (backend
+/// [`Backend::DynamoDb`]), sorted by message name, consumer and function.
+pub fn registered_dynamo_handlers() -> Vec<HandlerInfo> {
+    HandlerInfo::sorted(
+        inventory::iter::<DynamoRegistration>
+            .into_iter()
+            .map(|registration| registration.info())
+            .collect(),
+    )
 }
 
 /// Which handler runs a stored message of a consumer: a dispatcher's own routes, or (for a
@@ -454,33 +307,10 @@ pub(crate) async fn run_payload(
     key: &str,
     payload: &[u8],
     mode: Mode,
-) -> Result<Result<Outcome<()>, DynamoError<BoxError>>, DynamoReplayError> {
-    let message_name = handler.message_name();
-    let decode_error = |reason: String| DynamoReplayError::Decode {
-        message_name: message_name.to_owned(),
-        reason,
-    };
-    let text = json_text(payload).map_err(|error| {
-        decode_error(format!(
-            "not Unicode text at line {}, column {}",
-            error.line, error.column
-        ))
-    })?;
-    let msg = handler
-        .decode(text)
-        .map_err(|error| decode_error(error.to_string()))?;
-    let decoded = handler.key(&*msg).map_err(DynamoReplayError::Key)?;
-    if decoded.as_str() != key {
-        return Err(DynamoReplayError::KeyMismatch {
-            stored: key.to_owned(),
-            decoded: decoded.into_string(),
-        });
-    }
-    let fingerprint = handler
-        .fingerprint(&*msg)
-        .map_err(DynamoReplayError::Fingerprint)?;
-    let run = Run::new(&decoded, fingerprint, payload, mode, routes);
-    Ok(handler.invoke(inbox, &*msg, run).await)
+) -> Result<Result<Outcome<()>, DynamoError<BoxError>>, ReplayError> {
+    let decoded = decode_stored(handler, key, payload)?;
+    let run = Run::new(&decoded.key, decoded.fingerprint, payload, mode, routes);
+    Ok(handler.invoke(inbox, &*decoded.msg, run).await)
 }
 
 /// After `ordering` of `consumer` was applied (`duplicate` false) or read as a duplicate:

@@ -228,10 +228,8 @@ mod sweep;
 mod worker;
 
 pub use admin::{AdminError, DEAD_LETTER_ATTRIBUTE, DEAD_LETTER_INDEX, DynamoAdmin, INDEX_WAIT};
-pub use dispatch::{DynamoConsumerOutcome, DynamoDispatcher, DynamoRegistryError};
-pub use handler::{
-    DynamoHandlerInfo, DynamoRegistration, DynamoReplayError, registered_dynamo_handlers,
-};
+pub use dispatch::{DynamoConsumerOutcome, DynamoDispatcher};
+pub use handler::{DynamoRegistration, registered_dynamo_handlers};
 
 use std::collections::HashMap;
 use std::future::Future;

@@ -440,15 +440,6 @@ pub enum CliError {
     #[cfg(feature = "dynamodb")]
     #[error(transparent)]
     DynamoTable(#[from] crate::dynamodb::TableError),
-    /// `dead replay` on DynamoDB: the registered DynamoDB handlers cannot build a
-    /// [`DynamoDispatcher`](crate::dynamodb::DynamoDispatcher).
-    #[cfg(feature = "dynamodb")]
-    #[error(transparent)]
-    DynamoRegistry(#[from] crate::dynamodb::DynamoRegistryError),
-    /// `dead replay` on DynamoDB: a single replay could not run.
-    #[cfg(feature = "dynamodb")]
-    #[error(transparent)]
-    DynamoReplay(#[from] crate::dynamodb::DynamoReplayError),
     /// A command the store does not have ([`dynamodb`]: `outbox …`, `purge`).
     #[cfg(feature = "dynamodb")]
     #[error("`{command}` is not available on DynamoDB: {why}")]

@@ -2,12 +2,12 @@
 
 use std::any::{Any, TypeId};
 
-use super::single::{AttemptPlan, Handler, run_delivery};
+use super::single::{AttemptPlan, Handler, HandlerSpec, run_delivery};
 use crate::BoxFuture;
 use crate::store::{AnyConnection, Backend, InboxConnection};
 use crate::types::classify::{BoxError, ErrorClass};
 use crate::types::envelope::Envelope;
-use crate::types::error::{DispatchError, Error};
+use crate::types::error::{DispatchError, Error, ReplayError};
 use crate::types::fingerprint::{Fingerprint, FingerprintError};
 use crate::types::key::{IdempotencyKey, KeyError};
 use crate::types::message::Message;
@@ -49,52 +49,13 @@ pub(crate) fn decode_once(
     Ok(decoded.len() - 1)
 }
 
-/// Two handlers of one consumer for one message name: they would share one inbox scope, so one
-/// of them would see every message as a duplicate.
-pub(crate) struct DuplicateHandler {
-    pub(crate) consumer: &'static str,
-    pub(crate) message_name: &'static str,
-    /// One handler (module path and function name), and the other.
-    pub(crate) first: &'static str,
-    pub(crate) second: &'static str,
-}
-
-/// A dispatcher's routes: `handlers` by message name, each name's handlers sorted by consumer
-/// and function. `names` gives a handler's message name, consumer and function.
-///
-/// # Errors
-/// [`DuplicateHandler`] for the first two handlers of one consumer and message name.
-#[allow(clippy::type_complexity)]
-pub(crate) fn routes<H: ?Sized>(
-    mut handlers: Vec<&'static H>,
-    names: impl Fn(&H) -> (&'static str, &'static str, &'static str),
-) -> Result<std::collections::HashMap<&'static str, Vec<&'static H>>, DuplicateHandler> {
-    handlers.sort_by_key(|h| names(h));
-    let mut routes: std::collections::HashMap<&'static str, Vec<&'static H>> =
-        std::collections::HashMap::new();
-    let mut seen = std::collections::BTreeMap::new();
-    for handler in handlers {
-        let (message_name, consumer, function) = names(handler);
-        if let Some(first) = seen.insert((consumer, message_name), function) {
-            return Err(DuplicateHandler {
-                consumer,
-                message_name,
-                first,
-                second: function,
-            });
-        }
-        routes.entry(message_name).or_default().push(handler);
-    }
-    Ok(routes)
-}
-
-/// A handler with its types erased, as the dispatcher drives it.
+/// What every handler with its types erased answers, whatever its backend: who it is, and how
+/// its message decodes, keys, orders and fingerprints.
 #[doc(hidden)]
-pub trait DynHandler: Send + Sync + 'static {
+pub trait ErasedHandler: Send + Sync + 'static {
     fn consumer(&self) -> &'static str;
     fn message_name(&self) -> &'static str;
     fn function(&self) -> &'static str;
-    fn backend(&self) -> Backend;
     fn message_type(&self) -> TypeId;
     fn decode(&self, payload: &str) -> Result<Box<AnyMessage>, serde_json::Error>;
     fn key(&self, msg: &AnyMessage) -> Result<IdempotencyKey, KeyError>;
@@ -103,6 +64,49 @@ pub trait DynHandler: Send + Sync + 'static {
     fn partitions(&self, msg: &AnyMessage) -> Option<Vec<String>>;
     fn gaps(&self) -> GapPolicy;
     fn fingerprint(&self, msg: &AnyMessage) -> Result<Fingerprint, FingerprintError>;
+    fn max_attempts(&self) -> Option<u32>;
+}
+
+impl<H: HandlerSpec> ErasedHandler for H {
+    fn consumer(&self) -> &'static str {
+        H::CONSUMER
+    }
+    fn message_name(&self) -> &'static str {
+        <H::Message as Message>::NAME
+    }
+    fn function(&self) -> &'static str {
+        H::FUNCTION
+    }
+    fn message_type(&self) -> TypeId {
+        TypeId::of::<H::Message>()
+    }
+    fn decode(&self, payload: &str) -> Result<Box<AnyMessage>, serde_json::Error> {
+        Ok(Box::new(serde_json::from_str::<H::Message>(payload)?))
+    }
+    fn key(&self, msg: &AnyMessage) -> Result<IdempotencyKey, KeyError> {
+        H::key(downcast::<H::Message>(msg))
+    }
+    fn ordering(&self, msg: &AnyMessage) -> Result<Option<Ordering>, KeyError> {
+        H::ordering(downcast::<H::Message>(msg))
+    }
+    fn partitions(&self, msg: &AnyMessage) -> Option<Vec<String>> {
+        downcast::<H::Message>(msg).partitions()
+    }
+    fn gaps(&self) -> GapPolicy {
+        H::GAPS
+    }
+    fn fingerprint(&self, msg: &AnyMessage) -> Result<Fingerprint, FingerprintError> {
+        Fingerprint::of(<H::Message as Message>::NAME, downcast::<H::Message>(msg))
+    }
+    fn max_attempts(&self) -> Option<u32> {
+        H::MAX_ATTEMPTS
+    }
+}
+
+/// A SQL handler with its types erased, as the dispatcher drives it.
+#[doc(hidden)]
+pub trait DynHandler: ErasedHandler {
+    fn backend(&self) -> Backend;
     fn invoke<'c>(
         &'c self,
         conn: AnyConnection<'c>,
@@ -116,7 +120,6 @@ pub trait DynHandler: Send + Sync + 'static {
         conn: AnyConnection<'c>,
         msg: &'c AnyMessage,
     ) -> BoxFuture<'c, Result<(), BodyError>>;
-    fn max_attempts(&self) -> Option<u32>;
 }
 
 /// A handler body's error, boxed, with its class and text.
@@ -139,38 +142,8 @@ where
     H: Handler,
     H::Error: Into<BoxError>,
 {
-    fn consumer(&self) -> &'static str {
-        H::CONSUMER
-    }
-    fn message_name(&self) -> &'static str {
-        <H::Message as Message>::NAME
-    }
-    fn function(&self) -> &'static str {
-        H::FUNCTION
-    }
     fn backend(&self) -> Backend {
         <H::Connection as InboxConnection>::BACKEND
-    }
-    fn message_type(&self) -> TypeId {
-        TypeId::of::<H::Message>()
-    }
-    fn decode(&self, payload: &str) -> Result<Box<AnyMessage>, serde_json::Error> {
-        Ok(Box::new(serde_json::from_str::<H::Message>(payload)?))
-    }
-    fn key(&self, msg: &AnyMessage) -> Result<IdempotencyKey, KeyError> {
-        H::key(downcast::<H::Message>(msg))
-    }
-    fn ordering(&self, msg: &AnyMessage) -> Result<Option<Ordering>, KeyError> {
-        H::ordering(downcast::<H::Message>(msg))
-    }
-    fn partitions(&self, msg: &AnyMessage) -> Option<Vec<String>> {
-        downcast::<H::Message>(msg).partitions()
-    }
-    fn gaps(&self) -> GapPolicy {
-        H::GAPS
-    }
-    fn fingerprint(&self, msg: &AnyMessage) -> Result<Fingerprint, FingerprintError> {
-        Fingerprint::of(<H::Message as Message>::NAME, downcast::<H::Message>(msg))
     }
     fn invoke<'c>(
         &'c self,
@@ -206,7 +179,57 @@ where
                 })
         })
     }
-    fn max_attempts(&self) -> Option<u32> {
-        H::MAX_ATTEMPTS
+}
+
+/// A stored message (a replay, a parked successor) as its handler reads it again.
+pub(crate) struct DecodedStored {
+    pub(crate) msg: Box<AnyMessage>,
+    /// Its key, as the handler reads it from the payload: the stored one.
+    pub(crate) key: IdempotencyKey,
+    pub(crate) fingerprint: Fingerprint,
+}
+
+/// The stored `payload` of `stored_key` decoded by `handler` (Unicode text by the dispatcher's
+/// rule, JSON of its message type), its key checked against the stored one, fingerprinted: the
+/// SQL and the DynamoDB replays' first steps.
+///
+/// # Errors
+/// [`ReplayError::Decode`] if the payload is not UTF-8, holds an escape of an unpaired
+/// surrogate or does not decode; [`ReplayError::Key`] if the message has no valid key;
+/// [`ReplayError::KeyMismatch`] if it is not the stored key; [`ReplayError::Fingerprint`] if
+/// it cannot be fingerprinted.
+pub(crate) fn decode_stored<H: ErasedHandler + ?Sized>(
+    handler: &H,
+    stored_key: &str,
+    payload: &[u8],
+) -> Result<DecodedStored, ReplayError> {
+    let decode_error = |source| ReplayError::Decode {
+        message_name: handler.message_name().to_owned(),
+        source,
+    };
+    let text = std::str::from_utf8(payload).map_err(|error| {
+        decode_error(<serde_json::Error as serde::de::Error>::custom(format!(
+            "invalid UTF-8 at byte {}",
+            error.valid_up_to()
+        )))
+    })?;
+    // The dispatcher's rule for escapes too, for payloads stored before it held.
+    crate::types::json_text::json_text(payload)
+        .map_err(|error| decode_error(<serde_json::Error as serde::de::Error>::custom(error)))?;
+    let msg = handler.decode(text).map_err(decode_error)?;
+    let key = handler.key(&*msg).map_err(ReplayError::Key)?;
+    if key.as_str() != stored_key {
+        return Err(ReplayError::KeyMismatch {
+            stored: stored_key.to_owned(),
+            decoded: key.into_string(),
+        });
     }
+    let fingerprint = handler
+        .fingerprint(&*msg)
+        .map_err(ReplayError::Fingerprint)?;
+    Ok(DecodedStored {
+        msg,
+        key,
+        fingerprint,
+    })
 }

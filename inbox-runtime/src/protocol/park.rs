@@ -1,7 +1,7 @@
 //! Parked messages and replays: stored messages run again through the same claim, and the
 //! parked successors of an applied message released in order.
 
-use super::erased::DynHandler;
+use super::erased::{DynHandler, decode_stored};
 use super::hooks::HookRunner;
 use super::single::AttemptPlan;
 use super::tx::Owner;
@@ -37,34 +37,11 @@ pub(crate) async fn run_stored(
             key: stored.message_key.clone(),
             status: stored.status.to_string(),
         })?;
-    let decode_error = |source| ReplayError::Decode {
-        message_name: stored.message_name.clone(),
-        source,
-    };
-    let text = std::str::from_utf8(payload).map_err(|error| {
-        decode_error(<serde_json::Error as serde::de::Error>::custom(format!(
-            "invalid UTF-8 at byte {}",
-            error.valid_up_to()
-        )))
-    })?;
-    // The dispatcher's rule for escapes too, for payloads stored before it held.
-    crate::types::json_text::json_text(payload)
-        .map_err(|error| decode_error(<serde_json::Error as serde::de::Error>::custom(error)))?;
-    let msg = handler.decode(text).map_err(decode_error)?;
-    let message_key = handler.key(&*msg).map_err(ReplayError::Key)?;
-    if message_key.as_str() != stored.message_key {
-        return Err(ReplayError::KeyMismatch {
-            stored: stored.message_key.clone(),
-            decoded: message_key.into_string(),
-        });
-    }
-    let ordering = handler.ordering(&*msg).map_err(ReplayError::Key)?;
-    let fingerprint = handler
-        .fingerprint(&*msg)
-        .map_err(ReplayError::Fingerprint)?;
+    let decoded = decode_stored(handler, &stored.message_key, payload)?;
+    let ordering = handler.ordering(&*decoded.msg).map_err(ReplayError::Key)?;
     let delivery = AttemptPlan {
-        key: &message_key,
-        fingerprint: &fingerprint,
+        key: &decoded.key,
+        fingerprint: &decoded.fingerprint,
         source: None,
         headers: None,
         payload: Some(payload),
@@ -76,7 +53,7 @@ pub(crate) async fn run_stored(
         ordering: ordering.as_ref(),
         hooks,
     };
-    Ok(handler.invoke(conn, &*msg, &delivery).await)
+    Ok(handler.invoke(conn, &*decoded.msg, &delivery).await)
 }
 
 /// After `ordering` was applied: applies, in order, each parked successor of its aggregate

@@ -38,11 +38,11 @@ impl<T, E> HandlerResult for Result<T, E> {
     type Err = E;
 }
 
-/// One `#[idempotent]` function, as the macro describes it to the runtime.
+/// What every `#[idempotent]` function declares, whatever its backend: its message, its
+/// result types, its consumer and the policies of its attribute. The SQL [`Handler`] and the
+/// DynamoDB handler add the connection and the call (generated code only).
 #[doc(hidden)]
-pub trait Handler: Send + Sync + 'static {
-    /// The connection type of the handler's first parameter; decides the backend.
-    type Connection: InboxConnection;
+pub trait HandlerSpec: Send + Sync + 'static {
     /// The message type of the second parameter.
     type Message: Message;
     /// The handler's `Ok` type.
@@ -55,11 +55,12 @@ pub trait Handler: Send + Sync + 'static {
     const FUNCTION: &'static str;
     /// `#[idempotent(max_attempts = N)]`, overriding the dispatcher's [`RetryPolicy`].
     const MAX_ATTEMPTS: Option<u32> = None;
-    /// `#[idempotent(gaps = "park")]`.
+    /// `#[idempotent(gaps = "park")]`: what an ordered message does on a gap.
     const GAPS: GapPolicy = GapPolicy::Apply;
 
-    /// The ordering of `msg` for this handler (generated from `aggregate`/`sequence`
-    /// arguments, else the message's own).
+    /// The ordering of `msg` for this handler: the message's own (`#[message(aggregate)]`,
+    /// `#[message(sequence)]`) unless `#[idempotent(aggregate = …, sequence = …)]` names other
+    /// fields.
     fn ordering(msg: &Self::Message) -> Result<Option<Ordering>, KeyError> {
         msg.ordering()
     }
@@ -71,6 +72,13 @@ pub trait Handler: Send + Sync + 'static {
     fn classify(_error: &Self::Error) -> ErrorClass {
         ErrorClass::Retryable
     }
+}
+
+/// One `#[idempotent]` function on a SQL connection, as the macro describes it to the runtime.
+#[doc(hidden)]
+pub trait Handler: HandlerSpec {
+    /// The connection type of the handler's first parameter; decides the backend.
+    type Connection: InboxConnection;
 
     /// The original function body, run on the inbox transaction.
     fn call<'c>(
@@ -290,7 +298,7 @@ impl<E> std::fmt::Display for ErrorDisplay<'_, E> {
 /// An attempt's result: its outcome, or how it failed. (A failure, a conflict above all, is as
 /// large as the other errors: the outcome of a rare path, never boxed; hence the
 /// `result_large_err` allowances of the steps that return it as their error.)
-type Done<H> = Result<Outcome<<H as Handler>::Output>, Failed<<H as Handler>::Error>>;
+type Done<H> = Result<Outcome<<H as HandlerSpec>::Output>, Failed<<H as HandlerSpec>::Error>>;
 
 /// One attempt: BEGIN, claim, body, hooks, verify, COMMIT — or ROLLBACK on a duplicate, a
 /// conflict or a handler error.

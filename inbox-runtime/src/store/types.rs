@@ -285,18 +285,22 @@ pub enum Backend {
     /// MySQL (8.0.16 or newer) or MariaDB (10.6 or newer), InnoDB, through
     /// `sqlx::MySqlConnection`.
     MySql,
+    /// Amazon DynamoDB, through the AWS SDK (feature `dynamodb`: handlers taking
+    /// `&mut DynamoTx`).
+    DynamoDb,
     /// A backend implemented outside this crate (see [`ClaimStore`](super::ClaimStore)), by its
     /// name.
     Other(&'static str),
 }
 
 impl Backend {
-    /// The backend's name: `postgres`, `sqlite`, `mysql`, or the name of another.
+    /// The backend's name: `postgres`, `sqlite`, `mysql`, `dynamodb`, or the name of another.
     pub(crate) fn name(self) -> &'static str {
         match self {
             Backend::Postgres => "postgres",
             Backend::Sqlite => "sqlite",
             Backend::MySql => "mysql",
+            Backend::DynamoDb => "dynamodb",
             Backend::Other(name) => name,
         }
     }

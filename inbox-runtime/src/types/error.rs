@@ -276,6 +276,16 @@ impl StoreOperation {
 
 text_as_str!(StoreOperation);
 
+/// How a program lists the handlers of `backend`'s dispatcher explicitly.
+fn from_handlers_hint(backend: Backend) -> &'static str {
+    match backend {
+        Backend::DynamoDb => {
+            "DynamoDispatcher::from_handlers(inbox, [handler!(path::to::function)])"
+        }
+        _ => "Dispatcher::from_handlers(pool, [handler!(path::to::function)])",
+    }
+}
+
 /// The registry found no usable set of handlers.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -284,7 +294,8 @@ pub enum RegistryError {
     #[error(
         "no #[idempotent] handlers for {backend} are registered ({other} for other backends); \
          a crate whose handlers nothing references is not linked: add `use that_crate as _;`, \
-         or list the handlers with `Dispatcher::from_handlers(pool, [handler!(path::to::function)])`"
+         or list the handlers with `{hint}`",
+        hint = from_handlers_hint(*.backend)
     )]
     NoHandlers {
         /// The dispatcher's backend.
@@ -482,4 +493,9 @@ pub enum ReplayError {
     /// The database failed.
     #[error(transparent)]
     Database(#[from] sqlx::Error),
+    /// Reading the stored message failed on a store that is not SQL (DynamoDB:
+    /// [`DynamoAdmin::show`](crate::dynamodb::DynamoAdmin::show)'s `GetItem`, with DynamoDB's
+    /// error code, or a malformed item).
+    #[error("reading the stored message failed: {0}")]
+    Read(BoxError),
 }

@@ -3,16 +3,15 @@
 
 mod batch;
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
 use sqlx::Pool;
 
 use crate::cache::{CacheLayer, DedupeCache, Fill};
-use crate::dispatch::registry::{HandlerInfo, Registration, info};
+use crate::dispatch::registry::{HandlerInfo, HandlerRoutes, Registration};
 use crate::ops::admin::Retention;
-use crate::protocol::erased::{AnyMessage, DecodedMessages, DynHandler, decode_once, routes};
+use crate::protocol::erased::{AnyMessage, DecodedMessages, DynHandler, decode_once};
 use crate::protocol::hooks::{HookRunner, Hooks, TransactionHook};
 use crate::protocol::park::{Routes, apply_parked_successors, run_stored};
 use crate::protocol::single::AttemptPlan;
@@ -83,7 +82,7 @@ impl ConsumerOutcome {
 /// ```
 pub struct Dispatcher<DB: InboxDatabase> {
     pub(crate) pool: Pool<DB>,
-    pub(crate) routes: HashMap<&'static str, Vec<&'static dyn DynHandler>>,
+    pub(crate) routes: HandlerRoutes<dyn DynHandler>,
     pub(crate) policy: RetryPolicy,
     pub(crate) park: ParkPolicy,
     pub(crate) hooks: Hooks<DB>,
@@ -116,10 +115,7 @@ pub(crate) fn answer(
 
 impl<DB: InboxDatabase> Routes for Dispatcher<DB> {
     fn route(&self, consumer: &str, message_name: &str) -> Option<&'static dyn DynHandler> {
-        self.routes
-            .get(message_name)
-            .and_then(|handlers| handlers.iter().find(|h| h.consumer() == consumer))
-            .copied()
+        self.routes.route(consumer, message_name)
     }
 }
 
@@ -174,7 +170,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         pool: Pool<DB>,
         handlers: impl IntoIterator<Item = Registration>,
     ) -> Result<Self, RegistryError> {
-        let mut listed: Vec<&'static dyn DynHandler> = Vec::new();
+        let mut listed = Vec::new();
         for registration in handlers {
             let handler = registration.handler();
             if handler.backend() != DB::BACKEND {
@@ -184,11 +180,9 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
                     expected: DB::BACKEND,
                 });
             }
-            if !listed.iter().any(|h| h.function() == handler.function()) {
-                listed.push(handler);
-            }
+            listed.push(handler);
         }
-        Self::build(pool, listed, true)
+        Self::build(pool, HandlerRoutes::listed(listed), true)
     }
 
     fn build(
@@ -201,30 +195,9 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             .filter(|h| h.backend() != DB::BACKEND)
             .count();
         registrations.retain(|h| h.backend() == DB::BACKEND);
-        let routes = routes(registrations, |h| {
-            (h.message_name(), h.consumer(), h.function())
-        })
-        .map_err(|d| RegistryError::DuplicateConsumer {
-            consumer: d.consumer,
-            message_name: d.message_name,
-            first: d.first,
-            second: d.second,
-        })?;
-        if routes.is_empty() {
-            return Err(if explicit {
-                RegistryError::NoHandlersListed {
-                    backend: DB::BACKEND,
-                }
-            } else {
-                RegistryError::NoHandlers {
-                    backend: DB::BACKEND,
-                    other,
-                }
-            });
-        }
         Ok(Self {
             pool,
-            routes,
+            routes: HandlerRoutes::new(registrations, DB::BACKEND, explicit, other)?,
             policy: RetryPolicy::default(),
             park: ParkPolicy::default(),
             hooks: Hooks::default(),
@@ -336,14 +309,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
 
     /// The handlers this dispatcher routes to, sorted by message name and consumer.
     pub fn handlers(&self) -> Vec<HandlerInfo> {
-        let mut all: Vec<HandlerInfo> = self
-            .routes
-            .values()
-            .flatten()
-            .map(|handler| info(*handler))
-            .collect();
-        all.sort_by(|a, b| (a.message_name, a.consumer).cmp(&(b.message_name, b.consumer)));
-        all
+        self.routes.infos(|handler| handler.backend())
     }
 
     /// The pool the dispatcher runs handlers on.
@@ -456,7 +422,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     /// # Errors
     /// As [`dispatch`](Self::dispatch), for a refused envelope.
     pub(crate) fn decode(&self, envelope: &Envelope) -> Result<Decoded, DispatchError> {
-        let (handlers, text) = envelope.admit(self.max_payload_bytes, &self.routes)?;
+        let (handlers, text) = envelope.admit(self.max_payload_bytes, self.routes.by_name())?;
         // Decode once per message type (consumers of one name almost always share one type).
         let mut decoded: DecodedMessages = Vec::with_capacity(1);
         let mut items = Vec::with_capacity(handlers.len());

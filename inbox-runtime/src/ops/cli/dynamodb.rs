@@ -75,8 +75,8 @@ where
 /// [`CliError::Dynamo`] (a DynamoDB call failed, or an item is malformed),
 /// [`CliError::DynamoTable`] (`migrate`), [`CliError::UnknownConsumer`],
 /// [`CliError::NotFound`], [`CliError::Unsupported`] (`outbox …`, `purge`),
-/// [`CliError::DynamoRegistry`] (`dead replay` in a program with no DynamoDB handlers),
-/// [`CliError::DynamoReplay`] (a single replay could not run), [`CliError::ReplayFailed`],
+/// [`CliError::Registry`] (`dead replay` in a program with no DynamoDB handlers),
+/// [`CliError::Replay`] (a single replay could not run), [`CliError::ReplayFailed`],
 /// [`CliError::Io`].
 pub async fn execute(command: &AdminCommand, inbox: &DynamoInbox) -> Result<(), CliError> {
     let stdout = io::stdout();

@@ -3,7 +3,7 @@
 #![deny(warnings, missing_docs)]
 
 // The hidden handler types are named here only to check what the macro generated.
-use inbox_runtime::__private::Handler;
+use inbox_runtime::__private::HandlerSpec;
 use inbox_runtime::{idempotent, GapPolicy, KeyError, Message, types::Ordering};
 use serde::{Deserialize, Serialize};
 use sqlx::PgConnection;
@@ -107,17 +107,17 @@ fn main() {
     let event = OrderEvent { order_id: "o-1".into(), version: 3, seq: Some(7), kind: "paid".into() };
     assert_eq!(event.ordering(), ordering("o-1", 3));
     assert_eq!(event.idempotency_key().unwrap().as_str(), "order:o-1:3");
-    assert_eq!(<__inbox_handler_apply as Handler>::ordering(&event), ordering("o-1", 3));
-    assert_eq!(<__inbox_handler_audit as Handler>::ordering(&event), ordering("o-1", 7));
-    assert_eq!(<__inbox_handler_from_a_macro as Handler>::ordering(&event), ordering("paid", 3));
-    assert_eq!(<__inbox_handler_apply as Handler>::GAPS, GapPolicy::Park);
-    assert_eq!(<__inbox_handler_audit as Handler>::GAPS, GapPolicy::Apply);
-    assert_eq!(<__inbox_handler_from_a_macro as Handler>::GAPS, GapPolicy::Park);
+    assert_eq!(<__inbox_handler_apply as HandlerSpec>::ordering(&event), ordering("o-1", 3));
+    assert_eq!(<__inbox_handler_audit as HandlerSpec>::ordering(&event), ordering("o-1", 7));
+    assert_eq!(<__inbox_handler_from_a_macro as HandlerSpec>::ordering(&event), ordering("paid", 3));
+    assert_eq!(<__inbox_handler_apply as HandlerSpec>::GAPS, GapPolicy::Park);
+    assert_eq!(<__inbox_handler_audit as HandlerSpec>::GAPS, GapPolicy::Apply);
+    assert_eq!(<__inbox_handler_from_a_macro as HandlerSpec>::GAPS, GapPolicy::Park);
 
     // Run-time checks of the values: a null or zero sequence is an error.
     let null = OrderEvent { seq: None, ..event.clone() };
     assert!(matches!(
-        <__inbox_handler_audit as Handler>::ordering(&null),
+        <__inbox_handler_audit as HandlerSpec>::ordering(&null),
         Err(KeyError::Invalid { message: "orders.event", field: "seq", .. })
     ));
     let zero = OrderEvent { version: 0, ..event };
@@ -128,15 +128,15 @@ fn main() {
 
     let entry = AccountEntry { event_id: uuid::Uuid::nil(), r#type: 42, seq: Some(1) };
     assert_eq!(entry.ordering(), ordering("42", 1));
-    assert_eq!(<__inbox_handler_accounts as Handler>::ordering(&entry), ordering("42", 1));
-    assert_eq!(<__inbox_handler_accounts as Handler>::GAPS, GapPolicy::Apply);
+    assert_eq!(<__inbox_handler_accounts as HandlerSpec>::ordering(&entry), ordering("42", 1));
+    assert_eq!(<__inbox_handler_accounts as HandlerSpec>::GAPS, GapPolicy::Apply);
 
     let unordered = Unordered { id: 1, seq: 2, other: 9 };
     assert_eq!(unordered.ordering(), ordering("1", 2));
-    assert_eq!(<__inbox_handler_ledger as Handler>::ordering(&unordered), ordering("9", 2));
+    assert_eq!(<__inbox_handler_ledger as HandlerSpec>::ordering(&unordered), ordering("9", 2));
 
     let plain = Plain { id: 1 };
     assert_eq!(plain.ordering(), Ok(None));
-    assert_eq!(<__inbox_handler_plain as Handler>::ordering(&plain), Ok(None));
-    assert_eq!(<__inbox_handler_plain as Handler>::GAPS, GapPolicy::Park);
+    assert_eq!(<__inbox_handler_plain as HandlerSpec>::ordering(&plain), Ok(None));
+    assert_eq!(<__inbox_handler_plain as HandlerSpec>::GAPS, GapPolicy::Park);
 }
