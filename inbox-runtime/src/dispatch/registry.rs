@@ -4,10 +4,14 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
-use crate::protocol::erased::{DynHandler, ErasedHandler};
+use crate::protocol::erased::{DecodedMessages, DynHandler, ErasedHandler, decode_once};
 use crate::protocol::park::Routes;
 use crate::store::Backend;
-use crate::types::error::RegistryError;
+use crate::types::envelope::Envelope;
+use crate::types::error::{DispatchError, RegistryError};
+use crate::types::key::IdempotencyKey;
+use crate::types::limit::PayloadLimit;
+use crate::types::ordering::Ordering;
 
 /// One `#[idempotent]` handler, as the registry holds it: what
 /// [`handler!(path::to::function)`](crate::handler!) gives, for
@@ -179,9 +183,46 @@ impl<H: ErasedHandler + ?Sized> HandlerRoutes<H> {
         listed
     }
 
-    /// The handlers by message name.
-    pub(crate) fn by_name(&self) -> &HashMap<&'static str, Vec<&'static H>> {
-        &self.by_name
+    /// The dispatch checks of `envelope` (its size against `limit`, its name, a route for it,
+    /// Unicode text), then its payload decoded once per message type and every consumer's key
+    /// and ordering read: what a dispatch needs before any write.
+    ///
+    /// # Errors
+    /// The [`DispatchError`] of the first check that fails, in that order, then
+    /// [`DispatchError::Decode`], [`DispatchError::Fingerprint`] or [`DispatchError::Key`] (a
+    /// consumer's key or ordering fields missing, null, empty or too long).
+    pub(crate) fn decode(
+        &self,
+        envelope: &Envelope,
+        limit: PayloadLimit,
+    ) -> Result<Decoded<H>, DispatchError> {
+        let (handlers, text) = envelope.admit(limit, &self.by_name)?;
+        // Decode once per message type (consumers of one name almost always share one type).
+        let mut messages: DecodedMessages = Vec::with_capacity(1);
+        let mut items = Vec::with_capacity(handlers.len());
+        for handler in handlers {
+            let index = decode_once(
+                handler.message_type(),
+                |text| handler.decode(text),
+                |msg| handler.fingerprint(msg),
+                envelope,
+                text,
+                &mut messages,
+            )?;
+            let key_error = |source| DispatchError::Key {
+                consumer: handler.consumer(),
+                source,
+            };
+            let key = handler.key(&*messages[index].1).map_err(key_error)?;
+            let ordering = handler.ordering(&*messages[index].1).map_err(key_error)?;
+            items.push(PreparedItem {
+                handler: *handler,
+                message: index,
+                key,
+                ordering,
+            });
+        }
+        Ok(Decoded { messages, items })
     }
 
     /// The handler of `consumer` for `message_name`, if there is one.
@@ -203,4 +244,44 @@ impl<H: ErasedHandler + ?Sized> HandlerRoutes<H> {
                 .collect(),
         )
     }
+}
+
+/// An envelope decoded and keyed for each of its consumers, apart from the envelope (see
+/// [`HandlerRoutes::decode`]).
+pub(crate) struct Decoded<H: ?Sized + 'static = dyn DynHandler> {
+    /// One decoded message (and its fingerprint) per message type.
+    pub(crate) messages: DecodedMessages,
+    /// One item per consumer, in consumer order.
+    pub(crate) items: Vec<PreparedItem<H>>,
+}
+
+impl<H: ErasedHandler + ?Sized> Decoded<H> {
+    /// The partitions of the envelope: those every consumer's message declares
+    /// ([`Message::partitions`](crate::Message::partitions)) and every consumer's ordering
+    /// aggregate, without repeats; `None` if some consumer has neither (undeclared).
+    pub(crate) fn partitions(&self) -> Option<Vec<String>> {
+        let mut all: Vec<String> = Vec::new();
+        for item in &self.items {
+            let declared = item.handler.partitions(&*self.messages[item.message].1);
+            let aggregate = item.ordering.as_ref().map(|o| &o.aggregate_id);
+            if declared.is_none() && aggregate.is_none() {
+                return None;
+            }
+            for partition in declared.into_iter().flatten().chain(aggregate.cloned()) {
+                if !all.contains(&partition) {
+                    all.push(partition);
+                }
+            }
+        }
+        Some(all)
+    }
+}
+
+/// One consumer of a decoded envelope.
+pub(crate) struct PreparedItem<H: ?Sized + 'static = dyn DynHandler> {
+    pub(crate) handler: &'static H,
+    /// Index into the decoded messages.
+    pub(crate) message: usize,
+    pub(crate) key: IdempotencyKey,
+    pub(crate) ordering: Option<Ordering>,
 }

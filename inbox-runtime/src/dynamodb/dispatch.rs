@@ -14,7 +14,6 @@ use super::handler::{DynDynamoHandler, DynamoRegistration, Run, run_payload};
 use super::{DynamoError, DynamoInbox, Mode};
 use crate::dispatch::HandlerInfo;
 use crate::dispatch::registry::HandlerRoutes;
-use crate::protocol::erased::{DecodedMessages, decode_once};
 use crate::store::Backend;
 use crate::types::classify::BoxError;
 use crate::types::envelope::Envelope;
@@ -196,32 +195,19 @@ impl DynamoDispatcher {
         &self,
         envelope: &Envelope,
     ) -> Result<Vec<DynamoConsumerOutcome>, DispatchError> {
-        let (handlers, text) = envelope.admit(self.max_payload_bytes, self.routes.by_name())?;
-        let mut decoded: DecodedMessages = Vec::with_capacity(1);
-        let mut items = Vec::with_capacity(handlers.len());
-        for handler in handlers {
-            let index = decode_once(
-                handler.message_type(),
-                |text| handler.decode(text),
-                |msg| handler.fingerprint(msg),
-                envelope,
-                text,
-                &mut decoded,
-            )?;
-            let key = handler
-                .key(&*decoded[index].1)
-                .map_err(|source| DispatchError::Key {
-                    consumer: handler.consumer(),
-                    source,
-                })?;
-            items.push((*handler, index, key));
-        }
-        let mut outcomes = Vec::with_capacity(items.len());
-        for (handler, index, key) in &items {
-            let (_, msg, fingerprint) = &decoded[*index];
-            let run = Run::new(key, *fingerprint, &envelope.payload, Mode::Deliver, self);
-            let result = handler.invoke(&self.inbox, &**msg, run).await;
-            outcomes.push(DynamoConsumerOutcome::of(*handler, result));
+        let decoded = self.routes.decode(envelope, self.max_payload_bytes)?;
+        let mut outcomes = Vec::with_capacity(decoded.items.len());
+        for item in &decoded.items {
+            let (_, msg, fingerprint) = &decoded.messages[item.message];
+            let run = Run::new(
+                &item.key,
+                *fingerprint,
+                &envelope.payload,
+                Mode::Deliver,
+                self,
+            );
+            let result = item.handler.invoke(&self.inbox, &**msg, run).await;
+            outcomes.push(DynamoConsumerOutcome::of(item.handler, result));
         }
         Ok(outcomes)
     }

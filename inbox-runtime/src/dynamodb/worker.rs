@@ -234,30 +234,11 @@ impl DynamoWorker {
     /// Starts the parked-message sweep (every [`park_sweep`](Self::park_sweep), if set) on its
     /// own task; it stops when the returned guard is dropped.
     fn sweep_parked_beside(&self) -> tokio_util::sync::DropGuard {
-        let sweeping = CancellationToken::new();
-        let guard = sweeping.clone().drop_guard();
-        let Some(every) = self.park_sweep else {
-            return guard;
-        };
         let dispatcher = self.dispatcher.clone();
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    () = sweeping.cancelled() => break,
-                    () = tokio::time::sleep(every) => {}
-                }
-                match dispatcher.sweep_parked().await {
-                    Ok(report) if report.dead_lettered + report.released > 0 => tracing::warn!(
-                        dead_lettered = report.dead_lettered,
-                        released = report.released,
-                        "parked messages whose gap stayed open"
-                    ),
-                    Ok(_) => {}
-                    Err(error) => tracing::warn!(%error, "parked-message sweep failed"),
-                }
-            }
-        });
-        guard
+        crate::worker::sweep::sweep_parked_beside(self.park_sweep, move || {
+            let dispatcher = dispatcher.clone();
+            async move { dispatcher.sweep_parked().await }
+        })
     }
 
     /// Like [`run`](Self::run), shutting down gracefully on SIGINT or SIGTERM (see

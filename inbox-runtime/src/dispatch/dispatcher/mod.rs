@@ -9,9 +9,10 @@ use std::sync::Arc;
 use sqlx::Pool;
 
 use crate::cache::{CacheLayer, DedupeCache, Fill};
+pub(crate) use crate::dispatch::registry::{Decoded, PreparedItem};
 use crate::dispatch::registry::{HandlerInfo, HandlerRoutes, Registration};
 use crate::ops::admin::Retention;
-use crate::protocol::erased::{AnyMessage, DecodedMessages, DynHandler, decode_once};
+use crate::protocol::erased::{AnyMessage, DecodedMessages, DynHandler};
 use crate::protocol::hooks::{HookRunner, Hooks, TransactionHook};
 use crate::protocol::park::{Routes, apply_parked_successors, run_stored};
 use crate::protocol::single::AttemptPlan;
@@ -26,7 +27,6 @@ use crate::types::error::{
     DispatchError, Disposition, Error, RegistryError, ReplayError, StoreError, StoreOperation,
 };
 use crate::types::fingerprint::Fingerprint;
-use crate::types::key::IdempotencyKey;
 use crate::types::limit::{PayloadLimit, PayloadLimitError};
 use crate::types::ordering::{GapPolicy, Ordering, ParkPolicy, ParkTimeout};
 use crate::types::outcome::Outcome;
@@ -422,33 +422,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     /// # Errors
     /// As [`dispatch`](Self::dispatch), for a refused envelope.
     pub(crate) fn decode(&self, envelope: &Envelope) -> Result<Decoded, DispatchError> {
-        let (handlers, text) = envelope.admit(self.max_payload_bytes, self.routes.by_name())?;
-        // Decode once per message type (consumers of one name almost always share one type).
-        let mut decoded: DecodedMessages = Vec::with_capacity(1);
-        let mut items = Vec::with_capacity(handlers.len());
-        for handler in handlers {
-            let index = decode_once(
-                handler.message_type(),
-                |text| handler.decode(text),
-                |msg| handler.fingerprint(msg),
-                envelope,
-                text,
-                &mut decoded,
-            )?;
-            let key_error = |source| DispatchError::Key {
-                consumer: handler.consumer(),
-                source,
-            };
-            let key = handler.key(&*decoded[index].1).map_err(key_error)?;
-            let ordering = handler.ordering(&*decoded[index].1).map_err(key_error)?;
-            items.push(PreparedItem {
-                handler: *handler,
-                message: index,
-                key,
-                ordering,
-            });
-        }
-        Ok(Decoded { decoded, items })
+        self.routes.decode(envelope, self.max_payload_bytes)
     }
 
     /// Runs one consumer of a prepared envelope in its own transaction (the single path).
@@ -840,37 +814,6 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     }
 }
 
-/// An envelope decoded and keyed for each of its consumers, apart from the envelope (see
-/// [`Dispatcher::decode`]).
-pub(crate) struct Decoded {
-    /// One decoded message (and its fingerprint) per message type.
-    decoded: DecodedMessages,
-    /// One item per consumer, in consumer order.
-    items: Vec<PreparedItem>,
-}
-
-impl Decoded {
-    /// The partitions of the envelope: those every consumer's message declares
-    /// ([`Message::partitions`](crate::Message::partitions)) and every consumer's ordering
-    /// aggregate, without repeats; `None` if some consumer has neither (undeclared).
-    pub(crate) fn partitions(&self) -> Option<Vec<String>> {
-        let mut all: Vec<String> = Vec::new();
-        for item in &self.items {
-            let declared = item.handler.partitions(&*self.decoded[item.message].1);
-            let aggregate = item.ordering.as_ref().map(|o| &o.aggregate_id);
-            if declared.is_none() && aggregate.is_none() {
-                return None;
-            }
-            for partition in declared.into_iter().flatten().chain(aggregate.cloned()) {
-                if !all.contains(&partition) {
-                    all.push(partition);
-                }
-            }
-        }
-        Some(all)
-    }
-}
-
 /// An envelope decoded and keyed for each of its consumers.
 pub(crate) struct Prepared<'e> {
     pub(crate) envelope: &'e Envelope,
@@ -896,20 +839,11 @@ impl<'e> Prepared<'e> {
             });
         Self {
             envelope,
-            decoded: decoded.decoded,
+            decoded: decoded.messages,
             items: decoded.items,
             lag,
         }
     }
-}
-
-/// One consumer of a prepared envelope.
-pub(crate) struct PreparedItem {
-    pub(crate) handler: &'static dyn DynHandler,
-    /// Index into [`Prepared::decoded`].
-    pub(crate) message: usize,
-    pub(crate) key: IdempotencyKey,
-    pub(crate) ordering: Option<Ordering>,
 }
 
 /// What one [`Dispatcher::sweep_parked`] did.
