@@ -452,6 +452,20 @@ async fn dispatch_by_message_name_and_its_refusals() {
         }
         other => panic!("expected Key, got {other:?}"),
     }
+    // An ordered message's aggregate is read before any call too, as on SQL: an empty one
+    // refuses the envelope, and nothing of it is stored.
+    let empty_aggregate = format!(r#"{{"order_id":"","seq":{}}}"#, 7);
+    match refused("dyn.ordered", empty_aggregate.as_bytes()).await {
+        DispatchError::Key { consumer, source } => {
+            assert_eq!(consumer, "orders");
+            assert!(
+                matches!(source, KeyError::Empty { field: "order_id", .. }),
+                "{source:?}"
+            );
+        }
+        other => panic!("expected Key, got {other:?}"),
+    }
+    assert_eq!(inbox_status(&inbox, "orders", ":7").await, None);
     let small = DynamoDispatcher::from_registry(inbox.clone())
         .unwrap()
         .with_max_payload_bytes(16)
