@@ -452,20 +452,25 @@ async fn dispatch_by_message_name_and_its_refusals() {
         }
         other => panic!("expected Key, got {other:?}"),
     }
-    // An ordered message's aggregate is read before any call too, as on SQL: an empty one
-    // refuses the envelope, and nothing of it is stored.
-    let empty_aggregate = format!(r#"{{"order_id":"","seq":{}}}"#, 7);
-    match refused("dyn.ordered", empty_aggregate.as_bytes()).await {
+    // An ordered consumer's ordering is read before any call too, as on SQL: sequence 0 (a
+    // valid key, `{order}:0`, but no sequence number) refuses the envelope, and nothing of it
+    // is stored.
+    let unordered = fresh("o");
+    let bad_sequence = format!(r#"{{"order_id":"{unordered}","seq":0}}"#);
+    match refused("dyn.ordered", bad_sequence.as_bytes()).await {
         DispatchError::Key { consumer, source } => {
             assert_eq!(consumer, "orders");
             assert!(
-                matches!(source, KeyError::Empty { field: "order_id", .. }),
+                matches!(source, KeyError::Invalid { field: "seq", .. }),
                 "{source:?}"
             );
         }
         other => panic!("expected Key, got {other:?}"),
     }
-    assert_eq!(inbox_status(&inbox, "orders", ":7").await, None);
+    assert_eq!(
+        inbox_status(&inbox, "orders", &format!("{unordered}:0")).await,
+        None
+    );
     let small = DynamoDispatcher::from_registry(inbox.clone())
         .unwrap()
         .with_max_payload_bytes(16)

@@ -805,10 +805,15 @@ async fn an_ordered_message_with_a_bad_sequence_is_refused_before_any_call() {
     )
     .await;
     assert_eq!(n, 0);
-    for outcome in result.unwrap() {
-        assert!(
-            matches!(outcome.result, Err(dynamodb::DynamoError::Key(_))),
-            "{outcome:?}"
-        );
-    }
+    let refused = result.unwrap_err();
+    assert!(
+        matches!(
+            &refused,
+            inbox_runtime::DispatchError::Key {
+                source: inbox_runtime::KeyError::Invalid { field: "seq", .. },
+                ..
+            }
+        ),
+        "{refused:?}"
+    );
 }

@@ -206,7 +206,8 @@ fn key_part_fn() -> TokenStream {
 }
 
 /// The items generated for an `#[idempotent]` handler, in this order: the hidden handler type and
-/// its `impl HandlerSpec` and `impl Handler`, the registration, and the function with its new signature.
+/// its `impl HandlerSpec` and `impl Handler`, the registration, and the function with its new
+/// signature.
 pub(crate) fn handler(handler: &Handler) -> TokenStream {
     if handler.dynamo {
         return dynamo_handler(handler);
@@ -441,7 +442,8 @@ fn classify_fn(result: &ResultTypes) -> TokenStream {
     }
 }
 
-/// `fn key` of `impl HandlerSpec`: from the field named by `key = "..."`, else the message's own key.
+/// `fn key` of `impl HandlerSpec`: from the field named by `key = "..."`, else the message's own
+/// key.
 fn key_fn(key: Option<&FieldArg>, message: &syn::Type) -> TokenStream {
     let private = quote!(::inbox_runtime::__private);
     let key_body = match key {
@@ -694,8 +696,8 @@ fn is_expect(attr: &Attribute) -> bool {
     attr.path().is_ident("expect")
 }
 
-/// `fn ordering(msg)` of `impl HandlerSpec`, for `#[idempotent(aggregate = "...", sequence = "...")]`:
-/// overrides the message's own ordering.
+/// `fn ordering(msg)` of `impl HandlerSpec`, for
+/// `#[idempotent(aggregate = "...", sequence = "...")]`: overrides the message's own ordering.
 ///
 /// A field that does not exist, or whose type is not a `KeyPart` (aggregate) or a
 /// `SequencePart` (sequence), is blamed on the argument's string literal: see [`msg_field`].
@@ -763,8 +765,8 @@ pub(crate) fn registration(mut path: syn::Path) -> TokenStream {
 }
 
 /// The items generated for an `#[idempotent]` handler whose first parameter is `&mut DynamoTx`:
-/// the hidden handler type and its `impl DynamoHandler`, the registration (a
-/// `DynamoRegistration`, in the DynamoDB handlers' own `inventory` collection), and the function
+/// the hidden handler type and its `impl HandlerSpec` and `impl DynamoHandler`, the registration
+/// (a `DynamoRegistration`, in the DynamoDB handlers' own `inventory` collection), and the function
 /// rewritten to `fn(inbox: &DynamoInbox, msg: M) -> Result<Outcome<T>, DynamoError<E>>`.
 ///
 /// All of it passes through `__private::dynamodb_items!`, spanned at the first parameter's type:

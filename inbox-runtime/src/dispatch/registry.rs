@@ -91,8 +91,9 @@ impl HandlerInfo {
     }
 }
 
-/// Every `#[idempotent]` handler linked into this program, for every backend, sorted by message
-/// name, consumer and function.
+/// Every `#[idempotent]` handler on a SQL connection linked into this program, for every SQL
+/// backend, sorted by message name, consumer and function (the DynamoDB handlers:
+/// `dynamodb::registered_dynamo_handlers`).
 pub fn registered_handlers() -> Vec<HandlerInfo> {
     HandlerInfo::sorted(
         inventory::iter::<Registration>

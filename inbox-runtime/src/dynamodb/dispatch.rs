@@ -12,8 +12,8 @@ use std::fmt;
 
 use super::handler::{DynDynamoHandler, DynamoRegistration, Run, run_payload};
 use super::{DynamoError, DynamoInbox, Mode};
-use crate::dispatch::HandlerInfo;
 use crate::dispatch::registry::HandlerRoutes;
+use crate::dispatch::{ConsumerOutcome, HandlerInfo};
 use crate::store::Backend;
 use crate::types::classify::BoxError;
 use crate::types::envelope::Envelope;
@@ -24,30 +24,9 @@ use crate::types::ordering::ParkPolicy;
 use crate::types::outcome::Outcome;
 use crate::types::status::Status;
 
-/// The result of one message for one consumer of a [`DynamoDispatcher`].
-#[derive(Debug)]
-#[non_exhaustive]
-pub struct DynamoConsumerOutcome {
-    /// The consumer.
-    pub consumer: &'static str,
-    /// The handler function (module path and name).
-    pub function: &'static str,
-    /// The outcome, or why there is none. Handler errors are boxed.
-    pub result: Result<Outcome<()>, DynamoError<BoxError>>,
-}
-
-impl DynamoConsumerOutcome {
-    fn of(
-        handler: &dyn DynDynamoHandler,
-        result: Result<Outcome<()>, DynamoError<BoxError>>,
-    ) -> Self {
-        Self {
-            consumer: handler.consumer(),
-            function: handler.function(),
-            result,
-        }
-    }
-}
+/// The result of one message for one consumer of a [`DynamoDispatcher`]: the SQL
+/// dispatcher's [`ConsumerOutcome`] with DynamoDB's error.
+pub type DynamoConsumerOutcome = ConsumerOutcome<DynamoError<BoxError>>;
 
 /// Routes raw deliveries (message name and JSON payload, an [`Envelope`]) to every DynamoDB
 /// handler registered for their message name, each through the claim protocol of its
@@ -175,8 +154,8 @@ impl DynamoDispatcher {
     /// one [`DynamoConsumerOutcome`] per consumer; the payload as delivered is what a failed or
     /// dead item keeps.
     ///
-    /// The payload is decoded once per message type, and every consumer's key is read, before
-    /// any DynamoDB call: a refused envelope writes nothing. DynamoDB has no rejections table
+    /// The payload is decoded once per message type, and every consumer's key and ordering are
+    /// read, before any DynamoDB call: a refused envelope writes nothing. DynamoDB has no rejections table
     /// (the SQL stores' `inbox_rejections`): a source must not ack a refused delivery, but leave
     /// it to its broker's dead-letter queue (SQS: a redrive policy), so that it is not lost.
     ///
@@ -187,8 +166,9 @@ impl DynamoDispatcher {
     /// [`DispatchError::UnknownMessage`] if no handler takes this name,
     /// [`DispatchError::NotUtf8`] / [`DispatchError::UnpairedSurrogate`] for a payload that is
     /// no Unicode text, [`DispatchError::Decode`] (with line and column) if it is not valid
-    /// JSON of the message type, [`DispatchError::Key`] if a consumer's key is missing, null,
-    /// empty or too long, [`DispatchError::Fingerprint`] if the message cannot be
+    /// JSON of the message type, [`DispatchError::Key`] if a consumer's key (or, for an ordered
+    /// consumer, its aggregate or sequence) is missing, null, empty, too long or out of range,
+    /// [`DispatchError::Fingerprint`] if the message cannot be
     /// fingerprinted. Per-consumer failures (handler error, conflict, DynamoDB) are in each
     /// [`DynamoConsumerOutcome::result`].
     pub async fn dispatch(

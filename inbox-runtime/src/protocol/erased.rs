@@ -186,18 +186,21 @@ pub(crate) struct DecodedStored {
     pub(crate) msg: Box<AnyMessage>,
     /// Its key, as the handler reads it from the payload: the stored one.
     pub(crate) key: IdempotencyKey,
+    /// Its place in its aggregate for the handler, if ordered.
+    pub(crate) ordering: Option<Ordering>,
     pub(crate) fingerprint: Fingerprint,
 }
 
 /// The stored `payload` of `stored_key` decoded by `handler` (Unicode text by the dispatcher's
-/// rule, JSON of its message type), its key checked against the stored one, fingerprinted: the
-/// SQL and the DynamoDB replays' first steps.
+/// rule, JSON of its message type), its key checked against the stored one, its ordering read,
+/// fingerprinted: the SQL and the DynamoDB replays' first steps, in this order.
 ///
 /// # Errors
-/// [`ReplayError::Decode`] if the payload is not UTF-8, holds an escape of an unpaired
-/// surrogate or does not decode; [`ReplayError::Key`] if the message has no valid key;
-/// [`ReplayError::KeyMismatch`] if it is not the stored key; [`ReplayError::Fingerprint`] if
-/// it cannot be fingerprinted.
+/// [`ReplayError::Decode`] if the payload is not UTF-8 (`invalid UTF-8 at byte N`), holds an
+/// escape of an unpaired surrogate or does not decode; [`ReplayError::Key`] if the message has
+/// no valid key; [`ReplayError::KeyMismatch`] if it is not the stored key; [`ReplayError::Key`]
+/// if its ordering fields are invalid; [`ReplayError::Fingerprint`] if it cannot be
+/// fingerprinted.
 pub(crate) fn decode_stored<H: ErasedHandler + ?Sized>(
     handler: &H,
     stored_key: &str,
@@ -224,12 +227,14 @@ pub(crate) fn decode_stored<H: ErasedHandler + ?Sized>(
             decoded: key.into_string(),
         });
     }
+    let ordering = handler.ordering(&*msg).map_err(ReplayError::Key)?;
     let fingerprint = handler
         .fingerprint(&*msg)
         .map_err(ReplayError::Fingerprint)?;
     Ok(DecodedStored {
         msg,
         key,
+        ordering,
         fingerprint,
     })
 }

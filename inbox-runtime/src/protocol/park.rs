@@ -38,7 +38,6 @@ pub(crate) async fn run_stored(
             status: stored.status.to_string(),
         })?;
     let decoded = decode_stored(handler, &stored.message_key, payload)?;
-    let ordering = handler.ordering(&*decoded.msg).map_err(ReplayError::Key)?;
     let delivery = AttemptPlan {
         key: &decoded.key,
         fingerprint: &decoded.fingerprint,
@@ -50,7 +49,7 @@ pub(crate) async fn run_stored(
         // connection at once, wherever it comes from.
         owner: Owner::Caller,
         mode,
-        ordering: ordering.as_ref(),
+        ordering: decoded.ordering.as_ref(),
         hooks,
     };
     Ok(handler.invoke(conn, &*decoded.msg, &delivery).await)

@@ -53,7 +53,8 @@ pub trait HandlerSpec: Send + Sync + 'static {
     const CONSUMER: &'static str;
     /// Module path and name of the function, for diagnostics.
     const FUNCTION: &'static str;
-    /// `#[idempotent(max_attempts = N)]`, overriding the dispatcher's [`RetryPolicy`].
+    /// `#[idempotent(max_attempts = N)]`, overriding the dispatcher's [`RetryPolicy`] (on
+    /// DynamoDB, the inbox's).
     const MAX_ATTEMPTS: Option<u32> = None;
     /// `#[idempotent(gaps = "park")]`: what an ordered message does on a gap.
     const GAPS: GapPolicy = GapPolicy::Apply;

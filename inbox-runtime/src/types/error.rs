@@ -300,10 +300,12 @@ pub enum RegistryError {
     NoHandlers {
         /// The dispatcher's backend.
         backend: Backend,
-        /// Handlers registered for other backends.
+        /// Handlers registered for other backends: for a SQL dispatcher, of the other SQL
+        /// backends; for the DynamoDB dispatcher, of the SQL backends.
         other: usize,
     },
-    /// [`Dispatcher::from_handlers`](crate::Dispatcher::from_handlers) got an empty list.
+    /// [`Dispatcher::from_handlers`](crate::Dispatcher::from_handlers) (or the DynamoDB
+    /// dispatcher's `from_handlers`) got an empty list.
     #[error("no handlers listed for the {backend} dispatcher")]
     NoHandlersListed {
         /// The dispatcher's backend.
@@ -437,11 +439,12 @@ pub enum DispatchError {
     },
 }
 
-/// Why [`Dispatcher::replay`](crate::Dispatcher::replay) could not run a message.
+/// Why [`Dispatcher::replay`](crate::Dispatcher::replay) (or the DynamoDB dispatcher's
+/// `replay`) could not run a message. Nothing was written.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ReplayError {
-    /// No row for this consumer and key.
+    /// No row (DynamoDB: item) for this consumer and key, or an expired processed one.
     #[error("consumer `{consumer}` has no message with key `{key}`")]
     NotFound {
         /// The consumer.
@@ -449,7 +452,7 @@ pub enum ReplayError {
         /// The key.
         key: String,
     },
-    /// The row keeps no payload.
+    /// The row (item) keeps no payload: a processed one does not.
     #[error("message `{key}` of consumer `{consumer}` is {status} and keeps no payload")]
     NoPayload {
         /// The consumer.
@@ -476,7 +479,8 @@ pub enum ReplayError {
         #[source]
         source: serde_json::Error,
     },
-    /// The decoded message has no valid key.
+    /// The key given is not a valid idempotency key, or the decoded message has none (or
+    /// no valid ordering).
     #[error(transparent)]
     Key(KeyError),
     /// The decoded message cannot be fingerprinted.
@@ -493,9 +497,8 @@ pub enum ReplayError {
     /// The database failed.
     #[error(transparent)]
     Database(#[from] sqlx::Error),
-    /// Reading the stored message failed on a store that is not SQL (DynamoDB:
-    /// [`DynamoAdmin::show`](crate::dynamodb::DynamoAdmin::show)'s `GetItem`, with DynamoDB's
-    /// error code, or a malformed item).
+    /// Reading the stored message failed on a store that is not SQL (DynamoDB: the admin's
+    /// `show`, a `GetItem`, with DynamoDB's error code, or a malformed item).
     #[error("reading the stored message failed: {0}")]
-    Read(BoxError),
+    Read(#[source] BoxError),
 }

@@ -12,7 +12,7 @@ use crate::cache::{CacheLayer, DedupeCache, Fill};
 pub(crate) use crate::dispatch::registry::{Decoded, PreparedItem};
 use crate::dispatch::registry::{HandlerInfo, HandlerRoutes, Registration};
 use crate::ops::admin::Retention;
-use crate::protocol::erased::{AnyMessage, DecodedMessages, DynHandler};
+use crate::protocol::erased::{AnyMessage, DecodedMessages, DynHandler, ErasedHandler};
 use crate::protocol::hooks::{HookRunner, Hooks, TransactionHook};
 use crate::protocol::park::{Routes, apply_parked_successors, run_stored};
 use crate::protocol::single::AttemptPlan;
@@ -34,23 +34,25 @@ use crate::types::policy::RetryPolicy;
 use crate::types::slot::ConnectionSlot;
 use crate::types::status::{ClaimMode, Status};
 
-/// The result of one message for one consumer.
+/// The result of one message for one consumer: of the SQL [`Dispatcher`] (`E` is
+/// [`Error<BoxError>`], the default) or of the DynamoDB dispatcher (`DynamoConsumerOutcome`,
+/// `E` is `DynamoError<BoxError>`; feature `dynamodb`).
 #[derive(Debug)]
 #[non_exhaustive]
-pub struct ConsumerOutcome {
+pub struct ConsumerOutcome<E = Error<BoxError>> {
     /// The consumer.
     pub consumer: &'static str,
     /// The handler function (module path and name).
     pub function: &'static str,
     /// The outcome, or why there is none. Handler errors are boxed.
-    pub result: Result<Outcome<()>, Error<BoxError>>,
+    pub result: Result<Outcome<()>, E>,
 }
 
-impl ConsumerOutcome {
+impl<E> ConsumerOutcome<E> {
     /// The result of `handler`.
-    pub(crate) fn of(
-        handler: &dyn DynHandler,
-        result: Result<Outcome<()>, Error<BoxError>>,
+    pub(crate) fn of<H: ErasedHandler + ?Sized>(
+        handler: &H,
+        result: Result<Outcome<()>, E>,
     ) -> Self {
         Self {
             consumer: handler.consumer(),
@@ -321,8 +323,8 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     /// and inbox scope, one after the other in consumer-name order. Returns one
     /// [`ConsumerOutcome`] per consumer.
     ///
-    /// The payload is decoded once per message type, and every consumer's key is read, before
-    /// any database work: a bad envelope writes nothing.
+    /// The payload is decoded once per message type, and every consumer's key and ordering are
+    /// read, before any database work: a bad envelope writes nothing.
     ///
     /// If the envelope's [`SourceMetadata::published_at`](crate::SourceMetadata::published_at)
     /// is set, the lag (now minus that time, in seconds) is recorded per consumer in the
@@ -337,8 +339,9 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
     /// unpaired surrogate,
     /// [`DispatchError::Decode`] (with line and column) if the payload is not valid JSON of the
     /// message type (as a whole: members the type does not declare and trailing characters
-    /// included), [`DispatchError::Key`] if a consumer's key is missing, null, empty or too
-    /// long, [`DispatchError::Fingerprint`] if the message cannot be fingerprinted. Per-consumer
+    /// included), [`DispatchError::Key`] if a consumer's key (or, for an ordered consumer, its
+    /// aggregate or sequence) is missing, null, empty, too long or out of range,
+    /// [`DispatchError::Fingerprint`] if the message cannot be fingerprinted. Per-consumer
     /// failures (handler error, conflict, database) are in each [`ConsumerOutcome::result`].
     ///
     /// Each call acquires a connection from the pool and gives it back: sqlx's pool pings on
