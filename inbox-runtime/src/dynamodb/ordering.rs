@@ -352,40 +352,7 @@ impl DynamoInbox {
             // as it is, with its pointer.
             return Ok(Settled::Done(Outcome::Parked));
         } else {
-            let put = self.inbox_put(
-                ctx,
-                claim,
-                now,
-                HashMap::from([
-                    ("status".to_owned(), s("parked")),
-                    ("payload".to_owned(), AttributeValue::B(Blob::new(payload))),
-                    // In the sparse index, for the sweep.
-                    (DEAD_LETTER_ATTRIBUTE.to_owned(), s(ctx.consumer)),
-                ]),
-            )?;
-            items.push(TransactWriteItem::builder().put(put).build());
-            let pointer = Put::builder()
-                .table_name(&self.table)
-                .item("pk", s(&guard.pointer_pk))
-                .item("consumer", s(ctx.consumer))
-                .item("message_key", s(ctx.key.as_str()))
-                .item("message_name", s(ctx.message_name))
-                .item("aggregate_id", s(&guard.ordering.aggregate_id))
-                .item("sequence", n(sequence))
-                .item("payload", AttributeValue::B(Blob::new(payload)))
-                .build()
-                .map_err(|e| ctx.dynamo("TransactWriteItems", e.into()))?;
-            items.push(TransactWriteItem::builder().put(pointer).build());
-            // The gap is still open when the park commits.
-            let check = ConditionCheck::builder()
-                .table_name(&self.table)
-                .key("pk", s(&guard.position_pk))
-                .condition_expression("attribute_not_exists(#last) OR #last < :prev")
-                .expression_attribute_names("#last", "last_sequence")
-                .expression_attribute_values(":prev", n(sequence - 1))
-                .build()
-                .map_err(|e| ctx.dynamo("TransactWriteItems", e.into()))?;
-            items.push(TransactWriteItem::builder().condition_check(check).build());
+            items = self.park_items(ctx, guard, claim, now, payload)?;
             layout = Layout {
                 guard: Some(2),
                 guard_actions: 2,
@@ -401,6 +368,55 @@ impl DynamoInbox {
             // decide again.
             Submitted::GuardFailed(_) | Submitted::ConditionFailed(_) => Ok(Settled::Again(None)),
         }
+    }
+
+    /// The actions that park a message ahead of its gap: its inbox item `parked` with its
+    /// payload (in the sparse index, for the sweep), the pointer item of its (consumer,
+    /// aggregate, sequence), and a check that the gap is still open when they commit.
+    fn park_items<E>(
+        &self,
+        ctx: &Ctx<'_>,
+        guard: &Guard,
+        claim: Claim,
+        now: Now,
+        payload: &[u8],
+    ) -> Result<Vec<TransactWriteItem>, DynamoError<E>> {
+        let sequence = guard.ordering.sequence;
+        let put = self.inbox_put(
+            ctx,
+            claim,
+            now,
+            HashMap::from([
+                ("status".to_owned(), s("parked")),
+                ("payload".to_owned(), AttributeValue::B(Blob::new(payload))),
+                // In the sparse index, for the sweep.
+                (DEAD_LETTER_ATTRIBUTE.to_owned(), s(ctx.consumer)),
+            ]),
+        )?;
+        let pointer = Put::builder()
+            .table_name(&self.table)
+            .item("pk", s(&guard.pointer_pk))
+            .item("consumer", s(ctx.consumer))
+            .item("message_key", s(ctx.key.as_str()))
+            .item("message_name", s(ctx.message_name))
+            .item("aggregate_id", s(&guard.ordering.aggregate_id))
+            .item("sequence", n(sequence))
+            .item("payload", AttributeValue::B(Blob::new(payload)))
+            .build()
+            .map_err(|e| ctx.dynamo("TransactWriteItems", e.into()))?;
+        let check = ConditionCheck::builder()
+            .table_name(&self.table)
+            .key("pk", s(&guard.position_pk))
+            .condition_expression("attribute_not_exists(#last) OR #last < :prev")
+            .expression_attribute_names("#last", "last_sequence")
+            .expression_attribute_values(":prev", n(sequence - 1))
+            .build()
+            .map_err(|e| ctx.dynamo("TransactWriteItems", e.into()))?;
+        Ok(vec![
+            TransactWriteItem::builder().put(put).build(),
+            TransactWriteItem::builder().put(pointer).build(),
+            TransactWriteItem::builder().condition_check(check).build(),
+        ])
     }
 
     /// A consistent read of the aggregate's position item.

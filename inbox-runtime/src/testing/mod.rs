@@ -420,21 +420,7 @@ impl Check {
                 message_name: self.message_name,
             });
         }
-        let encode = |payload: &Result<Vec<u8>, String>| {
-            payload.clone().map_err(|text| {
-                CheckError::Encode(<serde_json::Error as serde::ser::Error>::custom(text))
-            })
-        };
-        let payload = encode(&self.payload)?;
-        let conflicting = match &self.conflicting {
-            _ if self.without_conflict => Vec::new(),
-            Some(conflicting) => encode(conflicting)?,
-            None => {
-                conflicting_payload(handler, &payload).ok_or(CheckError::NoConflictingPayload {
-                    message_name: self.message_name,
-                })?
-            }
-        };
+        let (payload, conflicting) = self.payloads(handler)?;
         let dispatcher = kit_dispatcher(pool.clone(), self.handler, None)?;
         crate::migrate(pool)
             .await
@@ -507,6 +493,31 @@ impl Check {
             state: reference.expect("the first scenario sets the reference"),
             scenarios: runs,
         })
+    }
+
+    /// The payload to deliver and, unless [`without_conflict`](Self::without_conflict), the
+    /// conflicting one (given, or derived from the payload).
+    ///
+    /// # Errors
+    /// [`CheckError::Encode`] if a payload did not serialize;
+    /// [`CheckError::NoConflictingPayload`] if none is given and none can be derived.
+    fn payloads<S>(&self, handler: &dyn DynHandler) -> Result<(Vec<u8>, Vec<u8>), CheckError<S>> {
+        let encode = |payload: &Result<Vec<u8>, String>| {
+            payload.clone().map_err(|text| {
+                CheckError::Encode(<serde_json::Error as serde::ser::Error>::custom(text))
+            })
+        };
+        let payload = encode(&self.payload)?;
+        let conflicting = match &self.conflicting {
+            _ if self.without_conflict => Vec::new(),
+            Some(conflicting) => encode(conflicting)?,
+            None => {
+                conflicting_payload(handler, &payload).ok_or(CheckError::NoConflictingPayload {
+                    message_name: self.message_name,
+                })?
+            }
+        };
+        Ok((payload, conflicting))
     }
 }
 
