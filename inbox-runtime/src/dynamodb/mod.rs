@@ -1296,6 +1296,29 @@ impl DynamoInbox {
             .saturating_add(i64::try_from(self.retention.as_secs()).unwrap_or(i64::MAX))
     }
 
+    /// The inbox item of a key settled now with `status` (`processed`, or `stale`: consumed,
+    /// not applied), with its retention window: only such items expire (`expires_at`); failed
+    /// and dead ones stay until the admin API settles them, as on the SQL stores.
+    #[allow(clippy::result_large_err)] // See `decide`.
+    fn settled_put<E>(
+        &self,
+        ctx: &Ctx<'_>,
+        claim: Claim,
+        now: Now,
+        status: &str,
+    ) -> Result<Put, DynamoError<E>> {
+        self.inbox_put(
+            ctx,
+            claim,
+            now,
+            HashMap::from([
+                ("status".to_owned(), s(status)),
+                ("processed_at".to_owned(), n(now.ms)),
+                (TTL_ATTRIBUTE.to_owned(), n(self.expires_at(now))),
+            ]),
+        )
+    }
+
     /// The inbox item written by a claim or a failure record, and its condition.
     #[allow(clippy::result_large_err)] // See `decide`.
     fn inbox_put<E>(
@@ -1375,18 +1398,7 @@ impl DynamoInbox {
                 max,
             });
         }
-        let claim_put = self.inbox_put(
-            ctx,
-            claim,
-            now,
-            HashMap::from([
-                ("status".to_owned(), s("processed")),
-                ("processed_at".to_owned(), n(now.ms)),
-                // Only a processed item has a retention window: failed and dead ones stay
-                // until the admin API settles them, as on the SQL stores.
-                (TTL_ATTRIBUTE.to_owned(), n(self.expires_at(now))),
-            ]),
-        )?;
+        let claim_put = self.settled_put(ctx, claim, now, "processed")?;
         let layout = Layout {
             guard: ctx.guard.map(|_| 1),
             guard_actions: guarded.len(),

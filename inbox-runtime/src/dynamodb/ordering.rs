@@ -112,7 +112,7 @@ use aws_sdk_dynamodb::types::{
 use super::admin::{AdminError, DEAD_LETTER_ATTRIBUTE};
 use super::{
     Claim, Ctx, DynamoError, DynamoInbox, Layout, MAX_PARTITION_KEY_BYTES, Mode, Now, Ordered,
-    Submitted, TTL_ATTRIBUTE, n, request_token, s,
+    Submitted, n, request_token, s,
 };
 use crate::types::classify::BoxError;
 use crate::types::key::IdempotencyKey;
@@ -328,16 +328,7 @@ impl DynamoInbox {
         let outcome;
         if sequence <= last {
             // Consumed, not applied: settled as a processed key is.
-            let put = self.inbox_put(
-                ctx,
-                claim,
-                now,
-                HashMap::from([
-                    ("status".to_owned(), s("stale")),
-                    ("processed_at".to_owned(), n(now.ms)),
-                    (TTL_ATTRIBUTE.to_owned(), n(self.expires_at(now))),
-                ]),
-            )?;
+            let put = self.settled_put(ctx, claim, now, "stale")?;
             items.push(TransactWriteItem::builder().put(put).build());
             if let Claim::Takeover { .. } = claim {
                 items.push(guard.delete_pointer(self, ctx)?);
@@ -373,6 +364,7 @@ impl DynamoInbox {
     /// The actions that park a message ahead of its gap: its inbox item `parked` with its
     /// payload (in the sparse index, for the sweep), the pointer item of its (consumer,
     /// aggregate, sequence), and a check that the gap is still open when they commit.
+    #[allow(clippy::result_large_err)] // See `Guard::new`.
     fn park_items<E>(
         &self,
         ctx: &Ctx<'_>,
