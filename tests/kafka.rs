@@ -883,10 +883,13 @@ inbox_tests::backend_matrix! {
 
         // The group settled with at most one rebalance more than a handover without a stall
         // takes (A: its first assignment, B's join while A revokes the partition, the partition
-        // given to B; B: the last two): nobody was kicked out, and nothing moved since.
+        // given to B; B: the last two; 5 assignments in all): nobody was kicked out, and nothing
+        // moved since. Counted for the group: on a loaded machine B's two rounds may be one
+        // (it joins after A's revocation, and is given "other" and the partition at once) while
+        // A sees a round more (CI, 2026-12-05: A 5, B 1).
         assert_eq!(settled, counts, "the group settled");
         assert_eq!((counts.0.lost, counts.1.lost), (0, 0), "nobody left the group: {counts:?}");
-        assert!(counts.0.assigned <= 3 + 1 && counts.1.assigned <= 2 + 1, "at most one extra rebalance: {counts:?}");
+        assert!(counts.0.assigned + counts.1.assigned <= 3 + 2 + 1, "at most one extra rebalance: {counts:?}");
         assert_eq!((counts.0.revoked, counts.1.partitions_assigned), (1, 2), "one partition moved, once: {counts:?}");
         // B started only after A's transaction ended, within the bound of the design: the next
         // attempt at the position (every 200 ms, each waiting up to 50 ms for the row's lock) from
