@@ -216,7 +216,13 @@ pub(crate) fn handler(handler: &Handler) -> TokenStream {
     let attrs = FnAttrs::split(&handler.func.attrs);
     let result = ResultTypes::of(&handler.output);
     let handler_type = handler_type(handler, &names, &attrs, &result);
-    let registration = registration_items(handler, &names, &attrs, &result);
+    let registration = registration_items(
+        handler,
+        &names,
+        &attrs,
+        &result,
+        &quote!(::inbox_runtime::__private::Registration),
+    );
     let wrapper = wrapper(handler, &names, &attrs, &result);
     quote! {
         #handler_type
@@ -472,8 +478,8 @@ fn key_fn(key: Option<&FieldArg>, message: &syn::Type) -> TokenStream {
     }
 }
 
-/// `fn call` of `impl Handler`: the user's body, in a nested function with the user's
-/// parameters and the body's lint attributes.
+/// `fn call` of `impl Handler` and of `impl DynamoHandler`: the user's body, in a nested
+/// function with the user's parameters and the body's lint attributes.
 fn call_fn(handler: &Handler, attrs: &FnAttrs<'_>) -> TokenStream {
     let Handler {
         func,
@@ -499,13 +505,15 @@ fn call_fn(handler: &Handler, attrs: &FnAttrs<'_>) -> TokenStream {
     }
 }
 
-/// The registration constant, its submission to the `inventory` registry, and a use of the
-/// function that keeps it from being dead code.
+/// The registration constant (of type `registration`: `__private::Registration` for a SQL
+/// handler, `dynamodb::DynamoRegistration` for a DynamoDB one), its submission to the
+/// `inventory` registry, and a use of the function that keeps it from being dead code.
 fn registration_items(
     handler: &Handler,
     names: &Names,
     attrs: &FnAttrs<'_>,
     result: &ResultTypes,
+    registration: &TokenStream,
 ) -> TokenStream {
     let private = quote!(::inbox_runtime::__private);
     let vis = &handler.func.vis;
@@ -523,8 +531,7 @@ fn registration_items(
         #(#cfgs)*
         #[doc(hidden)]
         #[allow(non_upper_case_globals, unreachable_pub)]
-        #vis const #registration_const: #private::Registration =
-            #private::Registration::new(#registered);
+        #vis const #registration_const: #registration = #registration::new(#registered);
 
         #(#cfgs)*
         #private::inventory::submit! {
@@ -783,22 +790,20 @@ fn dynamo_handler(handler: &Handler) -> TokenStream {
     let result = ResultTypes::of(&handler.output);
     let private = quote!(::inbox_runtime::__private);
     let dynamodb = quote!(::inbox_runtime::dynamodb);
-    let Names {
-        handler_ty,
-        registration,
-        ..
-    } = &names;
+    let handler_ty = &names.handler_ty;
     let FnAttrs { cfgs, outer, .. } = &attrs;
     let handler_impl = dynamo_handler_impl(handler, &names, &attrs, &result);
+    let registration = registration_items(
+        handler,
+        &names,
+        &attrs,
+        &result,
+        &quote!(#dynamodb::DynamoRegistration),
+    );
     let vis = &func.vis;
     let ident = &func.sig.ident;
     let asyncness = &func.sig.asyncness;
     let returns = result.dynamo_outcome();
-    let registered = {
-        let mut handler_ty = handler_ty.clone();
-        handler_ty.set_span(result.span);
-        quote_spanned!(result.span=> &#handler_ty)
-    };
     let msg_ty = match func.sig.inputs.last() {
         Some(syn::FnArg::Typed(msg)) => &msg.ty,
         _ => unreachable!("checked by attr::parse"),
@@ -817,23 +822,7 @@ fn dynamo_handler(handler: &Handler) -> TokenStream {
 
         #handler_impl
 
-        /// The registration of the handler, for `inbox_runtime::handler!`.
-        #(#cfgs)*
-        #[doc(hidden)]
-        #[allow(non_upper_case_globals, unreachable_pub)]
-        #vis const #registration: #dynamodb::DynamoRegistration =
-            #dynamodb::DynamoRegistration::new(#registered);
-
-        #(#cfgs)*
-        #private::inventory::submit! {
-            #registration
-        }
-
-        // Registered, the wrapper needs no caller: this use keeps it from being dead code.
-        #(#cfgs)*
-        const _: () = {
-            let _ = #ident;
-        };
+        #registration
 
         #(#outer)*
         #vis #asyncness fn #ident(
@@ -855,32 +844,17 @@ fn dynamo_handler_impl(
     attrs: &FnAttrs<'_>,
     result: &ResultTypes,
 ) -> TokenStream {
-    let Handler {
-        func,
-        connection,
-        message,
-        output,
-        ..
-    } = handler;
     let private = quote!(::inbox_runtime::__private);
     let handler_ty = &names.handler_ty;
-    let FnAttrs { cfgs, body, .. } = attrs;
+    let cfgs = &attrs.cfgs;
     let spec = spec_impl(handler, names, attrs, result);
-    let inputs = &func.sig.inputs;
-    let block = &func.block;
+    let call = call_fn(handler, attrs);
     quote! {
         #spec
 
         #(#cfgs)*
         impl #private::DynamoHandler for #handler_ty {
-            fn call<'t>(
-                tx: &'t mut #connection,
-                msg: #message,
-            ) -> #private::BoxFuture<'t, #output> {
-                #(#body)*
-                async fn __inbox_body(#inputs) -> #output #block
-                ::std::boxed::Box::pin(__inbox_body(tx, msg))
-            }
+            #call
         }
     }
 }
