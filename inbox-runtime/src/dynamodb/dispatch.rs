@@ -181,6 +181,7 @@ impl DynamoDispatcher {
             let (_, msg, fingerprint) = &decoded.messages[item.message];
             let run = Run::new(
                 &item.key,
+                item.ordering.as_ref(),
                 *fingerprint,
                 &envelope.payload,
                 Mode::Deliver,

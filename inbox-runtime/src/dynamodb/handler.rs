@@ -42,11 +42,19 @@ pub async fn run<H: DynamoHandler>(
     let key = H::key(&msg)?;
     let fingerprint = Fingerprint::of(<H::Message as Message>::NAME, &msg)?;
     let payload = serde_json::to_vec(&msg).map_err(FingerprintError::from_json)?;
-    let run = Run::new(&key, fingerprint, &payload, Mode::Deliver, &Registered);
+    let ordering = H::ordering(&msg)?;
+    let run = Run::new(
+        &key,
+        ordering.as_ref(),
+        fingerprint,
+        &payload,
+        Mode::Deliver,
+        &Registered,
+    );
     run_with::<H>(inbox, &msg, run).await
 }
 
-/// One delivery of `msg` to `H` as `run` says (its key, fingerprint, payload, mode, and the
+/// One delivery of `msg` to `H` as `run` says (its key, ordering, fingerprint, payload, mode, and the
 /// routes of parked successors to release after it).
 async fn run_with<H: DynamoHandler>(
     inbox: &DynamoInbox,
@@ -55,13 +63,14 @@ async fn run_with<H: DynamoHandler>(
 ) -> Result<Outcome<H::Output>, DynamoError<H::Error>> {
     let Run {
         key,
+        ordering,
         fingerprint,
         payload,
         mode,
         routes,
     } = run;
-    let ordered = H::ordering(msg)?.map(|ordering| Ordered {
-        ordering,
+    let ordered = ordering.map(|ordering| Ordered {
+        ordering: ordering.clone(),
         gaps: H::GAPS,
     });
     let own;
@@ -124,6 +133,8 @@ pub trait DynDynamoHandler: ErasedHandler {
 #[derive(Clone, Copy)]
 pub struct Run<'a> {
     key: &'a IdempotencyKey,
+    /// The message's place in its aggregate for the handler (read once, where it was keyed).
+    ordering: Option<&'a Ordering>,
     fingerprint: Fingerprint,
     payload: &'a [u8],
     mode: Mode,
@@ -134,6 +145,7 @@ pub struct Run<'a> {
 impl<'a> Run<'a> {
     pub(crate) fn new(
         key: &'a IdempotencyKey,
+        ordering: Option<&'a Ordering>,
         fingerprint: Fingerprint,
         payload: &'a [u8],
         mode: Mode,
@@ -141,6 +153,7 @@ impl<'a> Run<'a> {
     ) -> Self {
         Self {
             key,
+            ordering,
             fingerprint,
             payload,
             mode,
@@ -309,7 +322,14 @@ pub(crate) async fn run_payload(
     mode: Mode,
 ) -> Result<Result<Outcome<()>, DynamoError<BoxError>>, ReplayError> {
     let decoded = decode_stored(handler, key, payload)?;
-    let run = Run::new(&decoded.key, decoded.fingerprint, payload, mode, routes);
+    let run = Run::new(
+        &decoded.key,
+        decoded.ordering.as_ref(),
+        decoded.fingerprint,
+        payload,
+        mode,
+        routes,
+    );
     Ok(handler.invoke(inbox, &*decoded.msg, run).await)
 }
 
