@@ -347,6 +347,45 @@ async fn a_permanent_error_dead_letters_and_its_replay_processes_once() {
         dispatcher.replay("ledger", "").await,
         Err(ReplayError::Key(KeyError::Empty { .. }))
     ));
+
+    // A failed item whose stored payload was damaged (not UTF-8): a decode error, as on SQL,
+    // and the item stays failed with its payload, for an operator.
+    let account = fresh("acct");
+    script(&account, vec![TestError::Boom]);
+    let damaged = message(&account, 5);
+    failure(credit(&slow, damaged.clone()).await);
+    let key = inbox_runtime::IdempotencyKey::new(&damaged.id, "test", "id").unwrap();
+    inbox
+        .client()
+        .update_item()
+        .table_name(inbox.table())
+        .key(
+            "pk",
+            AttributeValue::S(dynamodb::partition_key("ledger", &key)),
+        )
+        .update_expression("SET payload = :p")
+        .expression_attribute_values(
+            ":p",
+            AttributeValue::B(dynamodb::sdk::primitives::Blob::new(b"{\xff}".to_vec())),
+        )
+        .send()
+        .await
+        .unwrap();
+    match dispatcher.replay("ledger", &damaged.id).await {
+        Err(ReplayError::Decode {
+            message_name,
+            source,
+        }) => {
+            assert_eq!(message_name, "dyn.credited");
+            assert_eq!(source.to_string(), "invalid UTF-8 at byte 1");
+        }
+        other => panic!("expected Decode, got {other:?}"),
+    }
+    assert_eq!(
+        inbox_status(&inbox, "ledger", &damaged.id).await.as_deref(),
+        Some("failed")
+    );
+    assert_eq!(balance(&inbox, &account).await, None);
 }
 
 #[tokio::test]
@@ -564,6 +603,19 @@ async fn explicit_handler_lists() {
         .map(|h| h.function)
         .collect();
     assert_eq!(listed, ["dynamodb_handlers::credit"]);
+    // No DynamoDB to read the stored message from: the read's error, with its source.
+    match dispatcher.replay("ledger", "k-1").await {
+        Err(error @ ReplayError::Read(_)) => {
+            assert!(
+                error
+                    .to_string()
+                    .starts_with("reading the stored message failed: "),
+                "{error}"
+            );
+            assert!(std::error::Error::source(&error).is_some(), "{error:?}");
+        }
+        other => panic!("expected Read, got {other:?}"),
+    }
     assert_eq!(
         DynamoDispatcher::from_handlers(inbox, []).unwrap_err(),
         RegistryError::NoHandlersListed {
