@@ -12,7 +12,6 @@ use futures_util::stream::{FuturesUnordered, StreamExt as _};
 use tokio_util::sync::CancellationToken;
 
 use super::{DynamoConsumerOutcome, DynamoDispatcher, DynamoError};
-use crate::setters::setters;
 #[cfg(doc)]
 use crate::source::SourceError;
 use crate::source::{Delivery, Settlement, Source};
@@ -21,10 +20,10 @@ use crate::types::error::DispatchError;
 use crate::worker::cancel_on_signal;
 use crate::worker::ending::{Ending, hand_back};
 use crate::worker::keys::KeyQueues;
+use crate::worker::settings::{Settings, shared_methods};
 use crate::worker::settle::{
     Origin, Verdict, carry_out, count_result, count_settlement, drop_revoked, settlement_of,
 };
-use crate::worker::signal::worker_token;
 use crate::worker::{StopReason, WorkerError, WorkerReport};
 
 #[cfg(doc)]
@@ -105,11 +104,7 @@ use crate::types::error::Disposition;
 #[derive(Debug, Clone)]
 pub struct DynamoWorker {
     dispatcher: Arc<DynamoDispatcher>,
-    concurrency: usize,
-    requeue_delay: Duration,
-    drain_timeout: Duration,
-    idle: Option<Duration>,
-    park_sweep: Option<Duration>,
+    settings: Settings,
 }
 
 /// The settlement policy of [`DynamoWorker`]: how the [`DynamoDispatcher`]'s result for one
@@ -168,45 +163,16 @@ impl DynamoWorker {
     pub fn from_arc(dispatcher: Arc<DynamoDispatcher>) -> Self {
         Self {
             dispatcher,
-            concurrency: 8,
-            requeue_delay: Duration::from_secs(1),
-            drain_timeout: Duration::from_secs(30),
-            idle: None,
-            park_sweep: Some(Duration::from_secs(60)),
+            settings: Settings::default(),
         }
     }
 
-    setters! {
-        /// How often, while running, the worker calls [`DynamoDispatcher::sweep_parked`]
-        /// (parked messages whose gap stayed open past the dispatcher's
-        /// [`ParkPolicy`](crate::types::ParkPolicy) are dead-lettered or released). Default
-        /// every 60 s; `None` turns it off.
-        pub fn park_sweep(every: Option<Duration>);
-
+    shared_methods! {
+        dispatcher: DynamoDispatcher,
+        sweep_parked: "[`DynamoDispatcher::sweep_parked`]",
+        settlement: "[`dynamo_settlement_for`]",
         /// At most `n` deliveries fetched and not yet settled (at least 1). Default 8.
-        pub fn concurrency(n: usize) {
-            self.concurrency = n.max(1);
-        }
-
-        /// How long a delivery waits before its redelivery after a failure that names no delay
-        /// of its own (see [`dynamo_settlement_for`]). Default 1 s.
-        pub fn requeue_delay(delay: Duration);
-
-        /// On shutdown, or after the source failed, how long running deliveries may take to
-        /// finish before they are abandoned unsettled; also the bound on [`Source::close`].
-        /// Default 30 s.
-        pub fn drain_timeout(timeout: Duration);
-
-        /// Stop (with [`StopReason::Idle`]) once nothing is in flight and the source has
-        /// delivered nothing for `idle`: for jobs that drain a queue and exit.
-        pub fn stop_when_idle(idle: Duration) {
-            self.idle = Some(idle);
-        }
-    }
-
-    /// The dispatcher.
-    pub fn dispatcher(&self) -> &DynamoDispatcher {
-        &self.dispatcher
+        concurrency;
     }
 
     /// Runs until the source is exhausted, the worker is idle (if set), `shutdown` is
@@ -229,30 +195,6 @@ impl DynamoWorker {
         let _stop_sweeping = self.sweep_parked_beside();
         run.poll(&mut source, &shutdown).await;
         run.finish(source).await
-    }
-
-    /// Starts the parked-message sweep (every [`park_sweep`](Self::park_sweep), if set) on its
-    /// own task; it stops when the returned guard is dropped.
-    fn sweep_parked_beside(&self) -> tokio_util::sync::DropGuard {
-        let dispatcher = self.dispatcher.clone();
-        crate::worker::sweep::sweep_parked_beside(self.park_sweep, move || {
-            let dispatcher = dispatcher.clone();
-            async move { dispatcher.sweep_parked().await }
-        })
-    }
-
-    /// Like [`run`](Self::run), shutting down gracefully on SIGINT or SIGTERM (see
-    /// [`cancel_on_signal`]).
-    ///
-    /// # Errors
-    /// As [`run`](Self::run); a [`SourceError`] with operation `"install signal handlers"` if
-    /// the handlers cannot be installed.
-    pub async fn run_until_signal<S: Source>(
-        &self,
-        source: S,
-    ) -> Result<WorkerReport, WorkerError> {
-        let token = worker_token(source.name())?;
-        self.run(source, token).await
     }
 }
 
@@ -278,7 +220,7 @@ impl<'w> Run<'w> {
             tasks: FuturesUnordered::new(),
             in_flight: 0,
             keys: KeyQueues::default(),
-            end: Ending::new(worker.drain_timeout, worker.idle),
+            end: Ending::new(&worker.settings),
         }
     }
 
@@ -291,7 +233,8 @@ impl<'w> Run<'w> {
             if self.end.stop.is_some() && self.tasks.is_empty() {
                 break;
             }
-            let can_fetch = self.end.stop.is_none() && self.in_flight < self.worker.concurrency;
+            let can_fetch =
+                self.end.stop.is_none() && self.in_flight < self.worker.settings.concurrency;
             let at = self.end.deadlines(self.in_flight);
             tokio::select! {
                 biased;
@@ -330,7 +273,7 @@ impl<'w> Run<'w> {
     /// Starts `delivery`: dispatch, then settle, polled with the others on the worker's task.
     fn start(&mut self, delivery: Delivery) {
         let dispatcher = Arc::clone(&self.worker.dispatcher);
-        let requeue_delay = self.worker.requeue_delay;
+        let requeue_delay = self.worker.settings.requeue_delay;
         let key = delivery.ordering_key().map(str::to_owned);
         let task = AssertUnwindSafe(process(dispatcher, delivery, requeue_delay))
             .catch_unwind()

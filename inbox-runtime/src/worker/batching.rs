@@ -147,7 +147,7 @@ impl<DB: InboxDatabase> Running<DB> {
     /// batches' limit while open batches run (it may be in a lock cycle with them), and waits
     /// while an open batch is due.
     fn can_start(&self, worker: &Worker<DB>, kind: Kind) -> bool {
-        if self.tasks.len() >= worker.concurrency {
+        if self.tasks.len() >= worker.settings.concurrency {
             return false;
         }
         match kind {
@@ -262,7 +262,7 @@ impl<DB: InboxDatabase> Running<DB> {
             Kind::Open => &mut self.open_ramp,
             Kind::Partitioned => &mut self.partitioned_ramp,
         };
-        limits.ended(contended, worker.concurrency, ramp);
+        limits.ended(contended, worker.settings.concurrency, ramp);
     }
 
     /// The batch options of a task about to run `n` deliveries of `kind`; a batch (two or

@@ -8,6 +8,7 @@ use tokio::time::Instant;
 
 use crate::source::{Delivery, Source, SourceError};
 
+use super::settings::Settings;
 use super::{FAR, StopReason, WorkerError, WorkerReport, later};
 
 /// A loop's timers: when running deliveries are abandoned, when the run stops for idleness
@@ -39,16 +40,16 @@ pub(crate) struct Ending {
 }
 
 impl Ending {
-    /// A run that has not begun to end, with its drain timeout and idle time.
-    pub(crate) fn new(drain_timeout: Duration, idle: Option<Duration>) -> Self {
+    /// A run that has not begun to end, with the drain timeout and idle time of `settings`.
+    pub(crate) fn new(settings: &Settings) -> Self {
         Self {
             stop: None,
             failure: None,
             drain_deadline: None,
             failed_deadline: None,
             last_activity: Instant::now(),
-            drain_timeout,
-            idle,
+            drain_timeout: settings.drain_timeout,
+            idle: settings.idle,
         }
     }
 

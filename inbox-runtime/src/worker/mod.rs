@@ -24,6 +24,7 @@ mod poll;
 mod ready;
 mod report;
 mod run;
+pub(crate) mod settings;
 pub(crate) mod settle;
 pub(crate) mod signal;
 pub(crate) mod sweep;
@@ -36,7 +37,6 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::dispatch::dispatcher::Dispatcher;
-use crate::setters::setters;
 #[cfg(doc)]
 use crate::source::Delivery;
 use crate::source::Source;
@@ -48,7 +48,6 @@ use crate::types::slot::ConnectionSlot;
 
 pub use report::{StopReason, WorkerError, WorkerReport};
 pub use settle::settlement_for;
-use signal::worker_token;
 pub use signal::{cancel_on_signal, shutdown_signal};
 
 #[cfg(doc)]
@@ -103,11 +102,7 @@ use crate::source::Settlement;
 #[derive(Debug)]
 pub struct Worker<DB: InboxDatabase> {
     dispatcher: Arc<Dispatcher<DB>>,
-    concurrency: usize,
-    requeue_delay: Duration,
-    drain_timeout: Duration,
-    idle: Option<Duration>,
-    park_sweep: Option<Duration>,
+    settings: settings::Settings,
     /// The most deliveries one transaction runs (1: one per transaction).
     batch_size: usize,
     /// How long a batch that has not filled may wait for more deliveries (zero: it starts with
@@ -191,7 +186,10 @@ impl<DB: InboxDatabase> Running<DB> {
             tasks: run::Tasks::new(),
             meta: HashMap::new(),
             next_id: 0,
-            slots: (0..worker.concurrency.min(max_connections.saturating_sub(1)))
+            slots: (0..worker
+                .settings
+                .concurrency
+                .min(max_connections.saturating_sub(1)))
                 .map(|_| ConnectionSlot::new())
                 .collect(),
             ready: ready::Ready::default(),
@@ -199,7 +197,7 @@ impl<DB: InboxDatabase> Running<DB> {
             batches: 0,
             open_batches: 0,
             open_ramp: batching::Ramp::open(),
-            partitioned_ramp: batching::Ramp::partitioned(worker.concurrency),
+            partitioned_ramp: batching::Ramp::partitioned(worker.settings.concurrency),
             gate: Arc::default(),
             peak_batches: 0,
             batch_runs: 0,
@@ -230,8 +228,12 @@ struct Loop<'w, DB: InboxDatabase> {
 impl<'w, DB: InboxDatabase> Loop<'w, DB> {
     fn new(worker: &'w Worker<DB>) -> Self {
         let fetch_bound = match worker.batching() {
-            Some((size, _)) => worker.concurrency.saturating_add(1).saturating_mul(size),
-            None => worker.concurrency,
+            Some((size, _)) => worker
+                .settings
+                .concurrency
+                .saturating_add(1)
+                .saturating_mul(size),
+            None => worker.settings.concurrency,
         };
         Self {
             worker,
@@ -240,7 +242,7 @@ impl<'w, DB: InboxDatabase> Loop<'w, DB> {
             in_flight: 0,
             fetch_bound,
             keys: keys::KeyQueues::default(),
-            end: ending::Ending::new(worker.drain_timeout, worker.idle),
+            end: ending::Ending::new(&worker.settings),
             release_armed: false,
         }
     }
@@ -263,11 +265,7 @@ impl<DB: InboxDatabase> Worker<DB> {
         Self {
             prefix,
             dispatcher,
-            concurrency: 8,
-            requeue_delay: Duration::from_secs(1),
-            drain_timeout: Duration::from_secs(30),
-            idle: None,
-            park_sweep: Some(Duration::from_secs(60)),
+            settings: settings::Settings::default(),
             batch_size: DEFAULT_BATCH_SIZE,
             linger: Duration::ZERO,
             partition_by: None,
@@ -411,37 +409,15 @@ impl<DB: InboxDatabase> Worker<DB> {
         self
     }
 
-    setters! {
-        /// How often, while running, the worker calls [`Dispatcher::sweep_parked`] (parked
-        /// messages whose gap stayed open past the dispatcher's [`crate::types::ParkPolicy`] are
-        /// dead-lettered or released). Default every 60 s; `None` turns it off.
-        pub fn park_sweep(every: Option<Duration>);
-
+    settings::shared_methods! {
+        dispatcher: Dispatcher<DB>,
+        sweep_parked: "[`Dispatcher::sweep_parked`]",
+        settlement: "[`settlement_for`]",
         /// At most `n` transactions in flight at once, each one delivery or (with
         /// [`batch`](Self::batch)) one batch; at least 1. Default 8. Without batching that is also
         /// the bound on deliveries fetched and not yet settled; with batches of `size`, at most
         /// `(n + 1) × size` deliveries are.
-        pub fn concurrency(n: usize) {
-            self.concurrency = n.max(1);
-        }
-
-        /// How long a failed delivery waits before its redelivery (see [`Settlement::Requeue`]).
-        pub fn requeue_delay(delay: Duration);
-
-        /// On shutdown, or after the source failed, how long running deliveries may take to finish
-        /// before they are abandoned unsettled (default 30 s).
-        pub fn drain_timeout(timeout: Duration);
-
-        /// Stop (with [`StopReason::Idle`]) once nothing is in flight and the source has delivered
-        /// nothing for `idle`: for batch jobs that drain a queue and exit.
-        pub fn stop_when_idle(idle: Duration) {
-            self.idle = Some(idle);
-        }
-    }
-
-    /// The dispatcher.
-    pub fn dispatcher(&self) -> &Dispatcher<DB> {
-        &self.dispatcher
+        concurrency;
     }
 
     /// Runs until the source is exhausted, the worker is idle (if set), `shutdown` is
@@ -468,29 +444,5 @@ impl<DB: InboxDatabase> Worker<DB> {
             run.finish(source).await
         })
         .await
-    }
-
-    /// Starts the parked-message sweep (every [`park_sweep`](Self::park_sweep), if set) on its
-    /// own task; it stops when the returned guard is dropped.
-    fn sweep_parked_beside(&self) -> tokio_util::sync::DropGuard {
-        let dispatcher = self.dispatcher.clone();
-        crate::worker::sweep::sweep_parked_beside(self.park_sweep, move || {
-            let dispatcher = dispatcher.clone();
-            async move { dispatcher.sweep_parked().await }
-        })
-    }
-
-    /// Like [`run`](Self::run), shutting down gracefully on SIGINT or SIGTERM (see
-    /// [`cancel_on_signal`]).
-    ///
-    /// # Errors
-    /// As [`run`](Self::run); a [`SourceError`] with operation `"install signal handlers"` if
-    /// the handlers cannot be installed.
-    pub async fn run_until_signal<S: Source>(
-        &self,
-        source: S,
-    ) -> Result<WorkerReport, WorkerError> {
-        let token = worker_token(source.name())?;
-        self.run(source, token).await
     }
 }

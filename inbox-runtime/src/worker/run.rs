@@ -118,7 +118,7 @@ impl<DB: InboxDatabase> Running<DB> {
         partitions: Vec<String>,
     ) {
         let dispatcher = Arc::clone(&worker.dispatcher);
-        let requeue_delay = worker.requeue_delay;
+        let requeue_delay = worker.settings.requeue_delay;
         let started = self.batch_options(deliveries.len(), kind);
         let options = started.options;
         let kept = self.slots.pop();
