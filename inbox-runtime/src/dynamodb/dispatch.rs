@@ -179,14 +179,14 @@ impl DynamoDispatcher {
         let mut outcomes = Vec::with_capacity(decoded.items.len());
         for item in &decoded.items {
             let (_, msg, fingerprint) = &decoded.messages[item.message];
-            let run = Run::new(
-                &item.key,
-                item.ordering.as_ref(),
-                *fingerprint,
-                &envelope.payload,
-                Mode::Deliver,
-                self,
-            );
+            let run = Run {
+                key: &item.key,
+                ordering: item.ordering.as_ref(),
+                fingerprint: *fingerprint,
+                payload: &envelope.payload,
+                mode: Mode::Deliver,
+                routes: self,
+            };
             let result = item.handler.invoke(&self.inbox, &**msg, run).await;
             outcomes.push(DynamoConsumerOutcome::of(item.handler, result));
         }

@@ -43,14 +43,14 @@ pub async fn run<H: DynamoHandler>(
     let fingerprint = Fingerprint::of(<H::Message as Message>::NAME, &msg)?;
     let payload = serde_json::to_vec(&msg).map_err(FingerprintError::from_json)?;
     let ordering = H::ordering(&msg)?;
-    let run = Run::new(
-        &key,
-        ordering.as_ref(),
+    let run = Run {
+        key: &key,
+        ordering: ordering.as_ref(),
         fingerprint,
-        &payload,
-        Mode::Deliver,
-        &Registered,
-    );
+        payload: &payload,
+        mode: Mode::Deliver,
+        routes: &Registered,
+    };
     run_with::<H>(inbox, &msg, run).await
 }
 
@@ -132,34 +132,14 @@ pub trait DynDynamoHandler: ErasedHandler {
 #[doc(hidden)]
 #[derive(Clone, Copy)]
 pub struct Run<'a> {
-    key: &'a IdempotencyKey,
+    pub(crate) key: &'a IdempotencyKey,
     /// The message's place in its aggregate for the handler (read once, where it was keyed).
-    ordering: Option<&'a Ordering>,
-    fingerprint: Fingerprint,
-    payload: &'a [u8],
-    mode: Mode,
+    pub(crate) ordering: Option<&'a Ordering>,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) payload: &'a [u8],
+    pub(crate) mode: Mode,
     /// Where parked successors released after this run are routed.
-    routes: &'a dyn DynamoRoutes,
-}
-
-impl<'a> Run<'a> {
-    pub(crate) fn new(
-        key: &'a IdempotencyKey,
-        ordering: Option<&'a Ordering>,
-        fingerprint: Fingerprint,
-        payload: &'a [u8],
-        mode: Mode,
-        routes: &'a dyn DynamoRoutes,
-    ) -> Self {
-        Self {
-            key,
-            ordering,
-            fingerprint,
-            payload,
-            mode,
-            routes,
-        }
-    }
+    pub(crate) routes: &'a dyn DynamoRoutes,
 }
 
 impl<H> DynDynamoHandler for H
@@ -322,14 +302,14 @@ pub(crate) async fn run_payload(
     mode: Mode,
 ) -> Result<Result<Outcome<()>, DynamoError<BoxError>>, ReplayError> {
     let decoded = decode_stored(handler, key, payload)?;
-    let run = Run::new(
-        &decoded.key,
-        decoded.ordering.as_ref(),
-        decoded.fingerprint,
+    let run = Run {
+        key: &decoded.key,
+        ordering: decoded.ordering.as_ref(),
+        fingerprint: decoded.fingerprint,
         payload,
         mode,
         routes,
-    );
+    };
     Ok(handler.invoke(inbox, &*decoded.msg, run).await)
 }
 
