@@ -20,8 +20,8 @@ use aws_sdk_dynamodb::types::{
 
 use super::{
     Claim, ConditionFailed, Ctx, DynamoError, DynamoInbox, DynamoTx, Layout,
-    MAX_PARTITION_KEY_BYTES, Now, Submitted, TTL_ATTRIBUTE, check_sizes, duration_ms, n,
-    partition_key, s, size,
+    MAX_PARTITION_KEY_BYTES, Now, Submitted, TTL_ATTRIBUTE, check_sizes, duration_ms, n, number_of,
+    partition_key, s, size, text_of,
 };
 use crate::types::fingerprint::Fingerprint;
 use crate::types::key::IdempotencyKey;
@@ -370,14 +370,8 @@ fn key_state(
     item: Option<&HashMap<String, AttributeValue>>,
     now: Now,
 ) -> KeyState {
-    let text = |name: &str| match item.and_then(|item| item.get(name)) {
-        Some(AttributeValue::S(text)) => Some(text.as_str()),
-        _ => None,
-    };
-    let number = |name: &str| match item.and_then(|item| item.get(name)) {
-        Some(AttributeValue::N(text)) => text.parse::<i64>().ok(),
-        _ => None,
-    };
+    let text = |name: &str| item.and_then(|item| text_of(item, name));
+    let number = |name: &str| item.and_then(|item| number_of(item, name));
     let Some(item) = item else {
         // Deleted between the refused lease and the read (a lease released, TTL): free now.
         return KeyState::InFlight(Duration::ZERO);

@@ -689,6 +689,23 @@ fn n(number: impl ToString) -> AttributeValue {
     AttributeValue::N(number.to_string())
 }
 
+/// The string attribute `name` of `item`; `None` if it is missing or not a string.
+fn text_of<'i>(item: &'i HashMap<String, AttributeValue>, name: &str) -> Option<&'i str> {
+    match item.get(name) {
+        Some(AttributeValue::S(text)) => Some(text),
+        _ => None,
+    }
+}
+
+/// The number attribute `name` of `item` as an integer; `None` if it is missing, not a number
+/// or not an `i64`.
+fn number_of(item: &HashMap<String, AttributeValue>, name: &str) -> Option<i64> {
+    match item.get(name) {
+        Some(AttributeValue::N(text)) => text.parse::<i64>().ok(),
+        _ => None,
+    }
+}
+
 fn duration_ms(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
 }

@@ -142,7 +142,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{
     Chain, DynamoTx, MAX_HANDLER_ITEMS, TTL_ATTRIBUTE, TableError, create_pk_table, duration_ms,
-    ensure_ttl, n, s,
+    ensure_ttl, n, number_of, s, text_of,
 };
 use crate::outbox::relay::{
     Backoff, check_lease, in_round_span, publish_leased, report_abandoned, report_marked_failed,
@@ -792,14 +792,8 @@ impl DynamoRelay {
                 .map_err(|e| self.call_error("Query", e))?;
             for entry in page.items() {
                 read += 1;
-                let text = |name: &str| match entry.get(name) {
-                    Some(AttributeValue::S(value)) => Some(value.clone()),
-                    _ => None,
-                };
-                let number = |name: &str| match entry.get(name) {
-                    Some(AttributeValue::N(value)) => value.parse::<i64>().ok(),
-                    _ => None,
-                };
+                let text = |name: &str| text_of(entry, name).map(str::to_owned);
+                let number = |name: &str| number_of(entry, name);
                 let Some(message_id) = text("pk") else {
                     continue;
                 };
@@ -1092,14 +1086,8 @@ where
 /// written by [`DynamoTx::publish`], and the sink then refuses what is unusable (headers that
 /// are not a JSON object go `dead` at once).
 fn record(item: &HashMap<String, AttributeValue>, position: usize, now: i64) -> OutboxRecord {
-    let text = |name: &str| match item.get(name) {
-        Some(AttributeValue::S(value)) => Some(value.clone()),
-        _ => None,
-    };
-    let number = |name: &str| match item.get(name) {
-        Some(AttributeValue::N(value)) => value.parse::<i64>().ok(),
-        _ => None,
-    };
+    let text = |name: &str| text_of(item, name).map(str::to_owned);
+    let number = |name: &str| number_of(item, name);
     let created = number("created_at").unwrap_or(now);
     OutboxRecord {
         id: i64::try_from(position).unwrap_or(i64::MAX),
