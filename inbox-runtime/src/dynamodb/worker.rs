@@ -241,9 +241,7 @@ impl<'w> Run<'w> {
                 () = &mut cancelled, if self.end.drain_deadline.is_none() => {
                     self.shut_down(source.name()).await;
                 }
-                () = tokio::time::sleep_until(at.abandon.unwrap_or(at.never)),
-                    if at.abandon.is_some() =>
-                {
+                () = at.timer(at.abandon), if at.abandon.is_some() => {
                     self.end.abandoning(source.name(), self.tasks.len());
                     self.report.abandoned += self.tasks.len() as u64;
                     self.tasks = FuturesUnordered::new();
@@ -261,9 +259,7 @@ impl<'w> Run<'w> {
                         }
                     }
                 }
-                () = tokio::time::sleep_until(at.idle.unwrap_or(at.never)),
-                    if at.idle.is_some() =>
-                {
+                () = at.timer(at.idle), if at.idle.is_some() => {
                     self.end.stop = Some(StopReason::Idle);
                 }
             }

@@ -18,7 +18,15 @@ use super::{FAR, StopReason, WorkerError, WorkerReport, later};
 pub(crate) struct Deadlines {
     pub(crate) abandon: Option<Instant>,
     pub(crate) idle: Option<Instant>,
-    pub(crate) never: Instant,
+    never: Instant,
+}
+
+impl Deadlines {
+    /// A timer for a loop's `select!` branch: it fires at `at`, or, while `at` is `None` (the
+    /// branch is disabled then, but its future is still built), never.
+    pub(crate) fn timer(&self, at: Option<Instant>) -> tokio::time::Sleep {
+        tokio::time::sleep_until(at.unwrap_or(self.never))
+    }
 }
 
 /// Why and when a run stops.

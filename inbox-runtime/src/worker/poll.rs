@@ -40,9 +40,7 @@ impl<DB: InboxDatabase> Loop<'_, DB> {
                 () = &mut cancelled, if self.end.drain_deadline.is_none() => {
                     self.shut_down(source.name()).await;
                 }
-                () = tokio::time::sleep_until(at.abandon.unwrap_or(at.never)),
-                    if at.abandon.is_some() =>
-                {
+                () = at.timer(at.abandon), if at.abandon.is_some() => {
                     self.abandon(source.name());
                     break;
                 }
@@ -50,7 +48,7 @@ impl<DB: InboxDatabase> Loop<'_, DB> {
                     self.task_ended(id, joined);
                 }
                 fetched = source.next(), if can_fetch => self.fetched(source.name(), fetched),
-                () = tokio::time::sleep_until(at.idle.unwrap_or(at.never)), if at.idle.is_some() => {
+                () = at.timer(at.idle), if at.idle.is_some() => {
                     self.end.stop = Some(StopReason::Idle);
                 }
                 // No linger: the gathered deliveries start as soon as the source has no more
@@ -60,7 +58,7 @@ impl<DB: InboxDatabase> Loop<'_, DB> {
                 {
                     self.running.flush(worker);
                 }
-                () = tokio::time::sleep_until(batch_at.unwrap_or(at.never)),
+                () = at.timer(batch_at),
                     if batch_at.is_some() && can_batch && !worker.linger.is_zero() =>
                 {
                     self.running.flush(worker);
