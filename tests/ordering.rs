@@ -278,6 +278,72 @@ inbox_tests::backend_matrix! {
         assert_eq!(row.status, "dead");
     }
 
+    /// The worker's `run` returns only once the parked-message sweep in flight has finished
+    /// (within the drain timeout): nothing the worker started runs on after it returned.
+    #[tokio::test]
+    async fn the_worker_returns_after_its_sweep_in_flight() {
+        use inbox_runtime::source::memory::MemorySource;
+        use std::time::{Duration, Instant};
+        if BACKEND != Backend::Postgres {
+            return; // The sweep is seen waiting for the row lock through pg_stat_activity.
+        }
+        let (pool, _guard) = setup().await;
+        let dispatcher = Dispatcher::from_registry(pool.clone())
+            .unwrap()
+            .with_park_policy(ParkPolicy::new(Duration::ZERO, ParkTimeout::DeadLetter));
+        let mut conn = pool.acquire().await.unwrap();
+        assert_eq!(track_parked(&mut conn, event("sweep", 2, "paid")).await.unwrap(), Outcome::Parked);
+        drop(conn);
+        // Another transaction holds the parked row: the sweep's dead-letter waits for it.
+        let mut holder = pool.begin().await.unwrap();
+        sqlx::query(
+            "SELECT 1 FROM inbox_messages \
+             WHERE consumer = 'orders-park' AND message_key = 'sweep/2' FOR UPDATE",
+        )
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let worker = inbox_runtime::Worker::new(dispatcher)
+            .park_sweep(Some(Duration::from_millis(10)))
+            .drain_timeout(Duration::from_secs(30));
+        let run = tokio::spawn({
+            let shutdown = shutdown.clone();
+            async move { worker.run(MemorySource::new("mem"), shutdown).await }
+        });
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND wait_event_type = 'Lock' AND query LIKE '%UPDATE inbox_messages%'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            if waiting == 1 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the sweep never waited for the row");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        shutdown.cancel();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!run.is_finished(), "run returned while its sweep was still running");
+        holder.commit().await.unwrap();
+        let report = tokio::time::timeout(Duration::from_secs(30), run)
+            .await
+            .expect("run returns once the sweep is done")
+            .unwrap()
+            .unwrap();
+        assert_eq!(report.stop, inbox_runtime::StopReason::Shutdown);
+        // Dead-lettered by the sweep before run returned.
+        let row = inbox_runtime::ops::admin::show(&pool, "orders-park", "sweep/2")
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(row.status, "dead");
+    }
+
     #[tokio::test]
     async fn outcomes_of_the_guard() {
         let (pool, _guard) = setup().await;

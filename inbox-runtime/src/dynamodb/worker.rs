@@ -191,10 +191,13 @@ impl DynamoWorker {
     ) -> Result<WorkerReport, WorkerError> {
         source.set_payload_limit(self.dispatcher.payload_limit());
         let mut run = Run::new(self);
-        // The parked-message sweep runs beside the loop and stops with it.
-        let _stop_sweeping = self.sweep_parked_beside();
+        // The parked-message sweep runs beside the loop; a sweep in flight when the loop ends
+        // finishes (within the drain timeout) before `run` returns.
+        let sweep = self.sweep_parked_beside();
         run.poll(&mut source, &shutdown).await;
-        run.finish(source).await
+        let (result, ()) =
+            tokio::join!(run.finish(source), sweep.stop(self.settings.drain_timeout));
+        result
     }
 }
 

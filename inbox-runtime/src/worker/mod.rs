@@ -438,10 +438,13 @@ impl<DB: InboxDatabase> Worker<DB> {
         // scope the worker was built in, if any.
         crate::store::within(self.prefix.as_ref(), async {
             let mut run = Loop::new(self);
-            // The parked-message sweep runs beside the loop and stops with it.
-            let _stop_sweeping = self.sweep_parked_beside();
+            // The parked-message sweep runs beside the loop; a sweep in flight when the loop
+            // ends finishes (within the drain timeout) before `run` returns.
+            let sweep = self.sweep_parked_beside();
             run.poll(&mut source, &shutdown).await;
-            run.finish(source).await
+            let (result, ()) =
+                tokio::join!(run.finish(source), sweep.stop(self.settings.drain_timeout));
+            result
         })
         .await
     }

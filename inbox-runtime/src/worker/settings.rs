@@ -51,7 +51,9 @@ macro_rules! shared_methods {
         #[doc = $sweep]
         /// (parked messages whose gap stayed open past the dispatcher's
         /// [`ParkPolicy`](crate::types::ParkPolicy) are dead-lettered or released). Default
-        /// every 60 s; `None` turns it off.
+        /// every 60 s; `None` turns it off. When the run ends, no further sweep starts, and
+        /// `run` returns once a sweep in flight has finished; one still running after the
+        /// [drain timeout](Self::drain_timeout) is abandoned with a warning.
         pub fn park_sweep(mut self, every: Option<std::time::Duration>) -> Self {
             self.settings.park_sweep = every;
             self
@@ -72,7 +74,8 @@ macro_rules! shared_methods {
 
         /// On shutdown, or after the source failed, how long running deliveries may take to
         /// finish before they are abandoned unsettled; also the bound on
-        /// [`Source::close`](crate::source::Source::close). Default 30 s.
+        /// [`Source::close`](crate::source::Source::close) and on a parked-message sweep in
+        /// flight (see [`park_sweep`](Self::park_sweep)). Default 30 s.
         pub fn drain_timeout(mut self, timeout: std::time::Duration) -> Self {
             self.settings.drain_timeout = timeout;
             self
@@ -106,10 +109,10 @@ macro_rules! shared_methods {
         }
 
         /// Starts the parked-message sweep (every [`park_sweep`](Self::park_sweep), if set) on
-        /// its own task; it stops when the returned guard is dropped.
-        fn sweep_parked_beside(&self) -> tokio_util::sync::DropGuard {
+        /// its own task, to be stopped when the loop has ended.
+        fn sweep_parked_beside(&self) -> $crate::worker::sweep::ParkedSweep {
             let dispatcher = self.dispatcher.clone();
-            $crate::worker::sweep::sweep_parked_beside(self.settings.park_sweep, move || {
+            $crate::worker::sweep::ParkedSweep::start(self.settings.park_sweep, move || {
                 let dispatcher = dispatcher.clone();
                 async move { dispatcher.sweep_parked().await }
             })

@@ -5,41 +5,82 @@ use std::fmt::Display;
 use std::future::Future;
 use std::time::Duration;
 
-use tokio_util::sync::{CancellationToken, DropGuard};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 use crate::dispatch::SweepReport;
 
-/// Starts `sweep` (a dispatcher's `sweep_parked`) every `every`, if set, on its own task, and
-/// logs what it did: a warning for parked messages it dead-lettered or released (their gap
-/// stayed open) and for a sweep that failed. The task stops when the returned guard is dropped;
-/// a sweep in flight then finishes.
-pub(crate) fn sweep_parked_beside<F, Fut, E>(every: Option<Duration>, sweep: F) -> DropGuard
-where
-    F: Fn() -> Fut + Send + 'static,
-    Fut: Future<Output = Result<SweepReport, E>> + Send,
-    E: Display,
-{
-    let sweeping = CancellationToken::new();
-    let guard = sweeping.clone().drop_guard();
-    let Some(every) = every else {
-        return guard;
-    };
-    crate::store::spawn(async move {
-        loop {
-            tokio::select! {
-                () = sweeping.cancelled() => break,
-                () = tokio::time::sleep(every) => {}
+/// The parked-message sweep running beside a worker's loop, on its own task: started by
+/// [`start`](Self::start), ended by [`stop`](Self::stop) when the loop has ended, so that no
+/// sweep outlives the worker's `run`. Dropped without `stop` (the run's future dropped), it
+/// starts no further sweep; one in flight then finishes on its own.
+pub(crate) struct ParkedSweep {
+    stopping: CancellationToken,
+    task: Option<JoinHandle<()>>,
+}
+
+impl ParkedSweep {
+    /// Starts `sweep` (a dispatcher's `sweep_parked`) every `every`, if set, and logs what it
+    /// did: a warning for parked messages it dead-lettered or released (their gap stayed open)
+    /// and for a sweep that failed.
+    pub(crate) fn start<F, Fut, E>(every: Option<Duration>, sweep: F) -> Self
+    where
+        F: Fn() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<SweepReport, E>> + Send,
+        E: Display,
+    {
+        let stopping = CancellationToken::new();
+        let Some(every) = every else {
+            return Self {
+                stopping,
+                task: None,
+            };
+        };
+        let stopped = stopping.clone();
+        let task = crate::store::spawn(async move {
+            loop {
+                tokio::select! {
+                    () = stopped.cancelled() => break,
+                    () = tokio::time::sleep(every) => {}
+                }
+                match sweep().await {
+                    Ok(report) if report.dead_lettered + report.released > 0 => tracing::warn!(
+                        dead_lettered = report.dead_lettered,
+                        released = report.released,
+                        "parked messages whose gap stayed open"
+                    ),
+                    Ok(_) => {}
+                    Err(error) => tracing::warn!(%error, "parked-message sweep failed"),
+                }
             }
-            match sweep().await {
-                Ok(report) if report.dead_lettered + report.released > 0 => tracing::warn!(
-                    dead_lettered = report.dead_lettered,
-                    released = report.released,
-                    "parked messages whose gap stayed open"
-                ),
-                Ok(_) => {}
-                Err(error) => tracing::warn!(%error, "parked-message sweep failed"),
-            }
+        });
+        Self {
+            stopping,
+            task: Some(task),
         }
-    });
-    guard
+    }
+
+    /// Starts no further sweep and waits for the one in flight, if any, to finish: at most
+    /// `grace` (the worker's drain timeout). A sweep still running then is abandoned with a
+    /// warning (its task aborted at its next await; a statement the database is running may
+    /// still complete, each of the sweep's steps being a transaction of its own).
+    pub(crate) async fn stop(mut self, grace: Duration) {
+        self.stopping.cancel();
+        let Some(mut task) = self.task.take() else {
+            return;
+        };
+        if tokio::time::timeout(grace, &mut task).await.is_err() {
+            tracing::warn!(
+                grace_ms = grace.as_millis() as u64,
+                "parked-message sweep still running after the drain timeout; abandoned"
+            );
+            task.abort();
+        }
+    }
+}
+
+impl Drop for ParkedSweep {
+    fn drop(&mut self) {
+        self.stopping.cancel();
+    }
 }
