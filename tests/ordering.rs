@@ -278,23 +278,25 @@ inbox_tests::backend_matrix! {
         assert_eq!(row.status, "dead");
     }
 
-    /// The worker's `run` returns only once the parked-message sweep in flight has finished
-    /// (within the drain timeout): nothing the worker started runs on after it returned.
-    #[tokio::test]
-    async fn the_worker_returns_after_its_sweep_in_flight() {
+    /// A worker whose parked-message sweep is waiting for a row lock: the message `sweep/2` of
+    /// `orders-park` parked (its gap past the zero timeout: the sweep dead-letters it), the row
+    /// held by `holder`, the worker running on an empty source with `drain` as its drain
+    /// timeout, and the sweep's `UPDATE` seen waiting (pg_stat_activity).
+    struct WaitingSweep {
+        holder: sqlx::Transaction<'static, Db>,
+        shutdown: tokio_util::sync::CancellationToken,
+        run: tokio::task::JoinHandle<Result<inbox_runtime::WorkerReport, inbox_runtime::WorkerError>>,
+    }
+
+    async fn sweep_waiting_for_a_row(pool: &Pool, drain: std::time::Duration) -> WaitingSweep {
         use inbox_runtime::source::memory::MemorySource;
         use std::time::{Duration, Instant};
-        if BACKEND != Backend::Postgres {
-            return; // The sweep is seen waiting for the row lock through pg_stat_activity.
-        }
-        let (pool, _guard) = setup().await;
         let dispatcher = Dispatcher::from_registry(pool.clone())
             .unwrap()
             .with_park_policy(ParkPolicy::new(Duration::ZERO, ParkTimeout::DeadLetter));
         let mut conn = pool.acquire().await.unwrap();
         assert_eq!(track_parked(&mut conn, event("sweep", 2, "paid")).await.unwrap(), Outcome::Parked);
         drop(conn);
-        // Another transaction holds the parked row: the sweep's dead-letter waits for it.
         let mut holder = pool.begin().await.unwrap();
         sqlx::query(
             "SELECT 1 FROM inbox_messages \
@@ -306,7 +308,7 @@ inbox_tests::backend_matrix! {
         let shutdown = tokio_util::sync::CancellationToken::new();
         let worker = inbox_runtime::Worker::new(dispatcher)
             .park_sweep(Some(Duration::from_millis(10)))
-            .drain_timeout(Duration::from_secs(30));
+            .drain_timeout(drain);
         let run = tokio::spawn({
             let shutdown = shutdown.clone();
             async move { worker.run(MemorySource::new("mem"), shutdown).await }
@@ -317,7 +319,7 @@ inbox_tests::backend_matrix! {
                 "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database() \
                  AND wait_event_type = 'Lock' AND query LIKE '%UPDATE inbox_messages%'",
             )
-            .fetch_one(&pool)
+            .fetch_one(pool)
             .await
             .unwrap();
             if waiting == 1 {
@@ -326,22 +328,61 @@ inbox_tests::backend_matrix! {
             assert!(Instant::now() < deadline, "the sweep never waited for the row");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        shutdown.cancel();
+        WaitingSweep { holder, shutdown, run }
+    }
+
+    async fn status_of_sweep_2(pool: &Pool) -> String {
+        inbox_runtime::ops::admin::show(pool, "orders-park", "sweep/2")
+            .await
+            .unwrap()
+            .unwrap()
+            .status
+            .to_string()
+    }
+
+    /// The worker's `run` returns only once the parked-message sweep in flight has finished
+    /// (within the drain timeout): the sweep's dead-letter is done when `run` returns.
+    #[tokio::test]
+    async fn the_worker_returns_after_its_sweep_in_flight() {
+        use std::time::Duration;
+        if BACKEND != Backend::Postgres {
+            return; // The sweep is seen waiting for the row lock through pg_stat_activity.
+        }
+        let (pool, _guard) = setup().await;
+        let sweep = sweep_waiting_for_a_row(&pool, Duration::from_secs(30)).await;
+        sweep.shutdown.cancel();
         tokio::time::sleep(Duration::from_millis(500)).await;
-        assert!(!run.is_finished(), "run returned while its sweep was still running");
-        holder.commit().await.unwrap();
-        let report = tokio::time::timeout(Duration::from_secs(30), run)
+        assert!(!sweep.run.is_finished(), "run returned while its sweep was still running");
+        sweep.holder.commit().await.unwrap();
+        let report = tokio::time::timeout(Duration::from_secs(30), sweep.run)
             .await
             .expect("run returns once the sweep is done")
             .unwrap()
             .unwrap();
         assert_eq!(report.stop, inbox_runtime::StopReason::Shutdown);
         // Dead-lettered by the sweep before run returned.
-        let row = inbox_runtime::ops::admin::show(&pool, "orders-park", "sweep/2")
+        assert_eq!(status_of_sweep_2(&pool).await, "dead");
+    }
+
+    /// A sweep still running after the drain timeout is abandoned: `run` returns while the
+    /// sweep's dead-letter still waits for the row (which stays parked).
+    #[tokio::test]
+    async fn a_sweep_past_the_drain_timeout_is_abandoned() {
+        use std::time::Duration;
+        if BACKEND != Backend::Postgres {
+            return; // The sweep is seen waiting for the row lock through pg_stat_activity.
+        }
+        let (pool, _guard) = setup().await;
+        let sweep = sweep_waiting_for_a_row(&pool, Duration::from_millis(200)).await;
+        sweep.shutdown.cancel();
+        let report = tokio::time::timeout(Duration::from_secs(30), sweep.run)
             .await
+            .expect("run returns after the drain timeout, the row still held")
             .unwrap()
             .unwrap();
-        assert_eq!(row.status, "dead");
+        assert_eq!(report.stop, inbox_runtime::StopReason::Shutdown);
+        assert_eq!(status_of_sweep_2(&pool).await, "parked");
+        sweep.holder.rollback().await.unwrap();
     }
 
     #[tokio::test]

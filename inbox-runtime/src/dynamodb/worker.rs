@@ -12,12 +12,8 @@ use futures_util::stream::{FuturesUnordered, StreamExt as _};
 use tokio_util::sync::CancellationToken;
 
 use super::{DynamoConsumerOutcome, DynamoDispatcher, DynamoError};
-#[cfg(doc)]
-use crate::source::SourceError;
 use crate::source::{Delivery, Settlement, Source};
 use crate::types::error::DispatchError;
-#[cfg(doc)]
-use crate::worker::cancel_on_signal;
 use crate::worker::ending::{Ending, hand_back};
 use crate::worker::keys::KeyQueues;
 use crate::worker::settings::{Settings, shared_methods};
@@ -56,7 +52,8 @@ use crate::types::error::Disposition;
 ///   deliveries that wait for their ordering key (not started), lets running ones finish
 ///   (commit, then settle) for up to the [drain timeout](Self::drain_timeout), then drops the
 ///   rest unsettled (a transaction that committed meanwhile is a duplicate on the redelivery),
-///   calls [`Source::close`] and returns.
+///   calls [`Source::close`] and, beside it, waits for a parked-message sweep in flight (each
+///   for up to the drain timeout; see [`park_sweep`](Self::park_sweep)), and returns.
 /// * **Source failure**: the worker stops fetching and lets running deliveries finish, for up
 ///   to the drain timeout from the failure, then drops the rest unsettled and returns the error.
 ///   [`Source::close`] gets the drain timeout too; past it, `run` returns a `close` error.
@@ -176,8 +173,9 @@ impl DynamoWorker {
     }
 
     /// Runs until the source is exhausted, the worker is idle (if set), `shutdown` is
-    /// cancelled, or the source fails; then closes the source. First gives the source the
-    /// dispatcher's payload limit ([`Source::set_payload_limit`]).
+    /// cancelled, or the source fails; then closes the source and waits for a parked-message
+    /// sweep in flight (both for up to the [drain timeout](Self::drain_timeout)). First gives
+    /// the source the dispatcher's payload limit ([`Source::set_payload_limit`]).
     ///
     /// # Errors
     /// [`WorkerError`] (with the report so far, `stop` [`StopReason::SourceFailed`]) if fetching

@@ -40,8 +40,6 @@ use crate::dispatch::dispatcher::Dispatcher;
 #[cfg(doc)]
 use crate::source::Delivery;
 use crate::source::Source;
-#[cfg(doc)]
-use crate::source::SourceError;
 use crate::store::InboxDatabase;
 use crate::types::envelope::Envelope;
 use crate::types::slot::ConnectionSlot;
@@ -49,9 +47,6 @@ use crate::types::slot::ConnectionSlot;
 pub use report::{StopReason, WorkerError, WorkerReport};
 pub use settle::settlement_for;
 pub use signal::{cancel_on_signal, shutdown_signal};
-
-#[cfg(doc)]
-use crate::source::Settlement;
 
 /// Pulls deliveries from a [`Source`], runs the [`Dispatcher`] on each with bounded
 /// concurrency, and settles each delivery strictly **after** its inbox transactions committed,
@@ -94,7 +89,9 @@ use crate::source::Settlement;
 /// * **Shutdown**: when the token is cancelled the worker stops fetching, requeues deliveries
 ///   that have not started, lets running ones finish (commit, then ack) for up to the
 ///   [drain timeout](Self::drain_timeout), then drops the rest unsettled (their transactions roll
-///   back; the broker redelivers them), calls [`Source::close`] and returns.
+///   back; the broker redelivers them), calls [`Source::close`] and, beside it, waits for a
+///   parked-message sweep in flight (each for up to the drain timeout; see
+///   [`park_sweep`](Self::park_sweep)), and returns.
 /// * **Source failure**: the worker stops fetching and lets running and queued deliveries finish,
 ///   also for up to the drain timeout from the failure (a settlement on a connection that just
 ///   died may never answer), then drops the rest unsettled as on shutdown and returns the error.
@@ -421,8 +418,9 @@ impl<DB: InboxDatabase> Worker<DB> {
     }
 
     /// Runs until the source is exhausted, the worker is idle (if set), `shutdown` is
-    /// cancelled, or the source fails; then closes the source. First gives the source the
-    /// dispatcher's payload limit ([`Source::set_payload_limit`]).
+    /// cancelled, or the source fails; then closes the source and waits for a parked-message
+    /// sweep in flight (both for up to the [drain timeout](Self::drain_timeout)). First gives
+    /// the source the dispatcher's payload limit ([`Source::set_payload_limit`]).
     ///
     /// # Errors
     /// [`WorkerError`] if fetching from the source failed (in-flight work is finished first, for

@@ -51,9 +51,11 @@ macro_rules! shared_methods {
         #[doc = $sweep]
         /// (parked messages whose gap stayed open past the dispatcher's
         /// [`ParkPolicy`](crate::types::ParkPolicy) are dead-lettered or released). Default
-        /// every 60 s; `None` turns it off. When the run ends, no further sweep starts, and
-        /// `run` returns once a sweep in flight has finished; one still running after the
-        /// [drain timeout](Self::drain_timeout) is abandoned with a warning.
+        /// every 60 s; `None` turns it off. Once the worker's loop has ended (after a
+        /// shutdown's drain), no further sweep starts, and `run` returns only when a sweep in
+        /// flight has finished; one still running after the
+        /// [drain timeout](Self::drain_timeout) is abandoned with a warning (a statement the
+        /// database is already running may still complete).
         pub fn park_sweep(mut self, every: Option<std::time::Duration>) -> Self {
             self.settings.park_sweep = every;
             self

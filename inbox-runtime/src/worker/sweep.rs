@@ -3,8 +3,10 @@
 
 use std::fmt::Display;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
+use futures_util::FutureExt as _;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -14,6 +16,7 @@ use crate::dispatch::SweepReport;
 /// [`start`](Self::start), ended by [`stop`](Self::stop) when the loop has ended, so that no
 /// sweep outlives the worker's `run`. Dropped without `stop` (the run's future dropped), it
 /// starts no further sweep; one in flight then finishes on its own.
+#[must_use = "dropping the sweep stops it at once"]
 pub(crate) struct ParkedSweep {
     stopping: CancellationToken,
     task: Option<JoinHandle<()>>,
@@ -22,7 +25,8 @@ pub(crate) struct ParkedSweep {
 impl ParkedSweep {
     /// Starts `sweep` (a dispatcher's `sweep_parked`) every `every`, if set, and logs what it
     /// did: a warning for parked messages it dead-lettered or released (their gap stayed open)
-    /// and for a sweep that failed.
+    /// and for a sweep that failed, an error for one that panicked (a released message's
+    /// handler runs in it); the next sweep runs as planned either way.
     pub(crate) fn start<F, Fut, E>(every: Option<Duration>, sweep: F) -> Self
     where
         F: Fn() -> Fut + Send + 'static,
@@ -40,17 +44,25 @@ impl ParkedSweep {
         let task = crate::store::spawn(async move {
             loop {
                 tokio::select! {
+                    // Stopping wins over a due sweep: none starts once stopped.
+                    biased;
                     () = stopped.cancelled() => break,
                     () = tokio::time::sleep(every) => {}
                 }
-                match sweep().await {
-                    Ok(report) if report.dead_lettered + report.released > 0 => tracing::warn!(
-                        dead_lettered = report.dead_lettered,
-                        released = report.released,
-                        "parked messages whose gap stayed open"
+                match AssertUnwindSafe(sweep()).catch_unwind().await {
+                    Ok(Ok(report)) if report.dead_lettered + report.released > 0 => {
+                        tracing::warn!(
+                            dead_lettered = report.dead_lettered,
+                            released = report.released,
+                            "parked messages whose gap stayed open"
+                        );
+                    }
+                    Ok(Ok(_)) => {}
+                    Ok(Err(error)) => tracing::warn!(%error, "parked-message sweep failed"),
+                    Err(panic) => tracing::error!(
+                        panic = panic_text(panic.as_ref()),
+                        "parked-message sweep panicked"
                     ),
-                    Ok(_) => {}
-                    Err(error) => tracing::warn!(%error, "parked-message sweep failed"),
                 }
             }
         });
@@ -69,12 +81,17 @@ impl ParkedSweep {
         let Some(mut task) = self.task.take() else {
             return;
         };
-        if tokio::time::timeout(grace, &mut task).await.is_err() {
-            tracing::warn!(
-                grace_ms = grace.as_millis() as u64,
-                "parked-message sweep still running after the drain timeout; abandoned"
-            );
-            task.abort();
+        match tokio::time::timeout(grace, &mut task).await {
+            Ok(Ok(())) => {}
+            // A panic is caught per sweep; this is the task's own end (aborted: never here).
+            Ok(Err(error)) => tracing::error!(%error, "parked-message sweep task ended early"),
+            Err(_) => {
+                tracing::warn!(
+                    grace_ms = u64::try_from(grace.as_millis()).unwrap_or(u64::MAX),
+                    "parked-message sweep still running after the drain timeout; abandoned"
+                );
+                task.abort();
+            }
         }
     }
 }
@@ -83,4 +100,13 @@ impl Drop for ParkedSweep {
     fn drop(&mut self) {
         self.stopping.cancel();
     }
+}
+
+/// A panic's message, when it is text.
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(not text)")
 }
