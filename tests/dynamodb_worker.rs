@@ -176,6 +176,48 @@ fn report(build: impl FnOnce(&mut WorkerReport)) -> WorkerReport {
     report
 }
 
+/// The rejections kept in the inbox table (`dynamodb::rejections`), as (reason, consumer,
+/// message name, payload, payload size) in that order.
+async fn kept_rejections(
+    dispatcher: &DynamoDispatcher,
+) -> Vec<(String, Option<String>, Option<String>, Vec<u8>, Option<i64>)> {
+    let inbox = dispatcher.inbox();
+    let items = inbox
+        .client()
+        .scan()
+        .table_name(inbox.table())
+        .filter_expression("attribute_exists(#r)")
+        .expression_attribute_names("#r", dynamodb::rejections::REJECTION_ATTRIBUTE)
+        .send()
+        .await
+        .unwrap()
+        .items
+        .unwrap_or_default();
+    let text = |item: &HashMap<String, AttributeValue>, name: &str| {
+        item.get(name).map(|v| v.as_s().unwrap().clone())
+    };
+    let mut kept: Vec<_> = items
+        .iter()
+        .map(|item| {
+            assert!(
+                item["pk"].as_s().unwrap().starts_with("rejection#"),
+                "{item:?}"
+            );
+            (
+                text(item, "rejection").unwrap(),
+                text(item, "consumer"),
+                text(item, "message_name"),
+                item.get("payload")
+                    .map_or_else(Vec::new, |v| v.as_b().unwrap().as_ref().to_vec()),
+                item.get("payload_size")
+                    .map(|v| v.as_n().unwrap().parse().unwrap()),
+            )
+        })
+        .collect();
+    kept.sort();
+    kept
+}
+
 #[tokio::test]
 async fn duplicates_credit_once_and_every_delivery_is_acked_after_its_commit() {
     let dispatcher = setup().await;
@@ -297,7 +339,7 @@ async fn a_permanent_failure_is_dead_lettered_in_the_table_and_acked() {
 }
 
 #[tokio::test]
-async fn refused_deliveries_are_rejected_at_the_broker() {
+async fn refused_deliveries_are_kept_in_the_table_and_acked() {
     let dispatcher = setup().await;
     let source = MemorySource::new("dw-refused");
     let handle = source.handle();
@@ -308,27 +350,96 @@ async fn refused_deliveries_are_rejected_at_the_broker() {
         br#"{"id":"","account":"a","amount":1}"#.to_vec(),
     ));
     handle.close();
-    let run = DynamoWorker::new(dispatcher)
-        .run(source, CancellationToken::new())
-        .await
-        .unwrap();
+    let worker = DynamoWorker::new(dispatcher);
+    let run = worker.run(source, CancellationToken::new()).await.unwrap();
     assert_eq!(
         run,
         report(|r| {
             r.deliveries = 3;
             r.invalid = 3;
-            r.rejected = 3;
+            r.acked = 3;
             r.stop = StopReason::SourceExhausted;
         })
     );
     assert_eq!(
         settled(&handle),
         [
-            (malformed, Settlement::Reject),
-            (unknown, Settlement::Reject),
-            (no_key, Settlement::Reject)
+            (malformed, Settlement::Ack),
+            (unknown, Settlement::Ack),
+            (no_key, Settlement::Ack)
         ]
     );
+    let named = |name: &str| Some(name.to_owned());
+    assert_eq!(
+        kept_rejections(worker.dispatcher()).await,
+        [
+            (
+                "invalid_key".to_owned(),
+                named("dw-ledger"),
+                named("dw.credited"),
+                br#"{"id":"","account":"a","amount":1}"#.to_vec(),
+                None
+            ),
+            (
+                "malformed".to_owned(),
+                None,
+                named("dw.credited"),
+                b"{not json".to_vec(),
+                None
+            ),
+            (
+                "unknown_message".to_owned(),
+                None,
+                named("dw.unknown"),
+                b"{}".to_vec(),
+                None
+            ),
+        ]
+    );
+    let stats: Vec<(Option<String>, String, i64)> = worker
+        .dispatcher()
+        .inbox()
+        .admin()
+        .stats()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|row| (row.consumer, row.status.as_str().to_owned(), row.count))
+        .collect();
+    assert_eq!(
+        stats,
+        [
+            (None, "rejected:malformed".to_owned(), 1),
+            (None, "rejected:unknown_message".to_owned(), 1),
+            (named("dw-ledger"), "rejected:invalid_key".to_owned(), 1),
+        ]
+    );
+}
+
+/// A refused delivery whose item would pass DynamoDB's 400 KB item limit cannot be kept in the
+/// table: it is rejected at the broker, whose dead-lettering keeps it; nothing is written.
+#[tokio::test]
+async fn a_refused_delivery_too_large_to_keep_is_rejected_at_the_broker() {
+    let dispatcher = setup().await;
+    let source = MemorySource::new("dw-huge");
+    let handle = source.handle();
+    let mut body = b"{not json ".to_vec();
+    body.resize(500 * 1024, b'x');
+    let huge = handle.push(Envelope::new("dw.credited", body));
+    handle.close();
+    let worker = DynamoWorker::new(dispatcher);
+    let run = worker.run(source, CancellationToken::new()).await.unwrap();
+    assert_eq!(
+        run,
+        report(|r| {
+            r.deliveries = 1;
+            r.invalid = 1;
+            r.rejected = 1;
+            r.stop = StopReason::SourceExhausted;
+        })
+    );
+    assert_eq!(settled(&handle), [(huge, Settlement::Reject)]);
+    assert_eq!(kept_rejections(worker.dispatcher()).await, []);
 }
 
 #[tokio::test]
@@ -663,8 +774,10 @@ async fn an_sqs_queue_with_duplicates_and_a_retry_drains_until_idle() {
     );
 }
 
+/// A malformed SQS message is kept in the table and deleted from its queue: neither the queue
+/// nor its dead-letter queue holds it afterwards.
 #[tokio::test]
-async fn a_malformed_sqs_message_goes_to_the_queue_s_dead_letter_queue() {
+async fn a_malformed_sqs_message_is_kept_in_the_table_and_deleted_from_the_queue() {
     let dispatcher = setup().await;
     let client = sqs_client().await;
     let (url, dlq) = sqs_queue(&client, Some(1)).await;
@@ -673,33 +786,40 @@ async fn a_malformed_sqs_message_goes_to_the_queue_s_dead_letter_queue() {
     let source = SqsSource::connect(sqs_config(&url).reject(RejectAction::LeaveToRedrive))
         .await
         .unwrap();
-    // Rejected (left to the redrive policy), received again after its 1 s visibility timeout:
-    // moto then moves it to the dead-letter queue instead.
-    let run = DynamoWorker::new(dispatcher)
-        .stop_when_idle(Duration::from_secs(4))
-        .run(source, CancellationToken::new())
-        .await
-        .unwrap();
+    let worker = DynamoWorker::new(dispatcher).stop_when_idle(Duration::from_secs(4));
+    let run = worker.run(source, CancellationToken::new()).await.unwrap();
     assert_eq!(
         run,
         report(|r| {
             r.deliveries = 1;
             r.invalid = 1;
-            r.rejected = 1;
+            r.acked = 1;
             r.stop = StopReason::Idle;
         })
     );
-    let received = client
-        .receive_message()
-        .queue_url(&dlq)
-        .wait_time_seconds(5)
-        .send()
-        .await
-        .unwrap()
-        .messages
-        .unwrap_or_default();
-    let bodies: Vec<&str> = received.iter().filter_map(|m| m.body()).collect();
-    assert_eq!(bodies, ["{not json"]);
+    let kept = kept_rejections(worker.dispatcher()).await;
+    assert_eq!(
+        kept,
+        [(
+            "malformed".to_owned(),
+            None,
+            Some("dw.credited".to_owned()),
+            b"{not json".to_vec(),
+            None
+        )]
+    );
+    for queue in [&url, &dlq] {
+        let received = client
+            .receive_message()
+            .queue_url(queue)
+            .wait_time_seconds(2)
+            .send()
+            .await
+            .unwrap()
+            .messages
+            .unwrap_or_default();
+        assert_eq!(received.len(), 0, "{queue}");
+    }
 }
 
 #[tokio::test]
@@ -927,8 +1047,10 @@ async fn a_panicking_handler_drops_its_delivery_unsettled_and_the_redelivery_app
     assert_eq!(balance(worker.dispatcher(), &other.account).await, Some(12));
 }
 
+/// A delivery over the dispatcher's payload limit is kept cut to the limit (with its real size)
+/// and acked; nothing of it is applied or claimed.
 #[tokio::test]
-async fn an_oversized_delivery_is_rejected_at_the_broker_and_nothing_is_written() {
+async fn an_oversized_delivery_is_kept_cut_to_the_limit_and_nothing_is_applied() {
     let dispatcher = setup().await.with_max_payload_bytes(256).unwrap();
     let account = fresh("acct");
     let mut big = credit_msg(&account, 1);
@@ -947,18 +1069,28 @@ async fn an_oversized_delivery_is_rejected_at_the_broker_and_nothing_is_written(
         report(|r| {
             r.deliveries = 2;
             r.invalid = 1;
-            r.rejected = 1;
             r.processed = 1;
-            r.acked = 1;
+            r.acked = 2;
             r.stop = StopReason::SourceExhausted;
         })
     );
     assert_eq!(
         settled(&handle),
-        [(ids[0], Settlement::Reject), (ids[1], Settlement::Ack)]
+        [(ids[0], Settlement::Ack), (ids[1], Settlement::Ack)]
     );
     assert_eq!(balance(worker.dispatcher(), &big.account).await, None);
     assert_eq!(status(worker.dispatcher(), &big.id).await, None);
+    let whole = envelope(&big).payload;
+    assert_eq!(
+        kept_rejections(worker.dispatcher()).await,
+        [(
+            "too_large".to_owned(),
+            None,
+            Some("dw.credited".to_owned()),
+            whole[..256].to_vec(),
+            Some(i64::try_from(whole.len()).unwrap())
+        )]
+    );
 }
 
 #[tokio::test]
@@ -968,7 +1100,7 @@ async fn a_conflict_is_rejected_and_the_first_payload_stays_applied_once() {
     let first = credit_msg(&account, 50);
     let mut other = first.clone();
     other.amount = 51;
-    let (source, handle, ids) = memory(&[first.clone(), other, first]);
+    let (source, handle, ids) = memory(&[first.clone(), other.clone(), first]);
     handle.close();
     let worker = DynamoWorker::new(dispatcher).concurrency(1);
     let run = worker.run(source, CancellationToken::new()).await.unwrap();
@@ -993,6 +1125,17 @@ async fn a_conflict_is_rejected_and_the_first_payload_stays_applied_once() {
         ]
     );
     assert_eq!(balance(worker.dispatcher(), &account).await, Some(50));
+    // The conflicting payload is kept in the table before the reject, as on the SQL stores.
+    assert_eq!(
+        kept_rejections(worker.dispatcher()).await,
+        [(
+            "conflict".to_owned(),
+            Some("dw-ledger".to_owned()),
+            Some("dw.credited".to_owned()),
+            envelope(&other).payload,
+            None
+        )]
+    );
 }
 
 /// A TCP proxy to moto's DynamoDB that forwards everything but the answer to the first

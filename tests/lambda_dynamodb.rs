@@ -385,10 +385,10 @@ async fn a_permanent_failure_is_dead_lettered_and_deleted() {
 }
 
 /// Records the dispatcher refuses (no body, no name attribute, an unknown name, a malformed
-/// body, an empty key) are listed, since DynamoDB keeps no rejections: the queue's redrive
-/// policy moves them to its dead-letter queue. Nothing of them is written; the good one commits.
+/// body, an empty key) are kept in the inbox table as rejections, then deleted: nothing of them
+/// is applied or claimed; the good one commits.
 #[tokio::test]
-async fn refused_records_are_listed() {
+async fn refused_records_are_kept_and_deleted() {
     let function = function().await;
     let ids = Ids::new();
     let (c5, frank, x) = (ids.of("c5"), ids.of("frank"), ids.of("x"));
@@ -408,15 +408,33 @@ async fn refused_records_are_listed() {
         credit_record("m-6", &c5, &frank, 8),
     ];
     let (failures, report) = invoke(&function, batch).await;
-    assert_eq!(failures, ["m-1", "m-2", "m-3", "m-4", "m-5"]);
+    assert_eq!(failures, NONE);
     assert_eq!(
         (report.refused, report.processed, report.deleted),
-        (5, 1, 1)
+        (5, 1, 6)
     );
     assert_eq!(effect(&function, &frank).await, Some((1, 8)));
     assert_eq!(effect(&function, &x).await, None);
-    let stats = function.dispatcher().inbox().admin().stats().await.unwrap();
-    assert_eq!(stats.len(), 1, "{stats:?}");
+    let stats: Vec<(Option<String>, String, i64)> = function
+        .dispatcher()
+        .inbox()
+        .admin()
+        .stats()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|row| (row.consumer, row.status.as_str().to_owned(), row.count))
+        .collect();
+    let ledger = Some("lambda-ledger".to_owned());
+    assert_eq!(
+        stats,
+        [
+            (None, "rejected:malformed".to_owned(), 3),
+            (None, "rejected:unknown_message".to_owned(), 1),
+            (ledger.clone(), "processed".to_owned(), 1),
+            (ledger, "rejected:invalid_key".to_owned(), 1),
+        ]
+    );
 }
 
 /// FIFO: once a record of a group is listed, the group's later records are listed unrun; the
@@ -539,15 +557,19 @@ async fn a_record_still_running_half_the_margin_after_it_began_is_dropped_and_li
 async fn a_record_to_list_without_a_message_id_fails_the_invocation() {
     let function = function().await;
     let ids = Ids::new();
-    let mut unnamed = credit_record("m-2", &ids.of("c2"), &ids.of("hal"), 2);
+    // A retryable failure: the record is to be listed (a refused one is kept and deleted).
+    let c2 = ids.of("c2");
+    set_unavailable(&[&c2], true);
+    let mut unnamed = credit_record("m-2", &c2, &ids.of("hal"), 2);
     unnamed["messageId"] = Value::Null;
-    unnamed["messageAttributes"] = json!({});
     let records = vec![
         credit_record("m-1", &ids.of("c1"), &ids.of("hal"), 1),
         unnamed,
     ];
     let event: SqsEvent = serde_json::from_value(json!({ "Records": records })).unwrap();
-    match function.handle(event).await {
+    let answer = function.handle(event).await;
+    set_unavailable(&[&c2], false);
+    match answer {
         Err(LambdaSqsError::MissingMessageId { index }) => assert_eq!(index, 1),
         other => panic!("expected MissingMessageId, got {other:?}"),
     }

@@ -40,8 +40,10 @@
 //! * A processed or discarded item whose retention window has passed (`expires_at`) is absent
 //!   to the inbox (DynamoDB's TTL deletes it lazily): `stats`, `list` and `show` skip it, as the
 //!   SQL stores' retention purge would have deleted it.
-//! * The DynamoDB store does not record rejected deliveries (conflicts, malformed payloads):
-//!   `stats` has no `rejected:…` rows, and the command line's `CONFLICTS SEEN` is 0.
+//! * Rejected deliveries (conflicts, malformed payloads, …) are items of the inbox table
+//!   ([`super::rejections`]): `stats` counts them as `rejected:…` rows (so the command line's
+//!   `CONFLICTS SEEN` counts conflicts); there is no listing of them yet (scan the table for
+//!   the `rejection` attribute).
 //! * Parked items are in the dead-letter index too (the sweep finds them there,
 //!   [`super::DynamoDispatcher::sweep_parked`]; the index does not project their
 //!   `aggregate_id` and `sequence`); `list` of `parked` or `stale` scans the table.
@@ -131,6 +133,19 @@ pub enum AdminError {
         pk: String,
         /// What is wrong with it.
         reason: String,
+    },
+    /// An item to write would pass DynamoDB's item size limit (a kept rejection with its
+    /// payload, [`DynamoInbox::record_rejection`]): nothing was written.
+    #[error(
+        "the item for table `{table}` would be {bytes} bytes, over DynamoDB's {max}-byte item limit"
+    )]
+    ItemTooLarge {
+        /// The table.
+        table: String,
+        /// The item's size as DynamoDB counts it (attribute names and values), in bytes.
+        bytes: usize,
+        /// DynamoDB's limit: 409,600 bytes (400 KB).
+        max: usize,
     },
     /// A store URL that is not `dynamodb://TABLE` with a table name DynamoDB accepts (3 to 255
     /// characters of `a-z A-Z 0-9 _ - .`).
@@ -550,10 +565,11 @@ impl DynamoAdmin {
     }
 
     /// Per consumer and status (`processed`, `failed`, `dead`, `discarded`: those that have
-    /// items), how many items and the oldest `received_at`; ordered by consumer, then status
-    /// text, as [`crate::ops::admin::stats`]. Processed and discarded items past their
-    /// retention window are not counted (absent to the inbox). No `rejected:…` rows: the
-    /// DynamoDB store does not record rejections.
+    /// items), how many items and the oldest `received_at`, and per consumer (none: a refusal
+    /// that names no consumer) and reason the kept rejections (`rejected:<reason>`,
+    /// [`super::rejections`]); ordered by consumer (none first), then status text, as
+    /// [`crate::ops::admin::stats`]. Items past their retention window are not counted
+    /// (absent to the inbox).
     ///
     /// Cost: a `Scan` of the whole table, eventually consistent (one call per 1 MB page,
     /// ½ read unit per 4 KB read).
@@ -563,26 +579,37 @@ impl DynamoAdmin {
     /// a consumer, a status this store does not write, or a `received_at` that is not a number.
     pub async fn stats(&self) -> Result<Vec<StatsRow>, AdminError> {
         let now = Now::read();
-        let mut groups: HashMap<(String, Status), (i64, i64)> = HashMap::new();
+        let mut groups: HashMap<(Option<String>, StatsStatus), (i64, i64)> = HashMap::new();
         let scan = self
             .inbox
             .client
             .scan()
             .table_name(self.table())
-            .projection_expression("#pk, #consumer, #status, #received, #expires")
+            .projection_expression("#pk, #consumer, #status, #received, #expires, #rejection")
             .expression_attribute_names("#pk", "pk")
+            .expression_attribute_names("#rejection", super::rejections::REJECTION_ATTRIBUTE)
             .expression_attribute_names("#consumer", "consumer")
             .expression_attribute_names("#status", "status")
             .expression_attribute_names("#received", "received_at")
             .expression_attribute_names("#expires", TTL_ATTRIBUTE);
         self.scan_each(scan, |read| {
-            if read.expired(now)? || read.leased() || read.ordering_item() {
+            if read.expired(now)? || read.leased() {
                 return Ok(());
             }
-            let consumer = read.text("consumer")?.to_owned();
-            let status = read.status()?;
+            let group = match super::rejections::rejection_reason(read.item) {
+                Some(reason) => {
+                    let reason = reason.map_err(|reason| read.malformed(reason))?;
+                    let consumer = read.optional_text("consumer")?.map(str::to_owned);
+                    (consumer, StatsStatus::Rejected(reason))
+                }
+                None if read.ordering_item() => return Ok(()),
+                None => (
+                    Some(read.text("consumer")?.to_owned()),
+                    StatsStatus::Message(read.status()?),
+                ),
+            };
             let received = read.number("received_at")?.unwrap_or(0);
-            let group = groups.entry((consumer, status)).or_insert((0, i64::MAX));
+            let group = groups.entry(group).or_insert((0, i64::MAX));
             group.0 += 1;
             group.1 = group.1.min(received);
             Ok(())
@@ -591,8 +618,8 @@ impl DynamoAdmin {
         let mut rows: Vec<StatsRow> = groups
             .into_iter()
             .map(|((consumer, status), (count, oldest))| StatsRow {
-                consumer: Some(consumer),
-                status: StatsStatus::Message(status),
+                consumer,
+                status,
                 count,
                 oldest: Some(time_text(oldest)),
             })

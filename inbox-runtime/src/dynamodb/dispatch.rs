@@ -155,9 +155,9 @@ impl DynamoDispatcher {
     /// dead item keeps.
     ///
     /// The payload is decoded once per message type, and every consumer's key and ordering are
-    /// read, before any DynamoDB call: a refused envelope writes nothing. DynamoDB has no rejections table
-    /// (the SQL stores' `inbox_rejections`): a source must not ack a refused delivery, but leave
-    /// it to its broker's dead-letter queue (SQS: a redrive policy), so that it is not lost.
+    /// read, before any DynamoDB call: a refused envelope writes nothing. Keep it with
+    /// [`record_rejection`](Self::record_rejection) before acking it (the
+    /// [`DynamoWorker`](super::DynamoWorker) does), as on the SQL stores.
     ///
     /// # Errors
     /// As the SQL [`Dispatcher::dispatch`](crate::Dispatcher::dispatch), in this order:

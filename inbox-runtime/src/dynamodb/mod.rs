@@ -195,9 +195,8 @@
 //! * A handler action on the inbox table's own item of this key is refused by DynamoDB (one
 //!   action per item per transaction): [`DynamoError::Cancelled`] or [`DynamoError::Dynamo`].
 //! * Not yet: the console, the outbox's listing and command line (dead outbox items:
-//!   [`DynamoOutbox::retry`] and [`DynamoOutbox::discard`]). A delivery the [`DynamoDispatcher`] refuses is not kept (there is no
-//!   rejections table, and `stats` has no `rejected:…` rows): leave it to the broker's
-//!   dead-letter queue ([`DynamoWorker`] rejects it).
+//!   [`DynamoOutbox::retry`] and [`DynamoOutbox::discard`]), a listing of the kept rejections
+//!   (they are items of the inbox table, see [`rejections`]; `stats` counts them).
 //! * [`DynamoWorker`] is the [`Worker`](crate::Worker) without what is SQL-only: batches of
 //!   deliveries per transaction, kept connection slots, partitions.
 //!
@@ -223,6 +222,7 @@ pub(crate) mod handler;
 pub(crate) mod lease;
 pub mod ordering;
 pub mod outbox;
+pub mod rejections;
 mod size;
 mod sweep;
 mod worker;
@@ -604,7 +604,8 @@ struct Counters {
 pub struct DynamoStats {
     /// DynamoDB calls made by [`DynamoInbox::process`] (`GetItem`, `TransactWriteItems`,
     /// `PutItem`), each counted once whatever the SDK's own retries of it: a new key costs 2
-    /// (read, transaction), a duplicate 1 (read), a failure 2 (read, record), plus the rounds
+    /// (read, transaction), a duplicate 1 (read), a failure 2 (read, record), a conflict 2 (read,
+    /// the kept rejection; [`DynamoInbox::record_rejection`] counts 1), plus the rounds
     /// and resends of contended keys. Ordered messages' paths (stale, parked, the release of
     /// parked successors, the sweep) are counted too: see [`ordering`].
     pub calls: u64,
@@ -1083,7 +1084,11 @@ impl DynamoInbox {
                 Decision::Settled(outcome) => {
                     return Ok(outcome.map(|never| match never {}));
                 }
-                Decision::Conflict(stored) => return Err(ctx.conflict(stored).into()),
+                Decision::Conflict(stored) => {
+                    let conflict = ctx.conflict(stored);
+                    self.keep_conflict(&ctx, payload, &conflict).await?;
+                    return Err(conflict.into());
+                }
             };
             let attempt = claim.attempts_before().saturating_add(1);
             let tx = DynamoTx {

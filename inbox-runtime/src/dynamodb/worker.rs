@@ -11,7 +11,7 @@ use futures_util::FutureExt as _;
 use futures_util::stream::{FuturesUnordered, StreamExt as _};
 use tokio_util::sync::CancellationToken;
 
-use super::{DynamoConsumerOutcome, DynamoDispatcher, DynamoError};
+use super::{AdminError, DynamoConsumerOutcome, DynamoDispatcher, DynamoError};
 use crate::source::{Delivery, Settlement, Source};
 use crate::types::error::DispatchError;
 use crate::worker::ending::{Ending, hand_back};
@@ -60,12 +60,17 @@ use crate::types::error::Disposition;
 /// * **Panics**: a handler that panics drops its delivery unsettled (counted in
 ///   [`WorkerReport::abandoned`]; the source delivers it again); the others go on.
 ///
-/// **Refused deliveries.** DynamoDB has no rejections table (the SQL stores keep refused
-/// deliveries in `inbox_rejections` and ack them). A delivery the dispatcher refuses
-/// ([`DispatchError`]: unknown or missing message name, malformed payload, bad key, over the
-/// payload limit) is logged at `error` level (message name, source, message id, offset, reason,
-/// payload size) and **rejected** ([`Settlement::Reject`]): it is the broker's dead-lettering
-/// that keeps it. Configure one, or the delivery is gone but for the log line: SQS —
+/// **Refused deliveries.** A delivery the dispatcher refuses ([`DispatchError`]: unknown or
+/// missing message name, malformed payload, bad key, over the payload limit) is kept in the
+/// inbox table, payload included ([`DynamoDispatcher::record_rejection`], see
+/// [`rejections`](super::rejections)), logged at `warn` level, and acked, as the SQL
+/// [`Worker`](crate::Worker) keeps its refusals in `inbox_rejections`. If DynamoDB fails to keep
+/// it, it is requeued after [`requeue_delay`](Self::requeue_delay). Only a refused delivery
+/// whose item would pass DynamoDB's 400 KB item limit (a payload over about 400 KB) cannot be
+/// kept: it is logged at `error` level (message name, source, message id, offset, reason,
+/// payload size) and **rejected** ([`Settlement::Reject`]), and the broker's dead-lettering
+/// keeps it. So does a conflict's delivery (kept in the table too, unless too large). Configure
+/// dead-lettering, or such a delivery is gone but for the log line: SQS —
 /// [`RejectAction::LeaveToRedrive`](crate::source::sqs::RejectAction::LeaveToRedrive) and a
 /// redrive policy (the default [`RejectAction::Delete`](crate::source::sqs::RejectAction::Delete)
 /// deletes it); RabbitMQ — a dead-letter exchange on the queue; JetStream — terminated
@@ -112,7 +117,8 @@ pub struct DynamoWorker {
 ///   [`Outcome::Dead`] or [`Outcome::Discarded`], or a handler failure recorded as dead now
 ///   ([`Disposition::Dead`]: the payload is kept in the inbox table, see
 ///   [`DynamoAdmin`](super::DynamoAdmin)) → [`Settlement::Ack`];
-/// * a [`DispatchError`] (refused: nothing was written, see [`DynamoWorker`], "Refused
+/// * a [`DispatchError`] (refused: nothing was written; the [`DynamoWorker`] first keeps it in
+///   the table and acks it, and uses this policy only for one it cannot keep, see "Refused
 ///   deliveries"), or a consumer's [`DynamoError::Conflict`], [`DynamoError::Key`],
 ///   [`DynamoError::Fingerprint`] or [`DynamoError::PartitionKeyTooLong`] (consumer and key too
 ///   long for a DynamoDB partition key: it can never be claimed) → [`Settlement::Reject`];
@@ -332,20 +338,10 @@ async fn process(
     let mut report = WorkerReport::default();
     let envelope = delivery.envelope();
     let origin = Origin::of(envelope);
-    match &result {
+    let settlement = match &result {
         Err(error) => {
             report.invalid += 1;
-            let metadata = envelope.source.as_ref();
-            tracing::error!(
-                message_name = origin.message_name,
-                source = origin.source,
-                message_id = metadata.and_then(|m| m.message_id.as_deref()),
-                offset = origin.offset,
-                payload_bytes = envelope.payload.len(),
-                reason = %error,
-                "refused delivery: the DynamoDB dispatcher cannot route it and DynamoDB keeps no \
-                 rejections; rejecting it at the broker (its dead-lettering keeps it)"
-            );
+            keep_refused(&dispatcher, envelope, &origin, error, requeue_delay).await
         }
         Ok(outcomes) => {
             for outcome in outcomes {
@@ -358,13 +354,70 @@ async fn process(
                     &outcome.result,
                 );
             }
+            dynamo_settlement_for(&result, requeue_delay)
         }
-    }
-    let settlement = dynamo_settlement_for(&result, requeue_delay);
+    };
     count_settlement(&mut report, settlement);
     drop(result);
     carry_out(&mut report, delivery, settlement).await;
     report
+}
+
+/// The settlement of a delivery the dispatcher refused: kept in the inbox table
+/// ([`DynamoDispatcher::record_rejection`]), then acked: nothing is lost. If it cannot be kept
+/// (DynamoDB failed), it is requeued after `requeue_delay`, as on the SQL stores: a reject would
+/// make many sources drop it. If it can never be kept (its item would pass DynamoDB's 400 KB
+/// limit), it is rejected: the broker's dead-lettering is then what keeps it.
+async fn keep_refused(
+    dispatcher: &DynamoDispatcher,
+    envelope: &crate::Envelope,
+    origin: &Origin<'_>,
+    error: &DispatchError,
+    requeue_delay: Duration,
+) -> Settlement {
+    let message_id = envelope
+        .source
+        .as_ref()
+        .and_then(|m| m.message_id.as_deref());
+    let not_kept = match dispatcher.record_rejection(envelope, error).await {
+        Ok(()) => {
+            tracing::warn!(
+                message_name = origin.message_name,
+                source = origin.source,
+                message_id,
+                offset = origin.offset,
+                reason = %error,
+                "refused delivery kept as a rejection in the inbox table; acking it"
+            );
+            return Settlement::Ack;
+        }
+        Err(not_kept) => not_kept,
+    };
+    let (settlement, what) = if matches!(not_kept, AdminError::ItemTooLarge { .. }) {
+        (
+            Settlement::Reject,
+            "refused delivery too large to keep in DynamoDB; rejecting it at the broker (its \
+             dead-lettering keeps it)",
+        )
+    } else {
+        (
+            Settlement::Requeue {
+                delay: Some(requeue_delay),
+            },
+            "refused delivery not kept (DynamoDB failed); requeueing it",
+        )
+    };
+    tracing::error!(
+        message_name = origin.message_name,
+        source = origin.source,
+        message_id,
+        offset = origin.offset,
+        payload_bytes = envelope.payload.len(),
+        reason = %error,
+        error = %not_kept,
+        "{what}"
+    );
+    settlement
 }
 
 #[cfg(test)]

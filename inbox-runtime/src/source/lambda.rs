@@ -96,20 +96,21 @@
 //! | a consumer's result ([`DynamoConsumerOutcome::result`](crate::dynamodb::DynamoConsumerOutcome::result)) | the response |
 //! | --- | --- |
 //! | [`Processed`](crate::Outcome::Processed), [`Duplicate`](crate::Outcome::Duplicate), [`Dead`](crate::Outcome::Dead) (dead-lettered earlier), [`Discarded`](crate::Outcome::Discarded); a handler failure recorded as dead now ([`Disposition::Dead`](crate::Disposition::Dead): permanent, or `max_attempts` reached; payload kept in the inbox table for replay) | not listed: deleted |
-//! | a conflict ([`DynamoError::Conflict`](crate::dynamodb::DynamoError::Conflict): the same idempotency key with another payload), logged | listed: as a refused record (below), for the queue's dead-letter queue |
+//! | a conflict ([`DynamoError::Conflict`](crate::dynamodb::DynamoError::Conflict): the same idempotency key with another payload; the conflicting payload kept in the inbox table unless too large for an item), logged | listed: for the queue's dead-letter queue |
 //! | [`NotYet`](crate::Outcome::NotYet) (a failed key before its next attempt is due); a retryable handler failure recorded ([`Disposition::Retry`](crate::Disposition::Retry)) or not recorded; any other [`DynamoError`](crate::dynamodb::DynamoError) (a DynamoDB error, a transient cancellation, contention, …) | listed: received again after the visibility timeout |
 //!
 //! | the record | the response |
 //! | --- | --- |
-//! | refused by the dispatcher ([`DispatchError`](crate::DispatchError): no body, no or an unknown message name, a malformed payload, a bad key), logged with the reason | listed |
+//! | refused by the dispatcher ([`DispatchError`](crate::DispatchError): no body, no or an unknown message name, a malformed payload, a bad key, too large), logged with the reason, and kept in the inbox table ([`DynamoDispatcher::record_rejection`](crate::dynamodb::DynamoDispatcher::record_rejection)) | deleted |
+//! | refused, and not kept (DynamoDB failed; or the item, payload included, would pass DynamoDB's 400 KB item limit) | listed |
 //! | a later record of a FIFO group whose earlier record is listed (not run) | listed |
 //! | not started before the deadline margin; or still running half the margin later (dropped: a transaction that committed meanwhile is a duplicate on the next receive) | listed |
 //!
-//! **Refused records and conflicts are listed, not deleted**: DynamoDB has no rejections table
-//! (the SQL stores' `inbox_rejections`), so deleting one would lose it. It is received
-//! again until the queue's redrive policy (`maxReceiveCount`) moves it to the queue's
-//! dead-letter queue: give every queue read this way a redrive policy. A FIFO group is held
-//! behind such a record until then.
+//! **Refused records are kept, then deleted**, as the SQL stores keep theirs in
+//! `inbox_rejections` (see [`crate::dynamodb::rejections`]). A refused record that cannot be
+//! kept, and a conflict, are listed: received again until the queue's redrive policy
+//! (`maxReceiveCount`) moves them to the queue's dead-letter queue: give every queue read this
+//! way a redrive policy. A FIFO group is held behind such a record until then.
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};

@@ -1,7 +1,8 @@
 //! The values the store traits take and return: claim requests and results, failure and
 //! rejection records, stored rows, statistics, the purge's clocks, and the backend's name.
 
-use crate::types::envelope::SourceMetadata;
+use crate::types::envelope::{Envelope, SourceMetadata};
+use crate::types::error::DispatchError;
 use crate::types::status::{ClaimMode, Status, text_as_str};
 
 /// What one claim asks the inbox for (see [`ClaimStore::claim`](super::ClaimStore::claim)).
@@ -192,6 +193,44 @@ pub struct Rejection<'a> {
     pub payload_size: Option<i64>,
     /// Where the delivery came from.
     pub source: Option<&'a SourceMetadata>,
+}
+
+impl<'a> Rejection<'a> {
+    /// The rejection of `envelope`, which a dispatcher refused with `error` (its text given as
+    /// `detail`): the reason and the consumer the error names, the payload cut to `limit` bytes
+    /// (with its real size when cut), the delivery's source. Every store keeps refused
+    /// deliveries this way.
+    pub(crate) fn of_refused(
+        envelope: &'a Envelope,
+        error: &'a DispatchError,
+        detail: &'a str,
+        limit: usize,
+    ) -> Self {
+        let (reason, consumer) = match error {
+            DispatchError::UnknownMessage { .. } => (RejectionReason::UnknownMessage, None),
+            DispatchError::NoMessageName
+            | DispatchError::NotUtf8 { .. }
+            | DispatchError::UnpairedSurrogate { .. }
+            | DispatchError::Decode { .. }
+            | DispatchError::Fingerprint { .. } => (RejectionReason::Malformed, None),
+            DispatchError::TooLarge { .. } => (RejectionReason::TooLarge, None),
+            DispatchError::Key { consumer, .. } => (RejectionReason::InvalidKey, Some(*consumer)),
+        };
+        // An oversized payload is kept cut to the limit, with its real size: never whole.
+        let size = envelope.payload_size();
+        let kept = envelope.payload.len().min(limit);
+        Rejection {
+            consumer,
+            message_key: None,
+            message_name: &envelope.message_name,
+            reason,
+            detail,
+            payload_hash: None,
+            payload: &envelope.payload[..kept],
+            payload_size: (kept < size).then(|| i64::try_from(size).unwrap_or(i64::MAX)),
+            source: envelope.source.as_ref(),
+        }
+    }
 }
 
 /// One row of the inbox, as the admin API shows it. Timestamps are the database's text form

@@ -19,7 +19,7 @@ use crate::protocol::single::AttemptPlan;
 use crate::setters::setters;
 use crate::store::{
     AdminStore as _, ClaimStore as _, InboxConnection as _, InboxDatabase, OrderingStore as _,
-    Rejection, RejectionReason,
+    Rejection,
 };
 use crate::types::classify::BoxError;
 use crate::types::envelope::Envelope;
@@ -582,33 +582,9 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
         error: &DispatchError,
     ) -> Result<(), sqlx::Error> {
         crate::store::within(self.prefix.as_ref(), async {
-            let (reason, consumer) = match error {
-                DispatchError::UnknownMessage { .. } => (RejectionReason::UnknownMessage, None),
-                DispatchError::NoMessageName
-                | DispatchError::NotUtf8 { .. }
-                | DispatchError::UnpairedSurrogate { .. }
-                | DispatchError::Decode { .. }
-                | DispatchError::Fingerprint { .. } => (RejectionReason::Malformed, None),
-                DispatchError::TooLarge { .. } => (RejectionReason::TooLarge, None),
-                DispatchError::Key { consumer, .. } => {
-                    (RejectionReason::InvalidKey, Some(*consumer))
-                }
-            };
             let detail = error.to_string();
-            // An oversized payload is kept cut to the limit, with its real size: never whole.
-            let size = envelope.payload_size();
-            let kept = envelope.payload.len().min(self.max_payload_bytes.bytes());
-            let rejection = Rejection {
-                consumer,
-                message_key: None,
-                message_name: &envelope.message_name,
-                reason,
-                detail: &detail,
-                payload_hash: None,
-                payload: &envelope.payload[..kept],
-                payload_size: (kept < size).then(|| i64::try_from(size).unwrap_or(i64::MAX)),
-                source: envelope.source.as_ref(),
-            };
+            let rejection =
+                Rejection::of_refused(envelope, error, &detail, self.max_payload_bytes.bytes());
             let mut slot = slot.guard();
             let mut recorded = self.record_once(&mut slot, &rejection).await;
             // A connection lost since its last use is replaced once: the insert is not idempotent,
@@ -620,7 +596,7 @@ impl<DB: InboxDatabase> Dispatcher<DB> {
             }
             slot.done();
             if recorded.is_ok() {
-                metrics::counter!("inbox_rejections_total", "reason" => reason.as_str())
+                metrics::counter!("inbox_rejections_total", "reason" => rejection.reason.as_str())
                     .increment(1);
             }
             recorded

@@ -77,14 +77,17 @@ pub struct DynamoLambdaReport {
     /// Consumer outcomes [`Outcome::NotYet`]: a failed key received again before its next
     /// attempt was due; listed.
     pub not_yet: u64,
-    /// Consumer results [`DynamoError::Conflict`]: listed, logged (for the dead-letter queue:
-    /// DynamoDB keeps no rejections).
+    /// Consumer results [`DynamoError::Conflict`]: the conflicting payload is kept in the inbox
+    /// table (one too large for an item is not), and the record listed, logged (for the
+    /// dead-letter queue too).
     pub conflicts: u64,
     /// Consumer failures to receive again: a retryable handler failure, a failure not recorded,
     /// a DynamoDB error (any [`DynamoError`] but a conflict or a dead letter); listed.
     pub failed: u64,
     /// Records the dispatcher refused ([`DispatchError`](crate::DispatchError): no or unknown
-    /// message name, malformed payload, bad key); listed, logged.
+    /// message name, malformed payload, bad key, too large): kept in the inbox table
+    /// ([`DynamoDispatcher::record_rejection`]) and deleted; listed if they could not be kept
+    /// (DynamoDB failed, or the item would pass its 400 KB limit). Logged either way.
     pub refused: u64,
     /// Records listed unrun: later records of a FIFO group with a listed record, and records not
     /// started before the deadline margin.
@@ -309,15 +312,36 @@ impl Run<'_> {
         let message_id = envelope_message_id(envelope);
         match self.this.dispatcher.dispatch(envelope).await {
             Err(error) => {
-                tracing::warn!(
-                    message_id,
-                    message_name = %envelope.message_name,
-                    reason = %error,
-                    "SQS record refused by the DynamoDB dispatcher: listed, so that the queue's \
-                     redrive policy moves it to its dead-letter queue"
-                );
                 self.counts().report.refused += 1;
-                Fate::Listed
+                match self
+                    .this
+                    .dispatcher
+                    .record_rejection(envelope, &error)
+                    .await
+                {
+                    Ok(()) => {
+                        tracing::warn!(
+                            message_id,
+                            message_name = %envelope.message_name,
+                            reason = %error,
+                            "SQS record refused by the DynamoDB dispatcher: kept as a rejection \
+                             in the inbox table, deleted"
+                        );
+                        Fate::Deleted
+                    }
+                    Err(not_kept) => {
+                        tracing::error!(
+                            message_id,
+                            message_name = %envelope.message_name,
+                            reason = %error,
+                            error = %not_kept,
+                            "SQS record refused by the DynamoDB dispatcher and not kept: listed, \
+                             so that it is received again or the queue's redrive policy moves it \
+                             to its dead-letter queue"
+                        );
+                        Fate::Listed
+                    }
+                }
             }
             Ok(outcomes) => {
                 let mut fate = Fate::Deleted;
@@ -347,8 +371,8 @@ impl Run<'_> {
                 report.not_yet += 1;
                 return false;
             }
-            // DynamoDB keeps no rejections: deleting it would lose the conflicting payload.
-            // Listed, the queue's redrive policy moves it to its dead-letter queue.
+            // Kept in the inbox table unless too large for an item: listed, so that the queue's
+            // redrive policy moves it to its dead-letter queue in either case.
             Err(DynamoError::Conflict(conflict)) => {
                 tracing::warn!(message_id, consumer, %conflict, "SQS record in conflict: listed");
                 report.conflicts += 1;
