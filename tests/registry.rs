@@ -58,6 +58,14 @@ async fn a_backend_without_handlers_is_refused() {
             other: 2
         }
     );
+    // Handlers exist, for PostgreSQL: the text says what picks a handler's backend.
+    assert!(
+        error.to_string().starts_with(
+            "no #[idempotent] handlers for sqlite are registered (2 for other backends): a \
+             handler's first parameter picks its backend (`&mut PgConnection`: postgres, "
+        ),
+        "{error}"
+    );
     let listed: Vec<_> = inbox_runtime::dispatch::registered_handlers()
         .into_iter()
         .map(|h| (h.message_name, h.consumer, h.function, h.backend))

@@ -86,17 +86,24 @@ impl Db {
         url: Option<&str>,
         pg_connections: u32,
     ) -> Result<(Db, String), DbError> {
-        let connect_error = |e| DbError::Sql("cannot connect to the database".into(), e);
+        let connect_error = |e| DbError::Sql("cannot read the database URL".into(), e);
+        // Names the database it could not reach (no credentials), and where the URL came from.
+        let unreachable = |description: &str| {
+            let what =
+                format!("cannot connect to the database {description} (DATABASE_URL, or --store)");
+            move |e| DbError::Sql(what, e)
+        };
         match url {
             None => {
                 let options =
                     sqlite_options(SqliteConnectOptions::new().filename(DEFAULT_SQLITE_FILE));
+                let description = format!("sqlite ./{DEFAULT_SQLITE_FILE}");
                 let pool = SqlitePoolOptions::new()
                     .max_connections(1)
                     .connect_with(options)
                     .await
-                    .map_err(connect_error)?;
-                Ok((Db::Sqlite(pool), format!("sqlite ./{DEFAULT_SQLITE_FILE}")))
+                    .map_err(unreachable(&description))?;
+                Ok((Db::Sqlite(pool), description))
             }
             Some(url) if url.starts_with("sqlite:") => {
                 let options = SqliteConnectOptions::from_str(url).map_err(connect_error)?;
@@ -105,7 +112,7 @@ impl Db {
                     .max_connections(1)
                     .connect_with(sqlite_options(options))
                     .await
-                    .map_err(connect_error)?;
+                    .map_err(unreachable(&description))?;
                 Ok((Db::Sqlite(pool), description))
             }
             Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
@@ -120,7 +127,7 @@ impl Db {
                     .max_connections(pg_connections)
                     .connect_with(options)
                     .await
-                    .map_err(connect_error)?;
+                    .map_err(unreachable(&description))?;
                 Ok((Db::Postgres(pool), description))
             }
             Some(url) if url.starts_with("mysql://") || url.starts_with("mariadb://") => {
@@ -140,7 +147,7 @@ impl Db {
                     .max_connections(pg_connections)
                     .connect_with(options)
                     .await
-                    .map_err(connect_error)?;
+                    .map_err(unreachable(&description))?;
                 Ok((Db::MySql(pool), description))
             }
             Some(url) if url.starts_with("dynamodb://") => Err(DbError::NotSql(url.to_owned())),

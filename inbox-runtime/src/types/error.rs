@@ -286,16 +286,29 @@ fn from_handlers_hint(backend: Backend) -> &'static str {
     }
 }
 
+/// What [`RegistryError::NoHandlers`] adds when handlers of other backends exist: the handler's
+/// connection type is what picks its backend.
+fn backend_mismatch_hint(other: usize) -> &'static str {
+    if other == 0 {
+        ""
+    } else {
+        ": a handler's first parameter picks its backend (`&mut PgConnection`: postgres, \
+         `&mut SqliteConnection`: sqlite, `&mut MySqlConnection`: mysql, `&mut DynamoTx`: \
+         dynamodb); is it written for another one than the dispatcher's?"
+    }
+}
+
 /// The registry found no usable set of handlers.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum RegistryError {
     /// No `#[idempotent]` handler for this backend is linked into the program.
     #[error(
-        "no #[idempotent] handlers for {backend} are registered ({other} for other backends); \
+        "no #[idempotent] handlers for {backend} are registered ({other} for other backends){mismatch}; \
          a crate whose handlers nothing references is not linked: add `use that_crate as _;`, \
          or list the handlers with `{hint}`",
-        hint = from_handlers_hint(*.backend)
+        hint = from_handlers_hint(*.backend),
+        mismatch = backend_mismatch_hint(*.other)
     )]
     NoHandlers {
         /// The dispatcher's backend.
