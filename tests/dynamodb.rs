@@ -223,6 +223,26 @@ async fn claim_duplicate_and_conflict() {
     );
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     assert_eq!(counter(&inbox, &counters, "acct-1").await, Some(70));
+    // The conflicting delivery is kept in the table, payload included (`dynamodb::rejections`).
+    let kept = inbox
+        .client()
+        .scan()
+        .table_name(inbox.table())
+        .filter_expression("attribute_exists(rejection)")
+        .send()
+        .await
+        .unwrap()
+        .items
+        .unwrap_or_default();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert_eq!(text(&kept[0], "rejection"), "conflict");
+    assert_eq!(text(&kept[0], "consumer"), "ledger");
+    assert_eq!(text(&kept[0], "message_key"), "e1");
+    assert_eq!(
+        text(&kept[0], "payload_hash"),
+        Fingerprint::of(Credit::NAME, &other).unwrap().to_hex()
+    );
+    assert_eq!(payload(&kept[0]), Some(serde_json::to_vec(&other).unwrap()));
 
     // Another consumer has its own scope: the same message is processed there.
     let outcome = inbox

@@ -905,6 +905,52 @@ fn split_msg(account: &str, amount: i64) -> Split {
     }
 }
 
+/// A refused delivery that DynamoDB cannot keep (unreachable) is requeued, never acked nor
+/// rejected: it is kept on a later delivery, or stays with the broker.
+#[tokio::test]
+async fn a_refused_delivery_dynamodb_cannot_keep_is_requeued() {
+    let reachable = setup().await;
+    let config = reachable
+        .inbox()
+        .client()
+        .config()
+        .to_builder()
+        .endpoint_url("http://127.0.0.1:9")
+        .build();
+    let client = dynamodb::sdk::Client::from_conf(config);
+    let inbox = dynamodb::DynamoInbox::new(client, reachable.inbox().table().to_owned());
+    let dispatcher = DynamoDispatcher::from_registry(inbox).unwrap();
+    let source = MemorySource::new("dw-down-refused");
+    let handle = source.handle();
+    let malformed = handle.push(Envelope::new("dw.credited", b"{not json".to_vec()));
+    let token = CancellationToken::new();
+    let delay = Duration::from_secs(3600);
+    let task = spawn_run(
+        DynamoWorker::new(dispatcher).requeue_delay(delay),
+        source,
+        token.clone(),
+    );
+    while handle.settlements().is_empty() {
+        tokio::task::yield_now().await;
+    }
+    token.cancel();
+    let (_, result) = task.await.unwrap();
+    assert_eq!(
+        result.unwrap(),
+        report(|r| {
+            r.deliveries = 1;
+            r.invalid = 1;
+            r.requeued = 1;
+            r.stop = StopReason::Shutdown;
+        })
+    );
+    assert_eq!(
+        settled(&handle),
+        [(malformed, Settlement::Requeue { delay: Some(delay) })]
+    );
+    assert_eq!(kept_rejections(&reachable).await, []);
+}
+
 #[tokio::test]
 async fn with_dynamodb_unreachable_the_delivery_is_requeued_never_acked_nor_rejected() {
     let reachable = setup().await;
