@@ -187,7 +187,7 @@ async fn kept_rejections(
         .scan()
         .table_name(inbox.table())
         .filter_expression("attribute_exists(#r)")
-        .expression_attribute_names("#r", dynamodb::rejections::REJECTION_ATTRIBUTE)
+        .expression_attribute_names("#r", dynamodb::REJECTION_ATTRIBUTE)
         .send()
         .await
         .unwrap()

@@ -68,7 +68,7 @@ use aws_sdk_dynamodb::types::{
 };
 
 use super::{Chain, DynamoInbox, MAX_PARTITION_KEY_BYTES, Now, TTL_ATTRIBUTE, TableError, n, s};
-use crate::store::{StatsRow, StatsStatus, StoredMessage};
+use crate::store::{RejectionReason, StatsRow, StatsStatus, StoredMessage};
 use std::future::Future;
 
 use super::{Delivery, DynamoError, DynamoTx, Mode};
@@ -587,7 +587,7 @@ impl DynamoAdmin {
             .table_name(self.table())
             .projection_expression("#pk, #consumer, #status, #received, #expires, #rejection")
             .expression_attribute_names("#pk", "pk")
-            .expression_attribute_names("#rejection", super::rejections::REJECTION_ATTRIBUTE)
+            .expression_attribute_names("#rejection", super::REJECTION_ATTRIBUTE)
             .expression_attribute_names("#consumer", "consumer")
             .expression_attribute_names("#status", "status")
             .expression_attribute_names("#received", "received_at")
@@ -596,7 +596,7 @@ impl DynamoAdmin {
             if read.expired(now)? || read.leased() {
                 return Ok(());
             }
-            let group = match super::rejections::rejection_reason(read.item) {
+            let group = match rejection_reason(read.item) {
                 Some(reason) => {
                     let reason = reason.map_err(|reason| read.malformed(reason))?;
                     let consumer = read.optional_text("consumer")?.map(str::to_owned);
@@ -1070,6 +1070,24 @@ impl<'a> Read<'a> {
             result,
         })
     }
+}
+
+/// The reason of a kept rejection's item ([`super::rejections`]), if `item` is one.
+///
+/// # Errors
+/// The reason's text when it is not one this store writes.
+fn rejection_reason(item: &Item) -> Option<Result<RejectionReason, String>> {
+    let is_rejection = matches!(item.get("pk"), Some(AttributeValue::S(pk)) if pk.starts_with(super::REJECTION_PREFIX));
+    if !is_rejection {
+        return None;
+    }
+    Some(match item.get(super::REJECTION_ATTRIBUTE) {
+        Some(AttributeValue::S(reason)) => reason.parse(),
+        other => Err(format!(
+            "`{}` is not a reason: {other:?}",
+            super::REJECTION_ATTRIBUTE
+        )),
+    })
 }
 
 #[cfg(test)]

@@ -278,6 +278,13 @@ pub const MAX_ROUNDS: u32 = 3;
 /// most this long, or [`DynamoError::PartitionKeyTooLong`].
 pub const MAX_PARTITION_KEY_BYTES: usize = 2048;
 
+/// The attribute that marks a kept rejection (a refused delivery or a conflict, see
+/// [`rejections`]) and holds its reason.
+pub const REJECTION_ATTRIBUTE: &str = "rejection";
+
+/// The partition key prefix of kept rejections ([`rejections`]).
+pub(crate) const REJECTION_PREFIX: &str = "rejection#";
+
 /// The attribute DynamoDB's TTL is enabled on: the end of the retention window, epoch seconds.
 pub const TTL_ATTRIBUTE: &str = "expires_at";
 

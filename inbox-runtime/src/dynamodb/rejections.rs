@@ -9,7 +9,7 @@
 //! | attribute | type | what |
 //! |---|---|---|
 //! | `pk` | S | `rejection#` and a random UUID (version 4, hyphenated): one item per refusal |
-//! | [`REJECTION_ATTRIBUTE`] (`rejection`) | S | the reason: `malformed`, `unknown_message`, `invalid_key`, `too_large` (as [`RejectionReason::as_str`]) |
+//! | [`REJECTION_ATTRIBUTE`] (`rejection`) | S | the reason: `conflict`, `malformed`, `unknown_message`, `invalid_key`, `too_large` (as [`RejectionReason::as_str`]) |
 //! | `consumer`, `message_key` | S | when the refusal names them (a bad key names its consumer) |
 //! | `message_name` | S | the delivery's message name, absent when empty |
 //! | `detail` | S | the dispatcher's error, as text |
@@ -29,17 +29,14 @@ use std::collections::HashMap;
 use aws_sdk_dynamodb::types::AttributeValue;
 
 use super::admin::AdminError;
-use super::{Chain, Ctx, DynamoDispatcher, DynamoError, DynamoInbox, Now, n, s, size};
+use super::{
+    Chain, Ctx, DynamoDispatcher, DynamoError, DynamoInbox, Now, REJECTION_ATTRIBUTE,
+    REJECTION_PREFIX, n, s, size,
+};
 use crate::store::{Rejection, RejectionReason};
 use crate::types::envelope::Envelope;
 use crate::types::error::Conflict;
 use crate::types::error::DispatchError;
-
-/// The attribute that marks a kept rejection and holds its reason.
-pub const REJECTION_ATTRIBUTE: &str = "rejection";
-
-/// The partition key prefix of kept rejections.
-pub(crate) const REJECTION_PREFIX: &str = "rejection#";
 
 impl DynamoInbox {
     /// Keeps `rejection` as an item of the inbox table (one `PutItem`; see the
@@ -188,24 +185,4 @@ fn rejection_item(
         item.insert("payload_size".to_owned(), n(size));
     }
     item
-}
-
-/// The reason of a kept rejection's item, if `item` is one.
-///
-/// # Errors
-/// The reason's text when it is not one this store writes.
-pub(crate) fn rejection_reason(
-    item: &HashMap<String, AttributeValue>,
-) -> Option<Result<RejectionReason, String>> {
-    let is_rejection =
-        matches!(item.get("pk"), Some(AttributeValue::S(pk)) if pk.starts_with(REJECTION_PREFIX));
-    if !is_rejection {
-        return None;
-    }
-    Some(match item.get(REJECTION_ATTRIBUTE) {
-        Some(AttributeValue::S(reason)) => reason.parse(),
-        other => Err(format!(
-            "`{REJECTION_ATTRIBUTE}` is not a reason: {other:?}"
-        )),
-    })
 }
