@@ -1,6 +1,7 @@
 //! `DynamoWorker`: a `DynamoDispatcher` run from a long-running `Source` (the memory source, and
 //! moto's SQS on `SQS_ENDPOINT`), against moto's DynamoDB (`DYNAMODB_ENDPOINT`): duplicates,
-//! retries with exact attempts, dead letters, refused deliveries at the broker, ordering keys,
+//! retries with exact attempts, dead letters, refused deliveries kept in the table (or, cut to
+//! fit an item, rejected at the broker too), conflicts kept, ordering keys,
 //! shutdown with a delivery in flight (nothing settled before its commit), the drain timeout,
 //! a failing source, `stop_when_idle`.
 //!
@@ -416,30 +417,59 @@ async fn refused_deliveries_are_kept_in_the_table_and_acked() {
     );
 }
 
-/// A refused delivery whose item would pass DynamoDB's 400 KB item limit cannot be kept in the
-/// table: it is rejected at the broker, whose dead-lettering keeps it; nothing is written.
+/// Refused deliveries whose payload would take their item past DynamoDB's 400 KB item limit
+/// are kept cut to fit, with their real size. One within the dispatcher's limit (malformed, 500
+/// KB) lost bytes by the cut: it is rejected at the broker too, whose dead-lettering keeps it
+/// whole. One over the limit (1.2 MiB, with the default 1 MiB limit) was cut anyway: acked.
 #[tokio::test]
-async fn a_refused_delivery_too_large_to_keep_is_rejected_at_the_broker() {
+async fn refused_deliveries_too_large_for_an_item_are_kept_cut() {
     let dispatcher = setup().await;
     let source = MemorySource::new("dw-huge");
     let handle = source.handle();
-    let mut body = b"{not json ".to_vec();
-    body.resize(500 * 1024, b'x');
-    let huge = handle.push(Envelope::new("dw.credited", body));
+    let mut malformed_body = b"{not json ".to_vec();
+    malformed_body.resize(500 * 1024, b'x');
+    let malformed = handle.push(Envelope::new("dw.credited", malformed_body.clone()));
+    let mut huge_body = b"{\"id\": \"".to_vec();
+    huge_body.resize(1200 * 1024, b'y');
+    let huge = handle.push(Envelope::new("dw.credited", huge_body.clone()));
     handle.close();
     let worker = DynamoWorker::new(dispatcher);
     let run = worker.run(source, CancellationToken::new()).await.unwrap();
     assert_eq!(
         run,
         report(|r| {
-            r.deliveries = 1;
-            r.invalid = 1;
+            r.deliveries = 2;
+            r.invalid = 2;
             r.rejected = 1;
+            r.acked = 1;
             r.stop = StopReason::SourceExhausted;
         })
     );
-    assert_eq!(settled(&handle), [(huge, Settlement::Reject)]);
-    assert_eq!(kept_rejections(worker.dispatcher()).await, []);
+    assert_eq!(
+        settled(&handle),
+        [(malformed, Settlement::Reject), (huge, Settlement::Ack)]
+    );
+    let kept = kept_rejections(worker.dispatcher()).await;
+    let [
+        (reason_1, _, _, cut_1, size_1),
+        (reason_2, _, _, cut_2, size_2),
+    ] = &kept[..]
+    else {
+        panic!("{} kept", kept.len());
+    };
+    assert_eq!(
+        (reason_1.as_str(), reason_2.as_str()),
+        ("malformed", "too_large")
+    );
+    assert_eq!(*size_1, Some(500 * 1024));
+    assert_eq!(*size_2, Some(1200 * 1024));
+    for cut in [cut_1, cut_2] {
+        // Three quarters of DynamoDB's 409,600-byte limit less a 1 KB margin and the item's
+        // other attributes (moto counts a binary by its base64 text).
+        assert!((300_000..=306_432).contains(&cut.len()), "{}", cut.len());
+    }
+    assert_eq!(&cut_1[..], &malformed_body[..cut_1.len()]);
+    assert_eq!(&cut_2[..], &huge_body[..cut_2.len()]);
 }
 
 #[tokio::test]

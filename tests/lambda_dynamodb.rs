@@ -216,8 +216,8 @@ fn fifo_record(message_id: &str, id: &str, group: &str, amount: i64) -> Value {
 const NONE: Vec<String> = Vec::new();
 
 /// A redelivery and a producer's retry under a new messageId are duplicates; the same key with
-/// another amount is a conflict: listed (DynamoDB keeps no rejections: the queue's dead-letter
-/// queue does), the rest deleted, each credit applied once.
+/// another amount is a conflict: kept in the table and listed (the queue's dead-letter queue keeps
+/// it too), the rest deleted, each credit applied once.
 #[tokio::test]
 async fn duplicates_across_invocations_are_successes_and_a_conflict_is_listed() {
     let function = function().await;

@@ -16,7 +16,7 @@
 //!
 //! What the SQL run has and this one has not (yet), said on stdout at every run and refused
 //! with an error where it is a command: rejected lines are reported on stderr but not kept (the
-//! DynamoDB store has no rejections table); `ledger admin` and `ledger console` (the admin API
+//! store could keep them, `DynamoInbox::record_rejection`; this demo does not yet); `ledger admin` and `ledger console` (the admin API
 //! and the console run on the SQL stores; dead and failed items stay in the inbox table with
 //! their payloads); `--source` (the `Worker` and the Kafka positions run on the SQL stores);
 //! `--cache`.
@@ -48,7 +48,7 @@ const ACCOUNTS_SUFFIX: &str = "-accounts";
 
 /// What the DynamoDB run does not do that the SQL run does, printed at every run.
 pub(crate) const NOT_YET: &[&str] = &[
-    "rejected lines are reported on stderr but not kept (no inbox_rejections table on DynamoDB)",
+    "rejected lines are reported on stderr but not kept (the demo's DynamoDB run does not keep them yet)",
     "`ledger admin`, `ledger console`, --source and --cache need a SQL database \
      (dead and failed items stay in the inbox table with their payloads)",
 ];

@@ -117,7 +117,7 @@ pub enum AdminError {
     Dynamo {
         /// The table.
         table: String,
-        /// `Scan`, `Query`, `GetItem` or `UpdateItem`.
+        /// `Scan`, `Query`, `GetItem`, `UpdateItem`, or `PutItem` (a kept rejection).
         operation: &'static str,
         /// The SDK's error.
         #[source]

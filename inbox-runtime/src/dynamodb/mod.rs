@@ -100,7 +100,8 @@
 //!    the SQL stores' purge keeps failed and dead rows. Processed with the same fingerprint →
 //!    [`Outcome::Duplicate`]; a different fingerprint → [`DynamoError::Conflict`]; dead →
 //!    [`Outcome::Dead`]; failed and its next attempt not due → [`Outcome::NotYet`]. Nothing
-//!    else is called: a duplicate costs one read.
+//!    else is called (but for a conflict, whose payload is kept: one `PutItem`,
+//!    [`rejections`]): a duplicate costs one read.
 //! 2. **Run the handler**: it gets a [`DynamoTx`] and adds its `Put`, `Update`, `Delete` and
 //!    `ConditionCheck` actions (at most 99, [`MAX_HANDLER_ITEMS`]), and returns it with its value.
 //!    It should write nowhere else: only what it adds commits with the claim.
@@ -381,7 +382,8 @@ pub enum DynamoError<E> {
     #[error("{0}")]
     Handler(HandlerFailure<Failed<E>>),
     /// The key was processed (or failed, or dead-lettered) with a *different* payload: nothing
-    /// ran, nothing was written.
+    /// ran; the conflicting payload was kept as a rejection item ([`rejections`]), nothing
+    /// else was written.
     #[error(transparent)]
     Conflict(#[from] Conflict),
     /// The message has no usable idempotency key: nothing ran.
@@ -446,8 +448,10 @@ pub enum DynamoError<E> {
     },
     /// A DynamoDB call failed; the message gives DynamoDB's error code and text. After a failed
     /// `TransactWriteItems` the outcome is unknown (it may have committed before the answer was
-    /// lost): do not ack; the redelivery's read will tell (a duplicate if it had). Any other
-    /// operation failed before anything was written. A request DynamoDB refuses
+    /// lost): do not ack; the redelivery's read will tell (a duplicate if it had). After a
+    /// failed `PutItem` of a conflict's rejection item ([`rejections`]) that item may have been
+    /// written: a redelivery keeps another. Any other operation failed before anything was
+    /// written. A request DynamoDB refuses
     /// (`ValidationException`: two actions on one item, the handler's action on this key's own
     /// inbox item, a bad expression) wrote nothing, is not recorded as an attempt and is refused
     /// again on every redelivery: it never reaches `max_attempts` or the dead letters.

@@ -11,6 +11,7 @@ use futures_util::FutureExt as _;
 use futures_util::stream::{FuturesUnordered, StreamExt as _};
 use tokio_util::sync::CancellationToken;
 
+use super::rejections::Kept;
 use super::{AdminError, DynamoConsumerOutcome, DynamoDispatcher, DynamoError};
 use crate::source::{Delivery, Settlement, Source};
 use crate::types::error::DispatchError;
@@ -380,7 +381,8 @@ async fn keep_refused(
         .as_ref()
         .and_then(|m| m.message_id.as_deref());
     let not_kept = match dispatcher.record_rejection(envelope, error).await {
-        Ok(()) => {
+        // Kept whole, or cut where the payload was over the limit anyway: nothing more lost.
+        Ok(kept) if kept == Kept::Whole || matches!(error, DispatchError::TooLarge { .. }) => {
             tracing::warn!(
                 message_name = origin.message_name,
                 source = origin.source,
@@ -390,6 +392,19 @@ async fn keep_refused(
                 "refused delivery kept as a rejection in the inbox table; acking it"
             );
             return Settlement::Ack;
+        }
+        Ok(_) => {
+            tracing::error!(
+                message_name = origin.message_name,
+                source = origin.source,
+                message_id,
+                offset = origin.offset,
+                payload_bytes = envelope.payload.len(),
+                reason = %error,
+                "refused delivery kept cut to DynamoDB's item size limit; rejecting it at the \
+                 broker, whose dead-lettering keeps it whole"
+            );
+            return Settlement::Reject;
         }
         Err(not_kept) => not_kept,
     };

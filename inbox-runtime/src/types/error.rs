@@ -294,7 +294,7 @@ fn backend_mismatch_hint(other: usize) -> &'static str {
     } else {
         ": a handler's first parameter picks its backend (`&mut PgConnection`: postgres, \
          `&mut SqliteConnection`: sqlite, `&mut MySqlConnection`: mysql, `&mut DynamoTx`: \
-         dynamodb); is it written for another one than the dispatcher's?"
+         dynamodb), so a handler written for another backend is not one of these"
     }
 }
 

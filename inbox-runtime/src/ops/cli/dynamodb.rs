@@ -14,7 +14,7 @@
 //! | command | on DynamoDB |
 //! |---|---|
 //! | `migrate` | [`DynamoInbox::ensure_table`]: the table, its dead-letter index, TTL |
-//! | `stats` | [`DynamoAdmin::stats`] (a `Scan` of the table); no rejected deliveries (not recorded on DynamoDB), no outbox part (the DynamoDB outbox has no admin yet) |
+//! | `stats` | [`DynamoAdmin::stats`] (a `Scan` of the table), the kept rejections included ([`crate::dynamodb::rejections`]); no outbox part (the DynamoDB outbox has no admin yet) |
 //! | `dead list` | [`DynamoAdmin::list`] (the dead-letter index) |
 //! | `dead show` | [`DynamoAdmin::show`] |
 //! | `dead discard` | [`DynamoAdmin::discard`] |

@@ -13,6 +13,7 @@ use super::{
     Batch, BatchRunner, DEFAULT_DEADLINE_MARGIN, DEFAULT_NAME_ATTRIBUTE, Fate, LambdaSqsError,
     answer, envelope, serve, time_to_margin,
 };
+use crate::dynamodb::rejections::Kept;
 use crate::dynamodb::{DynamoConsumerOutcome, DynamoDispatcher, DynamoError};
 use crate::setters::setters;
 use crate::types::envelope::Envelope;
@@ -313,35 +314,7 @@ impl Run<'_> {
         match self.this.dispatcher.dispatch(envelope).await {
             Err(error) => {
                 self.counts().report.refused += 1;
-                match self
-                    .this
-                    .dispatcher
-                    .record_rejection(envelope, &error)
-                    .await
-                {
-                    Ok(()) => {
-                        tracing::warn!(
-                            message_id,
-                            message_name = %envelope.message_name,
-                            reason = %error,
-                            "SQS record refused by the DynamoDB dispatcher: kept as a rejection \
-                             in the inbox table, deleted"
-                        );
-                        Fate::Deleted
-                    }
-                    Err(not_kept) => {
-                        tracing::error!(
-                            message_id,
-                            message_name = %envelope.message_name,
-                            reason = %error,
-                            error = %not_kept,
-                            "SQS record refused by the DynamoDB dispatcher and not kept: listed, \
-                             so that it is received again or the queue's redrive policy moves it \
-                             to its dead-letter queue"
-                        );
-                        Fate::Listed
-                    }
-                }
+                self.keep_refused(envelope, &error, message_id).await
             }
             Ok(outcomes) => {
                 let mut fate = Fate::Deleted;
@@ -353,6 +326,52 @@ impl Run<'_> {
                 fate
             }
         }
+    }
+
+    /// A record the dispatcher refused: kept in the inbox table, then deleted; listed if it
+    /// could not be kept (DynamoDB failed) or was kept cut to DynamoDB's item limit though its
+    /// payload was within the dispatcher's (the queue's redrive policy keeps it whole).
+    async fn keep_refused(
+        &self,
+        envelope: &Envelope,
+        error: &crate::DispatchError,
+        message_id: &str,
+    ) -> Fate {
+        let kept = self.this.dispatcher.record_rejection(envelope, error).await;
+        let too_large = matches!(error, crate::DispatchError::TooLarge { .. });
+        let (fate, what) = match &kept {
+            Ok(kept) if *kept == Kept::Whole || too_large => (
+                Fate::Deleted,
+                "SQS record refused by the DynamoDB dispatcher: kept as a rejection in the inbox \
+                 table, deleted",
+            ),
+            Ok(_) => (
+                Fate::Listed,
+                "SQS record refused by the DynamoDB dispatcher: kept cut to DynamoDB's item size \
+                 limit, listed, so that the queue's redrive policy keeps it whole",
+            ),
+            Err(_) => (
+                Fate::Listed,
+                "SQS record refused by the DynamoDB dispatcher and not kept: listed, so that it is \
+                 received again or the queue's redrive policy moves it to its dead-letter queue",
+            ),
+        };
+        match &kept {
+            Ok(_) if fate == Fate::Deleted => tracing::warn!(
+                message_id,
+                message_name = %envelope.message_name,
+                reason = %error,
+                "{what}"
+            ),
+            _ => tracing::error!(
+                message_id,
+                message_name = %envelope.message_name,
+                reason = %error,
+                error = kept.as_ref().err().map(tracing::field::display),
+                "{what}"
+            ),
+        }
+        fate
     }
 
     /// Counts one consumer's outcome; `true` if the record may be deleted for it.
