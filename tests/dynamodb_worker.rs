@@ -935,11 +935,9 @@ fn split_msg(account: &str, amount: i64) -> Split {
     }
 }
 
-/// A refused delivery that DynamoDB cannot keep (unreachable) is requeued, never acked nor
-/// rejected: it is kept on a later delivery, or stays with the broker.
-#[tokio::test]
-async fn a_refused_delivery_dynamodb_cannot_keep_is_requeued() {
-    let reachable = setup().await;
+/// `reachable`'s dispatcher, its client's endpoint a closed port: every call fails with
+/// connection refused.
+fn unreachable(reachable: &DynamoDispatcher) -> DynamoDispatcher {
     let config = reachable
         .inbox()
         .client()
@@ -949,7 +947,15 @@ async fn a_refused_delivery_dynamodb_cannot_keep_is_requeued() {
         .build();
     let client = dynamodb::sdk::Client::from_conf(config);
     let inbox = dynamodb::DynamoInbox::new(client, reachable.inbox().table().to_owned());
-    let dispatcher = DynamoDispatcher::from_registry(inbox).unwrap();
+    DynamoDispatcher::from_registry(inbox).unwrap()
+}
+
+/// A refused delivery that DynamoDB cannot keep (unreachable) is requeued, never acked nor
+/// rejected: it is kept on a later delivery, or stays with the broker.
+#[tokio::test]
+async fn a_refused_delivery_dynamodb_cannot_keep_is_requeued() {
+    let reachable = setup().await;
+    let dispatcher = unreachable(&reachable);
     let source = MemorySource::new("dw-down-refused");
     let handle = source.handle();
     let malformed = handle.push(Envelope::new("dw.credited", b"{not json".to_vec()));
@@ -985,16 +991,7 @@ async fn a_refused_delivery_dynamodb_cannot_keep_is_requeued() {
 async fn with_dynamodb_unreachable_the_delivery_is_requeued_never_acked_nor_rejected() {
     let reachable = setup().await;
     // Connection refused: every call fails, the outcome of nothing is known.
-    let config = reachable
-        .inbox()
-        .client()
-        .config()
-        .to_builder()
-        .endpoint_url("http://127.0.0.1:9")
-        .build();
-    let client = dynamodb::sdk::Client::from_conf(config);
-    let inbox = dynamodb::DynamoInbox::new(client, reachable.inbox().table().to_owned());
-    let dispatcher = DynamoDispatcher::from_registry(inbox).unwrap();
+    let dispatcher = unreachable(&reachable);
     let account = fresh("acct");
     let credit = credit_msg(&account, 5);
     let split = split_msg(&account, 7);

@@ -380,58 +380,53 @@ async fn keep_refused(
         .source
         .as_ref()
         .and_then(|m| m.message_id.as_deref());
-    let not_kept = match dispatcher.record_rejection(envelope, error).await {
+    let kept = dispatcher.record_rejection(envelope, error).await;
+    let too_large = matches!(error, DispatchError::TooLarge { .. });
+    let (settlement, what) = match &kept {
         // Kept whole, or cut where the payload was over the limit anyway: nothing more lost.
-        Ok(kept) if kept == Kept::Whole || matches!(error, DispatchError::TooLarge { .. }) => {
-            tracing::warn!(
-                message_name = origin.message_name,
-                source = origin.source,
-                message_id,
-                offset = origin.offset,
-                reason = %error,
-                "refused delivery kept as a rejection in the inbox table; acking it"
-            );
-            return Settlement::Ack;
-        }
-        Ok(_) => {
-            tracing::error!(
-                message_name = origin.message_name,
-                source = origin.source,
-                message_id,
-                offset = origin.offset,
-                payload_bytes = envelope.payload.len(),
-                reason = %error,
-                "refused delivery kept cut to DynamoDB's item size limit; rejecting it at the \
-                 broker, whose dead-lettering keeps it whole"
-            );
-            return Settlement::Reject;
-        }
-        Err(not_kept) => not_kept,
-    };
-    let (settlement, what) = if matches!(not_kept, AdminError::ItemTooLarge { .. }) {
-        (
+        Ok(kept) if *kept == Kept::Whole || too_large => (
+            Settlement::Ack,
+            "refused delivery kept as a rejection in the inbox table; acking it",
+        ),
+        Ok(_) => (
+            Settlement::Reject,
+            "refused delivery kept cut to DynamoDB's item size limit; rejecting it at the \
+             broker, whose dead-lettering keeps it whole",
+        ),
+        Err(AdminError::ItemTooLarge { .. }) => (
             Settlement::Reject,
             "refused delivery too large to keep in DynamoDB; rejecting it at the broker (its \
              dead-lettering keeps it)",
-        )
-    } else {
-        (
+        ),
+        Err(_) => (
             Settlement::Requeue {
                 delay: Some(requeue_delay),
             },
             "refused delivery not kept (DynamoDB failed); requeueing it",
-        )
+        ),
     };
-    tracing::error!(
-        message_name = origin.message_name,
-        source = origin.source,
-        message_id,
-        offset = origin.offset,
-        payload_bytes = envelope.payload.len(),
-        reason = %error,
-        error = %not_kept,
-        "{what}"
-    );
+    let error_text = kept.as_ref().err().map(tracing::field::display);
+    if settlement == Settlement::Ack {
+        tracing::warn!(
+            message_name = origin.message_name,
+            source = origin.source,
+            message_id,
+            offset = origin.offset,
+            reason = %error,
+            "{what}"
+        );
+    } else {
+        tracing::error!(
+            message_name = origin.message_name,
+            source = origin.source,
+            message_id,
+            offset = origin.offset,
+            payload_bytes = envelope.payload.len(),
+            reason = %error,
+            error = error_text,
+            "{what}"
+        );
+    }
     settlement
 }
 
