@@ -397,16 +397,7 @@ async fn refused_deliveries_are_kept_in_the_table_and_acked() {
             ),
         ]
     );
-    let stats: Vec<(Option<String>, String, i64)> = worker
-        .dispatcher()
-        .inbox()
-        .admin()
-        .stats()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|row| (row.consumer, row.status.as_str().to_owned(), row.count))
-        .collect();
+    let stats = inbox_tests::dynamo::stats_rows(worker.dispatcher().inbox()).await;
     assert_eq!(
         stats,
         [

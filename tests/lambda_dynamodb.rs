@@ -415,16 +415,7 @@ async fn refused_records_are_kept_and_deleted() {
     );
     assert_eq!(effect(&function, &frank).await, Some((1, 8)));
     assert_eq!(effect(&function, &x).await, None);
-    let stats: Vec<(Option<String>, String, i64)> = function
-        .dispatcher()
-        .inbox()
-        .admin()
-        .stats()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|row| (row.consumer, row.status.as_str().to_owned(), row.count))
-        .collect();
+    let stats = inbox_tests::dynamo::stats_rows(function.dispatcher().inbox()).await;
     let ledger = Some("lambda-ledger".to_owned());
     assert_eq!(
         stats,

@@ -172,3 +172,17 @@ impl inbox_runtime::Classify for TestError {
         }
     }
 }
+
+/// `DynamoAdmin::stats` of `inbox` as `(consumer, status text, count)` rows, in its order.
+pub async fn stats_rows(
+    inbox: &inbox_runtime::dynamodb::DynamoInbox,
+) -> Vec<(Option<String>, String, i64)> {
+    inbox
+        .admin()
+        .stats()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|row| (row.consumer, row.status.as_str().to_owned(), row.count))
+        .collect()
+}

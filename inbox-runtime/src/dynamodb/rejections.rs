@@ -56,6 +56,16 @@ pub enum Kept {
     },
 }
 
+impl Kept {
+    /// Whether the delivery refused with `error` may now be acked (deleted) without losing
+    /// anything: kept whole, or cut where its payload was over the dispatcher's limit anyway
+    /// ([`DispatchError::TooLarge`]: cut before it was kept, as the SQL stores keep it). A
+    /// delivery kept cut otherwise lost bytes: leave it to the broker's dead-lettering too.
+    pub fn loses_nothing(self, error: &DispatchError) -> bool {
+        self == Kept::Whole || matches!(error, DispatchError::TooLarge { .. })
+    }
+}
+
 /// What an item keeps below DynamoDB's item limit for what [`size::item_size`] cannot count
 /// exactly (numbers are estimated): bytes.
 const ITEM_MARGIN: usize = 1024;
@@ -187,9 +197,8 @@ impl DynamoDispatcher {
     /// Keeps an envelope this dispatcher refused ([`DispatchError`]) in the inbox table, payload
     /// included (cut to [`max_payload_bytes`](Self::max_payload_bytes), with its real size, and
     /// to DynamoDB's item limit: [`Kept::Cut`]), so that a source can settle it without losing
-    /// it: [`DynamoInbox::record_rejection`]. Ack a delivery kept [`Kept::Whole`]; one kept cut
-    /// lost bytes unless its payload was over the limit anyway
-    /// ([`DispatchError::TooLarge`]): leave it to the broker's dead-lettering too.
+    /// it: [`DynamoInbox::record_rejection`]. Ack it if [`Kept::loses_nothing`] says so, else
+    /// leave it to the broker's dead-lettering too.
     ///
     /// # Errors
     /// As [`DynamoInbox::record_rejection`]; on any error, do not ack the delivery.
@@ -253,4 +262,23 @@ fn rejection_item(
         item.insert("payload_size".to_owned(), n(size));
     }
     item
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_cut_of_a_payload_within_the_limit_loses_bytes() {
+        let malformed = DispatchError::NoMessageName;
+        let too_large = DispatchError::TooLarge {
+            message_name: "m".to_owned(),
+            size: 2_000_000,
+            limit: 1_048_576,
+        };
+        assert!(Kept::Whole.loses_nothing(&malformed));
+        assert!(Kept::Whole.loses_nothing(&too_large));
+        assert!(Kept::Cut { bytes: 300_000 }.loses_nothing(&too_large));
+        assert!(!Kept::Cut { bytes: 300_000 }.loses_nothing(&malformed));
+    }
 }

@@ -11,7 +11,6 @@ use futures_util::FutureExt as _;
 use futures_util::stream::{FuturesUnordered, StreamExt as _};
 use tokio_util::sync::CancellationToken;
 
-use super::rejections::Kept;
 use super::{AdminError, DynamoConsumerOutcome, DynamoDispatcher, DynamoError};
 use crate::source::{Delivery, Settlement, Source};
 use crate::types::error::DispatchError;
@@ -381,10 +380,8 @@ async fn keep_refused(
         .as_ref()
         .and_then(|m| m.message_id.as_deref());
     let kept = dispatcher.record_rejection(envelope, error).await;
-    let too_large = matches!(error, DispatchError::TooLarge { .. });
     let (settlement, what) = match &kept {
-        // Kept whole, or cut where the payload was over the limit anyway: nothing more lost.
-        Ok(kept) if *kept == Kept::Whole || too_large => (
+        Ok(kept) if kept.loses_nothing(error) => (
             Settlement::Ack,
             "refused delivery kept as a rejection in the inbox table; acking it",
         ),

@@ -38,10 +38,30 @@ impl Default for Settings {
 /// [`Settings`] and a `dispatcher: Arc<…>` field whose dispatcher has `sweep_parked`, and an
 /// inherent `run(source, token)`. The caller gives what differs: the dispatcher's type, the
 /// links to its `sweep_parked` and to the worker's settlement policy (doc text), and the whole
-/// doc of `concurrency` (what it bounds differs).
+/// doc of `concurrency` (what it bounds differs). Two steps: [`shared_setters!`] and
+/// [`shared_running!`].
 macro_rules! shared_methods {
     (
         dispatcher: $dispatcher:ty,
+        sweep_parked: $sweep:literal,
+        settlement: $settlement:literal,
+        $(#[$concurrency:meta])*
+        concurrency;
+    ) => {
+        $crate::worker::settings::shared_setters! {
+            sweep_parked: $sweep,
+            settlement: $settlement,
+            $(#[$concurrency])*
+            concurrency;
+        }
+        $crate::worker::settings::shared_running! { dispatcher: $dispatcher }
+    };
+}
+pub(crate) use shared_methods;
+
+/// The setters of the [`Settings`] (see [`shared_methods!`]).
+macro_rules! shared_setters {
+    (
         sweep_parked: $sweep:literal,
         settlement: $settlement:literal,
         $(#[$concurrency:meta])*
@@ -90,7 +110,14 @@ macro_rules! shared_methods {
             self.settings.idle = Some(idle);
             self
         }
+    };
+}
+pub(crate) use shared_setters;
 
+/// The dispatcher's accessor, the run on signals and the sweep's start (see
+/// [`shared_methods!`]).
+macro_rules! shared_running {
+    (dispatcher: $dispatcher:ty) => {
         /// The dispatcher.
         pub fn dispatcher(&self) -> &$dispatcher {
             &self.dispatcher
@@ -121,4 +148,4 @@ macro_rules! shared_methods {
         }
     };
 }
-pub(crate) use shared_methods;
+pub(crate) use shared_running;

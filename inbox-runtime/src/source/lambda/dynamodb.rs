@@ -13,7 +13,6 @@ use super::{
     Batch, BatchRunner, DEFAULT_DEADLINE_MARGIN, DEFAULT_NAME_ATTRIBUTE, Fate, LambdaSqsError,
     answer, envelope, serve, time_to_margin,
 };
-use crate::dynamodb::rejections::Kept;
 use crate::dynamodb::{DynamoConsumerOutcome, DynamoDispatcher, DynamoError};
 use crate::setters::setters;
 use crate::types::envelope::Envelope;
@@ -338,9 +337,8 @@ impl Run<'_> {
         message_id: &str,
     ) -> Fate {
         let kept = self.this.dispatcher.record_rejection(envelope, error).await;
-        let too_large = matches!(error, crate::DispatchError::TooLarge { .. });
         let (fate, what) = match &kept {
-            Ok(kept) if *kept == Kept::Whole || too_large => (
+            Ok(kept) if kept.loses_nothing(error) => (
                 Fate::Deleted,
                 "SQS record refused by the DynamoDB dispatcher: kept as a rejection in the inbox \
                  table, deleted",
