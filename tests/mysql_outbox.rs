@@ -29,7 +29,10 @@ use std::time::Duration;
 
 use inbox_runtime::outbox::{Outbox, OutboxMessage, Relay};
 use inbox_runtime::sink::MemorySink;
-use inbox_runtime::{Component, store::OutboxStore as _};
+use inbox_runtime::{
+    Component,
+    store::{OutboxFailure, OutboxStore as _},
+};
 use sqlx::MySqlPool;
 
 const OUTBOX: Outbox = Outbox::new(&["orders"]);
@@ -533,14 +536,14 @@ async fn a_lease_or_delay_beyond_the_datetime_range_is_not_no_lease() {
     );
     // A failed publish retried "never": not due now.
     let failed = conn
-        .mark_outbox_failed(
-            second.records[0].id,
-            &second.token,
-            "boom",
-            false,
-            5,
-            i64::MAX,
-        )
+        .mark_outbox_failed(OutboxFailure {
+            id: second.records[0].id,
+            token: &second.token,
+            error: "boom",
+            permanent: false,
+            max_attempts: 5,
+            retry_in_ms: i64::MAX,
+        })
         .await
         .unwrap();
     assert_eq!(failed, Some(inbox_runtime::store::OutboxStatus::Pending));

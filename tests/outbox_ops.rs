@@ -710,7 +710,7 @@ inbox_tests::backend_matrix! {
     /// A token that never leased the row marks nothing.
     #[tokio::test]
     async fn marks_need_the_rows_lease_and_operators_retry_and_discard_revoke_it() {
-        use inbox_runtime::store::OutboxStore as _;
+        use inbox_runtime::store::{OutboxFailure, OutboxStore as _};
         let (pool, _guard) = outbox_fixture().await;
         let message = |id: &str| OutboxMessage::raw("orders", "orders.paid", "{}").message_id(id);
         enqueue(&pool, vec![message("x1"), message("x2"), message("x3")]).await;
@@ -742,7 +742,14 @@ inbox_tests::backend_matrix! {
         assert!(outbox_admin::discard(&pool, "x3").await.unwrap());
         assert_eq!(conn.mark_outbox_sent(&ids[1..], &old.token).await.unwrap(), Vec::<i64>::new());
         for id in &ids[1..] {
-            let failed = conn.mark_outbox_failed(*id, &old.token, "late", true, 1, 0).await;
+            let failed = conn.mark_outbox_failed(OutboxFailure {
+                id: *id,
+                token: &old.token,
+                error: "late",
+                permanent: true,
+                max_attempts: 1,
+                retry_in_ms: 0,
+            }).await;
             assert_eq!(failed.unwrap(), None);
         }
         assert_eq!(states(&pool).await, state(&[("x1", "sent", 1), ("x2", "pending", 0)]));

@@ -10,7 +10,9 @@ use tracing::Instrument as _;
 
 use crate::setters::setters;
 use crate::sink::{OutgoingMessage, Sink, SinkError};
-use crate::store::{OutboxBacklog, OutboxDatabase, OutboxRecord, OutboxStatus, OutboxStore as _};
+use crate::store::{
+    OutboxBacklog, OutboxDatabase, OutboxFailure, OutboxRecord, OutboxStatus, OutboxStore as _,
+};
 
 /// Publishes committed outbox rows to a [`Sink`] and marks them sent.
 ///
@@ -420,14 +422,14 @@ impl<DB: OutboxDatabase> Relay<DB> {
         let text = error.to_string();
         let retry_in = self.backoff.retry_in(record.attempts);
         let status = conn
-            .mark_outbox_failed(
-                record.id,
-                leased.token,
-                &text,
-                error.is_permanent(),
-                self.max_attempts,
-                i64::try_from(retry_in.as_millis()).unwrap_or(i64::MAX),
-            )
+            .mark_outbox_failed(OutboxFailure {
+                id: record.id,
+                token: leased.token,
+                error: &text,
+                permanent: error.is_permanent(),
+                max_attempts: self.max_attempts,
+                retry_in_ms: i64::try_from(retry_in.as_millis()).unwrap_or(i64::MAX),
+            })
             .await?;
         let dead = status.map(|status| status == OutboxStatus::Dead);
         report_marked_failed(record, span, dead, error, retry_in, report);

@@ -52,7 +52,7 @@ pub(crate) use prefix::{spawn, within};
 
 pub use outbox::{
     Lease, NOTIFY_CHANNEL, OutboxAdminStore, OutboxBacklog, OutboxDatabase, OutboxEntry,
-    OutboxRecord, OutboxRow, OutboxStatsRow, OutboxStatus, OutboxStore, Wakeups,
+    OutboxFailure, OutboxRecord, OutboxRow, OutboxStatsRow, OutboxStatus, OutboxStore, Wakeups,
 };
 
 pub use positions::{Acquired, PositionKey, PositionRow, PositionStore, PositionsDatabase};

@@ -254,20 +254,16 @@ pub trait OutboxStore: Send {
         token: &'c str,
     ) -> BoxFuture<'c, Result<Vec<i64>, sqlx::Error>>;
 
-    /// Records a failed publish of the `pending` row `id`, if it still carries `token` (its
-    /// [`Lease::token`]): `dead` if `permanent` or its attempts reached `max_attempts`, else
-    /// `pending` again with its next attempt `retry_in_ms` from now; the lease is released (its
-    /// time and token cleared) and `error` kept as its last error. Returns the new status, or
+    /// Records a failed publish of the `pending` row `failure.id`, if it still carries
+    /// `failure.token` (its [`Lease::token`]): `dead` if `failure.permanent` or its attempts
+    /// reached `failure.max_attempts`, else `pending` again with its next attempt
+    /// `failure.retry_in_ms` from now; the lease is released (its time and token cleared) and
+    /// `failure.error` kept as its last error. Returns the new status, or
     /// `None` if nothing changed: the row is no longer pending, or its lease was lost (leased
     /// again by another relay, retried or discarded by an operator).
     fn mark_outbox_failed<'c>(
         &'c mut self,
-        id: i64,
-        token: &'c str,
-        error: &'c str,
-        permanent: bool,
-        max_attempts: u32,
-        retry_in_ms: i64,
+        failure: OutboxFailure<'c>,
     ) -> BoxFuture<'c, Result<Option<OutboxStatus>, sqlx::Error>>;
 
     /// Deletes at most `batch` `sent` rows sent more than `older_than_secs` ago. Returns how
@@ -281,6 +277,23 @@ pub trait OutboxStore: Send {
     /// The backlog per destination that has `pending` rows: how many, and the age of the
     /// oldest, by destination.
     fn outbox_backlog(&mut self) -> BoxFuture<'_, Result<Vec<OutboxBacklog>, sqlx::Error>>;
+}
+
+/// A failed publish to record ([`OutboxStore::mark_outbox_failed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OutboxFailure<'a> {
+    /// The row's id ([`OutboxRecord::id`]).
+    pub id: i64,
+    /// The token of the lease the row was published under ([`Lease::token`]).
+    pub token: &'a str,
+    /// What went wrong, kept as the row's last error.
+    pub error: &'a str,
+    /// Whether the failure is permanent: the row turns `dead` whatever its attempts.
+    pub permanent: bool,
+    /// The attempts (leases) after which the row turns `dead`.
+    pub max_attempts: u32,
+    /// When the row may be leased again, in milliseconds from now (if it stays `pending`).
+    pub retry_in_ms: i64,
 }
 
 /// One outbox row as operators see it ([`OutboxAdminStore`]): every column, times in the
@@ -804,22 +817,19 @@ fn mark_sent_step<'t, D: OutboxDialect>(
     })
 }
 
-/// A failed publish: `id`, `token`, `error`, permanent, the maximum attempts, the retry delay.
-type Failure<'a> = (i64, &'a str, &'a str, bool, u32, i64);
-
 /// The failed mark: the status it set, if it changed the row.
 fn mark_failed_step<'t, D: OutboxDialect>(
     conn: &'t mut D::Connection,
-    &(id, token, error, permanent, max_attempts, retry_in_ms): &'t Failure<'_>,
+    failure: &'t OutboxFailure<'_>,
 ) -> Done<'t, Option<OutboxStatus>> {
     Box::pin(async move {
         let params = [
-            permanent.into(),
-            D::attempts_arg(max_attempts),
-            error.into(),
-            D::delay_arg(retry_in_ms),
-            id.into(),
-            token.into(),
+            failure.permanent.into(),
+            D::attempts_arg(failure.max_attempts),
+            failure.error.into(),
+            D::delay_arg(failure.retry_in_ms),
+            failure.id.into(),
+            failure.token.into(),
         ];
         let row =
             sql::write_returning::<D>(conn, D::MARK_FAILED, D::MARK_FAILED_READ, &params).await?;
@@ -889,15 +899,10 @@ where
 
     fn mark_outbox_failed<'c>(
         &'c mut self,
-        id: i64,
-        token: &'c str,
-        error: &'c str,
-        permanent: bool,
-        max_attempts: u32,
-        retry_in_ms: i64,
+        failure: OutboxFailure<'c>,
     ) -> BoxFuture<'c, Result<Option<OutboxStatus>, sqlx::Error>> {
-        let args: Failure<'_> = (id, token, error, permanent, max_attempts, retry_in_ms);
-        sql::scoped::<C::Database, _, _>(self, MARK_FAILED, args, mark_failed_step::<C::Database>)
+        let step = mark_failed_step::<C::Database>;
+        sql::scoped::<C::Database, _, _>(self, MARK_FAILED, failure, step)
     }
 
     fn purge_outbox_sent(
