@@ -292,37 +292,29 @@ where
 mod tests {
     use super::*;
 
+    /// The refusal of `found` at byte `at`.
+    fn character(found: char, at: usize) -> TablePrefixError {
+        TablePrefixError::Character { found, at }
+    }
+
     #[test]
     fn prefixes_are_checked() {
         assert_eq!(TablePrefix::new("billing_").unwrap().as_str(), "billing_");
-        assert_eq!(TablePrefix::new(""), Err(TablePrefixError::Empty));
-        assert_eq!(
-            TablePrefix::new("billing; DROP TABLE accounts"),
-            Err(TablePrefixError::Character { found: ';', at: 7 })
-        );
-        assert_eq!(
-            TablePrefix::new("Billing_"),
-            Err(TablePrefixError::Character { found: 'B', at: 0 })
-        );
-        assert_eq!(
-            TablePrefix::new("bill`ing"),
-            Err(TablePrefixError::Character { found: '`', at: 4 })
-        );
-        assert_eq!(
-            TablePrefix::new("2billing"),
-            Err(TablePrefixError::Character { found: '2', at: 0 })
-        );
-        assert_eq!(
-            TablePrefix::new("bïlling"),
-            Err(TablePrefixError::Character { found: 'ï', at: 1 })
-        );
-        assert_eq!(
-            TablePrefix::new(&"a".repeat(31)),
-            Err(TablePrefixError::TooLong { bytes: 31 })
-        );
+        let too_long = "a".repeat(31);
+        for (prefix, error) in [
+            ("", TablePrefixError::Empty),
+            ("billing; DROP TABLE accounts", character(';', 7)),
+            ("Billing_", character('B', 0)),
+            ("bill`ing", character('`', 4)),
+            ("2billing", character('2', 0)),
+            ("bïlling", character('ï', 1)),
+            (&too_long, TablePrefixError::TooLong { bytes: 31 }),
+            ("inbox_a", TablePrefixError::Reserved),
+            ("_inbox_", TablePrefixError::Reserved),
+        ] {
+            assert_eq!(TablePrefix::new(prefix), Err(error), "{prefix}");
+        }
         assert!(TablePrefix::new(&"a".repeat(30)).is_ok());
-        assert_eq!(TablePrefix::new("inbox_a"), Err(TablePrefixError::Reserved));
-        assert_eq!(TablePrefix::new("_inbox_"), Err(TablePrefixError::Reserved));
         assert_eq!(
             TablePrefix::new("Billing_").unwrap_err().to_string(),
             "table prefix holds 'B' at byte 0; only ASCII lowercase letters, digits and '_' are \

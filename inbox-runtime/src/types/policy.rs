@@ -66,14 +66,10 @@ pub struct RetryPolicy {
     max_attempts: u32,
     /// In-process retries of a transient failure.
     transient_retries: usize,
-    /// First in-process retry delay.
-    transient_min_delay: Duration,
-    /// Longest in-process retry delay.
-    transient_max_delay: Duration,
-    /// Delay before the first redelivery of a failed message.
-    retry_min_delay: Duration,
-    /// Longest delay before a redelivery.
-    retry_max_delay: Duration,
+    /// In-process retry delays: the first and the longest.
+    transient_delays: Delays,
+    /// Redelivery delays of a failed message: before the first redelivery, and the longest.
+    retry_delays: Delays,
     /// `last_error` is cut to at most this many bytes.
     max_error_bytes: usize,
 }
@@ -86,19 +82,50 @@ impl Default for RetryPolicy {
         Self {
             max_attempts: 5,
             transient_retries: 3,
-            transient_min_delay: Duration::from_millis(10),
-            transient_max_delay: Duration::from_secs(1),
-            retry_min_delay: Duration::from_secs(1),
-            retry_max_delay: Duration::from_secs(300),
+            transient_delays: Delays {
+                min: Duration::from_millis(10),
+                max: Duration::from_secs(1),
+            },
+            retry_delays: Delays {
+                min: Duration::from_secs(1),
+                max: Duration::from_secs(300),
+            },
             max_error_bytes: 2048,
         }
     }
 }
 
-/// `(min, max)` with both at most `maximum` and `max` at least `min`.
-fn bounded_delays(min: Duration, max: Duration, maximum: Duration) -> (Duration, Duration) {
-    let min = min.min(maximum);
-    (min, max.min(maximum).max(min))
+/// Exponential delays: the first `min`, doubling up to `max`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Delays {
+    /// The first delay.
+    min: Duration,
+    /// The longest delay.
+    max: Duration,
+}
+
+impl Delays {
+    /// `min` and `max`, both at most `maximum` and `max` at least `min`.
+    fn bounded(min: Duration, max: Duration, maximum: Duration) -> Self {
+        let min = min.min(maximum);
+        Self {
+            min,
+            max: max.min(maximum).max(min),
+        }
+    }
+
+    /// `(min, max)`.
+    fn pair(self) -> (Duration, Duration) {
+        (self.min, self.max)
+    }
+
+    /// The backoff from `min` to `max`, each delay `d` jittered into `[d, 2d)`.
+    fn backoff(self) -> ExponentialBuilder {
+        ExponentialBuilder::new()
+            .with_min_delay(self.min)
+            .with_max_delay(self.max)
+            .with_jitter()
+    }
 }
 
 impl RetryPolicy {
@@ -150,14 +177,13 @@ impl RetryPolicy {
     /// [`MAX_TRANSIENT_DELAY`](Self::MAX_TRANSIENT_DELAY) (1 minute) if above it, and `max` is
     /// raised to `min` if below it.
     pub fn transient_delays(mut self, min: Duration, max: Duration) -> Self {
-        (self.transient_min_delay, self.transient_max_delay) =
-            bounded_delays(min, max, Self::MAX_TRANSIENT_DELAY);
+        self.transient_delays = Delays::bounded(min, max, Self::MAX_TRANSIENT_DELAY);
         self
     }
 
     /// The in-process retry delays of transient failures: (first, longest).
     pub fn get_transient_delays(&self) -> (Duration, Duration) {
-        (self.transient_min_delay, self.transient_max_delay)
+        self.transient_delays.pair()
     }
 
     /// Sets the redelivery delays of failed messages: the first `min`, doubling up to `max`,
@@ -165,14 +191,13 @@ impl RetryPolicy {
     /// [`MAX_RETRY_DELAY`](Self::MAX_RETRY_DELAY) (30 days) if above it, and `max` is raised to
     /// `min` if below it.
     pub fn retry_delays(mut self, min: Duration, max: Duration) -> Self {
-        (self.retry_min_delay, self.retry_max_delay) =
-            bounded_delays(min, max, Self::MAX_RETRY_DELAY);
+        self.retry_delays = Delays::bounded(min, max, Self::MAX_RETRY_DELAY);
         self
     }
 
     /// The redelivery delays of failed messages: (first, longest).
     pub fn get_retry_delays(&self) -> (Duration, Duration) {
-        (self.retry_min_delay, self.retry_max_delay)
+        self.retry_delays.pair()
     }
 
     /// Sets the most bytes of an error text kept as `last_error` (default 2048; values above
@@ -190,24 +215,20 @@ impl RetryPolicy {
 
     /// The in-process retry delays for transient faults, at most `transient_retries` of them.
     pub(crate) fn transient_schedule(&self) -> impl Iterator<Item = Duration> + use<> {
-        ExponentialBuilder::new()
-            .with_min_delay(self.transient_min_delay)
-            .with_max_delay(self.transient_max_delay)
+        self.transient_delays
+            .backoff()
             .with_max_times(self.transient_retries)
-            .with_jitter()
             .build()
     }
 
     /// The delay before attempt `attempts + 1`, after `attempts` failed ones (1-based).
     pub(crate) fn retry_delay(&self, attempts: u32) -> Duration {
-        ExponentialBuilder::new()
-            .with_min_delay(self.retry_min_delay)
-            .with_max_delay(self.retry_max_delay)
+        self.retry_delays
+            .backoff()
             .without_max_times()
-            .with_jitter()
             .build()
             .nth(attempts.saturating_sub(1).min(64) as usize)
-            .unwrap_or(self.retry_max_delay)
+            .unwrap_or(self.retry_delays.max)
     }
 
     /// Cuts an error text to `max_error_bytes`.

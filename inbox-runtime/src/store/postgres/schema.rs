@@ -167,6 +167,11 @@ impl fmt::Display for PgSchema {
 mod tests {
     use super::*;
 
+    /// The refusal of `found` at byte `at`.
+    fn character(found: char, at: usize) -> PgSchemaError {
+        PgSchemaError::Character { found, at }
+    }
+
     #[test]
     fn names_are_checked() {
         assert_eq!(PgSchema::new("billing").unwrap().name(), "billing");
@@ -174,28 +179,18 @@ mod tests {
             PgSchema::new("Billing_2").unwrap().quoted(),
             "\"Billing_2\""
         );
-        assert_eq!(PgSchema::new(""), Err(PgSchemaError::Empty));
-        assert_eq!(
-            PgSchema::new("billing; DROP TABLE accounts"),
-            Err(PgSchemaError::Character { found: ';', at: 7 })
-        );
-        assert_eq!(
-            PgSchema::new("bill\"ing"),
-            Err(PgSchemaError::Character { found: '"', at: 4 })
-        );
-        assert_eq!(
-            PgSchema::new("1billing"),
-            Err(PgSchemaError::Character { found: '1', at: 0 })
-        );
-        assert_eq!(
-            PgSchema::new("bïlling"),
-            Err(PgSchemaError::Character { found: 'ï', at: 1 })
-        );
-        assert_eq!(
-            PgSchema::new(&"a".repeat(64)),
-            Err(PgSchemaError::TooLong { bytes: 64 })
-        );
+        let too_long = "a".repeat(64);
+        for (name, error) in [
+            ("", PgSchemaError::Empty),
+            ("billing; DROP TABLE accounts", character(';', 7)),
+            ("bill\"ing", character('"', 4)),
+            ("1billing", character('1', 0)),
+            ("bïlling", character('ï', 1)),
+            (&too_long, PgSchemaError::TooLong { bytes: 64 }),
+            ("PG_catalog", PgSchemaError::Reserved),
+        ] {
+            assert_eq!(PgSchema::new(name), Err(error), "{name}");
+        }
         assert!(PgSchema::new(&"a".repeat(63)).is_ok());
-        assert_eq!(PgSchema::new("PG_catalog"), Err(PgSchemaError::Reserved));
     }
 }
