@@ -13,7 +13,7 @@ use super::hooks::{ClaimInfo, Fenced, HookRunner};
 use super::machine::{Claimed, Found, Opened, Uncommitted, commit, open, peek, run_body};
 use super::tx::{ClaimTx, Hold, Owner, Verify, end_spare};
 use crate::BoxFuture;
-use crate::store::{ClaimRequest, InboxConnection, OrderingStore as _};
+use crate::store::{ClaimRequest, InboxConnection, MessageMark, OrderingStore as _};
 use crate::types::classify::{BoxError, Classify as _, ErrorClass};
 use crate::types::envelope::SourceMetadata;
 use crate::types::error::StoreOperation;
@@ -544,17 +544,26 @@ async fn order<H: Handler>(
     let last = conn
         .lock_aggregate(H::CONSUMER, &ordering.aggregate_id)
         .await?;
-    let key = delivery.key.as_str();
+    let stale = MessageMark {
+        consumer: H::CONSUMER,
+        message_key: delivery.key.as_str(),
+        status: Status::Stale,
+        ordering,
+        payload: None,
+    };
     if ordering.sequence <= last {
-        conn.mark_message(H::CONSUMER, key, Status::Stale, ordering, None)
-            .await?;
+        conn.mark_message(&stale).await?;
         return Ok(Some(Outcome::Stale));
     }
     let gap = ordering.sequence > last + 1;
     if gap && H::GAPS == GapPolicy::Park && delivery.mode != ClaimMode::Release {
         let payload = payload_of(msg, delivery);
-        conn.mark_message(H::CONSUMER, key, Status::Parked, ordering, Some(&payload))
-            .await?;
+        let parked = MessageMark {
+            status: Status::Parked,
+            payload: Some(&payload),
+            ..stale
+        };
+        conn.mark_message(&parked).await?;
         return Ok(Some(Outcome::Parked));
     }
     conn.advance_aggregate(H::CONSUMER, &ordering.aggregate_id, ordering.sequence)

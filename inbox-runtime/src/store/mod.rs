@@ -58,8 +58,8 @@ pub use outbox::{
 pub use positions::{Acquired, PositionKey, PositionRow, PositionStore, PositionsDatabase};
 
 pub use types::{
-    Backend, ClaimRequest, ClaimResult, ExistingRow, FailureRecord, ParkedMessage, PurgeClock,
-    Rejection, RejectionReason, StatsRow, StatsStatus, StoredMessage,
+    Backend, ClaimRequest, ClaimResult, ExistingRow, FailureRecord, MessageMark, ParkedMessage,
+    PurgeClock, Rejection, RejectionReason, StatsRow, StatsStatus, StoredMessage,
 };
 pub(crate) use types::{request_index, source_parts};
 
@@ -217,14 +217,10 @@ pub trait OrderingStore: Send {
         sequence: i64,
     ) -> BoxFuture<'c, Result<(), sqlx::Error>>;
 
-    /// Sets a claimed row's status (`stale`, `parked`), ordering and payload.
+    /// Sets a claimed row's status (`stale`, `parked`), ordering and payload, as `mark` says.
     fn mark_message<'c>(
         &'c mut self,
-        consumer: &'c str,
-        key: &'c str,
-        status: Status,
-        ordering: &'c crate::types::Ordering,
-        payload: Option<&'c [u8]>,
+        mark: &'c MessageMark<'c>,
     ) -> BoxFuture<'c, Result<(), sqlx::Error>>;
 
     /// The parked (or failed) message of `aggregate_id` with `sequence`, if any.

@@ -73,6 +73,22 @@ pub struct FailureRecord<'a> {
     pub sequence: Option<i64>,
 }
 
+/// The settlement of an ordered message whose body does not run (see
+/// [`OrderingStore::mark_message`](super::OrderingStore::mark_message)).
+#[derive(Debug, Clone, Copy)]
+pub struct MessageMark<'a> {
+    /// The consumer.
+    pub consumer: &'a str,
+    /// The idempotency key, claimed in the current transaction.
+    pub message_key: &'a str,
+    /// The status to set: `stale` (behind its aggregate) or `parked` (ahead of it).
+    pub status: Status,
+    /// The message's aggregate and sequence.
+    pub ordering: &'a crate::types::Ordering,
+    /// The payload to keep (a parked message's, for its later run), if any.
+    pub payload: Option<&'a [u8]>,
+}
+
 /// A parked (or failed) message of an aggregate, found by sequence.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParkedMessage {

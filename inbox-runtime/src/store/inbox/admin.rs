@@ -9,7 +9,7 @@ use super::{
 use crate::store::retry::{Retry, with_retries};
 use crate::store::sql::{Arg, text};
 use crate::store::types::stats_status;
-use crate::store::{ParkedMessage, PurgeClock, StatsRow, StoredMessage};
+use crate::store::{MessageMark, ParkedMessage, PurgeClock, StatsRow, StoredMessage};
 use crate::types::status::Status;
 
 /// An aggregate's values.
@@ -53,20 +53,16 @@ pub(super) async fn advance_aggregate<D: InboxDialect>(
 /// See [`OrderingStore::mark_message`](crate::store::OrderingStore::mark_message).
 pub(super) async fn mark_message<D: InboxDialect>(
     conn: &mut D::Connection,
-    consumer: &str,
-    key: &str,
-    status: Status,
-    ordering: &crate::types::Ordering,
-    payload: Option<&[u8]>,
+    mark: &MessageMark<'_>,
 ) -> Result<(), sqlx::Error> {
-    let [consumer, key] = key_values(consumer, key);
+    let [consumer, key] = key_values(mark.consumer, mark.message_key);
     let values = [
         consumer,
         key,
-        (Param::NewStatus, status.as_str().into()),
-        (Param::Aggregate, ordering.aggregate_id.as_str().into()),
-        (Param::Sequence, ordering.sequence.into()),
-        (Param::Payload, payload.into()),
+        (Param::NewStatus, mark.status.as_str().into()),
+        (Param::Aggregate, mark.ordering.aggregate_id.as_str().into()),
+        (Param::Sequence, mark.ordering.sequence.into()),
+        (Param::Payload, mark.payload.into()),
     ];
     D::MARK_MESSAGE.run(conn, &values, D::execute).await?;
     Ok(())

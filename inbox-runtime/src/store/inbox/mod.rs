@@ -22,7 +22,7 @@ use super::dialect::{Contention, Dialect, contention};
 use super::sql::{Arg, Sql, text};
 use super::{
     AdminStore, ClaimRequest, ClaimResult, ClaimStore, ExistingRow, FailureRecord, InboxConnection,
-    OrderingStore, ParkedMessage, PurgeClock, Rejection, StatsRow, StoredMessage,
+    MessageMark, OrderingStore, ParkedMessage, PurgeClock, Rejection, StatsRow, StoredMessage,
 };
 use crate::BoxFuture;
 use crate::types::status::Status;
@@ -783,15 +783,9 @@ where
 
     fn mark_message<'c>(
         &'c mut self,
-        consumer: &'c str,
-        key: &'c str,
-        status: Status,
-        ordering: &'c crate::types::Ordering,
-        payload: Option<&'c [u8]>,
+        mark: &'c MessageMark<'c>,
     ) -> BoxFuture<'c, Result<(), sqlx::Error>> {
-        Box::pin(admin::mark_message::<C::Database>(
-            self, consumer, key, status, ordering, payload,
-        ))
+        Box::pin(admin::mark_message::<C::Database>(self, mark))
     }
 
     fn find_parked<'c>(
