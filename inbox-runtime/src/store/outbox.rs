@@ -853,6 +853,22 @@ async fn write_alone<D: Scoped>(
     .await
 }
 
+/// Deletes at most `batch` `sent` rows older than `cutoff` (a statement on its own), then what
+/// the dialect forgets with them ([`OutboxDialect::forget_aggregates`]): the rows deleted.
+async fn purge_sent<D: OutboxDialect>(
+    conn: &mut D::Connection,
+    cutoff: Cutoff<'_>,
+    batch: i64,
+) -> Result<u64, sqlx::Error> {
+    let write = match cutoff {
+        Cutoff::Window(older_than_secs) => (D::PURGE, vec![older_than_secs.into(), batch.into()]),
+        Cutoff::Before(time) => (D::PURGE_BEFORE, vec![time.into(), batch.into()]),
+    };
+    let purged = write_alone::<D>(conn, "purge_outbox", write).await?;
+    D::forget_aggregates(conn, cutoff, batch).await?;
+    Ok(purged)
+}
+
 /// The operations that run in a [`Scope`], with their names.
 const ENQUEUE: (Scope, &str) = (Scope::JoinElseTransaction, "enqueue_outbox");
 const LEASE: (Scope, &str) = (Scope::Transaction, "lease_outbox");
@@ -910,16 +926,8 @@ where
         older_than_secs: f64,
         batch: i64,
     ) -> BoxFuture<'_, Result<u64, sqlx::Error>> {
-        Box::pin(async move {
-            let write = (
-                C::Database::PURGE,
-                vec![older_than_secs.into(), batch.into()],
-            );
-            let purged = write_alone::<C::Database>(self, "purge_outbox", write).await?;
-            let cutoff = Cutoff::Window(older_than_secs);
-            C::Database::forget_aggregates(self, cutoff, batch).await?;
-            Ok(purged)
-        })
+        let cutoff = Cutoff::Window(older_than_secs);
+        Box::pin(purge_sent::<C::Database>(self, cutoff, batch))
     }
 
     fn outbox_backlog(&mut self) -> BoxFuture<'_, Result<Vec<OutboxBacklog>, sqlx::Error>> {
@@ -1023,12 +1031,11 @@ where
         cutoff: &'c str,
         batch: i64,
     ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
-        Box::pin(async move {
-            let write = (C::Database::PURGE_BEFORE, vec![cutoff.into(), batch.into()]);
-            let purged = write_alone::<C::Database>(self, "purge_outbox", write).await?;
-            C::Database::forget_aggregates(self, Cutoff::Before(cutoff), batch).await?;
-            Ok(purged)
-        })
+        Box::pin(purge_sent::<C::Database>(
+            self,
+            Cutoff::Before(cutoff),
+            batch,
+        ))
     }
 
     fn outbox_purge_preview<'c>(
