@@ -656,6 +656,11 @@ impl Claim {
             Claim::Takeover { attempts, .. } => attempts,
         }
     }
+
+    /// The number of the attempt this claim makes: one more than the attempts before it.
+    fn attempt(self) -> u32 {
+        self.attempts_before().saturating_add(1)
+    }
 }
 
 /// Times of one round: now in epoch milliseconds and seconds.
@@ -1101,11 +1106,10 @@ impl DynamoInbox {
                     return Err(conflict.into());
                 }
             };
-            let attempt = claim.attempts_before().saturating_add(1);
             let tx = DynamoTx {
                 consumer: consumer.to_owned(),
                 key: key.clone(),
-                attempt,
+                attempt: claim.attempt(),
                 items: Vec::new(),
                 outbox: outbox::Published::default(),
             };
@@ -1117,16 +1121,13 @@ impl DynamoInbox {
                     return Err(self.failed(&ctx, claim, now, class, failed, payload).await);
                 }
             };
-            match self
-                .submit(&ctx, claim, now, attempt, &mut resend, tx.items)
-                .await?
-            {
+            match self.submit(&ctx, claim, now, &mut resend, tx.items).await? {
                 Submitted::Committed => return Ok(Outcome::Processed(value)),
                 Submitted::ClaimFailed(current) => item = self.reread(&ctx, current).await?,
                 // The sequence guard's condition failed: stale, or a gap (see `ordering`).
                 Submitted::GuardFailed(position) => {
                     let settled = self
-                        .out_of_order(&ctx, claim, now, attempt, &mut resend, position, payload)
+                        .out_of_order(&ctx, claim, now, &mut resend, position, payload)
                         .await?;
                     match settled {
                         ordering::Settled::Done(outcome) => {
@@ -1174,7 +1175,7 @@ impl DynamoInbox {
         failed: Failed<E>,
         payload: &[u8],
     ) -> DynamoError<E> {
-        let attempts = claim.attempts_before().saturating_add(1);
+        let attempts = claim.attempt();
         match self
             .record_failure(ctx, claim, now, class, failed.to_string(), payload)
             .await
@@ -1370,10 +1371,7 @@ impl DynamoInbox {
         attributes.insert("message_key".into(), s(ctx.key.as_str()));
         attributes.insert("message_name".into(), s(ctx.message_name));
         attributes.insert("payload_hash".into(), s(ctx.fingerprint.to_hex()));
-        attributes.insert(
-            "attempts".into(),
-            n(claim.attempts_before().saturating_add(1)),
-        );
+        attributes.insert("attempts".into(), n(claim.attempt()));
         attributes.insert("received_at".into(), n(received_at));
         if let Some(guard) = ctx.guard {
             guard.attributes(&mut attributes);
@@ -1408,7 +1406,6 @@ impl DynamoInbox {
         ctx: &Ctx<'_>,
         claim: Claim,
         now: Now,
-        attempt: u32,
         resend: &mut usize,
         actions: Vec<TransactWriteItem>,
     ) -> Result<Submitted, DynamoError<E>> {
@@ -1441,8 +1438,9 @@ impl DynamoInbox {
         items.extend(guarded);
         items.extend(actions);
         check_sizes(&items, layout.guard_actions)?;
-        let token = |resend: usize| request_token(ctx.consumer, ctx.key, attempt, resend);
-        let submitted = self.transact(ctx, &items, layout, token, resend).await?;
+        let submitted = self
+            .transact(ctx, &items, layout, ctx.tokens(claim), resend)
+            .await?;
         if let (Submitted::Committed, true, Some(guard)) = (&submitted, pointer_after, ctx.guard) {
             guard.delete_pointer_after_commit(self, ctx).await;
         }
@@ -1561,7 +1559,7 @@ impl DynamoInbox {
         error: String,
         payload: &[u8],
     ) -> Result<Disposition, DynamoError<E>> {
-        let attempts = claim.attempts_before().saturating_add(1);
+        let attempts = claim.attempt();
         let dead = class == ErrorClass::Permanent || attempts >= self.policy.get_max_attempts();
         let delay = self.policy.retry_delay(attempts);
         let mut attributes = HashMap::from([
@@ -1836,6 +1834,12 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
+    /// The client request tokens of `claim`'s attempt, by resend number ([`request_token`]).
+    fn tokens(&self, claim: Claim) -> impl Fn(usize) -> String {
+        let attempt = claim.attempt();
+        move |resend| request_token(self.consumer, self.key, attempt, resend)
+    }
+
     fn dynamo<E>(&self, operation: &'static str, source: BoxError) -> DynamoError<E> {
         DynamoError::Dynamo {
             consumer: self.consumer.to_owned(),

@@ -112,7 +112,7 @@ use aws_sdk_dynamodb::types::{
 use super::admin::{AdminError, DEAD_LETTER_ATTRIBUTE};
 use super::{
     Claim, Ctx, DynamoError, DynamoInbox, Layout, MAX_PARTITION_KEY_BYTES, Mode, Now, Ordered,
-    Submitted, n, request_token, s,
+    Submitted, n, s,
 };
 use crate::types::classify::BoxError;
 use crate::types::key::IdempotencyKey;
@@ -297,13 +297,11 @@ impl DynamoInbox {
     /// After the guard's condition failed: records the message `stale`, or parks it, or (the
     /// position moved since) starts the delivery over. `position` is the position item as the
     /// cancellation returned it, if it did.
-    #[allow(clippy::too_many_arguments)]
     pub(super) async fn out_of_order<E>(
         &self,
         ctx: &Ctx<'_>,
         claim: Claim,
         now: Now,
-        attempt: u32,
         resend: &mut usize,
         position: Option<Item>,
         payload: &[u8],
@@ -351,8 +349,10 @@ impl DynamoInbox {
             outcome = Outcome::Parked;
         }
         super::check_sizes(&items, layout.guard_actions)?;
-        let token = |resend: usize| request_token(ctx.consumer, ctx.key, attempt, resend);
-        match self.transact(ctx, &items, layout, token, resend).await? {
+        match self
+            .transact(ctx, &items, layout, ctx.tokens(claim), resend)
+            .await?
+        {
             Submitted::Committed => Ok(Settled::Done(outcome)),
             Submitted::ClaimFailed(current) => Ok(Settled::Again(current)),
             // The gap closed meanwhile (or, for none of these actions, a condition failed):
