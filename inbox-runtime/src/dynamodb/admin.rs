@@ -843,10 +843,8 @@ impl DynamoAdmin {
         self.count_call();
         let answer = self
             .inbox
-            .client
-            .get_item()
-            .table_name(self.table())
-            .key("pk", s(&pk))
+            .by_key()
+            .get_item(&pk)
             .consistent_read(true)
             .send()
             .await
@@ -888,10 +886,8 @@ impl DynamoAdmin {
         self.count_call();
         let updated = self
             .inbox
-            .client
-            .update_item()
-            .table_name(self.table())
-            .key("pk", s(&pk))
+            .by_key()
+            .update_item(&pk)
             .update_expression(
                 "SET #status = :discarded, #processed = :now_ms, #expires = :expires \
                  REMOVE #payload, #next, #dead_letter",

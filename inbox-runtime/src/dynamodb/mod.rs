@@ -241,7 +241,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::client::Waiters as _;
 use aws_sdk_dynamodb::error::SdkError;
+use aws_sdk_dynamodb::operation::delete_item::builders::DeleteItemFluentBuilder;
+use aws_sdk_dynamodb::operation::get_item::builders::GetItemFluentBuilder;
 use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError;
+use aws_sdk_dynamodb::operation::update_item::builders::UpdateItemFluentBuilder;
 use aws_sdk_dynamodb::primitives::Blob;
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, AttributeValue, BillingMode, ConditionCheck, Delete, KeySchemaElement,
@@ -682,6 +685,37 @@ impl Now {
     }
 }
 
+/// A table and its client, for the requests on one item by its key `pk`: each method returns
+/// the SDK's request builder with the table and the key set, for the caller to add the rest.
+#[derive(Clone, Copy)]
+struct ByKey<'a> {
+    client: &'a Client,
+    table: &'a str,
+}
+
+impl ByKey<'_> {
+    fn get_item(self, pk: &str) -> GetItemFluentBuilder {
+        self.client
+            .get_item()
+            .table_name(self.table)
+            .key("pk", s(pk))
+    }
+
+    fn update_item(self, pk: &str) -> UpdateItemFluentBuilder {
+        self.client
+            .update_item()
+            .table_name(self.table)
+            .key("pk", s(pk))
+    }
+
+    fn delete_item(self, pk: &str) -> DeleteItemFluentBuilder {
+        self.client
+            .delete_item()
+            .table_name(self.table)
+            .key("pk", s(pk))
+    }
+}
+
 /// An error and its sources, `error: source: …`: the SDK's `SdkError` says only "service
 /// error" by itself, DynamoDB's code and message are in its source.
 struct Chain<'a>(&'a (dyn std::error::Error + 'static));
@@ -873,6 +907,14 @@ impl DynamoInbox {
 
     fn count_call(&self) {
         self.counters.calls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// This inbox's table, for requests on one item by its key.
+    fn by_key(&self) -> ByKey<'_> {
+        ByKey {
+            client: &self.client,
+            table: &self.table,
+        }
     }
 
     fn count_retry(&self) {
@@ -1229,10 +1271,8 @@ impl DynamoInbox {
     ) -> Result<Option<HashMap<String, AttributeValue>>, BoxError> {
         self.count_call();
         let answer = self
-            .client
-            .get_item()
-            .table_name(&self.table)
-            .key("pk", s(pk))
+            .by_key()
+            .get_item(pk)
             .consistent_read(true)
             .send()
             .await?;

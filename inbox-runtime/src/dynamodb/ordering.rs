@@ -246,10 +246,8 @@ impl Guard {
     /// processed item reads as a duplicate to the release, which goes on past it.
     pub(super) async fn delete_pointer_after_commit(&self, inbox: &DynamoInbox, ctx: &Ctx<'_>) {
         let delete = inbox
-            .client
-            .delete_item()
-            .table_name(&inbox.table)
-            .key("pk", s(&self.pointer_pk))
+            .by_key()
+            .delete_item(&self.pointer_pk)
             .condition_expression("message_key = :key")
             .expression_attribute_values(":key", s(ctx.key.as_str()));
         if let Err(error) = inbox.delete_unless_changed(delete).await {

@@ -141,8 +141,8 @@ use aws_sdk_dynamodb::types::{
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    Chain, DynamoTx, MAX_HANDLER_ITEMS, TTL_ATTRIBUTE, TableError, create_pk_table, duration_ms,
-    ensure_ttl, n, number_of, s, text_of,
+    ByKey, Chain, DynamoTx, MAX_HANDLER_ITEMS, TTL_ATTRIBUTE, TableError, create_pk_table,
+    duration_ms, ensure_ttl, n, number_of, s, text_of,
 };
 use crate::outbox::relay::{
     Backoff, check_lease, in_round_span, publish_leased, report_abandoned, report_marked_failed,
@@ -362,6 +362,14 @@ pub struct DynamoOutbox {
 }
 
 impl DynamoOutbox {
+    /// This outbox's table, for requests on one item by its key.
+    fn by_key(&self) -> ByKey<'_> {
+        ByKey {
+            client: &self.client,
+            table: &self.table,
+        }
+    }
+
     /// The outbox on `table` through `client`, publishing to `outbox`'s destinations.
     pub fn new(client: Client, table: impl Into<String>, outbox: Outbox) -> Self {
         Self {
@@ -402,10 +410,8 @@ impl DynamoOutbox {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |elapsed| elapsed.as_nanos());
         let answer = self
-            .client
-            .update_item()
-            .table_name(&self.table)
-            .key("pk", s(message_id))
+            .by_key()
+            .update_item(message_id)
             .update_expression(
                 "SET #status = :pending, attempts = :zero, pending_pk = :pending, \
                  pending_sk = if_not_exists(pending_sk, :sk) \
@@ -435,10 +441,8 @@ impl DynamoOutbox {
     /// [`OutboxCallError`] (operation `DeleteItem`) if the call fails.
     pub async fn discard(&self, message_id: &str) -> Result<bool, OutboxCallError> {
         let answer = self
-            .client
-            .delete_item()
-            .table_name(&self.table)
-            .key("pk", s(message_id))
+            .by_key()
+            .delete_item(message_id)
             .condition_expression("#status = :dead")
             .expression_attribute_names("#status", "status")
             .expression_attribute_values(":dead", s("dead"))
@@ -848,10 +852,8 @@ impl DynamoRelay {
         if let Some(after) = &candidate.after {
             let before = self
                 .outbox
-                .client
-                .get_item()
-                .table_name(&self.outbox.table)
-                .key("pk", s(after))
+                .by_key()
+                .get_item(after)
                 .consistent_read(true)
                 .projection_expression("#status")
                 .expression_attribute_names("#status", "status")
@@ -870,10 +872,8 @@ impl DynamoRelay {
         let now = now_ms();
         let answer = self
             .outbox
-            .client
-            .update_item()
-            .table_name(&self.outbox.table)
-            .key("pk", s(&candidate.message_id))
+            .by_key()
+            .update_item(&candidate.message_id)
             .update_expression(
                 "SET lease_owner = :token, lease_until = :until, attempts = attempts + :one",
             )
@@ -921,10 +921,8 @@ impl DynamoRelay {
         );
         let answer = self
             .outbox
-            .client
-            .update_item()
-            .table_name(&self.outbox.table)
-            .key("pk", s(message_id))
+            .by_key()
+            .update_item(message_id)
             .update_expression(format!(
                 "SET #status = :dead, last_error = :error REMOVE lease_owner, lease_until{leaves}"
             ))
@@ -962,10 +960,8 @@ impl DynamoRelay {
             .saturating_add(secs(self.outbox.retention));
         let answer = self
             .outbox
-            .client
-            .update_item()
-            .table_name(&self.outbox.table)
-            .key("pk", s(&record.message_id))
+            .by_key()
+            .update_item(&record.message_id)
             .update_expression(
                 "SET #status = :sent, sent_at = :now, #expires = :expires \
                  REMOVE pending_pk, pending_sk, lease_owner, lease_until, next_attempt_at",
@@ -1001,10 +997,8 @@ impl DynamoRelay {
         let now = now_ms();
         let mut request = self
             .outbox
-            .client
-            .update_item()
-            .table_name(&self.outbox.table)
-            .key("pk", s(&record.message_id))
+            .by_key()
+            .update_item(&record.message_id)
             .condition_expression("#status = :pending AND lease_owner = :token")
             .expression_attribute_names("#status", "status")
             .expression_attribute_values(":pending", s("pending"))
