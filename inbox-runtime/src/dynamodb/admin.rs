@@ -68,7 +68,10 @@ use aws_sdk_dynamodb::types::{
     TableDescription,
 };
 
-use super::{Chain, DynamoInbox, MAX_PARTITION_KEY_BYTES, Now, TTL_ATTRIBUTE, TableError, n, s};
+use super::{
+    Chain, DynamoInbox, MAX_PARTITION_KEY_BYTES, Now, TTL_ATTRIBUTE, TableError, attribute,
+    key_element, n, s,
+};
 use crate::store::{RejectionReason, StatsRow, StatsStatus, StoredMessage};
 use std::future::Future;
 
@@ -209,12 +212,8 @@ impl DynamoInbox {
                 return Ok(());
             }
         } else {
-            let (hash, range) = index_attribute_definitions();
-            let pk = AttributeDefinition::builder()
-                .attribute_name("pk")
-                .attribute_type(ScalarAttributeType::S)
-                .build()
-                .map_err(|e| error("UpdateTable", e.into()))?;
+            let [hash, range] = index_attribute_definitions();
+            let pk = attribute("pk", ScalarAttributeType::S);
             // The table's own key too: DynamoDB takes the definitions of every key of the table
             // and its indexes (moto replaces the table's definitions with those given).
             let added = self
@@ -428,31 +427,17 @@ fn check_index_keys(schema: &[KeySchemaElement]) -> Result<(), String> {
 
 /// The attribute definitions of the index's keys: the consumer (string), `received_at`
 /// (number).
-pub(super) fn index_attribute_definitions() -> (AttributeDefinition, AttributeDefinition) {
-    let definition = |name: &str, kind| {
-        AttributeDefinition::builder()
-            .attribute_name(name)
-            .attribute_type(kind)
-            .build()
-            .expect("name and type are set")
-    };
-    (
-        definition(DEAD_LETTER_ATTRIBUTE, ScalarAttributeType::S),
-        definition("received_at", ScalarAttributeType::N),
-    )
+pub(super) fn index_attribute_definitions() -> [AttributeDefinition; 2] {
+    [
+        attribute(DEAD_LETTER_ATTRIBUTE, ScalarAttributeType::S),
+        attribute("received_at", ScalarAttributeType::N),
+    ]
 }
 
 fn index_key_schema() -> Vec<KeySchemaElement> {
-    let element = |name: &str, kind| {
-        KeySchemaElement::builder()
-            .attribute_name(name)
-            .key_type(kind)
-            .build()
-            .expect("name and type are set")
-    };
     vec![
-        element(DEAD_LETTER_ATTRIBUTE, KeyType::Hash),
-        element("received_at", KeyType::Range),
+        key_element(DEAD_LETTER_ATTRIBUTE, KeyType::Hash),
+        key_element("received_at", KeyType::Range),
     ]
 }
 

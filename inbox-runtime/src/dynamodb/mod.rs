@@ -247,8 +247,8 @@ use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError;
 use aws_sdk_dynamodb::operation::update_item::builders::UpdateItemFluentBuilder;
 use aws_sdk_dynamodb::primitives::Blob;
 use aws_sdk_dynamodb::types::{
-    AttributeDefinition, AttributeValue, BillingMode, ConditionCheck, Delete, KeySchemaElement,
-    KeyType, Put, ReturnValuesOnConditionCheckFailure, ScalarAttributeType,
+    AttributeDefinition, AttributeValue, BillingMode, ConditionCheck, Delete, GlobalSecondaryIndex,
+    KeySchemaElement, KeyType, Put, ReturnValuesOnConditionCheckFailure, ScalarAttributeType,
     TimeToLiveSpecification, TransactWriteItem, Update,
 };
 use serde::Serialize;
@@ -716,6 +716,25 @@ impl ByKey<'_> {
     }
 }
 
+/// The definition of the attribute `name` of type `kind`, for a key of a table or an index.
+fn attribute(name: &str, kind: ScalarAttributeType) -> AttributeDefinition {
+    AttributeDefinition::builder()
+        .attribute_name(name)
+        .attribute_type(kind)
+        .build()
+        .expect("name and type are set")
+}
+
+/// The element of a table's or an index's key schema that makes `name` its `kind` of key
+/// (hash or range).
+fn key_element(name: &str, kind: KeyType) -> KeySchemaElement {
+    KeySchemaElement::builder()
+        .attribute_name(name)
+        .key_type(kind)
+        .build()
+        .expect("name and type are set")
+}
+
 /// An error and its sources, `error: source: …`: the SDK's `SdkError` says only "service
 /// error" by itself, DynamoDB's code and message are in its source.
 struct Chain<'a>(&'a (dyn std::error::Error + 'static));
@@ -937,34 +956,13 @@ impl DynamoInbox {
     /// [`DEAD_LETTER_INDEX`] has other keys, or the index is not `ACTIVE` after
     /// [`INDEX_WAIT`].
     pub async fn ensure_table(&self) -> Result<(), TableError> {
-        let error = |operation: &'static str, source: BoxError| TableError {
-            table: self.table.clone(),
-            operation,
-            source,
-        };
-        let create = self
-            .client
-            .create_table()
-            .table_name(&self.table)
-            .billing_mode(BillingMode::PayPerRequest)
-            .attribute_definitions(
-                AttributeDefinition::builder()
-                    .attribute_name("pk")
-                    .attribute_type(ScalarAttributeType::S)
-                    .build()
-                    .map_err(|e| error("CreateTable", e.into()))?,
-            )
-            .key_schema(
-                KeySchemaElement::builder()
-                    .attribute_name("pk")
-                    .key_type(KeyType::Hash)
-                    .build()
-                    .map_err(|e| error("CreateTable", e.into()))?,
-            )
-            .attribute_definitions(admin::index_attribute_definitions().0)
-            .attribute_definitions(admin::index_attribute_definitions().1)
-            .global_secondary_indexes(admin::dead_letter_index());
-        let table = create_pk_table(&self.client, &self.table, create).await?;
+        let table = create_pk_table(
+            &self.client,
+            &self.table,
+            admin::dead_letter_index(),
+            admin::index_attribute_definitions(),
+        )
+        .await?;
         let table = &table;
         self.ensure_dead_letter_index(table).await?;
         ensure_ttl(&self.client, &self.table).await
@@ -1667,8 +1665,9 @@ impl DynamoInbox {
     }
 }
 
-/// Sends `create` (a `CreateTable` of `table` keyed by `pk` alone; a table that exists already
-/// is not an error), waits until the table is `ACTIVE` (the SDK's waiter polls `DescribeTable`,
+/// Creates `table` keyed by `pk` (string) alone, billed on demand, with the global secondary
+/// `index` whose keys `index_keys` define (a table that exists already is not an error), waits
+/// until the table is `ACTIVE` (the SDK's waiter polls `DescribeTable`,
 /// at most 2 minutes) and checks that its key schema is `pk` (string) alone: what the inbox's
 /// and the outbox's `ensure_table` share. Returns the table's description.
 ///
@@ -1678,13 +1677,24 @@ impl DynamoInbox {
 async fn create_pk_table(
     client: &Client,
     table: &str,
-    create: aws_sdk_dynamodb::operation::create_table::builders::CreateTableFluentBuilder,
+    index: GlobalSecondaryIndex,
+    index_keys: [AttributeDefinition; 2],
 ) -> Result<aws_sdk_dynamodb::types::TableDescription, TableError> {
     let error = |operation: &'static str, source: BoxError| TableError {
         table: table.to_owned(),
         operation,
         source,
     };
+    let [hash, range] = index_keys;
+    let create = client
+        .create_table()
+        .table_name(table)
+        .billing_mode(BillingMode::PayPerRequest)
+        .attribute_definitions(attribute("pk", ScalarAttributeType::S))
+        .attribute_definitions(hash)
+        .attribute_definitions(range)
+        .key_schema(key_element("pk", KeyType::Hash))
+        .global_secondary_indexes(index);
     if let Err(e) = create.send().await {
         let exists = e
             .as_service_error()

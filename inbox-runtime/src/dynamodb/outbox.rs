@@ -135,14 +135,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::primitives::Blob;
 use aws_sdk_dynamodb::types::{
-    AttributeDefinition, AttributeValue, BillingMode, GlobalSecondaryIndex, KeySchemaElement,
-    KeyType, Projection, ProjectionType, Put, ReturnValue, ScalarAttributeType,
+    AttributeValue, GlobalSecondaryIndex, KeyType, Projection, ProjectionType, Put, ReturnValue,
+    ScalarAttributeType,
 };
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    ByKey, Chain, DynamoTx, MAX_HANDLER_ITEMS, TTL_ATTRIBUTE, TableError, create_pk_table,
-    duration_ms, ensure_ttl, n, number_of, s, text_of,
+    ByKey, Chain, DynamoTx, MAX_HANDLER_ITEMS, TTL_ATTRIBUTE, TableError, attribute,
+    create_pk_table, duration_ms, ensure_ttl, key_element, n, number_of, s, text_of,
 };
 use crate::outbox::relay::{
     Backoff, check_lease, in_round_span, publish_leased, report_abandoned, report_marked_failed,
@@ -489,24 +489,10 @@ impl DynamoOutbox {
             operation,
             source,
         };
-        let key = |name: &str, kind: KeyType| {
-            KeySchemaElement::builder()
-                .attribute_name(name)
-                .key_type(kind)
-                .build()
-                .map_err(|e| error("CreateTable", e.into()))
-        };
-        let string = |name: &str| {
-            AttributeDefinition::builder()
-                .attribute_name(name)
-                .attribute_type(ScalarAttributeType::S)
-                .build()
-                .map_err(|e| error("CreateTable", e.into()))
-        };
         let index = GlobalSecondaryIndex::builder()
             .index_name(PENDING_INDEX)
-            .key_schema(key("pending_pk", KeyType::Hash)?)
-            .key_schema(key("pending_sk", KeyType::Range)?)
+            .key_schema(key_element("pending_pk", KeyType::Hash))
+            .key_schema(key_element("pending_sk", KeyType::Range))
             .projection(
                 Projection::builder()
                     .projection_type(ProjectionType::Include)
@@ -526,17 +512,11 @@ impl DynamoOutbox {
             )
             .build()
             .map_err(|e| error("CreateTable", e.into()))?;
-        let create = self
-            .client
-            .create_table()
-            .table_name(&self.table)
-            .billing_mode(BillingMode::PayPerRequest)
-            .attribute_definitions(string("pk")?)
-            .attribute_definitions(string("pending_pk")?)
-            .attribute_definitions(string("pending_sk")?)
-            .key_schema(key("pk", KeyType::Hash)?)
-            .global_secondary_indexes(index);
-        let table = create_pk_table(&self.client, &self.table, create).await?;
+        let index_keys = [
+            attribute("pending_pk", ScalarAttributeType::S),
+            attribute("pending_sk", ScalarAttributeType::S),
+        ];
+        let table = create_pk_table(&self.client, &self.table, index, index_keys).await?;
         let indexed = table
             .global_secondary_indexes()
             .iter()
