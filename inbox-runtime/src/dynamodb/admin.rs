@@ -60,6 +60,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, UNIX_EPOCH};
 
+use aws_sdk_dynamodb::operation::query::builders::QueryFluentBuilder;
 use aws_sdk_dynamodb::operation::scan::builders::ScanFluentBuilder;
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, AttributeValue, GlobalSecondaryIndex, GlobalSecondaryIndexUpdate,
@@ -67,7 +68,10 @@ use aws_sdk_dynamodb::types::{
     TableDescription,
 };
 
-use super::{Chain, DynamoInbox, MAX_PARTITION_KEY_BYTES, Now, TTL_ATTRIBUTE, TableError, n, s};
+use super::{
+    Chain, DynamoInbox, MAX_PARTITION_KEY_BYTES, Now, TTL_ATTRIBUTE, TableError, attribute,
+    key_element, n, s,
+};
 use crate::store::{RejectionReason, StatsRow, StatsStatus, StoredMessage};
 use std::future::Future;
 
@@ -208,12 +212,8 @@ impl DynamoInbox {
                 return Ok(());
             }
         } else {
-            let (hash, range) = index_attribute_definitions();
-            let pk = AttributeDefinition::builder()
-                .attribute_name("pk")
-                .attribute_type(ScalarAttributeType::S)
-                .build()
-                .map_err(|e| error("UpdateTable", e.into()))?;
+            let [hash, range] = index_attribute_definitions();
+            let pk = attribute("pk", ScalarAttributeType::S);
             // The table's own key too: DynamoDB takes the definitions of every key of the table
             // and its indexes (moto replaces the table's definitions with those given).
             let added = self
@@ -427,31 +427,17 @@ fn check_index_keys(schema: &[KeySchemaElement]) -> Result<(), String> {
 
 /// The attribute definitions of the index's keys: the consumer (string), `received_at`
 /// (number).
-pub(super) fn index_attribute_definitions() -> (AttributeDefinition, AttributeDefinition) {
-    let definition = |name: &str, kind| {
-        AttributeDefinition::builder()
-            .attribute_name(name)
-            .attribute_type(kind)
-            .build()
-            .expect("name and type are set")
-    };
-    (
-        definition(DEAD_LETTER_ATTRIBUTE, ScalarAttributeType::S),
-        definition("received_at", ScalarAttributeType::N),
-    )
+pub(super) fn index_attribute_definitions() -> [AttributeDefinition; 2] {
+    [
+        attribute(DEAD_LETTER_ATTRIBUTE, ScalarAttributeType::S),
+        attribute("received_at", ScalarAttributeType::N),
+    ]
 }
 
 fn index_key_schema() -> Vec<KeySchemaElement> {
-    let element = |name: &str, kind| {
-        KeySchemaElement::builder()
-            .attribute_name(name)
-            .key_type(kind)
-            .build()
-            .expect("name and type are set")
-    };
     vec![
-        element(DEAD_LETTER_ATTRIBUTE, KeyType::Hash),
-        element("received_at", KeyType::Range),
+        key_element(DEAD_LETTER_ATTRIBUTE, KeyType::Hash),
+        key_element("received_at", KeyType::Range),
     ]
 }
 
@@ -556,6 +542,16 @@ impl DynamoAdmin {
         &self.inbox.table
     }
 
+    /// A `Scan` of the inbox's table: the SDK's request builder, for the caller to add the rest.
+    fn scan(&self) -> ScanFluentBuilder {
+        self.inbox.client.scan().table_name(self.table())
+    }
+
+    /// A `Query` of the inbox's table, as [`scan`](Self::scan).
+    fn query(&self) -> QueryFluentBuilder {
+        self.inbox.client.query().table_name(self.table())
+    }
+
     fn dynamo(&self, operation: &'static str, source: BoxError) -> AdminError {
         AdminError::Dynamo {
             table: self.table().to_owned(),
@@ -581,10 +577,7 @@ impl DynamoAdmin {
         let now = Now::read();
         let mut groups: HashMap<(Option<String>, StatsStatus), (i64, i64)> = HashMap::new();
         let scan = self
-            .inbox
-            .client
             .scan()
-            .table_name(self.table())
             .projection_expression("#pk, #consumer, #status, #received, #expires, #rejection")
             .expression_attribute_names("#pk", "pk")
             .expression_attribute_names("#rejection", super::REJECTION_ATTRIBUTE)
@@ -688,58 +681,47 @@ impl DynamoAdmin {
         let mut rows = Vec::new();
         let mut start: Option<Item> = None;
         loop {
+            let (filter, names, values) = Filter::dead_letters(consumer, &wanted).into_parts();
             self.count_call();
-            let page = match consumer {
-                Some(consumer) => {
-                    let (filter, names, values) =
-                        Filter::dead_letters(Some(consumer), &wanted).into_parts();
-                    let page = self
-                        .inbox
-                        .client
-                        .query()
-                        .table_name(self.table())
-                        .index_name(DEAD_LETTER_INDEX)
-                        .key_condition_expression("#consumer = :consumer")
-                        .set_filter_expression(filter)
-                        .set_expression_attribute_names(names)
-                        .set_expression_attribute_values(values)
-                        .scan_index_forward(true)
-                        // One more than asked for: it tells whether the last one kept has
-                        // items of the same millisecond after it.
-                        .limit(i32::try_from(limit.saturating_add(1)).unwrap_or(i32::MAX))
-                        .set_exclusive_start_key(start.take())
-                        .send()
-                        .await
-                        .map_err(|e| self.dynamo("Query", e.into()))?;
-                    self.count_read(page.scanned_count);
-                    (page.items, page.last_evaluated_key)
-                }
-                None => {
-                    let (filter, names, values) = Filter::dead_letters(None, &wanted).into_parts();
-                    let page = self
-                        .inbox
-                        .client
-                        .scan()
-                        .table_name(self.table())
-                        .index_name(DEAD_LETTER_INDEX)
-                        .set_filter_expression(filter)
-                        .set_expression_attribute_names(names)
-                        .set_expression_attribute_values(values)
-                        .set_exclusive_start_key(start.take())
-                        .send()
-                        .await
-                        .map_err(|e| self.dynamo("Scan", e.into()))?;
-                    self.count_read(page.scanned_count);
-                    (page.items, page.last_evaluated_key)
-                }
+            // A consumer's items by their key in the index; all consumers' by a scan of it.
+            let (scanned, items, last_key) = if consumer.is_some() {
+                let page = self
+                    .query()
+                    .index_name(DEAD_LETTER_INDEX)
+                    .key_condition_expression("#consumer = :consumer")
+                    .set_filter_expression(filter)
+                    .set_expression_attribute_names(names)
+                    .set_expression_attribute_values(values)
+                    .scan_index_forward(true)
+                    // One more than asked for: it tells whether the last one kept has
+                    // items of the same millisecond after it.
+                    .limit(i32::try_from(limit.saturating_add(1)).unwrap_or(i32::MAX))
+                    .set_exclusive_start_key(start.take())
+                    .send()
+                    .await
+                    .map_err(|e| self.dynamo("Query", e.into()))?;
+                (page.scanned_count, page.items, page.last_evaluated_key)
+            } else {
+                let page = self
+                    .scan()
+                    .index_name(DEAD_LETTER_INDEX)
+                    .set_filter_expression(filter)
+                    .set_expression_attribute_names(names)
+                    .set_expression_attribute_values(values)
+                    .set_exclusive_start_key(start.take())
+                    .send()
+                    .await
+                    .map_err(|e| self.dynamo("Scan", e.into()))?;
+                (page.scanned_count, page.items, page.last_evaluated_key)
             };
-            for item in page.0.unwrap_or_default() {
+            self.count_read(scanned);
+            for item in items.unwrap_or_default() {
                 let row = Read::new(self.table(), &item).message()?;
                 if statuses.contains(&row.status) {
                     rows.push(row);
                 }
             }
-            let more = page.1.filter(|key| !key.is_empty());
+            let more = last_key.filter(|key| !key.is_empty());
             // A query returns the consumer's items in `received_at` order: once `limit` are
             // found, the rest are newer, but for those received in the same millisecond as
             // the last one kept.
@@ -763,12 +745,7 @@ impl DynamoAdmin {
     ) -> Result<Vec<StoredMessage>, AdminError> {
         let now = Now::read();
         let mut names = Vec::new();
-        let mut scan = self
-            .inbox
-            .client
-            .scan()
-            .table_name(self.table())
-            .expression_attribute_names("#status", "status");
+        let mut scan = self.scan().expression_attribute_names("#status", "status");
         for (index, status) in statuses.iter().enumerate() {
             let name = format!(":s{index}");
             scan = scan.expression_attribute_values(&name, s(status.as_str()));
@@ -843,10 +820,8 @@ impl DynamoAdmin {
         self.count_call();
         let answer = self
             .inbox
-            .client
-            .get_item()
-            .table_name(self.table())
-            .key("pk", s(&pk))
+            .by_key()
+            .get_item(&pk)
             .consistent_read(true)
             .send()
             .await
@@ -888,10 +863,8 @@ impl DynamoAdmin {
         self.count_call();
         let updated = self
             .inbox
-            .client
-            .update_item()
-            .table_name(self.table())
-            .key("pk", s(&pk))
+            .by_key()
+            .update_item(&pk)
             .update_expression(
                 "SET #status = :discarded, #processed = :now_ms, #expires = :expires \
                  REMOVE #payload, #next, #dead_letter",

@@ -283,10 +283,8 @@ impl DynamoInbox {
     /// its `lease_until`.
     pub(crate) async fn release(&self, request: &KeyRequest<'_>, lease: &Lease) {
         let delete = self
-            .client
-            .delete_item()
-            .table_name(&self.table)
-            .key("pk", s(&lease.pk))
+            .by_key()
+            .delete_item(&lease.pk)
             .condition_expression("#status = :leased AND lease_owner = :owner")
             .expression_attribute_names("#status", "status")
             .expression_attribute_values(":leased", s(IN_PROGRESS))

@@ -241,11 +241,14 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::client::Waiters as _;
 use aws_sdk_dynamodb::error::SdkError;
+use aws_sdk_dynamodb::operation::delete_item::builders::DeleteItemFluentBuilder;
+use aws_sdk_dynamodb::operation::get_item::builders::GetItemFluentBuilder;
 use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError;
+use aws_sdk_dynamodb::operation::update_item::builders::UpdateItemFluentBuilder;
 use aws_sdk_dynamodb::primitives::Blob;
 use aws_sdk_dynamodb::types::{
-    AttributeDefinition, AttributeValue, BillingMode, ConditionCheck, Delete, KeySchemaElement,
-    KeyType, Put, ReturnValuesOnConditionCheckFailure, ScalarAttributeType,
+    AttributeDefinition, AttributeValue, BillingMode, ConditionCheck, Delete, GlobalSecondaryIndex,
+    KeySchemaElement, KeyType, Put, ReturnValuesOnConditionCheckFailure, ScalarAttributeType,
     TimeToLiveSpecification, TransactWriteItem, Update,
 };
 use serde::Serialize;
@@ -656,6 +659,11 @@ impl Claim {
             Claim::Takeover { attempts, .. } => attempts,
         }
     }
+
+    /// The number of the attempt this claim makes: one more than the attempts before it.
+    fn attempt(self) -> u32 {
+        self.attempts_before().saturating_add(1)
+    }
 }
 
 /// Times of one round: now in epoch milliseconds and seconds.
@@ -675,6 +683,56 @@ impl Now {
     fn secs(self) -> i64 {
         self.ms.div_euclid(1000)
     }
+}
+
+/// A table and its client, for the requests on one item by its key `pk`: each method returns
+/// the SDK's request builder with the table and the key set, for the caller to add the rest.
+#[derive(Clone, Copy)]
+struct ByKey<'a> {
+    client: &'a Client,
+    table: &'a str,
+}
+
+impl ByKey<'_> {
+    fn get_item(self, pk: &str) -> GetItemFluentBuilder {
+        self.client
+            .get_item()
+            .table_name(self.table)
+            .key("pk", s(pk))
+    }
+
+    fn update_item(self, pk: &str) -> UpdateItemFluentBuilder {
+        self.client
+            .update_item()
+            .table_name(self.table)
+            .key("pk", s(pk))
+    }
+
+    fn delete_item(self, pk: &str) -> DeleteItemFluentBuilder {
+        self.client
+            .delete_item()
+            .table_name(self.table)
+            .key("pk", s(pk))
+    }
+}
+
+/// The definition of the attribute `name` of type `kind`, for a key of a table or an index.
+fn attribute(name: &str, kind: ScalarAttributeType) -> AttributeDefinition {
+    AttributeDefinition::builder()
+        .attribute_name(name)
+        .attribute_type(kind)
+        .build()
+        .expect("name and type are set")
+}
+
+/// The element of a table's or an index's key schema that makes `name` its `kind` of key
+/// (hash or range).
+fn key_element(name: &str, kind: KeyType) -> KeySchemaElement {
+    KeySchemaElement::builder()
+        .attribute_name(name)
+        .key_type(kind)
+        .build()
+        .expect("name and type are set")
 }
 
 /// An error and its sources, `error: source: …`: the SDK's `SdkError` says only "service
@@ -870,6 +928,14 @@ impl DynamoInbox {
         self.counters.calls.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// This inbox's table, for requests on one item by its key.
+    fn by_key(&self) -> ByKey<'_> {
+        ByKey {
+            client: &self.client,
+            table: &self.table,
+        }
+    }
+
     fn count_retry(&self) {
         self.counters
             .transient_retries
@@ -890,34 +956,13 @@ impl DynamoInbox {
     /// [`DEAD_LETTER_INDEX`] has other keys, or the index is not `ACTIVE` after
     /// [`INDEX_WAIT`].
     pub async fn ensure_table(&self) -> Result<(), TableError> {
-        let error = |operation: &'static str, source: BoxError| TableError {
-            table: self.table.clone(),
-            operation,
-            source,
-        };
-        let create = self
-            .client
-            .create_table()
-            .table_name(&self.table)
-            .billing_mode(BillingMode::PayPerRequest)
-            .attribute_definitions(
-                AttributeDefinition::builder()
-                    .attribute_name("pk")
-                    .attribute_type(ScalarAttributeType::S)
-                    .build()
-                    .map_err(|e| error("CreateTable", e.into()))?,
-            )
-            .key_schema(
-                KeySchemaElement::builder()
-                    .attribute_name("pk")
-                    .key_type(KeyType::Hash)
-                    .build()
-                    .map_err(|e| error("CreateTable", e.into()))?,
-            )
-            .attribute_definitions(admin::index_attribute_definitions().0)
-            .attribute_definitions(admin::index_attribute_definitions().1)
-            .global_secondary_indexes(admin::dead_letter_index());
-        let table = create_pk_table(&self.client, &self.table, create).await?;
+        let table = create_pk_table(
+            &self.client,
+            &self.table,
+            admin::dead_letter_index(),
+            admin::index_attribute_definitions(),
+        )
+        .await?;
         let table = &table;
         self.ensure_dead_letter_index(table).await?;
         ensure_ttl(&self.client, &self.table).await
@@ -1101,11 +1146,10 @@ impl DynamoInbox {
                     return Err(conflict.into());
                 }
             };
-            let attempt = claim.attempts_before().saturating_add(1);
             let tx = DynamoTx {
                 consumer: consumer.to_owned(),
                 key: key.clone(),
-                attempt,
+                attempt: claim.attempt(),
                 items: Vec::new(),
                 outbox: outbox::Published::default(),
             };
@@ -1117,16 +1161,13 @@ impl DynamoInbox {
                     return Err(self.failed(&ctx, claim, now, class, failed, payload).await);
                 }
             };
-            match self
-                .submit(&ctx, claim, now, attempt, &mut resend, tx.items)
-                .await?
-            {
+            match self.submit(&ctx, claim, now, &mut resend, tx.items).await? {
                 Submitted::Committed => return Ok(Outcome::Processed(value)),
                 Submitted::ClaimFailed(current) => item = self.reread(&ctx, current).await?,
                 // The sequence guard's condition failed: stale, or a gap (see `ordering`).
                 Submitted::GuardFailed(position) => {
                     let settled = self
-                        .out_of_order(&ctx, claim, now, attempt, &mut resend, position, payload)
+                        .out_of_order(&ctx, claim, now, &mut resend, position, payload)
                         .await?;
                     match settled {
                         ordering::Settled::Done(outcome) => {
@@ -1174,7 +1215,7 @@ impl DynamoInbox {
         failed: Failed<E>,
         payload: &[u8],
     ) -> DynamoError<E> {
-        let attempts = claim.attempts_before().saturating_add(1);
+        let attempts = claim.attempt();
         match self
             .record_failure(ctx, claim, now, class, failed.to_string(), payload)
             .await
@@ -1228,10 +1269,8 @@ impl DynamoInbox {
     ) -> Result<Option<HashMap<String, AttributeValue>>, BoxError> {
         self.count_call();
         let answer = self
-            .client
-            .get_item()
-            .table_name(&self.table)
-            .key("pk", s(pk))
+            .by_key()
+            .get_item(pk)
             .consistent_read(true)
             .send()
             .await?;
@@ -1370,10 +1409,7 @@ impl DynamoInbox {
         attributes.insert("message_key".into(), s(ctx.key.as_str()));
         attributes.insert("message_name".into(), s(ctx.message_name));
         attributes.insert("payload_hash".into(), s(ctx.fingerprint.to_hex()));
-        attributes.insert(
-            "attempts".into(),
-            n(claim.attempts_before().saturating_add(1)),
-        );
+        attributes.insert("attempts".into(), n(claim.attempt()));
         attributes.insert("received_at".into(), n(received_at));
         if let Some(guard) = ctx.guard {
             guard.attributes(&mut attributes);
@@ -1408,7 +1444,6 @@ impl DynamoInbox {
         ctx: &Ctx<'_>,
         claim: Claim,
         now: Now,
-        attempt: u32,
         resend: &mut usize,
         actions: Vec<TransactWriteItem>,
     ) -> Result<Submitted, DynamoError<E>> {
@@ -1441,8 +1476,9 @@ impl DynamoInbox {
         items.extend(guarded);
         items.extend(actions);
         check_sizes(&items, layout.guard_actions)?;
-        let token = |resend: usize| request_token(ctx.consumer, ctx.key, attempt, resend);
-        let submitted = self.transact(ctx, &items, layout, token, resend).await?;
+        let submitted = self
+            .transact(ctx, &items, layout, ctx.tokens(claim), resend)
+            .await?;
         if let (Submitted::Committed, true, Some(guard)) = (&submitted, pointer_after, ctx.guard) {
             guard.delete_pointer_after_commit(self, ctx).await;
         }
@@ -1561,7 +1597,7 @@ impl DynamoInbox {
         error: String,
         payload: &[u8],
     ) -> Result<Disposition, DynamoError<E>> {
-        let attempts = claim.attempts_before().saturating_add(1);
+        let attempts = claim.attempt();
         let dead = class == ErrorClass::Permanent || attempts >= self.policy.get_max_attempts();
         let delay = self.policy.retry_delay(attempts);
         let mut attributes = HashMap::from([
@@ -1629,8 +1665,9 @@ impl DynamoInbox {
     }
 }
 
-/// Sends `create` (a `CreateTable` of `table` keyed by `pk` alone; a table that exists already
-/// is not an error), waits until the table is `ACTIVE` (the SDK's waiter polls `DescribeTable`,
+/// Creates `table` keyed by `pk` (string) alone, billed on demand, with the global secondary
+/// `index` whose keys `index_keys` define (a table that exists already is not an error), waits
+/// until the table is `ACTIVE` (the SDK's waiter polls `DescribeTable`,
 /// at most 2 minutes) and checks that its key schema is `pk` (string) alone: what the inbox's
 /// and the outbox's `ensure_table` share. Returns the table's description.
 ///
@@ -1640,13 +1677,24 @@ impl DynamoInbox {
 async fn create_pk_table(
     client: &Client,
     table: &str,
-    create: aws_sdk_dynamodb::operation::create_table::builders::CreateTableFluentBuilder,
+    index: GlobalSecondaryIndex,
+    index_keys: [AttributeDefinition; 2],
 ) -> Result<aws_sdk_dynamodb::types::TableDescription, TableError> {
     let error = |operation: &'static str, source: BoxError| TableError {
         table: table.to_owned(),
         operation,
         source,
     };
+    let [hash, range] = index_keys;
+    let create = client
+        .create_table()
+        .table_name(table)
+        .billing_mode(BillingMode::PayPerRequest)
+        .attribute_definitions(attribute("pk", ScalarAttributeType::S))
+        .attribute_definitions(hash)
+        .attribute_definitions(range)
+        .key_schema(key_element("pk", KeyType::Hash))
+        .global_secondary_indexes(index);
     if let Err(e) = create.send().await {
         let exists = e
             .as_service_error()
@@ -1836,6 +1884,12 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
+    /// The client request tokens of `claim`'s attempt, by resend number ([`request_token`]).
+    fn tokens(&self, claim: Claim) -> impl Fn(usize) -> String {
+        let attempt = claim.attempt();
+        move |resend| request_token(self.consumer, self.key, attempt, resend)
+    }
+
     fn dynamo<E>(&self, operation: &'static str, source: BoxError) -> DynamoError<E> {
         DynamoError::Dynamo {
             consumer: self.consumer.to_owned(),

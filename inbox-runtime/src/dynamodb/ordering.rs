@@ -112,7 +112,7 @@ use aws_sdk_dynamodb::types::{
 use super::admin::{AdminError, DEAD_LETTER_ATTRIBUTE};
 use super::{
     Claim, Ctx, DynamoError, DynamoInbox, Layout, MAX_PARTITION_KEY_BYTES, Mode, Now, Ordered,
-    Submitted, n, request_token, s,
+    Submitted, n, s,
 };
 use crate::types::classify::BoxError;
 use crate::types::key::IdempotencyKey;
@@ -246,10 +246,8 @@ impl Guard {
     /// processed item reads as a duplicate to the release, which goes on past it.
     pub(super) async fn delete_pointer_after_commit(&self, inbox: &DynamoInbox, ctx: &Ctx<'_>) {
         let delete = inbox
-            .client
-            .delete_item()
-            .table_name(&inbox.table)
-            .key("pk", s(&self.pointer_pk))
+            .by_key()
+            .delete_item(&self.pointer_pk)
             .condition_expression("message_key = :key")
             .expression_attribute_values(":key", s(ctx.key.as_str()));
         if let Err(error) = inbox.delete_unless_changed(delete).await {
@@ -297,13 +295,11 @@ impl DynamoInbox {
     /// After the guard's condition failed: records the message `stale`, or parks it, or (the
     /// position moved since) starts the delivery over. `position` is the position item as the
     /// cancellation returned it, if it did.
-    #[allow(clippy::too_many_arguments)]
     pub(super) async fn out_of_order<E>(
         &self,
         ctx: &Ctx<'_>,
         claim: Claim,
         now: Now,
-        attempt: u32,
         resend: &mut usize,
         position: Option<Item>,
         payload: &[u8],
@@ -351,8 +347,10 @@ impl DynamoInbox {
             outcome = Outcome::Parked;
         }
         super::check_sizes(&items, layout.guard_actions)?;
-        let token = |resend: usize| request_token(ctx.consumer, ctx.key, attempt, resend);
-        match self.transact(ctx, &items, layout, token, resend).await? {
+        match self
+            .transact(ctx, &items, layout, ctx.tokens(claim), resend)
+            .await?
+        {
             Submitted::Committed => Ok(Settled::Done(outcome)),
             Submitted::ClaimFailed(current) => Ok(Settled::Again(current)),
             // The gap closed meanwhile (or, for none of these actions, a condition failed):

@@ -135,14 +135,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use aws_sdk_dynamodb::Client;
 use aws_sdk_dynamodb::primitives::Blob;
 use aws_sdk_dynamodb::types::{
-    AttributeDefinition, AttributeValue, BillingMode, GlobalSecondaryIndex, KeySchemaElement,
-    KeyType, Projection, ProjectionType, Put, ReturnValue, ScalarAttributeType,
+    AttributeValue, GlobalSecondaryIndex, KeyType, Projection, ProjectionType, Put, ReturnValue,
+    ScalarAttributeType,
 };
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    Chain, DynamoTx, MAX_HANDLER_ITEMS, TTL_ATTRIBUTE, TableError, create_pk_table, duration_ms,
-    ensure_ttl, n, number_of, s, text_of,
+    ByKey, Chain, DynamoTx, MAX_HANDLER_ITEMS, TTL_ATTRIBUTE, TableError, attribute,
+    create_pk_table, duration_ms, ensure_ttl, key_element, n, number_of, s, text_of,
 };
 use crate::outbox::relay::{
     Backoff, check_lease, in_round_span, publish_leased, report_abandoned, report_marked_failed,
@@ -362,6 +362,14 @@ pub struct DynamoOutbox {
 }
 
 impl DynamoOutbox {
+    /// This outbox's table, for requests on one item by its key.
+    fn by_key(&self) -> ByKey<'_> {
+        ByKey {
+            client: &self.client,
+            table: &self.table,
+        }
+    }
+
     /// The outbox on `table` through `client`, publishing to `outbox`'s destinations.
     pub fn new(client: Client, table: impl Into<String>, outbox: Outbox) -> Self {
         Self {
@@ -402,10 +410,8 @@ impl DynamoOutbox {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |elapsed| elapsed.as_nanos());
         let answer = self
-            .client
-            .update_item()
-            .table_name(&self.table)
-            .key("pk", s(message_id))
+            .by_key()
+            .update_item(message_id)
             .update_expression(
                 "SET #status = :pending, attempts = :zero, pending_pk = :pending, \
                  pending_sk = if_not_exists(pending_sk, :sk) \
@@ -435,10 +441,8 @@ impl DynamoOutbox {
     /// [`OutboxCallError`] (operation `DeleteItem`) if the call fails.
     pub async fn discard(&self, message_id: &str) -> Result<bool, OutboxCallError> {
         let answer = self
-            .client
-            .delete_item()
-            .table_name(&self.table)
-            .key("pk", s(message_id))
+            .by_key()
+            .delete_item(message_id)
             .condition_expression("#status = :dead")
             .expression_attribute_names("#status", "status")
             .expression_attribute_values(":dead", s("dead"))
@@ -485,24 +489,10 @@ impl DynamoOutbox {
             operation,
             source,
         };
-        let key = |name: &str, kind: KeyType| {
-            KeySchemaElement::builder()
-                .attribute_name(name)
-                .key_type(kind)
-                .build()
-                .map_err(|e| error("CreateTable", e.into()))
-        };
-        let string = |name: &str| {
-            AttributeDefinition::builder()
-                .attribute_name(name)
-                .attribute_type(ScalarAttributeType::S)
-                .build()
-                .map_err(|e| error("CreateTable", e.into()))
-        };
         let index = GlobalSecondaryIndex::builder()
             .index_name(PENDING_INDEX)
-            .key_schema(key("pending_pk", KeyType::Hash)?)
-            .key_schema(key("pending_sk", KeyType::Range)?)
+            .key_schema(key_element("pending_pk", KeyType::Hash))
+            .key_schema(key_element("pending_sk", KeyType::Range))
             .projection(
                 Projection::builder()
                     .projection_type(ProjectionType::Include)
@@ -522,17 +512,11 @@ impl DynamoOutbox {
             )
             .build()
             .map_err(|e| error("CreateTable", e.into()))?;
-        let create = self
-            .client
-            .create_table()
-            .table_name(&self.table)
-            .billing_mode(BillingMode::PayPerRequest)
-            .attribute_definitions(string("pk")?)
-            .attribute_definitions(string("pending_pk")?)
-            .attribute_definitions(string("pending_sk")?)
-            .key_schema(key("pk", KeyType::Hash)?)
-            .global_secondary_indexes(index);
-        let table = create_pk_table(&self.client, &self.table, create).await?;
+        let index_keys = [
+            attribute("pending_pk", ScalarAttributeType::S),
+            attribute("pending_sk", ScalarAttributeType::S),
+        ];
+        let table = create_pk_table(&self.client, &self.table, index, index_keys).await?;
         let indexed = table
             .global_secondary_indexes()
             .iter()
@@ -848,10 +832,8 @@ impl DynamoRelay {
         if let Some(after) = &candidate.after {
             let before = self
                 .outbox
-                .client
-                .get_item()
-                .table_name(&self.outbox.table)
-                .key("pk", s(after))
+                .by_key()
+                .get_item(after)
                 .consistent_read(true)
                 .projection_expression("#status")
                 .expression_attribute_names("#status", "status")
@@ -870,10 +852,8 @@ impl DynamoRelay {
         let now = now_ms();
         let answer = self
             .outbox
-            .client
-            .update_item()
-            .table_name(&self.outbox.table)
-            .key("pk", s(&candidate.message_id))
+            .by_key()
+            .update_item(&candidate.message_id)
             .update_expression(
                 "SET lease_owner = :token, lease_until = :until, attempts = attempts + :one",
             )
@@ -921,10 +901,8 @@ impl DynamoRelay {
         );
         let answer = self
             .outbox
-            .client
-            .update_item()
-            .table_name(&self.outbox.table)
-            .key("pk", s(message_id))
+            .by_key()
+            .update_item(message_id)
             .update_expression(format!(
                 "SET #status = :dead, last_error = :error REMOVE lease_owner, lease_until{leaves}"
             ))
@@ -962,10 +940,8 @@ impl DynamoRelay {
             .saturating_add(secs(self.outbox.retention));
         let answer = self
             .outbox
-            .client
-            .update_item()
-            .table_name(&self.outbox.table)
-            .key("pk", s(&record.message_id))
+            .by_key()
+            .update_item(&record.message_id)
             .update_expression(
                 "SET #status = :sent, sent_at = :now, #expires = :expires \
                  REMOVE pending_pk, pending_sk, lease_owner, lease_until, next_attempt_at",
@@ -1001,10 +977,8 @@ impl DynamoRelay {
         let now = now_ms();
         let mut request = self
             .outbox
-            .client
-            .update_item()
-            .table_name(&self.outbox.table)
-            .key("pk", s(&record.message_id))
+            .by_key()
+            .update_item(&record.message_id)
             .condition_expression("#status = :pending AND lease_owner = :token")
             .expression_attribute_names("#status", "status")
             .expression_attribute_values(":pending", s("pending"))

@@ -178,16 +178,14 @@ impl DynamoWorker {
         concurrency;
     }
 
-    /// Runs until the source is exhausted, the worker is idle (if set), `shutdown` is
-    /// cancelled, or the source fails; then closes the source and waits for a parked-message
-    /// sweep in flight (both for up to the [drain timeout](Self::drain_timeout)). First gives
-    /// the source the dispatcher's payload limit ([`Source::set_payload_limit`]).
+    /// As [`Worker::run`](crate::Worker::run), with this worker's DynamoDB dispatcher: runs the
+    /// deliveries of `source` until it is exhausted, the worker is idle (if set) or `shutdown`
+    /// is cancelled, and returns what it did.
     ///
     /// # Errors
-    /// [`WorkerError`] (with the report so far, `stop` [`StopReason::SourceFailed`]) if fetching
-    /// from the source failed (running deliveries are finished first, for up to the
-    /// [drain timeout](Self::drain_timeout)), or closing it failed or took longer than the drain
-    /// timeout.
+    /// As [`Worker::run`](crate::Worker::run): a [`WorkerError`] (with the report so far, `stop`
+    /// [`StopReason::SourceFailed`]) if fetching from the source failed, or closing it failed or
+    /// took longer than the [drain timeout](Self::drain_timeout).
     pub async fn run<S: Source>(
         &self,
         mut source: S,

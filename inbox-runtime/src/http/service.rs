@@ -198,26 +198,15 @@ impl<B> RequestBody for B where
 {
 }
 
-/// The service a layer wraps, as its boxed future serves it.
+/// The service a layer wraps, as its boxed future serves it: [`Wrapped`], sent to the future's
+/// task.
 pub(crate) trait Served<ResBody>:
-    tower::Service<
-        Request<Body>,
-        Response = Response<ResBody>,
-        Future: Send + 'static,
-        Error: Send + 'static,
-    > + Send
-    + 'static
+    Wrapped<ResBody, Future: Send + 'static, Error: Send + 'static> + Send + 'static
 {
 }
 
 impl<S, ResBody> Served<ResBody> for S where
-    S: tower::Service<
-            Request<Body>,
-            Response = Response<ResBody>,
-            Future: Send + 'static,
-            Error: Send + 'static,
-        > + Send
-        + 'static
+    S: Wrapped<ResBody, Future: Send + 'static, Error: Send + 'static> + Send + 'static
 {
 }
 

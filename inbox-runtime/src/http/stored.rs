@@ -140,21 +140,18 @@ mod tests {
 
     #[test]
     fn damaged_results_are_reported() {
-        assert_eq!(
-            StoredResponse::decode(b"{\"status\":201}"),
-            Err(Damaged("unknown format"))
-        );
-        assert_eq!(
-            StoredResponse::decode(b"IKR1\x00"),
-            Err(Damaged("truncated"))
-        );
-        assert_eq!(
-            StoredResponse::decode(b"IKR1\x03\xe8\x00\x00"),
-            Err(Damaged("bad status"))
-        );
-        assert_eq!(
-            StoredResponse::decode(b"IKR1\x00\xc8\x00\x01\x00\x09"),
-            Err(Damaged("truncated"))
-        );
+        let damaged: [(&[u8], &str); 4] = [
+            (b"{\"status\":201}", "unknown format"),
+            (b"IKR1\x00", "truncated"),
+            (b"IKR1\x03\xe8\x00\x00", "bad status"),
+            (b"IKR1\x00\xc8\x00\x01\x00\x09", "truncated"),
+        ];
+        for (bytes, reason) in damaged {
+            assert_eq!(
+                StoredResponse::decode(bytes),
+                Err(Damaged(reason)),
+                "{bytes:?}"
+            );
+        }
     }
 }
