@@ -179,13 +179,15 @@ impl DynamoWorker {
     }
 
     /// As [`Worker::run`](crate::Worker::run), with this worker's DynamoDB dispatcher: runs the
-    /// deliveries of `source` until it is exhausted, the worker is idle (if set) or `shutdown`
-    /// is cancelled, and returns what it did.
+    /// deliveries of `source` until it is exhausted or fails, the worker is idle (if set) or
+    /// `shutdown` is cancelled; then closes the source and waits for a parked-message sweep in
+    /// flight (both for up to the [drain timeout](Self::drain_timeout)), and returns what it did.
     ///
     /// # Errors
     /// As [`Worker::run`](crate::Worker::run): a [`WorkerError`] (with the report so far, `stop`
-    /// [`StopReason::SourceFailed`]) if fetching from the source failed, or closing it failed or
-    /// took longer than the [drain timeout](Self::drain_timeout).
+    /// [`StopReason::SourceFailed`]) if fetching from the source failed (running deliveries are
+    /// finished first, for up to the drain timeout), or closing it failed or took longer than the
+    /// drain timeout.
     pub async fn run<S: Source>(
         &self,
         mut source: S,
