@@ -20,6 +20,7 @@ use inbox_runtime::dynamodb::{self, DynamoDispatcher, DynamoTx, DynamoWorker};
 use inbox_runtime::source::memory::{MemoryHandle, MemorySource};
 use inbox_runtime::source::sqs::{AwsSettings, RejectAction, SqsConfig, SqsSource};
 use inbox_runtime::source::{Delivery, Settlement, Source, SourceError};
+use inbox_runtime::store::{Rejection, RejectionReason};
 use inbox_runtime::{
     BoxFuture, CancellationToken, Envelope, Message, StopReason, WorkerReport, idempotent,
 };
@@ -941,6 +942,55 @@ fn unreachable(reachable: &DynamoDispatcher) -> DynamoDispatcher {
     DynamoDispatcher::from_registry(inbox).unwrap()
 }
 
+/// A rejection too large for an item even without its payload (a detail of 500,000 bytes) is
+/// refused with `AdminError::ItemTooLarge` before any call: nothing is kept (the worker then
+/// rejects the delivery at the broker, whose dead-lettering keeps it whole).
+#[tokio::test]
+async fn a_rejection_too_large_without_its_payload_is_refused_and_nothing_is_kept() {
+    let dispatcher = setup().await;
+    let detail = "d".repeat(500_000);
+    let rejection = Rejection {
+        consumer: Some("dw-huge"),
+        message_key: None,
+        message_name: "dw.credited",
+        reason: RejectionReason::Malformed,
+        detail: &detail,
+        payload_hash: None,
+        payload: b"{not json",
+        payload_size: None,
+        source: None,
+    };
+    let error = dispatcher
+        .inbox()
+        .record_rejection(&rejection)
+        .await
+        .unwrap_err();
+    let dynamodb::AdminError::ItemTooLarge { table, bytes, max } = error else {
+        panic!("not ItemTooLarge: {error:?}");
+    };
+    assert_eq!(table, dispatcher.inbox().table());
+    assert_eq!(max, 409_600);
+    assert!(bytes > 500_000, "{bytes}");
+    assert_eq!(kept_rejections(&dispatcher).await, []);
+}
+
+/// Runs `worker` over `source` until `handle` has seen `settlements` settlements, then shuts it
+/// down: what `run` returned. (The source stays open: the worker would otherwise go on.)
+async fn run_until_settled(
+    worker: DynamoWorker,
+    source: MemorySource,
+    handle: &MemoryHandle,
+    settlements: usize,
+) -> Result<WorkerReport, inbox_runtime::WorkerError> {
+    let token = CancellationToken::new();
+    let task = spawn_run(worker, source, token.clone());
+    while handle.settlements().len() < settlements {
+        tokio::task::yield_now().await;
+    }
+    token.cancel();
+    task.await.unwrap().1
+}
+
 /// A refused delivery that DynamoDB cannot keep (unreachable) is requeued, never acked nor
 /// rejected: it is kept on a later delivery, or stays with the broker.
 #[tokio::test]
@@ -950,20 +1000,10 @@ async fn a_refused_delivery_dynamodb_cannot_keep_is_requeued() {
     let source = MemorySource::new("dw-down-refused");
     let handle = source.handle();
     let malformed = handle.push(Envelope::new("dw.credited", b"{not json".to_vec()));
-    let token = CancellationToken::new();
     let delay = Duration::from_secs(3600);
-    let task = spawn_run(
-        DynamoWorker::new(dispatcher).requeue_delay(delay),
-        source,
-        token.clone(),
-    );
-    while handle.settlements().is_empty() {
-        tokio::task::yield_now().await;
-    }
-    token.cancel();
-    let (_, result) = task.await.unwrap();
+    let worker = DynamoWorker::new(dispatcher).requeue_delay(delay);
     assert_eq!(
-        result.unwrap(),
+        run_until_settled(worker, source, &handle, 1).await.unwrap(),
         report(|r| {
             r.deliveries = 1;
             r.invalid = 1;
@@ -990,20 +1030,10 @@ async fn with_dynamodb_unreachable_the_delivery_is_requeued_never_acked_nor_reje
     let handle = source.handle();
     let one = handle.push(envelope(&credit));
     let two = handle.push(inbox_tests::envelope(&split));
-    let token = CancellationToken::new();
     let delay = Duration::from_secs(3600);
-    let task = spawn_run(
-        DynamoWorker::new(dispatcher).requeue_delay(delay),
-        source,
-        token.clone(),
-    );
-    while handle.settlements().len() < 2 {
-        tokio::task::yield_now().await;
-    }
-    token.cancel();
-    let (_, result) = task.await.unwrap();
+    let worker = DynamoWorker::new(dispatcher).requeue_delay(delay);
     assert_eq!(
-        result.unwrap(),
+        run_until_settled(worker, source, &handle, 2).await.unwrap(),
         report(|r| {
             r.deliveries = 2;
             r.failed = 3;
