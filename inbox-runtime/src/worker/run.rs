@@ -198,12 +198,10 @@ impl<DB: InboxDatabase> Running<DB> {
                 if meta.kept {
                     self.slots.push(ConnectionSlot::new());
                 }
-                let error = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "panic".to_owned());
-                tracing::error!(%error, "delivery task panicked; unsettled deliveries abandoned");
+                tracing::error!(
+                    panic = super::sweep::panic_text(panic.as_ref()),
+                    "delivery task panicked; unsettled deliveries abandoned"
+                );
             }
         }
         meta

@@ -102,8 +102,8 @@ impl Drop for ParkedSweep {
     }
 }
 
-/// A panic's message, when it is text.
-fn panic_text(panic: &(dyn std::any::Any + Send)) -> &str {
+/// A panic's message, when it is text (a sweep's, a worker's delivery task's).
+pub(super) fn panic_text(panic: &(dyn std::any::Any + Send)) -> &str {
     panic
         .downcast_ref::<&str>()
         .copied()
